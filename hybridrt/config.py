@@ -1,0 +1,213 @@
+"""Qwen3.5 text-model configuration, read from a Hugging Face ``config.json``.
+
+Accepts both the published multimodal form (``model_type: qwen3_5`` with the text settings
+under ``text_config``) and the flat text form (``model_type: qwen3_5_text``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+class ConfigError(ValueError):
+    """A config.json that hybridrt cannot run."""
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    layer_types: list[str] = field(default_factory=list)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e7
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 262144
+    tie_word_embeddings: bool = True
+    attn_output_gate: bool = True
+    mtp_num_hidden_layers: int = 0
+    eos_token_ids: list[int] = field(default_factory=list)
+    hidden_act: str = "silu"
+    model_type: str = "qwen3_5_text"
+
+    def __post_init__(self) -> None:
+        positive = (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
+            "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim", "max_position_embeddings",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"config field {name!r} must be a positive integer, got {value!r}")
+        if self.mtp_num_hidden_layers < 0:
+            raise ConfigError("config field 'mtp_num_hidden_layers' must be >= 0")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
+                f"{self.num_hidden_layers}"
+            )
+        unknown = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+        if unknown:
+            raise ConfigError(f"unknown layer_types {unknown}; supported: {list(LAYER_TYPES)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.linear_num_key_heads})"
+            )
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ConfigError(
+                f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}"
+            )
+        if self.rotary_dim % 2 or self.rotary_dim == 0:
+            raise ConfigError(
+                f"rotary dim head_dim*partial_rotary_factor = {self.rotary_dim} must be even and > 0"
+            )
+        if self.rope_theta <= 0:
+            raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if not self.attn_output_gate:
+            raise ConfigError("attn_output_gate=false is not supported (Qwen3.5 always gates)")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+
+    # Derived sizes -------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    # Construction --------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError("config must be a JSON object")
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unsupported model_type {model_type!r}; hybridrt runs {list(SUPPORTED_MODEL_TYPES)}"
+            )
+        text = raw
+        if model_type == "qwen3_5":
+            text = raw.get("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError("model_type 'qwen3_5' needs a 'text_config' object")
+            text_type = text.get("model_type", "qwen3_5_text")
+            if text_type != "qwen3_5_text":
+                raise ConfigError(f"unsupported text_config.model_type {text_type!r}")
+
+        def get(key: str, default: Any = ...) -> Any:
+            if key in text:
+                return text[key]
+            if default is ...:
+                raise ConfigError(f"config is missing required field {key!r}")
+            return default
+
+        num_layers = get("num_hidden_layers")
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = text.get("full_attention_interval", 4)
+            if not isinstance(interval, int) or interval <= 0:
+                raise ConfigError(f"full_attention_interval must be a positive int, got {interval!r}")
+            if not isinstance(num_layers, int) or num_layers <= 0:
+                raise ConfigError(f"num_hidden_layers must be a positive int, got {num_layers!r}")
+            layer_types = [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                for i in range(num_layers)
+            ]
+        if not isinstance(layer_types, list):
+            raise ConfigError("layer_types must be a list")
+
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ConfigError("rope_parameters must be an object")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default')")
+        rope_theta = rope.get("rope_theta", text.get("rope_theta", 1e7))
+        partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+
+        eos = text.get("eos_token_id", raw.get("eos_token_id"))
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+        hidden = get("hidden_size")
+        num_heads = get("num_attention_heads")
+        head_dim = text.get("head_dim") or (
+            hidden // num_heads if isinstance(hidden, int) and isinstance(num_heads, int) else None
+        )
+        tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        return cls(
+            vocab_size=get("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=get("intermediate_size"),
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=get("num_key_value_heads"),
+            head_dim=head_dim,
+            linear_num_key_heads=get("linear_num_key_heads"),
+            linear_num_value_heads=get("linear_num_value_heads"),
+            linear_key_head_dim=get("linear_key_head_dim"),
+            linear_value_head_dim=get("linear_value_head_dim"),
+            linear_conv_kernel_dim=get("linear_conv_kernel_dim", 4),
+            layer_types=list(layer_types),
+            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            partial_rotary_factor=float(partial),
+            max_position_embeddings=get("max_position_embeddings", 262144),
+            tie_word_embeddings=bool(tie),
+            attn_output_gate=bool(get("attn_output_gate", True)),
+            mtp_num_hidden_layers=int(get("mtp_num_hidden_layers", 0) or 0),
+            eos_token_ids=[int(e) for e in eos_ids],
+            hidden_act=get("hidden_act", "silu"),
+            model_type=model_type,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"no config.json at {path}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(raw)

@@ -1,0 +1,193 @@
+"""Find, validate and load Qwen3.5 checkpoints (safetensors, single file or sharded)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from hybridrt.config import ConfigError, ModelConfig
+from hybridrt.model import Qwen35ForCausalLM
+
+DTYPES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer*"]
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model path or hub id cannot be resolved to a checkpoint directory."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose tensors do not fit the config (every offending name is listed)."""
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use bfloat16, float16 or float32")
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown dtype {dtype!r}; choose one of bfloat16, float16, float32"
+        ) from None
+
+
+def resolve_model_path(model: str | os.PathLike) -> Path:
+    """A local checkpoint directory, or a Hugging Face id resolved through the local cache or
+    the hub. Raises ModelNotFoundError with the reason when neither works."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} has no config.json: not a model directory")
+        return path
+    text = str(model)
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is a file, expected a model directory")
+    if not _HUB_ID.match(text) or text.startswith((".", "/", "~")):
+        raise ModelNotFoundError(
+            f"model {text!r} not found: no such directory, and it is not a Hugging Face id"
+        )
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:  # pragma: no cover - huggingface_hub is a dependency
+        raise ModelNotFoundError(f"cannot resolve hub id {text!r}: {e}") from None
+    try:
+        return Path(snapshot_download(text, allow_patterns=_HUB_PATTERNS, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(text, allow_patterns=_HUB_PATTERNS))
+    except Exception as e:
+        raise ModelNotFoundError(
+            f"model {text!r} is not a local directory and could not be fetched from the "
+            f"Hugging Face Hub (offline, or no such repo?) and is not in the local cache: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
+
+
+def load_config(path: Path) -> ModelConfig:
+    config = ModelConfig.from_file(path / "config.json")
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{gen} is not valid JSON: {e}") from None
+        for e in [eos] if isinstance(eos, int) else (eos or []):
+            if int(e) not in config.eos_token_ids:
+                config.eos_token_ids.append(int(e))
+    return config
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is malformed: {e}") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shard files that do not exist: {missing}")
+        return [path / f for f in files]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def canonical_name(name: str) -> str | None:
+    """Checkpoint tensor name -> our parameter name, or None for tensors we ignore (vision)."""
+    if name.startswith(("model.visual.", "visual.")):
+        return None
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    if name.startswith("language_model."):
+        return "model." + name[len("language_model."):]
+    return name
+
+
+def load_model(
+    model: str | os.PathLike,
+    dtype: str | torch.dtype = torch.bfloat16,
+    with_mtp: bool = True,
+    device: str | torch.device = "cpu",
+) -> tuple[Qwen35ForCausalLM, ModelConfig, Path]:
+    """Load a checkpoint directory or hub id -> (model in eval mode, config, resolved path).
+
+    Tensors are read through memory-mapped ``safe_open`` handles and converted to ``dtype``.
+    ``mtp.*`` tensors are loaded when ``with_mtp`` and present; ``model.visual.*`` is ignored.
+    Missing, unexpected and mis-shaped text tensors fail together in one CheckpointError.
+    """
+    from safetensors import safe_open
+
+    dtype = parse_dtype(dtype)
+    path = resolve_model_path(model)
+    config = load_config(path)
+
+    handles: dict[str, tuple[object, str]] = {}
+    opened = []
+    for f in _weight_files(path):
+        try:
+            h = safe_open(str(f), framework="pt", device="cpu")
+        except Exception as e:
+            raise CheckpointError(f"cannot read {f.name} (truncated or corrupt?): {e}") from None
+        opened.append(h)
+        for name in h.keys():
+            canon = canonical_name(name)
+            if canon is not None:
+                handles[canon] = (h, name)
+
+    has_mtp = any(n.startswith("mtp.") for n in handles)
+    with torch.device("meta"):
+        net = Qwen35ForCausalLM(config, with_mtp=with_mtp and has_mtp)
+    expected = {n: tuple(p.shape) for n, p in net.state_dict().items()}
+
+    missing, mismatched, unexpected = [], [], []
+    for name, shape in expected.items():
+        if name not in handles:
+            missing.append(f"{name} (expected {list(shape)})")
+            continue
+        h, raw = handles[name]
+        found = tuple(h.get_slice(raw).get_shape())
+        if found != shape:
+            mismatched.append(f"{name}: expected {list(shape)}, found {list(found)}")
+    for name in handles:
+        if name in expected:
+            continue
+        if name.startswith("mtp.") and net.mtp is None:
+            continue  # speculation not requested: the MTP head stays on disk
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # a tied checkpoint may still store a copy of the embedding
+        unexpected.append(name)
+    if missing or mismatched or unexpected:
+        lines = [f"checkpoint {path} does not match its config:"]
+        lines += [f"  missing tensor: {m}" for m in missing]
+        lines += [f"  shape mismatch: {m}" for m in mismatched]
+        lines += [f"  unexpected tensor: {u}" for u in unexpected]
+        raise CheckpointError("\n".join(lines))
+
+    state = {}
+    for name in expected:
+        h, raw = handles[name]
+        try:
+            t = h.get_tensor(raw)
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensor {raw} (truncated file?): {e}") from None
+        state[name] = t.to(device=device, dtype=dtype)
+    net.load_state_dict(state, assign=True, strict=True)
+    net.eval().requires_grad_(False)
+    return net, config, path

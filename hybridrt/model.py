@@ -1,0 +1,282 @@
+"""Qwen3.5 text model over paged KV and GDN state slots.
+
+The decoder is a layer-type dispatcher: ``layer_types[i]`` routes layer i to the gated
+full-attention mixer (paged KV, partial RoPE, sigmoid output gate) or to the Gated DeltaNet
+mixer (causal conv1d + gated delta rule over state slots). Parameter names follow the
+``Qwen3_5ForCausalLM`` checkpoint layout (``model.layers.{i}...``, ``lm_head``, ``mtp.*``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridrt.config import ModelConfig
+from hybridrt.forward_batch import ForwardBatch
+from hybridrt.kernels import (
+    apply_partial_rope,
+    causal_conv1d_update,
+    causal_conv1d_varlen,
+    chunk_gated_delta_rule,
+    gated_rms_norm,
+    paged_attention,
+    recurrent_gated_delta_rule,
+    rms_norm,
+    rope_cos_sin,
+    write_kv,
+)
+from hybridrt.statecache import CacheTensors
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm: ``x * rsqrt(mean(x^2) + eps) * (1 + w)``."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GatedAttention(nn.Module):
+    """Full attention with q/k RMSNorm, partial RoPE, GQA and a sigmoid output gate."""
+
+    def __init__(self, config: ModelConfig, cache_index: int):
+        super().__init__()
+        H, HKV, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = H, HKV, D
+        self.cache_index = cache_index  # which key/value cache pair this layer owns
+        self.scale = D**-0.5
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, H * D * 2, bias=False)  # per head: D query + D gate rows
+        self.k_proj = nn.Linear(hidden, HKV * D, bias=False)
+        self.v_proj = nn.Linear(hidden, HKV * D, bias=False)
+        self.o_proj = nn.Linear(H * D, hidden, bias=False)
+        self.q_norm = RMSNorm(D, config.rms_norm_eps)
+        self.k_norm = RMSNorm(D, config.rms_norm_eps)
+
+    def forward(self, x, batch: ForwardBatch, cache: CacheTensors, cos, sin):
+        T = x.shape[0]
+        q, gate = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_partial_rope(self.q_norm(q), cos, sin)
+        k = apply_partial_rope(self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, -1)), cos, sin)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        k_cache = cache.key_caches[self.cache_index]
+        v_cache = cache.value_caches[self.cache_index]
+        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        o = paged_attention(
+            q, k_cache, v_cache, batch.cu_seqlens, batch.seq_lens, batch.block_tables,
+            self.scale, query_lens=batch.query_lens, context_lens=batch.context_lens,
+        )
+        o = o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+        return self.o_proj(o)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention: causal depthwise conv1d + gated delta rule over state slots."""
+
+    def __init__(self, config: ModelConfig, state_index: int):
+        super().__init__()
+        self.state_index = state_index  # row of conv_states / ssm_states this layer owns
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim, self.value_dim = config.linear_key_dim, config.linear_value_dim
+        self.kernel_size = config.linear_conv_kernel_dim
+        conv_dim = config.conv_dim
+        hidden = config.hidden_size
+        self.in_proj_qkv = nn.Linear(hidden, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.kernel_size, groups=conv_dim, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.norm = _GatedNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def forward(self, x, batch: ForwardBatch, cache: CacheTensors, cos=None, sin=None):
+        T = x.shape[0]
+        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
+        z = self.in_proj_z(x).view(T, self.num_v_heads, self.head_v_dim)
+        beta = torch.sigmoid(self.in_proj_b(x)).float()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        conv_states = cache.conv_states[self.state_index]
+        ssm_states = cache.ssm_states[self.state_index]
+        weight = self.conv1d.weight[:, 0, :]
+        core = torch.empty(T, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
+
+        if batch.state_slots_out is not None:
+            # Draft verification: every sequence has the same L tokens; keep every state.
+            B = batch.num_seqs
+            L = T // B
+            slots = batch.state_slots
+            out_slots = batch.state_slots_out
+            m = causal_conv1d_update(mixed.view(B, L, -1), weight, conv_states, slots,
+                                     state_slots_out=out_slots)
+            q, k, v = self._split(m.reshape(T, -1))
+            core = recurrent_gated_delta_rule(
+                q.view(B, L, *q.shape[1:]), k.view(B, L, *k.shape[1:]),
+                v.view(B, L, *v.shape[1:]), g.view(B, L, -1), beta.view(B, L, -1),
+                ssm_states, slots, state_slots_out=out_slots,
+            ).reshape(T, self.num_v_heads, self.head_v_dim)
+        else:
+            if batch.recurrent_rows is not None:
+                rows, seqs = batch.recurrent_rows, batch.recurrent_seqs
+                slots = batch.state_slots[seqs]
+                m = causal_conv1d_update(mixed[rows][:, None], weight, conv_states, slots)[:, 0]
+                q, k, v = self._split(m)
+                core[rows] = recurrent_gated_delta_rule(
+                    q[:, None], k[:, None], v[:, None], g[rows][:, None], beta[rows][:, None],
+                    ssm_states, slots,
+                )[:, 0]
+            if batch.chunk_seqs:
+                idx = batch.chunk_seqs
+                rows = batch.chunk_rows
+                part = (lambda t: t) if rows is None else (lambda t: t[rows])
+                lens = [batch.query_lens[b] for b in idx]
+                cu = torch.tensor([0] + lens, device=x.device).cumsum(0)
+                sel = torch.tensor(idx, device=x.device)
+                slots = batch.state_slots[sel]
+                init = batch.has_initial_state[sel]
+                m = causal_conv1d_varlen(part(mixed), weight, cu, conv_states, slots, init,
+                                         seq_lens=lens)
+                q, k, v = self._split(m)
+                o = chunk_gated_delta_rule(q, k, v, part(g), part(beta), cu, ssm_states, slots,
+                                           init, seq_lens=lens)
+                if rows is None:
+                    core = o
+                else:
+                    core[rows] = o
+        y = self.norm(core, z).reshape(T, self.value_dim)
+        return self.out_proj(y)
+
+    def _split(self, mixed: torch.Tensor):
+        n = mixed.shape[0]
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (
+            q.reshape(n, self.num_k_heads, self.head_k_dim),
+            k.reshape(n, self.num_k_heads, self.head_k_dim),
+            v.reshape(n, self.num_v_heads, self.head_v_dim),
+        )
+
+
+class _GatedNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(x, z, self.weight, self.eps)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_type: str, cache_index: int):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "full_attention":
+            self.self_attn = GatedAttention(config, cache_index)
+        elif layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config, cache_index)
+        else:
+            raise ValueError(f"unknown layer type {layer_type!r}")
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn if self.layer_type == "full_attention" else self.linear_attn
+
+    def forward(self, h, batch, cache, cos, sin):
+        h = h + self.mixer(self.input_layernorm(h), batch, cache, cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        layers, n_attn, n_gdn = [], 0, 0
+        for t in config.layer_types:
+            if t == "full_attention":
+                layers.append(DecoderLayer(config, t, n_attn))
+                n_attn += 1
+            else:
+                layers.append(DecoderLayer(config, t, n_gdn))
+                n_gdn += 1
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MTPHead(nn.Module):
+    """The checkpoint's multi-token-prediction module (``mtp.*``); used by ``hybridrt.specdec``."""
+
+    def __init__(self, config: ModelConfig, first_cache_index: int):
+        super().__init__()
+        H = config.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(H, config.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(H, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, "full_attention", first_cache_index + i)
+            for i in range(config.mtp_num_hidden_layers)
+        )
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+
+
+class Qwen35ForCausalLM(nn.Module):
+    """Qwen3.5 text model: ``forward(batch, cache) -> hidden`` and ``compute_logits(hidden)``."""
+
+    def __init__(self, config: ModelConfig, with_mtp: bool = False):
+        super().__init__()
+        self.config = config
+        self.model = TextModel(config)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = None
+        if with_mtp and config.mtp_num_hidden_layers > 0:
+            self.mtp = MTPHead(config, len(config.full_attention_layers))
+
+    @property
+    def num_attention_caches(self) -> int:
+        n = len(self.config.full_attention_layers)
+        return n + (len(self.mtp.layers) if self.mtp is not None else 0)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        c = self.config
+        return rope_cos_sin(positions, c.rotary_dim, c.rope_theta, dtype)
+
+    def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        """-> final-normed hidden states [T, hidden] for every token of the batch."""
+        h = self.model.embed_tokens(batch.input_ids)
+        cos, sin = self.rope(batch.positions, h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, batch, cache, cos, sin)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] (only the rows to sample) -> fp32 logits [N, vocab]."""
+        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        return F.linear(hidden, weight).float()

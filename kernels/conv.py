@@ -1,0 +1,105 @@
+"""Causal depthwise conv1d over time with per-sequence state held in state slots.
+
+State layout: ``conv_states[slot]`` is ``[C, K-1]``, the last K-1 inputs (oldest first).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    conv_states: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+    seq_lens: list[int] | None = None,
+) -> torch.Tensor:
+    """Causal conv over a packed batch of sequences (prefill / chunked prefill).
+
+    x: [T, C] packed inputs; weight: [C, K]; cu_seqlens: [B+1]; conv_states: [S, C, K-1];
+    state_slots: [B] rows of ``conv_states`` owned by each sequence; has_initial_state: [B]
+    bool (False: start from zeros). Returns [T, C]. The last K-1 inputs of each sequence
+    (including older state when the sequence is shorter than K-1) are written back to its slot;
+    slots not named are untouched.
+    """
+    _check_conv(x, weight, conv_states)
+    C, K = weight.shape
+    lens = seq_lens if seq_lens is not None else (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    init_flags = has_initial_state.tolist()
+    slots = state_slots.tolist()
+    out = torch.empty_like(x)
+    w = weight.unsqueeze(1)
+    start = 0
+    for b, n in enumerate(lens):
+        slot = slots[b]
+        seq = x[start:start + n]
+        if init_flags[b]:
+            prev = conv_states[slot]
+        else:
+            prev = x.new_zeros(C, K - 1)
+        window = torch.cat([prev.to(x.dtype), seq.t()], dim=1)  # [C, K-1+n]
+        y = F.conv1d(window.unsqueeze(0).to(weight.dtype), w, groups=C)[0]  # [C, n]
+        out[start:start + n] = _act(y, activation).t().to(x.dtype)
+        conv_states[slot] = window[:, -(K - 1):].to(conv_states.dtype)
+        start += n
+    return out
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    state_slots: torch.Tensor,
+    activation: str | None = "silu",
+    state_slots_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Conv for L new tokens per sequence (decode L=1, or L=k+1 draft verification).
+
+    x: [B, L, C]; weight: [C, K]; conv_states: [S, C, K-1]; state_slots: [B] initial states.
+    Without ``state_slots_out`` the state after the last token is written to ``state_slots``.
+    With ``state_slots_out`` [B, L], the state after token t is written to slot
+    ``state_slots_out[b, t]`` (used to roll back to any accepted draft position).
+    Returns [B, L, C].
+    """
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, L, C], got {tuple(x.shape)}")
+    _check_conv(x, weight, conv_states)
+    B, L, C = x.shape
+    K = weight.shape[1]
+    prev = conv_states[state_slots].to(x.dtype)  # [B, C, K-1]
+    window = torch.cat([prev, x.transpose(1, 2)], dim=2)  # [B, C, K-1+L]
+    frames = window.unfold(2, K, 1)  # [B, C, L, K]
+    y = (frames.to(weight.dtype) * weight[None, :, None, :]).sum(-1)  # [B, C, L]
+    if state_slots_out is None:
+        conv_states[state_slots] = window[:, :, L:].to(conv_states.dtype)
+    else:
+        if tuple(state_slots_out.shape) != (B, L):
+            raise ValueError(f"state_slots_out must be [{B}, {L}], got {tuple(state_slots_out.shape)}")
+        after = window.unfold(2, K - 1, 1)[:, :, 1:]  # [B, C, L, K-1]: state after token t
+        conv_states[state_slots_out.reshape(-1)] = (
+            after.permute(0, 2, 1, 3).reshape(B * L, C, K - 1).to(conv_states.dtype)
+        )
+    return _act(y, activation).transpose(1, 2).to(x.dtype)
+
+
+def _act(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return y
+    if activation in ("silu", "swish"):
+        return F.silu(y)
+    raise ValueError(f"unsupported activation {activation!r}")
+
+
+def _check_conv(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [C, K], got {tuple(weight.shape)}")
+    C, K = weight.shape
+    if x.shape[-1] != C:
+        raise ValueError(f"x has {x.shape[-1]} channels, weight has {C}")
+    if conv_states.dim() != 3 or conv_states.shape[1:] != (C, K - 1):
+        raise ValueError(f"conv_states must be [S, {C}, {K - 1}], got {tuple(conv_states.shape)}")

@@ -1,0 +1,192 @@
+"""Gated delta rule (the GDN recurrence) over per-sequence state slots, plain torch.
+
+Per value head, with state S [DK, DV] kept in fp32, for each token t:
+    S = exp(g_t) * S
+    S = S + k_t (beta_t * (v_t - S^T k_t))^T
+    o_t = S^T q_t
+q and k are l2-normalised (eps 1e-6) and q is scaled by DK^-0.5 inside these functions.
+Grouped value heads: key head h serves value heads h*r .. h*r+r-1 (r = HV / HK).
+
+``chunk_gated_delta_rule`` (prefill) uses the chunked WY/UT form; ``recurrent_gated_delta_rule``
+(decode, draft verification) steps token by token; ``naive_gated_delta_rule`` is the plain loop
+that both are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .norm import l2_norm
+
+
+def _prepare(q, k, v, g, beta):
+    """-> fp32 q, k, v, g, beta with q/k normalised, scaled and expanded to HV heads."""
+    HK, HV = k.shape[-2], v.shape[-2]
+    if HV % HK:
+        raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({HK})")
+    q = l2_norm(q.float()) * q.shape[-1] ** -0.5
+    k = l2_norm(k.float())
+    if HV != HK:
+        q = q.repeat_interleave(HV // HK, dim=-2)
+        k = k.repeat_interleave(HV // HK, dim=-2)
+    return q, k, v.float(), g.float(), beta.float()
+
+
+def _check(q, k, v, g, beta, states):
+    if q.shape != k.shape:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must match")
+    if v.shape[:-2] != q.shape[:-2] or g.shape != v.shape[:-1] or beta.shape != v.shape[:-1]:
+        raise ValueError(
+            f"shape mismatch: q {tuple(q.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
+            f"beta {tuple(beta.shape)}"
+        )
+    HV, DK, DV = v.shape[-2], q.shape[-1], v.shape[-1]
+    if states.dim() != 4 or tuple(states.shape[1:]) != (HV, DK, DV):
+        raise ValueError(f"states must be [S, {HV}, {DK}, {DV}], got {tuple(states.shape)}")
+    if states.dtype != torch.float32:
+        raise ValueError(f"recurrent states must be float32, got {states.dtype}")
+
+
+def _chunk_one(q, k, v, g, beta, state, chunk_size):
+    """One sequence. q,k: [H, T, DK], v: [H, T, DV], g/beta: [H, T] (fp32, prepared);
+    state: [H, DK, DV] -> (o [H, T, DV], final state)."""
+    H, T, DK = q.shape
+    DV = v.shape[-1]
+    C = chunk_size
+    pad = (C - T % C) % C
+    if pad:
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
+    N = (T + pad) // C
+    q, k, v = (x.reshape(H, N, C, -1) for x in (q, k, v))
+    g, beta = g.reshape(H, N, C), beta.reshape(H, N, C)
+
+    gc = g.cumsum(-1)  # log decay from chunk start to position i (inclusive)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    # UT transform: (I + strictly_lower(diag(beta) K K^T * decay))^-1
+    lower = (k_beta @ k.transpose(-1, -2)) * decay
+    lower = lower.masked_fill(~causal.tril(-1), 0.0)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    system = eye + lower
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(
+        system, k_beta * gc.exp()[..., None], upper=False, unitriangular=True
+    )
+    attn = (q @ k.transpose(-1, -2)) * decay  # intra-chunk, diagonal included
+    q_decayed = q * gc.exp()[..., None]
+    k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]
+    chunk_decay = gc[..., -1].exp()  # [H, N]
+
+    o = torch.empty(H, N, C, DV, dtype=q.dtype, device=q.device)
+    S = state
+    for i in range(N):
+        v_new = u[:, i] - w[:, i] @ S
+        o[:, i] = q_decayed[:, i] @ S + attn[:, i] @ v_new
+        S = S * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ v_new
+    return o.reshape(H, N * C, DV)[:, :T], S
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    states: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    chunk_size: int = 64,
+    seq_lens: list[int] | None = None,
+) -> torch.Tensor:
+    """Chunked gated delta rule over a packed batch.
+
+    q, k: [T, HK, DK]; v: [T, HV, DV]; g (log decay, <= 0), beta: [T, HV]; cu_seqlens: [B+1];
+    states: [S, HV, DK, DV] fp32 slot pool; state_slots: [B]; has_initial_state: [B] bool.
+    Returns o: [T, HV, DV] in v's dtype. Each sequence starts from its slot (or zeros) and its
+    final state is written back to that slot; other slots are untouched.
+    """
+    _check(q, k, v, g, beta, states)
+    lens = seq_lens if seq_lens is not None else (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    flags = has_initial_state.tolist()
+    slots = state_slots.tolist()
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    start = 0
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        sl = slice(start, start + n)
+        slot = slots[b]
+        s0 = states[slot] if flags[b] else states.new_zeros(states.shape[1:])
+        o, s1 = _chunk_one(
+            qf[sl].transpose(0, 1), kf[sl].transpose(0, 1), vf[sl].transpose(0, 1),
+            gf[sl].t(), bf[sl].t(), s0, chunk_size,
+        )
+        out[sl] = o.transpose(0, 1)
+        states[slot] = s1
+        start += n
+    return out.to(v.dtype)
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    state_slots: torch.Tensor,
+    state_slots_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Token-by-token gated delta rule for L tokens of each of B sequences (decode: L = 1).
+
+    q, k: [B, L, HK, DK]; v: [B, L, HV, DV]; g, beta: [B, L, HV]; states: [S, HV, DK, DV]
+    fp32; state_slots: [B] initial states (always read: a new sequence's slot must be zeroed).
+    Without ``state_slots_out`` the final state goes back to ``state_slots``; with it, [B, L],
+    the state after token t is written to ``state_slots_out[b, t]`` (draft verification keeps
+    every intermediate state so it can continue from the last accepted one without recompute).
+    Returns o: [B, L, HV, DV] in v's dtype.
+    """
+    _check(q, k, v, g, beta, states)
+    B, L = v.shape[:2]
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
+    S = states[state_slots]  # [B, H, DK, DV]
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    if state_slots_out is not None and tuple(state_slots_out.shape) != (B, L):
+        raise ValueError(f"state_slots_out must be [{B}, {L}], got {tuple(state_slots_out.shape)}")
+    for t in range(L):
+        S = S * gf[:, t, :, None, None].exp()
+        kv = (kf[:, t, :, :, None] * S).sum(-2)  # S^T k: [B, H, DV]
+        delta = (vf[:, t] - kv) * bf[:, t, :, None]
+        S = S + kf[:, t, :, :, None] * delta[:, :, None, :]
+        out[:, t] = (qf[:, t, :, :, None] * S).sum(-2)
+        if state_slots_out is not None:
+            states[state_slots_out[:, t]] = S
+    if state_slots_out is None:
+        states[state_slots] = S
+    return out.to(v.dtype)
+
+
+def naive_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: one sequence, plain loop. q, k: [T, HK, DK]; v: [T, HV, DV]; g, beta: [T, HV];
+    initial_state: [HV, DK, DV] or None -> (o [T, HV, DV] fp32, final state fp32)."""
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
+    T, H, DK = qf.shape
+    S = (torch.zeros(H, DK, vf.shape[-1]) if initial_state is None else initial_state.float().clone())
+    out = torch.empty(T, H, vf.shape[-1])
+    for t in range(T):
+        for h in range(H):
+            S[h] = gf[t, h].exp() * S[h]
+            S[h] = S[h] + torch.outer(kf[t, h], bf[t, h] * (vf[t, h] - S[h].t() @ kf[t, h]))
+            out[t, h] = S[h].t() @ qf[t, h]
+    return out, S

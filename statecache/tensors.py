@@ -1,0 +1,82 @@
+"""The cache tensors the model reads and writes: paged KV and GDN state slots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridrt.config import ModelConfig
+
+
+@dataclass(slots=True)
+class CacheTensors:
+    """| tensor | shape | dtype |
+    | --- | --- | --- |
+    | key_caches[i], value_caches[i] | [num_blocks, block_size, HKV, D] per attention layer i | model |
+    | conv_states | [L_gdn, num_slots, conv_dim, K-1] | model |
+    | ssm_states | [L_gdn, num_slots, HV, DK, DV] | float32 |
+
+    Attention layer i is the i-th ``full_attention`` entry of ``layer_types`` (the MTP layers
+    follow the target's); GDN layer j is the j-th ``linear_attention`` entry.
+    """
+
+    key_caches: list[torch.Tensor]
+    value_caches: list[torch.Tensor]
+    conv_states: torch.Tensor
+    ssm_states: torch.Tensor
+    block_size: int
+
+    @classmethod
+    def allocate(
+        cls,
+        config: ModelConfig,
+        num_blocks: int,
+        num_slots: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        num_extra_attention_layers: int = 0,
+    ) -> CacheTensors:
+        if num_blocks <= 0 or num_slots <= 0 or block_size <= 0:
+            raise ValueError("num_blocks, num_slots and block_size must be positive")
+        n_attn = len(config.full_attention_layers) + num_extra_attention_layers
+        n_gdn = len(config.linear_attention_layers)
+        kv_shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        return cls(
+            key_caches=[torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(n_attn)],
+            value_caches=[torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(n_attn)],
+            conv_states=torch.zeros(
+                n_gdn, num_slots, config.conv_dim, config.linear_conv_kernel_dim - 1,
+                dtype=dtype, device=device,
+            ),
+            ssm_states=torch.zeros(
+                n_gdn, num_slots, config.linear_num_value_heads, config.linear_key_head_dim,
+                config.linear_value_head_dim, dtype=torch.float32, device=device,
+            ),
+            block_size=block_size,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.key_caches[0].shape[0] if self.key_caches else 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.ssm_states.shape[1]
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                        num_extra_attention_layers: int = 0) -> int:
+        n_attn = len(config.full_attention_layers) + num_extra_attention_layers
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * n_attn * block_size * config.num_key_value_heads * config.head_dim * elem
+
+    @staticmethod
+    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+        n_gdn = len(config.linear_attention_layers)
+        elem = torch.empty((), dtype=dtype).element_size()
+        conv = config.conv_dim * (config.linear_conv_kernel_dim - 1) * elem
+        ssm = (config.linear_num_value_heads * config.linear_key_head_dim
+               * config.linear_value_head_dim * 4)
+        return n_gdn * (conv + ssm)
