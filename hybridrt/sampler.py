@@ -1,0 +1,330 @@
+"""Batched token sampling with vLLM semantics, shaped for reuse by speculative decoding.
+
+One call works on N rows of fp32 logits ``[N, V]``; each row carries its own
+``SamplingParams`` and token history (``SamplingRow``). The pipeline, in vLLM's order:
+
+| step | applies to | what |
+| --- | --- | --- |
+| penalties | all rows | repetition (prompt + output; logit > 0 divided, else multiplied), then frequency (count in output) and presence (seen in output) subtracted |
+| min_tokens | rows with fewer outputs than min_tokens | eos ids and stop_token_ids -> -inf |
+| logprobs | rows asking for them | log_softmax taken here: after penalties and the min_tokens mask, before temperature and filtering |
+| temperature | random rows | logits / temperature |
+| top-k, top-p, min-p | random rows | filtered tokens -> -inf; the top-1 always stays |
+| pick | | greedy rows: argmax; random rows: inverse CDF of softmax at one uniform draw |
+
+Random draws: a seeded request owns a generator (``make_generator``) kept across steps and
+used for nothing else, so its tokens do not depend on what else is in the batch; unseeded
+rows share one generator (the sampler's, or torch's global one). Each random row consumes
+exactly one uniform per token; greedy rows consume none.
+
+For rejection sampling, ``prepare`` + ``probs`` give the target/draft distributions and
+``uniform`` / ``sample_from_probs`` draw from the same per-row generators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import chain
+
+import torch
+
+from hybridrt.sampling_params import SamplingParams
+
+__all__ = [
+    "RowLogprobs",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingRow",
+    "find_stop",
+    "make_generator",
+]
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """A CPU generator seeded with ``params.seed``, or None for unseeded requests.
+
+    Create it once per request and keep it for the request's lifetime.
+    """
+    if params.seed is None:
+        return None
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(params.seed % (1 << 64))
+    return generator
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One row of the logits batch: whose settings and which tokens came before it."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RowLogprobs:
+    """Logprobs of one row: the sampled token, its rank (1 = most likely) and the top-N."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64, on the logits' device
+    logprobs: list[RowLogprobs | None] | None = None  # None when no row asked for them
+
+
+class Sampler:
+    """Stateless apart from the shared generator for unseeded rows.
+
+    ``seed``: seeds that shared generator (one per device); None uses torch's global RNG.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}
+
+    # Public pipeline ------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Pick one token per row; ``logits`` ``[N, V]`` is not modified."""
+        penalised = self._penalise(logits, rows)
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        logprobs = None
+        if wanted:
+            index = torch.tensor(wanted, device=logits.device)
+            logprobs = torch.log_softmax(penalised[index], dim=-1)
+        processed = self._filter(penalised, rows)
+        token_ids = processed.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            index = torch.tensor(random_rows, device=logits.device)
+            probs = torch.softmax(processed[index], dim=-1)
+            u = self.uniform([rows[i] for i in random_rows], 1, logits.device)
+            token_ids[index] = _inverse_cdf(probs, u[:, 0])
+        out = SamplerOutput(token_ids=token_ids)
+        if logprobs is not None:
+            out.logprobs = _gather_logprobs(logprobs, token_ids, rows, wanted)
+        return out
+
+    def prepare(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Processed logits ``[N, V]`` fp32 (a new tensor; ``logits`` is left alone).
+
+        Every row gets penalties and the min_tokens mask; random rows are then divided by
+        their temperature and top-k / top-p / min-p filtered (filtered tokens are -inf).
+        Greedy rows are not scaled or filtered.
+        """
+        return self._filter(self._penalise(logits, rows), rows)
+
+    def probs(self, processed: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Probabilities ``[N, V]`` of ``prepare``'s output: softmax, or for greedy rows a
+        one-hot of the argmax (the distribution greedy decoding actually samples from)."""
+        _check_logits(processed, rows)
+        probs = torch.softmax(processed, dim=-1)
+        greedy = _greedy_mask(rows, processed.device)
+        if bool(greedy.any()):
+            one_hot = torch.zeros_like(probs)
+            one_hot.scatter_(1, processed.argmax(dim=-1, keepdim=True), 1.0)
+            probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
+        return probs
+
+    def uniform(self, rows: list[SamplingRow], num: int, device: torch.device | str) -> torch.Tensor:
+        """``[len(rows), num]`` uniforms in [0, 1): seeded rows from their own generator, the
+        others from the shared one, so a seeded row's draws never depend on the batch."""
+        device = torch.device(device)
+        out = torch.empty(len(rows), num, dtype=torch.float32)
+        shared = [i for i, row in enumerate(rows) if row.generator is None]
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                out[i] = torch.rand(num, generator=row.generator, device=row.generator.device).cpu()
+        if shared:
+            generator = self._shared_generator(device)
+            drawn = torch.rand(len(shared), num, generator=generator, device=device)
+            out = out.to(device)
+            out[torch.tensor(shared, device=device)] = drawn
+            return out
+        return out.to(device)
+
+    def sample_from_probs(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """One token per row from ``probs`` ``[N, V]`` (need not be normalised, e.g. the
+        residual max(p - q, 0) of rejection sampling), one uniform per row."""
+        _check_logits(probs, rows)
+        u = self.uniform(rows, 1, probs.device)
+        return _inverse_cdf(probs, u[:, 0])
+
+    # Steps ----------------------------------------------------------------------------------
+    def _penalise(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        _check_logits(logits, rows)
+        logits = logits.to(torch.float32, copy=True)
+        num_rows, vocab = logits.shape
+        device = logits.device
+
+        rep = [r.params.repetition_penalty != 1.0 for r in rows]
+        additive = [
+            r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0 for r in rows
+        ]
+        if any(rep) or any(additive):
+            output_counts = _bin_counts(
+                [r.output_token_ids if a or b else [] for r, a, b in zip(rows, rep, additive)],
+                vocab, device,
+            )
+            if any(rep):
+                seen = _bin_counts(
+                    [r.prompt_token_ids if a else [] for r, a in zip(rows, rep)], vocab, device
+                ) > 0
+                seen |= output_counts > 0
+                penalty = torch.tensor(
+                    [r.params.repetition_penalty for r in rows], dtype=torch.float32,
+                    device=device,
+                ).unsqueeze(1).expand(num_rows, vocab)
+                penalty = torch.where(seen, penalty, torch.ones_like(penalty))
+                logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+            if any(additive):
+                freq = torch.tensor([r.params.frequency_penalty for r in rows],
+                                    dtype=torch.float32, device=device)
+                presence = torch.tensor([r.params.presence_penalty for r in rows],
+                                        dtype=torch.float32, device=device)
+                logits -= freq.unsqueeze(1) * output_counts
+                logits -= presence.unsqueeze(1) * (output_counts > 0)
+
+        masked_rows, masked_ids = [], []
+        for i, r in enumerate(rows):
+            if len(r.output_token_ids) < r.params.min_tokens:
+                ids = {t for t in chain(r.eos_token_ids, r.params.stop_token_ids) if t < vocab}
+                masked_rows.extend([i] * len(ids))
+                masked_ids.extend(ids)
+        if masked_ids:
+            logits[torch.tensor(masked_rows, device=device),
+                   torch.tensor(masked_ids, device=device)] = float("-inf")
+        return logits
+
+    def _filter(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, then top-k, top-p, min-p on the random rows, in place."""
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not random_rows:
+            return logits
+        device = logits.device
+        vocab = logits.shape[1]
+        params = [rows[i].params for i in random_rows]
+        if any(p.temperature != 1.0 for p in params):
+            temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32,
+                                       device=device)
+            index = torch.tensor(random_rows, device=device)
+            logits[index] = logits[index] / temperature.unsqueeze(1)
+
+        filtered = [(i, p) for i, p in zip(random_rows, params)
+                    if 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0]
+        if not filtered:
+            return logits
+        index = torch.tensor([i for i, _ in filtered], device=device)
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for _, p in filtered],
+                             device=device)
+        top_p = torch.tensor([p.top_p for _, p in filtered], dtype=torch.float32, device=device)
+        min_p = torch.tensor([p.min_p for _, p in filtered], dtype=torch.float32, device=device)
+
+        # Ascending sort: the most likely token is the last column and is never removed.
+        # A stable sort makes tie-breaking depend on the row alone, not on the batch.
+        sorted_logits, order = logits[index].sort(dim=-1, stable=True)
+        position = torch.arange(vocab, device=device)
+        remove = position.unsqueeze(0) < (vocab - top_k).unsqueeze(1)
+        sorted_logits.masked_fill_(remove, float("-inf"))
+
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = (cumulative <= (1.0 - top_p).unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        remove[:, -1] = False
+        sorted_logits.masked_fill_(remove, float("-inf"))
+
+        probs = sorted_logits.softmax(dim=-1)
+        remove = probs < (min_p.unsqueeze(1) * probs[:, -1:])
+        remove[:, -1] = False
+        sorted_logits.masked_fill_(remove, float("-inf"))
+
+        logits[index] = sorted_logits.scatter(1, order, sorted_logits)
+        return logits
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator | None:
+        if self._seed is None:
+            return None
+        if device not in self._shared:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self._seed % (1 << 64))
+            self._shared[device] = generator
+        return self._shared[device]
+
+
+# Helpers -------------------------------------------------------------------------------------
+def _check_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"logits have {logits.shape[0]} rows but {len(rows)} SamplingRows given")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+
+
+def _greedy_mask(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    return torch.tensor([r.params.greedy for r in rows], dtype=torch.bool, device=device)
+
+
+def _bin_counts(token_ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[N, vocab]`` fp32 count of each token id in each row's list (one flat scatter_add)."""
+    num_rows = len(token_ids)
+    counts = torch.zeros(num_rows * vocab, dtype=torch.float32, device=device)
+    lengths = torch.tensor([len(t) for t in token_ids], device=device)
+    flat = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.long, device=device)
+    if flat.numel():
+        if int(flat.min()) < 0 or int(flat.max()) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}) for penalties")
+        row = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths)
+        counts.scatter_add_(0, row * vocab + flat, torch.ones_like(flat, dtype=torch.float32))
+    return counts.view(num_rows, vocab)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index i with cdf[i-1] <= u * total < cdf[i]; only tokens with probability > 0 can be
+    hit. fp64 cumulative sums keep large vocabularies exact enough."""
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    target = (u.to(torch.float64) * cdf[:, -1]).unsqueeze(1)
+    token = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # u * total rounding up to total would run past the end: fall back to the last live token.
+    last_live = torch.where(probs > 0, torch.arange(probs.shape[1], device=probs.device), -1)
+    return torch.minimum(token, last_live.max(dim=-1).values)
+
+
+def _gather_logprobs(
+    lp: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow], wanted: list[int]
+) -> list[RowLogprobs | None]:
+    """``lp``: log_softmax of the penalised logits of the ``wanted`` rows, ``[len(wanted), V]``."""
+    sampled = token_ids[torch.tensor(wanted, device=lp.device)]
+    sampled_lp = lp.gather(1, sampled.unsqueeze(1))
+    rank = (lp > sampled_lp).sum(dim=-1) + 1
+    num_top = min(max(rows[i].params.logprobs for i in wanted), lp.shape[1])
+    top_lp, top_ids = lp.topk(num_top, dim=-1)
+    sampled_l, sampled_lp_l, rank_l = sampled.tolist(), sampled_lp[:, 0].tolist(), rank.tolist()
+    top_ids_l, top_lp_l = top_ids.tolist(), top_lp.tolist()
+    out: list[RowLogprobs | None] = [None] * len(rows)
+    for j, i in enumerate(wanted):
+        n = rows[i].params.logprobs
+        out[i] = RowLogprobs(
+            token_id=sampled_l[j], logprob=sampled_lp_l[j], rank=rank_l[j],
+            top=list(zip(top_ids_l[j][:n], top_lp_l[j][:n])),
+        )
+    return out
+
+
+def find_stop(text: str, stop: list[str], start: int) -> int | None:
+    """Index in ``text`` where the earliest stop string begins, or None.
+
+    ``start`` is where the newly decoded text begins; a match that is new must end after it,
+    so only ``text[max(0, start - longest + 1):]`` is searched. The engine cuts the output at
+    the returned index (or after the stop string with include_stop_str_in_output).
+    """
+    if not stop:
+        return None
+    begin = max(0, min(start, len(text)) - max(len(s) for s in stop) + 1)
+    found = [i for i in (text.find(s, begin) for s in stop) if i >= 0]
+    return min(found) if found else None
