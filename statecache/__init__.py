@@ -1,6 +1,23 @@
 """Cache stores for hybrid models: paged KV blocks for attention layers and fixed-size state
-slots (conv + recurrent) for GDN layers."""
+slots (conv + recurrent) for GDN layers, owned by one manager with one memory budget."""
 
+from .manager import (
+    CacheCapacityError,
+    CacheSizing,
+    HybridCacheManager,
+    available_memory,
+    plan_cache,
+)
+from .pools import BlockPool, SlotPool
 from .tensors import CacheTensors
 
-__all__ = ["CacheTensors"]
+__all__ = [
+    "BlockPool",
+    "CacheCapacityError",
+    "CacheSizing",
+    "CacheTensors",
+    "HybridCacheManager",
+    "SlotPool",
+    "available_memory",
+    "plan_cache",
+]

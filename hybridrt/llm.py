@@ -1,0 +1,282 @@
+"""The public Python API: ``LLM(model).generate(prompts, params)``, ``chat``, ``stream``."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridrt.engine import EngineConfig, LLMEngine
+from hybridrt.loader import load_model, parse_dtype
+from hybridrt.outputs import CompletionOutput, RequestOutput
+from hybridrt.sampling_params import SamplingParams
+from hybridrt.statecache import HybridCacheManager, plan_cache
+
+DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
+
+PromptType = str | Sequence[int] | dict
+
+
+def default_model() -> str:
+    """The embedded demo checkpoint, the default model of every entry point."""
+    if not (DEMO_MODEL_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no model given and the embedded demo checkpoint is missing at {DEMO_MODEL_DIR}"
+        )
+    return str(DEMO_MODEL_DIR)
+
+
+def parse_memory(value: int | float | str | None) -> tuple[int | None, float | None]:
+    """Cache budget: int bytes, a float fraction in (0, 1] of free memory, or '2GiB'/'512MB'."""
+    if value is None:
+        return None, None
+    if isinstance(value, bool):
+        raise ValueError(f"cache_memory must be bytes, a fraction or a size string, got {value!r}")
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"cache_memory as a fraction must be in (0, 1], got {value}")
+        return None, value
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"cache_memory must be positive, got {value}")
+        return value, None
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*", str(value), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot parse cache_memory {value!r}; use e.g. 4GiB, 512MB or 0.5")
+    number, unit = float(m.group(1)), (m.group(2) or "B").upper()
+    if unit == "B" and number <= 1.0 and "." in m.group(1):
+        return parse_memory(number)
+    scale = {"B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
+             "G": 1e9, "GB": 1e9, "GIB": 2**30, "T": 1e12, "TB": 1e12, "TIB": 2**40}[unit]
+    return parse_memory(int(number * scale))
+
+
+class LLM:
+    """Offline batch generation over the hybridrt engine.
+
+    model: a local checkpoint directory or a Hugging Face id (default: the embedded demo model).
+    cache_memory: the KV + state budget: bytes, a fraction of free memory, or '2GiB'
+    (default 0.3 of free memory, capped at what max_num_seqs x max_model_len needs).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        dtype: str | torch.dtype = "bfloat16",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        cache_memory: int | float | str | None = None,
+        seed: int | None = 0,
+        tokenizer: Any = "auto",
+        device: str | torch.device = "cpu",
+    ):
+        self.device = torch.device(device)
+        self.dtype = parse_dtype(dtype)
+        path = default_model() if model is None else model
+        self.model, self.config, self.model_path = load_model(path, self.dtype, device=self.device)
+        if max_model_len is None:
+            max_model_len = min(self.config.max_position_embeddings, 4096)
+        if not isinstance(max_model_len, int) or max_model_len <= 1:
+            raise ValueError(f"max_model_len must be an integer > 1, got {max_model_len!r}")
+        if max_model_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                f"{self.config.max_position_embeddings}"
+            )
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = min(max(512, block_size), max_model_len)
+        engine_config = EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens,
+                                     block_size)
+        mem_bytes, mem_fraction = parse_memory(cache_memory)
+        sizing = plan_cache(
+            self.config, max_model_len, max_num_seqs, block_size, self.dtype,
+            memory_bytes=mem_bytes, memory_fraction=mem_fraction,
+            num_extra_attention_layers=self.model.num_attention_caches
+            - len(self.config.full_attention_layers),
+            device=self.device,
+        )
+        cache = HybridCacheManager(
+            self.config, sizing, self.dtype, self.device,
+            num_extra_attention_layers=self.model.num_attention_caches
+            - len(self.config.full_attention_layers),
+        )
+        self.tokenizer = self._load_tokenizer(tokenizer)
+        self.engine = LLMEngine(self.model, self.config, cache, engine_config, self.tokenizer,
+                                seed=seed, device=self.device)
+
+    # Set-up ------------------------------------------------------------------------------
+    def _load_tokenizer(self, tokenizer: Any):
+        if tokenizer is None:
+            return None
+        if tokenizer != "auto":
+            return tokenizer
+        path = Path(self.model_path)
+        if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                   "vocab.json")):
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+
+    @property
+    def cache_sizing(self):
+        return self.engine.cache.sizing
+
+    # Inputs ------------------------------------------------------------------------------
+    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids instead")
+            if not prompt:
+                raise ValueError("prompt is empty: it must contain at least one token")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)):
+            return None, list(prompt)
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+    @staticmethod
+    def _as_list(prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, Sequence) and prompts and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompts
+        ):
+            return [prompts]
+        return list(prompts)
+
+    @staticmethod
+    def _params(params, n: int) -> list:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, (SamplingParams, dict)):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return params
+
+    def _add(self, prompt: PromptType, params) -> str:
+        if isinstance(params, dict):
+            params = SamplingParams(**params)
+        text, ids = self._encode(prompt)
+        return self.engine.add_request(ids, params, prompt=text)
+
+    # Generation --------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a str / token-id list / {'prompt_token_ids': [...]} or a list of them.
+        sampling_params: one SamplingParams (or dict of its fields) for all, or one per prompt.
+        Returns one RequestOutput per prompt, in input order. A prompt whose input is invalid
+        gets an output with ``error`` (a ValueError) and finish_reason 'error'; the others run.
+        """
+        prompts = self._as_list(prompts)
+        params = self._params(sampling_params, len(prompts))
+        slots: list[str | RequestOutput] = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                slots.append(self._add(p, sp))
+            except (ValueError, TypeError) as e:
+                err = e if isinstance(e, ValueError) else ValueError(str(e))
+                slots.append(_error_output(f"error-{i}", p, err))
+        pending = {s for s in slots if isinstance(s, str)}
+        bar = None
+        if use_tqdm and pending:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(pending), desc="generate", unit="req", dynamic_ncols=True)
+        try:
+            while pending:
+                for req in self.engine.step():
+                    if req.is_finished and req.request_id in pending:
+                        pending.discard(req.request_id)
+                        if bar is not None:
+                            bar.update(1)
+                if not self.engine.has_unfinished_requests():
+                    break
+        except BaseException:
+            for rid in pending:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        outs = []
+        for s in slots:
+            if isinstance(s, RequestOutput):
+                outs.append(s)
+            else:
+                outs.append(self.engine.make_output(self.engine.pop_request(s)))
+        return outs
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             chat_template_kwargs: dict | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """messages: one conversation (list of {'role', 'content'}) or a list of them."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, chat_template_kwargs, add_generation_prompt)
+                   for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict], chat_template_kwargs=None,
+                            add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **(chat_template_kwargs or {}),
+        )
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None
+               ) -> Iterator[str]:
+        """Yield text deltas of one request as its tokens arrive (token ids as str when the
+        model has no tokenizer is not supported: use ``stream_tokens``)."""
+        if self.tokenizer is None:
+            raise ValueError("stream() needs a tokenizer; use stream_tokens() for token ids")
+        sent = 0
+        for req in self._stream(prompt, sampling_params):
+            if len(req.text) > sent:
+                yield req.text[sent:]
+                sent = len(req.text)
+
+    def stream_tokens(self, prompt: PromptType, sampling_params: SamplingParams | None = None
+                      ) -> Iterator[int]:
+        sent = 0
+        for req in self._stream(prompt, sampling_params):
+            ids = req.output_token_ids
+            yield from ids[sent:]
+            sent = len(ids)
+
+    def _stream(self, prompt, sampling_params):
+        rid = self._add(prompt, sampling_params or SamplingParams())
+        req = self.engine.requests[rid]
+        try:
+            while not req.is_finished:
+                self.engine.step()
+                yield req
+        finally:
+            if not req.is_finished:
+                self.engine.abort_request(rid)
+            self.engine.requests.pop(rid, None)
+        self.last_stream_output = self.engine.make_output(req)
+
+
+def _error_output(rid: str, prompt: Any, err: ValueError) -> RequestOutput:
+    text = prompt if isinstance(prompt, str) else None
+    ids = list(prompt) if isinstance(prompt, Sequence) and not isinstance(prompt, str) else []
+    return RequestOutput(
+        request_id=rid, prompt=text, prompt_token_ids=ids,
+        outputs=[CompletionOutput(0, "", [], "error", None, None)], finished=True, error=err,
+    )

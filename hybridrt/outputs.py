@@ -1,0 +1,31 @@
+"""What ``LLM.generate`` returns (the shapes vLLM users know)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None (running)
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: Exception | None = None  # set (a ValueError) when the request was rejected

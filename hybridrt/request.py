@@ -1,0 +1,100 @@
+"""A request's life: tokens, progress through the cache, sampling state and metrics."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridrt.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_computed_prompt_tokens: int = 0  # prompt tokens actually prefilled (recompute counts)
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Generated tokens after the first, over the time after the first."""
+        if self.finished_time is None or self.first_token_time is None:
+            return None
+        dt = self.finished_time - self.first_token_time
+        n = self.num_generated_tokens - 1
+        return n / dt if n > 0 and dt > 0 else None
+
+    def as_dict(self) -> dict:
+        return {
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generated_tokens": self.num_generated_tokens,
+            "time_to_first_token": self.time_to_first_token,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "num_preemptions": self.num_preemptions,
+        }
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """| field | meaning |
+    | --- | --- |
+    | token_ids | prompt followed by every generated token |
+    | num_computed_tokens | tokens whose KV / GDN state are in the cache (<= len(token_ids)) |
+    | text | detokenised output so far (stop strings already cut) |
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    generator: torch.Generator | None = None
+    logprobs: list[dict[int, float]] | None = None
+    text: str = ""
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.metrics.num_prompt_tokens = len(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

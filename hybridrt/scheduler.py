@@ -1,0 +1,113 @@
+"""One token budget per step, no prefill/decode phases (vLLM v1 style).
+
+Each scheduled request advances ``num_computed_tokens`` towards ``len(token_ids)``: a decode
+is 1 token, a prompt is as many as the budget allows (long prompts are chunked across steps).
+Running requests go first, then waiting ones in arrival order. When KV blocks run out the
+newest running request is preempted: its blocks and state slots are freed and it is recomputed
+from its tokens later. Nothing is ever dropped.
+
+| invariant | |
+| --- | --- |
+| running | holds KV blocks covering num_computed_tokens (+ this step's) and its state slots |
+| waiting | holds no cache resources; num_computed_tokens == 0 |
+| preempted | goes back to the front of waiting, oldest first |
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from hybridrt.request import Request, RequestStatus
+from hybridrt.statecache import HybridCacheManager
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    request: Request
+    num_new_tokens: int
+    sample: bool  # this step reaches the end of the known tokens: a new token is sampled
+
+
+@dataclass(slots=True)
+class StepPlan:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, cache: HybridCacheManager, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        if max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            while not self.cache.allocate_blocks(req.request_id, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is req:
+                    break
+            else:
+                plan.seqs.append(self._entry(req, n))
+                budget -= n
+                i += 1
+
+        if plan.preempted:
+            return plan
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            if not self.cache.allocate_state(req.request_id):
+                break
+            if not self.cache.allocate_blocks(req.request_id, req.num_computed_tokens + n):
+                self.cache.free(req.request_id)
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            plan.seqs.append(self._entry(req, n))
+            budget -= n
+        return plan
+
+    def finish(self, request: Request) -> None:
+        """Release a running or waiting request (finished or aborted)."""
+        self.cache.free(request.request_id)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+
+    def _entry(self, req: Request, n: int) -> ScheduledSeq:
+        return ScheduledSeq(req, n, req.num_computed_tokens + n == len(req.token_ids))
+
+    def _preempt(self, req: Request, plan: StepPlan) -> None:
+        self.cache.free(req.request_id)
+        self.running.remove(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.metrics.num_preemptions += 1
+        self.waiting.appendleft(req)
+        plan.preempted.append(req)

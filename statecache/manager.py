@@ -1,0 +1,197 @@
+"""The hybrid cache manager: one object, one memory budget, both stores.
+
+| store | unit | per request | freed at |
+| --- | --- | --- | --- |
+| paged KV (attention layers, + MTP layers) | block of ``block_size`` tokens | ceil(tokens / block_size) blocks | finish / abort / preemption |
+| GDN conv + recurrent state | slot | ``slots_per_request`` slots (1, or 1 + k with speculation) | finish / abort / preemption |
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from hybridrt.config import ModelConfig
+
+from .pools import BlockPool, SlotPool
+from .tensors import CacheTensors
+
+
+class CacheCapacityError(ValueError):
+    """The memory budget cannot hold what was asked for."""
+
+
+@dataclass(slots=True)
+class CacheSizing:
+    num_blocks: int
+    num_slots: int
+    block_size: int
+    bytes_per_block: int
+    bytes_per_slot: int
+    max_num_seqs: int
+    max_model_len: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block + self.num_slots * self.bytes_per_slot
+
+    @property
+    def max_tokens(self) -> int:
+        """KV tokens the pool holds in all."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many max-length requests fit at once (bounded by the state slots)."""
+        per_req = -(-self.max_model_len // self.block_size)
+        return min(self.max_num_seqs, self.num_blocks / per_req)
+
+    def describe(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.max_tokens} "
+            f"tokens ({self.num_blocks * self.bytes_per_block / 2**20:.1f} MiB); GDN state: "
+            f"{self.num_slots - 1} slots ({self.num_slots * self.bytes_per_slot / 2**20:.1f} MiB); "
+            f"max concurrency at max_model_len={self.max_model_len}: {self.max_concurrency:.2f}"
+        )
+
+
+def available_memory(device: torch.device | str = "cpu") -> int:
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def plan_cache(
+    config: ModelConfig,
+    max_model_len: int,
+    max_num_seqs: int,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.bfloat16,
+    memory_bytes: int | None = None,
+    memory_fraction: float | None = None,
+    slots_per_request: int = 1,
+    num_extra_attention_layers: int = 0,
+    device: torch.device | str = "cpu",
+) -> CacheSizing:
+    """Size both stores from one budget: state slots for ``max_num_seqs`` requests first, then
+    as many KV blocks as the rest allows (never more than every sequence at full length needs).
+    Refuses budgets that cannot hold one max-length request."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if max_num_seqs <= 0:
+        raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
+    if max_model_len <= 0:
+        raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+    if memory_bytes is None:
+        fraction = 0.3 if memory_fraction is None else memory_fraction
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {fraction}")
+        memory_bytes = int(available_memory(device) * fraction)
+    if memory_bytes <= 0:
+        raise ValueError(f"cache memory budget must be positive, got {memory_bytes}")
+    per_block = CacheTensors.bytes_per_block(config, block_size, dtype, num_extra_attention_layers)
+    per_slot = CacheTensors.bytes_per_slot(config, dtype)
+    blocks_per_req = -(-max_model_len // block_size)
+    one_request = blocks_per_req * per_block + (slots_per_request + 1) * per_slot
+    if memory_bytes < one_request:
+        raise CacheCapacityError(
+            f"cache budget {memory_bytes / 2**20:.1f} MiB cannot hold one request of "
+            f"max_model_len={max_model_len} ({one_request / 2**20:.1f} MiB needed: "
+            f"{blocks_per_req} KV blocks + {slots_per_request} state slot(s)); raise the budget "
+            f"or lower max_model_len"
+        )
+    num_slots = 1 + max_num_seqs * slots_per_request
+    while num_slots > 1 + slots_per_request and (
+        memory_bytes - num_slots * per_slot < blocks_per_req * per_block
+    ):
+        num_slots -= slots_per_request
+    seqs = (num_slots - 1) // slots_per_request
+    num_blocks = (memory_bytes - num_slots * per_slot) // per_block
+    num_blocks = int(min(num_blocks, blocks_per_req * seqs))
+    return CacheSizing(num_blocks, num_slots, block_size, per_block, per_slot, seqs, max_model_len)
+
+
+class HybridCacheManager:
+    """Owns the KV block pool, the state-slot pool and the tensors behind them.
+
+    Per request it keeps a block table (list of block ids) and its state slots. A request's
+    KV needs ``ceil(num_tokens / block_size)`` blocks; ``allocate_blocks`` grows the table or
+    returns False without taking anything, which the scheduler answers with preemption.
+    """
+
+    def __init__(self, config: ModelConfig, sizing: CacheSizing, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", slots_per_request: int = 1,
+                 num_extra_attention_layers: int = 0):
+        self.config = config
+        self.sizing = sizing
+        self.block_size = sizing.block_size
+        self.slots_per_request = slots_per_request
+        self.tensors = CacheTensors.allocate(
+            config, sizing.num_blocks, sizing.num_slots, sizing.block_size, dtype, device,
+            num_extra_attention_layers,
+        )
+        self.blocks = BlockPool(sizing.num_blocks)
+        self.slots = SlotPool(sizing.num_slots)
+        self.block_tables: dict[str, list[int]] = {}
+        self.state_slots: dict[str, list[int]] = {}
+
+    # KV blocks ---------------------------------------------------------------------------
+    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        have = len(self.block_tables.get(request_id, ()))
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    def allocate_blocks(self, request_id: str, num_tokens: int) -> bool:
+        """Make the request's blocks cover ``num_tokens`` tokens; False (nothing taken) if the
+        pool is short."""
+        need = self.blocks_needed(request_id, num_tokens)
+        if need == 0:
+            self.block_tables.setdefault(request_id, [])
+            return True
+        got = self.blocks.allocate(need)
+        if got is None:
+            return False
+        self.block_tables.setdefault(request_id, []).extend(got)
+        return True
+
+    # State slots -------------------------------------------------------------------------
+    def allocate_state(self, request_id: str) -> bool:
+        """Take ``slots_per_request`` slots for a request being admitted; False if none free."""
+        if request_id in self.state_slots:
+            return True
+        got = self.slots.allocate(self.slots_per_request)
+        if got is None:
+            return False
+        self.state_slots[request_id] = got
+        return True
+
+    def has_state(self, request_id: str) -> bool:
+        return request_id in self.state_slots
+
+    # Release -----------------------------------------------------------------------------
+    def free(self, request_id: str) -> None:
+        """Return everything a request holds (finish, abort or preemption). Idempotent."""
+        self.blocks.free(self.block_tables.pop(request_id, []))
+        self.slots.free(self.state_slots.pop(request_id, []))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.blocks.num_free
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.slots.num_free
+
+    def all_free(self) -> bool:
+        return (self.blocks.num_free == self.blocks.num_blocks
+                and self.slots.num_free == self.slots.capacity)

@@ -1,0 +1,58 @@
+"""Free-list pools: KV blocks and GDN state slots.
+
+| pool | ids | invariant |
+| --- | --- | --- |
+| BlockPool | 0 .. num_blocks-1 | an id is either free or in exactly one request's block table |
+| SlotPool | 1 .. num_slots-1 (0 is the null slot) | an id is either free or owned by exactly one request |
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n block ids, or None (nothing taken) when fewer than n are free."""
+        if n > len(self._free):
+            return None
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
+
+class SlotPool:
+    NULL_SLOT = 0
+
+    def __init__(self, num_slots: int):
+        if num_slots < 2:
+            raise ValueError(f"num_slots must be >= 2 (slot 0 is reserved), got {num_slots}")
+        self.num_slots = num_slots
+        self._free: deque[int] = deque(range(1, num_slots))
+
+    @property
+    def capacity(self) -> int:
+        return self.num_slots - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int = 1) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, slots: list[int]) -> None:
+        self._free.extend(slots)

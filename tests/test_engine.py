@@ -1,0 +1,244 @@
+"""Engine behaviour: continuous batching, chunked prefill and preemption leave greedy outputs
+unchanged, and nothing leaks."""
+
+import pytest
+import torch
+
+from hybridrt.llm import LLM
+from hybridrt.sampling_params import SamplingParams
+from hybridrt.statecache import CacheCapacityError, CacheTensors
+from hybridrt.testing import hf_reference_model, tiny_text_config, write_random_checkpoint
+
+MAX_TOKENS = 10
+TEXT_CONFIG = tiny_text_config()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny"), TEXT_CONFIG, seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(2, 97, (n,), generator=g).tolist() for n in (5, 17, 40, 70, 1, 33)]
+
+
+@pytest.fixture(scope="module")
+def dense_greedy(ckpt, prompts):
+    """Greedy continuations from transformers with no cache: full recompute every step."""
+    from hybridrt.loader import load_model
+
+    net, _, _ = load_model(ckpt, "float32")
+    ref = hf_reference_model(TEXT_CONFIG, dict(net.state_dict()))
+    outs = []
+    for p in prompts:
+        ids = list(p)
+        with torch.no_grad():
+            for _ in range(MAX_TOKENS):
+                ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+        outs.append(ids[len(p):])
+    return outs
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def make_llm(ckpt, **kw):
+    kw.setdefault("max_model_len", 128)
+    kw.setdefault("max_num_seqs", 8)
+    kw.setdefault("cache_memory", 32 << 20)
+    return LLM(ckpt, dtype="float32", **kw)
+
+
+def test_batch_greedy_equals_dense_recompute(ckpt, prompts, dense_greedy):
+    llm = make_llm(ckpt)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert llm.engine.cache.all_free()
+
+
+def test_batch_of_n_equals_batch_of_one(ckpt, prompts, dense_greedy):
+    llm = make_llm(ckpt)
+    for p, expected in zip(prompts, dense_greedy):
+        (out,) = llm.generate([p], GREEDY, use_tqdm=False)
+        assert out.outputs[0].token_ids == expected
+
+
+def test_small_prefill_chunks_keep_outputs(ckpt, prompts, dense_greedy):
+    llm = make_llm(ckpt, max_num_batched_tokens=7)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy
+    assert llm.engine.stats["num_prefill_tokens"] == sum(len(p) for p in prompts)
+
+
+def _budget(llm_probe, num_blocks, num_slots):
+    cfg, dtype = llm_probe.config, llm_probe.dtype
+    extra = llm_probe.model.num_attention_caches - len(cfg.full_attention_layers)
+    return (num_blocks * CacheTensors.bytes_per_block(cfg, 16, dtype, extra)
+            + num_slots * CacheTensors.bytes_per_slot(cfg, dtype))
+
+
+def test_preemption_keeps_outputs_and_leaks_nothing(ckpt, prompts, dense_greedy):
+    probe = make_llm(ckpt, max_model_len=96)
+    # 7 blocks of 16 tokens: one 96-token request fits, the whole batch does not.
+    budget = _budget(probe, num_blocks=7, num_slots=9)
+    llm = make_llm(ckpt, max_model_len=96, cache_memory=budget, max_num_batched_tokens=16)
+    assert llm.cache_sizing.num_blocks == 7
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy
+    assert llm.engine.stats["num_preemptions"] > 0
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+    cache = llm.engine.cache
+    assert cache.all_free()
+    assert cache.num_free_blocks == 7 and cache.num_free_slots == cache.slots.capacity
+    assert not cache.block_tables and not cache.state_slots
+
+
+def test_slot_pool_bounds_concurrency(ckpt, prompts, dense_greedy):
+    llm = make_llm(ckpt, max_num_seqs=2)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy
+    assert llm.engine.cache.all_free()
+
+
+def test_budget_that_cannot_hold_one_request_is_refused(ckpt):
+    with pytest.raises(CacheCapacityError, match="cannot hold one request"):
+        make_llm(ckpt, max_model_len=128, cache_memory=4096)
+
+
+def test_abort_frees_resources(ckpt, prompts):
+    llm = make_llm(ckpt)
+    eng = llm.engine
+    ids = [eng.add_request(p, GREEDY) for p in prompts]
+    eng.step()
+    eng.abort_request(ids[1])
+    eng.abort_request(ids[-1])
+    while eng.has_unfinished_requests():
+        eng.step()
+    outs = {i: eng.make_output(eng.pop_request(i)) for i in ids}
+    assert outs[ids[1]].outputs[0].finish_reason == "abort"
+    assert outs[ids[0]].outputs[0].finish_reason == "length"
+    assert eng.cache.all_free()
+
+
+def test_abort_waiting_request(ckpt, prompts):
+    llm = make_llm(ckpt, max_num_seqs=1)
+    eng = llm.engine
+    a = eng.add_request(prompts[0], GREEDY)
+    b = eng.add_request(prompts[1], GREEDY)
+    eng.step()
+    eng.abort_request(b)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.requests[b].finish_reason == "abort"
+    assert eng.requests[a].finish_reason == "length"
+    assert eng.cache.all_free()
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ([], "prompt is empty"),
+        ([5] * 130, "max_model_len"),
+        ([5, 1000], "outside"),
+        ({"prompt_token_ids": [3, 4]}, None),  # valid: the dict form
+    ],
+    ids=["empty", "too-long", "bad-token-id", "dict-ok"],
+)
+def test_bad_prompt_fails_alone(ckpt, prompts, dense_greedy, bad, match):
+    llm = make_llm(ckpt)
+    batch = [prompts[0], bad, prompts[2]]
+    outs = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == dense_greedy[0]
+    assert outs[2].outputs[0].token_ids == dense_greedy[2]
+    if match is None:
+        assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == MAX_TOKENS
+    else:
+        assert isinstance(outs[1].error, ValueError)
+        assert match in str(outs[1].error)
+        assert outs[1].outputs[0].finish_reason == "error"
+    assert llm.engine.cache.all_free()
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"stop": 7}, "stop"),
+    ],
+    ids=["neg-temp", "nan-temp", "top_p-0", "top_p-1.5", "neg-max-tokens", "stop-int"],
+)
+def test_bad_params_fail_alone(ckpt, prompts, dense_greedy, params, field):
+    llm = make_llm(ckpt)
+    good = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    outs = llm.generate(prompts[:3], [good, params, good], use_tqdm=False)
+    assert isinstance(outs[1].error, ValueError) and field in str(outs[1].error)
+    assert outs[0].outputs[0].token_ids == dense_greedy[0]
+    assert outs[2].outputs[0].token_ids == dense_greedy[2]
+
+
+def test_eos_and_stop_token_ids_finish_with_stop(ckpt, prompts, dense_greedy):
+    llm = make_llm(ckpt)
+    target = dense_greedy[3][4]
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[target])
+    (out,) = llm.generate([prompts[3]], sp, use_tqdm=False)
+    first = dense_greedy[3].index(target)
+    assert out.outputs[0].token_ids == dense_greedy[3][:first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == target
+
+
+def test_min_tokens_suppresses_stop(ckpt, prompts, dense_greedy):
+    llm = make_llm(ckpt)
+    target = dense_greedy[3][0]
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[target],
+                        min_tokens=3)
+    (out,) = llm.generate([prompts[3]], sp, use_tqdm=False)
+    assert target not in out.outputs[0].token_ids[:3]
+    assert len(out.outputs[0].token_ids) >= 3
+
+
+def test_seeded_sampling_is_reproducible_across_batches(ckpt, prompts):
+    llm = make_llm(ckpt)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=MAX_TOKENS,
+                        ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (alone,) = llm.generate([prompts[2]], sp, use_tqdm=False)
+    mixed = llm.generate([prompts[0], prompts[2], prompts[4]], [other, sp, other],
+                         use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    sp2 = sp.clone(seed=4321)
+    (diff,) = llm.generate([prompts[2]], sp2, use_tqdm=False)
+    assert diff.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+def test_logprobs_are_returned(ckpt, prompts):
+    llm = make_llm(ckpt)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+    (out,) = llm.generate([prompts[1]], sp, use_tqdm=False)
+    lps = out.outputs[0].logprobs
+    assert len(lps) == 4
+    for tok, lp in zip(out.outputs[0].token_ids, lps):
+        assert tok in lp and len(lp) >= 3
+        assert lp[tok] == pytest.approx(max(lp.values()))  # greedy picks the top logprob
+
+
+def test_stream_tokens_match_generate(ckpt, prompts, dense_greedy):
+    llm = make_llm(ckpt)
+    toks = list(llm.stream_tokens(prompts[1], GREEDY))
+    assert toks == dense_greedy[1]
+    assert llm.engine.cache.all_free()
+
+
+def test_metrics_are_reported(ckpt, prompts):
+    llm = make_llm(ckpt)
+    (out,) = llm.generate([prompts[2]], GREEDY, use_tqdm=False)
+    m = out.metrics
+    assert m["num_prompt_tokens"] == len(prompts[2])
+    assert m["num_generated_tokens"] == MAX_TOKENS
+    assert m["time_to_first_token"] > 0 and m["decode_tokens_per_s"] > 0
