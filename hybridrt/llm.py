@@ -121,8 +121,12 @@ class LLM:
         if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
                                                    "vocab.json")):
             return None
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+        if (path / "tokenizer.json").is_file():
+            # tokenizer.json is the whole pipeline; AutoTokenizer would swap in the
+            # model-type class and its own pre-tokenizer.
+            return PreTrainedTokenizerFast.from_pretrained(str(path))
         return AutoTokenizer.from_pretrained(str(path))
 
     @property

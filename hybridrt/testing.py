@@ -196,3 +196,35 @@ def hf_reference_model(text_config: dict[str, Any], state_dict: dict[str, torch.
     if missing or unexpected:
         raise RuntimeError(f"reference model load: missing {missing}, unexpected {unexpected}")
     return model.eval()
+
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def write_char_tokenizer(directory: str | Path, vocab_size: int = 97) -> Path:
+    """A character-level tokenizer (ids 0..2 special, then characters) with a ChatML chat
+    template, for tests of text prompts, stop strings and chat on tiny random models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
+    chars = ["\n"] + [chr(c) for c in range(32, 127) if chr(c) != "`"]
+    vocab = {t: i for i, t in enumerate((specials + chars)[:vocab_size])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.add_special_tokens(specials)
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        bos_token=None, unk_token=None,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(str(directory))
+    return Path(directory)

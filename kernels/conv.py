@@ -33,7 +33,7 @@ def causal_conv1d_varlen(
     init_flags = has_initial_state.tolist()
     slots = state_slots.tolist()
     out = torch.empty_like(x)
-    w = weight.unsqueeze(1)
+    w = weight.float().unsqueeze(1)  # fp32 math: CPU bf16 depthwise conv is slow
     start = 0
     for b, n in enumerate(lens):
         slot = slots[b]
@@ -43,7 +43,7 @@ def causal_conv1d_varlen(
         else:
             prev = x.new_zeros(C, K - 1)
         window = torch.cat([prev.to(x.dtype), seq.t()], dim=1)  # [C, K-1+n]
-        y = F.conv1d(window.unsqueeze(0).to(weight.dtype), w, groups=C)[0]  # [C, n]
+        y = F.conv1d(window.unsqueeze(0).float(), w, groups=C)[0]  # [C, n]
         out[start:start + n] = _act(y, activation).t().to(x.dtype)
         conv_states[slot] = window[:, -(K - 1):].to(conv_states.dtype)
         start += n
@@ -74,7 +74,7 @@ def causal_conv1d_update(
     prev = conv_states[state_slots].to(x.dtype)  # [B, C, K-1]
     window = torch.cat([prev, x.transpose(1, 2)], dim=2)  # [B, C, K-1+L]
     frames = window.unfold(2, K, 1)  # [B, C, L, K]
-    y = (frames.to(weight.dtype) * weight[None, :, None, :]).sum(-1)  # [B, C, L]
+    y = (frames.float() * weight.float()[None, :, None, :]).sum(-1)  # [B, C, L]
     if state_slots_out is None:
         conv_states[state_slots] = window[:, :, L:].to(conv_states.dtype)
     else:

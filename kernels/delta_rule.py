@@ -152,21 +152,23 @@ def recurrent_gated_delta_rule(
     """
     _check(q, k, v, g, beta, states)
     B, L = v.shape[:2]
-    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
-    S = states[state_slots]  # [B, H, DK, DV]
-    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     if state_slots_out is not None and tuple(state_slots_out.shape) != (B, L):
         raise ValueError(f"state_slots_out must be [{B}, {L}], got {tuple(state_slots_out.shape)}")
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
+    H, DK, DV = states.shape[1:]
+    S = states[state_slots].view(B * H, DK, DV)  # gathered copy, updated in place below
+    decay = gf.exp()
+    out = torch.empty(B, L, H, DV, dtype=torch.float32, device=v.device)
     for t in range(L):
-        S = S * gf[:, t, :, None, None].exp()
-        kv = (kf[:, t, :, :, None] * S).sum(-2)  # S^T k: [B, H, DV]
-        delta = (vf[:, t] - kv) * bf[:, t, :, None]
-        S = S + kf[:, t, :, :, None] * delta[:, :, None, :]
-        out[:, t] = (qf[:, t, :, :, None] * S).sum(-2)
+        k_t = kf[:, t].reshape(B * H, 1, DK)
+        S.mul_(decay[:, t].reshape(B * H, 1, 1))
+        delta = (vf[:, t].reshape(B * H, 1, DV) - torch.bmm(k_t, S)) * bf[:, t].reshape(B * H, 1, 1)
+        S.baddbmm_(k_t.transpose(1, 2), delta)  # S += k (beta (v - S^T k))^T
+        out[:, t] = torch.bmm(qf[:, t].reshape(B * H, 1, DK), S).view(B, H, DV)
         if state_slots_out is not None:
-            states[state_slots_out[:, t]] = S
+            states[state_slots_out[:, t]] = S.view(B, H, DK, DV)
     if state_slots_out is None:
-        states[state_slots] = S
+        states[state_slots] = S.view(B, H, DK, DV)
     return out.to(v.dtype)
 
 

@@ -1,0 +1,189 @@
+"""Throughput benchmark: hybridrt vs transformers ``generate`` on the same weights, one run.
+
+    python -m hybridrt.bench throughput            # random-weight 0.8B shape, bf16, 2 threads
+    python -m hybridrt.bench throughput --model DIR --quick
+
+Reports prefill tok/s (one 512-token prompt), decode tok/s at batch 1, and aggregate output
+tok/s with 8 and 32 concurrent requests, for both engines, and the ratios. Timings on shared
+machines are noisy: read the ratios, measured side by side in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hybridrt.sampling_params import SamplingParams
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def make_random_08b(directory: str | Path, seed: int = 0) -> Path:
+    from hybridrt.testing import QWEN35_08B_TEXT_CONFIG, write_random_checkpoint
+
+    return write_random_checkpoint(directory, QWEN35_08B_TEXT_CONFIG, seed=seed,
+                                   dtype=torch.bfloat16)
+
+
+def bench_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: int,
+               concurrency: list[int], prompt_len: int, repeats: int) -> tuple[dict, object]:
+    from hybridrt.llm import LLM
+
+    max_len = max(prefill_len, prompt_len) + decode_tokens + 8
+    llm = LLM(model, dtype=dtype, max_model_len=max_len, max_num_seqs=max(concurrency + [1]),
+              max_num_batched_tokens=max(prefill_len, 512), cache_memory=0.25)
+    vocab = llm.config.vocab_size
+    res: dict[str, float] = {}
+    warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate(_prompts(1, 8, vocab, 99), warm, use_tqdm=False)
+
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    times = []
+    for r in range(repeats):
+        p = _prompts(1, prefill_len, vocab, 100 + r)
+        t = time.perf_counter()
+        llm.generate(p, one, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+    res["prefill_tok_s"] = prefill_len / statistics.median(times)
+
+    sp = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
+    rates = []
+    for r in range(repeats):
+        (out,) = llm.generate(_prompts(1, prompt_len, vocab, 200 + r), sp, use_tqdm=False)
+        rates.append(out.metrics["decode_tokens_per_s"])
+    res["decode_b1_tok_s"] = statistics.median(rates)
+
+    for c in concurrency:
+        prompts = _prompts(c, prompt_len, vocab, 300 + c)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t
+        res[f"aggregate_b{c}_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / dt
+    return res, llm
+
+
+def bench_transformers(state_dict: dict, text_config: dict, dtype: torch.dtype, prefill_len: int,
+                       decode_tokens: int, concurrency: list[int], prompt_len: int,
+                       repeats: int, vocab: int) -> dict:
+    from hybridrt.testing import hf_reference_model
+
+    ref = hf_reference_model(text_config, state_dict, dtype=dtype)
+    gen = {"do_sample": False, "pad_token_id": 0}
+
+    def run(ids: list[list[int]], n: int) -> float:
+        x = torch.tensor(ids)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                         **gen)
+        return time.perf_counter() - t
+
+    res: dict[str, float] = {}
+    run(_prompts(1, 8, vocab, 99), 2)
+    res["prefill_tok_s"] = prefill_len / statistics.median(
+        run(_prompts(1, prefill_len, vocab, 100 + r), 1) for r in range(repeats)
+    )
+    rates = []
+    for r in range(repeats):
+        p = _prompts(1, prompt_len, vocab, 200 + r)
+        t1 = run(p, 1)
+        tn = run(p, decode_tokens)
+        rates.append((decode_tokens - 1) / max(tn - t1, 1e-9))
+    res["decode_b1_tok_s"] = statistics.median(rates)
+    for c in concurrency:
+        n = max(2, decode_tokens // 4) if c > 8 else decode_tokens
+        dt = run(_prompts(c, prompt_len, vocab, 300 + c), n)
+        res[f"aggregate_b{c}_tok_s"] = c * n / dt
+    return res
+
+
+def throughput(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    tmp = None
+    model = args.model
+    if model is None:
+        tmp = tempfile.TemporaryDirectory(prefix="hybridrt-08b-")
+        print("writing a random-weight Qwen3.5-0.8B-shaped checkpoint (bf16) ...", file=sys.stderr)
+        model = str(make_random_08b(tmp.name))
+    print(f"hybridrt: prefill {args.prefill_len}, decode {args.decode_tokens} tokens, "
+          f"concurrency {concurrency}, {args.threads} threads", file=sys.stderr)
+    ours, llm = bench_ours(model, args.dtype, args.prefill_len, args.decode_tokens, concurrency,
+                           args.prompt_len, args.repeats)
+    report = {"model": str(args.model or "random Qwen3.5-0.8B shape"), "dtype": args.dtype,
+              "threads": args.threads, "hybridrt": ours,
+              "ratio_b32_vs_b1": ours.get("aggregate_b32_tok_s", 0.0) / ours["decode_b1_tok_s"]}
+    if not args.no_transformers:
+        import copy
+        import json as _json
+
+        cfg_path = Path(llm.model_path) / "config.json"
+        raw = _json.loads(cfg_path.read_text())
+        text_cfg = copy.deepcopy(raw.get("text_config", raw))
+        text_cfg.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", True))
+        sd = dict(llm.model.state_dict())
+        sd = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
+        vocab = llm.config.vocab_size
+        del llm
+        gc.collect()
+        print("transformers generate on the same weights ...", file=sys.stderr)
+        theirs = bench_transformers(sd, text_cfg, torch.bfloat16 if args.dtype.startswith("b")
+                                    else torch.float32, args.prefill_len, args.decode_tokens,
+                                    concurrency, args.prompt_len, args.repeats, vocab)
+        report["transformers"] = theirs
+        report["ratio_vs_transformers"] = {k: ours[k] / theirs[k] for k in ours if k in theirs}
+    if tmp is not None:
+        tmp.cleanup()
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return report
+
+
+def format_table(report: dict) -> str:
+    ours, theirs = report["hybridrt"], report.get("transformers", {})
+    rows = [f"{'metric':<24}{'hybridrt':>12}{'transformers':>14}{'ratio':>8}"]
+    for k, v in ours.items():
+        t = theirs.get(k)
+        rows.append(f"{k:<24}{v:>12.2f}" + (f"{t:>14.2f}{v / t:>8.2f}" if t else f"{'-':>14}{'-':>8}"))
+    rows.append(f"aggregate b32 / our b1: {report['ratio_b32_vs_b1']:.2f}x")
+    return "\n".join(rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hybridrt.bench")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("throughput", help="prefill / decode / aggregate tok/s vs transformers")
+    t.add_argument("--model", default=None, help="checkpoint dir or hub id (default: random 0.8B)")
+    t.add_argument("--dtype", default="bfloat16")
+    t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--prefill-len", type=int, default=512)
+    t.add_argument("--prompt-len", type=int, default=16)
+    t.add_argument("--decode-tokens", type=int, default=16)
+    t.add_argument("--concurrency", default="8,32")
+    t.add_argument("--repeats", type=int, default=2)
+    t.add_argument("--no-transformers", action="store_true")
+    t.add_argument("--json", default="bench-throughput.json")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "throughput":
+        throughput(args)
+
+
+if __name__ == "__main__":
+    main()

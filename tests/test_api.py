@@ -1,0 +1,92 @@
+"""The public API with text: tokenizer round trip, stop strings, streaming, chat."""
+
+import pytest
+
+from hybridrt import LLM, SamplingParams
+from hybridrt.testing import tiny_text_config, write_char_tokenizer, write_random_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    d = write_random_checkpoint(tmp_path_factory.mktemp("tiny-tok"), tiny_text_config(), seed=5)
+    write_char_tokenizer(d)
+    return LLM(d, dtype="float32", max_model_len=256, max_num_seqs=4, cache_memory=16 << 20)
+
+
+def test_text_prompt_is_tokenized_and_output_detokenized(llm):
+    (out,) = llm.generate("Hello, world", GREEDY, use_tqdm=False)
+    assert out.prompt == "Hello, world"
+    assert out.prompt_token_ids == llm.tokenizer.encode("Hello, world", add_special_tokens=False)
+    c = out.outputs[0]
+    assert len(c.token_ids) == 24
+    assert c.text == llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+
+
+def _stop_candidate(text: str) -> tuple[str, int]:
+    for i in range(3, len(text) - 2):
+        s = text[i:i + 2]
+        if text.find(s) == i and s.strip():
+            return s, i
+    pytest.skip("no usable stop string in this output")
+
+
+def test_stop_string_cuts_text(llm):
+    (free,) = llm.generate("The quick brown fox", GREEDY, use_tqdm=False)
+    stop, at = _stop_candidate(free.outputs[0].text)
+    sp = GREEDY.clone(stop=[stop, "never-appears"])
+    (cut,) = llm.generate("The quick brown fox", sp, use_tqdm=False)
+    c = cut.outputs[0]
+    assert c.text == free.outputs[0].text[:at]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert len(c.token_ids) < len(free.outputs[0].token_ids)
+    (kept,) = llm.generate("The quick brown fox", sp.clone(include_stop_str_in_output=True),
+                           use_tqdm=False)
+    assert kept.outputs[0].text == free.outputs[0].text[:at + len(stop)]
+
+
+def test_stream_deltas_concatenate_to_the_generated_text(llm):
+    (full,) = llm.generate("streaming", GREEDY, use_tqdm=False)
+    deltas = list(llm.stream("streaming", GREEDY))
+    assert len(deltas) > 1
+    assert "".join(deltas) == full.outputs[0].text
+    assert llm.engine.cache.all_free()
+
+
+def test_stream_abandoned_midway_frees_its_request(llm):
+    it = llm.stream("abandon", GREEDY)
+    next(it)
+    it.close()
+    assert llm.engine.cache.all_free()
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_applies_the_template(llm):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    (out,) = llm.chat(msgs, GREEDY, use_tqdm=False,
+                      chat_template_kwargs={"enable_thinking": False})
+    expected = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n" \
+               "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert out.prompt == expected
+    assert out.prompt_token_ids == llm.tokenizer.encode(expected, add_special_tokens=False)
+    outs = llm.chat([msgs, msgs[1:]], GREEDY, use_tqdm=False)
+    assert len(outs) == 2 and outs[1].prompt.startswith("<|im_start|>user")
+
+
+def test_batch_mixes_text_and_token_prompts_in_order(llm):
+    ids = llm.tokenizer.encode("abc", add_special_tokens=False)
+    outs = llm.generate(["abc", ids, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids \
+        == outs[2].outputs[0].token_ids
+
+
+def test_empty_text_prompt_is_rejected_alone(llm):
+    outs = llm.generate(["", "ok"], GREEDY, use_tqdm=False)
+    assert isinstance(outs[0].error, ValueError) and "empty" in str(outs[0].error)
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 24
+
+
+def test_progress_bar_writes_to_stderr(llm, capsys):
+    llm.generate(["a", "b"], GREEDY.clone(max_tokens=2), use_tqdm=True)
+    assert "generate" in capsys.readouterr().err
