@@ -18,7 +18,17 @@ from hybridrt.runner import ModelRunner
 from hybridrt.sampler import Sampler, SamplingRow, find_stop, make_generator
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.scheduler import Scheduler, StepPlan
+from hybridrt.specdec.mtp import MTPProposer
+from hybridrt.specdec.stats import SpecStats
+from hybridrt.specdec.verify import VerifyItem, verify_drafts
 from hybridrt.statecache import HybridCacheManager
+
+
+@dataclass(slots=True)
+class Emitted:
+    token_ids: list[int]
+    logprobs: list | None  # RowLogprobs per token, when asked for
+    num_accepted: int | None  # drafts accepted (verify steps only)
 
 
 @dataclass(slots=True)
@@ -38,7 +48,7 @@ class EngineConfig:
 class LLMEngine:
     def __init__(self, model: Qwen35ForCausalLM, config: ModelConfig, cache: HybridCacheManager,
                  engine_config: EngineConfig, tokenizer: Any = None, seed: int | None = 0,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", speculative_tokens: int = 0):
         self.model = model
         self.config = config
         self.cache = cache
@@ -48,6 +58,12 @@ class LLMEngine:
         self.scheduler = Scheduler(cache, engine_config.max_num_seqs,
                                    engine_config.max_num_batched_tokens)
         self.sampler = Sampler(seed=seed)  # shared generator for requests without a seed
+        self.speculative_tokens = speculative_tokens
+        self.proposer = None
+        if speculative_tokens > 0:
+            self.proposer = MTPProposer(model, cache, self.sampler, engine_config.max_model_len,
+                                        device)
+        self.spec_stats = SpecStats(speculative_tokens)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = {"num_steps": 0, "num_preemptions": 0, "num_prefill_tokens": 0,
@@ -74,16 +90,24 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    prompt: str | None = None, request_id: str | None = None) -> str:
+                    prompt: str | None = None, request_id: str | None = None,
+                    speculative_tokens: int | None = None) -> str:
         """Validate and queue a request -> its id. Raises ValueError for bad input; nothing
-        is queued then."""
+        is queued then. ``speculative_tokens``: drafts per step for this request (default:
+        the engine's; 0 turns speculation off for it)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        k = self.speculative_tokens if speculative_tokens is None else speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= self.speculative_tokens:
+            raise ValueError(
+                f"speculative_tokens must be an integer in [0, {self.speculative_tokens}] (the "
+                f"engine's speculative_tokens), got {speculative_tokens!r}"
+            )
         ids = self.validate_prompt(prompt_token_ids)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, prompt, ids, params, self._stop_ids(params))
+        req = Request(rid, prompt, ids, params, self._stop_ids(params), spec_k=k)
         req.generator = make_generator(params)
         self.requests[rid] = req
         self.scheduler.add(req)
@@ -114,47 +138,89 @@ class LLMEngine:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
         batch = self.runner.prepare(plan)
-        logits = self.runner.execute(batch)
-        sampled = [s.request for s in plan.seqs if s.sample]
-        tokens, logprobs = self._sample(logits, sampled)
-        self._update(plan, tokens, logprobs)
+        hidden = self.runner.forward(batch)
+        logits = self.runner.logits(hidden, batch)
+        emitted = self._sample(plan, logits)
+        settled = self._update(plan, emitted)
+        if self.proposer is not None:
+            self.proposer.propose(plan, batch.cu_seqlens.tolist(), hidden, settled)
         self.stats["num_steps"] += 1
-        return [s.request for s in plan.seqs if s.sample]
+        return [s.request for s in plan.seqs if s.sample or s.num_drafts]
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]):
-        if not reqs:
-            return [], None
-        rows = [
-            SamplingRow(
-                params=r.params, prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids,
-                generator=r.generator,
-                eos_token_ids=r.eos_token_ids,
-            )
-            for r in reqs
-        ]
-        out = self.sampler.sample(logits, rows)
-        return out.token_ids.tolist(), out.logprobs
+    def _row(self, req: Request, drafts: list[int] = ()) -> SamplingRow:
+        return SamplingRow(params=req.params, prompt_token_ids=req.prompt_token_ids,
+                           output_token_ids=req.output_token_ids + list(drafts),
+                           generator=req.generator, eos_token_ids=req.eos_token_ids)
 
-    def _update(self, plan: StepPlan, tokens: list[int], logprobs) -> None:
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[Emitted | None]:
+        """Per scheduled sequence: the tokens it emits this step (None: mid-prompt chunk)."""
+        normal, verify = [], []
+        r = 0
+        for b, s in enumerate(plan.seqs):
+            if s.num_drafts:
+                verify.append((b, r))
+                r += s.num_new_tokens
+            elif s.sample:
+                normal.append((b, r))
+                r += 1
+        emitted: list[Emitted | None] = [None] * len(plan.seqs)
+        if normal:
+            idx = torch.tensor([r for _, r in normal], device=logits.device)
+            out = self.sampler.sample(logits[idx], [self._row(plan.seqs[b].request)
+                                                    for b, _ in normal])
+            toks = out.token_ids.tolist()
+            for n, (b, _) in enumerate(normal):
+                lp = None if out.logprobs is None else [out.logprobs[n]]
+                emitted[b] = Emitted([toks[n]], lp, None)
+        if verify:
+            items, idx = [], []
+            for b, r0 in verify:
+                s = plan.seqs[b]
+                req, k = s.request, s.num_drafts
+                d = req.draft_token_ids[:k]
+                items.append(VerifyItem([self._row(req, d[:i]) for i in range(k + 1)], d,
+                                        req.draft_probs))
+                idx.extend(range(r0, r0 + k + 1))
+            vlogits = logits[torch.tensor(idx, device=logits.device)]
+            results = verify_drafts(self.sampler, vlogits, items)
+            off = 0
+            for (b, _), it, (toks, a) in zip(verify, items, results):
+                lp = None
+                if it.rows[0].params.logprobs is not None:
+                    lp = self.sampler.logprobs(vlogits[off:off + a + 1], it.rows[:a + 1],
+                                               torch.tensor(toks, device=logits.device))
+                emitted[b] = Emitted(toks, lp, a)
+                off += len(it.rows)
+        return emitted
+
+    def _update(self, plan: StepPlan, emitted: list[Emitted | None]) -> list[int]:
+        """Apply a step's results -> per sequence the number of positions now settled."""
         now = time.perf_counter()
-        k = 0
-        for s in plan.seqs:
+        settled = []
+        for s, em in zip(plan.seqs, emitted):
             req = s.request
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                computed_prompt = min(s.num_new_tokens,
-                                      req.num_prompt_tokens - req.num_computed_tokens)
+            if s.start < req.num_prompt_tokens:
+                computed_prompt = min(s.num_new_tokens, req.num_prompt_tokens - s.start)
                 req.metrics.num_computed_prompt_tokens += computed_prompt
                 self.stats["num_prefill_tokens"] += computed_prompt
-            req.num_computed_tokens += s.num_new_tokens
-            if not s.sample:
+            n = s.num_new_tokens
+            if s.num_drafts:
+                n = s.num_new_tokens - s.num_drafts + em.num_accepted
+                req.slot_cursor = em.num_accepted  # state after the last accepted token
+                req.spec_stats.record(s.num_drafts, em.num_accepted)
+            req.num_computed_tokens += n
+            settled.append(n)
+            req.draft_token_ids, req.draft_probs = [], None
+            if em is None:
                 continue
-            tok = tokens[k]
-            if logprobs is not None and req.logprobs is not None and logprobs[k] is not None:
-                lp = logprobs[k]
-                req.logprobs.append({**dict(lp.top), lp.token_id: lp.logprob})
-            k += 1
-            self._append_token(req, tok, now)
+            for i, tok in enumerate(em.token_ids):
+                lp = em.logprobs[i] if em.logprobs is not None else None
+                if lp is not None and req.logprobs is not None:
+                    req.logprobs.append({**dict(lp.top), lp.token_id: lp.logprob})
+                self._append_token(req, tok, now)
+                if req.is_finished:
+                    break
+        return settled
 
     def _append_token(self, req: Request, tok: int, now: float) -> None:
         req.token_ids.append(tok)
@@ -199,7 +265,10 @@ class LLMEngine:
 
     def _finish(self, req: Request) -> None:
         self.scheduler.finish(req)
+        req.reset_speculation()
         req.metrics.finished_time = time.perf_counter()
+        if req.spec_stats is not None:
+            self.spec_stats.merge(req.spec_stats)
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:
         ids = [] if params.ignore_eos else list(self.config.eos_token_ids)
@@ -218,6 +287,8 @@ class LLMEngine:
             logprobs=None if req.logprobs is None else list(req.logprobs),
         )
         metrics = req.metrics.as_dict()
+        if req.spec_stats is not None:
+            metrics["spec"] = req.spec_stats.as_dict()
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt,
             prompt_token_ids=list(req.prompt_token_ids), outputs=[out],

@@ -8,6 +8,16 @@ import torch
 
 
 @dataclass(slots=True)
+class RecurrentGroup:
+    """Sequences that continue from a GDN state with the same number L of new tokens (decode:
+    L = 1; draft verification: L = 1 + k). ``rows`` are their tokens' rows in the batch."""
+
+    seqs: torch.Tensor  # [n]
+    rows: torch.Tensor  # [n, L]
+    state_slots_out: torch.Tensor | None  # [n, L] slot receiving the state after each token
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     """One model step over B sequences with T tokens in all (packed, no padding).
 
@@ -19,13 +29,15 @@ class ForwardBatch:
     | seq_lens | [B] | context length after this step (cached + new) |
     | slot_mapping | [T] | flat KV slot (block * block_size + offset) each token writes |
     | block_tables | [B, M] | KV blocks of each sequence, in order (pad with any valid id) |
-    | state_slots | [B] | GDN state slot of each sequence |
+    | state_slots | [B] | GDN state slot each sequence starts from (and, unless verifying, ends in) |
     | has_initial_state | [B] | False for a sequence's first chunk (start from zero state) |
     | logits_indices | [N] | rows of the hidden states whose logits are wanted |
-    | state_slots_out | [B, L] or None | verify steps: slot receiving the state after token t |
+    | verify_slots | B lists or None | for a verifying sequence, the slot receiving the state after each of its tokens; None otherwise |
 
     Host-side copies (``query_lens``, ``context_lens``) are derived once here so that kernels do
-    not sync on device tensors.
+    not sync on device tensors. GDN routing: sequences continuing from a state with one new
+    token, or verifying drafts, take the recurrent kernel (grouped by length); all others (prompt
+    chunks) take the chunked kernel.
     """
 
     input_ids: torch.Tensor
@@ -37,15 +49,12 @@ class ForwardBatch:
     state_slots: torch.Tensor
     has_initial_state: torch.Tensor
     logits_indices: torch.Tensor
-    state_slots_out: torch.Tensor | None = None
+    verify_slots: list[list[int] | None] | None = None
     query_lens: list[int] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)
-    # GDN routing: sequences continuing from a state with one new token take the recurrent
-    # path together; all others (prompt chunks) take the chunked path.
-    recurrent_seqs: torch.Tensor | None = None
-    recurrent_rows: torch.Tensor | None = None
+    recurrent_groups: list[RecurrentGroup] = field(default_factory=list)
     chunk_seqs: list[int] = field(default_factory=list)
-    chunk_rows: torch.Tensor | None = None
+    chunk_rows: torch.Tensor | None = None  # None: every token belongs to a chunked sequence
 
     def __post_init__(self) -> None:
         B = self.cu_seqlens.numel() - 1
@@ -61,17 +70,32 @@ class ForwardBatch:
             self.context_lens = self.seq_lens.tolist()
         if sum(self.query_lens) != self.input_ids.numel():
             raise ValueError("cu_seqlens does not cover input_ids")
-        if self.state_slots_out is not None:
-            return
+        verify = self.verify_slots or [None] * B
+        if len(verify) != B:
+            raise ValueError("verify_slots needs one entry per sequence")
         init = self.has_initial_state.tolist()
         starts = self.cu_seqlens[:-1].tolist()
-        rec = [b for b in range(B) if self.query_lens[b] == 1 and init[b]]
-        self.chunk_seqs = [b for b in range(B) if not (self.query_lens[b] == 1 and init[b])]
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for b in range(B):
+            n = self.query_lens[b]
+            if verify[b] is not None:
+                if len(verify[b]) != n or not init[b]:
+                    raise ValueError(f"sequence {b}: verify needs a state and one slot per token")
+                groups.setdefault((n, True), []).append(b)
+            elif n == 1 and init[b]:
+                groups.setdefault((1, False), []).append(b)
+            else:
+                self.chunk_seqs.append(b)
         dev = self.input_ids.device
-        if rec:
-            self.recurrent_seqs = torch.tensor(rec, device=dev)
-            self.recurrent_rows = torch.tensor([starts[b] for b in rec], device=dev)
-        if self.chunk_seqs and rec:
+        self.recurrent_groups = [
+            RecurrentGroup(
+                seqs=torch.tensor(bs, device=dev),
+                rows=torch.tensor([[starts[b] + t for t in range(n)] for b in bs], device=dev),
+                state_slots_out=torch.tensor([verify[b] for b in bs], device=dev) if v else None,
+            )
+            for (n, v), bs in groups.items()
+        ]
+        if self.chunk_seqs and self.recurrent_groups:
             self.chunk_rows = torch.cat([
                 torch.arange(starts[b], starts[b] + self.query_lens[b], device=dev)
                 for b in self.chunk_seqs

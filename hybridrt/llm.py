@@ -76,11 +76,23 @@ class LLM:
         seed: int | None = 0,
         tokenizer: Any = "auto",
         device: str | torch.device = "cpu",
+        speculative_tokens: int = 0,
     ):
+        if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or (
+            speculative_tokens < 0
+        ):
+            raise ValueError(f"speculative_tokens must be an integer >= 0, got {speculative_tokens!r}")
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         path = default_model() if model is None else model
-        self.model, self.config, self.model_path = load_model(path, self.dtype, device=self.device)
+        self.model, self.config, self.model_path = load_model(
+            path, self.dtype, with_mtp=speculative_tokens > 0, device=self.device
+        )
+        if speculative_tokens > 0 and self.model.mtp is None:
+            raise ValueError(
+                f"speculative_tokens={speculative_tokens} needs MTP weights, but the checkpoint "
+                f"at {self.model_path} has no mtp.* tensors (use speculative_tokens=0)"
+            )
         if max_model_len is None:
             max_model_len = min(self.config.max_position_embeddings, 4096)
         if not isinstance(max_model_len, int) or max_model_len <= 1:
@@ -95,21 +107,21 @@ class LLM:
         engine_config = EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens,
                                      block_size)
         mem_bytes, mem_fraction = parse_memory(cache_memory)
+        extra_layers = self.model.num_attention_caches - len(self.config.full_attention_layers)
         sizing = plan_cache(
             self.config, max_model_len, max_num_seqs, block_size, self.dtype,
             memory_bytes=mem_bytes, memory_fraction=mem_fraction,
-            num_extra_attention_layers=self.model.num_attention_caches
-            - len(self.config.full_attention_layers),
-            device=self.device,
+            slots_per_request=1 + speculative_tokens, num_extra_attention_layers=extra_layers,
+            device=self.device, lookahead_tokens=speculative_tokens,
         )
         cache = HybridCacheManager(
             self.config, sizing, self.dtype, self.device,
-            num_extra_attention_layers=self.model.num_attention_caches
-            - len(self.config.full_attention_layers),
+            slots_per_request=1 + speculative_tokens, num_extra_attention_layers=extra_layers,
         )
         self.tokenizer = self._load_tokenizer(tokenizer)
         self.engine = LLMEngine(self.model, self.config, cache, engine_config, self.tokenizer,
-                                seed=seed, device=self.device)
+                                seed=seed, device=self.device,
+                                speculative_tokens=speculative_tokens)
 
     # Set-up ------------------------------------------------------------------------------
     def _load_tokenizer(self, tokenizer: Any):
@@ -173,25 +185,28 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return params
 
-    def _add(self, prompt: PromptType, params) -> str:
+    def _add(self, prompt: PromptType, params, speculative_tokens: int | None = None) -> str:
         if isinstance(params, dict):
             params = SamplingParams(**params)
         text, ids = self._encode(prompt)
-        return self.engine.add_request(ids, params, prompt=text)
+        return self.engine.add_request(ids, params, prompt=text,
+                                       speculative_tokens=speculative_tokens)
 
     # Generation --------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
+                 speculative_tokens: int | None = None) -> list[RequestOutput]:
         """prompts: a str / token-id list / {'prompt_token_ids': [...]} or a list of them.
         sampling_params: one SamplingParams (or dict of its fields) for all, or one per prompt.
         Returns one RequestOutput per prompt, in input order. A prompt whose input is invalid
         gets an output with ``error`` (a ValueError) and finish_reason 'error'; the others run.
+        speculative_tokens: MTP drafts per step for this call (default: the LLM's; 0 = off).
         """
         prompts = self._as_list(prompts)
         params = self._params(sampling_params, len(prompts))
         slots: list[str | RequestOutput] = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
-                slots.append(self._add(p, sp))
+                slots.append(self._add(p, sp, speculative_tokens))
             except (ValueError, TypeError) as e:
                 err = e if isinstance(e, ValueError) else ValueError(str(e))
                 slots.append(_error_output(f"error-{i}", p, err))
@@ -227,14 +242,16 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template_kwargs: dict | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             speculative_tokens: int | None = None) -> list[RequestOutput]:
         """messages: one conversation (list of {'role', 'content'}) or a list of them."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, chat_template_kwargs, add_generation_prompt)
                    for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             speculative_tokens=speculative_tokens)
 
     def apply_chat_template(self, conversation: list[dict], chat_template_kwargs=None,
                             add_generation_prompt: bool = True) -> str:

@@ -121,48 +121,36 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :]
         core = torch.empty(T, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
 
-        if batch.state_slots_out is not None:
-            # Draft verification: every sequence has the same L tokens; keep every state.
-            B = batch.num_seqs
-            L = T // B
-            slots = batch.state_slots
-            out_slots = batch.state_slots_out
-            m = causal_conv1d_update(mixed.view(B, L, -1), weight, conv_states, slots,
-                                     state_slots_out=out_slots)
-            q, k, v = self._split(m.reshape(T, -1))
-            core = recurrent_gated_delta_rule(
-                q.view(B, L, *q.shape[1:]), k.view(B, L, *k.shape[1:]),
-                v.view(B, L, *v.shape[1:]), g.view(B, L, -1), beta.view(B, L, -1),
-                ssm_states, slots, state_slots_out=out_slots,
-            ).reshape(T, self.num_v_heads, self.head_v_dim)
-        else:
-            if batch.recurrent_rows is not None:
-                rows, seqs = batch.recurrent_rows, batch.recurrent_seqs
-                slots = batch.state_slots[seqs]
-                m = causal_conv1d_update(mixed[rows][:, None], weight, conv_states, slots)[:, 0]
-                q, k, v = self._split(m)
-                core[rows] = recurrent_gated_delta_rule(
-                    q[:, None], k[:, None], v[:, None], g[rows][:, None], beta[rows][:, None],
-                    ssm_states, slots,
-                )[:, 0]
-            if batch.chunk_seqs:
-                idx = batch.chunk_seqs
-                rows = batch.chunk_rows
-                part = (lambda t: t) if rows is None else (lambda t: t[rows])
-                lens = [batch.query_lens[b] for b in idx]
-                cu = torch.tensor([0] + lens, device=x.device).cumsum(0)
-                sel = torch.tensor(idx, device=x.device)
-                slots = batch.state_slots[sel]
-                init = batch.has_initial_state[sel]
-                m = causal_conv1d_varlen(part(mixed), weight, cu, conv_states, slots, init,
-                                         seq_lens=lens)
-                q, k, v = self._split(m)
-                o = chunk_gated_delta_rule(q, k, v, part(g), part(beta), cu, ssm_states, slots,
-                                           init, seq_lens=lens)
-                if rows is None:
-                    core = o
-                else:
-                    core[rows] = o
+        for grp in batch.recurrent_groups:
+            n, L = grp.rows.shape
+            rows = grp.rows.reshape(-1)
+            slots = batch.state_slots[grp.seqs]
+            m = causal_conv1d_update(mixed[rows].view(n, L, -1), weight, conv_states, slots,
+                                     state_slots_out=grp.state_slots_out)
+            q, k, v = self._split(m.reshape(n * L, -1))
+            core[rows] = recurrent_gated_delta_rule(
+                q.view(n, L, *q.shape[1:]), k.view(n, L, *k.shape[1:]),
+                v.view(n, L, *v.shape[1:]), g[rows].view(n, L, -1), beta[rows].view(n, L, -1),
+                ssm_states, slots, state_slots_out=grp.state_slots_out,
+            ).reshape(n * L, self.num_v_heads, self.head_v_dim)
+        if batch.chunk_seqs:
+            idx = batch.chunk_seqs
+            rows = batch.chunk_rows
+            lens = [batch.query_lens[b] for b in idx]
+            cu = torch.tensor([0] + lens, device=x.device).cumsum(0)
+            sel = torch.tensor(idx, device=x.device)
+            slots = batch.state_slots[sel]
+            init = batch.has_initial_state[sel]
+            part = (lambda t: t) if rows is None else (lambda t: t[rows])
+            m = causal_conv1d_varlen(part(mixed), weight, cu, conv_states, slots, init,
+                                     seq_lens=lens)
+            q, k, v = self._split(m)
+            o = chunk_gated_delta_rule(q, k, v, part(g), part(beta), cu, ssm_states, slots, init,
+                                       seq_lens=lens)
+            if rows is None:
+                core = o
+            else:
+                core[rows] = o
         y = self.norm(core, z).reshape(T, self.value_dim)
         return self.out_proj(y)
 
@@ -275,6 +263,21 @@ class Qwen35ForCausalLM(nn.Module):
         for layer in self.model.layers:
             h = layer(h, batch, cache, cos, sin)
         return self.model.norm(h)
+
+    def mtp_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+                    cache: CacheTensors) -> torch.Tensor:
+        """One MTP pass: token ``input_ids[i]`` (= t[p+1]) and the hidden state ``hidden[i]``
+        at position p (the target's final-normed output, or the MTP's own output when
+        drafting further) -> the MTP's normed output [n, hidden], whose logits predict t[p+2].
+        ``batch`` holds positions p, KV slots and block tables of the MTP's own KV cache."""
+        if self.mtp is None:
+            raise RuntimeError("this model was loaded without its MTP head")
+        m = self.mtp
+        e = m.pre_fc_norm_embedding(self.model.embed_tokens(input_ids))
+        x = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden)], dim=-1))
+        cos, sin = self.rope(batch.positions, x.dtype)
+        x = m.layers[0](x, batch, cache, cos, sin)
+        return m.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows to sample) -> fp32 logits [N, vocab]."""

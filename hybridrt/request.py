@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridrt.sampling_params import SamplingParams
+from hybridrt.specdec.stats import SpecStats
 
 
 class RequestStatus(enum.Enum):
@@ -76,8 +77,17 @@ class Request:
     logprobs: list[dict[int, float]] | None = None
     text: str = ""
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+    # Speculative decoding: k drafts per step; drafts wait here until verified. The request
+    # owns 1 + k state slots and its current GDN state is in slot number ``slot_cursor``.
+    spec_k: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [len(drafts), V] the drafts were sampled from
+    slot_cursor: int = 0
+    spec_stats: SpecStats | None = None
 
     def __post_init__(self) -> None:
+        if self.spec_k > 0 and self.spec_stats is None:
+            self.spec_stats = SpecStats(self.spec_k)
         self.token_ids = list(self.prompt_token_ids)
         self.metrics.num_prompt_tokens = len(self.prompt_token_ids)
         if self.params.logprobs is not None:
@@ -98,3 +108,9 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def reset_speculation(self) -> None:
+        """Drop pending drafts and go back to the first slot (preemption, abort)."""
+        self.draft_token_ids = []
+        self.draft_probs = None
+        self.slot_cursor = 0

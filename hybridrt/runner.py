@@ -10,6 +10,61 @@ from hybridrt.scheduler import StepPlan
 from hybridrt.statecache import HybridCacheManager
 
 
+def build_batch(
+    token_lists: list[list[int]],
+    starts: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    state_slots: list[int] | None = None,
+    logits_rows: list[str] | None = None,
+    verify_slots: list[list[int] | None] | None = None,
+    device: torch.device | str = "cpu",
+) -> ForwardBatch:
+    """Flat batch for sequences whose new tokens ``token_lists[b]`` sit at positions
+    ``starts[b]..``. Per-token quantities (positions, KV slots) are computed with tensor ops.
+
+    logits_rows[b]: "none", "last" (the row of the sequence's last token) or "all" (every row,
+    draft verification). Default: "last" for every sequence.
+    """
+    B = len(token_lists)
+    ids: list[int] = []
+    for t in token_lists:
+        ids.extend(t)
+    q_lens_list = [len(t) for t in token_lists]
+    q_lens = torch.tensor(q_lens_list, dtype=torch.long)
+    computed = torch.tensor(starts, dtype=torch.long)
+    cu = torch.zeros(B + 1, dtype=torch.long)
+    torch.cumsum(q_lens, 0, out=cu[1:])
+    T = int(cu[-1])
+    seq_idx = torch.repeat_interleave(torch.arange(B), q_lens)
+    positions = computed[seq_idx] + torch.arange(T) - cu[:-1][seq_idx]
+    width = max(len(t) for t in block_tables)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+    slot_mapping = tables[seq_idx, positions // block_size] * block_size + positions % block_size
+    modes = logits_rows or ["last"] * B
+    want_last = torch.tensor([m == "last" for m in modes], dtype=torch.bool)
+    want_all = torch.tensor([m == "all" for m in modes], dtype=torch.bool)
+    is_last = torch.zeros(T, dtype=torch.bool)
+    is_last[cu[1:] - 1] = True
+    rows = (want_all[seq_idx] | (want_last[seq_idx] & is_last)).nonzero().view(-1)
+    slots = torch.tensor(state_slots if state_slots is not None else [0] * B, dtype=torch.long)
+    dev = torch.device(device)
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long).to(dev),
+        positions=positions.to(dev),
+        cu_seqlens=cu.to(dev),
+        seq_lens=(computed + q_lens).to(dev),
+        slot_mapping=slot_mapping.to(dev),
+        block_tables=tables.to(dev),
+        state_slots=slots.to(dev),
+        has_initial_state=(computed > 0).to(dev),
+        logits_indices=rows.to(dev),
+        verify_slots=verify_slots,
+        query_lens=q_lens_list,
+        context_lens=[c + n for c, n in zip(starts, q_lens_list)],
+    )
+
+
 class ModelRunner:
     def __init__(self, model: Qwen35ForCausalLM, cache: HybridCacheManager,
                  device: torch.device | str = "cpu"):
@@ -19,52 +74,35 @@ class ModelRunner:
         self.block_size = cache.block_size
 
     def prepare(self, plan: StepPlan) -> ForwardBatch:
-        """Vectorised batch construction: per-sequence lists are concatenated once, every
-        per-token quantity (positions, KV slots) is computed with tensor ops."""
-        seqs = plan.seqs
-        ids: list[int] = []
-        for s in seqs:
-            c = s.request.num_computed_tokens
-            ids.extend(s.request.token_ids[c:c + s.num_new_tokens])
-        dev = self.device
-        q_lens_list = [s.num_new_tokens for s in seqs]
-        computed_list = [s.request.num_computed_tokens for s in seqs]
-        q_lens = torch.tensor(q_lens_list, dtype=torch.long)
-        computed = torch.tensor(computed_list, dtype=torch.long)
-        cu = torch.zeros(len(seqs) + 1, dtype=torch.long)
-        torch.cumsum(q_lens, 0, out=cu[1:])
-        T = int(cu[-1])
-        seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
-        positions = computed[seq_idx] + torch.arange(T) - cu[:-1][seq_idx]
-        tables = [self.cache.block_tables[s.request.request_id] for s in seqs]
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        bs = self.block_size
-        slot_mapping = block_tables[seq_idx, positions // bs] * bs + positions % bs
-        seq_lens = computed + q_lens
-        state_slots = torch.tensor(
-            [self.cache.state_slots[s.request.request_id][0] for s in seqs], dtype=torch.long
-        )
-        sample = torch.tensor([s.sample for s in seqs], dtype=torch.bool)
-        logits_indices = (cu[1:] - 1)[sample]
-        return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long).to(dev),
-            positions=positions.to(dev),
-            cu_seqlens=cu.to(dev),
-            seq_lens=seq_lens.to(dev),
-            slot_mapping=slot_mapping.to(dev),
-            block_tables=block_tables.to(dev),
-            state_slots=state_slots.to(dev),
-            has_initial_state=(computed > 0).to(dev),
-            logits_indices=logits_indices.to(dev),
-            query_lens=q_lens_list,
-            context_lens=[c + n for c, n in zip(computed_list, q_lens_list)],
-        )
+        """The step's batch: each request's uncomputed tokens (plus its drafts when verifying)
+        from its state slot; logits rows: the last token of sampling requests, every token
+        of verifying ones."""
+        tokens, starts, tables, slots, modes, verify = [], [], [], [], [], []
+        for s in plan.seqs:
+            req = s.request
+            c = req.num_computed_tokens
+            real = s.num_new_tokens - s.num_drafts
+            tokens.append(req.token_ids[c:c + real] + req.draft_token_ids[:s.num_drafts])
+            starts.append(c)
+            tables.append(self.cache.block_tables[req.request_id])
+            own = self.cache.state_slots[req.request_id]
+            slots.append(own[req.slot_cursor])
+            modes.append("all" if s.num_drafts else ("last" if s.sample else "none"))
+            verify.append(own[:s.num_drafts + 1] if s.num_drafts else None)
+        return build_batch(tokens, starts, tables, self.block_size, slots, modes,
+                           verify if any(v is not None for v in verify) else None, self.device)
 
     @torch.inference_mode()
-    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> final-normed hidden states [T, hidden]."""
+        return self.model(batch, self.cache.tensors)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """-> fp32 logits [N, vocab] for the rows in ``batch.logits_indices`` only."""
-        hidden = self.model(batch, self.cache.tensors)
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.logits(self.forward(batch), batch)

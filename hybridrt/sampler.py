@@ -111,6 +111,16 @@ class Sampler:
             out.logprobs = _gather_logprobs(logprobs, token_ids, rows, wanted)
         return out
 
+    def logprobs(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 token_ids: torch.Tensor) -> list[RowLogprobs | None] | None:
+        """Logprobs of given tokens (e.g. accepted drafts), computed as ``sample`` does."""
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not wanted:
+            return None
+        index = torch.tensor(wanted, device=logits.device)
+        lp = torch.log_softmax(self._penalise(logits[index], [rows[i] for i in wanted]), dim=-1)
+        return _gather_logprobs(lp, token_ids, rows, wanted)
+
     def prepare(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Processed logits ``[N, V]`` fp32 (a new tensor; ``logits`` is left alone).
 

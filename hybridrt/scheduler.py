@@ -25,8 +25,10 @@ from hybridrt.statecache import HybridCacheManager
 @dataclass(slots=True)
 class ScheduledSeq:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # tokens fed this step, drafts included
     sample: bool  # this step reaches the end of the known tokens: a new token is sampled
+    num_drafts: int = 0  # > 0: verify this many of the request's drafts
+    start: int = 0  # num_computed_tokens before the step
 
 
 @dataclass(slots=True)
@@ -63,14 +65,18 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
-            while not self.cache.allocate_blocks(req.request_id, req.num_computed_tokens + n):
+            pending = len(req.token_ids) - req.num_computed_tokens
+            drafts = len(req.draft_token_ids) if pending == 1 else 0
+            n = min(pending + drafts, budget)
+            # KV for this step, plus room for the MTP layer to write its next drafts.
+            need = req.num_computed_tokens + n + req.spec_k
+            while not self.cache.allocate_blocks(req.request_id, need):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
                 if victim is req:
                     break
             else:
-                plan.seqs.append(self._entry(req, n))
+                plan.seqs.append(self._entry(req, n, max(0, n - pending)))
                 budget -= n
                 i += 1
 
@@ -79,15 +85,16 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = min(len(req.token_ids) - req.num_computed_tokens, budget)
-            if not self.cache.allocate_state(req.request_id):
+            if not self.cache.allocate_state(req.request_id, 1 + req.spec_k):
                 break
-            if not self.cache.allocate_blocks(req.request_id, req.num_computed_tokens + n):
+            if not self.cache.allocate_blocks(req.request_id,
+                                              req.num_computed_tokens + n + req.spec_k):
                 self.cache.free(req.request_id)
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            plan.seqs.append(self._entry(req, n))
+            plan.seqs.append(self._entry(req, n, 0))
             budget -= n
         return plan
 
@@ -100,13 +107,15 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
 
-    def _entry(self, req: Request, n: int) -> ScheduledSeq:
-        return ScheduledSeq(req, n, req.num_computed_tokens + n == len(req.token_ids))
+    def _entry(self, req: Request, n: int, num_drafts: int) -> ScheduledSeq:
+        sample = req.num_computed_tokens + n - num_drafts == len(req.token_ids)
+        return ScheduledSeq(req, n, sample, num_drafts, req.num_computed_tokens)
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.cache.free(req.request_id)
         self.running.remove(req)
         req.num_computed_tokens = 0
+        req.reset_speculation()
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -1,0 +1,5 @@
+"""Speculative decoding: the MTP proposer, draft verification and acceptance statistics."""
+
+from .stats import SpecStats
+
+__all__ = ["SpecStats"]

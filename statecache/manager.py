@@ -83,9 +83,11 @@ def plan_cache(
     slots_per_request: int = 1,
     num_extra_attention_layers: int = 0,
     device: torch.device | str = "cpu",
+    lookahead_tokens: int = 0,
 ) -> CacheSizing:
     """Size both stores from one budget: state slots for ``max_num_seqs`` requests first, then
     as many KV blocks as the rest allows (never more than every sequence at full length needs).
+    ``lookahead_tokens``: KV positions a request may write past its length (draft tokens).
     Refuses budgets that cannot hold one max-length request."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
@@ -102,7 +104,7 @@ def plan_cache(
         raise ValueError(f"cache memory budget must be positive, got {memory_bytes}")
     per_block = CacheTensors.bytes_per_block(config, block_size, dtype, num_extra_attention_layers)
     per_slot = CacheTensors.bytes_per_slot(config, dtype)
-    blocks_per_req = -(-max_model_len // block_size)
+    blocks_per_req = -(-(max_model_len + lookahead_tokens) // block_size)
     one_request = blocks_per_req * per_block + (slots_per_request + 1) * per_slot
     if memory_bytes < one_request:
         raise CacheCapacityError(
@@ -165,11 +167,15 @@ class HybridCacheManager:
         return True
 
     # State slots -------------------------------------------------------------------------
-    def allocate_state(self, request_id: str) -> bool:
-        """Take ``slots_per_request`` slots for a request being admitted; False if none free."""
+    def allocate_state(self, request_id: str, num_slots: int = 1) -> bool:
+        """Take ``num_slots`` slots (1, or 1 + k to verify k drafts) for a request being
+        admitted; False (nothing taken) if too few are free."""
         if request_id in self.state_slots:
             return True
-        got = self.slots.allocate(self.slots_per_request)
+        if num_slots > self.slots_per_request:
+            raise ValueError(f"{num_slots} state slots asked for, at most "
+                             f"{self.slots_per_request} per request")
+        got = self.slots.allocate(num_slots)
         if got is None:
             return False
         self.state_slots[request_id] = got

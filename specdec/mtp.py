@@ -1,0 +1,111 @@
+"""The MTP proposer: the checkpoint's multi-token-prediction layer drafts k tokens.
+
+After every target step the MTP layer runs over the positions the target just settled (a
+prompt chunk, or the last token plus the accepted drafts), with inputs shifted by one
+(``t[p+1]``, target hidden ``h[p]``), so that its own paged KV (same block tables and slots as
+the target's, its own cache tensor) covers every position. The output at the last position
+gives the first draft; drafts 2..k reuse the layer on its own output, one position further each.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridrt.model import Qwen35ForCausalLM
+from hybridrt.runner import build_batch
+from hybridrt.sampler import Sampler, SamplingRow
+from hybridrt.scheduler import StepPlan
+from hybridrt.statecache import HybridCacheManager
+
+
+class MTPProposer:
+    def __init__(self, model: Qwen35ForCausalLM, cache: HybridCacheManager, sampler: Sampler,
+                 max_model_len: int, device: torch.device | str = "cpu"):
+        if model.mtp is None:
+            raise ValueError("speculative decoding needs the checkpoint's mtp.* weights")
+        if len(model.mtp.layers) != 1:
+            raise ValueError(
+                f"MTP speculation supports one MTP layer; this checkpoint has "
+                f"{len(model.mtp.layers)}"
+            )
+        self.model = model
+        self.cache = cache
+        self.sampler = sampler
+        self.max_model_len = max_model_len
+        self.device = torch.device(device)
+
+    def num_drafts_for(self, req) -> int:
+        """k, capped so that verification stays inside max_model_len and max_tokens."""
+        k = min(req.spec_k, self.max_model_len - len(req.token_ids))
+        if req.params.max_tokens is not None:
+            k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
+        return max(k, 0)
+
+    @torch.inference_mode()
+    def propose(self, plan: StepPlan, cu_seqlens: list[int], hidden: torch.Tensor,
+                settled: list[int]) -> None:
+        """``settled[b]``: positions of plan.seqs[b] the target settled this step (its accepted
+        inputs); drafts for every unfinished request that sampled land in
+        ``request.draft_token_ids``."""
+        tokens, starts, tables, rows, modes, reqs = [], [], [], [], [], []
+        for b, s in enumerate(plan.seqs):
+            req = s.request
+            if req.spec_k == 0 or req.is_finished or settled[b] == 0:
+                continue
+            n = settled[b]
+            tokens.append(req.token_ids[s.start + 1:s.start + 1 + n])
+            starts.append(s.start)
+            tables.append(self.cache.block_tables[req.request_id])
+            rows.append(torch.arange(cu_seqlens[b], cu_seqlens[b] + n))
+            drafting = (s.sample or s.num_drafts > 0) and self.num_drafts_for(req) > 0
+            modes.append("last" if drafting else "none")
+            if drafting:
+                reqs.append(req)
+        if not tokens:
+            return
+        mb = build_batch(tokens, starts, tables, self.cache.block_size, None, modes,
+                         device=self.device)
+        out = self.model.mtp_forward(mb.input_ids, hidden[torch.cat(rows).to(hidden.device)],
+                                     mb, self.cache.tensors)
+        if reqs:
+            self._draft(reqs, out[mb.logits_indices])
+
+    def _draft(self, reqs: list, h: torch.Tensor) -> None:
+        budget = [self.num_drafts_for(r) for r in reqs]
+        drafts: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        active = list(range(len(reqs)))
+        for j in range(max(budget)):
+            logits = self.model.compute_logits(h)
+            rows = [
+                SamplingRow(reqs[i].params, reqs[i].prompt_token_ids,
+                            reqs[i].output_token_ids + drafts[i], reqs[i].generator,
+                            reqs[i].eos_token_ids)
+                for i in active
+            ]
+            prepared = self.sampler.prepare(logits, rows)
+            picked = prepared.argmax(dim=-1)
+            rand = [n for n, r in enumerate(rows) if not r.params.greedy]
+            if rand:
+                sel = torch.tensor(rand, device=prepared.device)
+                p = self.sampler.probs(prepared[sel], [rows[n] for n in rand])
+                picked[sel] = self.sampler.sample_from_probs(p, [rows[n] for n in rand])
+                for m, n in enumerate(rand):
+                    probs[active[n]].append(p[m])
+            for n, i in enumerate(active):
+                drafts[i].append(int(picked[n]))
+            keep = [n for n, i in enumerate(active) if budget[i] > j + 1]
+            if not keep:
+                break
+            active = [active[n] for n in keep]
+            sel = torch.tensor(keep, device=h.device)
+            mb = build_batch(
+                [[drafts[i][-1]] for i in active],
+                [len(reqs[i].token_ids) - 1 + j for i in active],
+                [self.cache.block_tables[reqs[i].request_id] for i in active],
+                self.cache.block_size, None, None, device=self.device,
+            )
+            h = self.model.mtp_forward(mb.input_ids, h[sel], mb, self.cache.tensors)
+        for i, r in enumerate(reqs):
+            r.draft_token_ids = drafts[i]
+            r.draft_probs = torch.stack(probs[i]) if probs[i] else None

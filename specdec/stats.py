@@ -1,0 +1,63 @@
+"""Acceptance statistics for speculative decoding.
+
+mean acceptance length = 1 + accepted / rounds (the bonus or correction token included);
+per-position acceptance rate i = drafts accepted at position i / rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SpecStats:
+    k: int
+    num_rounds: int = 0  # verify steps
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * self.k
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_rounds += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def merge(self, other: SpecStats) -> None:
+        if other.k > self.k:
+            self.accepted_per_position += [0] * (other.k - self.k)
+            self.k = other.k
+        self.num_rounds += other.num_rounds
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted += other.num_accepted
+        for i, a in enumerate(other.accepted_per_position):
+            self.accepted_per_position[i] += a
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted / self.num_rounds if self.num_rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        n = self.num_rounds
+        return [a / n if n else 0.0 for a in self.accepted_per_position]
+
+    def as_dict(self) -> dict:
+        return {
+            "k": self.k,
+            "num_rounds": self.num_rounds,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted": self.num_accepted,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_rate": self.acceptance_rate,
+            "per_position_acceptance": self.per_position_acceptance,
+        }

@@ -1,0 +1,72 @@
+"""Draft verification: greedy matching and lossless rejection sampling.
+
+Each verifying request brings k drafts and the target's logits at its k + 1 positions
+(``[last token, d1..dk]`` were fed, so row i scores the token after d_i). Greedy requests accept
+while d_{i+1} equals the target argmax; the target's own choice follows the accepted run.
+Random requests accept d_{i+1} with probability min(1, p(d)/q(d)); on the first rejection a
+token is drawn from normalize(max(p - q, 0)); if all k are accepted a bonus token is drawn from
+the target at the last position. The emitted tokens are then distributed exactly as the target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridrt.sampler import Sampler, SamplingRow
+
+
+@dataclass(slots=True)
+class VerifyItem:
+    rows: list[SamplingRow]  # k + 1 rows: position i's row sees the drafts before it
+    drafts: list[int]
+    draft_probs: torch.Tensor | None  # [k, V] the drafts were sampled from (None: greedy)
+
+
+def acceptance_probability(p_draft: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:
+    """min(1, p/q) for the draft tokens (q > 0 for any token that was actually drafted)."""
+    return torch.where(q_draft > 0, (p_draft / q_draft).clamp(max=1.0), (p_draft > 0).float())
+
+
+def verify_drafts(sampler: Sampler, logits: torch.Tensor, items: list[VerifyItem]
+                  ) -> list[tuple[list[int], int]]:
+    """logits: [sum(k_i + 1), V] target rows, item after item -> per item (emitted tokens,
+    number of drafts accepted); emitted = accepted drafts + one target token."""
+    rows = [r for it in items for r in it.rows]
+    prepared = sampler.prepare(logits, rows)
+    random_items = [i for i, it in enumerate(items) if not it.rows[0].params.greedy]
+    probs = sampler.probs(prepared, rows) if random_items else None
+    out: list[tuple[list[int], int]] = []
+    r = 0
+    for it in items:
+        k = len(it.drafts)
+        if it.rows[0].params.greedy:
+            target = prepared[r:r + k + 1].argmax(dim=-1).tolist()
+            a = 0
+            while a < k and it.drafts[a] == target[a]:
+                a += 1
+            out.append((it.drafts[:a] + [target[a]], a))
+        else:
+            out.append(_rejection_sample(sampler, probs[r:r + k + 1], it))
+        r += k + 1
+    return out
+
+
+def _rejection_sample(sampler: Sampler, p: torch.Tensor, it: VerifyItem) -> tuple[list[int], int]:
+    k = len(it.drafts)
+    q = it.draft_probs[:k].to(p.device)
+    d = torch.tensor(it.drafts, device=p.device)
+    idx = torch.arange(k, device=p.device)
+    accept = sampler.uniform(it.rows[:1], k, p.device)[0] < acceptance_probability(p[idx, d],
+                                                                                   q[idx, d])
+    rejected = (~accept).nonzero()
+    a = int(rejected[0]) if rejected.numel() else k
+    if a < k:
+        residual = (p[a] - q[a]).clamp(min=0.0)
+        if float(residual.sum()) <= 0.0:  # p == q there: any draw from p is exact
+            residual = p[a]
+        x = sampler.sample_from_probs(residual[None], [it.rows[a]])
+    else:
+        x = sampler.sample_from_probs(p[k][None], [it.rows[k]])
+    return it.drafts[:a] + [int(x[0])], a
