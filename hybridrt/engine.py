@@ -18,6 +18,7 @@ from hybridrt.runner import ModelRunner
 from hybridrt.sampler import Sampler, SamplingRow, find_stop, make_generator
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.scheduler import Scheduler, StepPlan
+from hybridrt.session import Session, common_prefix
 from hybridrt.specdec.mtp import MTPProposer
 from hybridrt.specdec.stats import SpecStats
 from hybridrt.specdec.verify import VerifyItem, verify_drafts
@@ -91,10 +92,12 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                     prompt: str | None = None, request_id: str | None = None,
-                    speculative_tokens: int | None = None) -> str:
+                    speculative_tokens: int | None = None, session: Session | None = None
+                    ) -> str:
         """Validate and queue a request -> its id. Raises ValueError for bad input; nothing
         is queued then. ``speculative_tokens``: drafts per step for this request (default:
-        the engine's; 0 turns speculation off for it)."""
+        the engine's; 0 turns speculation off for it). ``session``: continue a conversation,
+        reusing its cached prefix (see hybridrt.session)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         k = self.speculative_tokens if speculative_tokens is None else speculative_tokens
@@ -109,9 +112,86 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(rid, prompt, ids, params, self._stop_ids(params), spec_k=k)
         req.generator = make_generator(params)
+        if session is not None:
+            self._attach_session(req, session)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
+
+    # Sessions ------------------------------------------------------------------------------
+    def open_session(self) -> Session:
+        """A conversation whose cache outlives its requests (see hybridrt.session)."""
+        slot = self.cache.slots.allocate(1)
+        if slot is None:
+            raise RuntimeError("no free state slot for a session snapshot")
+        return Session(f"s{next(self._ids)}", slot[0])
+
+    def close_session(self, session: Session) -> None:
+        if session.closed:
+            return
+        if session.busy:
+            raise ValueError("close_session: the session has a running request")
+        self.cache.free(session.cache_key)
+        self.cache.slots.free([session.snapshot_slot])
+        session.closed = True
+
+    def reset_session(self, session: Session) -> None:
+        """Forget the cached conversation (``/clear``); the session stays usable."""
+        if session.busy:
+            raise ValueError("reset_session: the session has a running request")
+        self.cache.free(session.cache_key)
+        session.token_ids, session.slot_cursor, session.snapshot_len = [], 0, None
+
+    def _attach_session(self, req: Request, session: Session) -> None:
+        """Give the request the session's cache for the longest reusable prompt prefix."""
+        if session.closed:
+            raise ValueError("session is closed")
+        if session.busy:
+            raise ValueError("session already has a running request")
+        cache, key = self.cache, session.cache_key
+        ids = req.prompt_token_ids
+        reuse = min(common_prefix(ids, session.token_ids), len(ids) - 1)
+        slots = cache.state_slots.get(key)
+        if slots is not None and len(slots) != 1 + req.spec_k:
+            reuse = 0  # slot layout changed with speculative_tokens: start over
+        if 0 < reuse < len(session.token_ids):
+            if session.snapshot_len is not None and session.snapshot_len <= reuse:
+                reuse = session.snapshot_len
+                cache.copy_state(session.snapshot_slot, slots[session.slot_cursor])
+            else:
+                reuse = 0
+        if reuse == 0:
+            cache.free(key)
+            session.slot_cursor, session.snapshot_len = 0, None
+        else:
+            cache.truncate(key, reuse)
+            if session.snapshot_len is not None and session.snapshot_len > reuse:
+                session.snapshot_len = None
+        cache.transfer(key, req.request_id)
+        req.num_computed_tokens = reuse
+        req.slot_cursor = session.slot_cursor if reuse else 0
+        req.session = session
+        req.snapshot_at = len(ids) - 1 if len(ids) - 1 > reuse else None
+        session.busy = True
+        session.last_reused_tokens = reuse
+
+    def _release_session(self, req: Request) -> None:
+        """A finished (or aborted) session request hands its cache back to the session."""
+        session = req.session
+        self.cache.transfer(req.request_id, session.cache_key)
+        session.token_ids = req.token_ids[:req.num_computed_tokens]
+        session.slot_cursor = req.slot_cursor
+        if session.snapshot_len is not None and session.snapshot_len > len(session.token_ids):
+            session.snapshot_len = None
+        session.busy = False
+        req.session = None
+
+    def _maybe_snapshot(self, req: Request) -> None:
+        if req.snapshot_at is not None and req.num_computed_tokens == req.snapshot_at:
+            own = self.cache.state_slots[req.request_id]
+            self.cache.copy_state(own[req.slot_cursor], req.session.snapshot_slot)
+            req.session.snapshot_len = req.snapshot_at
+            req.snapshot_at = None
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -210,6 +290,8 @@ class LLMEngine:
                 req.spec_stats.record(s.num_drafts, em.num_accepted)
             req.num_computed_tokens += n
             settled.append(n)
+            if req.session is not None:
+                self._maybe_snapshot(req)
             req.draft_token_ids, req.draft_probs = [], None
             if em is None:
                 continue
@@ -264,6 +346,8 @@ class LLMEngine:
         return text
 
     def _finish(self, req: Request) -> None:
+        if req.session is not None:
+            self._release_session(req)
         self.scheduler.finish(req)
         req.reset_speculation()
         req.metrics.finished_time = time.perf_counter()

@@ -14,6 +14,7 @@ from hybridrt.engine import EngineConfig, LLMEngine
 from hybridrt.loader import load_model, parse_dtype
 from hybridrt.outputs import CompletionOutput, RequestOutput
 from hybridrt.sampling_params import SamplingParams
+from hybridrt.session import Session
 from hybridrt.statecache import HybridCacheManager, plan_cache
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
@@ -185,12 +186,25 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return params
 
-    def _add(self, prompt: PromptType, params, speculative_tokens: int | None = None) -> str:
+    def _add(self, prompt: PromptType, params, speculative_tokens: int | None = None,
+             session: Session | None = None) -> str:
         if isinstance(params, dict):
             params = SamplingParams(**params)
         text, ids = self._encode(prompt)
         return self.engine.add_request(ids, params, prompt=text,
-                                       speculative_tokens=speculative_tokens)
+                                       speculative_tokens=speculative_tokens, session=session)
+
+    # Sessions ----------------------------------------------------------------------------
+    def open_session(self) -> Session:
+        """A conversation whose KV blocks and GDN state stay cached between requests: a
+        request on it prefills only the tokens its prompt adds (``stream(..., session=)``)."""
+        return self.engine.open_session()
+
+    def close_session(self, session: Session) -> None:
+        self.engine.close_session(session)
+
+    def reset_session(self, session: Session) -> None:
+        self.engine.reset_session(session)
 
     # Generation --------------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
@@ -260,28 +274,31 @@ class LLM:
             **(chat_template_kwargs or {}),
         )
 
-    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+               session: Session | None = None, speculative_tokens: int | None = None
                ) -> Iterator[str]:
-        """Yield text deltas of one request as its tokens arrive (token ids as str when the
-        model has no tokenizer is not supported: use ``stream_tokens``)."""
+        """Yield text deltas of one request as its tokens arrive. Closing the iterator early
+        aborts the request. The finished request's output is then in ``last_stream_output``."""
         if self.tokenizer is None:
             raise ValueError("stream() needs a tokenizer; use stream_tokens() for token ids")
         sent = 0
-        for req in self._stream(prompt, sampling_params):
+        for req in self._stream(prompt, sampling_params, session, speculative_tokens):
             if len(req.text) > sent:
                 yield req.text[sent:]
                 sent = len(req.text)
 
-    def stream_tokens(self, prompt: PromptType, sampling_params: SamplingParams | None = None
+    def stream_tokens(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                      session: Session | None = None, speculative_tokens: int | None = None
                       ) -> Iterator[int]:
+        """Like ``stream`` but yields token ids."""
         sent = 0
-        for req in self._stream(prompt, sampling_params):
+        for req in self._stream(prompt, sampling_params, session, speculative_tokens):
             ids = req.output_token_ids
             yield from ids[sent:]
             sent = len(ids)
 
-    def _stream(self, prompt, sampling_params):
-        rid = self._add(prompt, sampling_params or SamplingParams())
+    def _stream(self, prompt, sampling_params, session=None, speculative_tokens=None):
+        rid = self._add(prompt, sampling_params or SamplingParams(), speculative_tokens, session)
         req = self.engine.requests[rid]
         try:
             while not req.is_finished:
@@ -291,7 +308,7 @@ class LLM:
             if not req.is_finished:
                 self.engine.abort_request(rid)
             self.engine.requests.pop(rid, None)
-        self.last_stream_output = self.engine.make_output(req)
+            self.last_stream_output = self.engine.make_output(req)
 
 
 def _error_output(rid: str, prompt: Any, err: ValueError) -> RequestOutput:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridrt.sampling_params import SamplingParams
+from hybridrt.session import Session
 from hybridrt.specdec.stats import SpecStats
 
 
@@ -51,6 +52,7 @@ class RequestMetrics:
             "time_to_first_token": self.time_to_first_token,
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "num_preemptions": self.num_preemptions,
+            "num_prefilled_tokens": self.num_computed_prompt_tokens,
         }
 
 
@@ -84,6 +86,10 @@ class Request:
     draft_probs: torch.Tensor | None = None  # [len(drafts), V] the drafts were sampled from
     slot_cursor: int = 0
     spec_stats: SpecStats | None = None
+    # Session reuse: the conversation this request continues, and the prompt length at which
+    # to save the GDN state (just before the last prompt token) for a later /regen.
+    session: Session | None = None
+    snapshot_at: int | None = None
 
     def __post_init__(self) -> None:
         if self.spec_k > 0 and self.spec_stats is None:

@@ -68,6 +68,8 @@ class Scheduler:
             pending = len(req.token_ids) - req.num_computed_tokens
             drafts = len(req.draft_token_ids) if pending == 1 else 0
             n = min(pending + drafts, budget)
+            if req.snapshot_at is not None and req.num_computed_tokens < req.snapshot_at:
+                n = min(n, req.snapshot_at - req.num_computed_tokens)  # stop where we snapshot
             # KV for this step, plus room for the MTP layer to write its next drafts.
             need = req.num_computed_tokens + n + req.spec_k
             while not self.cache.allocate_blocks(req.request_id, need):
@@ -85,6 +87,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            if req.snapshot_at is not None and req.num_computed_tokens < req.snapshot_at:
+                n = min(n, req.snapshot_at - req.num_computed_tokens)  # stop where we snapshot
             if not self.cache.allocate_state(req.request_id, 1 + req.spec_k):
                 break
             if not self.cache.allocate_blocks(req.request_id,

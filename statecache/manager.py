@@ -184,6 +184,31 @@ class HybridCacheManager:
     def has_state(self, request_id: str) -> bool:
         return request_id in self.state_slots
 
+    # Ownership moves (session reuse) ----------------------------------------------------------
+    def transfer(self, src: str, dst: str) -> None:
+        """Hand everything ``src`` holds to ``dst`` (which must hold nothing)."""
+        if dst in self.block_tables or dst in self.state_slots:
+            raise ValueError(f"{dst!r} already holds cache resources")
+        if src in self.block_tables:
+            self.block_tables[dst] = self.block_tables.pop(src)
+        if src in self.state_slots:
+            self.state_slots[dst] = self.state_slots.pop(src)
+
+    def truncate(self, owner: str, num_tokens: int) -> None:
+        """Keep only the blocks covering the first ``num_tokens`` positions (KV rollback)."""
+        table = self.block_tables.get(owner)
+        if table is None:
+            return
+        keep = -(-num_tokens // self.block_size)
+        self.blocks.free(table[keep:])
+        del table[keep:]
+
+    def copy_state(self, src_slot: int, dst_slot: int) -> None:
+        """Copy the conv + recurrent state of every GDN layer from one slot to another."""
+        t = self.tensors
+        t.conv_states[:, dst_slot] = t.conv_states[:, src_slot]
+        t.ssm_states[:, dst_slot] = t.ssm_states[:, src_slot]
+
     # Release -----------------------------------------------------------------------------
     def free(self, request_id: str) -> None:
         """Return everything a request holds (finish, abort or preemption). Idempotent."""
