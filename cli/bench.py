@@ -1,0 +1,206 @@
+"""``hybridrt bench throughput`` (hybridrt.bench) and ``hybridrt bench spec``
+(hybridrt.specbench): each prints a table, writes JSON and, with ``--plot``, a chart."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from hybridrt.cli.common import CliError, ModelArg
+
+bench_app = typer.Typer(no_args_is_help=True, add_completion=False,
+                        help="Benchmarks: throughput vs transformers, speculative decoding.")
+
+PlotOpt = Annotated[Path | None, typer.Option(
+    "--plot", help="Also draw a chart to this PNG (needs matplotlib, the 'plot' extra).",
+    show_default=False)]
+
+
+def has_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _need_matplotlib(plot: Path | None) -> None:
+    if plot is not None and not has_matplotlib():
+        raise CliError("--plot needs matplotlib, which is not installed "
+                       "(pip install 'hybridrt[plot]')", 2)
+
+
+def _int_list(name: str, text: str, minimum: int) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise CliError(f"{name} must be comma-separated integers, got {text!r}", 2) from None
+    if not values or any(v < minimum for v in values):
+        raise CliError(f"{name} needs integers >= {minimum}, got {text!r}", 2)
+    return values
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# throughput ----------------------------------------------------------------------------------
+@bench_app.command("throughput")
+def throughput(
+    model: Annotated[str | None, typer.Option(
+        "--model", help="Checkpoint dir or hub id (default: random-weight 0.8B shape).",
+        show_default=False)] = None,
+    dtype: Annotated[str, typer.Option("--dtype")] = "bfloat16",
+    threads: Annotated[int, typer.Option("--threads", min=1)] = 2,
+    prefill_len: Annotated[int, typer.Option("--prefill-len", min=1)] = 512,
+    prompt_len: Annotated[int, typer.Option("--prompt-len", min=1)] = 16,
+    decode_tokens: Annotated[int, typer.Option("--decode-tokens", min=2)] = 16,
+    concurrency: Annotated[str, typer.Option("--concurrency",
+                                             help="Comma-separated batch sizes.")] = "8,32",
+    repeats: Annotated[int, typer.Option("--repeats", min=1)] = 2,
+    no_transformers: Annotated[bool, typer.Option(
+        "--no-transformers", help="Only hybridrt, skip the transformers side.")] = False,
+    json_path: Annotated[str, typer.Option("--json", help="Write the report here.")
+                         ] = "bench-throughput.json",
+    plot: PlotOpt = None,
+) -> None:
+    """Prefill, batch-1 decode and aggregate tok/s, side by side with transformers."""
+    from hybridrt import bench
+    from hybridrt.loader import parse_dtype
+
+    _need_matplotlib(plot)
+    try:
+        parse_dtype(dtype)
+    except ValueError as e:
+        raise CliError(f"--dtype: {e}", 2) from None
+    _int_list("--concurrency", concurrency, 1)
+    args = argparse.Namespace(
+        cmd="throughput", model=model, dtype=dtype, threads=threads, prefill_len=prefill_len,
+        prompt_len=prompt_len, decode_tokens=decode_tokens, concurrency=concurrency,
+        repeats=repeats, no_transformers=no_transformers, json=json_path,
+    )
+    report = bench.throughput(args)
+    if plot is not None:
+        plot_throughput(report, plot)
+        typer.echo(f"wrote {plot}", err=True)
+
+
+def plot_throughput(report: dict, path: Path) -> None:
+    plt = _pyplot()
+    ours, theirs = report["hybridrt"], report.get("transformers", {})
+    names = list(ours)
+    x = range(len(names))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(names)), 4))
+    width = 0.4 if theirs else 0.8
+    ax.bar([i - (width / 2 if theirs else 0) for i in x], [ours[n] for n in names], width,
+           label="hybridrt")
+    if theirs:
+        ax.bar([i + width / 2 for i in x], [theirs.get(n, 0.0) for n in names], width,
+               label="transformers")
+    ax.set_xticks(list(x), [n.replace("_tok_s", "") for n in names])
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"throughput: {report.get('model')} ({report.get('dtype')}, "
+                 f"{report.get('threads')} threads)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# spec ----------------------------------------------------------------------------------------
+@bench_app.command("spec")
+def spec(
+    model: ModelArg = None,
+    ks: Annotated[str, typer.Option("--ks", help="Draft lengths to compare (0 = no "
+                                                 "speculation, the baseline).")] = "0,1,2,3,4",
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes")] = "1,8",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 64,
+    prompts_file: Annotated[Path | None, typer.Option(
+        "--prompts", help="Prompts file, one per line (default: the benchmark's own).",
+        show_default=False)] = None,
+    dtype: Annotated[str, typer.Option("--dtype")] = "float32",
+    threads: Annotated[int, typer.Option("--threads", min=1)] = 2,
+    quick: Annotated[bool, typer.Option("--quick", help="A short smoke run.")] = False,
+    json_path: Annotated[str, typer.Option("--json", help="Write the report here.")
+                         ] = "bench-spec.json",
+    plot: PlotOpt = None,
+) -> None:
+    """Speculative decoding with the checkpoint's MTP head, per k and batch size.
+
+    Reports tok/s, speedup over k=0, mean acceptance length and per-position acceptance.
+    """
+    from hybridrt.loader import parse_dtype
+
+    _need_matplotlib(plot)
+    try:
+        parse_dtype(dtype)
+    except ValueError as e:
+        raise CliError(f"--dtype: {e}", 2) from None
+    k_list = _int_list("--ks", ks, 0)
+    b_list = _int_list("--batch-sizes", batch_sizes, 1)
+    prompts = None
+    if prompts_file is not None:
+        try:
+            prompts = [p for p in prompts_file.read_text().splitlines() if p.strip()]
+        except OSError as e:
+            raise CliError(f"--prompts {prompts_file}: {e.strerror or e}") from None
+        if not prompts:
+            raise CliError(f"--prompts {prompts_file} has no prompts", 2)
+    try:
+        from hybridrt.specbench import run_spec_bench
+    except ImportError as e:
+        raise CliError(f"the speculative-decoding benchmark is not available: {e}") from None
+    report = run_spec_bench(model, ks=tuple(k_list), batch_sizes=tuple(b_list),
+                            prompts=prompts, max_tokens=max_tokens, dtype=dtype,
+                            threads=threads, json_path=json_path, quick=quick)
+    if plot is not None:
+        plot_spec(report, plot)
+        typer.echo(f"wrote {plot}", err=True)
+
+
+def spec_rows(report: dict) -> list[dict[str, Any]]:
+    """The per (k, batch size) rows of a run_spec_bench report."""
+    for key in ("rows", "results", "runs"):
+        rows = report.get(key)
+        if isinstance(rows, list) and rows and isinstance(rows[0], dict):
+            return rows
+    raise ValueError("the spec benchmark report has no per-(k, batch size) rows to plot")
+
+
+def _pick(row: dict, *names: str) -> Any:
+    for n in names:
+        if row.get(n) is not None:
+            return row[n]
+    return None
+
+
+def plot_spec(report: dict, path: Path) -> None:
+    plt = _pyplot()
+    rows = spec_rows(report)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for b in sorted({_pick(r, "batch_size", "batch") for r in rows}):
+        sel = sorted((r for r in rows if _pick(r, "batch_size", "batch") == b),
+                     key=lambda r: r["k"])
+        ks = [r["k"] for r in sel]
+        ax1.plot(ks, [_pick(r, "tok_s", "tokens_per_s", "output_tok_s") or 0 for r in sel],
+                 marker="o", label=f"batch {b}")
+        acc = [(r["k"], _pick(r, "mean_acceptance_length")) for r in sel if r["k"] > 0]
+        ax2.plot([k for k, _ in acc], [a or 0 for _, a in acc], marker="o",
+                 label=f"batch {b}")
+    ax1.set_xlabel("draft tokens k")
+    ax1.set_ylabel("output tokens / s")
+    ax1.set_title("throughput")
+    ax2.set_xlabel("draft tokens k")
+    ax2.set_ylabel("mean acceptance length")
+    ax2.set_title("acceptance")
+    for ax in (ax1, ax2):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"speculative decoding: {report.get('model', '')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,495 @@
+"""``hybridrt chat``: an interactive conversation on one engine session.
+
+Each turn reuses the session's cache: the next prompt is built as the previous prompt's ids +
+the answer's ids + the template's text for the new user turn, so the engine only prefills
+the new tokens. That is checked against the chat template every turn (some templates, Qwen3's
+among them, render past answers differently from how they were generated, e.g. without the
+think block); where the texts differ the whole conversation is re-templated and the engine
+recomputes what it cannot reuse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import typer
+from hybridrt.cli.common import (
+    CacheMemoryOpt,
+    CliError,
+    DeviceOpt,
+    DtypeOpt,
+    MaxModelLenOpt,
+    MinPOpt,
+    ModelArg,
+    PresenceOpt,
+    SeedOpt,
+    SpecOpt,
+    TemperatureOpt,
+    ThinkOpt,
+    ThreadsOpt,
+    TopKOpt,
+    TopPOpt,
+    error_line,
+    load_llm,
+    sampling_defaults,
+    sampling_overrides,
+    template_kwargs,
+)
+
+OPEN_THINK, CLOSE_THINK = "<think>", "</think>"
+_SENTINEL = "\x00hybridrt-answer\x00"
+
+HELP = """commands:
+  /exit                 leave (Ctrl-D too)
+  /clear                forget the conversation (keeps the system prompt)
+  /regen                regenerate the last answer
+  /system [text]        set (or with no text, remove) the system prompt; starts over
+  /set [param value]    show or change a setting: temperature, top_p, top_k, min_p,
+                        presence_penalty, seed (int or none), max_tokens (int or none),
+                        speculative_tokens
+  /stats                token counts and speeds of the last answer
+  /help                 this list
+Ctrl-C stops an answer (what was generated stays in the conversation)."""
+
+_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
+_INT_PARAMS = ("top_k", "seed", "max_tokens")
+_NONE_OK = ("seed", "max_tokens")
+
+
+# Thinking text -------------------------------------------------------------------------------
+class ThinkSplitter:
+    """Splits streamed text into (is_thinking, text) pieces at <think> / </think>, also when
+    a tag arrives split over several deltas. The tags count as thinking text."""
+
+    def __init__(self, thinking: bool = False):
+        self.thinking = thinking
+        self._pending = ""
+
+    def feed(self, text: str) -> list[tuple[bool, str]]:
+        buf, out = self._pending + text, []
+        self._pending = ""
+        while buf:
+            tag = CLOSE_THINK if self.thinking else OPEN_THINK
+            i = buf.find(tag)
+            if i >= 0:
+                if i:
+                    out.append((self.thinking, buf[:i]))
+                out.append((True, tag))
+                buf = buf[i + len(tag):]
+                self.thinking = not self.thinking
+                continue
+            keep = next((n for n in range(min(len(tag) - 1, len(buf)), 0, -1)
+                         if tag.startswith(buf[-n:])), 0)
+            if len(buf) > keep:
+                out.append((self.thinking, buf[:len(buf) - keep]))
+            self._pending = buf[len(buf) - keep:]
+            break
+        return out
+
+    def flush(self) -> list[tuple[bool, str]]:
+        rest, self._pending = self._pending, ""
+        return [(self.thinking, rest)] if rest else []
+
+
+def opens_thinking(prompt_text: str) -> bool:
+    """Whether the prompt leaves a <think> block open (the model continues inside it)."""
+    return prompt_text.rfind(OPEN_THINK) > prompt_text.rfind(CLOSE_THINK)
+
+
+class Renderer:
+    """Writes answer text to stdout: thinking dimmed (on a terminal) or hidden."""
+
+    def __init__(self, out, color: bool, hide_thinking: bool):
+        self.out, self.color, self.hide = out, color, hide_thinking
+        self._strip_next = False
+        self.last_char = "\n"
+
+    def write(self, pieces: list[tuple[bool, str]]) -> None:
+        for thinking, text in pieces:
+            if thinking:
+                if self.hide:
+                    self._strip_next = True
+                    continue
+                if self.color:
+                    text = f"\x1b[2m{text}\x1b[22m"
+            elif self._strip_next:
+                text = text.lstrip()
+                if not text:
+                    continue
+                self._strip_next = False
+            self.out.write(text)
+            self.last_char = text[-1]
+        self.out.flush()
+
+    def dim(self, line: str) -> str:
+        return f"\x1b[2m{line}\x1b[22m" if self.color else line
+
+
+# Prompt ids ----------------------------------------------------------------------------------
+@dataclass
+class Conversation:
+    """The messages (for the template) and the token ids of the last turn (for the cache)."""
+
+    tokenizer: Any
+    eos_token_ids: list[int]
+    template_kwargs: dict
+    system: str | None = None
+    messages: list[dict] = field(default_factory=list)
+    prompt_ids: list[int] | None = None  # the last turn's prompt
+    answer_ids: list[int] | None = None  # its answer (ending with eos when it stopped there)
+    last_build: str = ""  # "first", "incremental" or "re-templated"
+
+    def __post_init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.prompt_ids = self.answer_ids = None
+
+    def template(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True,
+                                                  **self.template_kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+
+    def prompt_for(self, user_text: str) -> tuple[list[int], str]:
+        """-> (prompt ids, prompt text) for a new user turn after the current messages."""
+        messages = [*self.messages, {"role": "user", "content": user_text}]
+        text = self.template(messages)
+        if self.prompt_ids is not None and self.answer_ids is not None:
+            ids = self._incremental(user_text, text)
+            if ids is not None:
+                self.last_build = "incremental"
+                return ids, text
+            self.last_build = "re-templated"
+        else:
+            self.last_build = "first"
+        return self.encode(text), text
+
+    def _incremental(self, user_text: str, text: str) -> list[int] | None:
+        probe = self.template([*self.messages[:-1],
+                               {"role": "assistant", "content": _SENTINEL},
+                               {"role": "user", "content": user_text}])
+        at = probe.rfind(_SENTINEL)
+        if at < 0:
+            return None
+        suffix = probe[at + len(_SENTINEL):]
+        answer = self.answer_ids
+        if answer and answer[-1] in self.eos_token_ids:
+            eos_text = self.decode(answer[-1:])
+            if eos_text and suffix.startswith(eos_text):
+                suffix = suffix[len(eos_text):]
+        ids = self.prompt_ids + answer + (self.encode(suffix) if suffix else [])
+        return ids if self.decode(ids) == text else None
+
+    def commit(self, prompt_ids: list[int], answer_ids: list[int]) -> None:
+        body = answer_ids[:-1] if answer_ids and answer_ids[-1] in self.eos_token_ids \
+            else answer_ids
+        self.messages.append({"role": "assistant", "content": self.decode(body)})
+        self.prompt_ids, self.answer_ids = list(prompt_ids), list(answer_ids)
+
+
+# The loop ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _sigint_flag():
+    """While streaming, Ctrl-C sets a flag instead of raising inside an engine step."""
+    flag = {"hit": False}
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def on_sigint(signum, frame):
+        flag["hit"] = True
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+class ChatLoop:
+    def __init__(self, llm, sampling: dict, speculative_tokens: int, system: str | None,
+                 think: bool | None, hide_thinking: bool, stdin=None, stdout=None):
+        if llm.tokenizer is None:
+            raise CliError(f"{llm.model_path} has no tokenizer: chat needs one")
+        if not getattr(llm.tokenizer, "chat_template", None):
+            raise CliError(f"the tokenizer of {llm.model_path} has no chat template")
+        self.llm = llm
+        self.sampling = dict(sampling)
+        self.k = speculative_tokens
+        self.stdin = stdin or sys.stdin
+        self.out = stdout or sys.stdout
+        self.interactive = self.stdin.isatty()
+        self.render = Renderer(self.out, color=self.out.isatty(), hide_thinking=hide_thinking)
+        self.conv = Conversation(llm.tokenizer, list(llm.config.eos_token_ids),
+                                 template_kwargs(think), system)
+        self.session = llm.open_session()
+        self.last: dict | None = None  # /stats of the last answer
+
+    # Input ----------------------------------------------------------------------------------
+    def read(self) -> str | None:
+        if self.interactive:
+            try:
+                return input(">>> ")
+            except EOFError:
+                self.out.write("\n")
+                return None
+            except KeyboardInterrupt:
+                self.out.write("\n(/exit or Ctrl-D to quit)\n")
+                return ""
+        line = self.stdin.readline()
+        return None if line == "" else line
+
+    def run(self) -> None:
+        if self.interactive:
+            typer.echo("hybridrt chat: /help lists the commands, Ctrl-D quits", err=True)
+        try:
+            while True:
+                line = self.read()
+                if line is None:
+                    break
+                line = line.strip()
+                if not line:
+                    continue
+                if line.startswith("/"):
+                    if not self.command(line):
+                        break
+                else:
+                    self.turn(line)
+        finally:
+            if not self.session.busy:
+                self.llm.close_session(self.session)
+
+    # Commands -------------------------------------------------------------------------------
+    def command(self, line: str) -> bool:
+        """Run a /command -> False to leave the chat."""
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        if name in ("/exit", "/quit"):
+            return False
+        if name == "/help":
+            self.say(HELP)
+        elif name == "/clear":
+            self.llm.reset_session(self.session)
+            self.conv.clear()
+            self.say("(conversation cleared)")
+        elif name == "/regen":
+            self.regenerate()
+        elif name == "/system":
+            self.conv.system = arg or None
+            self.llm.reset_session(self.session)
+            self.conv.clear()
+            self.say("(system prompt set; new conversation)" if arg
+                     else "(system prompt removed; new conversation)")
+        elif name == "/set":
+            self.set_param(arg)
+        elif name == "/stats":
+            self.show_stats()
+        else:
+            error_line(f"unknown command {name} (/help lists them)")
+        return True
+
+    def set_param(self, arg: str) -> None:
+        from hybridrt.sampling_params import SamplingParams
+
+        if not arg:
+            shown = {**self.sampling, "speculative_tokens": self.k}
+            self.say("  ".join(f"{k}={v}" for k, v in shown.items()))
+            return
+        parts = arg.split()
+        if len(parts) != 2:
+            error_line("usage: /set <param> <value>, e.g. /set temperature 0.7")
+            return
+        name, raw = parts[0].replace("-", "_"), parts[1]
+        try:
+            if name == "speculative_tokens":
+                k = int(raw)
+                limit = self.llm.engine.speculative_tokens
+                if not 0 <= k <= limit:
+                    raise ValueError(f"speculative_tokens must be in [0, {limit}]"
+                                     + (" (start the chat with --speculative-tokens N to "
+                                        "raise the limit)" if k > limit else "")
+                                     + f", got {k}")
+                self.k = k
+                self.say(f"speculative_tokens={k}")
+                return
+            if name in _NONE_OK and raw.lower() == "none":
+                value = None
+            elif name in _FLOAT_PARAMS:
+                value = float(raw)
+            elif name in _INT_PARAMS:
+                value = int(raw)
+            else:
+                raise ValueError(f"unknown setting {parts[0]!r}; one of "
+                                 f"{', '.join(_FLOAT_PARAMS + _INT_PARAMS)}, speculative_tokens")
+            new = {**self.sampling, name: value}
+            SamplingParams(**new)
+        except ValueError as e:
+            msg = str(e)
+            if msg.startswith(("invalid literal", "could not convert")):
+                msg = f"{name}: {raw!r} is not a valid number"
+            error_line(msg)
+            return
+        self.sampling = new
+        self.say(f"{name}={value}")
+
+    def show_stats(self) -> None:
+        if self.last is None:
+            self.say("(no answer yet)")
+            return
+        s = self.last
+        rows = [("prompt tokens", s["prompt_tokens"]), ("prefilled tokens", s["prefilled"]),
+                ("reused tokens", s["reused"]), ("generated tokens", s["generated"]),
+                ("prompt tok/s", _num(s["prompt_tok_s"])),
+                ("generation tok/s", _num(s["gen_tok_s"])),
+                ("acceptance length", _num(s["acceptance"])),
+                ("prompt built", s["built"]), ("finish reason", s["finish_reason"])]
+        self.say("\n".join(f"  {k:<18} {v}" for k, v in rows))
+
+    def say(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    # Turns ----------------------------------------------------------------------------------
+    def turn(self, user_text: str) -> None:
+        try:
+            ids, text = self.conv.prompt_for(user_text)
+        except Exception as e:  # noqa: BLE001 - a template may raise anything
+            error_line(f"chat template: {e}")
+            return
+        self.conv.messages.append({"role": "user", "content": user_text})
+        answer = self.answer(ids, text)
+        if answer is None:
+            self.conv.messages.pop()
+            return
+        self.conv.commit(ids, answer)
+
+    def regenerate(self) -> None:
+        conv = self.conv
+        if conv.prompt_ids is None or not conv.messages or \
+                conv.messages[-1]["role"] != "assistant":
+            error_line("nothing to regenerate yet")
+            return
+        old = conv.messages.pop()
+        conv.last_build = "same as before (regenerate)"
+        answer = self.answer(conv.prompt_ids, None)
+        if answer is None:
+            conv.messages.append(old)
+            return
+        conv.commit(conv.prompt_ids, answer)
+
+    def answer(self, ids: list[int], prompt_text: str | None) -> list[int] | None:
+        """Stream one answer -> its token ids (None when the request was refused)."""
+        from hybridrt.sampling_params import SamplingParams
+
+        params = SamplingParams(**self.sampling)
+        if prompt_text is None:
+            prompt_text = self.conv.decode(ids[-64:])
+        splitter = ThinkSplitter(opens_thinking(prompt_text))
+        self.render.last_char = "\n"
+        stream = self.llm.stream(ids, params, session=self.session, speculative_tokens=self.k)
+        interrupted = False
+        with _sigint_flag() as flag:
+            try:
+                for delta in stream:
+                    self.render.write(splitter.feed(delta))
+                    if flag["hit"]:
+                        interrupted = True
+                        break
+            except ValueError as e:  # refused before it started (too long, ...)
+                error_line(e)
+                return None
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                stream.close()
+        self.render.write(splitter.flush())
+        out = self.llm.last_stream_output
+        if self.render.last_char != "\n":
+            self.out.write("\n")
+        self.last = _turn_stats(out, self.session.last_reused_tokens, self.conv.last_build)
+        self.say(self.render.dim(_summary(self.last, interrupted)))
+        return list(out.outputs[0].token_ids)
+
+
+def _turn_stats(out, reused: int, built: str) -> dict:
+    m = out.metrics
+    ttft = m.get("time_to_first_token")
+    prefilled = m.get("num_prefilled_tokens", 0)
+    spec = m.get("spec")
+    return {
+        "prompt_tokens": m.get("num_prompt_tokens", len(out.prompt_token_ids)),
+        "prefilled": prefilled, "reused": reused,
+        "generated": m.get("num_generated_tokens", len(out.outputs[0].token_ids)),
+        "prompt_tok_s": prefilled / ttft if ttft else None,
+        "gen_tok_s": m.get("decode_tokens_per_s"),
+        "acceptance": spec["mean_acceptance_length"] if spec and spec.get("num_rounds") else None,
+        "built": built, "finish_reason": out.outputs[0].finish_reason,
+    }
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _summary(s: dict, interrupted: bool) -> str:
+    parts = [f"prompt {_num(s['prompt_tok_s'])} tok/s", f"generation {_num(s['gen_tok_s'])} tok/s"]
+    if s["acceptance"] is not None:
+        parts.append(f"acceptance {s['acceptance']:.2f}")
+    return "[" + " | ".join(parts) + ("] (interrupted)" if interrupted else "]")
+
+
+# The command ---------------------------------------------------------------------------------
+def chat(
+    model: ModelArg = None,
+    system: Annotated[str | None, typer.Option("--system", help="System prompt.",
+                                               show_default=False)] = None,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    min_p: MinPOpt = None,
+    presence_penalty: PresenceOpt = None,
+    seed: SeedOpt = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1,
+                                            help="Most tokens per answer.")] = 1024,
+    think: ThinkOpt = None,
+    hide_thinking: Annotated[bool, typer.Option(
+        "--hide-thinking", help="Do not show the text between <think> and </think>.")] = False,
+    speculative_tokens: SpecOpt = 0,
+    dtype: DtypeOpt = "auto",
+    max_model_len: MaxModelLenOpt = None,
+    cache_memory: CacheMemoryOpt = None,
+    device: DeviceOpt = "cpu",
+    threads: ThreadsOpt = None,
+) -> None:
+    """Chat with a model; answers stream as they are generated.
+
+    The conversation stays in the engine's cache between turns. Reads lines from stdin when it
+    is not a terminal; /help lists the in-chat commands.
+    """
+    from hybridrt.sampling_params import SamplingParams
+
+    flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                               presence_penalty=presence_penalty, seed=seed)
+    try:
+        SamplingParams(**flags, max_tokens=max_tokens)
+    except ValueError as e:
+        raise CliError(f"invalid sampling option: {e}", 2) from None
+    llm = load_llm(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
+                   device=device, threads=threads, speculative_tokens=speculative_tokens,
+                   max_num_seqs=2)
+    sampling = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
+    ChatLoop(llm, sampling, speculative_tokens, system, think, hide_thinking).run()

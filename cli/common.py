@@ -1,0 +1,172 @@
+"""What every command shares: model options, loading, sampling defaults, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from typer.core import TyperGroup
+
+try:  # typer >= 0.20 vendors click; older releases use click itself
+    from typer.exceptions import TyperException as _ClickException
+except ImportError:  # pragma: no cover
+    from click import ClickException as _ClickException
+
+
+class CliError(Exception):
+    """A user-facing failure: printed as one ``error: ...`` line, then exit ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def error_line(message: object) -> None:
+    text = " ".join(str(message).split()) or type(message).__name__
+    typer.echo(f"error: {text}", err=True)
+
+
+# Options shared by chat / generate (typer reads them from the annotations) -------------------
+ModelArg = Annotated[str | None, typer.Argument(
+    help="Local checkpoint directory or Hugging Face id (default: the embedded demo model).",
+    show_default=False)]
+DtypeOpt = Annotated[str, typer.Option(
+    "--dtype", help="bfloat16, float16, float32, or auto (float32 on CPU, bfloat16 on CUDA).")]
+MaxModelLenOpt = Annotated[int | None, typer.Option(
+    "--max-model-len", help="Context length (prompt + answer); default min(model's, 4096).",
+    show_default=False)]
+CacheMemoryOpt = Annotated[str | None, typer.Option(
+    "--cache-memory", help="KV + state cache budget: bytes, a fraction of free memory (0.3) "
+    "or a size (2GiB).", show_default=False)]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
+ThreadsOpt = Annotated[int | None, typer.Option(
+    "--threads", min=1, help="CPU threads for torch (default: torch's choice).",
+    show_default=False)]
+TemperatureOpt = Annotated[float | None, typer.Option(
+    "--temperature", help="0 = greedy (default: generation_config.json, else 1.0).",
+    show_default=False)]
+TopPOpt = Annotated[float | None, typer.Option("--top-p", show_default=False)]
+TopKOpt = Annotated[int | None, typer.Option("--top-k", help="0 or -1: off.", show_default=False)]
+MinPOpt = Annotated[float | None, typer.Option("--min-p", show_default=False)]
+PresenceOpt = Annotated[float | None, typer.Option("--presence-penalty", show_default=False)]
+SeedOpt = Annotated[int | None, typer.Option(
+    "--seed", help="Per-request sampling seed (reproducible samples).", show_default=False)]
+ThinkOpt = Annotated[bool | None, typer.Option(
+    "--think/--no-think", help="enable_thinking for the chat template (default: the "
+    "template's own default).", show_default=False)]
+SpecOpt = Annotated[int, typer.Option(
+    "--speculative-tokens", "-k", help="MTP draft tokens per step (0 = off).", min=0)]
+
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                  "repetition_penalty")
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    if dtype.lower() == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    from hybridrt.loader import parse_dtype
+
+    try:
+        parse_dtype(dtype)
+    except ValueError as e:
+        raise CliError(f"--dtype: {e}", 2) from None
+    return dtype
+
+
+def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
+             cache_memory: str | None, device: str = "cpu", speculative_tokens: int = 0,
+             max_num_seqs: int = 32, threads: int | None = None):
+    """Build the LLM, turning option mistakes into CliError (exit 2) before the slow load."""
+    from hybridrt.llm import LLM, parse_memory
+
+    dtype = resolve_dtype(dtype, device)
+    if max_model_len is not None and max_model_len <= 1:
+        raise CliError(f"--max-model-len must be an integer > 1, got {max_model_len}", 2)
+    try:
+        parse_memory(cache_memory)
+    except ValueError as e:
+        raise CliError(f"--cache-memory: {e}", 2) from None
+    if device != "cpu" and not device.startswith("cuda"):
+        raise CliError(f"--device must be cpu, cuda or cuda:N, got {device!r}", 2)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    llm = LLM(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
+              device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs)
+    if sys.stderr.isatty():
+        typer.echo(f"loaded {llm.model_path} ({dtype}, {device}, max_model_len "
+                   f"{llm.engine.engine_config.max_model_len}) in "
+                   f"{time.perf_counter() - t0:.1f}s", err=True)
+    return llm
+
+
+def sampling_defaults(model_path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint's recommended sampling settings (generation_config.json), as vLLM uses
+    them: explicit flags and per-request fields override these."""
+    path = Path(model_path) / "generation_config.json"
+    try:
+        raw = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {k: raw[k] for k in SAMPLING_FLAGS if isinstance(raw.get(k), (int, float))
+            and not isinstance(raw.get(k), bool)}
+
+
+def sampling_overrides(**flags: Any) -> dict[str, Any]:
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+def template_kwargs(think: bool | None) -> dict[str, Any]:
+    return {} if think is None else {"enable_thinking": think}
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions whose message is the whole story for the user (no traceback)."""
+    from hybridrt.config import ConfigError
+    from hybridrt.loader import CheckpointError, ModelNotFoundError
+
+    return (CliError, ModelNotFoundError, CheckpointError, ConfigError, ValueError,
+            FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+class OneLineErrorGroup(TyperGroup):
+    """Click's standalone error handling, but every failure is one ``error: ...`` line on
+    stderr: usage errors (exit 2), our own errors (exit 1, or CliError's code), and
+    unexpected ones (exit 1; HYBRIDRT_DEBUG=1 shows the traceback)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
+             windows_expand_args=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, windows_expand_args,
+                                **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, False, windows_expand_args,
+                              **extra)
+        except _ClickException as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # the help text is already out
+                sys.exit(e.exit_code)
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            error_line(f"{e.format_message()}{hint}")
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            sys.exit(130)
+        except KeyboardInterrupt:
+            typer.echo("", err=True)
+            sys.exit(130)
+        except Exception as e:
+            if os.environ.get("HYBRIDRT_DEBUG") == "1":
+                raise
+            if isinstance(e, user_errors()):
+                error_line(e)
+                sys.exit(getattr(e, "exit_code", 1))
+            error_line(f"{type(e).__name__}: {e} (HYBRIDRT_DEBUG=1 shows the traceback)")
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)

@@ -1,0 +1,235 @@
+"""``hybridrt generate``: batch generation, one JSON line out per prompt in.
+
+An input line is plain text (the prompt) or, when it starts with ``{``, a JSON object:
+
+    {"id": 7, "prompt": "...", "temperature": 0, "max_tokens": 32, "stop": ["\\n"]}
+    {"messages": [{"role": "user", "content": "..."}], "seed": 3}
+
+Besides ``id`` and one of ``prompt`` / ``messages`` / ``prompt_token_ids`` a line may carry
+any SamplingParams field; command-line flags are the defaults. A line that cannot be used
+(bad JSON, unknown field, invalid value) gets ``{"id": ..., "error": "..."}`` in its place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from hybridrt.cli.common import (
+    CacheMemoryOpt,
+    CliError,
+    DeviceOpt,
+    DtypeOpt,
+    MaxModelLenOpt,
+    MinPOpt,
+    ModelArg,
+    PresenceOpt,
+    SeedOpt,
+    SpecOpt,
+    TemperatureOpt,
+    ThinkOpt,
+    ThreadsOpt,
+    TopKOpt,
+    TopPOpt,
+    load_llm,
+    sampling_defaults,
+    sampling_overrides,
+    template_kwargs,
+)
+
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+
+
+def _sampling_fields() -> tuple[str, ...]:
+    from hybridrt.sampling_params import SamplingParams
+
+    return tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+@dataclasses.dataclass
+class Item:
+    """One input line: a prompt and its sampling fields, or the reason it cannot run."""
+
+    id: Any
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    sampling: dict = dataclasses.field(default_factory=dict)
+    error: str | None = None
+
+
+def parse_line(line: str, index: int, sampling_fields: tuple[str, ...]) -> Item:
+    text = line.rstrip("\r\n")
+    if not text.lstrip().startswith("{"):
+        return Item(id=index, prompt=text)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return Item(id=index, error=f"invalid JSON: {e}")
+    if not isinstance(obj, dict):
+        return Item(id=index, error="expected a JSON object")
+    item = Item(id=obj.get("id", index))
+    unknown = sorted(set(obj) - {"id", *PROMPT_FIELDS, *sampling_fields})
+    given = [k for k in PROMPT_FIELDS if k in obj]
+    if unknown:
+        item.error = f"unknown field(s) {', '.join(map(repr, unknown))}"
+    elif len(given) != 1:
+        item.error = f"needs exactly one of {', '.join(PROMPT_FIELDS)}, got {given or 'none'}"
+    elif "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in msgs
+        ):
+            item.error = "messages must be a non-empty list of {'role': str, 'content': str}"
+        item.messages = msgs
+    elif "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            item.error = "prompt must be a string"
+        item.prompt = obj["prompt"]
+    else:
+        ids = obj["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
+            item.error = "prompt_token_ids must be a list of ints"
+        item.prompt = ids
+    item.sampling = {k: v for k, v in obj.items() if k in sampling_fields}
+    return item
+
+
+def read_inputs(prompts: list[str], input_file: Path | None) -> list[str]:
+    lines = list(prompts or [])
+    if input_file is not None:
+        if str(input_file) == "-":
+            lines += sys.stdin.read().splitlines()
+        else:
+            try:
+                lines += input_file.read_text().splitlines()
+            except OSError as e:
+                raise CliError(f"--input {input_file}: {e.strerror or e}") from None
+    elif not prompts:
+        if sys.stdin.isatty():
+            raise CliError("no prompts: give --prompt TEXT, --input FILE, or pipe lines on "
+                           "stdin", 2)
+        lines += sys.stdin.read().splitlines()
+    return lines
+
+
+def run_items(llm, items: list[Item], defaults: dict, chat_kwargs: dict,
+              progress: bool, speculative_tokens: int | None) -> list[dict]:
+    """Generate every runnable item in one LLM.generate call -> one record per item."""
+    records: list[dict | None] = [None] * len(items)
+    prompts, params, where = [], [], []
+    for i, it in enumerate(items):
+        if it.error is None and it.messages is not None:
+            try:
+                if llm.tokenizer is None:
+                    raise ValueError("this model has no tokenizer, so it has no chat template")
+                it.prompt = llm.apply_chat_template(it.messages, chat_kwargs)
+            except Exception as e:  # noqa: BLE001 - a template may raise anything
+                it.error = f"chat template: {e}"
+        if it.error is None and it.prompt == "":
+            it.error = "prompt is empty"
+        if it.error is not None:
+            records[i] = {"id": it.id, "error": it.error}
+            continue
+        prompts.append(it.prompt)
+        params.append({**defaults, **it.sampling})
+        where.append(i)
+    if prompts:
+        outs = llm.generate(prompts, params, use_tqdm=progress,
+                            speculative_tokens=speculative_tokens)
+        for i, out in zip(where, outs, strict=True):
+            it = items[i]
+            if out.error is not None:
+                records[i] = {"id": it.id, "error": str(out.error)}
+                continue
+            c = out.outputs[0]
+            rec = {"id": it.id,
+                   "prompt": out.prompt if out.prompt is not None else it.prompt,
+                   "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                   "metrics": out.metrics}
+            if c.logprobs is not None:
+                rec["logprobs"] = [{str(t): lp for t, lp in d.items()} for d in c.logprobs]
+            records[i] = rec
+    return records
+
+
+def generate(
+    model: ModelArg = None,
+    prompt: Annotated[list[str] | None, typer.Option(
+        "--prompt", "-p", help="A prompt (plain text); repeat for more.", show_default=False)
+    ] = None,
+    input_file: Annotated[Path | None, typer.Option(
+        "--input", "-i", help="Prompts file: plain text lines or JSONL ('-': stdin).",
+        show_default=False)] = None,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Write the JSONL here instead of stdout.", show_default=False)
+    ] = None,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    min_p: MinPOpt = None,
+    presence_penalty: PresenceOpt = None,
+    frequency_penalty: Annotated[float | None, typer.Option(
+        "--frequency-penalty", show_default=False)] = None,
+    repetition_penalty: Annotated[float | None, typer.Option(
+        "--repetition-penalty", show_default=False)] = None,
+    seed: SeedOpt = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1,
+                                            help="Most tokens per prompt.")] = 256,
+    stop: Annotated[list[str] | None, typer.Option(
+        "--stop", help="Stop string; repeat for more.", show_default=False)] = None,
+    think: ThinkOpt = None,
+    speculative_tokens: SpecOpt = 0,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1,
+                                              help="Requests run concurrently.")] = 32,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress",
+                                           help="Progress bar on stderr.")] = True,
+    dtype: DtypeOpt = "auto",
+    max_model_len: MaxModelLenOpt = None,
+    cache_memory: CacheMemoryOpt = None,
+    device: DeviceOpt = "cpu",
+    threads: ThreadsOpt = None,
+) -> None:
+    """Generate for many prompts in one batch; writes one JSON line per prompt, in order."""
+    from hybridrt.sampling_params import SamplingParams
+
+    flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                               presence_penalty=presence_penalty,
+                               frequency_penalty=frequency_penalty,
+                               repetition_penalty=repetition_penalty, seed=seed,
+                               stop=stop or None)
+    try:
+        SamplingParams(**flags, max_tokens=max_tokens)
+    except ValueError as e:
+        raise CliError(f"invalid sampling option: {e}", 2) from None
+    lines = read_inputs(prompt or [], input_file)
+    fields = _sampling_fields()
+    items = [Item(id=i, prompt=p) for i, p in enumerate(prompt or [])]
+    rest = [line for line in lines[len(items):] if line.strip()]
+    items += [parse_line(line, len(items) + n, fields) for n, line in enumerate(rest)]
+    if not items:
+        raise CliError("no prompts in the input", 2)
+    llm = load_llm(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
+                   device=device, threads=threads, speculative_tokens=speculative_tokens,
+                   max_num_seqs=max_num_seqs)
+    defaults = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
+    records = run_items(llm, items, defaults, template_kwargs(think), progress, None)
+    text = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)
+    if output is None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        try:
+            output.write_text(text)
+        except OSError as e:
+            raise CliError(f"--output {output}: {e.strerror or e}") from None
+    failed = sum("error" in r for r in records)
+    if failed:
+        typer.echo(f"{failed} of {len(records)} prompts failed (see their error lines)",
+                   err=True)

@@ -1,0 +1,395 @@
+"""The hybridrt CLI: chat driven through stdin, batch generate, bench, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from hybridrt import LLM, SamplingParams
+from hybridrt.cli import bench as cli_bench
+from hybridrt.cli import chat as cli_chat
+from hybridrt.cli.chat import Conversation, Renderer, ThinkSplitter
+from hybridrt.cli.main import app
+from hybridrt.testing import tiny_text_config, write_char_tokenizer, write_random_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "hybridrt" / "demo_model"
+MODEL_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--cache-memory", "64MiB"]
+GREEDY = ["--temperature", "0", "--max-tokens", "6"]
+Q1, Q2 = "hello there", "how are you"
+
+# Qwen3's chat template in miniature: past answers lose their think block, and the generation
+# prompt of non-thinking mode carries an empty one; so the next prompt is not the last prompt
+# plus the answer.
+QWEN3_STYLE_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + m.content.split('</think>')[-1].lstrip('\\n')"
+    " + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if not enable_thinking is defined or not enable_thinking %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = write_random_checkpoint(tmp_path_factory.mktemp("cli"), tiny_text_config(), seed=5)
+    write_char_tokenizer(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny):
+    return LLM(tiny, dtype="float32", max_model_len=512, cache_memory="64MiB")
+
+
+def invoke(*args, input=None):
+    return CliRunner().invoke(app, [str(a) for a in args], input=input)
+
+
+def encode(llm, messages):
+    text = llm.apply_chat_template(messages)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def greedy(llm, ids, n=6):
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)
+    return out[0].outputs[0].text, out[0].outputs[0].token_ids
+
+
+def shown(text):
+    """An answer as the chat prints it: then a newline unless it ends with one."""
+    return text + ("\n" if text and not text.endswith("\n") else "") + "[prompt"
+
+
+def in_order(out: str, pieces: list[str]) -> None:
+    at = 0
+    for p in pieces:
+        i = out.find(p, at)
+        assert i >= 0, f"{p!r} not found after position {at} in:\n{out}"
+        at = i + len(p)
+
+
+def stats(out: str, name: str) -> list[int]:
+    return [int(v) for v in re.findall(rf"{name}\s+(\d+)", out)]
+
+
+def one_error_line(res_stderr: str) -> str:
+    lines = [ln for ln in res_stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res_stderr
+    assert "Traceback" not in res_stderr
+    return lines[0]
+
+
+# chat ----------------------------------------------------------------------------------------
+def test_chat_turns_reuse_the_cache_regen_clear_set_and_exit(tiny, ref):
+    ids1 = encode(ref, [{"role": "user", "content": Q1}])
+    t1, a1 = greedy(ref, ids1)
+    a1_content = ref.tokenizer.decode(a1[:-1] if a1[-1] == 1 else a1, skip_special_tokens=False)
+    conv = [{"role": "user", "content": Q1}, {"role": "assistant", "content": a1_content},
+            {"role": "user", "content": Q2}]
+    ids2 = encode(ref, conv)  # a fresh run of the whole conversation
+    t2, _ = greedy(ref, ids2)
+    script = (f"{Q1}\n{Q2}\n/stats\n/regen\n/stats\n/set temperature -1\n/set temperature 0\n"
+              f"/clear\n{Q1}\n/stats\n/exit\nnever read\n")
+    res = invoke("chat", tiny, *MODEL_FLAGS, *GREEDY, input=script)
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    in_order(out, [shown(t1), shown(t2), "prompt built", shown(t2), "prompt built",
+                   "temperature=0.0", "(conversation cleared)", shown(t1)])
+    assert out.count("[prompt") == 4  # nothing after /exit
+    cached = len(ids1) + len(a1) - 1  # the last answer token was sampled, never fed
+    assert stats(out, "prompt tokens") == [len(ids2), len(ids2), len(ids1)]
+    assert stats(out, "reused tokens") == [cached, len(ids2) - 1, 0]
+    assert stats(out, "prefilled tokens") == [len(ids2) - cached, 1, len(ids1)]
+    assert "incremental" in out
+    err = one_error_line(res.stderr)
+    assert "temperature" in err and ">= 0" in err
+
+
+def test_chat_speculative_stats_and_speculative_tokens_setting(tiny, ref):
+    ids1 = encode(ref, [{"role": "user", "content": Q1}])
+    t1, _ = greedy(ref, ids1)
+    script = f"{Q1}\n/stats\n/set speculative_tokens 3\n/set speculative_tokens 0\n/regen\n"
+    res = invoke("chat", tiny, *MODEL_FLAGS, *GREEDY, "--speculative-tokens", "2", input=script)
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    first, second = out.split("speculative_tokens=0")
+    assert re.search(r"\| acceptance \d\.\d\d\]", first)
+    assert re.search(r"acceptance length\s+\d\.\d\d", first)
+    assert "acceptance" not in second  # k=0 for the regenerated answer
+    in_order(out, [shown(t1), shown(t1)])  # greedy speculation is lossless
+    assert "speculative_tokens must be in [0, 2]" in res.stderr
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_it_in_the_session(tiny, ref, monkeypatch):
+    fired = []
+    write = Renderer.write
+
+    def write_then_ctrl_c(self, pieces):
+        write(self, pieces)
+        if not fired:
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(Renderer, "write", write_then_ctrl_c)
+    ids1 = encode(ref, [{"role": "user", "content": Q1}])
+    res = invoke("chat", tiny, *MODEL_FLAGS, *GREEDY, input=f"{Q1}\n{Q2}\n/stats\n")
+    assert res.exit_code == 0, res.output
+    assert res.stdout.count("(interrupted)") == 1 and res.stdout.count("[prompt") == 2
+    (reused,) = stats(res.stdout, "reused tokens")
+    (prompt,) = stats(res.stdout, "prompt tokens")
+    (prefilled,) = stats(res.stdout, "prefilled tokens")
+    assert len(ids1) <= reused < len(ids1) + 6  # the prompt and the partial answer
+    assert prefilled == prompt - reused
+
+
+def test_incremental_prompt_is_the_template_for_chatml(ref):
+    conv = Conversation(ref.tokenizer, [1], {}, system="be brief")
+    ids, text = conv.prompt_for(Q1)
+    conv.messages.append({"role": "user", "content": Q1})
+    answer = ref.tokenizer.encode("fine!", add_special_tokens=False) + [1]
+    conv.commit(ids, answer)
+    ids2, text2 = conv.prompt_for(Q2)
+    assert conv.last_build == "incremental"
+    assert ids2[:len(ids) + len(answer)] == ids + answer
+    assert text2 == ref.apply_chat_template(conv.messages + [{"role": "user", "content": Q2}])
+    assert ids2 == ref.tokenizer.encode(text2, add_special_tokens=False)
+
+
+def test_qwen3_style_template_falls_back_to_retemplating(ref):
+    tok = ref.tokenizer
+    saved, tok.chat_template = tok.chat_template, QWEN3_STYLE_TEMPLATE
+    try:
+        conv = Conversation(tok, [1], {})
+        ids, _ = conv.prompt_for(Q1)
+        assert tok.decode(ids).endswith("assistant\n<think>\n\n</think>\n\n")
+        conv.messages.append({"role": "user", "content": Q1})
+        conv.commit(ids, tok.encode("fine!", add_special_tokens=False) + [1])
+        ids2, text2 = conv.prompt_for(Q2)
+        assert conv.last_build == "re-templated"
+        assert "<|im_start|>assistant\nfine!<|im_end|>" in text2
+        assert ids2 == tok.encode(text2, add_special_tokens=False)
+    finally:
+        tok.chat_template = saved
+
+
+def test_think_splitter_handles_tags_split_across_deltas():
+    s = ThinkSplitter(thinking=False)
+    pieces = []
+    for delta in ["<th", "ink>\nhm", "m</", "think>\n\nAnswer <", "b>"]:
+        pieces += s.feed(delta)
+    pieces += s.flush()
+    think = "".join(t for is_think, t in pieces if is_think)
+    answer = "".join(t for is_think, t in pieces if not is_think)
+    assert think == "<think>\nhmm</think>" and answer == "\n\nAnswer <b>"
+
+    class Out:
+        text = ""
+
+        def write(self, t):
+            self.text += t
+
+        def flush(self):
+            pass
+
+    hidden, dimmed = Out(), Out()
+    Renderer(hidden, color=False, hide_thinking=True).write(pieces)
+    Renderer(dimmed, color=True, hide_thinking=False).write(pieces)
+    assert hidden.text == "Answer <b>"
+    assert "\x1b[2m<think>" in dimmed.text and dimmed.text.endswith("Answer <b>")
+    assert cli_chat.opens_thinking("<|im_start|>assistant\n<think>\n")
+
+
+# generate ------------------------------------------------------------------------------------
+def test_generate_jsonl_mixed_settings_in_order_with_error_lines(tiny, ref, tmp_path):
+    hello_text, _ = greedy(ref, ref.tokenizer.encode("hello"), 8)
+    stop = hello_text[2]
+    seeded = {"temperature": 0.9, "top_k": 20, "seed": 7, "max_tokens": 6, "logprobs": 1}
+    msgs = [{"role": "user", "content": "hi"}]
+    lines = [
+        json.dumps({"id": "greedy", "prompt": "hello", "temperature": 0, "max_tokens": 5}),
+        "plain text prompt",
+        json.dumps({"id": "chat", "messages": msgs, "max_tokens": 3}),
+        '{"id": "bad-json", "prompt": ',
+        json.dumps({"id": "seeded", "prompt": "abc", **seeded}),
+        "",
+        json.dumps({"id": "bad-value", "prompt": "x", "top_p": 0}),
+        json.dumps({"id": "unknown", "prompt": "x", "colour": "red"}),
+        json.dumps({"id": "stop", "prompt": "hello", "max_tokens": 8, "stop": [stop]}),
+    ]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    res = invoke("generate", tiny, *MODEL_FLAGS, "--temperature", "0", "--max-tokens", "4",
+                 "--input", src, "--output", dst)
+    assert res.exit_code == 0, res.output
+    recs = [json.loads(ln) for ln in dst.read_text().splitlines()]
+    assert [r["id"] for r in recs] == ["greedy", 1, "chat", 3, "seeded", "bad-value", "unknown",
+                                      "stop"]
+    by_id = {r["id"]: r for r in recs}
+    for bad, why in [(3, "invalid JSON"), ("bad-value", "top_p"), ("unknown", "colour")]:
+        assert set(by_id[bad]) == {"id", "error"} and why in by_id[bad]["error"]
+
+    def same(rec, prompt, params):
+        out = ref.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert (rec["text"], rec["token_ids"]) == (out.text, out.token_ids)
+        assert rec["finish_reason"] == out.finish_reason
+        assert rec["metrics"]["num_generated_tokens"] == len(out.token_ids)
+
+    same(by_id["greedy"], "hello", SamplingParams(temperature=0, max_tokens=5))
+    same(by_id[1], "plain text prompt", SamplingParams(temperature=0, max_tokens=4))
+    assert by_id["chat"]["prompt"] == ref.apply_chat_template(msgs)
+    same(by_id["chat"], by_id["chat"]["prompt"], SamplingParams(temperature=0, max_tokens=3))
+    same(by_id["seeded"], "abc", SamplingParams(**seeded))
+    assert len(by_id["seeded"]["logprobs"]) == len(by_id["seeded"]["token_ids"])
+    assert by_id["stop"]["text"] == hello_text[:hello_text.index(stop)]
+    assert by_id["stop"]["finish_reason"] == "stop"
+    assert "3 of 8 prompts failed" in res.stderr
+
+
+def test_generate_reads_prompt_flags_then_stdin_lines(tiny):
+    res = invoke("generate", tiny, *MODEL_FLAGS, "--temperature", "0", "--max-tokens", "2",
+                 "--no-progress", "--prompt", "first", "--input", "-", input="second\n\nthird\n")
+    assert res.exit_code == 0, res.output
+    recs = [json.loads(ln) for ln in res.stdout.splitlines()]
+    assert [(r["id"], r["prompt"]) for r in recs] == [(0, "first"), (1, "second"), (2, "third")]
+    assert all(len(r["token_ids"]) <= 2 and r["finish_reason"] for r in recs)
+
+
+# errors --------------------------------------------------------------------------------------
+def test_unknown_model_path_is_one_error_line(tmp_path):
+    res = invoke("chat", tmp_path / "no-such-model", input="hi\n")
+    assert res.exit_code != 0
+    assert "no-such-model" in one_error_line(res.stderr)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--temperature", "-1"], "temperature"),
+    (["--temperature", "warm"], "--temperature"),
+    (["--dtype", "float8"], "dtype"),
+    (["--cache-memory", "lots"], "cache_memory"),
+    (["--max-model-len", "1"], "max-model-len"),
+    (["--no-such-flag"], "no-such-flag"),
+], ids=["negative-temperature", "not-a-number", "dtype", "cache-memory", "max-model-len",
+        "unknown-flag"])
+def test_bad_flag_values_are_one_error_line_exit_2(tiny, flags, needle):
+    res = invoke("chat", tiny, *flags, input="hi\n")
+    assert res.exit_code == 2, res.output
+    assert needle in one_error_line(res.stderr)
+
+
+def test_broken_checkpoint_is_one_error_line(tiny, tmp_path):
+    (tmp_path / "config.json").write_text(Path(tiny, "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{trunc")
+    res = invoke("generate", tmp_path, "--prompt", "hi")
+    assert res.exit_code == 1
+    one_error_line(res.stderr)
+
+
+def test_python_m_chat_over_a_pipe(tiny, ref):
+    t1, _ = greedy(ref, encode(ref, [{"role": "user", "content": Q1}]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybridrt.cli", "chat", tiny, *MODEL_FLAGS, *GREEDY,
+         "--threads", "2"],
+        input=f"{Q1}\n/exit\n", capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(shown(t1)), proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+# bench ---------------------------------------------------------------------------------------
+def test_throughput_flags_match_hybridrt_bench():
+    import typer.main
+
+    from hybridrt.bench import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd").choices["throughput"]
+    theirs = {a.option_strings[0]: a.default for a in sub._actions if a.option_strings
+              and a.dest != "help"}
+    group = typer.main.get_command(app)
+    cmd = group.commands["bench"].commands["throughput"]
+    ours = {p.opts[0]: p.default for p in cmd.params if p.opts[0] != "--plot"}
+    ours = {k: v for k, v in ours.items() if k not in ("--help", "-h")}
+    assert ours == theirs
+
+
+def test_plot_without_matplotlib_is_one_error_line_exit_2(tiny, monkeypatch, tmp_path):
+    monkeypatch.setattr(cli_bench, "has_matplotlib", lambda: False)
+    for args in (["bench", "spec", tiny, "--quick"], ["bench", "throughput"]):
+        res = invoke(*args, "--plot", tmp_path / "x.png")
+        assert res.exit_code == 2
+        assert "matplotlib" in one_error_line(res.stderr)
+
+
+def spec_acceptance(report: dict, k: int) -> float:
+    """Draft acceptance rate at ``k`` (batch 1 where there are several batch sizes)."""
+    rows = [r for r in cli_bench.spec_rows(report) if r["k"] == k]
+    rows.sort(key=lambda r: r.get("batch_size", 0))
+    return rows[0]["mean_acceptance_length"] - 1.0
+
+
+def test_bench_spec_quick_smoke_on_tiny_checkpoint(tiny, tmp_path):
+    out = tmp_path / "spec.json"
+    res = invoke("bench", "spec", tiny, "--quick", "--ks", "0,1", "--batch-sizes", "1",
+                 "--max-tokens", "8", "--json", out)
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert {r["k"] for r in cli_bench.spec_rows(report)} >= {0, 1}
+    assert 0.0 <= spec_acceptance(report, 1) <= 1.0
+
+
+# the demo checkpoint (needs its trained weights in hybridrt/demo_model) ----------------------
+def test_bench_spec_quick_on_demo_checkpoint_accepts_half(tmp_path):
+    assert (DEMO / "model.safetensors").is_file(), "demo weights missing"
+    out = tmp_path / "spec.json"
+    res = invoke("bench", "spec", "--quick", "--json", out)
+    assert res.exit_code == 0, res.output
+    assert spec_acceptance(json.loads(out.read_text()), 1) >= 0.5
+
+
+def test_demo_checkpoint_matches_transformers():
+    assert (DEMO / "model.safetensors").is_file(), "demo weights missing"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hybridrt import load_model
+    from hybridrt.forward_batch import ForwardBatch
+    from hybridrt.statecache import CacheTensors
+
+    tok = AutoTokenizer.from_pretrained(str(DEMO))
+    text = tok.apply_chat_template([{"role": "user", "content": "What does `json.dumps` do?"}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    ref = AutoModelForCausalLM.from_pretrained(str(DEMO), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].float()
+
+    net, config, _ = load_model(DEMO, torch.float32, with_mtp=False)
+    n, bs = len(ids), 16
+    blocks = -(-n // bs)
+    cache = CacheTensors.allocate(config, num_blocks=blocks + 1, num_slots=2, block_size=bs,
+                                  dtype=torch.float32)
+    pos = torch.arange(n)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(ids), positions=pos, cu_seqlens=torch.tensor([0, n]),
+        seq_lens=torch.tensor([n]), slot_mapping=pos, block_tables=torch.arange(blocks)[None],
+        state_slots=torch.tensor([1]), has_initial_state=torch.tensor([False]),
+        logits_indices=pos,
+    )
+    with torch.no_grad():
+        ours = net.compute_logits(net(batch, cache)[batch.logits_indices]).float()
+    assert ours.shape == expected.shape
+    err = ((ours - expected).abs().max() / expected.abs().max()).item()
+    assert err <= 1e-4, f"max-abs error {err:.3g} x max|ref|"
