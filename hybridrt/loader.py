@@ -164,7 +164,7 @@ def load_model(
         h, raw = handles[name]
         found = tuple(h.get_slice(raw).get_shape())
         if found != shape:
-            mismatched.append(f"{name}: expected {list(shape)}, found {list(found)}")
+            mismatched.append(f"{raw}: expected {list(shape)}, found {list(found)}")
     for name in handles:
         if name in expected:
             continue
@@ -172,7 +172,7 @@ def load_model(
             continue  # speculation not requested: the MTP head stays on disk
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # a tied checkpoint may still store a copy of the embedding
-        unexpected.append(name)
+        unexpected.append(handles[name][1])  # the name as stored in the checkpoint
     if missing or mismatched or unexpected:
         lines = [f"checkpoint {path} does not match its config:"]
         lines += [f"  missing tensor: {m}" for m in missing]
