@@ -71,6 +71,10 @@ def paged_attention(
         v = _gather(value_cache, block_tables[idx], n_max)
         lens = seq_lens[idx] if len(single) < len(qlens) else seq_lens
         mask = torch.arange(n_max, device=query.device)[None, :] < lens[:, None]  # [b, n]
+        # Padding past a sequence's length may hold anything (other requests' blocks, stale or
+        # non-finite values): zero it, since a masked weight of 0 times NaN is still NaN.
+        k = k.masked_fill(~mask[:, :, None, None], 0)
+        v = v.masked_fill(~mask[:, :, None, None], 0)
         q = query[rows][:, :, None, :]  # [b, H, 1, D]
         o = F.scaled_dot_product_attention(
             q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
