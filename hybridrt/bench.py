@@ -157,7 +157,8 @@ def format_table(report: dict) -> str:
     rows = [f"{'metric':<24}{'hybridrt':>12}{'transformers':>14}{'ratio':>8}"]
     for k, v in ours.items():
         t = theirs.get(k)
-        rows.append(f"{k:<24}{v:>12.2f}" + (f"{t:>14.2f}{v / t:>8.2f}" if t else f"{'-':>14}{'-':>8}"))
+        rest = f"{t:>14.2f}{v / t:>8.2f}" if t else f"{'-':>14}{'-':>8}"
+        rows.append(f"{k:<24}{v:>12.2f}" + rest)
     rows.append(f"aggregate b32 / our b1: {report['ratio_b32_vs_b1']:.2f}x")
     return "\n".join(rows)
 

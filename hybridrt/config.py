@@ -55,7 +55,9 @@ class ModelConfig:
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"config field {name!r} must be a positive integer, got {value!r}")
+                raise ConfigError(
+                    f"config field {name!r} must be a positive integer, got {value!r}"
+                )
         if self.mtp_num_hidden_layers < 0:
             raise ConfigError("config field 'mtp_num_hidden_layers' must be >= 0")
         if len(self.layer_types) != self.num_hidden_layers:
@@ -82,7 +84,8 @@ class ModelConfig:
             )
         if self.rotary_dim % 2 or self.rotary_dim == 0:
             raise ConfigError(
-                f"rotary dim head_dim*partial_rotary_factor = {self.rotary_dim} must be even and > 0"
+                f"rotary dim head_dim*partial_rotary_factor = {self.rotary_dim} "
+                "must be even and > 0"
             )
         if self.rope_theta <= 0:
             raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta}")
@@ -124,7 +127,8 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
-                f"unsupported model_type {model_type!r}; hybridrt runs {list(SUPPORTED_MODEL_TYPES)}"
+                f"unsupported model_type {model_type!r}; "
+                f"hybridrt runs {list(SUPPORTED_MODEL_TYPES)}"
             )
         text = raw
         if model_type == "qwen3_5":
@@ -147,7 +151,9 @@ class ModelConfig:
         if layer_types is None:
             interval = text.get("full_attention_interval", 4)
             if not isinstance(interval, int) or interval <= 0:
-                raise ConfigError(f"full_attention_interval must be a positive int, got {interval!r}")
+                raise ConfigError(
+                    f"full_attention_interval must be a positive int, got {interval!r}"
+                )
             if not isinstance(num_layers, int) or num_layers <= 0:
                 raise ConfigError(f"num_hidden_layers must be a positive int, got {num_layers!r}")
             layer_types = [

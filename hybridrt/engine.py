@@ -316,9 +316,9 @@ class LLMEngine:
         reason: tuple[str, int | str | None] | None = None
         if n_out >= p.min_tokens and tok in req.eos_token_ids:
             reason = ("stop", tok)
-        elif p.max_tokens is not None and n_out >= p.max_tokens:
-            reason = ("length", None)
-        elif len(req.token_ids) >= self.engine_config.max_model_len:
+        elif (p.max_tokens is not None and n_out >= p.max_tokens) or (
+            len(req.token_ids) >= self.engine_config.max_model_len
+        ):
             reason = ("length", None)
         if self.tokenizer is not None:
             prev = len(req.text)

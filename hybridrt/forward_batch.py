@@ -29,10 +29,13 @@ class ForwardBatch:
     | seq_lens | [B] | context length after this step (cached + new) |
     | slot_mapping | [T] | flat KV slot (block * block_size + offset) each token writes |
     | block_tables | [B, M] | KV blocks of each sequence, in order (pad with any valid id) |
-    | state_slots | [B] | GDN state slot each sequence starts from (and, unless verifying, ends in) |
+    | state_slots | [B] | GDN state slot a sequence starts from (and, unless verifying, ends in) |
     | has_initial_state | [B] | False for a sequence's first chunk (start from zero state) |
     | logits_indices | [N] | rows of the hidden states whose logits are wanted |
-    | verify_slots | B lists or None | for a verifying sequence, the slot receiving the state after each of its tokens; None otherwise |
+    | verify_slots | B lists or None | per-token state slots of verifying sequences (see below) |
+
+    ``verify_slots``: for a verifying sequence, the slot receiving the state after each of its
+    tokens; None otherwise.
 
     Host-side copies (``query_lens``, ``context_lens``) are derived once here so that kernels do
     not sync on device tensors. GDN routing: sequences continuing from a state with one new

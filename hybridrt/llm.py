@@ -82,7 +82,9 @@ class LLM:
         if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or (
             speculative_tokens < 0
         ):
-            raise ValueError(f"speculative_tokens must be an integer >= 0, got {speculative_tokens!r}")
+            raise ValueError(
+                f"speculative_tokens must be an integer >= 0, got {speculative_tokens!r}"
+            )
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         path = default_model() if model is None else model

@@ -146,7 +146,7 @@ def load_model(
         except Exception as e:
             raise CheckpointError(f"cannot read {f.name} (truncated or corrupt?): {e}") from None
         opened.append(h)
-        for name in h.keys():
+        for name in h.keys():  # noqa: SIM118 (safe_open handles are not iterable)
             canon = canonical_name(name)
             if canon is not None:
                 handles[canon] = (h, name)

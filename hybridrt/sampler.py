@@ -1,16 +1,17 @@
 """Batched token sampling with vLLM semantics, shaped for reuse by speculative decoding.
 
 One call works on N rows of fp32 logits ``[N, V]``; each row carries its own
-``SamplingParams`` and token history (``SamplingRow``). The pipeline, in vLLM's order:
+``SamplingParams`` and token history (``SamplingRow``). The pipeline, in vLLM's order
+(step, the rows it applies to, what it does):
 
-| step | applies to | what |
-| --- | --- | --- |
-| penalties | all rows | repetition (prompt + output; logit > 0 divided, else multiplied), then frequency (count in output) and presence (seen in output) subtracted |
-| min_tokens | rows with fewer outputs than min_tokens | eos ids and stop_token_ids -> -inf |
-| logprobs | rows asking for them | log_softmax taken here: after penalties and the min_tokens mask, before temperature and filtering |
-| temperature | random rows | logits / temperature |
-| top-k, top-p, min-p | random rows | filtered tokens -> -inf; the top-1 always stays |
-| pick | | greedy rows: argmax; random rows: inverse CDF of softmax at one uniform draw |
+1. penalties (all rows): repetition (prompt + output; logit > 0 divided, else multiplied),
+   then frequency (count in output) and presence (seen in output) subtracted.
+2. min_tokens (rows with fewer outputs than min_tokens): eos ids and stop_token_ids -> -inf.
+3. logprobs (rows asking for them): log_softmax taken here: after penalties and the
+   min_tokens mask, before temperature and filtering.
+4. temperature (random rows): logits / temperature.
+5. top-k, top-p, min-p (random rows): filtered tokens -> -inf; the top-1 always stays.
+6. pick: greedy rows: argmax; random rows: inverse CDF of softmax at one uniform draw.
 
 Random draws: a seeded request owns a generator (``make_generator``) kept across steps and
 used for nothing else, so its tokens do not depend on what else is in the batch; unseeded
@@ -142,7 +143,9 @@ class Sampler:
             probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
         return probs
 
-    def uniform(self, rows: list[SamplingRow], num: int, device: torch.device | str) -> torch.Tensor:
+    def uniform(
+        self, rows: list[SamplingRow], num: int, device: torch.device | str
+    ) -> torch.Tensor:
         """``[len(rows), num]`` uniforms in [0, 1): seeded rows from their own generator, the
         others from the shared one, so a seeded row's draws never depend on the batch."""
         device = torch.device(device)

@@ -45,7 +45,9 @@ class Scheduler:
     def __init__(self, cache: HybridCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int):
         if max_num_batched_tokens <= 0:
-            raise ValueError(f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}"
+            )
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

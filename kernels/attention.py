@@ -57,7 +57,9 @@ def paged_attention(
     H, HKV = query.shape[1], key_cache.shape[2]
     if H % HKV:
         raise ValueError(f"query heads ({H}) must be a multiple of kv heads ({HKV})")
-    qlens = query_lens if query_lens is not None else (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    qlens = (
+        query_lens if query_lens is not None else (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    )
     ctx = context_lens if context_lens is not None else seq_lens.tolist()
     out = torch.empty_like(query)
     starts = cu_seqlens_q[:-1].tolist() if query_lens is None else _starts(qlens)

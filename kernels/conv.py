@@ -38,10 +38,7 @@ def causal_conv1d_varlen(
     for b, n in enumerate(lens):
         slot = slots[b]
         seq = x[start:start + n]
-        if init_flags[b]:
-            prev = conv_states[slot]
-        else:
-            prev = x.new_zeros(C, K - 1)
+        prev = conv_states[slot] if init_flags[b] else x.new_zeros(C, K - 1)
         window = torch.cat([prev.to(x.dtype), seq.t()], dim=1)  # [C, K-1+n]
         y = F.conv1d(window.unsqueeze(0).float(), w, groups=C)[0]  # [C, n]
         out[start:start + n] = _act(y, activation).t().to(x.dtype)
@@ -79,7 +76,9 @@ def causal_conv1d_update(
         conv_states[state_slots] = window[:, :, L:].to(conv_states.dtype)
     else:
         if tuple(state_slots_out.shape) != (B, L):
-            raise ValueError(f"state_slots_out must be [{B}, {L}], got {tuple(state_slots_out.shape)}")
+            raise ValueError(
+                f"state_slots_out must be [{B}, {L}], got {tuple(state_slots_out.shape)}"
+            )
         after = window.unfold(2, K - 1, 1)[:, :, 1:]  # [B, C, L, K-1]: state after token t
         conv_states[state_slots_out.reshape(-1)] = (
             after.permute(0, 2, 1, 3).reshape(B * L, C, K - 1).to(conv_states.dtype)

@@ -184,7 +184,11 @@ def naive_gated_delta_rule(
     initial_state: [HV, DK, DV] or None -> (o [T, HV, DV] fp32, final state fp32)."""
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
     T, H, DK = qf.shape
-    S = (torch.zeros(H, DK, vf.shape[-1]) if initial_state is None else initial_state.float().clone())
+    S = (
+        torch.zeros(H, DK, vf.shape[-1])
+        if initial_state is None
+        else initial_state.float().clone()
+    )
     out = torch.empty(T, H, vf.shape[-1])
     for t in range(T):
         for h in range(H):

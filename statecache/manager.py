@@ -1,9 +1,11 @@
 """The hybrid cache manager: one object, one memory budget, both stores.
 
-| store | unit | per request | freed at |
-| --- | --- | --- | --- |
-| paged KV (attention layers, + MTP layers) | block of ``block_size`` tokens | ceil(tokens / block_size) blocks | finish / abort / preemption |
-| GDN conv + recurrent state | slot | ``slots_per_request`` slots (1, or 1 + k with speculation) | finish / abort / preemption |
+| store | unit | units per request |
+| --- | --- | --- |
+| paged KV (attention + MTP layers) | block of ``block_size`` tokens | ceil(tokens / block_size) |
+| GDN conv + recurrent state | slot | ``slots_per_request`` (1, or 1 + k with speculation) |
+
+Both stores free a request's units at finish / abort / preemption.
 """
 
 from __future__ import annotations

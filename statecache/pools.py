@@ -1,9 +1,9 @@
 """Free-list pools: KV blocks and GDN state slots.
 
-| pool | ids | invariant |
+| pool | ids | invariant: an id is |
 | --- | --- | --- |
-| BlockPool | 0 .. num_blocks-1 | an id is either free or in exactly one request's block table |
-| SlotPool | 1 .. num_slots-1 (0 is the null slot) | an id is either free or owned by exactly one request |
+| BlockPool | 0 .. num_blocks-1 | either free or in exactly one request's block table |
+| SlotPool | 1 .. num_slots-1 (0 is the null slot) | either free or owned by exactly one request |
 """
 
 from __future__ import annotations

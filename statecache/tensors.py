@@ -13,12 +13,13 @@ from hybridrt.config import ModelConfig
 class CacheTensors:
     """| tensor | shape | dtype |
     | --- | --- | --- |
-    | key_caches[i], value_caches[i] | [num_blocks, block_size, HKV, D] per attention layer i | model |
+    | key_caches[i], value_caches[i] | [num_blocks, block_size, HKV, D] | model |
     | conv_states | [L_gdn, num_slots, conv_dim, K-1] | model |
     | ssm_states | [L_gdn, num_slots, HV, DK, DV] | float32 |
 
-    Attention layer i is the i-th ``full_attention`` entry of ``layer_types`` (the MTP layers
-    follow the target's); GDN layer j is the j-th ``linear_attention`` entry.
+    ``key_caches[i]`` and ``value_caches[i]`` belong to attention layer i, the i-th
+    ``full_attention`` entry of ``layer_types`` (the MTP layers follow the target's); GDN layer
+    j is the j-th ``linear_attention`` entry.
     """
 
     key_caches: list[torch.Tensor]

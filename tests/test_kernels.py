@@ -420,7 +420,10 @@ def test_partial_rope_matches_transformers_and_passes_through(T, H, D, R):
     assert torch.equal(k_out[..., R:], k[..., R:])
     # rotate-half pairs (i, i + R/2) keep their norm; the rotated part really moves
     half = R // 2
-    pair_norm = lambda t: t[..., :half] ** 2 + t[..., half:R] ** 2
+
+    def pair_norm(t):
+        return t[..., :half] ** 2 + t[..., half:R] ** 2
+
     torch.testing.assert_close(pair_norm(q_out), pair_norm(q))
     assert not torch.allclose(q_out[..., :R], q[..., :R])
     # transformers layout: [B, H, T, D] with cos/sin [B, T, R]
@@ -475,7 +478,7 @@ def paged_setup(ctx_q, H=6, HKV=2, D=10, block_size=8, num_blocks=48, seed=17):
         tables.append(blocks)
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [perm[0]] * (width - len(t)) for t in tables])
-    for ctx, n in ctx_q:
+    for _ctx, n in ctx_q:
         qs.append(torch.randn(n, H, D, generator=gen))
     query = torch.cat(qs)
     cu = torch.tensor([0] + [n for _, n in ctx_q]).cumsum(0)

@@ -13,13 +13,13 @@ import random
 
 import pytest
 import torch
+from hybridrt.specdec.stats import SpecStats
+from hybridrt.statecache import CacheTensors
 
 from hybridrt.llm import LLM
 from hybridrt.runner import build_batch
 from hybridrt.sampler import Sampler, SamplingRow
 from hybridrt.sampling_params import SamplingParams
-from hybridrt.specdec.stats import SpecStats
-from hybridrt.statecache import CacheTensors
 from hybridrt.testing import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 
 MAX_TOKENS = 16
@@ -698,7 +698,7 @@ def test_specbench_quick(ckpt, tmp_path, capsys):
     keys = {"batch_size", "k", "num_requests", "generated_tokens", "seconds", "tok_s",
             "speedup", "num_rounds", "mean_acceptance_length", "acceptance_rate",
             "per_position_acceptance", "identical_to_k0"}
-    for (b, k), r in rows.items():
+    for (_b, k), r in rows.items():
         assert keys <= set(r)
         assert r["generated_tokens"] > 0 and r["tok_s"] > 0
         assert r["identical_to_k0"] is True  # greedy: speculation is lossless

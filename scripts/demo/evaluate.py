@@ -26,8 +26,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
-import make_corpus
-import train
+# sibling scripts, importable only once HERE is on sys.path (set just above)
+import make_corpus  # noqa: E402
+import train  # noqa: E402
 
 
 def held_out_prompts(corpus: Path | None, n: int, seed: int = 0) -> list[dict]:
@@ -106,7 +107,8 @@ def run_eval(model_dir: Path, corpus: Path | None, n_prompts: int, max_new: int,
         if i < show:
             print("=" * 72)
             print("PROMPT:   " + item["messages"][-1]["content"])
-            print("MODEL:    " + tok.decode(gen, skip_special_tokens=False).replace("\n", "\n          "))
+            decoded = tok.decode(gen, skip_special_tokens=False)
+            print("MODEL:    " + decoded.replace("\n", "\n          "))
             print("REFERENCE:" + (" " + item["reference"]).replace("\n", "\n          "))
             print(f"(acceptance {a}/{n})")
     rate = tot_acc / max(tot_n, 1)
@@ -190,7 +192,8 @@ def check(model_dir: Path) -> bool:
     base = "<|im_start|>user\nWhat does `json.dumps` do?<|im_end|>\n<|im_start|>assistant\n"
     report("AutoTokenizer", True, f"{type(tok).__name__}, {len(tok)} tokens, eos "
            f"{tok.eos_token!r}={tok.eos_token_id}, pad {tok.pad_token!r}={tok.pad_token_id}")
-    report("chat template enable_thinking=False", off == base + "<think>\n\n</think>\n\n", repr(off[-40:]))
+    report("chat template enable_thinking=False", off == base + "<think>\n\n</think>\n\n",
+           repr(off[-40:]))
     report("chat template enable_thinking=True", on == base, repr(on[-30:]))
     report("chat template default = non-thinking", default == off)
     ids = tok(off)["input_ids"]
@@ -208,21 +211,26 @@ def check(model_dir: Path) -> bool:
     # our trainer's loader (transformers trunk + MTP head) vs hybridrt
     _, trunk, mtp = train.load_checkpoint(model_dir)
     prompt = off + ("Serialize ``obj`` to a JSON formatted ``str``. If ``skipkeys`` is true then "
-                    "``dict`` keys that are not basic types (``str``, ``int``, ``float``, ``bool``, "
-                    "``None``) will be skipped instead of raising a ``TypeError``.<|im_end|>\n") * 3
+                    "``dict`` keys that are not basic types (``str``, ``int``, ``float``, "
+                    "``bool``, ``None``) will be skipped instead of raising a ``TypeError``."
+                    "<|im_end|>\n") * 3
     ids = tok(prompt)["input_ids"]
     x = torch.tensor([ids])
     with torch.no_grad():
         hidden = trunk.model(input_ids=x, use_cache=False).last_hidden_state
         ref_logits = trunk.lm_head(hidden)[0].float()
-        ref_mtp = mtp(trunk, x[:, 1:], hidden[:, :-1], torch.arange(len(ids) - 1)[None])[0].float()
+        ref_mtp = mtp(trunk, x[:, 1:], hidden[:, :-1],
+                      torch.arange(len(ids) - 1)[None])[0].float()
     net, config, _ = hybridrt.load_model(str(model_dir), dtype=torch.float32)
     report("hybridrt.load_model", net.mtp is not None,
-           f"{config.num_hidden_layers} layers {config.layer_types.count('full_attention')} attention, "
-           f"vocab {config.vocab_size}, eos {config.eos_token_ids}, mtp layers {config.mtp_num_hidden_layers}")
+           f"{config.num_hidden_layers} layers "
+           f"{config.layer_types.count('full_attention')} attention, "
+           f"vocab {config.vocab_size}, eos {config.eos_token_ids}, "
+           f"mtp layers {config.mtp_num_hidden_layers}")
     _, logits, mtp_logits = _hybridrt_prefill(net, config, ids)
     r = _rel(logits, ref_logits)
-    report("hybridrt vs transformers logits (fp32)", r < 1e-4, f"max rel diff {r:.2e} over {len(ids)} tokens")
+    report("hybridrt vs transformers logits (fp32)", r < 1e-4,
+           f"max rel diff {r:.2e} over {len(ids)} tokens")
     r = _rel(mtp_logits, ref_mtp)
     report("hybridrt MTP modules vs training MTP head (fp32)", r < 1e-4, f"max rel diff {r:.2e}")
 
@@ -243,7 +251,8 @@ def check(model_dir: Path) -> bool:
     with torch.no_grad():
         auto_logits = auto(input_ids=x).logits[0].float()
     r = _rel(auto_logits, ref_logits)
-    notes = [m.splitlines()[0][:160] for m in records if "mtp" in m.lower() or "unexpected" in m.lower()
+    notes = [m.splitlines()[0][:160] for m in records
+             if "mtp" in m.lower() or "unexpected" in m.lower()
              or "missing" in m.lower() or "not used" in m.lower()]
     report("AutoModelForCausalLM.from_pretrained", r < 1e-5,
            f"class {type(auto).__name__}, rel diff {r:.2e}; messages: {notes or 'none'}")

@@ -159,7 +159,9 @@ def _public_names(mod, modname: str) -> list[str]:
             continue
         obj = getattr(mod, n, None)
         owner = getattr(obj, "__module__", None)
-        if owner == modname or (owner and modname == "os.path" and owner in ("posixpath", "genericpath")):
+        if owner == modname or (
+            owner and modname == "os.path" and owner in ("posixpath", "genericpath")
+        ):
             out.append(n)
     return out
 
@@ -336,7 +338,8 @@ def module_documents(mod: str, first: str | None, names: list[str], rng: random.
         docs.append({"text": f"Module {mod}\n\n{first}"})
     if len(names) >= 3:
         pick = sorted(rng.sample(names, min(12, len(names))))
-        ans = f"The `{mod}` module provides, among others: " + ", ".join(f"`{n}`" for n in pick) + "."
+        listed = ", ".join(f"`{n}`" for n in pick)
+        ans = f"The `{mod}` module provides, among others: " + listed + "."
         docs.append(_chat(rng.choice(ASK_MOD_LIST).format(m=mod), ans))
     return docs
 

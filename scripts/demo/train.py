@@ -45,7 +45,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
-import make_corpus
+# sibling script, importable only once HERE is on sys.path (set just above)
+import make_corpus  # noqa: E402
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 NON_SPECIAL = ("<think>", "</think>")  # atomic added tokens, kept by skip_special_tokens (Qwen3)
@@ -81,11 +82,13 @@ CHAT_TEMPLATE = (
     "{%- if message.reasoning_content is string %}"
     "{%- set reasoning_content = message.reasoning_content %}"
     "{%- elif '</think>' in content %}"
-    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n')"
+    ".split('<think>')[-1].lstrip('\\n') %}"
     "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
     "{%- endif %}"
     "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n')"
+    " + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
     "{%- else %}"
     "{{- '<|im_start|>assistant\\n' + content }}"
     "{%- endif %}"
@@ -234,7 +237,8 @@ def published_config(text: dict) -> dict:
         "pad_token_id": text["pad_token_id"],
         "text_config": text,
         "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 32,
-                          "num_heads": 2, "intermediate_size": 64, "out_hidden_size": text["hidden_size"]},
+                          "num_heads": 2, "intermediate_size": 64,
+                          "out_hidden_size": text["hidden_size"]},
         "dtype": "bfloat16",
     }
 
@@ -619,7 +623,8 @@ def main(argv=None) -> None:
             rows, lens = pack(train_ids, args.seq_len + 1, pad_id, rng)
             cursor = 0
             epoch += 1
-        b_rows, b_lens = rows[cursor:cursor + args.batch_size], lens[cursor:cursor + args.batch_size]
+        b_rows = rows[cursor:cursor + args.batch_size]
+        b_lens = lens[cursor:cursor + args.batch_size]
         cursor += args.batch_size
         progress = elapsed / budget
         if args.max_steps:
@@ -637,12 +642,14 @@ def main(argv=None) -> None:
         dt = time.time() - ts
         step += 1
         tokens_seen += st["tokens"]
-        rec = {"step": step, "epoch": epoch, "lm": lm.item(), "mtp": mt.item(), "agree": st["agree"],
-               "lr": lr, "gnorm": float(gnorm), "sec": dt, "minutes": (time.time() - t_loop) / 60}
+        rec = {"step": step, "epoch": epoch, "lm": lm.item(), "mtp": mt.item(),
+               "agree": st["agree"], "lr": lr, "gnorm": float(gnorm), "sec": dt,
+               "minutes": (time.time() - t_loop) / 60}
         history.append(rec)
         ema = rec["lm"] if ema is None else 0.9 * ema + 0.1 * rec["lm"]
         if step % args.log_every == 0 or step == 1:
-            print(f"step {step:5d} ep {epoch} | lm {rec['lm']:.3f} (ema {ema:.3f}) mtp {rec['mtp']:.3f} "
+            print(f"step {step:5d} ep {epoch} | lm {rec['lm']:.3f} (ema {ema:.3f}) "
+                  f"mtp {rec['mtp']:.3f} "
                   f"agree {rec['agree']:.2f} | lr {lr:.2e} gnorm {rec['gnorm']:.2f} | "
                   f"{dt:.2f}s/step {st['tokens'] / dt:.0f} tok/s | {rec['minutes']:.1f} min",
                   flush=True)
@@ -657,7 +664,8 @@ def main(argv=None) -> None:
     summary = {
         "steps": step, "epochs": epoch, "train_tokens_seen": tokens_seen,
         "corpus_train_tokens": n_train, "sec_per_step": sum(secs) / max(len(secs), 1),
-        "total_minutes": total / 60, "best_val_score": best, "args": {k: str(v) for k, v in vars(args).items()},
+        "total_minutes": total / 60, "best_val_score": best,
+        "args": {k: str(v) for k, v in vars(args).items()},
         "params": {"trunk": n_trunk, "mtp": n_mtp},
     }
     (args.work / "train_log.json").write_text(json.dumps(
@@ -668,11 +676,13 @@ def main(argv=None) -> None:
         chunk = history[i:i + w]
         lm_m = sum(h["lm"] for h in chunk) / len(chunk)
         mt_m = sum(h["mtp"] for h in chunk) / len(chunk)
-        print(f"  steps {chunk[0]['step']:5d}-{chunk[-1]['step']:5d}: lm {lm_m:.3f}  mtp {mt_m:.3f}  "
+        print(f"  steps {chunk[0]['step']:5d}-{chunk[-1]['step']:5d}: "
+              f"lm {lm_m:.3f}  mtp {mt_m:.3f}  "
               f"{'#' * int(max(0.0, lm_m) * 6)}")
     print("val curve:")
     for ev in evals:
-        print(f"  step {ev['step']:5d} ({ev['minutes']:.1f} min): lm {ev['lm']:.3f} mtp {ev['mtp']:.3f} "
+        print(f"  step {ev['step']:5d} ({ev['minutes']:.1f} min): "
+              f"lm {ev['lm']:.3f} mtp {ev['mtp']:.3f} "
               f"tf-accept {ev['agree']:.3f}{' *' if ev['saved'] else ''}")
     files = sorted(p for p in args.out.iterdir() if p.is_file())
     print("files: " + ", ".join(f"{p.name} {p.stat().st_size / 1e6:.2f} MB" for p in files))
