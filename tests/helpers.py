@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from hybridrt.statecache import CacheTensors
 
 from hybridrt.config import ModelConfig
 from hybridrt.forward_batch import ForwardBatch
 from hybridrt.model import Qwen35ForCausalLM
+from hybridrt.statecache import CacheTensors
 from hybridrt.testing import hf_reference_model, random_state_dict
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import assert_rel_close
+
 from hybridrt.kernels import (
     apply_partial_rope,
     causal_conv1d_update,

@@ -13,13 +13,13 @@ import random
 
 import pytest
 import torch
-from hybridrt.specdec.stats import SpecStats
-from hybridrt.statecache import CacheTensors
 
 from hybridrt.llm import LLM
 from hybridrt.runner import build_batch
 from hybridrt.sampler import Sampler, SamplingRow
 from hybridrt.sampling_params import SamplingParams
+from hybridrt.specdec.stats import SpecStats
+from hybridrt.statecache import CacheTensors
 from hybridrt.testing import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 
 MAX_TOKENS = 16

@@ -125,9 +125,8 @@ def run_eval(model_dir: Path, corpus: Path | None, n_prompts: int, max_new: int,
 def _hybridrt_prefill(net, config, ids: list[int], mtp_inputs=None):
     """Run hybridrt's model over one prompt (prefill, fp32) -> (hidden [T, H], logits [T, V],
     mtp logits [T-1, V] or None)."""
-    from hybridrt.statecache import CacheTensors
-
     from hybridrt.forward_batch import ForwardBatch
+    from hybridrt.statecache import CacheTensors
 
     T = len(ids)
     bs = 16
