@@ -119,9 +119,15 @@ def spec(
                                                  "speculation, the baseline).")] = "0,1,2,3,4",
     batch_sizes: Annotated[str, typer.Option("--batch-sizes")] = "1,8",
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 64,
-    prompts_file: Annotated[Path | None, typer.Option(
-        "--prompts", help="Prompts file, one per line (default: the benchmark's own).",
+    prompt: Annotated[list[str] | None, typer.Option(
+        "--prompt", help="A prompt; repeat for more (default: the benchmark's chat questions).",
         show_default=False)] = None,
+    prompts_file: Annotated[Path | None, typer.Option(
+        "--prompts", help="Prompts file, one per line.", show_default=False)] = None,
+    temperature: Annotated[float, typer.Option(
+        "--temperature", min=0.0, help="0 (greedy) also checks every k reproduces k=0.")] = 0.0,
+    ignore_eos: Annotated[bool, typer.Option(
+        "--ignore-eos", help="Always generate --max-tokens tokens.")] = False,
     dtype: Annotated[str, typer.Option("--dtype")] = "float32",
     threads: Annotated[int, typer.Option("--threads", min=1)] = 2,
     quick: Annotated[bool, typer.Option("--quick", help="A short smoke run.")] = False,
@@ -142,21 +148,22 @@ def spec(
         raise CliError(f"--dtype: {e}", 2) from None
     k_list = _int_list("--ks", ks, 0)
     b_list = _int_list("--batch-sizes", batch_sizes, 1)
-    prompts = None
+    prompts = list(prompt or [])
     if prompts_file is not None:
         try:
-            prompts = [p for p in prompts_file.read_text().splitlines() if p.strip()]
+            prompts += [p for p in prompts_file.read_text().splitlines() if p.strip()]
         except OSError as e:
             raise CliError(f"--prompts {prompts_file}: {e.strerror or e}") from None
         if not prompts:
             raise CliError(f"--prompts {prompts_file} has no prompts", 2)
-    try:
-        from hybridrt.specbench import run_spec_bench
-    except ImportError as e:
-        raise CliError(f"the speculative-decoding benchmark is not available: {e}") from None
-    report = run_spec_bench(model, ks=tuple(k_list), batch_sizes=tuple(b_list),
-                            prompts=prompts, max_tokens=max_tokens, dtype=dtype,
-                            threads=threads, json_path=json_path, quick=quick)
+    from hybridrt.llm import default_model
+    from hybridrt.specbench import run_spec_bench
+
+    report = run_spec_bench(default_model() if model is None else model, ks=tuple(k_list),
+                            batch_sizes=tuple(b_list), prompts=prompts or None,
+                            max_tokens=max_tokens, dtype=dtype, threads=threads,
+                            json_path=json_path, quick=quick, temperature=temperature,
+                            ignore_eos=ignore_eos)
     if plot is not None:
         plot_spec(report, plot)
         typer.echo(f"wrote {plot}", err=True)

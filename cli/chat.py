@@ -255,6 +255,8 @@ class ChatLoop:
 
     def run(self) -> None:
         if self.interactive:
+            with contextlib.suppress(ImportError):
+                import readline  # noqa: F401 - line editing and history for input()
             typer.echo("hybridrt chat: /help lists the commands, Ctrl-D quits", err=True)
         try:
             while True:
