@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
 from hybridrt.cli.common import CliError, ModelArg
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import typer
+
 from hybridrt.cli.common import (
     CacheMemoryOpt,
     CliError,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
 from hybridrt.cli.common import (
     CacheMemoryOpt,
     CliError,

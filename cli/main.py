@@ -7,6 +7,7 @@ options, 1 otherwise); HYBRIDRT_DEBUG=1 shows tracebacks of unexpected errors.
 from __future__ import annotations
 
 import typer
+
 from hybridrt.cli.bench import bench_app
 from hybridrt.cli.chat import chat
 from hybridrt.cli.common import OneLineErrorGroup

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
+
+from hybridrt import LLM, SamplingParams
 from hybridrt.cli import bench as cli_bench
 from hybridrt.cli import chat as cli_chat
 from hybridrt.cli.chat import Conversation, Renderer, ThinkSplitter
 from hybridrt.cli.main import app
-from typer.testing import CliRunner
-
-from hybridrt import LLM, SamplingParams
 from hybridrt.testing import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -397,11 +397,11 @@ def test_bench_spec_quick_on_demo_checkpoint_accepts_half(tmp_path):
 
 def test_demo_checkpoint_matches_transformers():
     assert (DEMO / "model.safetensors").is_file(), "demo weights missing"
-    from hybridrt.statecache import CacheTensors
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hybridrt import load_model
     from hybridrt.forward_batch import ForwardBatch
+    from hybridrt.statecache import CacheTensors
 
     tok = AutoTokenizer.from_pretrained(str(DEMO))
     text = tok.apply_chat_template([{"role": "user", "content": "What does `json.dumps` do?"}],
