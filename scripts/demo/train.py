@@ -61,18 +61,13 @@ PRETOKENIZE_REGEX = (
 # Qwen3-style ChatML (no tools). Default: non-thinking, as for Qwen3.5-0.8B. With
 # enable_thinking=false the generation prompt carries an empty think block; with
 # enable_thinking=true it stops at "<|im_start|>assistant\n" and the model opens <think> itself.
+# Unlike Qwen's template, earlier assistant turns keep their (possibly empty) think block: the
+# rendering of a conversation is then a prefix of the next turn's, so a chat session can reuse
+# its cached KV blocks and GDN state instead of prefilling the whole conversation again.
 CHAT_TEMPLATE = (
     "{%- if messages[0].role == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
     "{%- endif %}"
-    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
-    "{%- for message in messages[::-1] %}"
-    "{%- set index = (messages|length - 1) - loop.index0 %}"
-    "{%- if ns.multi_step_tool and message.role == 'user' %}"
-    "{%- set ns.multi_step_tool = false %}"
-    "{%- set ns.last_query_index = index %}"
-    "{%- endif %}"
-    "{%- endfor %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
@@ -86,12 +81,8 @@ CHAT_TEMPLATE = (
     ".split('<think>')[-1].lstrip('\\n') %}"
     "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
     "{%- endif %}"
-    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}"
     "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n')"
     " + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
-    "{%- else %}"
-    "{{- '<|im_start|>assistant\\n' + content }}"
-    "{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
