@@ -20,13 +20,38 @@ from hybridrt.kernels import (
     causal_conv1d_varlen,
     chunk_gated_delta_rule,
     gated_rms_norm,
+    linear,
     paged_attention,
     recurrent_gated_delta_rule,
     rms_norm,
     rope_cos_sin,
+    use_fp32_gemm,
     write_kv,
 )
 from hybridrt.statecache import CacheTensors
+
+
+class Linear(nn.Linear):
+    """nn.Linear without bias, through ``hybridrt.kernels.linear``. With half-precision weights
+    on CPU, batched calls use an fp32 copy of the weight kept here after first use (memory:
+    the weights once more in fp32; see kernels/linear.py for why)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+        self.weight_f32: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, _fp32_copy(self, "weight_f32", x, self.weight))
+
+
+def _fp32_copy(owner: nn.Module, attr: str, x: torch.Tensor, weight: torch.Tensor):
+    if not use_fp32_gemm(x, weight):
+        return None
+    cached = getattr(owner, attr)
+    if cached is None or cached.shape != weight.shape:
+        cached = weight.detach().float()
+        setattr(owner, attr, cached)
+    return cached
 
 
 class RMSNorm(nn.Module):
@@ -44,9 +69,9 @@ class RMSNorm(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate)
+        self.up_proj = Linear(hidden, intermediate)
+        self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -62,10 +87,10 @@ class GatedAttention(nn.Module):
         self.cache_index = cache_index  # which key/value cache pair this layer owns
         self.scale = D**-0.5
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, H * D * 2, bias=False)  # per head: D query + D gate rows
-        self.k_proj = nn.Linear(hidden, HKV * D, bias=False)
-        self.v_proj = nn.Linear(hidden, HKV * D, bias=False)
-        self.o_proj = nn.Linear(H * D, hidden, bias=False)
+        self.q_proj = Linear(hidden, H * D * 2)  # per head: D query + D gate rows
+        self.k_proj = Linear(hidden, HKV * D)
+        self.v_proj = Linear(hidden, HKV * D)
+        self.o_proj = Linear(H * D, hidden)
         self.q_norm = RMSNorm(D, config.rms_norm_eps)
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
 
@@ -100,15 +125,15 @@ class GatedDeltaNet(nn.Module):
         self.kernel_size = config.linear_conv_kernel_dim
         conv_dim = config.conv_dim
         hidden = config.hidden_size
-        self.in_proj_qkv = nn.Linear(hidden, conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_qkv = Linear(hidden, conv_dim)
+        self.in_proj_z = Linear(hidden, self.value_dim)
+        self.in_proj_b = Linear(hidden, self.num_v_heads)
+        self.in_proj_a = Linear(hidden, self.num_v_heads)
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.kernel_size, groups=conv_dim, bias=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.norm = _GatedNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden)
 
     def forward(self, x, batch: ForwardBatch, cache: CacheTensors, cos=None, sin=None):
         T = x.shape[0]
@@ -219,7 +244,7 @@ class MTPHead(nn.Module):
     def __init__(self, config: ModelConfig, first_cache_index: int):
         super().__init__()
         H = config.hidden_size
-        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.fc = Linear(2 * H, H)
         self.pre_fc_norm_embedding = RMSNorm(H, config.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(H, config.rms_norm_eps)
         self.layers = nn.ModuleList(
@@ -238,7 +263,8 @@ class Qwen35ForCausalLM(nn.Module):
         self.model = TextModel(config)
         self.lm_head = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.tied_head_f32: torch.Tensor | None = None  # see Linear
         self.mtp = None
         if with_mtp and config.mtp_num_hidden_layers > 0:
             self.mtp = MTPHead(config, len(config.full_attention_layers))
@@ -281,5 +307,7 @@ class Qwen35ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows to sample) -> fp32 logits [N, vocab]."""
-        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        weight = self.model.embed_tokens.weight
+        return linear(hidden, weight, _fp32_copy(self, "tied_head_f32", hidden, weight)).float()

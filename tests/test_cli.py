@@ -428,3 +428,27 @@ def test_demo_checkpoint_matches_transformers():
     assert ours.shape == expected.shape
     err = ((ours - expected).abs().max() / expected.abs().max()).item()
     assert err <= 1e-4, f"max-abs error {err:.3g} x max|ref|"
+
+
+def test_demo_template_keeps_chat_turns_incremental():
+    """The shipped template renders each turn as a prefix of the next, so chat reuses the
+    cached conversation on the default model (with and without thinking)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from hybridrt.llm import default_model
+
+    tok = PreTrainedTokenizerFast.from_pretrained(default_model())
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    for kwargs in ({}, {"enable_thinking": True}):
+        conv = Conversation(tok, [im_end], kwargs, system="be brief")
+        ids, _ = conv.prompt_for("What does `json.dumps` do?")
+        conv.messages.append({"role": "user", "content": "What does `json.dumps` do?"})
+        body = "<think>\nshort\n</think>\n\nSerialize obj." if kwargs else "Serialize obj."
+        answer = tok.encode(body, add_special_tokens=False) + [im_end]
+        conv.commit(ids, answer)
+        ids2, text2 = conv.prompt_for("And `json.loads`?")
+        assert conv.last_build == "incremental", kwargs
+        assert ids2[:len(ids) + len(answer)] == ids + answer
+        assert text2 == tok.apply_chat_template(
+            conv.messages + [{"role": "user", "content": "And `json.loads`?"}],
+            tokenize=False, add_generation_prompt=True, **kwargs)
