@@ -145,13 +145,17 @@ class Conversation:
     prompt_ids: list[int] | None = None  # the last turn's prompt
     answer_ids: list[int] | None = None  # its answer (ending with eos when it stopped there)
     last_build: str = ""  # "first", "incremental" or "re-templated"
+    # Where the last prompt's generation prompt starts: the engine saves the GDN state there,
+    # so a template that re-renders the answer differently next turn still reuses the rest.
+    gen_start: int | None = None
+    _stable: bool | None = None  # see _prefix_stable
 
     def __post_init__(self) -> None:
         self.clear()
 
     def clear(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
-        self.prompt_ids = self.answer_ids = None
+        self.prompt_ids = self.answer_ids = self.gen_start = None
 
     def template(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
@@ -169,15 +173,34 @@ class Conversation:
         """-> (prompt ids, prompt text) for a new user turn after the current messages."""
         messages = [*self.messages, {"role": "user", "content": user_text}]
         text = self.template(messages)
+        ids = None
         if self.prompt_ids is not None and self.answer_ids is not None:
             ids = self._incremental(user_text, text)
-            if ids is not None:
-                self.last_build = "incremental"
-                return ids, text
-            self.last_build = "re-templated"
+            self.last_build = "incremental" if ids is not None else "re-templated"
         else:
             self.last_build = "first"
-        return self.encode(text), text
+        if ids is None:
+            ids = self.encode(text)
+        self.gen_start = None if self._prefix_stable() else self._generation_start(messages, ids)
+        return ids, text
+
+    def _prefix_stable(self) -> bool:
+        """Does the template render a conversation as a prefix of its continuation? Then the
+        default snapshot (before the last prompt token) serves /regen best; otherwise the
+        snapshot goes where the generation prompt starts, where the next turn diverges."""
+        if self._stable is None:
+            user = [{"role": "user", "content": "x"}]
+            first = self.template(user)
+            later = self.template([*user, {"role": "assistant", "content": _SENTINEL},
+                                   {"role": "user", "content": "y"}])
+            self._stable = later.startswith(first + _SENTINEL)
+        return self._stable
+
+    def _generation_start(self, messages: list[dict], ids: list[int]) -> int | None:
+        base = self.encode(self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=False, **self.template_kwargs))
+        ok = 0 < len(base) < len(ids) and ids[:len(base)] == base
+        return len(base) if ok else None
 
     def _incremental(self, user_text: str, text: str) -> list[int] | None:
         probe = self.template([*self.messages[:-1],
@@ -403,7 +426,8 @@ class ChatLoop:
             prompt_text = self.conv.decode(ids[-64:])
         splitter = ThinkSplitter(opens_thinking(prompt_text))
         self.render.last_char = "\n"
-        stream = self.llm.stream(ids, params, session=self.session, speculative_tokens=self.k)
+        stream = self.llm.stream(ids, params, session=self.session, speculative_tokens=self.k,
+                                 snapshot_at=self.conv.gen_start)
         interrupted = False
         with _sigint_flag() as flag:
             try:

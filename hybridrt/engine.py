@@ -92,12 +92,15 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                     prompt: str | None = None, request_id: str | None = None,
-                    speculative_tokens: int | None = None, session: Session | None = None
-                    ) -> str:
+                    speculative_tokens: int | None = None, session: Session | None = None,
+                    snapshot_at: int | None = None) -> str:
         """Validate and queue a request -> its id. Raises ValueError for bad input; nothing
         is queued then. ``speculative_tokens``: drafts per step for this request (default:
         the engine's; 0 turns speculation off for it). ``session``: continue a conversation,
-        reusing its cached prefix (see hybridrt.session)."""
+        reusing its cached prefix (see hybridrt.session). ``snapshot_at``: with a session,
+        the prompt length at which to save the GDN state for a later divergence (default: just
+        before the last prompt token; a chat passes where its generation prompt starts, the
+        point where a history-rewriting template makes the next turn diverge)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         k = self.speculative_tokens if speculative_tokens is None else speculative_tokens
@@ -107,13 +110,18 @@ class LLMEngine:
                 f"engine's speculative_tokens), got {speculative_tokens!r}"
             )
         ids = self.validate_prompt(prompt_token_ids)
+        if snapshot_at is not None and (
+            session is None or not isinstance(snapshot_at, int) or snapshot_at < 1
+        ):
+            raise ValueError(f"snapshot_at must be a positive int and needs a session, got "
+                             f"{snapshot_at!r}")
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(rid, prompt, ids, params, self._stop_ids(params), spec_k=k)
         req.generator = make_generator(params)
         if session is not None:
-            self._attach_session(req, session)
+            self._attach_session(req, session, snapshot_at)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -142,7 +150,8 @@ class LLMEngine:
         self.cache.free(session.cache_key)
         session.token_ids, session.slot_cursor, session.snapshot_len = [], 0, None
 
-    def _attach_session(self, req: Request, session: Session) -> None:
+    def _attach_session(self, req: Request, session: Session,
+                        snapshot_at: int | None = None) -> None:
         """Give the request the session's cache for the longest reusable prompt prefix."""
         if session.closed:
             raise ValueError("session is closed")
@@ -171,7 +180,8 @@ class LLMEngine:
         req.num_computed_tokens = reuse
         req.slot_cursor = session.slot_cursor if reuse else 0
         req.session = session
-        req.snapshot_at = len(ids) - 1 if len(ids) - 1 > reuse else None
+        at = len(ids) - 1 if snapshot_at is None else min(snapshot_at, len(ids) - 1)
+        req.snapshot_at = at if at > reuse else None
         session.busy = True
         session.last_reused_tokens = reuse
 

@@ -189,12 +189,13 @@ class LLM:
         return params
 
     def _add(self, prompt: PromptType, params, speculative_tokens: int | None = None,
-             session: Session | None = None) -> str:
+             session: Session | None = None, snapshot_at: int | None = None) -> str:
         if isinstance(params, dict):
             params = SamplingParams(**params)
         text, ids = self._encode(prompt)
         return self.engine.add_request(ids, params, prompt=text,
-                                       speculative_tokens=speculative_tokens, session=session)
+                                       speculative_tokens=speculative_tokens, session=session,
+                                       snapshot_at=snapshot_at)
 
     # Sessions ----------------------------------------------------------------------------
     def open_session(self) -> Session:
@@ -277,30 +278,34 @@ class LLM:
         )
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-               session: Session | None = None, speculative_tokens: int | None = None
-               ) -> Iterator[str]:
+               session: Session | None = None, speculative_tokens: int | None = None,
+               snapshot_at: int | None = None) -> Iterator[str]:
         """Yield text deltas of one request as its tokens arrive. Closing the iterator early
         aborts the request. The finished request's output is then in ``last_stream_output``."""
         if self.tokenizer is None:
             raise ValueError("stream() needs a tokenizer; use stream_tokens() for token ids")
         sent = 0
-        for req in self._stream(prompt, sampling_params, session, speculative_tokens):
+        for req in self._stream(prompt, sampling_params, session, speculative_tokens,
+                                snapshot_at):
             if len(req.text) > sent:
                 yield req.text[sent:]
                 sent = len(req.text)
 
     def stream_tokens(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                      session: Session | None = None, speculative_tokens: int | None = None
-                      ) -> Iterator[int]:
+                      session: Session | None = None, speculative_tokens: int | None = None,
+                      snapshot_at: int | None = None) -> Iterator[int]:
         """Like ``stream`` but yields token ids."""
         sent = 0
-        for req in self._stream(prompt, sampling_params, session, speculative_tokens):
+        for req in self._stream(prompt, sampling_params, session, speculative_tokens,
+                                snapshot_at):
             ids = req.output_token_ids
             yield from ids[sent:]
             sent = len(ids)
 
-    def _stream(self, prompt, sampling_params, session=None, speculative_tokens=None):
-        rid = self._add(prompt, sampling_params or SamplingParams(), speculative_tokens, session)
+    def _stream(self, prompt, sampling_params, session=None, speculative_tokens=None,
+                snapshot_at=None):
+        rid = self._add(prompt, sampling_params or SamplingParams(), speculative_tokens, session,
+                        snapshot_at)
         req = self.engine.requests[rid]
         try:
             while not req.is_finished:

@@ -186,6 +186,30 @@ def test_qwen3_style_template_falls_back_to_retemplating(ref):
         tok.chat_template = saved
 
 
+def test_qwen3_style_template_reuses_up_to_the_generation_prompt(ref):
+    """Re-templating rewrites the last answer, but the GDN snapshot taken where the generation
+    prompt started lets the next turn reuse everything before it."""
+    tok = ref.tokenizer
+    saved, tok.chat_template = tok.chat_template, QWEN3_STYLE_TEMPLATE
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    s = ref.open_session()
+    try:
+        conv = Conversation(tok, [1], {})
+        ids, _ = conv.prompt_for(Q1)
+        gen1 = conv.gen_start
+        assert gen1 is not None and gen1 < len(ids)
+        conv.messages.append({"role": "user", "content": Q1})
+        conv.commit(ids, list(ref.stream_tokens(ids, sp, session=s, snapshot_at=gen1)))
+        ids2, _ = conv.prompt_for(Q2)
+        assert conv.last_build == "re-templated"
+        out = list(ref.stream_tokens(ids2, sp, session=s, snapshot_at=conv.gen_start))
+        assert s.last_reused_tokens == gen1
+        assert out == greedy(ref, ids2)[1]
+    finally:
+        tok.chat_template = saved
+        ref.close_session(s)
+
+
 def test_think_splitter_handles_tags_split_across_deltas():
     s = ThinkSplitter(thinking=False)
     pieces = []

@@ -95,3 +95,22 @@ def test_session_rejects_concurrent_requests(llm):
         llm.engine.step()
     llm.close_session(s)
     assert llm.engine.cache.all_free()
+
+
+def test_snapshot_at_the_generation_prompt_serves_a_rewritten_history(llm):
+    """A template that re-renders the last answer differently (Qwen's drops its think block)
+    diverges right after the previous turn's generation prompt starts: a snapshot there lets
+    the next turn reuse everything before it."""
+    s = llm.open_session()
+    history, gen_prompt = _ids(40, 10), _ids(4, 11)
+    p1 = history + gen_prompt
+    t1 = list(llm.stream_tokens(p1, SP, session=s, snapshot_at=len(history)))
+    assert s.snapshot_len == len(history)
+    p2 = history + t1[:5] + _ids(6, 12)  # history rewritten after the snapshot point
+    t2 = list(llm.stream_tokens(p2, SP, session=s, snapshot_at=len(p2) - 3))
+    assert s.last_reused_tokens == len(history)
+    assert t2 == _fresh(llm, p2)
+    with pytest.raises(ValueError, match="snapshot_at"):
+        llm.engine.add_request(p1, SP, snapshot_at=3)  # no session
+    llm.close_session(s)
+    assert llm.engine.cache.all_free()
