@@ -15,7 +15,7 @@ from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.outputs import CompletionOutput, RequestOutput
 from hybridrt.request import Request
 from hybridrt.runner import ModelRunner
-from hybridrt.sampler import Sampler, SamplingRow, find_stop, make_generator
+from hybridrt.sampler import Sampler, find_stop, make_generator
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.scheduler import Scheduler, StepPlan
 from hybridrt.session import Session, common_prefix
@@ -237,11 +237,6 @@ class LLMEngine:
         self.stats["num_steps"] += 1
         return [s.request for s in plan.seqs if s.sample or s.num_drafts]
 
-    def _row(self, req: Request, drafts: list[int] = ()) -> SamplingRow:
-        return SamplingRow(params=req.params, prompt_token_ids=req.prompt_token_ids,
-                           output_token_ids=req.output_token_ids + list(drafts),
-                           generator=req.generator, eos_token_ids=req.eos_token_ids)
-
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[Emitted | None]:
         """Per scheduled sequence: the tokens it emits this step (None: mid-prompt chunk)."""
         normal, verify = [], []
@@ -256,7 +251,7 @@ class LLMEngine:
         emitted: list[Emitted | None] = [None] * len(plan.seqs)
         if normal:
             idx = torch.tensor([r for _, r in normal], device=logits.device)
-            out = self.sampler.sample(logits[idx], [self._row(plan.seqs[b].request)
+            out = self.sampler.sample(logits[idx], [plan.seqs[b].request.sampling_row()
                                                     for b, _ in normal])
             toks = out.token_ids.tolist()
             for n, (b, _) in enumerate(normal):
@@ -268,7 +263,7 @@ class LLMEngine:
                 s = plan.seqs[b]
                 req, k = s.request, s.num_drafts
                 d = req.draft_token_ids[:k]
-                items.append(VerifyItem([self._row(req, d[:i]) for i in range(k + 1)], d,
+                items.append(VerifyItem([req.sampling_row(d[:i]) for i in range(k + 1)], d,
                                         req.draft_probs))
                 idx.extend(range(r0, r0 + k + 1))
             vlogits = logits[torch.tensor(idx, device=logits.device)]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridrt.sampler import SamplingRow
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.session import Session
 from hybridrt.specdec.stats import SpecStats
@@ -114,6 +115,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def sampling_row(self, drafts: list[int] = ()) -> SamplingRow:
+        """The sampler's view of this request, as if ``drafts`` had already been emitted."""
+        return SamplingRow(params=self.params, prompt_token_ids=self.prompt_token_ids,
+                           output_token_ids=self.output_token_ids + list(drafts),
+                           generator=self.generator, eos_token_ids=self.eos_token_ids)
 
     def reset_speculation(self) -> None:
         """Drop pending drafts and go back to the first slot (preemption, abort)."""

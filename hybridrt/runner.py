@@ -103,6 +103,3 @@ class ModelRunner:
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.logits_indices])
-
-    def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.logits(self.forward(batch), batch)

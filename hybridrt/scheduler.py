@@ -69,9 +69,7 @@ class Scheduler:
             req = self.running[i]
             pending = len(req.token_ids) - req.num_computed_tokens
             drafts = len(req.draft_token_ids) if pending == 1 else 0
-            n = min(pending + drafts, budget)
-            if req.snapshot_at is not None and req.num_computed_tokens < req.snapshot_at:
-                n = min(n, req.snapshot_at - req.num_computed_tokens)  # stop where we snapshot
+            n = self._stop_at_snapshot(req, min(pending + drafts, budget))
             # KV for this step, plus room for the MTP layer to write its next drafts.
             need = req.num_computed_tokens + n + req.spec_k
             while not self.cache.allocate_blocks(req.request_id, need):
@@ -88,9 +86,8 @@ class Scheduler:
             return plan
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
-            if req.snapshot_at is not None and req.num_computed_tokens < req.snapshot_at:
-                n = min(n, req.snapshot_at - req.num_computed_tokens)  # stop where we snapshot
+            n = self._stop_at_snapshot(req, min(len(req.token_ids) - req.num_computed_tokens,
+                                                budget))
             if not self.cache.allocate_state(req.request_id, 1 + req.spec_k):
                 break
             if not self.cache.allocate_blocks(req.request_id,
@@ -112,6 +109,13 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
+
+    @staticmethod
+    def _stop_at_snapshot(req: Request, n: int) -> int:
+        """A session request's prefill stops where its GDN state is to be saved."""
+        if req.snapshot_at is not None and req.num_computed_tokens < req.snapshot_at:
+            return min(n, req.snapshot_at - req.num_computed_tokens)
+        return n
 
     def _entry(self, req: Request, n: int, num_drafts: int) -> ScheduledSeq:
         sample = req.num_computed_tokens + n - num_drafts == len(req.token_ids)

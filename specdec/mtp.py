@@ -13,7 +13,7 @@ import torch
 
 from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.runner import build_batch
-from hybridrt.sampler import Sampler, SamplingRow
+from hybridrt.sampler import Sampler
 from hybridrt.scheduler import StepPlan
 from hybridrt.statecache import HybridCacheManager
 
@@ -77,12 +77,7 @@ class MTPProposer:
         active = list(range(len(reqs)))
         for j in range(max(budget)):
             logits = self.model.compute_logits(h)
-            rows = [
-                SamplingRow(reqs[i].params, reqs[i].prompt_token_ids,
-                            reqs[i].output_token_ids + drafts[i], reqs[i].generator,
-                            reqs[i].eos_token_ids)
-                for i in active
-            ]
+            rows = [reqs[i].sampling_row(drafts[i]) for i in active]
             prepared = self.sampler.prepare(logits, rows)
             picked = prepared.argmax(dim=-1)
             rand = [n for n, r in enumerate(rows) if not r.params.greedy]

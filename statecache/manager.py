@@ -36,10 +36,6 @@ class CacheSizing:
     max_model_len: int
 
     @property
-    def total_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block + self.num_slots * self.bytes_per_slot
-
-    @property
     def max_tokens(self) -> int:
         """KV tokens the pool holds in all."""
         return self.num_blocks * self.block_size
@@ -183,8 +179,6 @@ class HybridCacheManager:
         self.state_slots[request_id] = got
         return True
 
-    def has_state(self, request_id: str) -> bool:
-        return request_id in self.state_slots
 
     # Ownership moves (session reuse) ----------------------------------------------------------
     def transfer(self, src: str, dst: str) -> None:
