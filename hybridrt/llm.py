@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from hybridrt.cpu_alloc import keep_freed_memory
 from hybridrt.engine import EngineConfig, LLMEngine
 from hybridrt.loader import load_model, parse_dtype
 from hybridrt.outputs import CompletionOutput, RequestOutput
@@ -86,6 +87,8 @@ class LLM:
                 f"speculative_tokens must be an integer >= 0, got {speculative_tokens!r}"
             )
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.dtype = parse_dtype(dtype)
         path = default_model() if model is None else model
         self.model, self.config, self.model_path = load_model(
