@@ -250,9 +250,11 @@ class LLMEngine:
                 r += 1
         emitted: list[Emitted | None] = [None] * len(plan.seqs)
         if normal:
-            idx = torch.tensor([r for _, r in normal], device=logits.device)
-            out = self.sampler.sample(logits[idx], [plan.seqs[b].request.sampling_row()
-                                                    for b, _ in normal])
+            rows = logits
+            if len(normal) < logits.shape[0]:  # verify rows follow: pick the sampling rows
+                rows = logits[torch.tensor([r for _, r in normal], device=logits.device)]
+            out = self.sampler.sample(rows, [plan.seqs[b].request.sampling_row()
+                                             for b, _ in normal])
             toks = out.token_ids.tolist()
             for n, (b, _) in enumerate(normal):
                 lp = None if out.logprobs is None else [out.logprobs[n]]

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridrt.kernels.delta_rule import slot_runs
+
 
 @dataclass(slots=True)
 class RecurrentGroup:
@@ -15,6 +17,8 @@ class RecurrentGroup:
     seqs: torch.Tensor  # [n]
     rows: torch.Tensor  # [n, L]
     state_slots_out: torch.Tensor | None  # [n, L] slot receiving the state after each token
+    slots: torch.Tensor  # [n] the state slot each starts from
+    slot_runs: list[tuple[int, int, int]]  # kernels.delta_rule.slot_runs(slots)
 
 
 @dataclass(slots=True)
@@ -77,6 +81,7 @@ class ForwardBatch:
         if len(verify) != B:
             raise ValueError("verify_slots needs one entry per sequence")
         init = self.has_initial_state.tolist()
+        slot_list = self.state_slots.tolist()
         starts = self.cu_seqlens[:-1].tolist()
         groups: dict[tuple[int, bool], list[int]] = {}
         for b in range(B):
@@ -95,6 +100,8 @@ class ForwardBatch:
                 seqs=torch.tensor(bs, device=dev),
                 rows=torch.tensor([[starts[b] + t for t in range(n)] for b in bs], device=dev),
                 state_slots_out=torch.tensor([verify[b] for b in bs], device=dev) if v else None,
+                slots=torch.tensor([slot_list[b] for b in bs], device=dev),
+                slot_runs=slot_runs([slot_list[b] for b in bs]),
             )
             for (n, v), bs in groups.items()
         ]

@@ -21,6 +21,8 @@ from hybridrt.kernels import (
     chunk_gated_delta_rule,
     gated_rms_norm,
     linear,
+    linear_fp32,
+    pack_weight,
     paged_attention,
     recurrent_gated_delta_rule,
     rms_norm,
@@ -33,23 +35,23 @@ from hybridrt.statecache import CacheTensors
 
 class Linear(nn.Linear):
     """nn.Linear without bias, through ``hybridrt.kernels.linear``. With half-precision weights
-    on CPU, batched calls use an fp32 copy of the weight kept here after first use (memory:
-    the weights once more in fp32; see kernels/linear.py for why)."""
+    on CPU, batched calls use a packed fp32 copy of the weight kept here after first use
+    (memory: the weights once more in fp32; see kernels/linear.py for why)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
-        self.weight_f32: torch.Tensor | None = None
+        self.weight_packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, _fp32_copy(self, "weight_f32", x, self.weight))
+        return linear(x, self.weight, _packed_copy(self, "weight_packed", x, self.weight))
 
 
-def _fp32_copy(owner: nn.Module, attr: str, x: torch.Tensor, weight: torch.Tensor):
+def _packed_copy(owner: nn.Module, attr: str, x: torch.Tensor, weight: torch.Tensor):
     if not use_fp32_gemm(x, weight):
         return None
     cached = getattr(owner, attr)
     if cached is None or cached.shape != weight.shape:
-        cached = weight.detach().float()
+        cached = pack_weight(weight)
         setattr(owner, attr, cached)
     return cached
 
@@ -149,14 +151,14 @@ class GatedDeltaNet(nn.Module):
         for grp in batch.recurrent_groups:
             n, L = grp.rows.shape
             rows = grp.rows.reshape(-1)
-            slots = batch.state_slots[grp.seqs]
+            slots = grp.slots
             m = causal_conv1d_update(mixed[rows].view(n, L, -1), weight, conv_states, slots,
                                      state_slots_out=grp.state_slots_out)
             q, k, v = self._split(m.reshape(n * L, -1))
             core[rows] = recurrent_gated_delta_rule(
                 q.view(n, L, *q.shape[1:]), k.view(n, L, *k.shape[1:]),
                 v.view(n, L, *v.shape[1:]), g[rows].view(n, L, -1), beta[rows].view(n, L, -1),
-                ssm_states, slots, state_slots_out=grp.state_slots_out,
+                ssm_states, slots, state_slots_out=grp.state_slots_out, runs=grp.slot_runs,
             ).reshape(n * L, self.num_v_heads, self.head_v_dim)
         if batch.chunk_seqs:
             idx = batch.chunk_seqs
@@ -264,7 +266,7 @@ class Qwen35ForCausalLM(nn.Module):
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        self.tied_head_f32: torch.Tensor | None = None  # see Linear
+        self.tied_head_packed: torch.Tensor | None = None  # see Linear
         self.mtp = None
         if with_mtp and config.mtp_num_hidden_layers > 0:
             self.mtp = MTPHead(config, len(config.full_attention_layers))
@@ -306,8 +308,13 @@ class Qwen35ForCausalLM(nn.Module):
         return m.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] (only the rows to sample) -> fp32 logits [N, vocab]."""
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        weight = self.model.embed_tokens.weight
-        return linear(hidden, weight, _fp32_copy(self, "tied_head_f32", hidden, weight)).float()
+        """hidden: [N, hidden] (only the rows to sample) -> fp32 logits [N, vocab], rounded to
+        the model's dtype first (what a half-precision LM head returns)."""
+        head = self.lm_head
+        weight = head.weight if head is not None else self.model.embed_tokens.weight
+        if use_fp32_gemm(hidden, weight):
+            owner, attr = (head, "weight_packed") if head is not None else (
+                self, "tied_head_packed")
+            packed = _packed_copy(owner, attr, hidden, weight)
+            return linear_fp32(hidden, weight, packed).to(hidden.dtype).float()
+        return linear(hidden, weight).float()

@@ -10,7 +10,7 @@ imported lazily, so that this package imports with no GPU libraries installed.
 from .attention import paged_attention, varlen_causal_attention, write_kv
 from .conv import causal_conv1d_update, causal_conv1d_varlen
 from .delta_rule import chunk_gated_delta_rule, naive_gated_delta_rule, recurrent_gated_delta_rule
-from .linear import linear, use_fp32_gemm
+from .linear import linear, linear_fp32, pack_weight, use_fp32_gemm
 from .norm import gated_rms_norm, l2_norm, rms_norm
 from .rope import apply_partial_rope, rope_cos_sin
 
@@ -23,6 +23,8 @@ __all__ = [
     "l2_norm",
     "linear",
     "use_fp32_gemm",
+    "linear_fp32",
+    "pack_weight",
     "naive_gated_delta_rule",
     "paged_attention",
     "recurrent_gated_delta_rule",

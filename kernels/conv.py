@@ -1,6 +1,9 @@
 """Causal depthwise conv1d over time with per-sequence state held in state slots.
 
-State layout: ``conv_states[slot]`` is ``[C, K-1]``, the last K-1 inputs (oldest first).
+State layout: ``conv_states[slot]`` is ``[K-1, C]``, the last K-1 inputs, oldest first. Time
+runs along the outer axis so that a decode step shifts whole rows of C channels: with the
+channel-major ``[C, K-1]`` layout every update was a strided copy of 3-element rows, measured
+0.75 ms against 0.03 ms for the same [32, 6144, 3] bf16 state (2 threads, AVX2).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ def causal_conv1d_varlen(
 ) -> torch.Tensor:
     """Causal conv over a packed batch of sequences (prefill / chunked prefill).
 
-    x: [T, C] packed inputs; weight: [C, K]; cu_seqlens: [B+1]; conv_states: [S, C, K-1];
+    x: [T, C] packed inputs; weight: [C, K]; cu_seqlens: [B+1]; conv_states: [S, K-1, C];
     state_slots: [B] rows of ``conv_states`` owned by each sequence; has_initial_state: [B]
     bool (False: start from zeros). Returns [T, C]. The last K-1 inputs of each sequence
     (including older state when the sequence is shorter than K-1) are written back to its slot;
@@ -38,11 +41,11 @@ def causal_conv1d_varlen(
     for b, n in enumerate(lens):
         slot = slots[b]
         seq = x[start:start + n]
-        prev = conv_states[slot] if init_flags[b] else x.new_zeros(C, K - 1)
-        window = torch.cat([prev.to(x.dtype), seq.t()], dim=1)  # [C, K-1+n]
-        y = F.conv1d(window.unsqueeze(0).float(), w, groups=C)[0]  # [C, n]
+        prev = conv_states[slot] if init_flags[b] else x.new_zeros(K - 1, C)
+        window = torch.cat([prev.to(x.dtype), seq], dim=0)  # [K-1+n, C]
+        y = F.conv1d(window.t().unsqueeze(0).float(), w, groups=C)[0]  # [C, n]
         out[start:start + n] = _act(y, activation).t().to(x.dtype)
-        conv_states[slot] = window[:, -(K - 1):].to(conv_states.dtype)
+        conv_states[slot] = window[n:].to(conv_states.dtype)
         start += n
     return out
 
@@ -57,7 +60,7 @@ def causal_conv1d_update(
 ) -> torch.Tensor:
     """Conv for L new tokens per sequence (decode L=1, or L=k+1 draft verification).
 
-    x: [B, L, C]; weight: [C, K]; conv_states: [S, C, K-1]; state_slots: [B] initial states.
+    x: [B, L, C]; weight: [C, K]; conv_states: [S, K-1, C]; state_slots: [B] initial states.
     Without ``state_slots_out`` the state after the last token is written to ``state_slots``.
     With ``state_slots_out`` [B, L], the state after token t is written to slot
     ``state_slots_out[b, t]`` (used to roll back to any accepted draft position).
@@ -68,22 +71,23 @@ def causal_conv1d_update(
     _check_conv(x, weight, conv_states)
     B, L, C = x.shape
     K = weight.shape[1]
-    prev = conv_states[state_slots].to(x.dtype)  # [B, C, K-1]
-    window = torch.cat([prev, x.transpose(1, 2)], dim=2)  # [B, C, K-1+L]
-    frames = window.unfold(2, K, 1)  # [B, C, L, K]
-    y = (frames.float() * weight.float()[None, :, None, :]).sum(-1)  # [B, C, L]
+    prev = conv_states.index_select(0, state_slots).to(x.dtype)  # [B, K-1, C]
+    window = torch.cat([prev, x], dim=1)  # [B, K-1+L, C]
+    taps = weight.float().t().contiguous()  # [K, C], fp32 math
+    y = window[:, 0:L].float() * taps[0]
+    for j in range(1, K):  # K multiply-adds over [B, L, C] rows
+        y.addcmul_(window[:, j:j + L], taps[j])
     if state_slots_out is None:
-        conv_states[state_slots] = window[:, :, L:].to(conv_states.dtype)
+        conv_states.index_copy_(0, state_slots, window[:, L:].to(conv_states.dtype))
     else:
         if tuple(state_slots_out.shape) != (B, L):
             raise ValueError(
                 f"state_slots_out must be [{B}, {L}], got {tuple(state_slots_out.shape)}"
             )
-        after = window.unfold(2, K - 1, 1)[:, :, 1:]  # [B, C, L, K-1]: state after token t
-        conv_states[state_slots_out.reshape(-1)] = (
-            after.permute(0, 2, 1, 3).reshape(B * L, C, K - 1).to(conv_states.dtype)
-        )
-    return _act(y, activation).transpose(1, 2).to(x.dtype)
+        after = torch.stack([window[:, t + 1:t + K] for t in range(L)], dim=1)  # [B, L, K-1, C]
+        conv_states.index_copy_(0, state_slots_out.reshape(-1),
+                                after.reshape(B * L, K - 1, C).to(conv_states.dtype))
+    return _act(y, activation).to(x.dtype)
 
 
 def _act(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -100,5 +104,5 @@ def _check_conv(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor
     C, K = weight.shape
     if x.shape[-1] != C:
         raise ValueError(f"x has {x.shape[-1]} channels, weight has {C}")
-    if conv_states.dim() != 3 or conv_states.shape[1:] != (C, K - 1):
-        raise ValueError(f"conv_states must be [S, {C}, {K - 1}], got {tuple(conv_states.shape)}")
+    if conv_states.dim() != 3 or conv_states.shape[1:] != (K - 1, C):
+        raise ValueError(f"conv_states must be [S, {K - 1}, {C}], got {tuple(conv_states.shape)}")

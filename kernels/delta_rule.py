@@ -131,6 +131,19 @@ def chunk_gated_delta_rule(
     return out.to(v.dtype)
 
 
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive slots in batch order -> [(batch start, first slot, count)].
+    ``[5, 6, 7, 2, 3]`` -> ``[(0, 5, 3), (3, 2, 2)]``."""
+    runs: list[tuple[int, int, int]] = []
+    for b, s in enumerate(slots):
+        if runs and s == runs[-1][1] + runs[-1][2]:
+            b0, s0, n = runs[-1]
+            runs[-1] = (b0, s0, n + 1)
+        else:
+            runs.append((b, s, 1))
+    return runs
+
+
 def recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -140,6 +153,7 @@ def recurrent_gated_delta_rule(
     states: torch.Tensor,
     state_slots: torch.Tensor,
     state_slots_out: torch.Tensor | None = None,
+    runs: list[tuple[int, int, int]] | None = None,
 ) -> torch.Tensor:
     """Token-by-token gated delta rule for L tokens of each of B sequences (decode: L = 1).
 
@@ -148,7 +162,14 @@ def recurrent_gated_delta_rule(
     Without ``state_slots_out`` the final state goes back to ``state_slots``; with it, [B, L],
     the state after token t is written to ``state_slots_out[b, t]`` (draft verification keeps
     every intermediate state so it can continue from the last accepted one without recompute).
+    ``runs``: ``slot_runs(state_slots)`` when the caller has it (computed here otherwise).
     Returns o: [B, L, HV, DV] in v's dtype.
+
+    Decode (L = 1, no ``state_slots_out``) updates the states in place, one slice of the pool
+    per run of consecutive slots: a read pass and an update pass over each state, no gather or
+    scatter copies (verification gathers its B states once and writes each step's copies).
+    The state pool is the largest thing a decode step touches (1 MB per slot and layer at the
+    0.8B shape).
     """
     _check(q, k, v, g, beta, states)
     B, L = v.shape[:2]
@@ -156,20 +177,47 @@ def recurrent_gated_delta_rule(
         raise ValueError(f"state_slots_out must be [{B}, {L}], got {tuple(state_slots_out.shape)}")
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
     H, DK, DV = states.shape[1:]
-    S = states[state_slots].view(B * H, DK, DV)  # gathered copy, updated in place below
-    decay = gf.exp()
+    if L == 1 and state_slots_out is None:
+        if runs is None:
+            runs = slot_runs(state_slots.tolist())
+        views = [(slice(b0 * H, (b0 + n) * H), states[s0:s0 + n].view(n * H, DK, DV))
+                 for b0, s0, n in runs]
+        o = _step_in_place(qf[:, 0], kf[:, 0], vf[:, 0], gf[:, 0], bf[:, 0], views)
+        return o.unsqueeze(1).to(v.dtype)
+    S = states.index_select(0, state_slots).view(B * H, DK, DV)  # updated in place below
+    views = [(slice(0, B * H), S)]
     out = torch.empty(B, L, H, DV, dtype=torch.float32, device=v.device)
     for t in range(L):
-        k_t = kf[:, t].reshape(B * H, 1, DK)
-        S.mul_(decay[:, t].reshape(B * H, 1, 1))
-        delta = (vf[:, t].reshape(B * H, 1, DV) - torch.bmm(k_t, S)) * bf[:, t].reshape(B * H, 1, 1)
-        S.baddbmm_(k_t.transpose(1, 2), delta)  # S += k (beta (v - S^T k))^T
-        out[:, t] = torch.bmm(qf[:, t].reshape(B * H, 1, DK), S).view(B, H, DV)
+        out[:, t] = _step_in_place(qf[:, t], kf[:, t], vf[:, t], gf[:, t], bf[:, t], views)
         if state_slots_out is not None:
-            states[state_slots_out[:, t]] = S.view(B, H, DK, DV)
+            states.index_copy_(0, state_slots_out[:, t], S.view(B, H, DK, DV))
     if state_slots_out is None:
-        states[state_slots] = S.view(B, H, DK, DV)
+        states.index_copy_(0, state_slots, S.view(B, H, DK, DV))
     return out.to(v.dtype)
+
+
+def _step_in_place(q, k, v, g, beta, views):
+    """One token per sequence. q, k: [B, H, DK]; v: [B, H, DV]; g, beta: [B, H] (prepared
+    fp32); ``views``: (rows of the B*H (sequence, head) pairs, their states [rows, DK, DV])
+    covering all B*H, updated in place. With S the old state and d = exp(g):
+        S' = d S + k delta^T,  delta = beta (v - d S^T k),  o = S'^T q = d S^T q + (q.k) delta
+    so one batched product [k; q]^T S reads each state once before the update. -> o [B, H, DV]"""
+    B, H, DK = q.shape
+    DV = v.shape[-1]
+    kq = torch.stack((k, q), dim=2).view(B * H, 2, DK)
+    proj = torch.empty(B * H, 2, DV, dtype=torch.float32, device=q.device)
+    for rows, S in views:
+        torch.bmm(kq[rows], S, out=proj[rows])
+    decay = g.exp().reshape(B * H, 1)
+    proj.mul_(decay.unsqueeze(-1))  # [d S^T k, d S^T q]
+    delta = (v.reshape(B * H, DV) - proj[:, 0]) * beta.reshape(B * H, 1)
+    o = torch.addcmul(proj[:, 1], (q * k).sum(-1).reshape(B * H, 1), delta)
+    k_col = k.reshape(B * H, DK, 1)
+    delta_row = delta.view(B * H, 1, DV)
+    for rows, S in views:
+        S.mul_(decay[rows].view(-1, 1, 1))
+        S.baddbmm_(k_col[rows], delta_row[rows])
+    return o.view(B, H, DV)
 
 
 def naive_gated_delta_rule(

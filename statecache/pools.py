@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 
 
@@ -33,13 +34,16 @@ class BlockPool:
 
 
 class SlotPool:
+    """Lowest free id first: requests admitted together get consecutive slots, which the GDN
+    decode kernels update in place as one slice (see ``kernels.delta_rule.slot_runs``)."""
+
     NULL_SLOT = 0
 
     def __init__(self, num_slots: int):
         if num_slots < 2:
             raise ValueError(f"num_slots must be >= 2 (slot 0 is reserved), got {num_slots}")
         self.num_slots = num_slots
-        self._free: deque[int] = deque(range(1, num_slots))
+        self._free: list[int] = list(range(1, num_slots))  # a heap
 
     @property
     def capacity(self) -> int:
@@ -52,7 +56,8 @@ class SlotPool:
     def allocate(self, n: int = 1) -> list[int] | None:
         if n > len(self._free):
             return None
-        return [self._free.popleft() for _ in range(n)]
+        return [heapq.heappop(self._free) for _ in range(n)]
 
     def free(self, slots: list[int]) -> None:
-        self._free.extend(slots)
+        for s in slots:
+            heapq.heappush(self._free, s)

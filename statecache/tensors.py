@@ -14,7 +14,7 @@ class CacheTensors:
     """| tensor | shape | dtype |
     | --- | --- | --- |
     | key_caches[i], value_caches[i] | [num_blocks, block_size, HKV, D] | model |
-    | conv_states | [L_gdn, num_slots, conv_dim, K-1] | model |
+    | conv_states | [L_gdn, num_slots, K-1, conv_dim] | model |
     | ssm_states | [L_gdn, num_slots, HV, DK, DV] | float32 |
 
     ``key_caches[i]`` and ``value_caches[i]`` belong to attention layer i, the i-th
@@ -48,7 +48,7 @@ class CacheTensors:
             key_caches=[torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(n_attn)],
             value_caches=[torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(n_attn)],
             conv_states=torch.zeros(
-                n_gdn, num_slots, config.conv_dim, config.linear_conv_kernel_dim - 1,
+                n_gdn, num_slots, config.linear_conv_kernel_dim - 1, config.conv_dim,
                 dtype=dtype, device=device,
             ),
             ssm_states=torch.zeros(

@@ -229,9 +229,11 @@ C = 37  # odd channel count
 
 def conv_ref(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None,
              activation: str | None = "silu"):
-    """Plain F.conv1d: one sequence x [n, C] continuing from prev [C, K-1] (None: zeros)
-    -> (y [n, C], state [C, K-1] = last K-1 inputs incl. older state)."""
+    """Plain F.conv1d: one sequence x [n, C] continuing from prev [K-1, C] (None: zeros)
+    -> (y [n, C], state [K-1, C] = last K-1 inputs incl. older state)."""
     Cc, K = weight.shape
+    if prev is not None:
+        prev = prev.t()
     if prev is None:  # zero history == left zero padding (transformers' causal_conv1d_fn)
         y = F.conv1d(x.t()[None], weight[:, None, :], padding=K - 1, groups=Cc)[0, :, :x.shape[0]]
         prev = torch.zeros(Cc, K - 1)
@@ -240,7 +242,7 @@ def conv_ref(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor | None,
     state = torch.cat([prev, x.t()], 1)[:, -(K - 1):]
     if activation == "silu":
         y = F.silu(y)
-    return y.t(), state
+    return y.t(), state.t()
 
 
 @pytest.mark.parametrize("K", [2, 4], ids=lambda k: f"K{k}")
@@ -252,7 +254,7 @@ def test_conv_varlen_matches_reference_and_token_steps(K, activation):
     slots = torch.tensor([4, 0, 6, 2, 7, 1])
     x = torch.randn(sum(lens), C, generator=gen)
     w = torch.randn(C, K, generator=gen) / K**0.5
-    pool = torch.randn(9, C, K - 1, generator=gen)
+    pool = torch.randn(9, K - 1, C, generator=gen)
     got = pool.clone()
     got[slots[~init]] = float("nan")
     cu = torch.tensor([0, *lens]).cumsum(0)
@@ -283,7 +285,7 @@ def test_conv_short_pieces_continue_from_state():
     pieces = [2, 1, 1, 5, 2, 1]
     x = torch.randn(sum(pieces), C, generator=gen)
     w = torch.randn(C, K, generator=gen) / 2
-    pool = torch.full((3, C, K - 1), float("nan"))
+    pool = torch.full((3, K - 1, C), float("nan"))
     slot = torch.tensor([1])
     outs, start = [], 0
     for i, n in enumerate(pieces):
@@ -301,7 +303,7 @@ def test_conv_update_state_slots_out_matches_stepping():
     gen = _gen(12)
     x = torch.randn(B, L, C, generator=gen)
     w = torch.randn(C, K, generator=gen) / 2
-    pool = torch.randn(13, C, K - 1, generator=gen)
+    pool = torch.randn(13, K - 1, C, generator=gen)
     slots = torch.tensor([0, 5, 9])
     out_slots = torch.tensor([[1, 2, 0], [6, 7, 8], [10, 11, 12]])
     got = pool.clone()
@@ -321,9 +323,9 @@ def test_conv_update_state_slots_out_matches_stepping():
 def test_conv_rejects_bad_shapes():
     w = torch.randn(C, 4)
     with pytest.raises(ValueError, match="conv_states"):
-        causal_conv1d_update(torch.randn(1, 1, C), w, torch.zeros(2, C, 4), torch.tensor([0]))
+        causal_conv1d_update(torch.randn(1, 1, C), w, torch.zeros(2, C, 3), torch.tensor([0]))
     with pytest.raises(ValueError, match="channels"):
-        causal_conv1d_update(torch.randn(1, 1, C + 1), w, torch.zeros(2, C, 3), torch.tensor([0]))
+        causal_conv1d_update(torch.randn(1, 1, C + 1), w, torch.zeros(2, 3, C), torch.tensor([0]))
 
 
 # ------------------------------------------------------------------------------------------
