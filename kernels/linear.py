@@ -7,7 +7,9 @@ fp32. From ``CPU_HALF_GEMM_MIN_ROWS`` rows on, the product is computed in fp32 f
 fp32 copy of the weight (``pack_weight``; the caller keeps it: converting 0.8B parameters costs
 about half a second per step) and rounded back to the input's dtype, which is what a half
 GEMM with fp32 accumulation returns; single rows (decode at batch 1) stay in half precision,
-where reading half the bytes wins.
+where reading half the bytes wins. Measured per 3584x1024 weight streamed from memory (24
+weights in turn, 2 threads): 1 row 0.68 ms bf16 vs 0.82 ms packed fp32; 2 rows 1.33 vs 0.78;
+8 rows 3.34 vs 1.05; 12 rows 4.79 vs 1.22.
 
 The packed copy is oneDNN's blocked layout when PyTorch has oneDNN (``_reorder_linear_weight``,
 the op behind PyTorch's own CPU inference freezing): measured on the same machine, 32 rows,
@@ -21,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CPU_HALF_GEMM_MIN_ROWS = 12
+CPU_HALF_GEMM_MIN_ROWS = 2
+CPU_FP32_WXT_MIN_ROWS = 12  # fp32 weights: W x^T instead of F.linear from this many rows
 HALF = (torch.bfloat16, torch.float16)
 _PACK_HINT_ROWS = 32  # oneDNN picks its blocking for this many rows; any count works
 
@@ -53,7 +56,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     ``pack_weight(weight)`` copy for the CPU batched path (made on the fly when not given)."""
     if use_fp32_gemm(x, weight):
         return linear_fp32(x, weight, packed).to(x.dtype)
-    if x.device.type == "cpu" and x.numel() >= CPU_HALF_GEMM_MIN_ROWS * weight.shape[1]:
+    if x.device.type == "cpu" and x.numel() >= CPU_FP32_WXT_MIN_ROWS * weight.shape[1]:
         return _cpu_gemm(x, weight)
     return F.linear(x, weight)
 

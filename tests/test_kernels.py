@@ -28,6 +28,8 @@ from hybridrt.kernels import (
     varlen_causal_attention,
     write_kv,
 )
+from hybridrt.kernels.delta_rule import slot_runs
+from hybridrt.kernels.linear import CPU_HALF_GEMM_MIN_ROWS, linear, linear_fp32, pack_weight
 
 TOL = 1e-5  # fp32, relative to max |ref|
 
@@ -179,6 +181,37 @@ def test_recurrent_packed_equals_per_sequence():
     assert torch.equal(packed[untouched], pool[untouched])
 
 
+def test_slot_runs():
+    assert slot_runs([5, 6, 7, 2, 3, 9]) == [(0, 5, 3), (3, 2, 2), (5, 9, 1)]
+    assert slot_runs([4, 3]) == [(0, 4, 1), (1, 3, 1)]
+    assert slot_runs([]) == []
+
+
+@pytest.mark.parametrize("slots", [[5, 6, 7, 2, 3, 9], [1, 2, 3, 4, 5, 6], [9, 7, 5, 3, 1, 8]],
+                         ids=["three-runs", "one-run", "no-run"])
+def test_recurrent_decode_in_place_over_slot_runs(slots):
+    """Decode (L=1) updates the pool in place, one slice per run of consecutive slots: every
+    sequence matches the naive loop from its own state, other slots stay bit-identical."""
+    B, HK, HV = len(slots), 2, 4
+    q, k, v, g, beta = gdn_inputs(B, HK, HV, DK, DV, seed=16)
+    pool = state_pool(11, HV, DK, DV, seed=17)
+    got = pool.clone()
+    o = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None],
+                                   beta[:, None], got, torch.tensor(slots))
+    given = pool.clone()
+    o_given = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None],
+                                         beta[:, None], given, torch.tensor(slots),
+                                         runs=slot_runs(slots))
+    assert torch.equal(o, o_given) and torch.equal(got, given)
+    for b, slot in enumerate(slots):
+        o_ref, s_ref = naive_gated_delta_rule(q[b:b + 1], k[b:b + 1], v[b:b + 1], g[b:b + 1],
+                                              beta[b:b + 1], pool[slot])
+        assert_rel_close(o[b, 0], o_ref[0], TOL, f"seq {b} output")
+        assert_rel_close(got[slot], s_ref, TOL, f"seq {b} state")
+    untouched = [i for i in range(11) if i not in slots]
+    assert torch.equal(got[untouched], pool[untouched])
+
+
 def test_recurrent_state_slots_out_matches_stepping():
     """Verify mode: the state after token t goes to state_slots_out[b, t]; the input slots are
     only read (unless also named as an output), everything else is untouched."""
@@ -326,6 +359,44 @@ def test_conv_rejects_bad_shapes():
         causal_conv1d_update(torch.randn(1, 1, C), w, torch.zeros(2, C, 3), torch.tensor([0]))
     with pytest.raises(ValueError, match="channels"):
         causal_conv1d_update(torch.randn(1, 1, C + 1), w, torch.zeros(2, 3, C), torch.tensor([0]))
+
+
+# ------------------------------------------------------------------------------------------
+# Linear
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, CPU_HALF_GEMM_MIN_ROWS, 12, 33], ids=lambda r: f"rows{r}")
+def test_linear_half_weights_match_fp32_product(rows):
+    """Half-precision weights: one row runs the half GEMV, more rows the packed fp32 copy;
+    both equal the fp32 product rounded to bf16 (up to accumulation order: 1 bf16 ulp)."""
+    gen = _gen(30)
+    w = (torch.randn(67, 45, generator=gen) / 7).bfloat16()
+    x = torch.randn(rows, 45, generator=gen).bfloat16()
+    expect = (x.float() @ w.float().t()).bfloat16().float()
+    got = linear(x, w, pack_weight(w))
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 67)
+    torch.testing.assert_close(got.float(), expect, rtol=8e-3, atol=1e-6)
+    x3 = x.view(1, rows, 45)  # leading dims pass through
+    assert torch.equal(linear(x3, w, pack_weight(w)).view(rows, 67), got)
+
+
+def test_packed_weight_equals_plain_fp32_copy(monkeypatch):
+    """oneDNN's packed layout and the plain fp32 fallback compute the same product."""
+    import importlib
+
+    lin = importlib.import_module("hybridrt.kernels.linear")  # the module, not the function
+
+    gen = _gen(31)
+    w = torch.randn(300, 64, generator=gen).bfloat16()
+    x = torch.randn(2, 7, 64, generator=gen)
+    packed = pack_weight(w)
+    monkeypatch.setattr(lin, "_onednn_available", lambda: False)
+    plain = pack_weight(w)
+    assert not plain.is_mkldnn and plain.dtype == torch.float32
+    expect = x @ w.float().t()
+    for p in (packed, plain):
+        assert_rel_close(linear_fp32(x, w, p), expect, TOL, f"mkldnn={p.is_mkldnn}")
 
 
 # ------------------------------------------------------------------------------------------
