@@ -8,6 +8,8 @@ checked bitwise afterwards.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,7 @@ from hybridrt.kernels import (
     gated_rms_norm,
     l2_norm,
     naive_gated_delta_rule,
+    native,
     paged_attention,
     recurrent_gated_delta_rule,
     rms_norm,
@@ -28,7 +31,7 @@ from hybridrt.kernels import (
     varlen_causal_attention,
     write_kv,
 )
-from hybridrt.kernels.delta_rule import slot_runs
+from hybridrt.kernels.delta_rule import _step_in_place, slot_runs
 from hybridrt.kernels.linear import CPU_HALF_GEMM_MIN_ROWS, linear, linear_fp32, pack_weight
 
 TOL = 1e-5  # fp32, relative to max |ref|
@@ -187,9 +190,39 @@ def test_slot_runs():
     assert slot_runs([]) == []
 
 
+@pytest.fixture(params=["native", "torch"])
+def decode_impl(request, monkeypatch):
+    """Run a test with the compiled decode kernel and with the torch ops it replaces."""
+    monkeypatch.setenv("HYBRIDRT_NATIVE", "1" if request.param == "native" else "0")
+    if request.param == "native" and native.load() is None:
+        assert shutil.which("cc") is None, "a C compiler is here but the native kernel failed"
+        pytest.skip("no C compiler: native kernels unavailable")
+    return request.param
+
+
+def test_native_decode_step_equals_torch_ops():
+    if native.load() is None:
+        assert shutil.which("cc") is None, "a C compiler is here but the native kernel failed"
+        pytest.skip("no C compiler")
+    B, H = 5, 3
+    q, k, v, g, beta = gdn_inputs(B, H, H, DK, DV, seed=18)
+    q, k = l2_norm(q) * DK**-0.5, l2_norm(k)
+    pool = state_pool(9, H, DK, DV, seed=19)
+    slots = [7, 1, 2, 5, 8]
+    a, b = pool.clone(), pool.clone()
+    o_native = native.gdn_decode_step(a, torch.tensor(slots), q, k, v, g.exp(), beta)
+    views = [(slice(i * H, (i + 1) * H), b[s:s + 1].view(H, DK, DV)) for i, s in enumerate(slots)]
+    o_torch = _step_in_place(q, k, v, g, beta, views)
+    assert_rel_close(o_native, o_torch, 1e-6, "output")
+    assert_rel_close(a, b, 1e-6, "states")
+    assert torch.equal(a[[0, 3, 4, 6]], pool[[0, 3, 4, 6]])
+    with pytest.raises(IndexError, match="out of range"):
+        native.gdn_decode_step(a, torch.tensor([9, 1, 2, 5, 8]), q, k, v, g.exp(), beta)
+
+
 @pytest.mark.parametrize("slots", [[5, 6, 7, 2, 3, 9], [1, 2, 3, 4, 5, 6], [9, 7, 5, 3, 1, 8]],
                          ids=["three-runs", "one-run", "no-run"])
-def test_recurrent_decode_in_place_over_slot_runs(slots):
+def test_recurrent_decode_in_place_over_slot_runs(slots, decode_impl):
     """Decode (L=1) updates the pool in place, one slice per run of consecutive slots: every
     sequence matches the naive loop from its own state, other slots stay bit-identical."""
     B, HK, HV = len(slots), 2, 4
@@ -212,7 +245,7 @@ def test_recurrent_decode_in_place_over_slot_runs(slots):
     assert torch.equal(got[untouched], pool[untouched])
 
 
-def test_recurrent_state_slots_out_matches_stepping():
+def test_recurrent_state_slots_out_matches_stepping(decode_impl):
     """Verify mode: the state after token t goes to state_slots_out[b, t]; the input slots are
     only read (unless also named as an output), everything else is untouched."""
     B, L, HK, HV = 2, 4, 2, 4
