@@ -33,21 +33,30 @@ def causal_conv1d_varlen(
     _check_conv(x, weight, conv_states)
     C, K = weight.shape
     lens = seq_lens if seq_lens is not None else (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    init_flags = has_initial_state.tolist()
-    slots = state_slots.tolist()
-    out = torch.empty_like(x)
-    w = weight.float().unsqueeze(1)  # fp32 math: CPU bf16 depthwise conv is slow
-    start = 0
+    B, dev = len(lens), x.device
+    prev = conv_states.index_select(0, state_slots).to(x.dtype)  # [B, K-1, C]
+    prev = torch.where(has_initial_state.view(B, 1, 1), prev, 0.0)  # NaN-safe zeros
+    # every sequence's window (K-1 history rows, then its tokens) back to back: one pass of K
+    # multiply-adds over all windows computes every output row (and some unused ones between)
+    pieces, start = [], 0
     for b, n in enumerate(lens):
-        slot = slots[b]
-        seq = x[start:start + n]
-        prev = conv_states[slot] if init_flags[b] else x.new_zeros(K - 1, C)
-        window = torch.cat([prev.to(x.dtype), seq], dim=0)  # [K-1+n, C]
-        y = F.conv1d(window.t().unsqueeze(0).float(), w, groups=C)[0]  # [C, n]
-        out[start:start + n] = _act(y, activation).t().to(x.dtype)
-        conv_states[slot] = window[n:].to(conv_states.dtype)
+        pieces += [prev[b], x[start:start + n]]
         start += n
-    return out
+    windows = torch.cat(pieces).float()  # [T + B(K-1), C]
+    taps = weight.float().t().contiguous()  # [K, C]
+    M = windows.shape[0] - (K - 1)
+    y = windows[0:M] * taps[0]
+    for j in range(1, K):
+        y.addcmul_(windows[j:j + M], taps[j])
+    # output row r of the passes is the token at window row r + K-1, i.e. packed token i of
+    # sequence b sits at r = i + b (K-1); a window's last K-1 rows are the new state
+    n = torch.tensor(lens, device=dev)
+    seq = torch.repeat_interleave(torch.arange(B, device=dev), n, output_size=x.shape[0])
+    out = y[torch.arange(x.shape[0], device=dev) + (K - 1) * seq]
+    ends = n.cumsum(0) + (K - 1) * torch.arange(1, B + 1, device=dev)  # one past each window
+    new_state = windows[ends[:, None] - (K - 1) + torch.arange(K - 1, device=dev)]
+    conv_states.index_copy_(0, state_slots, new_state.to(conv_states.dtype))
+    return _act(out, activation).to(x.dtype)
 
 
 def causal_conv1d_update(

@@ -49,8 +49,9 @@ def _check(q, k, v, g, beta, states):
 
 
 def _chunk_one(q, k, v, g, beta, state, chunk_size):
-    """One sequence. q,k: [H, T, DK], v: [H, T, DV], g/beta: [H, T] (fp32, prepared);
-    state: [H, DK, DV] -> (o [H, T, DV], final state)."""
+    """G independent sequences of T tokens (G: sequences x heads). q,k: [G, T, DK],
+    v: [G, T, DV], g/beta: [G, T] (fp32, prepared); state: [G, DK, DV] -> (o [G, T, DV],
+    final state)."""
     H, T, DK = q.shape
     DV = v.shape[-1]
     C = chunk_size
@@ -111,25 +112,40 @@ def chunk_gated_delta_rule(
     """
     _check(q, k, v, g, beta, states)
     lens = seq_lens if seq_lens is not None else (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    flags = has_initial_state.tolist()
-    slots = state_slots.tolist()
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
-    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    start = 0
+    T, H = vf.shape[:2]
+    DK, DV = qf.shape[-1], vf.shape[-1]
+    dev = v.device
+    # sequences with the same chunk size and chunk count run as one batch of (sequence, head)
+    # pairs; each is zero-padded to whole chunks (g = 0, beta = 0, k = 0: state unchanged)
+    groups: dict[tuple[int, int], list[int]] = {}
     for b, n in enumerate(lens):
-        if n == 0:
-            continue
-        sl = slice(start, start + n)
-        slot = slots[b]
-        s0 = states[slot] if flags[b] else states.new_zeros(states.shape[1:])
-        o, s1 = _chunk_one(
-            qf[sl].transpose(0, 1), kf[sl].transpose(0, 1), vf[sl].transpose(0, 1),
-            gf[sl].t(), bf[sl].t(), s0, chunk_size,
-        )
-        out[sl] = o.transpose(0, 1)
-        states[slot] = s1
-        start += n
-    return out.to(v.dtype)
+        if n:
+            C = min(chunk_size, max(16, 1 << (n - 1).bit_length()))  # short prompts: C < 64
+            groups.setdefault((C, -(-n // C)), []).append(b)
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    zq, zk, zv = (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (qf, kf, vf))
+    zg, zb = (torch.cat([x, x.new_zeros(1, H)]) for x in (gf, bf))
+    out = torch.empty(T + 1, H, DV, dtype=torch.float32, device=dev)
+    for (C, N), bs in groups.items():
+        G, Tp = len(bs), N * C
+        first = torch.tensor([starts[b] for b in bs], device=dev)[:, None]
+        n_real = torch.tensor([lens[b] for b in bs], device=dev)[:, None]
+        pos = torch.arange(Tp, device=dev)
+        idx = torch.where(pos < n_real, first + pos, T)  # [G, Tp]; T: the zero row
+
+        # [T+1, H, ...] -> [G*H, Tp, ...]
+        qh, kh, vh, gh, bh = (x[idx].transpose(1, 2).reshape(G * H, Tp, *x.shape[2:])
+                              for x in (zq, zk, zv, zg, zb))
+        slots = state_slots[bs]
+        s0 = states.index_select(0, slots)
+        s0 = torch.where(has_initial_state[bs].view(G, 1, 1, 1), s0, 0.0)  # NaN-safe zeros
+        o, s1 = _chunk_one(qh, kh, vh, gh, bh, s0.view(G * H, DK, DV), C)
+        out[idx] = o.view(G, H, Tp, DV).transpose(1, 2)  # padding rows all land on row T
+        states.index_copy_(0, slots, s1.view(G, H, DK, DV))
+    return out[:T].to(v.dtype)
 
 
 def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
