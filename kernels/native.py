@@ -52,7 +52,15 @@ def _build(cc: str) -> Path:
     out = _cache_dir() / f"gdn_decode-{key}.so"
     if out.is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(out.parent, os.W_OK):
+            raise PermissionError(out.parent)
+    except OSError:  # read-only home: build into the temp dir instead
+        out = Path(tempfile.gettempdir()) / f"hybridrt-{os.getuid()}" / out.name
+        if out.is_file():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
         subprocess.run([cc, *_FLAGS, "-o", str(part), str(_SRC)], check=True,
