@@ -50,7 +50,8 @@ def _check(q, k, v, g, beta, states):
 
 def _chunk_one(q, k, v, g, beta, state, chunk_size):
     """G independent sequences of T tokens (G: sequences x heads). q,k: [G, T, DK],
-    v: [G, T, DV], g/beta: [G, T] (fp32, prepared); state: [G, DK, DV] -> (o [G, T, DV],
+    v: [G, T, DV], g/beta: [G, T] (fp32, prepared); state: [G, DK, DV], updated in place, or
+    None for zeros (new prompts: every term that reads the state is skipped) -> (o [G, T, DV],
     final state)."""
     H, T, DK = q.shape
     DV = v.shape[-1]
@@ -73,20 +74,27 @@ def _chunk_one(q, k, v, g, beta, state, chunk_size):
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     system = eye + lower
     u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(
-        system, k_beta * gc.exp()[..., None], upper=False, unitriangular=True
-    )
+    w = None
+    if state is not None or N > 1:
+        w = torch.linalg.solve_triangular(
+            system, k_beta * gc.exp()[..., None], upper=False, unitriangular=True
+        )
     attn = (q @ k.transpose(-1, -2)) * decay  # intra-chunk, diagonal included
     q_decayed = q * gc.exp()[..., None]
-    k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]
+    k_to_end = (k * (gc[..., -1:] - gc).exp()[..., None]).transpose(-1, -2)
     chunk_decay = gc[..., -1].exp()  # [H, N]
 
     o = torch.empty(H, N, C, DV, dtype=q.dtype, device=q.device)
     S = state
     for i in range(N):
+        if S is None:  # zero state: v_new = u, no inter-chunk term
+            v_new = u[:, i]
+            torch.bmm(attn[:, i], v_new, out=o[:, i])
+            S = torch.bmm(k_to_end[:, i], v_new)
+            continue
         v_new = u[:, i] - w[:, i] @ S
-        o[:, i] = q_decayed[:, i] @ S + attn[:, i] @ v_new
-        S = S * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ v_new
+        o[:, i] = torch.baddbmm(attn[:, i] @ v_new, q_decayed[:, i], S)
+        S.mul_(chunk_decay[:, i, None, None]).baddbmm_(k_to_end[:, i], v_new)
     return o.reshape(H, N * C, DV)[:, :T], S
 
 
@@ -140,9 +148,12 @@ def chunk_gated_delta_rule(
         qh, kh, vh, gh, bh = (x[idx].transpose(1, 2).reshape(G * H, Tp, *x.shape[2:])
                               for x in (zq, zk, zv, zg, zb))
         slots = state_slots[bs]
-        s0 = states.index_select(0, slots)
-        s0 = torch.where(has_initial_state[bs].view(G, 1, 1, 1), s0, 0.0)  # NaN-safe zeros
-        o, s1 = _chunk_one(qh, kh, vh, gh, bh, s0.view(G * H, DK, DV), C)
+        init = has_initial_state[bs]
+        s0 = None  # all new prompts: no state to read
+        if bool(init.any()):
+            s0 = states.index_select(0, slots)
+            s0 = torch.where(init.view(G, 1, 1, 1), s0, 0.0).view(G * H, DK, DV)  # NaN-safe
+        o, s1 = _chunk_one(qh, kh, vh, gh, bh, s0, C)
         out[idx] = o.view(G, H, Tp, DV).transpose(1, 2)  # padding rows all land on row T
         states.index_copy_(0, slots, s1.view(G, H, DK, DV))
     return out[:T].to(v.dtype)
