@@ -47,9 +47,10 @@ def bench_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: i
               max_num_batched_tokens=max(prefill_len, 512), cache_memory=0.25)
     vocab = llm.config.vocab_size
     res: dict[str, float] = {}
-    # warm-up at the largest batch: batched CPU steps pack each weight once, on first use
+    # warm-up with the largest batch of the measured shape: batched CPU steps pack each weight
+    # once, on first use, and the first step of a shape faults in its buffers' pages
     warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    llm.generate(_prompts(max(concurrency + [1]), 8, vocab, 99), warm, use_tqdm=False)
+    llm.generate(_prompts(max(concurrency + [1]), prompt_len, vocab, 99), warm, use_tqdm=False)
 
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     times = []
