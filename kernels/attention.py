@@ -52,7 +52,9 @@ def paged_attention(
     seq_lens: [B] context length including this step's tokens; block_tables: [B, M].
     ``query_lens``/``context_lens`` are optional host-side copies. Returns [T, H, D].
     Single-token sequences (decode) are computed together in one padded batch; longer ones
-    (prefill chunks, draft verification) one sequence at a time.
+    (prefill chunks, draft verification) one sequence at a time. The math runs in fp32 (the
+    output is rounded to the query's dtype): CPU SDPA on bf16 inputs was measured 5x slower
+    (2.17 vs 0.43 ms for 32 decode queries over 21 positions, 8 heads of 256).
     """
     H, HKV = query.shape[1], key_cache.shape[2]
     if H % HKV:
@@ -77,12 +79,12 @@ def paged_attention(
         # non-finite values): zero it, since a masked weight of 0 times NaN is still NaN.
         k = k.masked_fill(~mask[:, :, None, None], 0)
         v = v.masked_fill(~mask[:, :, None, None], 0)
-        q = query[rows][:, :, None, :]  # [b, H, 1, D]
+        q = query[rows][:, :, None, :].float()  # [b, H, 1, D]
         o = F.scaled_dot_product_attention(
-            q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            q, k.transpose(1, 2).float(), v.transpose(1, 2).float(),
             attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=H != HKV,
         )
-        out[rows] = o[:, :, 0, :]
+        out[rows] = o[:, :, 0, :].to(out.dtype)
 
     for b, n in enumerate(qlens):
         if n <= 1:
@@ -94,9 +96,9 @@ def paged_attention(
         qpos = torch.arange(c - n, c, device=query.device)
         mask = torch.arange(c, device=query.device)[None, :] <= qpos[:, None]  # [n, c]
         o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=H != HKV,
+            q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=H != HKV,
         )
-        out[starts[b]:starts[b] + n] = o.transpose(0, 1)
+        out[starts[b]:starts[b] + n] = o.transpose(0, 1).to(out.dtype)
     return out
 
 
