@@ -193,11 +193,11 @@ def recurrent_gated_delta_rule(
     ``runs``: ``slot_runs(state_slots)`` when the caller has it (computed here otherwise).
     Returns o: [B, L, HV, DV] in v's dtype.
 
-    Decode (L = 1, no ``state_slots_out``) updates the states in place, one slice of the pool
-    per run of consecutive slots: a read pass and an update pass over each state, no gather or
-    scatter copies (verification gathers its B states once and writes each step's copies).
-    The state pool is the largest thing a decode step touches (1 MB per slot and layer at the
-    0.8B shape).
+    Decode (L = 1, no ``state_slots_out``) updates the states in place in the pool, with no
+    gather or scatter copies: the state pool is the largest thing a decode step touches (1 MB
+    per slot and layer at the 0.8B shape). The native kernel (kernels/native.py) indexes the
+    slots itself; the torch ops work on one slice of the pool per run of consecutive slots.
+    Verification gathers its B states once and writes each token's copies.
     """
     _check(q, k, v, g, beta, states)
     B, L = v.shape[:2]

@@ -34,8 +34,8 @@ class BlockPool:
 
 
 class SlotPool:
-    """Lowest free id first: requests admitted together get consecutive slots, which the GDN
-    decode kernels update in place as one slice (see ``kernels.delta_rule.slot_runs``)."""
+    """Lowest free id first: requests admitted together get consecutive slots, which the torch
+    GDN decode path updates in place as one slice of the pool (``kernels.delta_rule``)."""
 
     NULL_SLOT = 0
 
