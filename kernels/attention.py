@@ -71,18 +71,21 @@ def paged_attention(
         idx = torch.tensor(single, device=query.device)
         rows = torch.tensor([starts[b] for b in single], device=query.device)
         n_max = max(ctx[b] for b in single)
-        k = _gather(key_cache, block_tables[idx], n_max)  # [b, n, HKV, D]
-        v = _gather(value_cache, block_tables[idx], n_max)
-        lens = seq_lens[idx] if len(single) < len(qlens) else seq_lens
-        mask = torch.arange(n_max, device=query.device)[None, :] < lens[:, None]  # [b, n]
-        # Padding past a sequence's length may hold anything (other requests' blocks, stale or
-        # non-finite values): zero it, since a masked weight of 0 times NaN is still NaN.
-        k = k.masked_fill(~mask[:, :, None, None], 0)
-        v = v.masked_fill(~mask[:, :, None, None], 0)
+        k = _gather(key_cache, block_tables[idx], n_max).float()  # [b, n, HKV, D]
+        v = _gather(value_cache, block_tables[idx], n_max).float()
+        mask = None
+        if min(ctx[b] for b in single) < n_max:
+            lens = seq_lens[idx] if len(single) < len(qlens) else seq_lens
+            valid = torch.arange(n_max, device=query.device)[None, :] < lens[:, None]  # [b, n]
+            # Padding past a sequence's length may hold anything (other requests' blocks, stale
+            # or non-finite values): zero it, since a masked weight of 0 times NaN is still NaN.
+            k.masked_fill_(~valid[:, :, None, None], 0)
+            v.masked_fill_(~valid[:, :, None, None], 0)
+            mask = valid[:, None, None, :]
         q = query[rows][:, :, None, :].float()  # [b, H, 1, D]
         o = F.scaled_dot_product_attention(
-            q, k.transpose(1, 2).float(), v.transpose(1, 2).float(),
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=H != HKV,
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+            enable_gqa=H != HKV,
         )
         out[rows] = o[:, :, 0, :].to(out.dtype)
 
@@ -90,13 +93,13 @@ def paged_attention(
         if n <= 1:
             continue
         c = ctx[b]
-        k = _gather(key_cache, block_tables[b:b + 1], c)[0].transpose(0, 1)  # [HKV, c, D]
-        v = _gather(value_cache, block_tables[b:b + 1], c)[0].transpose(0, 1)
-        q = query[starts[b]:starts[b] + n].transpose(0, 1)  # [H, n, D]
+        k = _gather(key_cache, block_tables[b:b + 1], c)[0].float().transpose(0, 1)  # [HKV, c, D]
+        v = _gather(value_cache, block_tables[b:b + 1], c)[0].float().transpose(0, 1)
+        q = query[starts[b]:starts[b] + n].float().transpose(0, 1)  # [H, n, D]
         qpos = torch.arange(c - n, c, device=query.device)
         mask = torch.arange(c, device=query.device)[None, :] <= qpos[:, None]  # [n, c]
         o = F.scaled_dot_product_attention(
-            q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=H != HKV,
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != HKV,
         )
         out[starts[b]:starts[b] + n] = o.transpose(0, 1).to(out.dtype)
     return out
