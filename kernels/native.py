@@ -4,10 +4,11 @@ PyTorch has no fused CPU op for the gated-delta-rule decode step: the torch form
 (``delta_rule._step_in_place``) makes three passes over every state plus small batched
 products. ``csrc/gdn_decode.c`` does one read pass and one update pass per (sequence, head)
 while the 64 KiB state sits in L2. It is built with ``cc -O3 -march=native -fopenmp`` into
-``$HYBRIDRT_CACHE`` (default ``~/.cache/hybridrt``), keyed by a hash of the source and flags,
-and loaded with ctypes. Without a C compiler, off x86-64/aarch64 Linux-like systems, or with
-``HYBRIDRT_NATIVE=0``, ``load()`` returns None and callers keep the torch path (same math,
-tested against the same references).
+``$HYBRIDRT_CACHE`` (default ``~/.cache/hybridrt``), keyed by a hash of the source, the flags
+and this CPU's model and feature flags (a ``-march=native`` build must not be reused on another
+CPU), and loaded with ctypes. Without a C compiler that builds it (with OpenMP), on Windows, or
+with ``HYBRIDRT_NATIVE=0``, ``load()`` returns None and callers keep the torch path (same math,
+tested against each other).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -46,9 +48,18 @@ def _compiler() -> str | None:
     return None
 
 
+def _cpu_id() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    keep = ("model name", "flags", "Features", "CPU part")
+    return platform.machine() + "".join(sorted({ln for ln in lines if ln.startswith(keep)}))
+
+
 def _build(cc: str) -> Path:
     src = _SRC.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join([cc, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"gdn_decode-{key}.so"
     if out.is_file():
         return out
