@@ -151,15 +151,21 @@ class GatedDeltaNet(nn.Module):
         for grp in batch.recurrent_groups:
             n, L = grp.rows.shape
             rows = grp.rows.reshape(-1)
+            # a batch of decodes only: its rows are every row in order, no gather or scatter
+            pick = (lambda t: t) if n * L == T else (lambda t, rows=rows: t[rows])
             slots = grp.slots
-            m = causal_conv1d_update(mixed[rows].view(n, L, -1), weight, conv_states, slots,
+            m = causal_conv1d_update(pick(mixed).view(n, L, -1), weight, conv_states, slots,
                                      state_slots_out=grp.state_slots_out)
             q, k, v = self._split(m.reshape(n * L, -1))
-            core[rows] = recurrent_gated_delta_rule(
+            o = recurrent_gated_delta_rule(
                 q.view(n, L, *q.shape[1:]), k.view(n, L, *k.shape[1:]),
-                v.view(n, L, *v.shape[1:]), g[rows].view(n, L, -1), beta[rows].view(n, L, -1),
+                v.view(n, L, *v.shape[1:]), pick(g).view(n, L, -1), pick(beta).view(n, L, -1),
                 ssm_states, slots, state_slots_out=grp.state_slots_out, runs=grp.slot_runs,
             ).reshape(n * L, self.num_v_heads, self.head_v_dim)
+            if n * L == T:
+                core = o
+            else:
+                core[rows] = o
         if batch.chunk_seqs:
             idx = batch.chunk_seqs
             rows = batch.chunk_rows

@@ -100,7 +100,7 @@ class Sampler:
             index = torch.tensor(wanted, device=logits.device)
             logprobs = torch.log_softmax(penalised[index], dim=-1)
         processed = self._filter(penalised, rows)
-        token_ids = processed.argmax(dim=-1)
+        token_ids = argmax_rows(processed)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
             index = torch.tensor(random_rows, device=logits.device)
@@ -341,3 +341,27 @@ def find_stop(text: str, stop: list[str], start: int) -> int | None:
     begin = max(0, min(start, len(text)) - max(len(s) for s in stop) + 1)
     found = [i for i in (text.find(s, begin) for s in stop) if i >= 0]
     return min(found) if found else None
+
+
+def argmax_rows(x: torch.Tensor, block: int = 2048) -> torch.Tensor:
+    """``x.argmax(-1)`` for a 2-D tensor, same result (first maximum; NaN counts as maximal):
+    the per-block maxima pick each row's first block holding its maximum, then one argmax over
+    that block. Measured on [32, 248320] fp32, 2 threads: ``argmax`` 9.3 ms, ``amax`` 1.0 ms
+    (ATen's CPU argmax does not vectorise)."""
+    n, V = x.shape
+    full = V // block * block
+    if x.device.type != "cpu" or full == 0 or not x.is_contiguous():
+        return x.argmax(-1)
+    blocks = x[:, :full].view(n, V // block, block)
+    peaks = blocks.amax(-1)  # [n, V/block]
+    if full < V:
+        peaks = torch.cat([peaks, x[:, full:].amax(-1, keepdim=True)], dim=1)
+    b = peaks.argmax(-1)  # first block whose max is the row max
+    rows = torch.arange(n, device=x.device)
+    starts = b * block
+    width = torch.where(b * block + block <= V, block, V - starts)
+    # gather each row's chosen block (the tail block may be shorter: pad with -inf)
+    idx = starts[:, None] + torch.arange(block, device=x.device)
+    inside = torch.arange(block, device=x.device)[None, :] < width[:, None]
+    vals = x[rows[:, None], idx.clamp(max=V - 1)].masked_fill(~inside, float("-inf"))
+    return starts + vals.argmax(-1)

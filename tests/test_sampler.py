@@ -388,3 +388,19 @@ def test_find_stop_only_searches_where_a_new_match_can_appear():
     assert find_stop("xab", ["ab"], 2) == 1
     assert find_stop("short", ["t"], 4) == 4
     assert find_stop("short", ["t"], 5) is None  # nothing new since the last call
+
+
+@pytest.mark.parametrize("V", [100, 2048, 2049, 3 * 2048 + 7, 248320])
+def test_argmax_rows_equals_torch_argmax(V):
+    """The blocked greedy pick returns exactly torch's argmax: first maximum on ties, NaN as
+    maximal, rows of -inf, maxima in the short tail block."""
+    from hybridrt.sampler import argmax_rows
+
+    x = torch.randn(6, V, generator=torch.Generator().manual_seed(V))
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    x[0] = 1.0  # all tied: index 0
+    x[1, [V // 2, 3]] = float("nan")
+    x[2, -1] = 1e9  # in the tail
+    x[3] = float("-inf")
+    x[4, [V - 1, V // 3]] = 50.0  # a tie across blocks: the earlier one
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
