@@ -424,6 +424,7 @@ def test_packed_weight_equals_plain_fp32_copy(monkeypatch):
     w = torch.randn(300, 64, generator=gen).bfloat16()
     x = torch.randn(2, 7, 64, generator=gen)
     packed = pack_weight(w)
+    assert packed.is_mkldnn == torch.backends.mkldnn.is_available()
     monkeypatch.setattr(lin, "_onednn_available", lambda: False)
     plain = pack_weight(w)
     assert not plain.is_mkldnn and plain.dtype == torch.float32
