@@ -21,7 +21,6 @@ from hybridrt.kernels import (
     chunk_gated_delta_rule,
     gated_rms_norm,
     linear,
-    linear_fp32,
     pack_weight,
     paged_attention,
     recurrent_gated_delta_rule,
@@ -151,8 +150,8 @@ class GatedDeltaNet(nn.Module):
         for grp in batch.recurrent_groups:
             n, L = grp.rows.shape
             rows = grp.rows.reshape(-1)
-            # a batch of decodes only: its rows are every row in order, no gather or scatter
-            pick = (lambda t: t) if n * L == T else (lambda t, rows=rows: t[rows])
+            whole = n * L == T  # a batch of decodes only: every row in order, no gather
+            pick = (lambda t: t) if whole else (lambda t, rows=rows: t[rows])
             slots = grp.slots
             m = causal_conv1d_update(pick(mixed).view(n, L, -1), weight, conv_states, slots,
                                      state_slots_out=grp.state_slots_out)
@@ -162,7 +161,7 @@ class GatedDeltaNet(nn.Module):
                 v.view(n, L, *v.shape[1:]), pick(g).view(n, L, -1), pick(beta).view(n, L, -1),
                 ssm_states, slots, state_slots_out=grp.state_slots_out, runs=grp.slot_runs,
             ).reshape(n * L, self.num_v_heads, self.head_v_dim)
-            if n * L == T:
+            if whole:
                 core = o
             else:
                 core[rows] = o
@@ -316,11 +315,8 @@ class Qwen35ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows to sample) -> fp32 logits [N, vocab], rounded to
         the model's dtype first (what a half-precision LM head returns)."""
-        head = self.lm_head
-        weight = head.weight if head is not None else self.model.embed_tokens.weight
-        if use_fp32_gemm(hidden, weight):
-            owner, attr = (head, "weight_packed") if head is not None else (
-                self, "tied_head_packed")
-            packed = _packed_copy(owner, attr, hidden, weight)
-            return linear_fp32(hidden, weight, packed).to(hidden.dtype).float()
-        return linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        weight = self.model.embed_tokens.weight
+        return linear(hidden, weight,
+                      _packed_copy(self, "tied_head_packed", hidden, weight)).float()
