@@ -2,6 +2,7 @@
 
     python -m hybridrt.bench throughput            # random-weight 0.8B shape, bf16, 2 threads
     python -m hybridrt.bench throughput --model DIR --quick
+    python -m hybridrt.bench gemm                  # the CPU half-weight GEMM paths, per weight
 
 Reports prefill tok/s (one 512-token prompt), decode tok/s at batch 1, and for 8 and 32
 concurrent requests the aggregate output tok/s (wall time of the whole batch, its prefill
@@ -175,6 +176,49 @@ def format_table(report: dict) -> str:
     return "\n".join(rows)
 
 
+def gemm(args: argparse.Namespace) -> list[dict]:
+    """ms per weight of the CPU GEMM paths for bf16 weights at the 0.8B shapes (kernels/linear.py):
+    compiled panels, oneDNN's fp32 copy, and for 1-2 rows bf16 ``F.linear``. Several weights in
+    turn so each streams from memory as in a model; median of interleaved rounds."""
+    import torch.nn.functional as F
+
+    from hybridrt.kernels import native
+    from hybridrt.kernels.linear import PanelWeight, _cpu_gemm, _onednn_available
+
+    torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",") if r]
+    results = []
+    for n, k, copies in ((7168, 1024, 8), (1024, 3584, 16), (248320, 1024, 1)):
+        ws = [torch.randn(n, k).bfloat16() for _ in range(copies)]
+        paths = {}
+        if native.half_gemm_available():
+            pw = [PanelWeight(w) for w in ws]
+            paths["panels"] = lambda x, pw=pw: [_cpu_gemm(x, p) for p in pw]
+        if _onednn_available():
+            od = [torch.ops.mkldnn._reorder_linear_weight(w.float().contiguous(), 32) for w in ws]
+            paths["onednn_fp32"] = lambda x, od=od: [_cpu_gemm(x, p) for p in od]
+        for m in rows:
+            x = torch.randn(m, k)
+            fs = dict(paths)
+            if m <= 2:
+                xb = x.bfloat16()
+                fs["bf16_linear"] = lambda x, xb=xb, ws=ws: [F.linear(xb, w) for w in ws]
+            times: dict[str, list[float]] = {name: [] for name in fs}
+            for f in fs.values():
+                f(x)
+            for _ in range(args.rounds):
+                for name, f in fs.items():
+                    t = time.perf_counter()
+                    f(x)
+                    times[name].append(time.perf_counter() - t)
+            row = {"weight": f"{n}x{k}", "rows": m}
+            row.update({name: statistics.median(v) / copies * 1e3 for name, v in times.items()})
+            results.append(row)
+            print("  ".join(f"{key} {val:.2f}" if isinstance(val, float) else f"{key} {val}"
+                            for key, val in row.items()), flush=True)
+    return results
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hybridrt.bench")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -189,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--repeats", type=int, default=2)
     t.add_argument("--no-transformers", action="store_true")
     t.add_argument("--json", default="bench-throughput.json")
+    g = sub.add_parser("gemm", help="ms per weight of the CPU half-weight GEMM paths")
+    g.add_argument("--rows", default="1,2,8,32,512")
+    g.add_argument("--threads", type=int, default=2)
+    g.add_argument("--rounds", type=int, default=9)
     return p
 
 
@@ -196,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.cmd == "throughput":
         throughput(args)
+    elif args.cmd == "gemm":
+        gemm(args)
 
 
 if __name__ == "__main__":

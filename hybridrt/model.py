@@ -34,8 +34,9 @@ from hybridrt.statecache import CacheTensors
 
 class Linear(nn.Linear):
     """nn.Linear without bias, through ``hybridrt.kernels.linear``. With half-precision weights
-    on CPU, batched calls use a packed fp32 copy of the weight kept here after first use
-    (memory: the weights once more in fp32; see kernels/linear.py for why)."""
+    on CPU, batched calls use a repacked copy of the weight kept here after first use (16-column
+    half-precision panels for the compiled GEMM: the weights' size once more; without it an fp32
+    copy, twice that; see kernels/linear.py for why)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)

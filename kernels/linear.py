@@ -3,25 +3,44 @@
 CPUs without native bf16/fp16 matrix instructions (e.g. AVX2-only) run half-precision GEMMs at
 roughly GEMV speed per row: measured on this project's 2-core AVX2 machine (3584x1024 bf16,
 2 threads), 0.4 ms per row and 12.3 ms for 32 rows, against 2.6 ms for the same 32 rows in
-fp32. From ``CPU_HALF_GEMM_MIN_ROWS`` rows on, the product is computed in fp32 from a packed
-fp32 copy of the weight (``pack_weight``; the caller keeps it: converting 0.8B parameters costs
-about half a second per step) and rounded back to the input's dtype, which is what a half
-GEMM with fp32 accumulation returns; single rows (decode at batch 1) stay in half precision,
-where reading half the bytes wins. Measured per 3584x1024 weight streamed from memory (24
-weights in turn, 2 threads): 1 row 0.68 ms bf16 vs 0.82 ms packed fp32; 2 rows 1.33 vs 0.78;
-8 rows 3.34 vs 1.05; 12 rows 4.79 vs 1.22.
+fp32. From ``CPU_HALF_GEMM_MIN_ROWS`` rows on, the product is therefore computed in fp32 from
+a copy of the weight made once (``pack_weight``; the caller keeps it) and rounded back to the
+input's dtype, which is what a half GEMM with fp32 accumulation returns; single rows (decode at
+batch 1) stay in half precision, where torch's GEMV is as fast as anything here.
 
-The packed copy is oneDNN's blocked layout when PyTorch has oneDNN (``_reorder_linear_weight``,
-the op behind PyTorch's own CPU inference freezing): measured on the same machine, 32 rows,
-2 threads, best of 5, against ``torch.mm`` on a plain fp32 copy: 3584x1024 1.92 vs 2.01 ms,
-1024x3584 1.80 vs 2.27 ms, the 248320x1024 tied LM head 155 vs 186 ms (and no transpose of
-the output). Without oneDNN the copy is a plain fp32 tensor multiplied as W x^T.
+The copy is, in order of preference:
+
+1. ``PanelWeight``: the half-precision values repacked in 16-column panels, multiplied by the
+   compiled ``csrc/half_gemm.c`` (AVX2 + FMA + F16C; widens each panel to fp32 in L1). Same
+   bytes as the weight, so at 0.8B parameters 1.5 GB less than an fp32 copy (peak RSS of a
+   32-request bf16 run: 4.2 vs 6.6 GB). Measured against oneDNN's fp32 copy (2 threads, weights
+   streamed in turn, median of 9 interleaved rounds, ms per weight):
+
+   | weight      | rows | panels | oneDNN fp32 | bf16 F.linear |
+   | ---         | ---: | ---:   | ---:        | ---:          |
+   | 7168x1024   | 1    | 1.05   | 1.27        | 0.90          |
+   | 7168x1024   | 2    | 1.16   | 1.47        | 1.70          |
+   | 7168x1024   | 8    | 2.02   | 2.18        |               |
+   | 7168x1024   | 32   | 4.46   | 4.69        |               |
+   | 7168x1024   | 512  | 55.4   | 58.4        |               |
+   | 1024x3584   | 32   | 2.46   | 2.62        |               |
+   | 248320x1024 | 32   | 140    | 162         |               |
+
+   (``python -m hybridrt.bench gemm``; the throughput benchmark measures whole steps.)
+
+2. oneDNN's blocked fp32 layout when PyTorch has oneDNN (``_reorder_linear_weight``, the op
+   behind PyTorch's own CPU inference freezing): 32 rows against ``torch.mm`` on a plain fp32
+   copy: 3584x1024 1.92 vs 2.01 ms, 1024x3584 1.80 vs 2.27 ms, the tied LM head 155 vs 186 ms.
+3. a plain fp32 tensor multiplied as W x^T.
 """
+
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from . import native
 
 CPU_HALF_GEMM_MIN_ROWS = 2
 CPU_FP32_WXT_MIN_ROWS = 12  # fp32 weights: W x^T instead of F.linear from this many rows
@@ -39,8 +58,30 @@ def _onednn_available() -> bool:
                                                             "_reorder_linear_weight")
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 copy of ``weight`` [out, in] in the fastest layout for ``linear``'s CPU path."""
+class PanelWeight:
+    """A half-precision weight [N, K] repacked for ``native.half_gemm``: ``panels`` [ceil(N / 16),
+    K, 16] with panels[p, k, c] = W[16 p + c, k] (zero past N). ``shape`` is W's."""
+
+    __slots__ = ("panels", "shape", "dtype")
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.detach()
+        n, k = w.shape
+        p = -(-n // 16)
+        if p * 16 != n:
+            w = F.pad(w, (0, 0, 0, p * 16 - n))
+        self.panels = w.reshape(p, 16, k).transpose(1, 2).contiguous()
+        self.shape = weight.shape
+        self.dtype = weight.dtype
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | PanelWeight:
+    """The copy of ``weight`` [out, in] that ``linear``'s CPU batched path multiplies: for half
+    weights where ``native.half_gemm`` runs, the same values repacked in panels; otherwise an
+    fp32 copy in the fastest layout PyTorch has (oneDNN's blocked one, else plain)."""
+    if (weight.dtype in HALF and weight.device.type == "cpu" and weight.dim() == 2
+            and native.half_gemm_available()):
+        return PanelWeight(weight)
     w = weight.detach().float().contiguous()
     if w.device.type == "cpu" and _onednn_available():
         try:
@@ -51,7 +92,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: torch.Tensor | PanelWeight | None = None) -> torch.Tensor:
     """x: [..., in], weight: [out, in] -> [..., out] in x's dtype. ``packed``: the
     ``pack_weight(weight)`` copy for the CPU batched path (made on the fly when not given)."""
     if use_fp32_gemm(x, weight):
@@ -62,15 +103,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
 
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor,
-                packed: torch.Tensor | None = None) -> torch.Tensor:
+                packed: torch.Tensor | PanelWeight | None = None) -> torch.Tensor:
     """x W^T computed and returned in fp32 (CPU batched path; ``packed`` as in ``linear``)."""
     w = packed if packed is not None else pack_weight(weight)
     return _cpu_gemm(x.float(), w)
 
 
-def _cpu_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _cpu_gemm(x: torch.Tensor, weight: torch.Tensor | PanelWeight) -> torch.Tensor:
     """x W^T. Plain weights as W x^T: with weights streamed from memory, measured 1.8x faster
     than F.linear for 32 rows of fp32 on the AVX2 machine (97 vs 54 GFLOP/s, 3584x1024)."""
+    if isinstance(weight, PanelWeight):
+        y = native.half_gemm(x.reshape(-1, x.shape[-1]), weight.panels, weight.shape[0])
+        return y.view(*x.shape[:-1], weight.shape[0])
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
     x2 = x.reshape(-1, x.shape[-1])

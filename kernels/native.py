@@ -1,9 +1,14 @@
-"""Small C kernels for the CPU decode path, compiled on first use with the system C compiler.
+"""Small C kernels for the CPU path, compiled on first use with the system C compiler.
 
-PyTorch has no fused CPU op for the gated-delta-rule decode step: the torch formulation
-(``delta_rule._step_in_place``) makes three passes over every state plus small batched
-products. ``csrc/gdn_decode.c`` does one read pass and one update pass per (sequence, head)
-while the 64 KiB state sits in L2. It is built with ``cc -O3 -march=native -fopenmp`` into
+- ``csrc/gdn_decode.c``: PyTorch has no fused CPU op for the gated-delta-rule decode step: the
+  torch formulation (``delta_rule._step_in_place``) makes three passes over every state plus
+  small batched products; this does one read pass and one update pass per (sequence, head)
+  while the 64 KiB state sits in L2.
+- ``csrc/half_gemm.c``: x W^T for bf16/fp16 weights in fp32 on AVX2 + FMA + F16C CPUs, reading
+  the half-precision weights (packed in 16-column panels) instead of an fp32 copy of them
+  (kernels/linear.py says when it is used and what it was measured against).
+
+Both are built into one library with ``cc -O3 -march=native -fopenmp`` into
 ``$HYBRIDRT_CACHE`` (default ``~/.cache/hybridrt``), keyed by a hash of the source, the flags
 and this CPU's model and feature flags (a ``-march=native`` build must not be reused on another
 CPU), and loaded with ctypes. Without a C compiler that builds it (with OpenMP), on Windows, or
@@ -26,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-_SRC = Path(__file__).parent / "csrc" / "gdn_decode.c"
+_SRCS = [Path(__file__).parent / "csrc" / name for name in ("gdn_decode.c", "half_gemm.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -58,9 +63,9 @@ def _cpu_id() -> str:
 
 
 def _build(cc: str) -> Path:
-    src = _SRC.read_bytes()
+    src = b"".join(f.read_bytes() for f in _SRCS)
     key = hashlib.sha256(src + " ".join([cc, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"gdn_decode-{key}.so"
+    out = _cache_dir() / f"hybridrt-cpu-{key}.so"
     if out.is_file():
         return out
     try:
@@ -74,7 +79,7 @@ def _build(cc: str) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        subprocess.run([cc, *_FLAGS, "-o", str(part), str(_SRC)], check=True,
+        subprocess.run([cc, *_FLAGS, "-o", str(part), *map(str, _SRCS)], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(part, out)  # atomic: concurrent builders end with one complete file
     return out
@@ -99,6 +104,10 @@ def load() -> ctypes.CDLL | None:
     fn = lib.gdn_decode_step
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    lib.half_gemm.restype = None
+    lib.half_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+    lib.half_gemm_simd.restype = ctypes.c_int
+    lib.half_gemm_simd.argtypes = []
     _lib = lib
     return _lib
 
@@ -124,3 +133,32 @@ def gdn_decode_step(states: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
                         v.data_ptr(), decay.data_ptr(), beta.data_ptr(), out.data_ptr(),
                         B, H, DK, DV, torch.get_num_threads())
     return out
+
+
+def half_gemm_available() -> bool:
+    """Whether ``half_gemm`` runs here (the library built, with AVX2 + FMA + F16C)."""
+    lib = load()
+    return lib is not None and bool(lib.half_gemm_simd())
+
+
+def half_gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] (any float dtype) times the weight packed in ``panels`` [ceil(N / 16), K, 16]
+    (bf16 or fp16, see csrc/half_gemm.c) -> [M, N] fp32. Callers check ``half_gemm_available``."""
+    P, K, nr = panels.shape
+    if panels.dtype not in (torch.bfloat16, torch.float16) or nr != 16 or not (
+            panels.is_contiguous() and panels.device.type == "cpu"):
+        raise ValueError(f"half_gemm: panels must be contiguous CPU bf16/fp16 [P, K, 16], got "
+                         f"{panels.dtype} {list(panels.shape)}")
+    if not (P - 1) * 16 < out_features <= P * 16:
+        raise ValueError(f"half_gemm: {out_features} output features do not fit {P} panels")
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"half_gemm: x must be [M, {K}], got {list(x.shape)}")
+    lib = load()
+    if lib is None:
+        raise RuntimeError("half_gemm: native CPU kernels unavailable")
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    if x.shape[0]:
+        lib.half_gemm(x.data_ptr(), panels.data_ptr(), y.data_ptr(), x.shape[0], out_features, K,
+                      int(panels.dtype == torch.float16), torch.get_num_threads())
+    return y

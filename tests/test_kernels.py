@@ -9,6 +9,7 @@ checked bitwise afterwards.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,7 +33,13 @@ from hybridrt.kernels import (
     write_kv,
 )
 from hybridrt.kernels.delta_rule import _step_in_place, slot_runs
-from hybridrt.kernels.linear import CPU_HALF_GEMM_MIN_ROWS, linear, linear_fp32, pack_weight
+from hybridrt.kernels.linear import (
+    CPU_HALF_GEMM_MIN_ROWS,
+    PanelWeight,
+    linear,
+    linear_fp32,
+    pack_weight,
+)
 
 TOL = 1e-5  # fp32, relative to max |ref|
 
@@ -399,23 +406,44 @@ def test_conv_rejects_bad_shapes():
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["native", "onednn"])
+def half_gemm_impl(request, monkeypatch):
+    """Run a test with the compiled half-weight GEMM and with the fp32 copy it replaces."""
+    monkeypatch.setenv("HYBRIDRT_NATIVE", "1" if request.param == "native" else "0")
+    if request.param == "native" and not native.half_gemm_available():
+        assert native.load() is None or not _has_avx2_fma_f16c(), "half_gemm failed to build"
+        pytest.skip("native half GEMM unavailable here (no compiler or no AVX2/FMA/F16C)")
+    return request.param
+
+
+def _has_avx2_fma_f16c() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return all(f in flags for f in ("avx2", "fma", "f16c"))
+
+
 @pytest.mark.parametrize("rows", [1, CPU_HALF_GEMM_MIN_ROWS, 12, 33], ids=lambda r: f"rows{r}")
-def test_linear_half_weights_match_fp32_product(rows):
-    """Half-precision weights: one row runs the half GEMV, more rows the packed fp32 copy;
-    both equal the fp32 product rounded to bf16 (up to accumulation order: 1 bf16 ulp)."""
+def test_linear_half_weights_match_fp32_product(rows, half_gemm_impl):
+    """Half-precision weights: one row runs the half GEMV, more rows the fp32 product (native
+    panels or a packed fp32 copy); all equal the fp32 product rounded to bf16 (up to
+    accumulation order: 1 bf16 ulp)."""
     gen = _gen(30)
     w = (torch.randn(67, 45, generator=gen) / 7).bfloat16()
     x = torch.randn(rows, 45, generator=gen).bfloat16()
+    packed = pack_weight(w)
+    assert isinstance(packed, PanelWeight) == (half_gemm_impl == "native")
     expect = (x.float() @ w.float().t()).bfloat16().float()
-    got = linear(x, w, pack_weight(w))
+    got = linear(x, w, packed)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 67)
     torch.testing.assert_close(got.float(), expect, rtol=8e-3, atol=1e-6)
     x3 = x.view(1, rows, 45)  # leading dims pass through
-    assert torch.equal(linear(x3, w, pack_weight(w)).view(rows, 67), got)
+    assert torch.equal(linear(x3, w, packed).view(rows, 67), got)
 
 
-def test_packed_weight_equals_plain_fp32_copy(monkeypatch):
-    """oneDNN's packed layout and the plain fp32 fallback compute the same product."""
+def test_packed_weight_layouts_compute_the_same_product(monkeypatch):
+    """Native panels, oneDNN's packed layout and the plain fp32 fallback: the same product."""
     import importlib
 
     lin = importlib.import_module("hybridrt.kernels.linear")  # the module, not the function
@@ -423,14 +451,52 @@ def test_packed_weight_equals_plain_fp32_copy(monkeypatch):
     gen = _gen(31)
     w = torch.randn(300, 64, generator=gen).bfloat16()
     x = torch.randn(2, 7, 64, generator=gen)
-    packed = pack_weight(w)
-    assert packed.is_mkldnn == torch.backends.mkldnn.is_available()
+    layouts = {}
+    if native.half_gemm_available():
+        layouts["panels"] = pack_weight(w)
+        assert isinstance(layouts["panels"], PanelWeight)
+    monkeypatch.setenv("HYBRIDRT_NATIVE", "0")
+    layouts["onednn"] = pack_weight(w)
+    assert layouts["onednn"].is_mkldnn == torch.backends.mkldnn.is_available()
     monkeypatch.setattr(lin, "_onednn_available", lambda: False)
-    plain = pack_weight(w)
-    assert not plain.is_mkldnn and plain.dtype == torch.float32
+    layouts["plain"] = pack_weight(w)
+    assert not layouts["plain"].is_mkldnn and layouts["plain"].dtype == torch.float32
+    monkeypatch.setenv("HYBRIDRT_NATIVE", "1")
     expect = x @ w.float().t()
-    for p in (packed, plain):
-        assert_rel_close(linear_fp32(x, w, p), expect, TOL, f"mkldnn={p.is_mkldnn}")
+    for name, p in layouts.items():
+        assert_rel_close(linear_fp32(x, w, p), expect, TOL, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("M,N,K", [(1, 16, 8), (5, 33, 300), (7, 48, 257), (13, 100, 45),
+                                   (33, 31, 64), (70, 40, 4100)],
+                         ids=lambda v: str(v))
+def test_native_half_gemm_against_fp64(M, N, K, dtype):
+    """Every tile shape (1-6 rows, 4 + 3..5 tails), a partial last panel (N % 16), K past a
+    256-input block, and rows past one 1 MiB block of x (K=4100: 63 rows a block)."""
+    if not native.half_gemm_available():
+        assert native.load() is None or not _has_avx2_fma_f16c(), "half_gemm failed to build"
+        pytest.skip("native half GEMM unavailable here")
+    gen = _gen(M * 1000 + N)
+    w = torch.randn(N, K, generator=gen).to(dtype)
+    x = torch.randn(M, K, generator=gen)
+    y = native.half_gemm(x, PanelWeight(w).panels, N)
+    ref = (x.double() @ w.double().t())
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    assert_rel_close(y.double(), ref, TOL, f"M={M} N={N} K={K}")
+
+
+def test_native_half_gemm_rejects_bad_shapes():
+    if not native.half_gemm_available():
+        pytest.skip("native half GEMM unavailable here")
+    panels = PanelWeight(torch.randn(40, 24).bfloat16()).panels  # 3 panels
+    with pytest.raises(ValueError, match="do not fit 3 panels"):
+        native.half_gemm(torch.randn(2, 24), panels, 49)
+    with pytest.raises(ValueError, match=r"x must be \[M, 24\]"):
+        native.half_gemm(torch.randn(2, 23), panels, 40)
+    with pytest.raises(ValueError, match="panels must be"):
+        native.half_gemm(torch.randn(2, 24), panels.float(), 40)
+    assert native.half_gemm(torch.randn(0, 24), panels, 40).shape == (0, 40)
 
 
 # ------------------------------------------------------------------------------------------

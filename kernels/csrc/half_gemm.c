@@ -1,0 +1,140 @@
+/* y = x W^T with half-precision (bf16 or fp16) weights, fp32 activations and fp32 sums, for
+ * CPUs without half-precision matrix instructions (AVX2 + FMA + F16C).
+ *
+ * x: [M, K] fp32 row-major; y: [M, N] fp32 row-major. W [N, K] comes packed in panels of 16
+ * output columns, wp[p][k][c] = W[16 p + c][k] ([ceil(N / 16), K, 16], zero past N; see
+ * kernels/linear.py, pack_weight). Each thread takes a range of panels. Per panel and block of
+ * KC inputs the weights are widened to fp32 once, into a thread-local buffer that stays in L1,
+ * and every tile of up to 6 rows of x runs over it with a 6 x 16 register tile (12 ymm
+ * accumulators, one broadcast of x per row and k). Blocks of MC rows keep the part of x that is
+ * re-read for every panel within about 1 MiB.
+ *
+ * Against oneDNN's packed fp32 copy of the same weights (the path it replaces) this reads half
+ * the bytes and keeps no second copy of the model; the GEMM rates are measured in linear.py.
+ */
+#include <stdint.h>
+
+#define NR 16
+#define MR 6
+#define KC 256
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+int half_gemm_simd(void) { return 1; }
+
+static inline void widen(const uint16_t *src, float *dst, int64_t n, int is_fp16)
+{
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
+        const __m256 f = is_fp16 ? _mm256_cvtph_ps(h)
+                         : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        _mm256_store_ps(dst + i, f);
+    }
+}
+
+/* y[0:mr, 0:ncols] (+)= x[0:mr, 0:kc] b[0:kc, 0:16]; mr is a literal at every call, so the
+ * unrolled loops keep acc in registers. */
+static inline __attribute__((always_inline)) void tile(
+    const float *x, int64_t ldx, const float *b, int64_t kc, float *y, int64_t ldy, int mr,
+    int first, int ncols)
+{
+    __m256 acc[MR][2];
+    #pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) { acc[r][0] = _mm256_setzero_ps(); acc[r][1] = _mm256_setzero_ps(); }
+    for (int64_t k = 0; k < kc; ++k) {
+        const __m256 b0 = _mm256_load_ps(b + k * NR), b1 = _mm256_load_ps(b + k * NR + 8);
+        #pragma GCC unroll 6
+        for (int r = 0; r < MR; ++r) {
+            if (r < mr) {
+                const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+                acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+            }
+        }
+    }
+    if (ncols == NR) {
+        #pragma GCC unroll 6
+        for (int r = 0; r < MR; ++r) {
+            if (r < mr) {
+                float *yr = y + r * ldy;
+                if (!first) {
+                    acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_loadu_ps(yr));
+                    acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_loadu_ps(yr + 8));
+                }
+                _mm256_storeu_ps(yr, acc[r][0]);
+                _mm256_storeu_ps(yr + 8, acc[r][1]);
+            }
+        }
+        return;
+    }
+    float t[MR * NR] __attribute__((aligned(32)));  /* last panel: fewer than 16 columns */
+    #pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+        if (r < mr) {
+            _mm256_store_ps(t + r * NR, acc[r][0]);
+            _mm256_store_ps(t + r * NR + 8, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < mr; ++r) {
+        float *yr = y + r * ldy;
+        const float *tr = t + r * NR;
+        for (int c = 0; c < ncols; ++c) yr[c] = first ? tr[c] : yr[c] + tr[c];
+    }
+}
+
+/* rows of the next tile: 6 at a time; a tail of 1-3 rows shares the last 6 as 4 + 3..5 (a tile
+ * of 1-2 rows has too few accumulators to hide the FMA latency) */
+static inline int tile_rows(int64_t rows)
+{
+    return rows >= 10 || rows == 6 ? 6 : rows > 6 ? 4 : (int)rows;
+}
+
+#define TILE(m) tile(x + i * K + k0, K, buf, kc, y + i * N + n0, N, m, k0 == 0, ncols)
+
+void half_gemm(const float *x, const uint16_t *wp, float *y, int64_t M, int64_t N, int64_t K,
+               int is_fp16, int num_threads)
+{
+    const int64_t P = (N + NR - 1) / NR;
+    int64_t MC = ((int64_t)1 << 20) / (K * 4);
+    MC = MC < MR ? MR : (MC / MR) * MR;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        float buf[KC * NR] __attribute__((aligned(32)));
+        for (int64_t m0 = 0; m0 < M; m0 += MC) {
+            const int64_t m1 = m0 + MC < M ? m0 + MC : M;
+            #pragma omp for schedule(static)
+            for (int64_t p = 0; p < P; ++p) {
+                const int64_t n0 = p * NR;
+                const int ncols = (int)(N - n0 < NR ? N - n0 : NR);
+                for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                    const int64_t kc = K - k0 < KC ? K - k0 : KC;
+                    widen(wp + (p * K + k0) * NR, buf, kc * NR, is_fp16);
+                    for (int64_t i = m0; i < m1;) {
+                        const int mr = tile_rows(m1 - i);
+                        switch (mr) {
+                        case 6: TILE(6); break;
+                        case 5: TILE(5); break;
+                        case 4: TILE(4); break;
+                        case 3: TILE(3); break;
+                        case 2: TILE(2); break;
+                        default: TILE(1); break;
+                        }
+                        i += mr;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#else  /* no AVX2 + FMA + F16C: half_gemm_simd() says so and callers keep their own path */
+
+int half_gemm_simd(void) { return 0; }
+
+void half_gemm(const float *x, const uint16_t *wp, float *y, int64_t M, int64_t N, int64_t K,
+               int is_fp16, int num_threads)
+{
+    (void)x; (void)wp; (void)y; (void)M; (void)N; (void)K; (void)is_fp16; (void)num_threads;
+}
+#endif
