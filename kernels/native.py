@@ -158,6 +158,8 @@ def half_gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch
         raise RuntimeError("half_gemm: native CPU kernels unavailable")
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    if K == 0:
+        return y.zero_()
     if x.shape[0]:
         lib.half_gemm(x.data_ptr(), panels.data_ptr(), y.data_ptr(), x.shape[0], out_features, K,
                       int(panels.dtype == torch.float16), torch.get_num_threads())

@@ -497,6 +497,8 @@ def test_native_half_gemm_rejects_bad_shapes():
     with pytest.raises(ValueError, match="panels must be"):
         native.half_gemm(torch.randn(2, 24), panels.float(), 40)
     assert native.half_gemm(torch.randn(0, 24), panels, 40).shape == (0, 40)
+    empty = PanelWeight(torch.randn(40, 0).bfloat16()).panels
+    assert torch.equal(native.half_gemm(torch.randn(2, 0), empty, 40), torch.zeros(2, 40))
 
 
 # ------------------------------------------------------------------------------------------
