@@ -178,7 +178,8 @@ def format_table(report: dict) -> str:
 
 def gemm(args: argparse.Namespace) -> list[dict]:
     """ms per weight of the CPU GEMM paths for bf16 weights at the 0.8B shapes (kernels/linear.py):
-    compiled panels, oneDNN's fp32 copy, and for 1-2 rows bf16 ``F.linear``. Several weights in
+    compiled panels, oneDNN's fp32 copy, for up to 4 rows the compiled GEMV on the weight as it
+    is, and for 1-2 rows bf16 ``F.linear``. Several weights in
     turn so each streams from memory as in a model; median of interleaved rounds."""
     import torch.nn.functional as F
 
@@ -200,6 +201,8 @@ def gemm(args: argparse.Namespace) -> list[dict]:
         for m in rows:
             x = torch.randn(m, k)
             fs = dict(paths)
+            if m <= native.HALF_GEMV_MAX_ROWS and native.half_gemm_available():
+                fs["gemv"] = lambda x, ws=ws: [native.half_gemv(x, w) for w in ws]
             if m <= 2:
                 xb = x.bfloat16()
                 fs["bf16_linear"] = lambda x, xb=xb, ws=ws: [F.linear(xb, w) for w in ws]

@@ -3,37 +3,44 @@
 CPUs without native bf16/fp16 matrix instructions (e.g. AVX2-only) run half-precision GEMMs at
 roughly GEMV speed per row: measured on this project's 2-core AVX2 machine (3584x1024 bf16,
 2 threads), 0.4 ms per row and 12.3 ms for 32 rows, against 2.6 ms for the same 32 rows in
-fp32. From ``CPU_HALF_GEMM_MIN_ROWS`` rows on, the product is therefore computed in fp32 from
-a copy of the weight made once (``pack_weight``; the caller keeps it) and rounded back to the
-input's dtype, which is what a half GEMM with fp32 accumulation returns; single rows (decode at
-batch 1) stay in half precision, where torch's GEMV is as fast as anything here.
+fp32. So products are computed in fp32 and rounded back to the input's dtype, which is what a
+half GEMM with fp32 accumulation returns, by the first of these that applies:
+
+- up to ``native.HALF_GEMV_MAX_ROWS`` (4) rows, where the compiled kernels run: ``half_gemv``
+  (``csrc/half_gemm.c``) on the weight as it is, each element read and widened once (decode at
+  small batch, draft verification);
+- from ``CPU_HALF_GEMM_MIN_ROWS`` rows on: a copy of the weight made once by ``pack_weight``
+  (the caller keeps it), multiplied in fp32;
+- otherwise (one row without the compiled kernels) torch's bf16 GEMV.
 
 The copy is, in order of preference:
 
 1. ``PanelWeight``: the half-precision values repacked in 16-column panels, multiplied by the
-   compiled ``csrc/half_gemm.c`` (AVX2 + FMA + F16C; widens each panel to fp32 in L1). Same
-   bytes as the weight, so at 0.8B parameters 1.5 GB less than an fp32 copy (peak RSS of a
-   32-request bf16 run: 4.2 vs 6.6 GB). Measured against oneDNN's fp32 copy (2 threads, weights
-   streamed in turn, median of 9 interleaved rounds, ms per weight):
-
-   | weight      | rows | panels | oneDNN fp32 | bf16 F.linear |
-   | ---         | ---: | ---:   | ---:        | ---:          |
-   | 7168x1024   | 1    | 1.05   | 1.27        | 0.90          |
-   | 7168x1024   | 2    | 1.16   | 1.47        | 1.70          |
-   | 7168x1024   | 8    | 2.02   | 2.18        |               |
-   | 7168x1024   | 32   | 4.46   | 4.69        |               |
-   | 7168x1024   | 512  | 55.4   | 58.4        |               |
-   | 1024x3584   | 32   | 2.46   | 2.62        |               |
-   | 248320x1024 | 32   | 140    | 162         |               |
-
-   (``python -m hybridrt.bench gemm``; the throughput benchmark measures whole steps.)
-
+   compiled ``half_gemm`` (AVX2 + FMA + F16C; widens each panel to fp32 in L1). Same bytes as
+   the weight, so at 0.8B parameters 1.5 GB less than an fp32 copy (peak RSS of a 32-request
+   bf16 run: 4.2 vs 6.6 GB).
 2. oneDNN's blocked fp32 layout when PyTorch has oneDNN (``_reorder_linear_weight``, the op
    behind PyTorch's own CPU inference freezing): 32 rows against ``torch.mm`` on a plain fp32
    copy: 3584x1024 1.92 vs 2.01 ms, 1024x3584 1.80 vs 2.27 ms, the tied LM head 155 vs 186 ms.
 3. a plain fp32 tensor multiplied as W x^T.
-"""
 
+Measured by ``python -m hybridrt.bench gemm`` (2 threads, weights streamed in turn, median of 9
+interleaved rounds, ms per weight):
+
+| weight      | rows | gemv | panels | oneDNN fp32 | bf16 F.linear |
+| ---         | ---: | ---: | ---:   | ---:        | ---:          |
+| 7168x1024   | 1    | 1.08 | 1.14   | 1.54        | 1.38          |
+| 7168x1024   | 2    | 1.04 | 1.18   | 1.61        | 1.74          |
+| 7168x1024   | 4    | 1.26 | 1.49   | 1.89        |               |
+| 7168x1024   | 5    |      | 1.41   | 1.78        |               |
+| 7168x1024   | 32   |      | 4.59   | 5.12        |               |
+| 7168x1024   | 512  |      | 55.3   | 58.0        |               |
+| 1024x3584   | 1    | 0.34 | 0.52   | 0.68        | 0.41          |
+| 1024x3584   | 4    | 0.48 | 0.70   | 0.91        |               |
+| 1024x3584   | 32   |      | 2.23   | 2.53        |               |
+| 248320x1024 | 1    | 27.4 | 35.2   | 40.0        | 35.9          |
+| 248320x1024 | 32   |      | 148    | 161         |               |
+"""
 
 from __future__ import annotations
 
@@ -48,9 +55,24 @@ HALF = (torch.bfloat16, torch.float16)
 _PACK_HINT_ROWS = 32  # oneDNN picks its blocking for this many rows; any count works
 
 
+def _half_on_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and weight.dtype in HALF and weight.dim() == 2
+
+
+def use_half_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Few rows times half weights on a CPU where the compiled kernels run: ``native.half_gemv``
+    on the weight as it is (no copy)."""
+    return (_half_on_cpu(x, weight) and weight.is_contiguous() and weight.shape[1] > 0
+            and 0 < x.numel() <= native.HALF_GEMV_MAX_ROWS * weight.shape[1]
+            and native.half_gemm_available())
+
+
 def use_fp32_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and weight.dtype in HALF
-            and x.numel() >= CPU_HALF_GEMM_MIN_ROWS * weight.shape[1])
+    """Whether ``linear`` multiplies ``pack_weight(weight)`` in fp32 (so the caller should keep
+    that copy): half weights on CPU, from ``CPU_HALF_GEMM_MIN_ROWS`` rows on, unless
+    ``use_half_gemv``."""
+    return (_half_on_cpu(x, weight) and x.numel() >= CPU_HALF_GEMM_MIN_ROWS * weight.shape[1]
+            and not use_half_gemv(x, weight))
 
 
 def _onednn_available() -> bool:
@@ -95,6 +117,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
            packed: torch.Tensor | PanelWeight | None = None) -> torch.Tensor:
     """x: [..., in], weight: [out, in] -> [..., out] in x's dtype. ``packed``: the
     ``pack_weight(weight)`` copy for the CPU batched path (made on the fly when not given)."""
+    if use_half_gemv(x, weight):
+        y = native.half_gemv(x.reshape(-1, x.shape[-1]), weight)
+        return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
     if use_fp32_gemm(x, weight):
         return linear_fp32(x, weight, packed).to(x.dtype)
     if x.device.type == "cpu" and x.numel() >= CPU_FP32_WXT_MIN_ROWS * weight.shape[1]:

@@ -106,6 +106,8 @@ def load() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     lib.half_gemm.restype = None
     lib.half_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+    lib.half_gemv.restype = None
+    lib.half_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.half_gemm_simd.restype = ctypes.c_int
     lib.half_gemm_simd.argtypes = []
     _lib = lib
@@ -136,7 +138,8 @@ def gdn_decode_step(states: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
 
 
 def half_gemm_available() -> bool:
-    """Whether ``half_gemm`` runs here (the library built, with AVX2 + FMA + F16C)."""
+    """Whether ``half_gemm`` / ``half_gemv`` run here (the library built, with AVX2 + FMA +
+    F16C)."""
     lib = load()
     return lib is not None and bool(lib.half_gemm_simd())
 
@@ -163,4 +166,30 @@ def half_gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch
     if x.shape[0]:
         lib.half_gemm(x.data_ptr(), panels.data_ptr(), y.data_ptr(), x.shape[0], out_features, K,
                       int(panels.dtype == torch.float16), torch.get_num_threads())
+    return y
+
+
+HALF_GEMV_MAX_ROWS = 4  # from 5 rows on, half_gemm's panels are as fast (kernels/linear.py)
+
+
+def half_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (M <= ``HALF_GEMV_MAX_ROWS``, any float dtype) times a bf16/fp16 weight [N, K]
+    as it is (row-major, contiguous) -> [M, N] fp32: each weight element read once, for decode
+    at small batch and draft verification. Callers check ``half_gemm_available``."""
+    if weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or not (
+            weight.is_contiguous() and weight.device.type == "cpu"):
+        raise ValueError(f"half_gemv: weight must be a contiguous CPU bf16/fp16 matrix, got "
+                         f"{weight.dtype} {list(weight.shape)}")
+    N, K = weight.shape
+    if x.dim() != 2 or x.shape[1] != K or not 0 <= x.shape[0] <= HALF_GEMV_MAX_ROWS:
+        raise ValueError(f"half_gemv: x must be [M <= {HALF_GEMV_MAX_ROWS}, {K}], got "
+                         f"{list(x.shape)}")
+    lib = load()
+    if lib is None:
+        raise RuntimeError("half_gemv: native CPU kernels unavailable")
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], N, dtype=torch.float32)
+    if x.shape[0] and N:
+        lib.half_gemv(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], N, K,
+                      int(weight.dtype == torch.float16), torch.get_num_threads())
     return y

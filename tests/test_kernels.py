@@ -39,6 +39,8 @@ from hybridrt.kernels.linear import (
     linear,
     linear_fp32,
     pack_weight,
+    use_fp32_gemm,
+    use_half_gemv,
 )
 
 TOL = 1e-5  # fp32, relative to max |ref|
@@ -424,16 +426,19 @@ def _has_avx2_fma_f16c() -> bool:
     return all(f in flags for f in ("avx2", "fma", "f16c"))
 
 
-@pytest.mark.parametrize("rows", [1, CPU_HALF_GEMM_MIN_ROWS, 12, 33], ids=lambda r: f"rows{r}")
+@pytest.mark.parametrize("rows", [1, CPU_HALF_GEMM_MIN_ROWS, 4, 5, 12, 33],
+                         ids=lambda r: f"rows{r}")
 def test_linear_half_weights_match_fp32_product(rows, half_gemm_impl):
-    """Half-precision weights: one row runs the half GEMV, more rows the fp32 product (native
-    panels or a packed fp32 copy); all equal the fp32 product rounded to bf16 (up to
-    accumulation order: 1 bf16 ulp)."""
+    """Half-precision weights: native up to 4 rows ``half_gemv`` on the weight, then panels;
+    without it one row runs torch's bf16 GEMV, more rows a packed fp32 copy. All equal the
+    fp32 product rounded to bf16 (up to accumulation order: 1 bf16 ulp)."""
     gen = _gen(30)
     w = (torch.randn(67, 45, generator=gen) / 7).bfloat16()
     x = torch.randn(rows, 45, generator=gen).bfloat16()
     packed = pack_weight(w)
     assert isinstance(packed, PanelWeight) == (half_gemm_impl == "native")
+    assert use_half_gemv(x, w) == (half_gemm_impl == "native" and rows <= 4)
+    assert use_fp32_gemm(x, w) == (rows >= CPU_HALF_GEMM_MIN_ROWS and not use_half_gemv(x, w))
     expect = (x.float() @ w.float().t()).bfloat16().float()
     got = linear(x, w, packed)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 67)
@@ -486,6 +491,23 @@ def test_native_half_gemm_against_fp64(M, N, K, dtype):
     assert_rel_close(y.double(), ref, TOL, f"M={M} N={N} K={K}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("N,K", [(1, 8), (7, 45), (34, 300), (64, 1024)], ids=lambda v: str(v))
+def test_native_half_gemv_against_fp64(M, N, K, dtype):
+    """Every row count, weight-row blocks of 4 and 2 with a tail, K with and without a tail
+    past its multiple of 8."""
+    if not native.half_gemm_available():
+        assert native.load() is None or not _has_avx2_fma_f16c(), "half_gemv failed to build"
+        pytest.skip("native half GEMV unavailable here")
+    gen = _gen(M * 100 + N)
+    w = torch.randn(N, K, generator=gen).to(dtype)
+    x = torch.randn(M, K, generator=gen)
+    y = native.half_gemv(x, w)
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    assert_rel_close(y.double(), x.double() @ w.double().t(), TOL, f"M={M} N={N} K={K}")
+
+
 def test_native_half_gemm_rejects_bad_shapes():
     if not native.half_gemm_available():
         pytest.skip("native half GEMM unavailable here")
@@ -497,6 +519,11 @@ def test_native_half_gemm_rejects_bad_shapes():
     with pytest.raises(ValueError, match="panels must be"):
         native.half_gemm(torch.randn(2, 24), panels.float(), 40)
     assert native.half_gemm(torch.randn(0, 24), panels, 40).shape == (0, 40)
+    w = torch.randn(40, 24).bfloat16()
+    with pytest.raises(ValueError, match=r"x must be \[M <= 4, 24\]"):
+        native.half_gemv(torch.randn(5, 24), w)
+    with pytest.raises(ValueError, match="contiguous CPU bf16/fp16"):
+        native.half_gemv(torch.randn(2, 40), w.t())
     empty = PanelWeight(torch.randn(40, 0).bfloat16()).panels
     assert torch.equal(native.half_gemm(torch.randn(2, 0), empty, 40), torch.zeros(2, 40))
 

@@ -128,9 +128,106 @@ void half_gemm(const float *x, const uint16_t *wp, float *y, int64_t M, int64_t 
     }
 }
 
+/* Few rows (decode at small batch, draft verification): y[M, N] = x[M, K] W^T straight from the
+ * weight in its own layout, W [N, K] row-major, each weight element read and widened once. A
+ * block of nw weight rows times the M <= 4 rows of x keeps nw * M <= 12 vector accumulators;
+ * each is summed across its 8 lanes at the end. From 5 rows on the panels above are as fast
+ * (kernels/linear.py). */
+static inline float hsum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 widen8(const uint16_t *src, int is_fp16)
+{
+    const __m128i h = _mm_loadu_si128((const __m128i *)src);
+    return is_fp16 ? _mm256_cvtph_ps(h)
+                   : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float half_to_float(uint16_t h, int is_fp16)
+{
+    if (is_fp16) return _cvtsh_ss(h);
+    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
+    return c.f;
+}
+
+static inline __attribute__((always_inline)) void gemv_block(
+    const float *x, const uint16_t *w, float *y, int64_t N, int64_t K, int nw, int mr,
+    int is_fp16)
+{
+    __m256 acc[4][4];
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+        #pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) acc[j][r] = _mm256_setzero_ps();
+    }
+    const int64_t K8 = K & ~(int64_t)7;
+    for (int64_t k = 0; k < K8; k += 8) {
+        __m256 xv[4];
+        #pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) if (r < mr) xv[r] = _mm256_loadu_ps(x + r * K + k);
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+            if (j < nw) {
+                const __m256 wv = widen8(w + j * K + k, is_fp16);
+                #pragma GCC unroll 4
+                for (int r = 0; r < 4; ++r)
+                    if (r < mr) acc[j][r] = _mm256_fmadd_ps(xv[r], wv, acc[j][r]);
+            }
+        }
+    }
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+        if (j < nw) {
+            #pragma GCC unroll 4
+            for (int r = 0; r < 4; ++r) {
+                if (r < mr) {
+                    float t = hsum(acc[j][r]);
+                    for (int64_t k = K8; k < K; ++k)
+                        t += x[r * K + k] * half_to_float(w[j * K + k], is_fp16);
+                    y[r * N + j] = t;
+                }
+            }
+        }
+    }
+}
+
+#define GEMV(nw_, mr_) gemv_block(x, w + n * K, y + n, N, K, nw_, mr_, is_fp16)
+#define GEMV_ROWS(nw_)                                                    \
+    switch (M) {                                                          \
+    case 1: GEMV(nw_, 1); break;                                          \
+    case 2: GEMV(nw_, 2); break;                                          \
+    case 3: GEMV(nw_, 3); break;                                          \
+    default: GEMV(nw_ > 2 ? 2 : nw_, 4); break;                           \
+    }
+
+void half_gemv(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
+               int is_fp16, int num_threads)
+{
+    if (M < 1 || M > 4) return;
+    const int nw = M <= 3 ? 4 : 2;  /* weight rows per block */
+    const int64_t blocks = N / nw;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t n = b * nw;
+        if (nw == 4) { GEMV_ROWS(4) } else { GEMV_ROWS(2) }
+    }
+    for (int64_t n = blocks * nw; n < N; ++n) { GEMV_ROWS(1) }
+}
+
 #else  /* no AVX2 + FMA + F16C: half_gemm_simd() says so and callers keep their own path */
 
 int half_gemm_simd(void) { return 0; }
+
+void half_gemv(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
+               int is_fp16, int num_threads)
+{
+    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)is_fp16; (void)num_threads;
+}
 
 void half_gemm(const float *x, const uint16_t *wp, float *y, int64_t M, int64_t N, int64_t K,
                int is_fp16, int num_threads)
