@@ -179,8 +179,8 @@ def format_table(report: dict) -> str:
 def gemm(args: argparse.Namespace) -> list[dict]:
     """ms per weight of the CPU GEMM paths for bf16 weights at the 0.8B shapes (kernels/linear.py):
     compiled panels, oneDNN's fp32 copy, for up to 4 rows the compiled GEMV on the weight as it
-    is, and for 1-2 rows bf16 ``F.linear``. Several weights in
-    turn so each streams from memory as in a model; median of interleaved rounds."""
+    is, and for 1-2 rows bf16 ``F.linear``. Several weights in turn so each streams from memory
+    as in a model; median of interleaved rounds."""
     import torch.nn.functional as F
 
     from hybridrt.kernels import native
