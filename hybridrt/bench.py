@@ -7,8 +7,9 @@
 Reports prefill tok/s (one 512-token prompt), decode tok/s at batch 1, and for 8 and 32
 concurrent requests the aggregate output tok/s (wall time of the whole batch, its prefill
 included) and the aggregate decode tok/s (prefill excluded, like the batch-1 figure), for both
-engines, and the ratios. Timings on shared
-machines are noisy: read the ratios, measured side by side in the same process.
+engines, and the ratios; then the batching ratio once more from batch-1 and 32-request runs
+alternated three times. Timings on shared machines are noisy: read the ratios, measured side by
+side in the same process.
 """
 
 from __future__ import annotations
@@ -80,6 +81,18 @@ def bench_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: i
         # the c requests decode side by side: the sum of their decode rates is the decode
         # throughput at c concurrent (prefill excluded, as in decode_b1_tok_s)
         res[f"decode_b{c}_tok_s"] = sum(o.metrics["decode_tokens_per_s"] for o in outs)
+    if concurrency:
+        # the batching ratio again from batch-1 and largest-batch runs alternated, so that drift
+        # in this shared machine's speed between the measurements above does not enter it
+        c = max(concurrency)
+        alone, batched = [], []
+        for r in range(3):
+            (out,) = llm.generate(_prompts(1, prompt_len, vocab, 400 + r), sp, use_tqdm=False)
+            alone.append(out.metrics["decode_tokens_per_s"])
+            outs = llm.generate(_prompts(c, prompt_len, vocab, 500 + r), sp, use_tqdm=False)
+            batched.append(sum(o.metrics["decode_tokens_per_s"] for o in outs))
+        res[f"interleaved_decode_b{c}_over_b1"] = (statistics.median(batched)
+                                                   / statistics.median(alone))
     return res, llm
 
 
@@ -133,8 +146,9 @@ def throughput(args: argparse.Namespace) -> dict:
           f"concurrency {concurrency}, {args.threads} threads", file=sys.stderr)
     ours, llm = bench_ours(model, args.dtype, args.prefill_len, args.decode_tokens, concurrency,
                            args.prompt_len, args.repeats)
+    interleaved = {k: ours.pop(k) for k in list(ours) if k.startswith("interleaved_")}
     report = {"model": str(args.model or "random Qwen3.5-0.8B shape"), "dtype": args.dtype,
-              "threads": args.threads, "hybridrt": ours,
+              "threads": args.threads, "hybridrt": ours, **interleaved,
               "ratio_b32_vs_b1": ours.get("aggregate_b32_tok_s", 0.0) / ours["decode_b1_tok_s"],
               "ratio_decode_b32_vs_b1": (ours.get("decode_b32_tok_s", 0.0)
                                          / ours["decode_b1_tok_s"])}
@@ -175,6 +189,10 @@ def format_table(report: dict) -> str:
         rows.append(f"{k:<24}{v:>12.2f}" + rest)
     rows.append(f"aggregate b32 / our b1: {report['ratio_b32_vs_b1']:.2f}x (prefill included); "
                 f"decode b32 / our b1: {report['ratio_decode_b32_vs_b1']:.2f}x")
+    for k, v in report.items():
+        if k.startswith("interleaved_"):
+            c = k.split("_b")[1].split("_")[0]
+            rows.append(f"decode b{c} / our b1, three alternated runs of each: {v:.2f}x")
     return "\n".join(rows)
 
 

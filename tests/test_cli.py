@@ -357,7 +357,10 @@ def test_bench_throughput_smoke_on_tiny_checkpoint(tiny, tmp_path):
                  "--decode-tokens", "3", "--concurrency", "2", "--repeats", "1", "--json", out)
     assert res.exit_code == 0, res.output
     assert "aggregate_b2_tok_s" in res.stdout
-    assert json.loads(out.read_text())["hybridrt"]["decode_b1_tok_s"] > 0
+    report = json.loads(out.read_text())
+    assert report["hybridrt"]["decode_b1_tok_s"] > 0
+    assert report["interleaved_decode_b2_over_b1"] > 0
+    assert "decode b2 / our b1, three alternated runs of each" in res.stdout
 
 
 def test_plot_without_matplotlib_is_one_error_line_exit_2(tiny, monkeypatch, tmp_path):
