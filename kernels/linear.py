@@ -25,21 +25,22 @@ The copy is, in order of preference:
 3. a plain fp32 tensor multiplied as W x^T.
 
 Measured by ``python -m hybridrt.bench gemm`` (2 threads, weights streamed in turn, median of 9
-interleaved rounds, ms per weight):
+interleaved rounds, ms per weight; a second run gave the panels 0.96-1.15x oneDNN's speed from
+8 rows on, so there they are about even, at half the memory):
 
 | weight      | rows | gemv | panels | oneDNN fp32 | bf16 F.linear |
 | ---         | ---: | ---: | ---:   | ---:        | ---:          |
-| 7168x1024   | 1    | 1.08 | 1.14   | 1.54        | 1.38          |
-| 7168x1024   | 2    | 1.04 | 1.18   | 1.61        | 1.74          |
-| 7168x1024   | 4    | 1.26 | 1.49   | 1.89        |               |
-| 7168x1024   | 5    |      | 1.41   | 1.78        |               |
-| 7168x1024   | 32   |      | 4.59   | 5.12        |               |
-| 7168x1024   | 512  |      | 55.3   | 58.0        |               |
-| 1024x3584   | 1    | 0.34 | 0.52   | 0.68        | 0.41          |
-| 1024x3584   | 4    | 0.48 | 0.70   | 0.91        |               |
-| 1024x3584   | 32   |      | 2.23   | 2.53        |               |
-| 248320x1024 | 1    | 27.4 | 35.2   | 40.0        | 35.9          |
-| 248320x1024 | 32   |      | 148    | 161         |               |
+| 7168x1024   | 1    | 0.90 | 1.14   | 1.19        | 1.27          |
+| 7168x1024   | 2    | 1.06 | 1.43   | 1.23        | 2.38          |
+| 7168x1024   | 4    | 1.33 | 1.47   | 1.87        |               |
+| 7168x1024   | 5    |      | 1.38   | 1.85        |               |
+| 7168x1024   | 32   |      | 4.62   | 4.74        |               |
+| 7168x1024   | 512  |      | 60.4   | 62.4        |               |
+| 1024x3584   | 1    | 0.33 | 0.56   | 0.66        | 0.44          |
+| 1024x3584   | 4    | 0.49 | 0.79   | 0.93        |               |
+| 1024x3584   | 32   |      | 2.22   | 2.36        |               |
+| 248320x1024 | 1    | 38.5 | 46.1   | 72.2        | 38.8          |
+| 248320x1024 | 32   |      | 155    | 153         |               |
 """
 
 from __future__ import annotations
