@@ -149,6 +149,7 @@ def throughput(args: argparse.Namespace) -> dict:
     interleaved = {k: ours.pop(k) for k in list(ours) if k.startswith("interleaved_")}
     report = {"model": str(args.model or "random Qwen3.5-0.8B shape"), "dtype": args.dtype,
               "threads": args.threads, "hybridrt": ours, **interleaved,
+              "peak_rss_gib": _peak_rss_gib(),
               "ratio_b32_vs_b1": ours.get("aggregate_b32_tok_s", 0.0) / ours["decode_b1_tok_s"],
               "ratio_decode_b32_vs_b1": (ours.get("decode_b32_tok_s", 0.0)
                                          / ours["decode_b1_tok_s"])}
@@ -180,6 +181,16 @@ def throughput(args: argparse.Namespace) -> dict:
     return report
 
 
+def _peak_rss_gib() -> float | None:
+    """This process's peak resident memory so far (weights, their CPU GEMM copies, caches)."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
 def format_table(report: dict) -> str:
     ours, theirs = report["hybridrt"], report.get("transformers", {})
     rows = [f"{'metric':<24}{'hybridrt':>12}{'transformers':>14}{'ratio':>8}"]
@@ -189,6 +200,8 @@ def format_table(report: dict) -> str:
         rows.append(f"{k:<24}{v:>12.2f}" + rest)
     rows.append(f"aggregate b32 / our b1: {report['ratio_b32_vs_b1']:.2f}x (prefill included); "
                 f"decode b32 / our b1: {report['ratio_decode_b32_vs_b1']:.2f}x")
+    if report.get("peak_rss_gib") is not None:
+        rows.append(f"hybridrt peak RSS: {report['peak_rss_gib']:.2f} GiB")
     for k, v in report.items():
         if k.startswith("interleaved_"):
             c = k.split("_b")[1].split("_")[0]

@@ -17,8 +17,9 @@ The copy is, in order of preference:
 
 1. ``PanelWeight``: the half-precision values repacked in 16-column panels, multiplied by the
    compiled ``half_gemm`` (AVX2 + FMA + F16C; widens each panel to fp32 in L1). Same bytes as
-   the weight, so at 0.8B parameters 1.5 GB less than an fp32 copy (peak RSS of a 32-request
-   bf16 run: 4.2 vs 6.6 GB).
+   the weight, so at 0.8B parameters 1.5 GB less than an fp32 copy: peak RSS of
+   ``hybridrt bench throughput --no-transformers --concurrency 32`` 4.19 GiB, 6.47 GiB with
+   ``HYBRIDRT_NATIVE=0`` (oneDNN's copy).
 2. oneDNN's blocked fp32 layout when PyTorch has oneDNN (``_reorder_linear_weight``, the op
    behind PyTorch's own CPU inference freezing): 32 rows against ``torch.mm`` on a plain fp32
    copy: 3584x1024 1.92 vs 2.01 ms, 1024x3584 1.80 vs 2.27 ms, the tied LM head 155 vs 186 ms.

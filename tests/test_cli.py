@@ -360,6 +360,7 @@ def test_bench_throughput_smoke_on_tiny_checkpoint(tiny, tmp_path):
     report = json.loads(out.read_text())
     assert report["hybridrt"]["decode_b1_tok_s"] > 0
     assert report["interleaved_decode_b2_over_b1"] > 0
+    assert report["peak_rss_gib"] > 0 and "hybridrt peak RSS" in res.stdout
     assert "decode b2 / our b1, three alternated runs of each" in res.stdout
 
 
