@@ -57,24 +57,30 @@ HALF = (torch.bfloat16, torch.float16)
 _PACK_HINT_ROWS = 32  # oneDNN picks its blocking for this many rows; any count works
 
 
-def _half_on_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and weight.dtype in HALF and weight.dim() == 2
+def _half_cpu_path(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Which CPU half-weight path ``linear`` takes: "gemv" (few rows, compiled kernels,
+    ``native.half_gemv`` on the weight as it is), "packed" (``pack_weight``'s copy multiplied in
+    fp32, from ``CPU_HALF_GEMM_MIN_ROWS`` rows on) or None (torch)."""
+    if x.device.type != "cpu" or weight.dtype not in HALF or weight.dim() != 2:
+        return None
+    k = weight.shape[1]
+    if (weight.is_contiguous() and 0 < x.numel() <= native.HALF_GEMV_MAX_ROWS * k
+            and native.half_gemm_available()):
+        return "gemv"
+    return "packed" if x.numel() >= CPU_HALF_GEMM_MIN_ROWS * k else None
 
 
 def use_half_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Few rows times half weights on a CPU where the compiled kernels run: ``native.half_gemv``
     on the weight as it is (no copy)."""
-    return (_half_on_cpu(x, weight) and weight.is_contiguous() and weight.shape[1] > 0
-            and 0 < x.numel() <= native.HALF_GEMV_MAX_ROWS * weight.shape[1]
-            and native.half_gemm_available())
+    return _half_cpu_path(x, weight) == "gemv"
 
 
 def use_fp32_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear`` multiplies ``pack_weight(weight)`` in fp32 (so the caller should keep
     that copy): half weights on CPU, from ``CPU_HALF_GEMM_MIN_ROWS`` rows on, unless
     ``use_half_gemv``."""
-    return (_half_on_cpu(x, weight) and x.numel() >= CPU_HALF_GEMM_MIN_ROWS * weight.shape[1]
-            and not use_half_gemv(x, weight))
+    return _half_cpu_path(x, weight) == "packed"
 
 
 def _onednn_available() -> bool:
@@ -119,10 +125,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
            packed: torch.Tensor | PanelWeight | None = None) -> torch.Tensor:
     """x: [..., in], weight: [out, in] -> [..., out] in x's dtype. ``packed``: the
     ``pack_weight(weight)`` copy for the CPU batched path (made on the fly when not given)."""
-    if use_half_gemv(x, weight):
+    path = _half_cpu_path(x, weight)
+    if path == "gemv":
         y = native.half_gemv(x.reshape(-1, x.shape[-1]), weight)
         return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
-    if use_fp32_gemm(x, weight):
+    if path == "packed":
         return linear_fp32(x, weight, packed).to(x.dtype)
     if x.device.type == "cpu" and x.numel() >= CPU_FP32_WXT_MIN_ROWS * weight.shape[1]:
         return _cpu_gemm(x, weight)

@@ -34,6 +34,7 @@ import torch
 _SRCS = [Path(__file__).parent / "csrc" / name for name in ("gdn_decode.c", "half_gemm.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lib: ctypes.CDLL | None = None
+_simd = False  # half_gemm / half_gemv built with AVX2 + FMA + F16C (asked once, at load)
 _tried = False
 
 
@@ -87,7 +88,7 @@ def _build(cc: str) -> Path:
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None (torch fallback). Builds at most once per process."""
-    global _lib, _tried
+    global _lib, _simd, _tried
     if _tried or not enabled():
         return _lib if enabled() else None
     _tried = True
@@ -110,6 +111,7 @@ def load() -> ctypes.CDLL | None:
     lib.half_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.half_gemm_simd.restype = ctypes.c_int
     lib.half_gemm_simd.argtypes = []
+    _simd = bool(lib.half_gemm_simd())
     _lib = lib
     return _lib
 
@@ -140,8 +142,7 @@ def gdn_decode_step(states: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
 def half_gemm_available() -> bool:
     """Whether ``half_gemm`` / ``half_gemv`` run here (the library built, with AVX2 + FMA +
     F16C)."""
-    lib = load()
-    return lib is not None and bool(lib.half_gemm_simd())
+    return load() is not None and _simd
 
 
 def half_gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
