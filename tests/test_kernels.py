@@ -8,7 +8,7 @@ checked bitwise afterwards.
 
 from __future__ import annotations
 
-import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -199,20 +199,27 @@ def test_slot_runs():
     assert slot_runs([]) == []
 
 
+def _require_native() -> None:
+    """Skip where the compiled kernels cannot load (``HYBRIDRT_NATIVE=0``, no C compiler,
+    Windows); fail where they should have built and did not."""
+    if native.load() is not None:
+        return
+    can_build = native.enabled() and native._compiler() is not None and sys.platform != "win32"
+    assert not can_build, "a C compiler is here but the native kernels failed to build"
+    pytest.skip("native kernels unavailable here (disabled or no C compiler)")
+
+
 @pytest.fixture(params=["native", "torch"])
 def decode_impl(request, monkeypatch):
     """Run a test with the compiled decode kernel and with the torch ops it replaces."""
     monkeypatch.setenv("HYBRIDRT_NATIVE", "1" if request.param == "native" else "0")
-    if request.param == "native" and native.load() is None:
-        assert shutil.which("cc") is None, "a C compiler is here but the native kernel failed"
-        pytest.skip("no C compiler: native kernels unavailable")
+    if request.param == "native":
+        _require_native()
     return request.param
 
 
 def test_native_decode_step_equals_torch_ops():
-    if native.load() is None:
-        assert shutil.which("cc") is None, "a C compiler is here but the native kernel failed"
-        pytest.skip("no C compiler")
+    _require_native()
     B, H = 5, 3
     q, k, v, g, beta = gdn_inputs(B, H, H, DK, DV, seed=18)
     q, k = l2_norm(q) * DK**-0.5, l2_norm(k)
@@ -412,18 +419,31 @@ def test_conv_rejects_bad_shapes():
 def half_gemm_impl(request, monkeypatch):
     """Run a test with the compiled half-weight GEMM and with the fp32 copy it replaces."""
     monkeypatch.setenv("HYBRIDRT_NATIVE", "1" if request.param == "native" else "0")
-    if request.param == "native" and not native.half_gemm_available():
-        assert native.load() is None or not _has_avx2_fma_f16c(), "half_gemm failed to build"
-        pytest.skip("native half GEMM unavailable here (no compiler or no AVX2/FMA/F16C)")
+    if request.param == "native":
+        _require_half_kernels()
     return request.param
 
 
-def _has_avx2_fma_f16c() -> bool:
+def _require_half_kernels() -> None:
+    """``_require_native``, then skip on a CPU without AVX2 + FMA + F16C (the half GEMM/GEMV
+    build as stubs there); fail where it has them and the kernels say otherwise."""
+    _require_native()
+    if native.half_gemm_available():
+        return
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
-        return False
-    return all(f in flags for f in ("avx2", "fma", "f16c"))
+        flags = []
+    assert not all(f in flags for f in ("avx2", "fma", "f16c")), "half GEMM built without SIMD"
+    pytest.skip("native half GEMM/GEMV unavailable here (no AVX2/FMA/F16C)")
+
+
+def _half_operands(M: int, N: int, K: int, dtype: torch.dtype, seed: int):
+    """w [N, K] in ``dtype``, x [M, K] fp32, and their fp64 product x w^T."""
+    gen = _gen(seed)
+    w = torch.randn(N, K, generator=gen).to(dtype)
+    x = torch.randn(M, K, generator=gen)
+    return w, x, x.double() @ w.double().t()
 
 
 @pytest.mark.parametrize("rows", [1, CPU_HALF_GEMM_MIN_ROWS, 4, 5, 12, 33],
@@ -480,14 +500,9 @@ def test_native_half_gemm_against_fp64(M, N, K, dtype):
     """Every tile shape (1-6 rows: 7 = 4 + 3, 13 = 5 + 4 + 4, 33 = 6 6 6 5 5 5), a partial last
     panel (N % 16), K past a 256-input block, and rows past one 1 MiB block of x (K=4100: 60
     rows a block)."""
-    if not native.half_gemm_available():
-        assert native.load() is None or not _has_avx2_fma_f16c(), "half_gemm failed to build"
-        pytest.skip("native half GEMM unavailable here")
-    gen = _gen(M * 1000 + N)
-    w = torch.randn(N, K, generator=gen).to(dtype)
-    x = torch.randn(M, K, generator=gen)
+    _require_half_kernels()
+    w, x, ref = _half_operands(M, N, K, dtype, seed=M * 1000 + N)
     y = native.half_gemm(x, PanelWeight(w).panels, N)
-    ref = (x.double() @ w.double().t())
     assert y.dtype == torch.float32 and y.shape == (M, N)
     assert_rel_close(y.double(), ref, TOL, f"M={M} N={N} K={K}")
 
@@ -498,20 +513,15 @@ def test_native_half_gemm_against_fp64(M, N, K, dtype):
 def test_native_half_gemv_against_fp64(M, N, K, dtype):
     """Every row count, weight-row blocks of 4 and 2 with a tail, K with and without a tail
     past its multiple of 8."""
-    if not native.half_gemm_available():
-        assert native.load() is None or not _has_avx2_fma_f16c(), "half_gemv failed to build"
-        pytest.skip("native half GEMV unavailable here")
-    gen = _gen(M * 100 + N)
-    w = torch.randn(N, K, generator=gen).to(dtype)
-    x = torch.randn(M, K, generator=gen)
+    _require_half_kernels()
+    w, x, ref = _half_operands(M, N, K, dtype, seed=M * 100 + N)
     y = native.half_gemv(x, w)
     assert y.dtype == torch.float32 and y.shape == (M, N)
-    assert_rel_close(y.double(), x.double() @ w.double().t(), TOL, f"M={M} N={N} K={K}")
+    assert_rel_close(y.double(), ref, TOL, f"M={M} N={N} K={K}")
 
 
 def test_native_half_gemm_rejects_bad_shapes():
-    if not native.half_gemm_available():
-        pytest.skip("native half GEMM unavailable here")
+    _require_half_kernels()
     panels = PanelWeight(torch.randn(40, 24).bfloat16()).panels  # 3 panels
     with pytest.raises(ValueError, match="do not fit 3 panels"):
         native.half_gemm(torch.randn(2, 24), panels, 49)
