@@ -206,18 +206,19 @@ def recurrent_gated_delta_rule(
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
     H, DK, DV = states.shape[1:]
     if L == 1 and state_slots_out is None:
-        if runs is None:
-            runs = slot_runs(state_slots.tolist())
-        views = [(slice(b0 * H, (b0 + n) * H), states[s0:s0 + n].view(n * H, DK, DV))
-                 for b0, s0, n in runs]
+        def views():  # for the torch fallback only
+            r = runs if runs is not None else slot_runs(state_slots.tolist())
+            return [(slice(b0 * H, (b0 + n) * H), states[s0:s0 + n].view(n * H, DK, DV))
+                    for b0, s0, n in r]
         o = _step(qf[:, 0], kf[:, 0], vf[:, 0], gf[:, 0], bf[:, 0], states, state_slots, views)
         return o.unsqueeze(1).to(v.dtype)
     S = states.index_select(0, state_slots)  # [B, H, DK, DV], updated in place below
     own = torch.arange(B, device=S.device)
-    views = [(slice(0, B * H), S.view(B * H, DK, DV))]
+    whole = [(slice(0, B * H), S.view(B * H, DK, DV))]
     out = torch.empty(B, L, H, DV, dtype=torch.float32, device=v.device)
     for t in range(L):
-        out[:, t] = _step(qf[:, t], kf[:, t], vf[:, t], gf[:, t], bf[:, t], S, own, views)
+        out[:, t] = _step(qf[:, t], kf[:, t], vf[:, t], gf[:, t], bf[:, t], S, own,
+                          lambda: whole)
         if state_slots_out is not None:
             states.index_copy_(0, state_slots_out[:, t], S.view(B, H, DK, DV))
     if state_slots_out is None:
@@ -227,9 +228,10 @@ def recurrent_gated_delta_rule(
 
 def _step(q, k, v, g, beta, pool, slots, views):
     """One token per sequence from ``pool[slots]``, updated in place: the native kernel when
-    it is built (kernels/native.py), else the torch ops over ``views`` of the same states."""
+    it is built (kernels/native.py), else the torch ops over ``views()``, views of the same
+    states (made only then)."""
     o = native.gdn_decode_step(pool, slots, q, k, v, g.exp(), beta)
-    return o if o is not None else _step_in_place(q, k, v, g, beta, views)
+    return o if o is not None else _step_in_place(q, k, v, g, beta, views())
 
 
 def _step_in_place(q, k, v, g, beta, views):
