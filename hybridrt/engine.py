@@ -49,13 +49,14 @@ class EngineConfig:
 class LLMEngine:
     def __init__(self, model: Qwen35ForCausalLM, config: ModelConfig, cache: HybridCacheManager,
                  engine_config: EngineConfig, tokenizer: Any = None, seed: int | None = 0,
-                 device: torch.device | str = "cpu", speculative_tokens: int = 0):
+                 device: torch.device | str = "cpu", speculative_tokens: int = 0,
+                 backend: str | None = None):
         self.model = model
         self.config = config
         self.cache = cache
         self.engine_config = engine_config
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model, cache, device)
+        self.runner = ModelRunner(model, cache, device, backend)
         self.scheduler = Scheduler(cache, engine_config.max_num_seqs,
                                    engine_config.max_num_batched_tokens)
         self.sampler = Sampler(seed=seed)  # shared generator for requests without a seed

@@ -3,22 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from hybridrt.kernels.delta_rule import slot_runs
-
-
-@dataclass(slots=True)
-class RecurrentGroup:
-    """Sequences that continue from a GDN state with the same number L of new tokens (decode:
-    L = 1; draft verification: L = 1 + k). ``rows`` are their tokens' rows in the batch."""
-
-    seqs: torch.Tensor  # [n]
-    rows: torch.Tensor  # [n, L]
-    state_slots_out: torch.Tensor | None  # [n, L] slot receiving the state after each token
-    slots: torch.Tensor  # [n] the state slot each starts from
-    slot_runs: list[tuple[int, int, int]]  # kernels.delta_rule.slot_runs(slots)
 
 
 @dataclass(slots=True)
@@ -41,10 +29,10 @@ class ForwardBatch:
     ``verify_slots``: for a verifying sequence, the slot receiving the state after each of its
     tokens; None otherwise.
 
-    Host-side copies (``query_lens``, ``context_lens``) are derived once here so that kernels do
-    not sync on device tensors. GDN routing: sequences continuing from a state with one new
-    token, or verifying drafts, take the recurrent kernel (grouped by length); all others (prompt
-    chunks) take the chunked kernel.
+    Host-side copies (``query_lens``, ``context_lens``, ``state_slot_list``, ``initial_list``)
+    come from the runner, which has them as lists (derived here, once, for a batch built
+    from tensors alone): the backend's ``prepare`` builds the step's metadata from them, so
+    that no layer reads a device tensor back. ``meta`` is that metadata, set by the model.
     """
 
     input_ids: torch.Tensor
@@ -59,9 +47,10 @@ class ForwardBatch:
     verify_slots: list[list[int] | None] | None = None
     query_lens: list[int] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)
-    recurrent_groups: list[RecurrentGroup] = field(default_factory=list)
-    chunk_seqs: list[int] = field(default_factory=list)
-    chunk_rows: torch.Tensor | None = None  # None: every token belongs to a chunked sequence
+    state_slot_list: list[int] = field(default_factory=list)
+    initial_list: list[bool] = field(default_factory=list)
+    query_starts: list[int] = field(default_factory=list)
+    meta: Any = None
 
     def __post_init__(self) -> None:
         B = self.cu_seqlens.numel() - 1
@@ -77,39 +66,21 @@ class ForwardBatch:
             self.context_lens = self.seq_lens.tolist()
         if sum(self.query_lens) != self.input_ids.numel():
             raise ValueError("cu_seqlens does not cover input_ids")
+        if not self.state_slot_list:
+            self.state_slot_list = self.state_slots.tolist()
+        if not self.initial_list:
+            self.initial_list = self.has_initial_state.tolist()
+        acc, self.query_starts = 0, []
+        for n in self.query_lens:
+            self.query_starts.append(acc)
+            acc += n
         verify = self.verify_slots or [None] * B
         if len(verify) != B:
             raise ValueError("verify_slots needs one entry per sequence")
-        init = self.has_initial_state.tolist()
-        slot_list = self.state_slots.tolist()
-        starts = self.cu_seqlens[:-1].tolist()
-        groups: dict[tuple[int, bool], list[int]] = {}
         for b in range(B):
-            n = self.query_lens[b]
-            if verify[b] is not None:
-                if len(verify[b]) != n or not init[b]:
-                    raise ValueError(f"sequence {b}: verify needs a state and one slot per token")
-                groups.setdefault((n, True), []).append(b)
-            elif n == 1 and init[b]:
-                groups.setdefault((1, False), []).append(b)
-            else:
-                self.chunk_seqs.append(b)
-        dev = self.input_ids.device
-        self.recurrent_groups = [
-            RecurrentGroup(
-                seqs=torch.tensor(bs, device=dev),
-                rows=torch.tensor([[starts[b] + t for t in range(n)] for b in bs], device=dev),
-                state_slots_out=torch.tensor([verify[b] for b in bs], device=dev) if v else None,
-                slots=torch.tensor([slot_list[b] for b in bs], device=dev),
-                slot_runs=slot_runs([slot_list[b] for b in bs]),
-            )
-            for (n, v), bs in groups.items()
-        ]
-        if self.chunk_seqs and self.recurrent_groups:
-            self.chunk_rows = torch.cat([
-                torch.arange(starts[b], starts[b] + self.query_lens[b], device=dev)
-                for b in self.chunk_seqs
-            ])
+            if verify[b] is not None and (len(verify[b]) != self.query_lens[b]
+                                          or not self.initial_list[b]):
+                raise ValueError(f"sequence {b}: verify needs a state and one slot per token")
 
     @property
     def num_seqs(self) -> int:

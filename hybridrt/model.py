@@ -9,51 +9,28 @@ mixer (causal conv1d + gated delta rule over state slots). Parameter names follo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridrt.config import ModelConfig
 from hybridrt.forward_batch import ForwardBatch
-from hybridrt.kernels import (
-    apply_partial_rope,
-    causal_conv1d_update,
-    causal_conv1d_varlen,
-    chunk_gated_delta_rule,
-    gated_rms_norm,
-    linear,
-    pack_weight,
-    paged_attention,
-    recurrent_gated_delta_rule,
-    rms_norm,
-    rope_cos_sin,
-    use_fp32_gemm,
-    write_kv,
-)
+from hybridrt.kernels import rope_cos_sin
+from hybridrt.kernels.backend import ReferenceBackend, StepMeta
 from hybridrt.statecache import CacheTensors
 
 
 class Linear(nn.Linear):
-    """nn.Linear without bias, through ``hybridrt.kernels.linear``. With half-precision weights
-    on CPU, batched calls use a repacked copy of the weight kept here after first use (16-column
-    half-precision panels for the compiled GEMM: the weights' size once more; without it an fp32
-    copy, twice that; see kernels/linear.py for why)."""
+    """nn.Linear without bias, computed by the model's backend (which may keep a repacked
+    copy of the weight on the module, or run several projections as one GEMM)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
-        self.weight_packed: torch.Tensor | None = None
+        self.backend = _REFERENCE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, _packed_copy(self, "weight_packed", x, self.weight))
+        return self.backend.linear(self, x)
 
 
-def _packed_copy(owner: nn.Module, attr: str, x: torch.Tensor, weight: torch.Tensor):
-    if not use_fp32_gemm(x, weight):
-        return None
-    cached = getattr(owner, attr)
-    if cached is None or cached.shape != weight.shape:
-        cached = pack_weight(weight)
-        setattr(owner, attr, cached)
-    return cached
+_REFERENCE = ReferenceBackend()
 
 
 class RMSNorm(nn.Module):
@@ -63,9 +40,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.backend = _REFERENCE
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """-> norm(x), or with ``residual``: (norm(residual + x), residual + x)."""
+        return self.backend.rms_norm(x, self.weight, self.eps, residual)
 
 
 class MLP(nn.Module):
@@ -74,9 +53,11 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate)
         self.up_proj = Linear(hidden, intermediate)
         self.down_proj = Linear(intermediate, hidden)
+        self.backend = _REFERENCE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.backend.project(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(self.backend.silu_mul(gate, up))
 
 
 class GatedAttention(nn.Module):
@@ -95,20 +76,18 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(H * D, hidden)
         self.q_norm = RMSNorm(D, config.rms_norm_eps)
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
+        self.backend = _REFERENCE
 
     def forward(self, x, batch: ForwardBatch, cache: CacheTensors, cos, sin):
         T = x.shape[0]
-        q, gate = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_partial_rope(self.q_norm(q), cos, sin)
-        k = apply_partial_rope(self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, -1)), cos, sin)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        k_cache = cache.key_caches[self.cache_index]
-        v_cache = cache.value_caches[self.cache_index]
-        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = paged_attention(
-            q, k_cache, v_cache, batch.cu_seqlens, batch.seq_lens, batch.block_tables,
-            self.scale, query_lens=batch.query_lens, context_lens=batch.context_lens,
-        )
+        be = self.backend
+        qg, k, v = be.project(x, (self.q_proj, self.k_proj, self.v_proj))
+        q, gate = qg.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q, k = be.qk_norm_rope(q, k.view(T, self.num_kv_heads, self.head_dim),
+                               self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        o = be.attention(batch.meta, batch, q, k, v, cache.key_caches[self.cache_index],
+                         cache.value_caches[self.cache_index], self.scale)
         o = o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(o)
 
@@ -136,58 +115,20 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.norm = _GatedNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, hidden)
+        self.backend = _REFERENCE
 
     def forward(self, x, batch: ForwardBatch, cache: CacheTensors, cos=None, sin=None):
         T = x.shape[0]
-        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
-        z = self.in_proj_z(x).view(T, self.num_v_heads, self.head_v_dim)
-        beta = torch.sigmoid(self.in_proj_b(x)).float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        conv_states = cache.conv_states[self.state_index]
-        ssm_states = cache.ssm_states[self.state_index]
-        weight = self.conv1d.weight[:, 0, :]
-        core = torch.empty(T, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
+        be = self.backend
+        mixed, z, b, a = be.project(x, (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
+                                        self.in_proj_a))
+        core = be.gdn(batch.meta, self, mixed, a, b, cache.conv_states[self.state_index],
+                      cache.ssm_states[self.state_index])
+        y = self.norm(core, z.view(T, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(y.reshape(T, self.value_dim))
 
-        for grp in batch.recurrent_groups:
-            n, L = grp.rows.shape
-            rows = grp.rows.reshape(-1)
-            whole = n * L == T  # a batch of decodes only: every row in order, no gather
-            pick = (lambda t: t) if whole else (lambda t, rows=rows: t[rows])
-            slots = grp.slots
-            m = causal_conv1d_update(pick(mixed).view(n, L, -1), weight, conv_states, slots,
-                                     state_slots_out=grp.state_slots_out)
-            q, k, v = self._split(m.reshape(n * L, -1))
-            o = recurrent_gated_delta_rule(
-                q.view(n, L, *q.shape[1:]), k.view(n, L, *k.shape[1:]),
-                v.view(n, L, *v.shape[1:]), pick(g).view(n, L, -1), pick(beta).view(n, L, -1),
-                ssm_states, slots, state_slots_out=grp.state_slots_out, runs=grp.slot_runs,
-            ).reshape(n * L, self.num_v_heads, self.head_v_dim)
-            if whole:
-                core = o
-            else:
-                core[rows] = o
-        if batch.chunk_seqs:
-            idx = batch.chunk_seqs
-            rows = batch.chunk_rows
-            lens = [batch.query_lens[b] for b in idx]
-            cu = torch.tensor([0] + lens, device=x.device).cumsum(0)
-            sel = torch.tensor(idx, device=x.device)
-            slots = batch.state_slots[sel]
-            init = batch.has_initial_state[sel]
-            part = (lambda t: t) if rows is None else (lambda t: t[rows])
-            m = causal_conv1d_varlen(part(mixed), weight, cu, conv_states, slots, init,
-                                     seq_lens=lens)
-            q, k, v = self._split(m)
-            o = chunk_gated_delta_rule(q, k, v, part(g), part(beta), cu, ssm_states, slots, init,
-                                       seq_lens=lens)
-            if rows is None:
-                core = o
-            else:
-                core[rows] = o
-        y = self.norm(core, z).reshape(T, self.value_dim)
-        return self.out_proj(y)
-
-    def _split(self, mixed: torch.Tensor):
+    def split(self, mixed: torch.Tensor):
+        """[n, conv_dim] conv output -> q, k [n, HK, DK], v [n, HV, DV] (views)."""
         n = mixed.shape[0]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         return (
@@ -202,9 +143,10 @@ class _GatedNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.backend = _REFERENCE
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(x, z, self.weight, self.eps)
+        return self.backend.gated_rms_norm(x, z, self.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):
@@ -225,9 +167,17 @@ class DecoderLayer(nn.Module):
     def mixer(self) -> nn.Module:
         return self.self_attn if self.layer_type == "full_attention" else self.linear_attn
 
-    def forward(self, h, batch, cache, cos, sin):
-        h = h + self.mixer(self.input_layernorm(h), batch, cache, cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, residual, batch, cache, cos, sin):
+        """(h, residual) -> (mlp output, residual stream before it): the residual adds are
+        fused into the next norm (``RMSNorm(x, residual)``); ``residual`` None on the first
+        layer."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        x = self.mixer(x, batch, cache, cos, sin)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class TextModel(nn.Module):
@@ -272,10 +222,24 @@ class Qwen35ForCausalLM(nn.Module):
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        self.tied_head_packed: torch.Tensor | None = None  # see Linear
         self.mtp = None
         if with_mtp and config.mtp_num_hidden_layers > 0:
             self.mtp = MTPHead(config, len(config.full_attention_layers))
+        self.backend = ReferenceBackend(config)
+
+    def set_backend(self, backend) -> None:
+        """Route every layer's kernels through ``backend`` (see hybridrt.kernels.backend)."""
+        self.backend = backend
+        for m in self.modules():
+            if "backend" in m.__dict__:
+                m.backend = backend
+        backend.bind(self)
+
+    def prepare(self, batch: ForwardBatch) -> StepMeta:
+        """The step's metadata, built by the backend once per batch."""
+        if batch.meta is None:
+            batch.meta = self.backend.prepare(batch)
+        return batch.meta
 
     @property
     def num_attention_caches(self) -> int:
@@ -292,11 +256,19 @@ class Qwen35ForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         """-> final-normed hidden states [T, hidden] for every token of the batch."""
+        self.prepare(batch)
+        out = self.backend.forward(self, batch, cache)
+        if out is not None:
+            return out
+        return self.forward_eager(batch, cache)
+
+    def forward_eager(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         h = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rope(batch.positions, h.dtype)
+        residual = None
         for layer in self.model.layers:
-            h = layer(h, batch, cache, cos, sin)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, batch, cache, cos, sin)
+        return self.model.norm(h, residual)[0]
 
     def mtp_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
                     cache: CacheTensors) -> torch.Tensor:
@@ -307,17 +279,14 @@ class Qwen35ForCausalLM(nn.Module):
         if self.mtp is None:
             raise RuntimeError("this model was loaded without its MTP head")
         m = self.mtp
+        self.prepare(batch)
         e = m.pre_fc_norm_embedding(self.model.embed_tokens(input_ids))
         x = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden)], dim=-1))
         cos, sin = self.rope(batch.positions, x.dtype)
-        x = m.layers[0](x, batch, cache, cos, sin)
-        return m.norm(x)
+        x, residual = m.layers[0](x, None, batch, cache, cos, sin)
+        return m.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows to sample) -> fp32 logits [N, vocab], rounded to
         the model's dtype first (what a half-precision LM head returns)."""
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        weight = self.model.embed_tokens.weight
-        return linear(hidden, weight,
-                      _packed_copy(self, "tied_head_packed", hidden, weight)).float()
+        return self.backend.logits(self, hidden)

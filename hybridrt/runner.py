@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hybridrt.forward_batch import ForwardBatch
+from hybridrt.kernels.backend import select_backend
 from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.scheduler import StepPlan
 from hybridrt.statecache import HybridCacheManager
@@ -35,7 +36,7 @@ def build_batch(
     computed = torch.tensor(starts, dtype=torch.long)
     cu = torch.zeros(B + 1, dtype=torch.long)
     torch.cumsum(q_lens, 0, out=cu[1:])
-    T = int(cu[-1])
+    T = len(ids)
     seq_idx = torch.repeat_interleave(torch.arange(B), q_lens)
     positions = computed[seq_idx] + torch.arange(T) - cu[:-1][seq_idx]
     width = max(len(t) for t in block_tables)
@@ -47,7 +48,8 @@ def build_batch(
     is_last = torch.zeros(T, dtype=torch.bool)
     is_last[cu[1:] - 1] = True
     rows = (want_all[seq_idx] | (want_last[seq_idx] & is_last)).nonzero().view(-1)
-    slots = torch.tensor(state_slots if state_slots is not None else [0] * B, dtype=torch.long)
+    slot_list = list(state_slots) if state_slots is not None else [0] * B
+    slots = torch.tensor(slot_list, dtype=torch.long)
     dev = torch.device(device)
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long).to(dev),
@@ -62,12 +64,15 @@ def build_batch(
         verify_slots=verify_slots,
         query_lens=q_lens_list,
         context_lens=[c + n for c, n in zip(starts, q_lens_list)],
+        state_slot_list=slot_list,
+        initial_list=[c > 0 for c in starts],
     )
 
 
 class ModelRunner:
     def __init__(self, model: Qwen35ForCausalLM, cache: HybridCacheManager,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", backend: str | None = None):
+        model.set_backend(select_backend(model.config, device, backend))
         self.model = model
         self.cache = cache
         self.device = torch.device(device)

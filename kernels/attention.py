@@ -9,6 +9,8 @@ n - q_len + i (causal within the sequence).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +37,46 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) ->
     return cache.view(-1, *cache.shape[2:])[flat]
 
 
+@dataclass(slots=True)
+class AttentionPlan:
+    """Per-step index data for ``paged_attention``, built once by ``attention_plan`` and shared
+    by every attention layer. Single-token sequences (decode) are computed together in one
+    padded batch; longer ones (prefill chunks, draft verification) one sequence at a time."""
+
+    decode_rows: torch.Tensor | None  # [b] query rows of the single-token sequences
+    decode_tables: torch.Tensor | None  # [b, M] their block tables
+    decode_len: int  # the longest of their contexts
+    decode_valid: torch.Tensor | None  # [b, decode_len] bool, None when all lengths are equal
+    prefill: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]  # (start, n, ctx, table
+    # [1, M], causal mask [n, ctx]) per longer sequence
+
+
+def attention_plan(query_lens: list[int], context_lens: list[int], block_tables: torch.Tensor,
+                   device: torch.device | str) -> AttentionPlan:
+    starts = _starts(query_lens)
+    single = [b for b, n in enumerate(query_lens) if n == 1]
+    rows = tables = valid = None
+    n_max = 0
+    if single:
+        rows = torch.tensor([starts[b] for b in single], device=device)
+        tables = block_tables if len(single) == len(query_lens) else block_tables[
+            torch.tensor(single, device=device)]
+        lens = [context_lens[b] for b in single]
+        n_max = max(lens)
+        if min(lens) < n_max:
+            valid = torch.arange(n_max, device=device)[None, :] < torch.tensor(
+                lens, device=device)[:, None]
+    prefill = []
+    for b, n in enumerate(query_lens):
+        if n <= 1:
+            continue
+        c = context_lens[b]
+        qpos = torch.arange(c - n, c, device=device)
+        mask = torch.arange(c, device=device)[None, :] <= qpos[:, None]  # [n, c]
+        prefill.append((starts[b], n, c, block_tables[b:b + 1], mask))
+    return AttentionPlan(rows, tables, n_max, valid, prefill)
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -45,38 +87,32 @@ def paged_attention(
     scale: float,
     query_lens: list[int] | None = None,
     context_lens: list[int] | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over each sequence's cached + new KV (already written).
 
     query: [T, H, D]; key_cache/value_cache: [NB, BS, HKV, D]; cu_seqlens_q: [B+1];
     seq_lens: [B] context length including this step's tokens; block_tables: [B, M].
-    ``query_lens``/``context_lens`` are optional host-side copies. Returns [T, H, D].
-    Single-token sequences (decode) are computed together in one padded batch; longer ones
-    (prefill chunks, draft verification) one sequence at a time. The math runs in fp32 (the
-    output is rounded to the query's dtype): CPU SDPA on bf16 inputs was measured 5x slower
-    (2.17 vs 0.43 ms for 32 decode queries over 21 positions, 8 heads of 256).
+    ``query_lens``/``context_lens`` are optional host-side copies; ``plan``: the step's
+    ``attention_plan`` (built here when not given). Returns [T, H, D]. The math runs in fp32
+    (the output is rounded to the query's dtype): see docs/performance.md for why.
     """
     H, HKV = query.shape[1], key_cache.shape[2]
     if H % HKV:
         raise ValueError(f"query heads ({H}) must be a multiple of kv heads ({HKV})")
-    qlens = (
-        query_lens if query_lens is not None else (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
-    )
-    ctx = context_lens if context_lens is not None else seq_lens.tolist()
+    if plan is None:
+        qlens = query_lens if query_lens is not None else (
+            cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+        ctx = context_lens if context_lens is not None else seq_lens.tolist()
+        plan = attention_plan(qlens, ctx, block_tables, query.device)
     out = torch.empty_like(query)
-    starts = cu_seqlens_q[:-1].tolist() if query_lens is None else _starts(qlens)
-
-    single = [b for b, n in enumerate(qlens) if n == 1]
-    if single:
-        idx = torch.tensor(single, device=query.device)
-        rows = torch.tensor([starts[b] for b in single], device=query.device)
-        n_max = max(ctx[b] for b in single)
-        k = _gather(key_cache, block_tables[idx], n_max).float()  # [b, n, HKV, D]
-        v = _gather(value_cache, block_tables[idx], n_max).float()
+    if plan.decode_rows is not None:
+        rows = plan.decode_rows
+        k = _gather(key_cache, plan.decode_tables, plan.decode_len).float()  # [b, n, HKV, D]
+        v = _gather(value_cache, plan.decode_tables, plan.decode_len).float()
         mask = None
-        if min(ctx[b] for b in single) < n_max:
-            lens = seq_lens[idx] if len(single) < len(qlens) else seq_lens
-            valid = torch.arange(n_max, device=query.device)[None, :] < lens[:, None]  # [b, n]
+        if plan.decode_valid is not None:
+            valid = plan.decode_valid
             # Padding past a sequence's length may hold anything (other requests' blocks, stale
             # or non-finite values): zero it, since a masked weight of 0 times NaN is still NaN.
             k.masked_fill_(~valid[:, :, None, None], 0)
@@ -89,19 +125,14 @@ def paged_attention(
         )
         out[rows] = o[:, :, 0, :].to(out.dtype)
 
-    for b, n in enumerate(qlens):
-        if n <= 1:
-            continue
-        c = ctx[b]
-        k = _gather(key_cache, block_tables[b:b + 1], c)[0].float().transpose(0, 1)  # [HKV, c, D]
-        v = _gather(value_cache, block_tables[b:b + 1], c)[0].float().transpose(0, 1)
-        q = query[starts[b]:starts[b] + n].float().transpose(0, 1)  # [H, n, D]
-        qpos = torch.arange(c - n, c, device=query.device)
-        mask = torch.arange(c, device=query.device)[None, :] <= qpos[:, None]  # [n, c]
+    for start, n, c, table, mask in plan.prefill:
+        k = _gather(key_cache, table, c)[0].float().transpose(0, 1)  # [HKV, c, D]
+        v = _gather(value_cache, table, c)[0].float().transpose(0, 1)
+        q = query[start:start + n].float().transpose(0, 1)  # [H, n, D]
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != HKV,
         )
-        out[starts[b]:starts[b] + n] = o.transpose(0, 1).to(out.dtype)
+        out[start:start + n] = o.transpose(0, 1).to(out.dtype)
     return out
 
 

@@ -8,6 +8,8 @@ channel-major ``[C, K-1]`` layout every update was a strided copy of 3-element r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,7 @@ def causal_conv1d_varlen(
     has_initial_state: torch.Tensor,
     activation: str | None = "silu",
     seq_lens: list[int] | None = None,
+    plan: ConvPlan | None = None,
 ) -> torch.Tensor:
     """Causal conv over a packed batch of sequences (prefill / chunked prefill).
 
@@ -28,12 +31,16 @@ def causal_conv1d_varlen(
     state_slots: [B] rows of ``conv_states`` owned by each sequence; has_initial_state: [B]
     bool (False: start from zeros). Returns [T, C]. The last K-1 inputs of each sequence
     (including older state when the sequence is shorter than K-1) are written back to its slot;
-    slots not named are untouched.
+    slots not named are untouched. ``plan``: ``conv_plan(lens, K, device)`` when the caller has
+    it (one per step, shared by every layer).
     """
     _check_conv(x, weight, conv_states)
     C, K = weight.shape
-    lens = seq_lens if seq_lens is not None else (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    B, dev = len(lens), x.device
+    if plan is None:
+        lens = seq_lens if seq_lens is not None else (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        plan = conv_plan(lens, K, x.device)
+    lens = plan.lens
+    B = len(lens)
     prev = conv_states.index_select(0, state_slots).to(x.dtype)  # [B, K-1, C]
     prev = torch.where(has_initial_state.view(B, 1, 1), prev, 0.0)  # NaN-safe zeros
     # every sequence's window (K-1 history rows, then its tokens) back to back: one pass of K
@@ -48,15 +55,32 @@ def causal_conv1d_varlen(
     y = windows[0:M] * taps[0]
     for j in range(1, K):
         y.addcmul_(windows[j:j + M], taps[j])
-    # output row r of the passes is the token at window row r + K-1, i.e. packed token i of
-    # sequence b sits at r = i + b (K-1); a window's last K-1 rows are the new state
-    n = torch.tensor(lens, device=dev)
-    seq = torch.repeat_interleave(torch.arange(B, device=dev), n, output_size=x.shape[0])
-    out = y[torch.arange(x.shape[0], device=dev) + (K - 1) * seq]
-    ends = n.cumsum(0) + (K - 1) * torch.arange(1, B + 1, device=dev)  # one past each window
-    new_state = windows[ends[:, None] - (K - 1) + torch.arange(K - 1, device=dev)]
+    out = y[plan.out_rows]
+    new_state = windows[plan.state_rows]
     conv_states.index_copy_(0, state_slots, new_state.to(conv_states.dtype))
     return _act(out, activation).to(x.dtype)
+
+
+@dataclass(slots=True)
+class ConvPlan:
+    """Row indices for ``causal_conv1d_varlen`` over one batch's sequence lengths."""
+
+    lens: list[int]
+    out_rows: torch.Tensor  # [T] window row of each packed token's output
+    state_rows: torch.Tensor  # [B, K-1] window rows that become each sequence's new state
+
+
+def conv_plan(lens: list[int], K: int, device: torch.device | str) -> ConvPlan:
+    # every sequence's window is its K-1 history rows, then its tokens, back to back: output
+    # row r of the K passes belongs to the token at window row r + K-1, so packed token i of
+    # sequence b is row i + b (K-1); a window's last K-1 rows are the new state
+    out_rows, state_rows, end = [], [], 0
+    for b, n in enumerate(lens):
+        out_rows.extend(range(end, end + n))
+        end += n + K - 1
+        state_rows.append(list(range(end - (K - 1), end)))
+    return ConvPlan(lens, torch.tensor(out_rows, dtype=torch.long, device=device),
+                    torch.tensor(state_rows, dtype=torch.long, device=device).view(len(lens), K - 1))
 
 
 def causal_conv1d_update(

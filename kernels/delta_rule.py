@@ -14,9 +14,10 @@ that both are tested against.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from . import native
 from .norm import l2_norm
 
 
@@ -110,22 +111,63 @@ def chunk_gated_delta_rule(
     has_initial_state: torch.Tensor,
     chunk_size: int = 64,
     seq_lens: list[int] | None = None,
+    plan: list[ChunkGroup] | None = None,
 ) -> torch.Tensor:
     """Chunked gated delta rule over a packed batch.
 
     q, k: [T, HK, DK]; v: [T, HV, DV]; g (log decay, <= 0), beta: [T, HV]; cu_seqlens: [B+1];
     states: [S, HV, DK, DV] fp32 slot pool; state_slots: [B]; has_initial_state: [B] bool.
     Returns o: [T, HV, DV] in v's dtype. Each sequence starts from its slot (or zeros) and its
-    final state is written back to that slot; other slots are untouched.
+    final state is written back to that slot; other slots are untouched. ``plan``:
+    ``chunk_plan(...)`` of this batch when the caller has it (built from host copies here
+    otherwise).
     """
     _check(q, k, v, g, beta, states)
-    lens = seq_lens if seq_lens is not None else (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    if plan is None:
+        lens = seq_lens if seq_lens is not None else (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        plan = chunk_plan(lens, state_slots.tolist(), has_initial_state.tolist(), v.device,
+                          chunk_size)
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
     T, H = vf.shape[:2]
     DK, DV = qf.shape[-1], vf.shape[-1]
-    dev = v.device
-    # sequences with the same chunk size and chunk count run as one batch of (sequence, head)
-    # pairs; each is zero-padded to whole chunks (g = 0, beta = 0, k = 0: state unchanged)
+    zq, zk, zv = (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (qf, kf, vf))
+    zg, zb = (torch.cat([x, x.new_zeros(1, H)]) for x in (gf, bf))
+    out = torch.empty(T + 1, H, DV, dtype=torch.float32, device=v.device)
+    for grp in plan:
+        G, Tp = grp.slots.numel(), grp.num_chunks * grp.chunk_size
+        idx = grp.rows
+        # [T+1, H, ...] -> [G*H, Tp, ...]
+        qh, kh, vh, gh, bh = (x[idx].transpose(1, 2).reshape(G * H, Tp, *x.shape[2:])
+                              for x in (zq, zk, zv, zg, zb))
+        s0 = None  # all new prompts: no state to read
+        if grp.any_initial:
+            s0 = states.index_select(0, grp.slots)
+            s0 = torch.where(grp.has_initial_state.view(G, 1, 1, 1), s0, 0.0)  # NaN-safe
+            s0 = s0.view(G * H, DK, DV)
+        o, s1 = _chunk_one(qh, kh, vh, gh, bh, s0, grp.chunk_size)
+        out[idx] = o.view(G, H, Tp, DV).transpose(1, 2)  # padding rows all land on row T
+        states.index_copy_(0, grp.slots, s1.view(G, H, DK, DV))
+    return out[:T].to(v.dtype)
+
+
+@dataclass(slots=True)
+class ChunkGroup:
+    """Sequences of one ``chunk_gated_delta_rule`` call that run as one batch: the same chunk
+    size and chunk count. ``rows`` [G, N * C]: each one's packed token rows, padded with row
+    T (a zero row: g = 0, beta = 0, k = 0 leave the state unchanged)."""
+
+    chunk_size: int
+    num_chunks: int
+    rows: torch.Tensor
+    slots: torch.Tensor  # [G]
+    has_initial_state: torch.Tensor  # [G] bool
+    any_initial: bool
+
+
+def chunk_plan(lens: list[int], state_slots: list[int], has_initial_state: list[bool],
+               device: torch.device | str, chunk_size: int = 64) -> list[ChunkGroup]:
+    """Group the sequences of a packed batch (host lists, one entry per sequence) for
+    ``chunk_gated_delta_rule``: built once per step and shared by every GDN layer."""
     groups: dict[tuple[int, int], list[int]] = {}
     for b, n in enumerate(lens):
         if n:
@@ -134,29 +176,17 @@ def chunk_gated_delta_rule(
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
-    zq, zk, zv = (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (qf, kf, vf))
-    zg, zb = (torch.cat([x, x.new_zeros(1, H)]) for x in (gf, bf))
-    out = torch.empty(T + 1, H, DV, dtype=torch.float32, device=dev)
+    T = starts[-1]
+    plan = []
     for (C, N), bs in groups.items():
-        G, Tp = len(bs), N * C
-        first = torch.tensor([starts[b] for b in bs], device=dev)[:, None]
-        n_real = torch.tensor([lens[b] for b in bs], device=dev)[:, None]
-        pos = torch.arange(Tp, device=dev)
-        idx = torch.where(pos < n_real, first + pos, T)  # [G, Tp]; T: the zero row
-
-        # [T+1, H, ...] -> [G*H, Tp, ...]
-        qh, kh, vh, gh, bh = (x[idx].transpose(1, 2).reshape(G * H, Tp, *x.shape[2:])
-                              for x in (zq, zk, zv, zg, zb))
-        slots = state_slots[bs]
-        init = has_initial_state[bs]
-        s0 = None  # all new prompts: no state to read
-        if bool(init.any()):
-            s0 = states.index_select(0, slots)
-            s0 = torch.where(init.view(G, 1, 1, 1), s0, 0.0).view(G * H, DK, DV)  # NaN-safe
-        o, s1 = _chunk_one(qh, kh, vh, gh, bh, s0, C)
-        out[idx] = o.view(G, H, Tp, DV).transpose(1, 2)  # padding rows all land on row T
-        states.index_copy_(0, slots, s1.view(G, H, DK, DV))
-    return out[:T].to(v.dtype)
+        rows = [[starts[b] + t if t < lens[b] else T for t in range(N * C)] for b in bs]
+        init = [bool(has_initial_state[b]) for b in bs]
+        plan.append(ChunkGroup(
+            C, N, torch.tensor(rows, device=device),
+            torch.tensor([state_slots[b] for b in bs], device=device),
+            torch.tensor(init, device=device), any(init),
+        ))
+    return plan
 
 
 def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
@@ -182,6 +212,7 @@ def recurrent_gated_delta_rule(
     state_slots: torch.Tensor,
     state_slots_out: torch.Tensor | None = None,
     runs: list[tuple[int, int, int]] | None = None,
+    step=None,
 ) -> torch.Tensor:
     """Token-by-token gated delta rule for L tokens of each of B sequences (decode: L = 1).
 
@@ -191,12 +222,15 @@ def recurrent_gated_delta_rule(
     the state after token t is written to ``state_slots_out[b, t]`` (draft verification keeps
     every intermediate state so it can continue from the last accepted one without recompute).
     ``runs``: ``slot_runs(state_slots)`` when the caller has it (computed here otherwise).
+    ``step``: a kernel for one token per sequence, updating ``pool[slots]`` in place
+    (``step(pool, slots, q, k, v, decay, beta) -> o [B, H, DV]`` or None to fall back); the
+    CPU backend passes its compiled one. Default: the torch ops.
     Returns o: [B, L, HV, DV] in v's dtype.
 
     Decode (L = 1, no ``state_slots_out``) updates the states in place in the pool, with no
     gather or scatter copies: the state pool is the largest thing a decode step touches (1 MB
-    per slot and layer at the 0.8B shape). The native kernel (kernels/native.py) indexes the
-    slots itself; the torch ops work on one slice of the pool per run of consecutive slots.
+    per slot and layer at the 0.8B shape). A ``step`` kernel indexes the slots itself; the
+    torch ops work on one slice of the pool per run of consecutive slots.
     Verification gathers its B states once and writes each token's copies.
     """
     _check(q, k, v, g, beta, states)
@@ -210,7 +244,8 @@ def recurrent_gated_delta_rule(
             r = runs if runs is not None else slot_runs(state_slots.tolist())
             return [(slice(b0 * H, (b0 + n) * H), states[s0:s0 + n].view(n * H, DK, DV))
                     for b0, s0, n in r]
-        o = _step(qf[:, 0], kf[:, 0], vf[:, 0], gf[:, 0], bf[:, 0], states, state_slots, views)
+        o = _step(qf[:, 0], kf[:, 0], vf[:, 0], gf[:, 0], bf[:, 0], states, state_slots, views,
+                  step)
         return o.unsqueeze(1).to(v.dtype)
     S = states.index_select(0, state_slots)  # [B, H, DK, DV], updated in place below
     own = torch.arange(B, device=S.device)
@@ -218,7 +253,7 @@ def recurrent_gated_delta_rule(
     out = torch.empty(B, L, H, DV, dtype=torch.float32, device=v.device)
     for t in range(L):
         out[:, t] = _step(qf[:, t], kf[:, t], vf[:, t], gf[:, t], bf[:, t], S, own,
-                          lambda: whole)
+                          lambda: whole, step)
         if state_slots_out is not None:
             states.index_copy_(0, state_slots_out[:, t], S.view(B, H, DK, DV))
     if state_slots_out is None:
@@ -226,11 +261,11 @@ def recurrent_gated_delta_rule(
     return out.to(v.dtype)
 
 
-def _step(q, k, v, g, beta, pool, slots, views):
-    """One token per sequence from ``pool[slots]``, updated in place: the native kernel when
-    it is built (kernels/native.py), else the torch ops over ``views()``, views of the same
-    states (made only then)."""
-    o = native.gdn_decode_step(pool, slots, q, k, v, g.exp(), beta)
+def _step(q, k, v, g, beta, pool, slots, views, step=None):
+    """One token per sequence from ``pool[slots]``, updated in place: ``step`` when given and
+    it runs here, else the torch ops over ``views()``, views of the same states (made only
+    then)."""
+    o = None if step is None else step(pool, slots, q, k, v, g.exp(), beta)
     return o if o is not None else _step_in_place(q, k, v, g, beta, views())
 
 

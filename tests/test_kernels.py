@@ -212,10 +212,10 @@ def _require_native() -> None:
 @pytest.fixture(params=["native", "torch"])
 def decode_impl(request, monkeypatch):
     """Run a test with the compiled decode kernel and with the torch ops it replaces."""
-    monkeypatch.setenv("HYBRIDRT_NATIVE", "1" if request.param == "native" else "0")
     if request.param == "native":
         _require_native()
-    return request.param
+        return native.gdn_decode_step
+    return None
 
 
 def test_native_decode_step_equals_torch_ops():
@@ -246,11 +246,11 @@ def test_recurrent_decode_in_place_over_slot_runs(slots, decode_impl):
     pool = state_pool(11, HV, DK, DV, seed=17)
     got = pool.clone()
     o = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None],
-                                   beta[:, None], got, torch.tensor(slots))
+                                   beta[:, None], got, torch.tensor(slots), step=decode_impl)
     given = pool.clone()
     o_given = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None],
                                          beta[:, None], given, torch.tensor(slots),
-                                         runs=slot_runs(slots))
+                                         runs=slot_runs(slots), step=decode_impl)
     assert torch.equal(o, o_given) and torch.equal(got, given)
     for b, slot in enumerate(slots):
         o_ref, s_ref = naive_gated_delta_rule(q[b:b + 1], k[b:b + 1], v[b:b + 1], g[b:b + 1],
@@ -273,7 +273,8 @@ def test_recurrent_state_slots_out_matches_stepping(decode_impl):
     # sequence 0 writes its last state back into its own input slot
     out_slots = torch.tensor([[3, 4, 5, 1], [6, 7, 8, 9]])
     got = pool.clone()
-    o = recurrent_gated_delta_rule(q, k, v, g, beta, got, slots, state_slots_out=out_slots)
+    o = recurrent_gated_delta_rule(q, k, v, g, beta, got, slots, state_slots_out=out_slots,
+                                   step=decode_impl)
 
     step_pool = pool.clone()
     for t in range(L):

@@ -155,8 +155,9 @@ def test_mixed_batch_mixed_k_chunked_prefill(ckpt, prompts, reference, rounds):
 
     def spy(plan):
         batch = prepare(plan)
-        kinds.append({"verify" if g.state_slots_out is not None else "decode"
-                      for g in batch.recurrent_groups} | ({"chunk"} if batch.chunk_seqs else set()))
+        gdn = eng.model.prepare(batch).gdn
+        kinds.append({"verify" if g.slots_out is not None else "decode" for g in gdn.groups}
+                     | ({"chunk"} if gdn.chunked is not None else set()))
         return batch
 
     eng.runner.prepare = spy

@@ -1,0 +1,300 @@
+"""Kernel backends: the one place that decides which kernel runs.
+
+A backend is chosen once, when the engine starts (``select_backend``), and bound to the model
+(``Qwen35ForCausalLM.set_backend``). Each step the model asks it to ``prepare`` the batch:
+every piece of per-step metadata (decode rows, prefill chunk groups, slot indices, per-position
+verify slots, block tables, sequence lengths) is built there, once, from the host-side lists
+the runner already has. The layers then call the backend with that metadata and only index
+into it: no layer converts a tensor to Python or decides on a kernel.
+
+| backend | attention | GDN mixer | linear, norms |
+| --- | --- | --- | --- |
+| ``ReferenceBackend`` | plain torch | plain torch | plain torch (the definition of correct) |
+| ``CPUBackend`` | plain torch | compiled decode step (``kernels/csrc``) where it built | compiled half GEMV/GEMM on repacked weights |
+| ``CudaBackend`` (``kernels/cuda/backend.py``) | Triton paged decode/verify, SDPA prefill | Triton decode/verify over the slot pool, fla chunked prefill | cuBLAS, Triton fused norms; CUDA graphs |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import native
+from .attention import AttentionPlan, attention_plan, paged_attention, write_kv
+from .conv import ConvPlan, causal_conv1d_update, causal_conv1d_varlen, conv_plan
+from .delta_rule import (
+    ChunkGroup,
+    chunk_gated_delta_rule,
+    chunk_plan,
+    recurrent_gated_delta_rule,
+    slot_runs,
+)
+from .linear import linear as cpu_linear
+from .linear import use_fp32_gemm, pack_weight
+from .norm import gated_rms_norm, rms_norm
+from .rope import apply_partial_rope
+
+
+@dataclass(slots=True)
+class RecurrentGroup:
+    """Sequences that continue from a GDN state with the same number L of new tokens (decode:
+    L = 1; draft verification: L = 1 + k)."""
+
+    rows: torch.Tensor | None  # [n * L] their tokens' rows in the batch; None: the whole batch
+    num_seqs: int
+    num_tokens_per_seq: int
+    slots: torch.Tensor  # [n] the state slot each starts from
+    slots_out: torch.Tensor | None  # [n, L] slot receiving the state after each token
+    runs: list[tuple[int, int, int]]  # slot_runs(slots), for in-place updates over slices
+
+
+@dataclass(slots=True)
+class ChunkedSeqs:
+    """Sequences that run the chunked (prefill) kernels: prompt chunks."""
+
+    rows: torch.Tensor | None  # [t] their tokens' rows; None: the whole batch
+    cu_seqlens: torch.Tensor  # [n + 1]
+    lens: list[int]
+    slots: torch.Tensor  # [n]
+    has_initial_state: torch.Tensor  # [n] bool
+    conv: ConvPlan | None = None
+    delta: list[ChunkGroup] | None = None
+
+
+@dataclass(slots=True)
+class GDNMeta:
+    groups: list[RecurrentGroup]
+    chunked: ChunkedSeqs | None
+
+
+@dataclass(slots=True)
+class StepMeta:
+    """Everything a model step's layers need beyond the tensors of the batch."""
+
+    attention: Any
+    gdn: GDNMeta
+    num_tokens: int
+
+
+def gdn_split(batch, device, with_plans: bool, kernel_size: int) -> GDNMeta:
+    """Route each sequence of ``batch`` (its host lists) to the recurrent kernel (one new token
+    from a state, or draft verification, grouped by length) or the chunked one (prompts)."""
+    B = batch.num_seqs
+    starts = batch.query_starts
+    verify = batch.verify_slots or [None] * B
+    init, slot_list = batch.initial_list, batch.state_slot_list
+    groups: dict[tuple[int, bool], list[int]] = {}
+    chunk = []
+    for b in range(B):
+        n = batch.query_lens[b]
+        if verify[b] is not None:
+            groups.setdefault((n, True), []).append(b)
+        elif n == 1 and init[b]:
+            groups.setdefault((1, False), []).append(b)
+        else:
+            chunk.append(b)
+    T = batch.num_tokens
+    rec = []
+    for (n, v), bs in groups.items():
+        whole = len(bs) * n == T
+        rows = None if whole else torch.tensor(
+            [starts[b] + t for b in bs for t in range(n)], device=device)
+        slots = [slot_list[b] for b in bs]
+        rec.append(RecurrentGroup(
+            rows, len(bs), n, torch.tensor(slots, device=device),
+            torch.tensor([verify[b] for b in bs], device=device) if v else None,
+            slot_runs(slots),
+        ))
+    chunked = None
+    if chunk:
+        lens = [batch.query_lens[b] for b in chunk]
+        rows = None
+        if rec:
+            rows = torch.tensor([starts[b] + t for b in chunk for t in range(batch.query_lens[b])],
+                                device=device)
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        slots = [slot_list[b] for b in chunk]
+        inits = [bool(init[b]) for b in chunk]
+        chunked = ChunkedSeqs(
+            rows, torch.tensor(cu, device=device), lens, torch.tensor(slots, device=device),
+            torch.tensor(inits, device=device),
+        )
+        if with_plans:
+            chunked.conv = conv_plan(lens, kernel_size, device)
+            chunked.delta = chunk_plan(lens, slots, inits, device)
+    return GDNMeta(rec, chunked)
+
+
+class ReferenceBackend:
+    """Plain torch everywhere: the definition of correct that other backends are tested
+    against. Runs on any device torch runs on."""
+
+    name = "reference"
+
+    def __init__(self, config=None, device: torch.device | str = "cpu"):
+        self.config = config
+        self.device = torch.device(device)
+
+    # Binding ------------------------------------------------------------------------------
+    def bind(self, model: torch.nn.Module) -> None:
+        """Called once by ``set_backend``: prepare weights for this backend's kernels."""
+
+    # Per step -----------------------------------------------------------------------------
+    def prepare(self, batch) -> StepMeta:
+        dev = batch.input_ids.device
+        K = self.config.linear_conv_kernel_dim if self.config is not None else 4
+        attn = attention_plan(batch.query_lens, batch.context_lens, batch.block_tables, dev)
+        return StepMeta(attn, gdn_split(batch, dev, True, K), batch.num_tokens)
+
+    # Linear layers and elementwise ops ----------------------------------------------------
+    def linear(self, module, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, module.weight)
+
+    def project(self, x: torch.Tensor, modules) -> list[torch.Tensor]:
+        """Several projections of the same input (a backend may run them as one GEMM)."""
+        return [self.linear(m, x) for m in modules]
+
+    def logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
+        return self.linear(head, hidden).float()
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        """Zero-centred RMSNorm; with ``residual``: (norm(residual + x), residual + x)."""
+        if residual is None:
+            return rms_norm(x, weight, eps)
+        r = residual + x
+        return rms_norm(r, weight, eps), r
+
+    def gated_rms_norm(self, x, z, weight, eps):
+        return gated_rms_norm(x, z, weight, eps)
+
+    def silu_mul(self, gate, up):
+        return F.silu(gate) * up
+
+    def qk_norm_rope(self, q, k, q_weight, k_weight, eps, cos, sin):
+        return (apply_partial_rope(rms_norm(q, q_weight, eps), cos, sin),
+                apply_partial_rope(rms_norm(k, k_weight, eps), cos, sin))
+
+    # Mixers -------------------------------------------------------------------------------
+    def attention(self, meta: StepMeta, batch, q, k, v, key_cache, value_cache, scale):
+        """Write this step's K/V into the paged cache, then causal attention of ``q`` over
+        each sequence's blocks -> [T, H, D]."""
+        write_kv(k, v, key_cache, value_cache, batch.slot_mapping)
+        return paged_attention(q, key_cache, value_cache, batch.cu_seqlens, batch.seq_lens,
+                               batch.block_tables, scale, plan=meta.attention)
+
+    def gdn(self, meta: StepMeta, layer, mixed, a, b, conv_states, ssm_states):
+        """Conv + gated delta rule of one GDN layer over its state slots.
+
+        mixed: [T, conv_dim] (q | k | v channels), a, b: [T, HV] raw projections ->
+        core [T, HV, DV]."""
+        T = mixed.shape[0]
+        g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
+        beta = torch.sigmoid(b).float()
+        weight = layer.conv1d.weight[:, 0, :]
+        core = None
+        gm: GDNMeta = meta.gdn
+        for grp in gm.groups:
+            n, L = grp.num_seqs, grp.num_tokens_per_seq
+            pick = (lambda t: t) if grp.rows is None else (lambda t, r=grp.rows: t[r])
+            m = causal_conv1d_update(pick(mixed).view(n, L, -1), weight, conv_states, grp.slots,
+                                     state_slots_out=grp.slots_out)
+            q, k, v = layer.split(m.reshape(n * L, -1))
+            o = recurrent_gated_delta_rule(
+                q.view(n, L, *q.shape[1:]), k.view(n, L, *k.shape[1:]),
+                v.view(n, L, *v.shape[1:]), pick(g).view(n, L, -1), pick(beta).view(n, L, -1),
+                ssm_states, grp.slots, state_slots_out=grp.slots_out, runs=grp.runs,
+                step=self._decode_step(),
+            ).reshape(n * L, *v.shape[1:])
+            if grp.rows is None:
+                core = o
+            else:
+                if core is None:
+                    core = o.new_empty(T, *o.shape[1:])
+                core[grp.rows] = o
+        c = gm.chunked
+        if c is not None:
+            part = (lambda t: t) if c.rows is None else (lambda t: t[c.rows])
+            m = causal_conv1d_varlen(part(mixed), weight, c.cu_seqlens, conv_states, c.slots,
+                                     c.has_initial_state, plan=c.conv)
+            q, k, v = layer.split(m)
+            o = chunk_gated_delta_rule(q, k, v, part(g), part(beta), c.cu_seqlens, ssm_states,
+                                       c.slots, c.has_initial_state, plan=c.delta)
+            if c.rows is None:
+                core = o
+            else:
+                if core is None:
+                    core = o.new_empty(T, *o.shape[1:])
+                core[c.rows] = o
+        return core
+
+    def _decode_step(self):
+        return None
+
+    # Whole steps (CUDA graphs) ------------------------------------------------------------
+    def forward(self, model, batch, cache) -> torch.Tensor | None:
+        """Run a whole model step another way (a captured graph) -> hidden, or None to let
+        the model run eagerly."""
+        return None
+
+
+class CPUBackend(ReferenceBackend):
+    """The CPU path: the compiled GDN decode step and half-precision GEMV/GEMM
+    (``kernels/csrc``, built at first use for this CPU's features, see ``kernels/native.py``)
+    where they built; the reference ops otherwise."""
+
+    name = "cpu"
+
+    def __init__(self, config=None, device: torch.device | str = "cpu"):
+        super().__init__(config, device)
+        self.native = native.load() is not None
+
+    def linear(self, module, x: torch.Tensor) -> torch.Tensor:
+        return cpu_linear(x, module.weight, self._packed(module, x))
+
+    def logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        # cpu_linear already rounds the fp32 product to the model's dtype (what a half LM head
+        # returns)
+        head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
+        return self.linear(head, hidden).float()
+
+    @staticmethod
+    def _packed(module, x: torch.Tensor):
+        """The weight's repacked copy for the batched CPU GEMM, made at first use and kept on
+        the module (see kernels/linear.py)."""
+        weight = module.weight
+        if not use_fp32_gemm(x, weight):
+            return None
+        cached = getattr(module, "weight_packed", None)
+        if cached is None or cached.shape != weight.shape:
+            cached = pack_weight(weight)
+            module.weight_packed = cached
+        return cached
+
+    def _decode_step(self):
+        return native.gdn_decode_step if self.native else None
+
+
+def select_backend(config, device: torch.device | str = "cpu", name: str | None = None):
+    """The backend for ``device``: "cpu" -> CPUBackend, "cuda" -> CudaBackend; ``name``
+    forces one ("reference", "cpu", "cuda", or "triton": the CUDA backend's kernels without
+    CUDA graphs, which also runs on CPU tensors under ``TRITON_INTERPRET=1``)."""
+    device = torch.device(device)
+    if name is None:
+        name = "cuda" if device.type == "cuda" else "cpu"
+    if name == "reference":
+        return ReferenceBackend(config, device)
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"the cpu backend runs on the CPU, not {device}")
+        return CPUBackend(config, device)
+    if name in ("cuda", "triton"):
+        from .cuda.backend import CudaBackend
+
+        return CudaBackend(config, device, graphs=name == "cuda")
+    raise ValueError(f"unknown backend {name!r}: use reference, cpu, cuda or triton")
