@@ -79,6 +79,7 @@ class LLM:
         tokenizer: Any = "auto",
         device: str | torch.device = "cpu",
         speculative_tokens: int = 0,
+        backend: str | None = None,
     ):
         if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or (
             speculative_tokens < 0
@@ -127,7 +128,7 @@ class LLM:
         self.tokenizer = self._load_tokenizer(tokenizer)
         self.engine = LLMEngine(self.model, self.config, cache, engine_config, self.tokenizer,
                                 seed=seed, device=self.device,
-                                speculative_tokens=speculative_tokens)
+                                speculative_tokens=speculative_tokens, backend=backend)
 
     # Set-up ------------------------------------------------------------------------------
     def _load_tokenizer(self, tokenizer: Any):

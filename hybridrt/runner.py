@@ -72,7 +72,9 @@ def build_batch(
 class ModelRunner:
     def __init__(self, model: Qwen35ForCausalLM, cache: HybridCacheManager,
                  device: torch.device | str = "cpu", backend: str | None = None):
-        model.set_backend(select_backend(model.config, device, backend))
+        self.backend = select_backend(model.config, device, backend)
+        model.set_backend(self.backend)
+        self.backend.attach(cache)
         self.model = model
         self.cache = cache
         self.device = torch.device(device)

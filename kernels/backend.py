@@ -60,6 +60,7 @@ class ChunkedSeqs:
     lens: list[int]
     slots: torch.Tensor  # [n]
     has_initial_state: torch.Tensor  # [n] bool
+    cu_seqlens_cpu: torch.Tensor  # [n + 1], a host copy (fla takes it to avoid a sync)
     conv: ConvPlan | None = None
     delta: list[ChunkGroup] | None = None
 
@@ -120,9 +121,10 @@ def gdn_split(batch, device, with_plans: bool, kernel_size: int) -> GDNMeta:
             cu.append(cu[-1] + n)
         slots = [slot_list[b] for b in chunk]
         inits = [bool(init[b]) for b in chunk]
+        cu_cpu = torch.tensor(cu)
         chunked = ChunkedSeqs(
-            rows, torch.tensor(cu, device=device), lens, torch.tensor(slots, device=device),
-            torch.tensor(inits, device=device),
+            rows, cu_cpu.to(device), lens, torch.tensor(slots, device=device),
+            torch.tensor(inits, device=device), cu_cpu,
         )
         if with_plans:
             chunked.conv = conv_plan(lens, kernel_size, device)
@@ -143,6 +145,9 @@ class ReferenceBackend:
     # Binding ------------------------------------------------------------------------------
     def bind(self, model: torch.nn.Module) -> None:
         """Called once by ``set_backend``: prepare weights for this backend's kernels."""
+
+    def attach(self, cache) -> None:
+        """Called once by the runner with the engine's cache manager (sizes, pools)."""
 
     # Per step -----------------------------------------------------------------------------
     def prepare(self, batch) -> StepMeta:
@@ -253,6 +258,19 @@ class CPUBackend(ReferenceBackend):
     def __init__(self, config=None, device: torch.device | str = "cpu"):
         super().__init__(config, device)
         self.native = native.load() is not None
+        self.num_slots: int | None = None
+
+    def attach(self, cache) -> None:
+        self.num_slots = cache.tensors.num_slots
+
+    def prepare(self, batch) -> StepMeta:
+        meta = super().prepare(batch)
+        if self.num_slots is not None:  # the compiled step indexes the pool unchecked
+            slots = [s for v in (batch.verify_slots or ()) if v for s in v]
+            slots += batch.state_slot_list
+            if slots and not 0 <= min(slots) <= max(slots) < self.num_slots:
+                raise IndexError(f"state slots out of range [0, {self.num_slots})")
+        return meta
 
     def linear(self, module, x: torch.Tensor) -> torch.Tensor:
         return cpu_linear(x, module.weight, self._packed(module, x))
@@ -277,7 +295,13 @@ class CPUBackend(ReferenceBackend):
         return cached
 
     def _decode_step(self):
-        return native.gdn_decode_step if self.native else None
+        if not self.native:
+            return None
+        return _checked_step if self.num_slots is not None else native.gdn_decode_step
+
+
+def _checked_step(*args):
+    return native.gdn_decode_step(*args, checked=True)
 
 
 def select_backend(config, device: torch.device | str = "cpu", name: str | None = None):

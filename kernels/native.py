@@ -118,9 +118,11 @@ def load() -> ctypes.CDLL | None:
 
 def gdn_decode_step(states: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
                     k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
-                    beta: torch.Tensor) -> torch.Tensor | None:
+                    beta: torch.Tensor, checked: bool = False) -> torch.Tensor | None:
     """In-place decode step over ``states`` [S, H, DK, DV] (see csrc/gdn_decode.c) -> o
-    [B, H, DV], or None when the native kernel is not available for these tensors."""
+    [B, H, DV], or None when the native kernel is not available for these tensors.
+    ``checked``: the caller has already checked that every slot is inside the pool (the CPU
+    backend does, once per step, on its host copy); otherwise it is checked here."""
     if states.device.type != "cpu" or not states.is_contiguous():
         return None
     lib = load()
@@ -129,7 +131,8 @@ def gdn_decode_step(states: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
     B, H, DK = q.shape
     DV = v.shape[-1]
     slots = slots.to(torch.int64).contiguous()
-    if slots.numel() and not 0 <= int(slots.min()) <= int(slots.max()) < states.shape[0]:
+    if not checked and slots.numel() and not (
+            0 <= int(slots.min()) <= int(slots.max()) < states.shape[0]):
         raise IndexError(f"state slots out of range [0, {states.shape[0]})")
     q, k, v, decay, beta = (t.float().contiguous() for t in (q, k, v, decay, beta))
     out = torch.empty(B, H, DV, dtype=torch.float32)

@@ -1,0 +1,149 @@
+"""Kernel backends: the CPU backend against the reference backend, and no host round trips
+inside a model step (the metadata is built once per step from the runner's host lists)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from hybridrt.kernels import native
+from hybridrt.kernels.backend import CPUBackend, ReferenceBackend, select_backend
+from hybridrt.llm import LLM
+from hybridrt.runner import build_batch
+from hybridrt.sampling_params import SamplingParams
+from hybridrt.statecache import CacheTensors
+from hybridrt.testing import tiny_text_config, write_random_checkpoint
+
+from helpers import assert_rel_close, build_model
+
+CONVERSIONS = ("tolist", "item", "__int__", "__bool__", "__float__", "__index__")
+
+
+class ConversionCounter:
+    """Counts tensor -> Python conversions while active (``with counter: ...``)."""
+
+    def __init__(self, monkeypatch):
+        self.counts: Counter[str] = Counter()
+        self.active = False
+        for name in CONVERSIONS:
+            orig = getattr(torch.Tensor, name)
+
+            def wrapper(t, *args, _orig=orig, _name=name, **kw):
+                if self.active:
+                    self.counts[_name] += 1
+                return _orig(t, *args, **kw)
+
+            monkeypatch.setattr(torch.Tensor, name, wrapper)
+
+    def __enter__(self):
+        self.counts.clear()
+        self.active = True
+        return self
+
+    def __exit__(self, *exc):
+        self.active = False
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def _engine(tmp_path, num_layers: int, k: int = 0):
+    cfg = tiny_text_config(num_hidden_layers=num_layers)
+    d = write_random_checkpoint(tmp_path / f"l{num_layers}", cfg, seed=2)
+    llm = LLM(d, dtype="bfloat16", max_model_len=96, max_num_seqs=4, cache_memory=16 << 20,
+              tokenizer=None, speculative_tokens=k, max_num_batched_tokens=24)
+    return llm.engine
+
+
+def _step_counts(engine, monkeypatch) -> dict[str, int]:
+    """Conversions in the model part of one decode step and of one mixed step (a prompt chunk
+    beside decodes), and in the whole engine step around each."""
+    counter = ConversionCounter(monkeypatch)
+    runner = engine.runner
+    forward = runner.forward
+
+    def counted_forward(batch):
+        before = counter.total
+        out = forward(batch)
+        counted_forward.last = counter.total - before
+        return out
+
+    runner.forward = counted_forward
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for n in (5, 9):
+        engine.add_request(list(range(3, 3 + n)), params)
+    engine.step()
+    engine.step()  # both prompts done: the next step is all decodes
+    out = {}
+    with counter:
+        engine.step()
+    engine_decode = counter.total
+    out["decode"], out["engine_decode"] = counted_forward.last, engine_decode
+    engine.add_request(list(range(3, 40)), params)  # 37 tokens: chunked beside the decodes
+    with counter:
+        engine.step()
+    out["mixed"], out["engine_mixed"] = counted_forward.last, counter.total
+    runner.forward = forward
+    return out
+
+
+def test_no_host_round_trips_inside_a_model_step(tmp_path, monkeypatch):
+    """The model's forward (metadata + every layer) converts no tensor to Python, for a batch
+    of decodes and for a mixed batch; the whole engine step converts a small number that does
+    not grow with the number of layers (the sampled tokens, once)."""
+    small = _step_counts(_engine(tmp_path, 4), monkeypatch)
+    large = _step_counts(_engine(tmp_path, 12), monkeypatch)
+    assert small["decode"] == 0 and small["mixed"] == 0, small
+    assert large["decode"] == 0 and large["mixed"] == 0, large
+    assert small["engine_decode"] == large["engine_decode"] <= 4, (small, large)
+    assert small["engine_mixed"] == large["engine_mixed"] <= 4, (small, large)
+
+
+def _mixed_batches(config):
+    """Step 1: two prompts (one whole, one chunk); step 2: a decode, a continued chunk and a
+    verification of 3 drafts (per-token verify slots)."""
+    first = build_batch([list(range(3, 8)), list(range(10, 21)), list(range(4, 9))], [0, 0, 0],
+                        [[0], [1, 2, 4], [3, 5]], 8, [1, 2, 3], ["all", "all", "all"])
+    second = build_batch([[7], list(range(30, 36)), [9, 10, 11, 12]], [5, 11, 5],
+                         [[0], [1, 2, 4], [3, 5]], 8, [1, 2, 3], ["all", "all", "all"],
+                         verify_slots=[None, None, [4, 5, 6, 3]])
+    return first, second
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(2, 4), (4, 4)], ids=["grouped", "equal"])
+def test_cpu_backend_matches_reference(dtype, heads):
+    """Whole mixed steps (prompts, chunk continuation, decode, draft verification) on the CPU
+    backend against the reference backend: hidden states, conv and recurrent states of every
+    slot, KV caches."""
+    cfg = tiny_text_config(linear_num_key_heads=heads[0], linear_num_value_heads=heads[1])
+    results = []
+    for backend in (ReferenceBackend, CPUBackend):
+        net, config, _ = build_model(cfg, seed=4, dtype=dtype)
+        net.set_backend(backend(config))
+        cache = CacheTensors.allocate(config, 6, 8, 8, dtype)
+        hidden = []
+        with torch.inference_mode():
+            for batch in _mixed_batches(config):
+                hidden.append(net(batch, cache))
+        results.append((hidden, cache))
+    (h_ref, c_ref), (h_cpu, c_cpu) = results
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for i, (a, b) in enumerate(zip(h_cpu, h_ref)):
+        assert_rel_close(a, b, tol, f"step {i} hidden")
+    assert_rel_close(c_cpu.ssm_states, c_ref.ssm_states, tol, "recurrent states")
+    assert_rel_close(c_cpu.conv_states, c_ref.conv_states, tol, "conv states")
+    for i, (a, b) in enumerate(zip(c_cpu.key_caches, c_ref.key_caches)):
+        assert_rel_close(a, b, tol, f"key cache {i}")
+
+
+def test_select_backend():
+    cfg = build_model(tiny_text_config())[1]
+    assert isinstance(select_backend(cfg, "cpu"), CPUBackend)
+    assert type(select_backend(cfg, "cpu", "reference")) is ReferenceBackend
+    with pytest.raises(ValueError, match="unknown backend"):
+        select_backend(cfg, "cpu", "tpu")
+    assert select_backend(cfg, "cpu").native == (native.load() is not None)
