@@ -15,6 +15,8 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU: run with TRITON_INTERPRET=1", allow_module_level=True)
 
+import fla_interpret  # noqa: E402,F401  (lets fla's kernels run under the interpreter)
+
 torch.set_num_threads(1)
 
 

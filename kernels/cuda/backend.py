@@ -1,0 +1,300 @@
+"""The CUDA backend: Triton kernels over the same slot pools and paged KV, fla for prefill,
+CUDA graphs for decode and verify steps.
+
+| op | kernel |
+| --- | --- |
+| projections | one cuBLAS GEMM per group (q|k|v, in_proj qkv|z|b|a, gate|up): the weights of a group are concatenated once at bind time and each module keeps a view |
+| norms, silu*mul, q/k norm + partial RoPE | ``fused.py`` (one launch each, the reference's rounding) |
+| attention, decode/verify | KV write + ``paged_attention_decode`` (``attention.py``) |
+| attention, prompt chunks | SDPA: flash on the chunk's own K/V for a fresh prompt, else the reference over the gathered blocks |
+| GDN, decode/verify | ``conv_update`` + ``gdn_recurrent`` (``gdn.py``), in place over the slot pool |
+| GDN, prompt chunks | ``conv_prefill`` + ``chunk_prefill`` (fla, ``prefill.py``) |
+
+A step whose sequences all continue from a state with the same number of tokens L (a batch of
+decodes, L = 1, or of verifications of k drafts, L = 1 + k) runs as a captured CUDA graph for
+the smallest captured batch size that holds it: the step's inputs are copied into persistent
+buffers, padding rows carry slot -1 and sequence length 0 so that every kernel skips them.
+Everything else runs eagerly. ``graphs=False`` (backend "triton") runs every step eagerly and
+also runs on CPU tensors under ``TRITON_INTERPRET=1`` (the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import AttentionPlan, attention_plan, paged_attention
+from ..backend import GDNMeta, RecurrentGroup, ReferenceBackend, StepMeta, gdn_split
+from . import attention as attn_k
+from . import fused
+from . import gdn as gdn_k
+from . import prefill
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+
+
+@dataclass(slots=True)
+class UniformAttention:
+    """Every sequence has L query rows continuing its cached context (decode / verify)."""
+
+    num_queries_per_seq: int
+    seq_lens: torch.Tensor  # [B]
+    max_seq_len: int  # sizing hint for the split-KV partition count
+
+
+@dataclass(slots=True)
+class MixedAttention:
+    """Prompt chunks among the sequences: the reference plan for all but the fresh prompts,
+    which take flash attention over their own K/V ([(start, n)])."""
+
+    plan: AttentionPlan
+    fresh: list[tuple[int, int]]
+
+
+class CudaBackend(ReferenceBackend):
+    name = "cuda"
+
+    def __init__(self, config=None, device: torch.device | str = "cuda", graphs: bool = True):
+        super().__init__(config, device)
+        self.use_graphs = graphs and self.device.type == "cuda"
+        self.groups: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.cache = None
+        self.max_model_len = 4096
+        self.max_num_seqs = 1
+        self.max_drafts = 0
+        self.mempool = None
+        D = config.head_dim if config is not None else 256
+        self.triton_attention = D >= 16 and D & (D - 1) == 0
+
+    # Binding ------------------------------------------------------------------------------
+    def bind(self, model) -> None:
+        """Concatenate the weights of projections that read the same input; each module's
+        weight becomes a view into the group's (no extra memory)."""
+        from hybridrt.model import MLP, GatedAttention, GatedDeltaNet
+
+        for m in model.modules():
+            if isinstance(m, GatedDeltaNet):
+                self._group((m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a))
+            elif isinstance(m, GatedAttention):
+                self._group((m.q_proj, m.k_proj, m.v_proj))
+            elif isinstance(m, MLP):
+                self._group((m.gate_proj, m.up_proj))
+
+    def _group(self, modules) -> None:
+        w = torch.cat([m.weight.detach() for m in modules]).contiguous()
+        sizes, off = [], 0
+        for m in modules:
+            n = m.weight.shape[0]
+            m.weight = torch.nn.Parameter(w[off:off + n], requires_grad=False)
+            sizes.append(n)
+            off += n
+        self.groups[tuple(id(m) for m in modules)] = (w, sizes)
+
+    def attach(self, cache) -> None:
+        """Engine limits for the CUDA graphs' buffers (called by the runner)."""
+        self.cache = cache
+        self.max_model_len = cache.sizing.max_model_len
+        self.max_num_seqs = cache.sizing.max_num_seqs
+        self.max_drafts = cache.slots_per_request - 1
+
+    # Per step -----------------------------------------------------------------------------
+    def prepare(self, batch) -> StepMeta:
+        dev = batch.input_ids.device
+        gdn = gdn_split(batch, dev, False, 0)
+        if (len(gdn.groups) == 1 and gdn.chunked is None and gdn.groups[0].rows is None
+                and self.triton_attention):
+            L = gdn.groups[0].num_tokens_per_seq
+            attn = UniformAttention(L, batch.seq_lens, max(batch.context_lens))
+        else:
+            plan = attention_plan(batch.query_lens, batch.context_lens, batch.block_tables, dev)
+            if self.triton_attention:
+                # fresh prompts (no cached prefix) take flash attention on their own K/V
+                fresh = [(s, n) for s, n, c, _, _ in plan.prefill if c == n]
+                plan.prefill = [p for p in plan.prefill if p[1] != p[2]]
+                attn = MixedAttention(plan, fresh)
+            else:
+                attn = plan
+        return StepMeta(attn, gdn, batch.num_tokens)
+
+    # Linear layers and elementwise ops ----------------------------------------------------
+    def project(self, x, modules):
+        group = self.groups.get(tuple(id(m) for m in modules))
+        if group is None:
+            return [self.linear(m, x) for m in modules]
+        w, sizes = group
+        return F.linear(x, w).split(sizes, dim=-1)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        return fused.rms_norm(x, weight, eps, residual)
+
+    def gated_rms_norm(self, x, z, weight, eps):
+        return fused.gated_rms_norm(x, z, weight, eps)
+
+    def silu_mul(self, gate, up):
+        n = gate.shape[-1]
+        if (up.shape == gate.shape and up.stride() == gate.stride() and gate.stride(-1) == 1
+                and up.data_ptr() == gate.data_ptr() + n * gate.element_size()):
+            merged = gate.as_strided((*gate.shape[:-1], 2 * n), gate.stride())
+            return fused.silu_mul(merged)
+        return F.silu(gate) * up
+
+    def qk_norm_rope(self, q, k, q_weight, k_weight, eps, cos, sin):
+        return fused.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
+
+    # Mixers -------------------------------------------------------------------------------
+    def attention(self, meta: StepMeta, batch, q, k, v, key_cache, value_cache, scale):
+        a = meta.attention
+        if not self.triton_attention:
+            return super().attention(meta, batch, q, k, v, key_cache, value_cache, scale)
+        attn_k.write_kv(k, v, key_cache, value_cache, batch.slot_mapping)
+        if isinstance(a, UniformAttention):
+            return attn_k.paged_attention_decode(
+                q, key_cache, value_cache, batch.block_tables, a.seq_lens, scale,
+                num_queries_per_seq=a.num_queries_per_seq, max_seq_len=a.max_seq_len)
+        out = paged_attention(q, key_cache, value_cache, batch.cu_seqlens, batch.seq_lens,
+                              batch.block_tables, scale, plan=a.plan)
+        H, HKV = q.shape[1], k.shape[1]
+        for start, n in a.fresh:
+            o = F.scaled_dot_product_attention(
+                q[start:start + n].transpose(0, 1), k[start:start + n].transpose(0, 1),
+                v[start:start + n].transpose(0, 1), is_causal=True, scale=scale,
+                enable_gqa=H != HKV)
+            out[start:start + n] = o.transpose(0, 1)
+        return out
+
+    def gdn(self, meta: StepMeta, layer, mixed, a, b, conv_states, ssm_states):
+        T = mixed.shape[0]
+        weight = layer.conv1d.weight[:, 0, :]
+        gm: GDNMeta = meta.gdn
+        core = None
+        for grp in gm.groups:
+            n, L = grp.num_seqs, grp.num_tokens_per_seq
+            pick = (lambda t: t) if grp.rows is None else (lambda t, r=grp.rows: t[r])
+            m = gdn_k.conv_update(pick(mixed).view(n, L, -1), weight, conv_states, grp.slots,
+                                  grp.slots_out)
+            q, k, v = layer.split(m.view(n * L, -1))
+            o = gdn_k.gdn_recurrent(
+                q.view(n, L, *q.shape[1:]), k.view(n, L, *k.shape[1:]),
+                v.view(n, L, *v.shape[1:]), pick(a).view(n, L, -1), pick(b).view(n, L, -1),
+                layer.A_log, layer.dt_bias, ssm_states, grp.slots, grp.slots_out,
+            ).view(n * L, *v.shape[1:])
+            if grp.rows is None:
+                core = o
+            else:
+                if core is None:
+                    core = o.new_empty(T, *o.shape[1:])
+                core[grp.rows] = o
+        c = gm.chunked
+        if c is not None:
+            part = (lambda t: t) if c.rows is None else (lambda t: t[c.rows])
+            cu_cpu = c.cu_seqlens_cpu
+            m = prefill.conv_prefill(part(mixed), weight, c.cu_seqlens, conv_states, c.slots,
+                                     c.has_initial_state, cu_seqlens_cpu=cu_cpu)
+            q, k, v = layer.split(m)
+            o = prefill.chunk_prefill(q, k, v, part(a), part(b), layer.A_log, layer.dt_bias,
+                                      c.cu_seqlens, ssm_states, c.slots, c.has_initial_state,
+                                      cu_seqlens_cpu=cu_cpu)
+            if c.rows is None:
+                core = o
+            else:
+                if core is None:
+                    core = o.new_empty(T, *o.shape[1:])
+                core[c.rows] = o
+        return core
+
+    # CUDA graphs --------------------------------------------------------------------------
+    def forward(self, model, batch, cache):
+        if not self.use_graphs or self.cache is None:
+            return None
+        meta: StepMeta = batch.meta
+        if not isinstance(meta.attention, UniformAttention):
+            return None
+        n, L = batch.num_seqs, meta.attention.num_queries_per_seq
+        sizes = [s for s in GRAPH_BATCH_SIZES if s <= self.max_num_seqs] + [self.max_num_seqs]
+        bs = next((s for s in sorted(set(sizes)) if s >= n), None)
+        if bs is None:
+            return None
+        graph = self.graphs.get((bs, L))
+        if graph is None:
+            if self.mempool is None:
+                self.mempool = torch.cuda.graph_pool_handle()
+            graph = _Graph(model, cache, self, bs, L)
+            self.graphs[(bs, L)] = graph
+        return graph.run(batch)
+
+    def capture(self, model, cache, batch_sizes, num_tokens_per_seq=(1,)) -> None:
+        """Capture graphs ahead of time (the benchmark does, so that timing excludes it)."""
+        for L in num_tokens_per_seq:
+            for bs in batch_sizes:
+                if (bs, L) not in self.graphs:
+                    self.graphs[(bs, L)] = _Graph(model, cache, self, bs, L)
+
+
+class _Graph:
+    """One captured model step for ``bs`` sequences of ``L`` tokens each."""
+
+    def __init__(self, model, cache, backend: CudaBackend, bs: int, L: int):
+        from hybridrt.forward_batch import ForwardBatch
+
+        dev = backend.device
+        block_size = cache.block_size
+        width = -(-(backend.max_model_len + backend.max_drafts) // block_size) + 1
+        T = bs * L
+        self.bs, self.L = bs, L
+        self.input_ids = torch.zeros(T, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(T, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((T,), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(bs, width, dtype=torch.long, device=dev)
+        self.seq_lens = torch.zeros(bs, dtype=torch.long, device=dev)
+        self.state_slots = torch.full((bs,), -1, dtype=torch.long, device=dev)
+        self.slots_out = torch.full((bs, L), -1, dtype=torch.long, device=dev) if L > 1 else None
+        cu = torch.arange(0, T + 1, L, device=dev)
+        self.batch = ForwardBatch(
+            input_ids=self.input_ids, positions=self.positions, cu_seqlens=cu,
+            seq_lens=self.seq_lens, slot_mapping=self.slot_mapping,
+            block_tables=self.block_tables, state_slots=self.state_slots,
+            has_initial_state=torch.ones(bs, dtype=torch.bool, device=dev),
+            logits_indices=torch.arange(T, device=dev),
+            query_lens=[L] * bs, context_lens=[L] * bs, state_slot_list=[-1] * bs,
+            initial_list=[True] * bs,
+        )
+        self.batch.meta = StepMeta(
+            UniformAttention(L, self.seq_lens, backend.max_model_len + backend.max_drafts),
+            GDNMeta([RecurrentGroup(None, bs, L, self.state_slots, self.slots_out, [])], None),
+            T,
+        )
+        tensors = cache  # the CacheTensors the model reads and writes
+        # warm up (compiles the Triton kernels) on a side stream, then capture; every row is
+        # padding meanwhile, so neither writes anything to the caches
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                model.forward_eager(self.batch, tensors)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=backend.mempool):
+            self.hidden = model.forward_eager(self.batch, tensors)
+
+    def run(self, batch) -> torch.Tensor:
+        n = batch.num_seqs
+        T = n * self.L
+        self.input_ids[:T].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:T].copy_(batch.positions, non_blocking=True)
+        self.slot_mapping[:T].copy_(batch.slot_mapping, non_blocking=True)
+        self.slot_mapping[T:].fill_(-1)
+        w = batch.block_tables.shape[1]
+        self.block_tables[:n, :w].copy_(batch.block_tables, non_blocking=True)
+        self.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
+        self.seq_lens[n:].fill_(0)
+        self.state_slots[:n].copy_(batch.state_slots, non_blocking=True)
+        self.state_slots[n:].fill_(-1)
+        if self.slots_out is not None:
+            slots_out = batch.meta.gdn.groups[0].slots_out
+            self.slots_out[:n].copy_(slots_out, non_blocking=True)
+            self.slots_out[n:].fill_(-1)
+        self.graph.replay()
+        return self.hidden[:T]

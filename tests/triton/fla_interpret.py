@@ -1,0 +1,83 @@
+"""Test-side patches that let fla's Triton kernels run under ``TRITON_INTERPRET=1``.
+
+Import this module before the first fla kernel runs (test files only, never library code). It
+does nothing unless ``TRITON_INTERPRET=1``. Two problems, both in how fla's kernels meet the
+interpreter, not in the kernels:
+
+1. fla autotunes most kernels over several configs; the interpreter has no GPU driver to time
+   them with (``RuntimeError: 0 active drivers``). The autotuner is cut to its first config
+   (after the kernel's own pruning): any config is correct, timing is meaningless here.
+2. Some kernels call ``.to()`` on a ``range`` loop variable (``for i_t in range(NT):
+   i_t.to(tl.int64)``): compiled, it is a tensor; interpreted, a Python int
+   (``AttributeError: 'int' object has no attribute 'to'``). The interpreter already rewrites
+   each kernel's AST (every assignment becomes ``to_tensor(value)``); we extend that rewrite
+   so that a ``for`` loop whose body calls ``<loop variable>.to(...)`` starts with
+   ``<loop variable> = <loop variable>``, i.e. the variable becomes a tensor. Other loops
+   (``tl.static_range`` indices used as Python ints) are left alone.
+3. The interpreter keeps bfloat16 data as raw uint16 bits (numpy has no bfloat16) and its
+   ``tl.dot`` multiplies those bits as integers (garbage ~1e9 for bf16 q/k/v; triton 3.9).
+   Kernels convert bf16 to fp32 before other arithmetic, but feed bf16 tiles to ``tl.dot``
+   (fp32 accumulation), as fla does. bf16 operands are widened to fp32 (exact) first, which is
+   what the GPU's bf16 MMA with fp32 accumulation computes.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+ACTIVE = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _calls_to(var: str, body: list[ast.stmt]) -> bool:
+    return any(
+        isinstance(n, ast.Attribute) and n.attr == "to"
+        and isinstance(n.value, ast.Name) and n.value.id == var
+        for stmt in body for n in ast.walk(stmt)
+    )
+
+
+def _apply() -> None:
+    from triton.runtime import autotuner, interpreter
+
+    if getattr(autotuner.Autotuner, "_hybridrt_patched", False):
+        return
+    prune = autotuner.Autotuner.prune_configs
+
+    def prune_configs(self, kwargs):
+        return prune(self, kwargs)[:1]
+
+    autotuner.Autotuner.prune_configs = prune_configs
+    autotuner.Autotuner._hybridrt_patched = True
+
+    class _LoopVarAsTensor(interpreter.ASTTransformer):
+        def visit_For(self, node):
+            t = node.target
+            if isinstance(t, ast.Name) and _calls_to(t.id, node.body):
+                node.body.insert(0, ast.Assign(
+                    targets=[ast.Name(id=t.id, ctx=ast.Store())],
+                    value=ast.Name(id=t.id, ctx=ast.Load()),
+                ))
+            return self.generic_visit(node)  # the inserted Assign is wrapped in to_tensor
+
+    interpreter.FunctionRewriter.ast_transformer = _LoopVarAsTensor()
+
+    builder = interpreter.InterpreterBuilder
+    dot = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        import triton.language as tl
+
+        def wide(x):
+            return self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
+
+        if d.dtype.scalar == tl.bfloat16:
+            out = dot(self, wide(a), wide(b), wide(d), input_precision, max_num_imprecise_acc)
+            return self.cast_impl(out, tl.bfloat16)
+        return dot(self, wide(a), wide(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+
+
+if ACTIVE:
+    _apply()
