@@ -56,7 +56,7 @@ def decode_rate(engine, prompts, params) -> float:
     """Decode tok/s of ``prompts`` run together: the clock starts once each has its first
     token."""
     ids = [engine.add_request(p, params) for p in prompts]
-    reqs = [engine.requests[i] for i in ids]
+    reqs = [engine.get_request(i) for i in ids]
     while any(r.num_output_tokens < 1 for r in reqs):
         engine.step()
     _sync()

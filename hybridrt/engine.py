@@ -21,7 +21,7 @@ from hybridrt.scheduler import Scheduler, StepPlan
 from hybridrt.session import Session, common_prefix
 from hybridrt.specdec.mtp import MTPProposer
 from hybridrt.specdec.stats import SpecStats
-from hybridrt.specdec.verify import VerifyItem, verify_drafts
+from hybridrt.specdec.verify import settle_verified, verify_requests
 from hybridrt.statecache import HybridCacheManager
 
 
@@ -214,8 +214,18 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def pop_request(self, request_id: str) -> Request:
-        return self.requests.pop(request_id)
+    def get_request(self, request_id: str) -> Request:
+        """A request the engine holds (running, waiting, or finished and not yet popped)."""
+        return self.requests[request_id]
+
+    def pop_request(self, request_id: str) -> Request | None:
+        """Forget a request (finished or aborted) -> it, or None if the engine has no such id."""
+        return self.requests.pop(request_id, None)
+
+    @property
+    def cache_sizing(self):
+        """How the KV blocks and state slots were sized (``statecache.CacheSizing``)."""
+        return self.cache.sizing
 
     # Step ----------------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -234,7 +244,7 @@ class LLMEngine:
         emitted = self._sample(plan, logits)
         settled = self._update(plan, emitted)
         if self.proposer is not None:
-            self.proposer.propose(plan, batch.cu_seqlens.tolist(), hidden, settled)
+            self.proposer.propose(plan, batch.query_starts, hidden, settled)
         self.stats["num_steps"] += 1
         return [s.request for s in plan.seqs if s.sample or s.num_drafts]
 
@@ -261,24 +271,10 @@ class LLMEngine:
                 lp = None if out.logprobs is None else [out.logprobs[n]]
                 emitted[b] = Emitted([toks[n]], lp, None)
         if verify:
-            items, idx = [], []
-            for b, r0 in verify:
-                s = plan.seqs[b]
-                req, k = s.request, s.num_drafts
-                d = req.draft_token_ids[:k]
-                items.append(VerifyItem([req.sampling_row(d[:i]) for i in range(k + 1)], d,
-                                        req.draft_probs))
-                idx.extend(range(r0, r0 + k + 1))
-            vlogits = logits[torch.tensor(idx, device=logits.device)]
-            results = verify_drafts(self.sampler, vlogits, items)
-            off = 0
-            for (b, _), it, (toks, a) in zip(verify, items, results):
-                lp = None
-                if it.rows[0].params.logprobs is not None:
-                    lp = self.sampler.logprobs(vlogits[off:off + a + 1], it.rows[:a + 1],
-                                               torch.tensor(toks, device=logits.device))
+            entries = [(plan.seqs[b].request, plan.seqs[b].num_drafts, r0) for b, r0 in verify]
+            for (b, _), (toks, lp, a) in zip(verify, verify_requests(self.sampler, logits,
+                                                                       entries)):
                 emitted[b] = Emitted(toks, lp, a)
-                off += len(it.rows)
         return emitted
 
     def _update(self, plan: StepPlan, emitted: list[Emitted | None]) -> list[int]:
@@ -293,9 +289,8 @@ class LLMEngine:
                 self.stats["num_prefill_tokens"] += computed_prompt
             n = s.num_new_tokens
             if s.num_drafts:
-                n = s.num_new_tokens - s.num_drafts + em.num_accepted
-                req.slot_cursor = em.num_accepted  # state after the last accepted token
-                req.spec_stats.record(s.num_drafts, em.num_accepted)
+                n = s.num_new_tokens - s.num_drafts + settle_verified(req, s.num_drafts,
+                                                                      em.num_accepted)
             req.num_computed_tokens += n
             settled.append(n)
             if req.session is not None:

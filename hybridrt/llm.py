@@ -150,7 +150,7 @@ class LLM:
 
     @property
     def cache_sizing(self):
-        return self.engine.cache.sizing
+        return self.engine.cache_sizing
 
     # Inputs ------------------------------------------------------------------------------
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -310,7 +310,7 @@ class LLM:
                 snapshot_at=None):
         rid = self._add(prompt, sampling_params or SamplingParams(), speculative_tokens, session,
                         snapshot_at)
-        req = self.engine.requests[rid]
+        req = self.engine.get_request(rid)
         try:
             while not req.is_finished:
                 self.engine.step()
@@ -318,7 +318,7 @@ class LLM:
         finally:
             if not req.is_finished:
                 self.engine.abort_request(rid)
-            self.engine.requests.pop(rid, None)
+            self.engine.pop_request(rid)
             self.last_stream_output = self.engine.make_output(req)
 
 

@@ -42,9 +42,10 @@ class MTPProposer:
         return max(k, 0)
 
     @torch.inference_mode()
-    def propose(self, plan: StepPlan, cu_seqlens: list[int], hidden: torch.Tensor,
+    def propose(self, plan: StepPlan, row_starts: list[int], hidden: torch.Tensor,
                 settled: list[int]) -> None:
-        """``settled[b]``: positions of plan.seqs[b] the target settled this step (its accepted
+        """``row_starts[b]``: the first row of plan.seqs[b] in ``hidden``; ``settled[b]``:
+        positions of plan.seqs[b] the target settled this step (its accepted
         inputs); drafts for every unfinished request that sampled land in
         ``request.draft_token_ids``."""
         tokens, starts, tables, rows, modes, reqs = [], [], [], [], [], []
@@ -56,7 +57,7 @@ class MTPProposer:
             tokens.append(req.token_ids[s.start + 1:s.start + 1 + n])
             starts.append(s.start)
             tables.append(self.cache.block_tables[req.request_id])
-            rows.append(torch.arange(cu_seqlens[b], cu_seqlens[b] + n))
+            rows.append(torch.arange(row_starts[b], row_starts[b] + n))
             drafting = (s.sample or s.num_drafts > 0) and self.num_drafts_for(req) > 0
             modes.append("last" if drafting else "none")
             if drafting:

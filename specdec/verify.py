@@ -70,3 +70,35 @@ def _rejection_sample(sampler: Sampler, p: torch.Tensor, it: VerifyItem) -> tupl
     else:
         x = sampler.sample_from_probs(p[k][None], [it.rows[k]])
     return it.drafts[:a] + [int(x[0])], a
+
+
+def verify_requests(sampler: Sampler, logits: torch.Tensor, entries) -> list[tuple]:
+    """One engine step's verifications. ``entries``: (request, k drafts verified, row of its
+    first logits row in ``logits``); its k + 1 rows follow. -> per entry (emitted tokens,
+    their logprobs when the request asks for them, else None, drafts accepted)."""
+    items, idx = [], []
+    for req, k, r0 in entries:
+        d = req.draft_token_ids[:k]
+        items.append(VerifyItem([req.sampling_row(d[:i]) for i in range(k + 1)], d,
+                                req.draft_probs))
+        idx.extend(range(r0, r0 + k + 1))
+    vlogits = logits[torch.tensor(idx, device=logits.device)]
+    out, off = [], 0
+    for it, (toks, a) in zip(items, verify_drafts(sampler, vlogits, items)):
+        lp = None
+        if it.rows[0].params.logprobs is not None:
+            lp = sampler.logprobs(vlogits[off:off + a + 1], it.rows[:a + 1],
+                                  torch.tensor(toks, device=logits.device))
+        out.append((toks, lp, a))
+        off += len(it.rows)
+    return out
+
+
+def settle_verified(req, num_drafts: int, num_accepted: int) -> int:
+    """Roll a verified request to its last accepted draft -> the drafts that count as
+    computed. The GDN state after that token is already in the request's slot
+    ``num_accepted`` (verification wrote one per position), so rollback is the cursor alone;
+    attention KV needs none (stale positions are overwritten later)."""
+    req.slot_cursor = num_accepted
+    req.spec_stats.record(num_drafts, num_accepted)
+    return num_accepted
