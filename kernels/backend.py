@@ -258,6 +258,7 @@ class CPUBackend(ReferenceBackend):
     def __init__(self, config=None, device: torch.device | str = "cpu"):
         super().__init__(config, device)
         self.native = native.load() is not None
+        self.half_simd = native.half_gemm_available()  # decided once, not per call
         self.num_slots: int | None = None
 
     def attach(self, cache) -> None:
@@ -273,7 +274,7 @@ class CPUBackend(ReferenceBackend):
         return meta
 
     def linear(self, module, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear(x, module.weight, self._packed(module, x))
+        return cpu_linear(x, module.weight, self._packed(module, x), self.half_simd)
 
     def logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
         # cpu_linear already rounds the fp32 product to the model's dtype (what a half LM head
@@ -281,12 +282,11 @@ class CPUBackend(ReferenceBackend):
         head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
         return self.linear(head, hidden).float()
 
-    @staticmethod
-    def _packed(module, x: torch.Tensor):
+    def _packed(self, module, x: torch.Tensor):
         """The weight's repacked copy for the batched CPU GEMM, made at first use and kept on
         the module (see kernels/linear.py)."""
         weight = module.weight
-        if not use_fp32_gemm(x, weight):
+        if not use_fp32_gemm(x, weight, self.half_simd):
             return None
         cached = getattr(module, "weight_packed", None)
         if cached is None or cached.shape != weight.shape:

@@ -57,15 +57,17 @@ HALF = (torch.bfloat16, torch.float16)
 _PACK_HINT_ROWS = 32  # oneDNN picks its blocking for this many rows; any count works
 
 
-def _half_cpu_path(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+def _half_cpu_path(x: torch.Tensor, weight: torch.Tensor,
+                   simd: bool | None = None) -> str | None:
     """Which CPU half-weight path ``linear`` takes: "gemv" (few rows, compiled kernels,
     ``native.half_gemv`` on the weight as it is), "packed" (``pack_weight``'s copy multiplied in
     fp32, from ``CPU_HALF_GEMM_MIN_ROWS`` rows on) or None (torch)."""
     if x.device.type != "cpu" or weight.dtype not in HALF or weight.dim() != 2:
         return None
     k = weight.shape[1]
-    if (weight.is_contiguous() and 0 < x.numel() <= native.HALF_GEMV_MAX_ROWS * k
-            and native.half_gemm_available()):
+    if simd is None:
+        simd = native.half_gemm_available()
+    if weight.is_contiguous() and 0 < x.numel() <= native.HALF_GEMV_MAX_ROWS * k and simd:
         return "gemv"
     return "packed" if x.numel() >= CPU_HALF_GEMM_MIN_ROWS * k else None
 
@@ -76,11 +78,11 @@ def use_half_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _half_cpu_path(x, weight) == "gemv"
 
 
-def use_fp32_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def use_fp32_gemm(x: torch.Tensor, weight: torch.Tensor, simd: bool | None = None) -> bool:
     """Whether ``linear`` multiplies ``pack_weight(weight)`` in fp32 (so the caller should keep
     that copy): half weights on CPU, from ``CPU_HALF_GEMM_MIN_ROWS`` rows on, unless
     ``use_half_gemv``."""
-    return _half_cpu_path(x, weight) == "packed"
+    return _half_cpu_path(x, weight, simd) == "packed"
 
 
 def _onednn_available() -> bool:
@@ -122,10 +124,13 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | PanelWeight:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
-           packed: torch.Tensor | PanelWeight | None = None) -> torch.Tensor:
+           packed: torch.Tensor | PanelWeight | None = None,
+           simd: bool | None = None) -> torch.Tensor:
     """x: [..., in], weight: [out, in] -> [..., out] in x's dtype. ``packed``: the
-    ``pack_weight(weight)`` copy for the CPU batched path (made on the fly when not given)."""
-    path = _half_cpu_path(x, weight)
+    ``pack_weight(weight)`` copy for the CPU batched path (made on the fly when not given).
+    ``simd``: whether the compiled half kernels run here, as the CPU backend decided at
+    start-up (asked of ``native`` on every call when not given)."""
+    path = _half_cpu_path(x, weight, simd)
     if path == "gemv":
         y = native.half_gemv(x.reshape(-1, x.shape[-1]), weight)
         return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)

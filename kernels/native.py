@@ -160,7 +160,7 @@ def half_gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch
         raise ValueError(f"half_gemm: {out_features} output features do not fit {P} panels")
     if x.dim() != 2 or x.shape[1] != K:
         raise ValueError(f"half_gemm: x must be [M, {K}], got {list(x.shape)}")
-    lib = load()
+    lib = _lib or load()  # callers checked availability: no environment read per call
     if lib is None:
         raise RuntimeError("half_gemm: native CPU kernels unavailable")
     x = x.float().contiguous()
@@ -188,7 +188,7 @@ def half_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != K or not 0 <= x.shape[0] <= HALF_GEMV_MAX_ROWS:
         raise ValueError(f"half_gemv: x must be [M <= {HALF_GEMV_MAX_ROWS}, {K}], got "
                          f"{list(x.shape)}")
-    lib = load()
+    lib = _lib or load()
     if lib is None:
         raise RuntimeError("half_gemv: native CPU kernels unavailable")
     x = x.float().contiguous()
