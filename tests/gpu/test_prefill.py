@@ -1,6 +1,6 @@
 """GDN prefill through fla (kernels/cuda/prefill.py) against the plain-torch references.
 
-Under TRITON_INTERPRET=1 fla needs test-side patches (tests/triton/fla_interpret.py). fp32
+Under TRITON_INTERPRET=1 fla needs test-side patches (tests/gpu/fla_interpret.py). fp32
 tolerances: tight under the interpreter (exact fp32 arithmetic); on a GPU fla's tl.dot runs in
 tf32, so the check there is fla's own: rmse(diff) / rmse(ref) < 0.005.
 """
@@ -34,9 +34,10 @@ def _close(name, ref, out, dtype):
     ref, out = ref.cpu(), out.cpu()
     if dtype == torch.float32 and not ON_GPU:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    else:  # tf32 on a GPU, or bf16 inputs: fla's test criterion; with bf16 inputs fla keeps
-        # its intermediates (normalised q/k, w, u, chunk states) in bf16: ~0.018 measured
-        ratio = 0.005 if dtype == torch.float32 else 0.04
+    else:  # tf32 on a GPU, or bf16 inputs: fla's test criterion (0.005 for fp16). With bf16
+        # inputs fla keeps its intermediates (normalised q/k, w, u, chunk states) in bf16:
+        # ~0.0045 measured under the interpreter (with fla_interpret's rounding fix)
+        ratio = 0.005 if dtype == torch.float32 else 0.01
         err = _err_ratio(ref, out)
         assert err < ratio, f"{name}: error ratio {err:.2e} >= {ratio}"
 

@@ -204,7 +204,7 @@ def test_paged_attention_cuda_graph(device):
 def _bench(sweep: bool) -> None:  # pragma: no cover - manual, on a GPU
     """Timings at the Qwen3.5-0.8B attention shape (H=8, HKV=2, D=256, block 16, bf16).
 
-    ``python tests/triton/test_attention.py [--sweep]``: microseconds per call (CUDA-graph
+    ``python tests/gpu/test_attention.py [--sweep]``: microseconds per call (CUDA-graph
     replay of 20 calls) and the KV read bandwidth it implies.
     """
     import hybridrt.kernels.cuda.attention as A
