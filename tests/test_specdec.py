@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from helpers import chi2_pvalue
 
 from hybridrt.llm import LLM
 from hybridrt.runner import build_batch
@@ -439,24 +440,6 @@ def _empirical(small_ckpt, params: SamplingParams, k: int, n: int) -> list[torch
     return [torch.bincount(toks[:, i], minlength=SMALL_VOCAB).double() for i in range(3)]
 
 
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, float]:
-    """Pearson chi-square of counts vs probs; cells expected < 5 are pooled. -> (stat, df, p)
-    with p = Q(df/2, stat/2), the regularised upper incomplete gamma function."""
-    n = counts.sum()
-    expected = probs * n
-    small = expected < 5
-    obs = torch.cat([counts[~small], counts[small].sum().view(1)])
-    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    assert obs[exp == 0].sum() == 0, "a token with probability 0 was emitted"
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    df = obs.numel() - 1
-    p = float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
-                                      torch.tensor(stat / 2.0, dtype=torch.float64)))
-    return stat, df, p
-
-
 def test_chi2_pvalue_matches_known_critical_values():
     # chi-square 0.999 quantiles: df 5 -> 20.515, df 15 -> 37.697
     for df, crit in ((5, 20.515), (15, 37.697)):
@@ -484,7 +467,7 @@ def test_rejection_sampling_keeps_target_distribution(small_ckpt, rounds, case):
     # a = 0: rejected at position 0; a = 1: rejected at position 1; a = 2: all accepted
     assert outcomes <= set(full), sorted((a, full.count(a)) for a in set(full))
     for i, (c, p) in enumerate(zip(counts, exact)):
-        stat, df, pval = _chi2_pvalue(c, p)
+        stat, df, pval = chi2_pvalue(c, p)
         assert pval > 1e-3, f"token {i + 1}: chi2 {stat:.1f} (df {df}), p = {pval:.2g}"
 
 
@@ -497,7 +480,7 @@ def test_biased_acceptance_rule_is_detected(small_ckpt, monkeypatch):
     monkeypatch.setattr(verify, "acceptance_probability", lambda p, q: torch.ones_like(p))
     counts = _empirical(small_ckpt, params, 2, 512)
     for i in (1, 2):
-        stat, df, pval = _chi2_pvalue(counts[i], exact[i])
+        stat, df, pval = chi2_pvalue(counts[i], exact[i])
         assert pval < 1e-6, f"token {i + 1}: chi2 {stat:.1f} (df {df}) did not flag the bias"
 
 
