@@ -63,6 +63,8 @@ class LLM:
     model: a local checkpoint directory or a Hugging Face id (default: the embedded demo model).
     cache_memory: the KV + state budget: bytes, a fraction of free memory, or '2GiB'
     (default 0.3 of free memory, capped at what max_num_seqs x max_model_len needs).
+    max_num_sessions: sessions that can be open at once (each has a GDN state slot of its own
+    in the budget, for rollbacks).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class LLM:
         tokenizer: Any = "auto",
         device: str | torch.device = "cpu",
         speculative_tokens: int = 0,
+        max_num_sessions: int = 1,
     ):
         if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or (
             speculative_tokens < 0
@@ -86,6 +89,10 @@ class LLM:
             raise ValueError(
                 f"speculative_tokens must be an integer >= 0, got {speculative_tokens!r}"
             )
+        if not isinstance(max_num_sessions, int) or isinstance(max_num_sessions, bool) or (
+            max_num_sessions < 0
+        ):
+            raise ValueError(f"max_num_sessions must be an integer >= 0, got {max_num_sessions!r}")
         self.device = torch.device(device)
         if self.device.type == "cpu":
             keep_freed_memory()
@@ -119,6 +126,7 @@ class LLM:
             memory_bytes=mem_bytes, memory_fraction=mem_fraction,
             slots_per_request=1 + speculative_tokens, num_extra_attention_layers=extra_layers,
             device=self.device, lookahead_tokens=speculative_tokens,
+            num_snapshot_slots=max_num_sessions,
         )
         cache = HybridCacheManager(
             self.config, sizing, self.dtype, self.device,
@@ -284,7 +292,8 @@ class LLM:
                session: Session | None = None, speculative_tokens: int | None = None,
                snapshot_at: int | None = None) -> Iterator[str]:
         """Yield text deltas of one request as its tokens arrive. Closing the iterator early
-        aborts the request. The finished request's output is then in ``last_stream_output``."""
+        aborts the request. The finished request's output is then in ``last_stream_output``.
+        A request that can never be scheduled raises its error (a ValueError)."""
         if self.tokenizer is None:
             raise ValueError("stream() needs a tokenizer; use stream_tokens() for token ids")
         sent = 0
@@ -319,6 +328,8 @@ class LLM:
                 self.engine.abort_request(rid)
             self.engine.requests.pop(rid, None)
             self.last_stream_output = self.engine.make_output(req)
+        if req.error is not None:
+            raise req.error
 
 
 def _error_output(rid: str, prompt: Any, err: ValueError) -> RequestOutput:

@@ -497,7 +497,7 @@ def test_preemption_during_speculation(ckpt, prompts, reference, oracle):
     k = 2
     probe = make_llm(ckpt, k, max_model_len=96)
     # ceil((96 + k) / 16) = 7 blocks: one max-length request fits, the batch does not.
-    budget = _budget(probe, num_blocks=7, num_slots=1 + 8 * (1 + k))
+    budget = _budget(probe, num_blocks=7, num_slots=2 + 8 * (1 + k))  # + null, session slot
     llm = make_llm(ckpt, k, max_model_len=96, cache_memory=budget, max_num_batched_tokens=16)
     assert llm.cache_sizing.num_blocks == 7
     checked = []
