@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from hybridrt.config import ModelConfig
+from hybridrt.detokenizer import IncrementalDetokenizer
 from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.outputs import CompletionOutput, RequestOutput
 from hybridrt.request import Request
@@ -366,8 +367,12 @@ class LLMEngine:
             reason = ("length", None)
         if self.tokenizer is not None:
             prev = len(req.text)
-            text = self._detokenize(req, drop_last=reason is not None and reason[0] == "stop",
-                                    final=reason is not None)
+            if req.detokenizer is None:
+                req.detokenizer = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)
+            if reason is not None and reason[0] == "stop" and not p.include_stop_str_in_output:
+                text = req.text + req.detokenizer.flush()  # the stop token's text is left out
+            else:
+                text = req.text + req.detokenizer.add(tok, final=reason is not None)
             if p.stop and n_out >= p.min_tokens:
                 at = find_stop(text, p.stop, prev)
                 if at is not None:
@@ -378,16 +383,6 @@ class LLMEngine:
         if reason is not None:
             req.finish_reason, req.stop_reason = reason
             self._finish(req)
-
-    def _detokenize(self, req: Request, drop_last: bool, final: bool) -> str:
-        ids = req.output_token_ids
-        if drop_last and not req.params.include_stop_str_in_output:
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
-        if not final:
-            # Hold back an incomplete multi-byte character until its last byte arrives.
-            text = text.rstrip("\ufffd")
-        return text
 
     def _finish(self, req: Request) -> None:
         if req.session is not None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridrt.detokenizer import IncrementalDetokenizer
 from hybridrt.sampler import SamplingRow
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.session import Session
@@ -82,6 +83,7 @@ class Request:
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] | None = None
     text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None  # builds ``text``, when there is a tokenizer
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     # Speculative decoding: k drafts per step; drafts wait here until verified. The request
     # owns 1 + k state slots and its current GDN state is in slot number ``slot_cursor``.
