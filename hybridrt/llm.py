@@ -299,9 +299,13 @@ class LLM:
         sent = 0
         for req in self._stream(prompt, sampling_params, session, speculative_tokens,
                                 snapshot_at):
-            if len(req.text) > sent:
-                yield req.text[sent:]
-                sent = len(req.text)
+            end = len(req.text)
+            p = req.params
+            if not req.is_finished and not p.include_stop_str_in_output:
+                end -= max(0, p.max_stop_len - 1)  # text a stop string may still cut off
+            if end > sent:
+                yield req.text[sent:end]
+                sent = end
 
     def stream_tokens(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                       session: Session | None = None, speculative_tokens: int | None = None,

@@ -101,6 +101,7 @@ def test_stop_strings_that_straddle_tokens(demo_llm, monkeypatch, stop):
     # generation stopped at the token that completed the stop string
     n = next(i for i in range(len(ids) + 1) if stop in tok.decode(ids[:i]))
     assert c.token_ids == ids[:n]
+    assert "".join(demo_llm.stream("Q", sp)) == TEXT[:at]
     (kept,) = demo_llm.generate("Q", sp.clone(include_stop_str_in_output=True), use_tqdm=False)
     assert kept.outputs[0].text == TEXT[:at + len(stop)]
 
