@@ -350,18 +350,29 @@ def test_throughput_flags_match_hybridrt_bench():
     assert ours == theirs
 
 
-def test_bench_throughput_smoke_on_tiny_checkpoint(tiny, tmp_path):
+def test_bench_throughput_on_tiny_checkpoint_gives_both_engines_the_same_work(tiny, tmp_path):
     out = tmp_path / "tp.json"
     res = invoke("bench", "throughput", "--model", tiny, "--dtype", "float32",
-                 "--no-transformers", "--prefill-len", "16", "--prompt-len", "4",
-                 "--decode-tokens", "3", "--concurrency", "2", "--repeats", "1", "--json", out)
+                 "--prefill-len", "16", "--prompt-len", "4", "--decode-tokens", "3",
+                 "--concurrency", "2,9", "--repeats", "1", "--json", out)
     assert res.exit_code == 0, res.output
-    assert "aggregate_b2_tok_s" in res.stdout
     report = json.loads(out.read_text())
-    assert report["hybridrt"]["decode_b1_tok_s"] > 0
-    assert report["interleaved_decode_b2_over_b1"] > 0
+    assert report["workload"] == {"prefill_len": 16, "prompt_len": 4, "decode_tokens": 3,
+                                  "concurrency": [2, 9], "repeats": 1}
+    work = report["work"]["hybridrt"]
+    assert work["prefill_tok_s"] == {"requests": 1, "prompt_len": 16, "new_tokens": 1}
+    assert work["decode_b1_tok_s"] == {"requests": 1, "prompt_len": 4, "new_tokens": 3}
+    for c in (2, 9):
+        for row in (f"aggregate_b{c}_tok_s", f"decode_b{c}_tok_s"):
+            assert work[row] == {"requests": c, "prompt_len": 4, "new_tokens": 3}
+    assert report["work"]["transformers"] == work  # every row: same requests, same new tokens
+    assert set(report["ratio_vs_transformers"]) == set(report["hybridrt"]) == set(work)
+    for row, ratio in report["ratio_vs_transformers"].items():
+        assert ratio == pytest.approx(report["hybridrt"][row] / report["transformers"][row])
+    assert report["ratio_decode_b9_vs_b1"] == pytest.approx(
+        report["hybridrt"]["decode_b9_tok_s"] / report["hybridrt"]["decode_b1_tok_s"])
+    assert "interleaved_decode_b9_over_b1" in report and "aggregate_b9_tok_s" in res.stdout
     assert report["peak_rss_gib"] > 0 and "hybridrt peak RSS" in res.stdout
-    assert "decode b2 / our b1, three alternated runs of each" in res.stdout
 
 
 def test_plot_without_matplotlib_is_one_error_line_exit_2(tiny, monkeypatch, tmp_path):
