@@ -1,8 +1,5 @@
-"""Throughput benchmark: hybridrt vs transformers ``generate`` on the same weights, one run.
-
-    python -m hybridrt.bench throughput            # random-weight 0.8B shape, bf16, 2 threads
-    python -m hybridrt.bench throughput --model DIR --quick
-    python -m hybridrt.bench gemm                  # the CPU half-weight GEMM paths, per weight
+"""Throughput benchmark: hybridrt vs transformers ``generate`` on the same weights, one run
+(``hybridrt bench throughput``), and the CPU half-weight GEMM paths (``hybridrt bench gemm``).
 
 Reports prefill tok/s (one 512-token prompt), decode tok/s at batch 1, and for 8 and 32
 concurrent requests the aggregate output tok/s (wall time of the whole batch, its prefill
@@ -16,7 +13,6 @@ read the ratios, measured side by side in the same process.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import statistics
@@ -152,11 +148,14 @@ def bench_transformers(state_dict: dict, text_config: dict, dtype: torch.dtype, 
     return res, work
 
 
-def throughput(args: argparse.Namespace) -> dict:
-    torch.set_num_threads(args.threads)
-    concurrency = [int(c) for c in args.concurrency.split(",") if c]
-    model, dtype, threads, repeats = args.model, args.dtype, args.threads, args.repeats
-    prefill_len, prompt_len, decode_tokens = args.prefill_len, args.prompt_len, args.decode_tokens
+def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int = 2,
+               prefill_len: int = 512, prompt_len: int = 16, decode_tokens: int = 16,
+               concurrency: list[int] = (8, 32), repeats: int = 2, transformers: bool = True,
+               json_path: str | Path | None = None) -> dict:
+    """Run the throughput benchmark -> the report (also printed as a table and written to
+    ``json_path``). ``model``: a checkpoint (default: a random-weight 0.8B-shaped one)."""
+    torch.set_num_threads(threads)
+    concurrency = list(concurrency)
     tmp = None
     path = model
     if path is None:
@@ -180,7 +179,7 @@ def throughput(args: argparse.Namespace) -> dict:
         report[f"ratio_aggregate_b{c}_vs_b1"] = (ours[f"aggregate_b{c}_tok_s"]
                                                  / ours["decode_b1_tok_s"])
         report[f"ratio_decode_b{c}_vs_b1"] = ours[f"decode_b{c}_tok_s"] / ours["decode_b1_tok_s"]
-    if not args.no_transformers:
+    if transformers:
         import copy
         import json as _json
 
@@ -205,9 +204,9 @@ def throughput(args: argparse.Namespace) -> dict:
     if tmp is not None:
         tmp.cleanup()
     print(format_table(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}", file=sys.stderr)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2))
+        print(f"wrote {json_path}", file=sys.stderr)
     return report
 
 
@@ -242,7 +241,7 @@ def format_table(report: dict) -> str:
     return "\n".join(rows)
 
 
-def gemm(args: argparse.Namespace) -> list[dict]:
+def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9) -> list[dict]:
     """ms per weight of the CPU GEMM paths for bf16 weights at the 0.8B shapes (kernels/linear.py):
     compiled panels, oneDNN's fp32 copy, for up to 4 rows the compiled GEMV on the weight as it
     is, and for 1-2 rows bf16 ``F.linear``. Several weights in turn so each streams from memory
@@ -252,8 +251,7 @@ def gemm(args: argparse.Namespace) -> list[dict]:
     from hybridrt.kernels import native
     from hybridrt.kernels.linear import PanelWeight, _cpu_gemm, _onednn_available
 
-    torch.set_num_threads(args.threads)
-    rows = [int(r) for r in args.rows.split(",") if r]
+    torch.set_num_threads(threads)
     results = []
     for n, k, copies in ((7168, 1024, 8), (1024, 3584, 16), (248320, 1024, 1)):
         ws = [torch.randn(n, k).bfloat16() for _ in range(copies)]
@@ -275,7 +273,7 @@ def gemm(args: argparse.Namespace) -> list[dict]:
             times: dict[str, list[float]] = {name: [] for name in fs}
             for f in fs.values():
                 f(x)
-            for _ in range(args.rounds):
+            for _ in range(rounds):
                 for name, f in fs.items():
                     t = time.perf_counter()
                     f(x)
@@ -286,36 +284,3 @@ def gemm(args: argparse.Namespace) -> list[dict]:
             print("  ".join(f"{key} {val:.2f}" if isinstance(val, float) else f"{key} {val}"
                             for key, val in row.items()), flush=True)
     return results
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hybridrt.bench")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("throughput", help="prefill / decode / aggregate tok/s vs transformers")
-    t.add_argument("--model", default=None, help="checkpoint dir or hub id (default: random 0.8B)")
-    t.add_argument("--dtype", default="bfloat16")
-    t.add_argument("--threads", type=int, default=2)
-    t.add_argument("--prefill-len", type=int, default=512)
-    t.add_argument("--prompt-len", type=int, default=16)
-    t.add_argument("--decode-tokens", type=int, default=16)
-    t.add_argument("--concurrency", default="8,32")
-    t.add_argument("--repeats", type=int, default=2)
-    t.add_argument("--no-transformers", action="store_true")
-    t.add_argument("--json", default="bench-throughput.json")
-    g = sub.add_parser("gemm", help="ms per weight of the CPU half-weight GEMM paths")
-    g.add_argument("--rows", default="1,2,8,32,512")
-    g.add_argument("--threads", type=int, default=2)
-    g.add_argument("--rounds", type=int, default=9)
-    return p
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    if args.cmd == "throughput":
-        throughput(args)
-    elif args.cmd == "gemm":
-        gemm(args)
-
-
-if __name__ == "__main__":
-    main()
