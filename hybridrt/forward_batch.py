@@ -110,11 +110,3 @@ class ForwardBatch:
                 torch.arange(starts[b], starts[b] + self.query_lens[b], device=dev)
                 for b in self.chunk_seqs
             ])
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.numel()

@@ -41,10 +41,6 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)  # can never be scheduled (req.error)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
-
 
 class Scheduler:
     def __init__(self, cache: HybridCacheManager, max_num_seqs: int,

@@ -228,14 +228,6 @@ class HybridCacheManager:
         self.blocks.free(self.block_tables.pop(request_id, []))
         self.slots.free(self.state_slots.pop(request_id, []))
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.blocks.num_free
-
-    @property
-    def num_free_slots(self) -> int:
-        return self.slots.num_free
-
     def all_free(self) -> bool:
         return (self.blocks.num_free == self.blocks.num_blocks
                 and self.slots.num_free == self.slots.capacity
