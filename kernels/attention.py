@@ -53,8 +53,8 @@ def paged_attention(
     ``query_lens``/``context_lens`` are optional host-side copies. Returns [T, H, D].
     Single-token sequences (decode) are computed together in one padded batch; longer ones
     (prefill chunks, draft verification) one sequence at a time. The math runs in fp32 (the
-    output is rounded to the query's dtype): CPU SDPA on bf16 inputs was measured 5x slower
-    (2.17 vs 0.43 ms for 32 decode queries over 21 positions, 8 heads of 256).
+    output is rounded to the query's dtype): CPU SDPA on bf16 inputs is several times slower
+    on CPUs without bf16 matrix instructions (docs/performance.md).
     """
     H, HKV = query.shape[1], key_cache.shape[2]
     if H % HKV:
