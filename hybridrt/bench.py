@@ -13,6 +13,7 @@ read the ratios, measured side by side in the same process.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import statistics
@@ -24,6 +25,20 @@ from pathlib import Path
 import torch
 
 from hybridrt.sampling_params import SamplingParams
+
+
+def _restores_threads(fn):
+    """Run ``fn`` (which sets torch's thread count) and put the caller's count back."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        before = torch.get_num_threads()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
+
+    return wrapper
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -148,6 +163,7 @@ def bench_transformers(state_dict: dict, text_config: dict, dtype: torch.dtype, 
     return res, work
 
 
+@_restores_threads
 def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int = 2,
                prefill_len: int = 512, prompt_len: int = 16, decode_tokens: int = 16,
                concurrency: list[int] = (8, 32), repeats: int = 2, transformers: bool = True,
@@ -241,6 +257,7 @@ def format_table(report: dict) -> str:
     return "\n".join(rows)
 
 
+@_restores_threads
 def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9) -> list[dict]:
     """ms per weight of the CPU GEMM paths for bf16 weights at the 0.8B shapes (kernels/linear.py):
     compiled panels, oneDNN's fp32 copy, for up to 4 rows the compiled GEMV on the weight as it

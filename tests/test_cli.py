@@ -337,9 +337,14 @@ def test_python_m_chat_over_a_pipe(tiny, ref):
 # bench ---------------------------------------------------------------------------------------
 def test_bench_throughput_on_tiny_checkpoint_gives_both_engines_the_same_work(tiny, tmp_path):
     out = tmp_path / "tp.json"
-    res = invoke("bench", "throughput", "--model", tiny, "--dtype", "float32",
-                 "--prefill-len", "16", "--prompt-len", "4", "--decode-tokens", "3",
-                 "--concurrency", "2,9", "--repeats", "1", "--json", out)
+    torch.set_num_threads(2)
+    try:
+        res = invoke("bench", "throughput", "--model", tiny, "--dtype", "float32", "--threads",
+                     "1", "--prefill-len", "16", "--prompt-len", "4", "--decode-tokens", "3",
+                     "--concurrency", "2,9", "--repeats", "1", "--json", out)
+        assert torch.get_num_threads() == 2  # the benchmark puts the caller's count back
+    finally:
+        torch.set_num_threads(1)
     assert res.exit_code == 0, res.output
     report = json.loads(out.read_text())
     assert report["workload"] == {"prefill_len": 16, "prompt_len": 4, "decode_tokens": 3,
@@ -376,7 +381,8 @@ def _is_png(path: Path) -> bool:
 def test_plots_are_written_as_png(tiny, tmp_path):
     pytest.importorskip("matplotlib")
     res = invoke("bench", "spec", tiny, "--quick", "--ks", "0,1", "--batch-sizes", "1,2",
-                 "--max-tokens", "3", "--json", tmp_path / "s.json", "--plot", tmp_path / "s.png")
+                 "--max-tokens", "3", "--threads", "1", "--json", tmp_path / "s.json",
+                 "--plot", tmp_path / "s.png")
     assert res.exit_code == 0, res.output
     assert _is_png(tmp_path / "s.png")
     ours = {"prefill_tok_s": 100.0, "decode_b1_tok_s": 10.0}
@@ -395,7 +401,7 @@ def spec_acceptance(report: dict, k: int) -> float:
 def test_bench_spec_quick_smoke_on_tiny_checkpoint(tiny, tmp_path):
     out = tmp_path / "spec.json"
     res = invoke("bench", "spec", tiny, "--quick", "--ks", "0,2", "--batch-sizes", "2",
-                 "--max-tokens", "4", "--json", out)
+                 "--max-tokens", "4", "--threads", "1", "--json", out)
     assert res.exit_code == 0, res.output
     assert "per-position acceptance" in res.stdout  # the table
     rows = json.loads(out.read_text())["rows"]
@@ -407,7 +413,8 @@ def test_bench_spec_quick_smoke_on_tiny_checkpoint(tiny, tmp_path):
 def test_bench_spec_quick_on_demo_checkpoint_accepts_half(tmp_path):
     assert (DEMO / "model.safetensors").is_file(), "demo weights missing"
     out = tmp_path / "spec.json"
-    res = invoke("bench", "spec", "--quick", "--ks", "0,1", "--batch-sizes", "1", "--json", out)
+    res = invoke("bench", "spec", "--quick", "--ks", "0,1", "--batch-sizes", "1", "--threads", "1",
+                 "--json", out)
     assert res.exit_code == 0, res.output
     report = json.loads(out.read_text())
     assert all(r["identical_to_k0"] for r in report["rows"] if r["k"])
