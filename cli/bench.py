@@ -1,19 +1,20 @@
-"""``hybridrt bench throughput`` (hybridrt.bench) and ``hybridrt bench spec``
-(hybridrt.specbench): each prints a table, writes JSON and, with ``--plot``, a chart."""
+"""``hybridrt bench throughput`` / ``gemm`` (hybridrt.bench) and ``hybridrt bench spec``
+(hybridrt.specbench): each prints a table; throughput and spec write JSON and, with ``--plot``,
+a chart."""
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from hybridrt.cli.common import CliError, ModelArg
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False,
-                        help="Benchmarks: throughput vs transformers, speculative decoding.")
+                        help="Benchmarks: throughput vs transformers, speculative decoding, "
+                             "the CPU GEMM paths.")
 
 PlotOpt = Annotated[Path | None, typer.Option(
     "--plot", help="Also draw a chart to this PNG (needs matplotlib, the 'plot' extra).",
@@ -78,16 +79,28 @@ def throughput(
         parse_dtype(dtype)
     except ValueError as e:
         raise CliError(f"--dtype: {e}", 2) from None
-    _int_list("--concurrency", concurrency, 1)
-    args = argparse.Namespace(
-        cmd="throughput", model=model, dtype=dtype, threads=threads, prefill_len=prefill_len,
-        prompt_len=prompt_len, decode_tokens=decode_tokens, concurrency=concurrency,
-        repeats=repeats, no_transformers=no_transformers, json=json_path,
+    report = bench.throughput(
+        model=model, dtype=dtype, threads=threads, prefill_len=prefill_len,
+        prompt_len=prompt_len, decode_tokens=decode_tokens,
+        concurrency=_int_list("--concurrency", concurrency, 1), repeats=repeats,
+        transformers=not no_transformers, json_path=json_path,
     )
-    report = bench.throughput(args)
     if plot is not None:
         plot_throughput(report, plot)
         typer.echo(f"wrote {plot}", err=True)
+
+
+@bench_app.command("gemm")
+def gemm(
+    rows: Annotated[str, typer.Option("--rows", help="Comma-separated row counts.")
+                    ] = "1,2,8,32,512",
+    threads: Annotated[int, typer.Option("--threads", min=1)] = 2,
+    rounds: Annotated[int, typer.Option("--rounds", min=1)] = 9,
+) -> None:
+    """ms per weight of the CPU half-weight GEMM paths at the 0.8B shapes (kernels/linear.py)."""
+    from hybridrt import bench
+
+    bench.gemm(_int_list("--rows", rows, 1), threads=threads, rounds=rounds)
 
 
 def plot_throughput(report: dict, path: Path) -> None:
@@ -170,33 +183,15 @@ def spec(
         typer.echo(f"wrote {plot}", err=True)
 
 
-def spec_rows(report: dict) -> list[dict[str, Any]]:
-    """The per (k, batch size) rows of a run_spec_bench report."""
-    for key in ("rows", "results", "runs"):
-        rows = report.get(key)
-        if isinstance(rows, list) and rows and isinstance(rows[0], dict):
-            return rows
-    raise ValueError("the spec benchmark report has no per-(k, batch size) rows to plot")
-
-
-def _pick(row: dict, *names: str) -> Any:
-    for n in names:
-        if row.get(n) is not None:
-            return row[n]
-    return None
-
-
 def plot_spec(report: dict, path: Path) -> None:
     plt = _pyplot()
-    rows = spec_rows(report)
+    rows = report["rows"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for b in sorted({_pick(r, "batch_size", "batch") for r in rows}):
-        sel = sorted((r for r in rows if _pick(r, "batch_size", "batch") == b),
-                     key=lambda r: r["k"])
-        ks = [r["k"] for r in sel]
-        ax1.plot(ks, [_pick(r, "tok_s", "tokens_per_s", "output_tok_s") or 0 for r in sel],
-                 marker="o", label=f"batch {b}")
-        acc = [(r["k"], _pick(r, "mean_acceptance_length")) for r in sel if r["k"] > 0]
+    for b in sorted({r["batch_size"] for r in rows}):
+        sel = sorted((r for r in rows if r["batch_size"] == b), key=lambda r: r["k"])
+        ax1.plot([r["k"] for r in sel], [r["tok_s"] for r in sel], marker="o",
+                 label=f"batch {b}")
+        acc = [(r["k"], r["mean_acceptance_length"]) for r in sel if r["k"] > 0]
         ax2.plot([k for k, _ in acc], [a or 0 for _, a in acc], marker="o",
                  label=f"batch {b}")
     ax1.set_xlabel("draft tokens k")

@@ -1,4 +1,4 @@
-"""The ``hybridrt`` command line: ``chat``, ``generate``, ``bench throughput|spec``.
+"""The ``hybridrt`` command line: ``chat``, ``generate``, ``bench throughput|spec|gemm``.
 
 Every failure is one ``error: ...`` line on stderr and a non-zero exit code (2 for bad
 options, 1 otherwise); HYBRIDRT_DEBUG=1 shows tracebacks of unexpected errors.

@@ -1,20 +1,19 @@
-"""Throughput benchmark: hybridrt vs transformers ``generate`` on the same weights, one run.
-
-    python -m hybridrt.bench throughput            # random-weight 0.8B shape, bf16, 2 threads
-    python -m hybridrt.bench throughput --model DIR --quick
-    python -m hybridrt.bench gemm                  # the CPU half-weight GEMM paths, per weight
+"""Throughput benchmark: hybridrt vs transformers ``generate`` on the same weights, one run
+(``hybridrt bench throughput``), and the CPU half-weight GEMM paths (``hybridrt bench gemm``).
 
 Reports prefill tok/s (one 512-token prompt), decode tok/s at batch 1, and for 8 and 32
 concurrent requests the aggregate output tok/s (wall time of the whole batch, its prefill
 included) and the aggregate decode tok/s (prefill excluded, like the batch-1 figure), for both
 engines, and the ratios; then the batching ratio once more from batch-1 and 32-request runs
-alternated three times. Timings on shared machines are noisy: read the ratios, measured side by
-side in the same process.
+alternated three times. Both engines get the same prompts and generate the same number of new
+tokens in every row; ``work`` in the report records, per row and engine, the requests, prompt
+length and new tokens per request that were actually run. Timings on shared machines are noisy:
+read the ratios, measured side by side in the same process.
 """
 
 from __future__ import annotations
 
-import argparse
+import functools
 import gc
 import json
 import statistics
@@ -26,6 +25,20 @@ from pathlib import Path
 import torch
 
 from hybridrt.sampling_params import SamplingParams
+
+
+def _restores_threads(fn):
+    """Run ``fn`` (which sets torch's thread count) and put the caller's count back."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        before = torch.get_num_threads()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
+
+    return wrapper
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -40,8 +53,16 @@ def make_random_08b(directory: str | Path, seed: int = 0) -> Path:
                                    dtype=torch.bfloat16)
 
 
+def _work(requests: int, prompt_len: int, new_tokens: list[int]) -> dict:
+    """What one measured run did; ``new_tokens`` per request, which must all be equal."""
+    if len(set(new_tokens)) != 1 or len(new_tokens) != requests:
+        raise RuntimeError(f"{requests} requests generated {new_tokens} new tokens")
+    return {"requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens[0]}
+
+
 def bench_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: int,
-               concurrency: list[int], prompt_len: int, repeats: int) -> tuple[dict, object]:
+               concurrency: list[int], prompt_len: int, repeats: int
+               ) -> tuple[dict, dict, object]:
     from hybridrt.llm import LLM
 
     max_len = max(prefill_len, prompt_len) + decode_tokens + 8
@@ -49,6 +70,7 @@ def bench_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: i
               max_num_batched_tokens=max(prefill_len, 512), cache_memory=0.25)
     vocab = llm.config.vocab_size
     res: dict[str, float] = {}
+    work: dict[str, dict] = {}
     # warm-up with the largest batch of the measured shape: batched CPU steps pack each weight
     # once, on first use, and the first step of a shape faults in its buffers' pages
     warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -59,9 +81,10 @@ def bench_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: i
     for r in range(repeats):
         p = _prompts(1, prefill_len, vocab, 100 + r)
         t = time.perf_counter()
-        llm.generate(p, one, use_tqdm=False)
+        outs = llm.generate(p, one, use_tqdm=False)
         times.append(time.perf_counter() - t)
     res["prefill_tok_s"] = prefill_len / statistics.median(times)
+    work["prefill_tok_s"] = _work(1, prefill_len, [len(o.outputs[0].token_ids) for o in outs])
 
     sp = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
     rates = []
@@ -71,6 +94,7 @@ def bench_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: i
         (out,) = llm.generate(_prompts(1, prompt_len, vocab, 200 + r), sp, use_tqdm=False)
         rates.append(out.metrics["decode_tokens_per_s"])
     res["decode_b1_tok_s"] = statistics.median(rates)
+    work["decode_b1_tok_s"] = _work(1, prompt_len, [len(out.outputs[0].token_ids)])
 
     for c in concurrency:
         prompts = _prompts(c, prompt_len, vocab, 300 + c)
@@ -81,6 +105,8 @@ def bench_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: i
         # the c requests decode side by side: the sum of their decode rates is the decode
         # throughput at c concurrent (prefill excluded, as in decode_b1_tok_s)
         res[f"decode_b{c}_tok_s"] = sum(o.metrics["decode_tokens_per_s"] for o in outs)
+        work[f"aggregate_b{c}_tok_s"] = work[f"decode_b{c}_tok_s"] = _work(
+            c, prompt_len, [len(o.outputs[0].token_ids) for o in outs])
     if concurrency:
         # the batching ratio again from batch-1 and largest-batch runs alternated, so that drift
         # in this shared machine's speed between the measurements above does not enter it
@@ -93,67 +119,83 @@ def bench_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: i
             batched.append(sum(o.metrics["decode_tokens_per_s"] for o in outs))
         res[f"interleaved_decode_b{c}_over_b1"] = (statistics.median(batched)
                                                    / statistics.median(alone))
-    return res, llm
+    return res, work, llm
 
 
 def bench_transformers(state_dict: dict, text_config: dict, dtype: torch.dtype, prefill_len: int,
                        decode_tokens: int, concurrency: list[int], prompt_len: int,
-                       repeats: int, vocab: int) -> dict:
+                       repeats: int, vocab: int) -> tuple[dict, dict]:
     from hybridrt.testing import hf_reference_model
 
     ref = hf_reference_model(text_config, state_dict, dtype=dtype)
     gen = {"do_sample": False, "pad_token_id": 0}
+    work: dict[str, dict] = {}
 
-    def run(ids: list[list[int]], n: int) -> float:
+    def run(ids: list[list[int]], n: int, row: str | None = None) -> float:
         x = torch.tensor(ids)
         t = time.perf_counter()
         with torch.inference_mode():
-            ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                         **gen)
-        return time.perf_counter() - t
+            out = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                               min_new_tokens=n, **gen)
+        dt = time.perf_counter() - t
+        if row is not None:
+            work[row] = _work(len(ids), x.shape[1], [out.shape[1] - x.shape[1]] * len(ids))
+        return dt
 
     res: dict[str, float] = {}
     run(_prompts(1, 8, vocab, 99), 2)
     res["prefill_tok_s"] = prefill_len / statistics.median(
-        run(_prompts(1, prefill_len, vocab, 100 + r), 1) for r in range(repeats)
+        run(_prompts(1, prefill_len, vocab, 100 + r), 1, "prefill_tok_s") for r in range(repeats)
     )
     rates = []
     for r in range(repeats):
         p = _prompts(1, prompt_len, vocab, 200 + r)
         t1 = run(p, 1)
-        tn = run(p, decode_tokens)
+        tn = run(p, decode_tokens, "decode_b1_tok_s")
         rates.append((decode_tokens - 1) / max(tn - t1, 1e-9))
     res["decode_b1_tok_s"] = statistics.median(rates)
     for c in concurrency:
-        n = max(2, decode_tokens // 4) if c > 8 else decode_tokens
         p = _prompts(c, prompt_len, vocab, 300 + c)
-        dt = run(p, n)
-        res[f"aggregate_b{c}_tok_s"] = c * n / dt
-        res[f"decode_b{c}_tok_s"] = c * (n - 1) / max(dt - run(p, 1), 1e-9)
-    return res
+        dt = run(p, decode_tokens, f"aggregate_b{c}_tok_s")
+        work[f"decode_b{c}_tok_s"] = work[f"aggregate_b{c}_tok_s"]
+        res[f"aggregate_b{c}_tok_s"] = c * decode_tokens / dt
+        res[f"decode_b{c}_tok_s"] = c * (decode_tokens - 1) / max(dt - run(p, 1), 1e-9)
+    return res, work
 
 
-def throughput(args: argparse.Namespace) -> dict:
-    torch.set_num_threads(args.threads)
-    concurrency = [int(c) for c in args.concurrency.split(",") if c]
+@_restores_threads
+def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int = 2,
+               prefill_len: int = 512, prompt_len: int = 16, decode_tokens: int = 16,
+               concurrency: list[int] = (8, 32), repeats: int = 2, transformers: bool = True,
+               json_path: str | Path | None = None) -> dict:
+    """Run the throughput benchmark -> the report (also printed as a table and written to
+    ``json_path``). ``model``: a checkpoint (default: a random-weight 0.8B-shaped one)."""
+    torch.set_num_threads(threads)
+    concurrency = list(concurrency)
     tmp = None
-    model = args.model
-    if model is None:
+    path = model
+    if path is None:
         tmp = tempfile.TemporaryDirectory(prefix="hybridrt-08b-")
         print("writing a random-weight Qwen3.5-0.8B-shaped checkpoint (bf16) ...", file=sys.stderr)
-        model = str(make_random_08b(tmp.name))
-    print(f"hybridrt: prefill {args.prefill_len}, decode {args.decode_tokens} tokens, "
-          f"concurrency {concurrency}, {args.threads} threads", file=sys.stderr)
-    ours, llm = bench_ours(model, args.dtype, args.prefill_len, args.decode_tokens, concurrency,
-                           args.prompt_len, args.repeats)
+        path = str(make_random_08b(tmp.name))
+    print(f"hybridrt: prefill {prefill_len}, decode {decode_tokens} tokens, "
+          f"concurrency {concurrency}, {threads} threads", file=sys.stderr)
+    ours, our_work, llm = bench_ours(path, dtype, prefill_len, decode_tokens, concurrency,
+                                     prompt_len, repeats)
     interleaved = {k: ours.pop(k) for k in list(ours) if k.startswith("interleaved_")}
-    report = {"model": str(args.model or "random Qwen3.5-0.8B shape"), "dtype": args.dtype,
-              "threads": args.threads, "hybridrt": ours, **interleaved,
-              "peak_rss_gib": _peak_rss_gib(),
-              "ratio_b32_vs_b1": ours.get("aggregate_b32_tok_s", 0.0) / ours["decode_b1_tok_s"],
-              "ratio_decode_b32_vs_b1": (ours.get("decode_b32_tok_s", 0.0)
-                                         / ours["decode_b1_tok_s"])}
-    if not args.no_transformers:
+    c = max(concurrency, default=None)
+    report = {"model": str(model or "random Qwen3.5-0.8B shape"), "dtype": dtype,
+              "threads": threads,
+              "workload": {"prefill_len": prefill_len, "prompt_len": prompt_len,
+                           "decode_tokens": decode_tokens, "concurrency": concurrency,
+                           "repeats": repeats},
+              "hybridrt": ours, "work": {"hybridrt": our_work}, **interleaved,
+              "peak_rss_gib": _peak_rss_gib()}
+    if c is not None:
+        report[f"ratio_aggregate_b{c}_vs_b1"] = (ours[f"aggregate_b{c}_tok_s"]
+                                                 / ours["decode_b1_tok_s"])
+        report[f"ratio_decode_b{c}_vs_b1"] = ours[f"decode_b{c}_tok_s"] / ours["decode_b1_tok_s"]
+    if transformers:
         import copy
         import json as _json
 
@@ -167,17 +209,20 @@ def throughput(args: argparse.Namespace) -> dict:
         del llm
         gc.collect()
         print("transformers generate on the same weights ...", file=sys.stderr)
-        theirs = bench_transformers(sd, text_cfg, torch.bfloat16 if args.dtype.startswith("b")
-                                    else torch.float32, args.prefill_len, args.decode_tokens,
-                                    concurrency, args.prompt_len, args.repeats, vocab)
+        theirs, their_work = bench_transformers(
+            sd, text_cfg, torch.bfloat16 if dtype.startswith("b") else torch.float32,
+            prefill_len, decode_tokens, concurrency, prompt_len, repeats, vocab)
+        if their_work != our_work:
+            raise RuntimeError(f"unequal work: hybridrt {our_work}, transformers {their_work}")
         report["transformers"] = theirs
+        report["work"]["transformers"] = their_work
         report["ratio_vs_transformers"] = {k: ours[k] / theirs[k] for k in ours if k in theirs}
     if tmp is not None:
         tmp.cleanup()
     print(format_table(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}", file=sys.stderr)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2))
+        print(f"wrote {json_path}", file=sys.stderr)
     return report
 
 
@@ -198,8 +243,11 @@ def format_table(report: dict) -> str:
         t = theirs.get(k)
         rest = f"{t:>14.2f}{v / t:>8.2f}" if t else f"{'-':>14}{'-':>8}"
         rows.append(f"{k:<24}{v:>12.2f}" + rest)
-    rows.append(f"aggregate b32 / our b1: {report['ratio_b32_vs_b1']:.2f}x (prefill included); "
-                f"decode b32 / our b1: {report['ratio_decode_b32_vs_b1']:.2f}x")
+    for k, v in report.items():
+        if k.startswith("ratio_aggregate_b"):
+            c = k.split("_b")[1].split("_")[0]
+            rows.append(f"aggregate b{c} / our b1: {v:.2f}x (prefill included); decode b{c} / "
+                        f"our b1: {report[f'ratio_decode_b{c}_vs_b1']:.2f}x")
     if report.get("peak_rss_gib") is not None:
         rows.append(f"hybridrt peak RSS: {report['peak_rss_gib']:.2f} GiB")
     for k, v in report.items():
@@ -209,7 +257,8 @@ def format_table(report: dict) -> str:
     return "\n".join(rows)
 
 
-def gemm(args: argparse.Namespace) -> list[dict]:
+@_restores_threads
+def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9) -> list[dict]:
     """ms per weight of the CPU GEMM paths for bf16 weights at the 0.8B shapes (kernels/linear.py):
     compiled panels, oneDNN's fp32 copy, for up to 4 rows the compiled GEMV on the weight as it
     is, and for 1-2 rows bf16 ``F.linear``. Several weights in turn so each streams from memory
@@ -219,8 +268,7 @@ def gemm(args: argparse.Namespace) -> list[dict]:
     from hybridrt.kernels import native
     from hybridrt.kernels.linear import PanelWeight, _cpu_gemm, _onednn_available
 
-    torch.set_num_threads(args.threads)
-    rows = [int(r) for r in args.rows.split(",") if r]
+    torch.set_num_threads(threads)
     results = []
     for n, k, copies in ((7168, 1024, 8), (1024, 3584, 16), (248320, 1024, 1)):
         ws = [torch.randn(n, k).bfloat16() for _ in range(copies)]
@@ -242,7 +290,7 @@ def gemm(args: argparse.Namespace) -> list[dict]:
             times: dict[str, list[float]] = {name: [] for name in fs}
             for f in fs.values():
                 f(x)
-            for _ in range(args.rounds):
+            for _ in range(rounds):
                 for name, f in fs.items():
                     t = time.perf_counter()
                     f(x)
@@ -253,36 +301,3 @@ def gemm(args: argparse.Namespace) -> list[dict]:
             print("  ".join(f"{key} {val:.2f}" if isinstance(val, float) else f"{key} {val}"
                             for key, val in row.items()), flush=True)
     return results
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hybridrt.bench")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("throughput", help="prefill / decode / aggregate tok/s vs transformers")
-    t.add_argument("--model", default=None, help="checkpoint dir or hub id (default: random 0.8B)")
-    t.add_argument("--dtype", default="bfloat16")
-    t.add_argument("--threads", type=int, default=2)
-    t.add_argument("--prefill-len", type=int, default=512)
-    t.add_argument("--prompt-len", type=int, default=16)
-    t.add_argument("--decode-tokens", type=int, default=16)
-    t.add_argument("--concurrency", default="8,32")
-    t.add_argument("--repeats", type=int, default=2)
-    t.add_argument("--no-transformers", action="store_true")
-    t.add_argument("--json", default="bench-throughput.json")
-    g = sub.add_parser("gemm", help="ms per weight of the CPU half-weight GEMM paths")
-    g.add_argument("--rows", default="1,2,8,32,512")
-    g.add_argument("--threads", type=int, default=2)
-    g.add_argument("--rounds", type=int, default=9)
-    return p
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    if args.cmd == "throughput":
-        throughput(args)
-    elif args.cmd == "gemm":
-        gemm(args)
-
-
-if __name__ == "__main__":
-    main()

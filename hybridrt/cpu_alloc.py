@@ -3,11 +3,9 @@
 glibc serves allocations above its mmap threshold (at most 32 MiB, raised dynamically) with a
 fresh ``mmap`` and gives them back to the OS on free. A decode step allocates such buffers over
 and over (the [32, vocab] fp32 logits alone are 32 MiB), and each comes back as untouched pages
-that fault in on first write: measured on the 2-core AVX2 machine, a 32 MiB tensor copy took
-16 ms into a fresh buffer against 3.3 ms into a reused one, and ``clone()`` of it 3.9 ms once
-the thresholds below are set. Raising the mmap and trim thresholds keeps freed blocks for reuse
-(what vLLM's CPU backend gets by preloading tcmalloc); the cost is that the heap keeps its peak
-size. A no-op off glibc.
+that fault in on first write, which costs several times the copy itself (docs/performance.md).
+Raising the mmap and trim thresholds keeps freed blocks for reuse (what vLLM's CPU backend gets
+by preloading tcmalloc); the cost is that the heap keeps its peak size. A no-op off glibc.
 """
 
 from __future__ import annotations

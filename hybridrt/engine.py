@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from hybridrt.config import ModelConfig
+from hybridrt.detokenizer import IncrementalDetokenizer
 from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.outputs import CompletionOutput, RequestOutput
 from hybridrt.request import Request
@@ -58,7 +59,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, cache, device, backend)
         self.scheduler = Scheduler(cache, engine_config.max_num_seqs,
-                                   engine_config.max_num_batched_tokens)
+                                   engine_config.max_num_batched_tokens, sessions=self)
         self.sampler = Sampler(seed=seed)  # shared generator for requests without a seed
         self.speculative_tokens = speculative_tokens
         self.proposer = None
@@ -67,9 +68,10 @@ class LLMEngine:
                                         device)
         self.spec_stats = SpecStats(speculative_tokens)
         self.requests: dict[str, Request] = {}
+        self.sessions: dict[str, Session] = {}  # open sessions, least recently used first
         self._ids = itertools.count()
         self.stats = {"num_steps": 0, "num_preemptions": 0, "num_prefill_tokens": 0,
-                      "num_decode_tokens": 0}
+                      "num_decode_tokens": 0, "num_session_evictions": 0}
 
     # Requests ------------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
@@ -119,10 +121,15 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        if session is not None and session.closed:
+            raise ValueError("session is closed")
+        if session is not None and session.busy:
+            raise ValueError("session already has a running request")
         req = Request(rid, prompt, ids, params, self._stop_ids(params), spec_k=k)
         req.generator = make_generator(params)
         if session is not None:
-            self._attach_session(req, session, snapshot_at)
+            req.session, req.session_snapshot_at = session, snapshot_at
+            session.busy = True
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -130,10 +137,13 @@ class LLMEngine:
     # Sessions ------------------------------------------------------------------------------
     def open_session(self) -> Session:
         """A conversation whose cache outlives its requests (see hybridrt.session)."""
-        slot = self.cache.slots.allocate(1)
-        if slot is None:
-            raise RuntimeError("no free state slot for a session snapshot")
-        return Session(f"s{next(self._ids)}", slot[0])
+        free = self.cache.free_snapshot_slots
+        if not free:
+            raise RuntimeError(f"all {self.cache.sizing.num_snapshot_slots} session slots are in "
+                               f"use: close a session or raise max_num_sessions")
+        session = Session(f"s{next(self._ids)}", free.pop())
+        self.sessions[session.session_id] = session
+        return session
 
     def close_session(self, session: Session) -> None:
         if session.closed:
@@ -141,7 +151,8 @@ class LLMEngine:
         if session.busy:
             raise ValueError("close_session: the session has a running request")
         self.cache.free(session.cache_key)
-        self.cache.slots.free([session.snapshot_slot])
+        self.cache.free_snapshot_slots.append(session.snapshot_slot)
+        del self.sessions[session.session_id]
         session.closed = True
 
     def reset_session(self, session: Session) -> None:
@@ -151,13 +162,10 @@ class LLMEngine:
         self.cache.free(session.cache_key)
         session.token_ids, session.slot_cursor, session.snapshot_len = [], 0, None
 
-    def _attach_session(self, req: Request, session: Session,
-                        snapshot_at: int | None = None) -> None:
-        """Give the request the session's cache for the longest reusable prompt prefix."""
-        if session.closed:
-            raise ValueError("session is closed")
-        if session.busy:
-            raise ValueError("session already has a running request")
+    def attach_session(self, req: Request) -> None:
+        """Give a session request, as it is admitted, the session's cache for the longest
+        reusable prompt prefix (the scheduler calls this)."""
+        session, snapshot_at = req.session, req.session_snapshot_at
         cache, key = self.cache, session.cache_key
         ids = req.prompt_token_ids
         reuse = min(common_prefix(ids, session.token_ids), len(ids) - 1)
@@ -183,19 +191,46 @@ class LLMEngine:
         req.session = session
         at = len(ids) - 1 if snapshot_at is None else min(snapshot_at, len(ids) - 1)
         req.snapshot_at = at if at > reuse else None
-        session.busy = True
+        req.session_attached = True
+        req.metrics.session_cache_evicted, session.evicted = session.evicted, False
         session.last_reused_tokens = reuse
+
+    def detach_session(self, req: Request) -> None:
+        """Undo ``attach_session`` for a request that could not be admitted after all: the
+        session holds the reused prefix again and the request waits holding nothing."""
+        session = req.session
+        self.cache.transfer(req.request_id, session.cache_key)
+        session.token_ids = req.token_ids[:req.num_computed_tokens]
+        session.slot_cursor = req.slot_cursor
+        req.num_computed_tokens, req.slot_cursor, req.session_attached = 0, 0, False
+
+    def evict_idle_session(self) -> bool:
+        """Free the cache of the least recently used session that holds one while no request
+        of it is running, one without a waiting request first; its next turn prefills from
+        scratch -> whether anything was freed."""
+        order = sorted(self.sessions.values(), key=lambda s: s.busy)  # stable: LRU within
+        for session in order:
+            if self.cache.holds(session.cache_key):
+                self.cache.free(session.cache_key)
+                session.token_ids, session.slot_cursor, session.snapshot_len = [], 0, None
+                session.evicted = True
+                self.stats["num_session_evictions"] += 1
+                return True
+        return False
 
     def _release_session(self, req: Request) -> None:
         """A finished (or aborted) session request hands its cache back to the session."""
         session = req.session
+        session.busy = False
+        req.session = None
+        self.sessions[session.session_id] = self.sessions.pop(session.session_id)  # most recent
+        if not req.session_attached:  # never admitted: the session kept its cache
+            return
         self.cache.transfer(req.request_id, session.cache_key)
         session.token_ids = req.token_ids[:req.num_computed_tokens]
         session.slot_cursor = req.slot_cursor
         if session.snapshot_len is not None and session.snapshot_len > len(session.token_ids):
             session.snapshot_len = None
-        session.busy = False
-        req.session = None
 
     def _maybe_snapshot(self, req: Request) -> None:
         if req.snapshot_at is not None and req.num_computed_tokens == req.snapshot_at:
@@ -232,8 +267,11 @@ class LLMEngine:
         """One engine step -> the requests that made progress (new tokens or finished)."""
         plan = self.scheduler.schedule()
         self.stats["num_preemptions"] += len(plan.preempted)
+        for req in plan.failed:
+            req.finish_reason = "error"
+            self._finish(req)
         if not plan.seqs:
-            return []
+            return plan.failed
         now = time.perf_counter()
         for s in plan.seqs:
             if s.request.metrics.first_scheduled_time is None:
@@ -246,7 +284,7 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.propose(plan, batch.query_starts, hidden, settled)
         self.stats["num_steps"] += 1
-        return [s.request for s in plan.seqs if s.sample or s.num_drafts]
+        return plan.failed + [s.request for s in plan.seqs if s.sample or s.num_drafts]
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[Emitted | None]:
         """Per scheduled sequence: the tokens it emits this step (None: mid-prompt chunk)."""
@@ -325,8 +363,12 @@ class LLMEngine:
             reason = ("length", None)
         if self.tokenizer is not None:
             prev = len(req.text)
-            text = self._detokenize(req, drop_last=reason is not None and reason[0] == "stop",
-                                    final=reason is not None)
+            if req.detokenizer is None:
+                req.detokenizer = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)
+            if reason is not None and reason[0] == "stop" and not p.include_stop_str_in_output:
+                text = req.text + req.detokenizer.flush()  # the stop token's text is left out
+            else:
+                text = req.text + req.detokenizer.add(tok, final=reason is not None)
             if p.stop and n_out >= p.min_tokens:
                 at = find_stop(text, p.stop, prev)
                 if at is not None:
@@ -337,16 +379,6 @@ class LLMEngine:
         if reason is not None:
             req.finish_reason, req.stop_reason = reason
             self._finish(req)
-
-    def _detokenize(self, req: Request, drop_last: bool, final: bool) -> str:
-        ids = req.output_token_ids
-        if drop_last and not req.params.include_stop_str_in_output:
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
-        if not final:
-            # Hold back an incomplete multi-byte character until its last byte arrives.
-            text = text.rstrip("\ufffd")
-        return text
 
     def _finish(self, req: Request) -> None:
         if req.session is not None:
@@ -379,6 +411,6 @@ class LLMEngine:
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt,
             prompt_token_ids=list(req.prompt_token_ids), outputs=[out],
-            finished=req.is_finished, metrics=metrics,
+            finished=req.is_finished, metrics=metrics, error=req.error,
         )
 

@@ -63,6 +63,8 @@ class LLM:
     model: a local checkpoint directory or a Hugging Face id (default: the embedded demo model).
     cache_memory: the KV + state budget: bytes, a fraction of free memory, or '2GiB'
     (default 0.3 of free memory, capped at what max_num_seqs x max_model_len needs).
+    max_num_sessions: sessions that can be open at once (each has a GDN state slot of its own
+    in the budget, for rollbacks).
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class LLM:
         device: str | torch.device = "cpu",
         speculative_tokens: int = 0,
         backend: str | None = None,
+        max_num_sessions: int = 1,
     ):
         if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or (
             speculative_tokens < 0
@@ -87,6 +90,10 @@ class LLM:
             raise ValueError(
                 f"speculative_tokens must be an integer >= 0, got {speculative_tokens!r}"
             )
+        if not isinstance(max_num_sessions, int) or isinstance(max_num_sessions, bool) or (
+            max_num_sessions < 0
+        ):
+            raise ValueError(f"max_num_sessions must be an integer >= 0, got {max_num_sessions!r}")
         self.device = torch.device(device)
         if self.device.type == "cpu":
             keep_freed_memory()
@@ -120,6 +127,7 @@ class LLM:
             memory_bytes=mem_bytes, memory_fraction=mem_fraction,
             slots_per_request=1 + speculative_tokens, num_extra_attention_layers=extra_layers,
             device=self.device, lookahead_tokens=speculative_tokens,
+            num_snapshot_slots=max_num_sessions,
         )
         cache = HybridCacheManager(
             self.config, sizing, self.dtype, self.device,
@@ -285,15 +293,20 @@ class LLM:
                session: Session | None = None, speculative_tokens: int | None = None,
                snapshot_at: int | None = None) -> Iterator[str]:
         """Yield text deltas of one request as its tokens arrive. Closing the iterator early
-        aborts the request. The finished request's output is then in ``last_stream_output``."""
+        aborts the request. The finished request's output is then in ``last_stream_output``.
+        A request that can never be scheduled raises its error (a ValueError)."""
         if self.tokenizer is None:
             raise ValueError("stream() needs a tokenizer; use stream_tokens() for token ids")
         sent = 0
         for req in self._stream(prompt, sampling_params, session, speculative_tokens,
                                 snapshot_at):
-            if len(req.text) > sent:
-                yield req.text[sent:]
-                sent = len(req.text)
+            end = len(req.text)
+            p = req.params
+            if not req.is_finished and not p.include_stop_str_in_output:
+                end -= max(0, p.max_stop_len - 1)  # text a stop string may still cut off
+            if end > sent:
+                yield req.text[sent:end]
+                sent = end
 
     def stream_tokens(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                       session: Session | None = None, speculative_tokens: int | None = None,
@@ -320,6 +333,8 @@ class LLM:
                 self.engine.abort_request(rid)
             self.engine.pop_request(rid)
             self.last_stream_output = self.engine.make_output(req)
+        if req.error is not None:
+            raise req.error
 
 
 def _error_output(rid: str, prompt: Any, err: ValueError) -> RequestOutput:

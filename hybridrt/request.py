@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridrt.detokenizer import IncrementalDetokenizer
 from hybridrt.sampler import SamplingRow
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.session import Session
@@ -30,6 +31,7 @@ class RequestMetrics:
     num_generated_tokens: int = 0
     num_computed_prompt_tokens: int = 0  # prompt tokens actually prefilled (recompute counts)
     num_preemptions: int = 0
+    session_cache_evicted: bool = False  # the session's cache was evicted since its last turn
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -54,6 +56,7 @@ class RequestMetrics:
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "num_preemptions": self.num_preemptions,
             "num_prefilled_tokens": self.num_computed_prompt_tokens,
+            "session_cache_evicted": self.session_cache_evicted,
         }
 
 
@@ -76,9 +79,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: Exception | None = None  # why it finished with finish_reason "error"
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] | None = None
     text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None  # builds ``text``, when there is a tokenizer
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     # Speculative decoding: k drafts per step; drafts wait here until verified. The request
     # owns 1 + k state slots and its current GDN state is in slot number ``slot_cursor``.
@@ -87,9 +92,12 @@ class Request:
     draft_probs: torch.Tensor | None = None  # [len(drafts), V] the drafts were sampled from
     slot_cursor: int = 0
     spec_stats: SpecStats | None = None
-    # Session reuse: the conversation this request continues, and the prompt length at which
-    # to save the GDN state (just before the last prompt token) for a later /regen.
+    # Session reuse: the conversation this request continues (its cache is handed over when the
+    # request is admitted: ``session_attached``), the prompt length the caller asked to save the
+    # GDN state at, and the one still to be saved (just before the last prompt token by default).
     session: Session | None = None
+    session_attached: bool = False
+    session_snapshot_at: int | None = None
     snapshot_at: int | None = None
 
     def __post_init__(self) -> None:

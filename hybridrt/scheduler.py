@@ -2,24 +2,28 @@
 
 Each scheduled request advances ``num_computed_tokens`` towards ``len(token_ids)``: a decode
 is 1 token, a prompt is as many as the budget allows (long prompts are chunked across steps).
-Running requests go first, then waiting ones in arrival order. When KV blocks run out the
-newest running request is preempted: its blocks and state slots are freed and it is recomputed
-from its tokens later. Nothing is ever dropped.
+Running requests go first, then waiting ones in arrival order. When KV blocks or state slots
+run out, idle sessions' caches are evicted first (least recently used first); then the newest
+running request is preempted: its blocks and state slots are freed and it is recomputed from its
+tokens later. A waiting request that does not fit even when nothing else holds any cache can
+never run: it fails (``StepPlan.failed``) instead of waiting forever.
 
 | invariant | |
 | --- | --- |
 | running | holds KV blocks covering num_computed_tokens (+ this step's) and its state slots |
 | waiting | holds no cache resources; num_computed_tokens == 0 |
 | preempted | goes back to the front of waiting, oldest first |
+| session request | takes over its session's cache when admitted (``sessions.attach_session``) |
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridrt.request import Request, RequestStatus
-from hybridrt.statecache import HybridCacheManager
+from hybridrt.statecache import CacheCapacityError, HybridCacheManager
 
 
 @dataclass(slots=True)
@@ -35,15 +39,12 @@ class ScheduledSeq:
 class StepPlan:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
+    failed: list[Request] = field(default_factory=list)  # can never be scheduled (req.error)
 
 
 class Scheduler:
     def __init__(self, cache: HybridCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, sessions: Any = None):
         if max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}"
@@ -51,6 +52,9 @@ class Scheduler:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # the engine's session hooks: attach_session(req), detach_session(req) and
+        # evict_idle_session() -> bool (None: no sessions)
+        self.sessions = sessions
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -73,6 +77,8 @@ class Scheduler:
             # KV for this step, plus room for the MTP layer to write its next drafts.
             need = req.num_computed_tokens + n + req.spec_k
             while not self.cache.allocate_blocks(req.request_id, need):
+                if self._evict_idle_session():
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, plan)
                 if victim is req:
@@ -86,13 +92,20 @@ class Scheduler:
             return plan
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.session is not None and not req.session_attached:
+                self.sessions.attach_session(req)
             n = self._stop_at_snapshot(req, min(len(req.token_ids) - req.num_computed_tokens,
                                                 budget))
-            if not self.cache.allocate_state(req.request_id, 1 + req.spec_k):
-                break
-            if not self.cache.allocate_blocks(req.request_id,
-                                              req.num_computed_tokens + n + req.spec_k):
-                self.cache.free(req.request_id)
+            need = req.num_computed_tokens + n + req.spec_k
+            if not self._allocate(req, need):
+                if req.session_attached and req.num_computed_tokens:
+                    self.sessions.detach_session(req)  # the session keeps its cache meanwhile
+                else:
+                    self.cache.free(req.request_id)
+                    req.num_computed_tokens = 0
+                if not self.running:  # nothing else holds any cache: it never fits
+                    self._fail(req, need, plan)
+                    continue
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -109,6 +122,29 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
+
+    def _allocate(self, req: Request, num_tokens: int) -> bool:
+        """State slots and KV blocks for ``num_tokens`` tokens of a request being admitted,
+        evicting idle sessions' caches while that helps -> whether it got them."""
+        while not (self.cache.allocate_state(req.request_id, 1 + req.spec_k)
+                   and self.cache.allocate_blocks(req.request_id, num_tokens)):
+            if not self._evict_idle_session():
+                return False
+        return True
+
+    def _evict_idle_session(self) -> bool:
+        return self.sessions is not None and self.sessions.evict_idle_session()
+
+    def _fail(self, req: Request, need: int, plan: StepPlan) -> None:
+        s = self.cache.sizing
+        req.error = CacheCapacityError(
+            f"request {req.request_id} can never be scheduled: it needs "
+            f"{-(-need // s.block_size)} KV blocks and {1 + req.spec_k} state slots, and the "
+            f"cache has {s.num_blocks} blocks and {s.num_slots - 1 - s.num_snapshot_slots} "
+            f"request slots in all"
+        )
+        self.waiting.popleft()
+        plan.failed.append(req)
 
     @staticmethod
     def _stop_at_snapshot(req: Request, n: int) -> int:

@@ -1,6 +1,5 @@
-"""Speculative-decoding benchmark: the same prompts with k = 0..4 MTP drafts, batch 1 and 8.
-
-    python -m hybridrt.specbench --model DIR [--quick] [--json out.json]
+"""Speculative-decoding benchmark (``hybridrt bench spec``): the same prompts with k = 0..4 MTP
+drafts, batch 1 and 8.
 
 One ``LLM`` (with ``speculative_tokens = max(ks)``) serves every run; each run sets k per call,
 so all rows share weights, cache and process. Per (batch size, k) it reports output tok/s, the
@@ -12,7 +11,6 @@ draft i / rounds). Decoding is greedy by default, so every k must reproduce k = 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -210,48 +208,3 @@ def format_table(report: dict) -> str:
         lines.append(f"{r['batch_size']:>5} {r['k']:>2} {r['tok_s']:>9.1f} {sp:>8} {al:>10} "
                      f"{same:>10}  {pp}")
     return "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hybridrt.specbench",
-                                description="MTP speculative decoding: tok/s and acceptance "
-                                            "for k = 0..4 at batch 1 and 8")
-    p.add_argument("--model", default=None, help="checkpoint dir or hub id (default: demo model)")
-    p.add_argument("--ks", default="0,1,2,3,4", help="comma-separated drafts per step")
-    p.add_argument("--batch-sizes", default="1,8")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--prompt", action="append", default=None,
-                   help="a prompt string (repeatable; default: built-in questions)")
-    p.add_argument("--quick", action="store_true", help="4 prompts, 8 tokens")
-    p.add_argument("--json", default=None, help="write the report here")
-    return p
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
-    model = args.model
-    if model is None:
-        from hybridrt.llm import default_model
-
-        model = default_model()
-    return run_spec_bench(
-        model,
-        ks=[int(k) for k in args.ks.split(",") if k.strip()],
-        batch_sizes=[int(b) for b in args.batch_sizes.split(",") if b.strip()],
-        prompts=args.prompt,
-        max_tokens=args.max_tokens,
-        dtype=args.dtype,
-        threads=args.threads,
-        json_path=args.json,
-        quick=args.quick,
-        temperature=args.temperature,
-        ignore_eos=args.ignore_eos,
-    )
-
-
-if __name__ == "__main__":
-    main()

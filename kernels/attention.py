@@ -95,7 +95,8 @@ def paged_attention(
     seq_lens: [B] context length including this step's tokens; block_tables: [B, M].
     ``query_lens``/``context_lens`` are optional host-side copies; ``plan``: the step's
     ``attention_plan`` (built here when not given). Returns [T, H, D]. The math runs in fp32
-    (the output is rounded to the query's dtype): see docs/performance.md for why.
+    (the output is rounded to the query's dtype): CPU SDPA on bf16 inputs is several times
+    slower on CPUs without bf16 matrix instructions (docs/performance.md).
     """
     H, HKV = query.shape[1], key_cache.shape[2]
     if H % HKV:

@@ -1,10 +1,9 @@
 """y = x W^T, with a CPU path for half-precision weights.
 
 CPUs without native bf16/fp16 matrix instructions (e.g. AVX2-only) run half-precision GEMMs at
-roughly GEMV speed per row: measured on this project's 2-core AVX2 machine (3584x1024 bf16,
-2 threads), 0.4 ms per row and 12.3 ms for 32 rows, against 2.6 ms for the same 32 rows in
-fp32. So products are computed in fp32 and rounded back to the input's dtype, which is what a
-half GEMM with fp32 accumulation returns, by the first of these that applies:
+roughly GEMV speed per row, several times slower than fp32 from a few rows on (figures in
+docs/performance.md). So products are computed in fp32 and rounded back to the input's dtype,
+which is what a half GEMM with fp32 accumulation returns, by the first of these that applies:
 
 - up to ``native.HALF_GEMV_MAX_ROWS`` (4) rows, where the compiled kernels run: ``half_gemv``
   (``csrc/half_gemm.c``) on the weight as it is, each element read and widened once (decode at
@@ -17,31 +16,12 @@ The copy is, in order of preference:
 
 1. ``PanelWeight``: the half-precision values repacked in 16-column panels, multiplied by the
    compiled ``half_gemm`` (AVX2 + FMA + F16C; widens each panel to fp32 in L1). Same bytes as
-   the weight, so at 0.8B parameters 1.5 GB less than an fp32 copy: peak RSS of
-   ``hybridrt bench throughput --no-transformers --concurrency 32`` 4.19 GiB, 6.47 GiB with
-   ``HYBRIDRT_NATIVE=0`` (oneDNN's copy).
+   the weight, half of an fp32 copy, at about oneDNN's speed.
 2. oneDNN's blocked fp32 layout when PyTorch has oneDNN (``_reorder_linear_weight``, the op
-   behind PyTorch's own CPU inference freezing): 32 rows against ``torch.mm`` on a plain fp32
-   copy: 3584x1024 1.92 vs 2.01 ms, 1024x3584 1.80 vs 2.27 ms, the tied LM head 155 vs 186 ms.
+   behind PyTorch's own CPU inference freezing), faster than ``torch.mm`` on a plain copy.
 3. a plain fp32 tensor multiplied as W x^T.
 
-Measured by ``python -m hybridrt.bench gemm`` (2 threads, weights streamed in turn, median of 9
-interleaved rounds, ms per weight; a second run gave the panels 0.96-1.15x oneDNN's speed from
-8 rows on, so there they are about even, at half the memory):
-
-| weight      | rows | gemv | panels | oneDNN fp32 | bf16 F.linear |
-| ---         | ---: | ---: | ---:   | ---:        | ---:          |
-| 7168x1024   | 1    | 0.90 | 1.14   | 1.19        | 1.27          |
-| 7168x1024   | 2    | 1.06 | 1.43   | 1.23        | 2.38          |
-| 7168x1024   | 4    | 1.33 | 1.47   | 1.87        |               |
-| 7168x1024   | 5    |      | 1.38   | 1.85        |               |
-| 7168x1024   | 32   |      | 4.62   | 4.74        |               |
-| 7168x1024   | 512  |      | 60.4   | 62.4        |               |
-| 1024x3584   | 1    | 0.33 | 0.56   | 0.66        | 0.44          |
-| 1024x3584   | 4    | 0.49 | 0.79   | 0.93        |               |
-| 1024x3584   | 32   |      | 2.22   | 2.36        |               |
-| 248320x1024 | 1    | 38.5 | 46.1   | 72.2        | 38.8          |
-| 248320x1024 | 32   |      | 155    | 153         |               |
+``hybridrt bench gemm`` times each path per weight at the 0.8B shapes.
 """
 
 from __future__ import annotations
@@ -149,8 +129,8 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor,
 
 
 def _cpu_gemm(x: torch.Tensor, weight: torch.Tensor | PanelWeight) -> torch.Tensor:
-    """x W^T. Plain weights as W x^T: with weights streamed from memory, measured 1.8x faster
-    than F.linear for 32 rows of fp32 on the AVX2 machine (97 vs 54 GFLOP/s, 3584x1024)."""
+    """x W^T. Plain weights as W x^T, which for a few dozen rows of fp32 with the weight streamed
+    from memory ran faster than F.linear (docs/performance.md)."""
     if isinstance(weight, PanelWeight):
         y = native.half_gemm(x.reshape(-1, x.shape[-1]), weight.panels, weight.shape[0])
         return y.view(*x.shape[:-1], weight.shape[0])

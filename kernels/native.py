@@ -6,7 +6,7 @@
   while the 64 KiB state sits in L2.
 - ``csrc/half_gemm.c``: x W^T for bf16/fp16 weights in fp32 on AVX2 + FMA + F16C CPUs, reading
   the half-precision weights (packed in 16-column panels) instead of an fp32 copy of them
-  (kernels/linear.py says when it is used and what it was measured against).
+  (kernels/linear.py says when it is used; docs/performance.md what it was measured against).
 
 Both are built into one library with ``cc -O3 -march=native -fopenmp`` into
 ``$HYBRIDRT_CACHE`` (default ``~/.cache/hybridrt``), keyed by a hash of the source, the flags

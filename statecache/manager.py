@@ -4,8 +4,11 @@
 | --- | --- | --- |
 | paged KV (attention + MTP layers) | block of ``block_size`` tokens | ceil(tokens / block_size) |
 | GDN conv + recurrent state | slot | ``slots_per_request`` (1, or 1 + k with speculation) |
+| session snapshot (GDN state saved for a rollback) | slot | none: one per open session |
 
-Both stores free a request's units at finish / abort / preemption.
+Both stores free a request's units at finish / abort / preemption. Between its turns a session
+holds its conversation's blocks and slots under its own key; the engine evicts them when a
+request needs the room. Snapshot slots are a separate, fixed pool, planned like the others.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class CacheSizing:
     bytes_per_slot: int
     max_num_seqs: int
     max_model_len: int
+    num_snapshot_slots: int = 0  # the last ones, reserved for session snapshots
 
     @property
     def max_tokens(self) -> int:
@@ -50,7 +54,8 @@ class CacheSizing:
         return (
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.max_tokens} "
             f"tokens ({self.num_blocks * self.bytes_per_block / 2**20:.1f} MiB); GDN state: "
-            f"{self.num_slots - 1} slots ({self.num_slots * self.bytes_per_slot / 2**20:.1f} MiB); "
+            f"{self.num_slots - 1 - self.num_snapshot_slots} slots + {self.num_snapshot_slots} "
+            f"session snapshot slots ({self.num_slots * self.bytes_per_slot / 2**20:.1f} MiB); "
             f"max concurrency at max_model_len={self.max_model_len}: {self.max_concurrency:.2f}"
         )
 
@@ -82,17 +87,21 @@ def plan_cache(
     num_extra_attention_layers: int = 0,
     device: torch.device | str = "cpu",
     lookahead_tokens: int = 0,
+    num_snapshot_slots: int = 0,
 ) -> CacheSizing:
-    """Size both stores from one budget: state slots for ``max_num_seqs`` requests first, then
-    as many KV blocks as the rest allows (never more than every sequence at full length needs).
-    ``lookahead_tokens``: KV positions a request may write past its length (draft tokens).
-    Refuses budgets that cannot hold one max-length request."""
+    """Size both stores from one budget: state slots for ``max_num_seqs`` requests and
+    ``num_snapshot_slots`` session snapshots first, then as many KV blocks as the rest allows
+    (never more than every sequence at full length needs). ``lookahead_tokens``: KV positions a
+    request may write past its length (draft tokens). Refuses budgets that cannot hold one
+    max-length request."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if max_num_seqs <= 0:
         raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
     if max_model_len <= 0:
         raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+    if num_snapshot_slots < 0:
+        raise ValueError(f"num_snapshot_slots must be >= 0, got {num_snapshot_slots}")
     if memory_bytes is None:
         fraction = 0.3 if memory_fraction is None else memory_fraction
         if not 0.0 < fraction <= 1.0:
@@ -103,23 +112,26 @@ def plan_cache(
     per_block = CacheTensors.bytes_per_block(config, block_size, dtype, num_extra_attention_layers)
     per_slot = CacheTensors.bytes_per_slot(config, dtype)
     blocks_per_req = -(-(max_model_len + lookahead_tokens) // block_size)
-    one_request = blocks_per_req * per_block + (slots_per_request + 1) * per_slot
+    fixed_slots = 1 + num_snapshot_slots  # the null slot and the session snapshots
+    one_request = blocks_per_req * per_block + (slots_per_request + fixed_slots) * per_slot
     if memory_bytes < one_request:
         raise CacheCapacityError(
             f"cache budget {memory_bytes / 2**20:.1f} MiB cannot hold one request of "
             f"max_model_len={max_model_len} ({one_request / 2**20:.1f} MiB needed: "
-            f"{blocks_per_req} KV blocks + {slots_per_request} state slot(s)); raise the budget "
-            f"or lower max_model_len"
+            f"{blocks_per_req} KV blocks + {slots_per_request} state slot(s) + "
+            f"{num_snapshot_slots} session snapshot slot(s)); raise the budget or lower "
+            f"max_model_len"
         )
-    num_slots = 1 + max_num_seqs * slots_per_request
-    while num_slots > 1 + slots_per_request and (
+    num_slots = fixed_slots + max_num_seqs * slots_per_request
+    while num_slots > fixed_slots + slots_per_request and (
         memory_bytes - num_slots * per_slot < blocks_per_req * per_block
     ):
         num_slots -= slots_per_request
-    seqs = (num_slots - 1) // slots_per_request
+    seqs = (num_slots - fixed_slots) // slots_per_request
     num_blocks = (memory_bytes - num_slots * per_slot) // per_block
     num_blocks = int(min(num_blocks, blocks_per_req * seqs))
-    return CacheSizing(num_blocks, num_slots, block_size, per_block, per_slot, seqs, max_model_len)
+    return CacheSizing(num_blocks, num_slots, block_size, per_block, per_slot, seqs, max_model_len,
+                       num_snapshot_slots)
 
 
 class HybridCacheManager:
@@ -142,7 +154,9 @@ class HybridCacheManager:
             num_extra_attention_layers,
         )
         self.blocks = BlockPool(sizing.num_blocks)
-        self.slots = SlotPool(sizing.num_slots)
+        first_snapshot = sizing.num_slots - sizing.num_snapshot_slots
+        self.slots = SlotPool(first_snapshot)
+        self.free_snapshot_slots = list(range(first_snapshot, sizing.num_slots))
         self.block_tables: dict[str, list[int]] = {}
         self.state_slots: dict[str, list[int]] = {}
 
@@ -179,6 +193,9 @@ class HybridCacheManager:
         self.state_slots[request_id] = got
         return True
 
+    def holds(self, owner: str) -> bool:
+        """Whether ``owner`` (a request or a session) holds any blocks or slots."""
+        return bool(self.block_tables.get(owner) or self.state_slots.get(owner))
 
     # Ownership moves (session reuse) ----------------------------------------------------------
     def transfer(self, src: str, dst: str) -> None:
@@ -211,14 +228,7 @@ class HybridCacheManager:
         self.blocks.free(self.block_tables.pop(request_id, []))
         self.slots.free(self.state_slots.pop(request_id, []))
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.blocks.num_free
-
-    @property
-    def num_free_slots(self) -> int:
-        return self.slots.num_free
-
     def all_free(self) -> bool:
         return (self.blocks.num_free == self.blocks.num_blocks
-                and self.slots.num_free == self.slots.capacity)
+                and self.slots.num_free == self.slots.capacity
+                and len(self.free_snapshot_slots) == self.sizing.num_snapshot_slots)

@@ -36,6 +36,24 @@ def assert_rel_close(ours: torch.Tensor, ref: torch.Tensor, tol: float, what: st
     assert err <= tol, f"{what}: max-abs error {err:.3g} x max|ref| > {tol:g}"
 
 
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, float]:
+    """Pearson chi-square of counts vs probs; cells expected < 5 are pooled. -> (stat, df, p)
+    with p = Q(df/2, stat/2), the regularised upper incomplete gamma function."""
+    n = counts.sum()
+    expected = probs * n
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert obs[exp == 0].sum() == 0, "a token with probability 0 was emitted"
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = obs.numel() - 1
+    p = float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                      torch.tensor(stat / 2.0, dtype=torch.float64)))
+    return stat, df, p
+
+
 def build_model(
     text_config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32,
     with_mtp: bool = False,

@@ -83,7 +83,7 @@ def _budget(llm_probe, num_blocks, num_slots):
 def test_preemption_keeps_outputs_and_leaks_nothing(ckpt, prompts, dense_greedy):
     probe = make_llm(ckpt, max_model_len=96)
     # 7 blocks of 16 tokens: one 96-token request fits, the whole batch does not.
-    budget = _budget(probe, num_blocks=7, num_slots=9)
+    budget = _budget(probe, num_blocks=7, num_slots=10)  # null + 8 requests + 1 session snapshot
     llm = make_llm(ckpt, max_model_len=96, cache_memory=budget, max_num_batched_tokens=16)
     assert llm.cache_sizing.num_blocks == 7
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -92,7 +92,7 @@ def test_preemption_keeps_outputs_and_leaks_nothing(ckpt, prompts, dense_greedy)
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
     cache = llm.engine.cache
     assert cache.all_free()
-    assert cache.num_free_blocks == 7 and cache.num_free_slots == cache.slots.capacity
+    assert cache.blocks.num_free == 7 and cache.slots.num_free == cache.slots.capacity
     assert not cache.block_tables and not cache.state_slots
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hybridrt import LLM, SamplingParams
+from hybridrt.statecache import CacheTensors
 from hybridrt.testing import tiny_text_config, write_random_checkpoint
 
 SP = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -114,3 +115,152 @@ def test_snapshot_at_the_generation_prompt_serves_a_rewritten_history(llm):
         llm.engine.add_request(p1, SP, snapshot_at=3)  # no session
     llm.close_session(s)
     assert llm.engine.cache.all_free()
+
+
+# Sessions as users of the cache ----------------------------------------------------------------
+def _ckpt(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("sess-tight"), tiny_text_config(),
+                                   seed=11)
+
+
+def _bounded(llm, max_steps=2000):
+    """Make engine.step raise instead of spinning forever."""
+    step, calls = llm.engine.step, [0]
+
+    def guarded():
+        calls[0] += 1
+        assert calls[0] <= max_steps, "the engine is not making progress"
+        return step()
+
+    llm.engine.step = guarded
+
+
+def _tight_llm(d, k, **kw):
+    """Blocks for exactly one max_model_len request (96 + k tokens: 7 blocks)."""
+    probe = LLM(d, dtype="float32", max_model_len=96, cache_memory=32 << 20,
+                speculative_tokens=k)
+    cfg, dtype = probe.config, probe.dtype
+    extra = probe.model.num_attention_caches - len(cfg.full_attention_layers)
+    max_num_seqs, sessions = kw.get("max_num_seqs", 2), kw.get("max_num_sessions", 1)
+    slots = 1 + max_num_seqs * (1 + k) + sessions
+    budget = (7 * CacheTensors.bytes_per_block(cfg, 16, dtype, extra)
+              + slots * CacheTensors.bytes_per_slot(cfg, dtype))
+    llm = LLM(d, dtype="float32", max_model_len=96, cache_memory=budget, speculative_tokens=k,
+              max_num_batched_tokens=32, **kw)
+    assert llm.cache_sizing.num_blocks == 7
+    _bounded(llm)
+    return llm
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_snapshot_slots_are_planned(tmp_path_factory, k):
+    """A session's snapshot slot is its own, in the budget: with max_num_seqs=1 an open session
+    used to take the only request slot and generate() spun forever with zero steps."""
+    d = _ckpt(tmp_path_factory)
+    llm = LLM(d, dtype="float32", max_model_len=64, max_num_seqs=1, cache_memory=32 << 20,
+              speculative_tokens=k, max_num_sessions=2)
+    assert llm.cache_sizing.num_slots == 1 + (1 + k) + 2
+    assert llm.cache_sizing.num_snapshot_slots == 2
+    p = _ids(20, 20)
+    want = _fresh(llm, p)
+    s1, s2 = llm.open_session(), llm.open_session()
+    with pytest.raises(RuntimeError, match="max_num_sessions"):
+        llm.open_session()
+    _bounded(llm)
+    assert _fresh(llm, p) == want
+    assert list(llm.stream_tokens(p, SP, session=s1)) == want
+    assert _fresh(llm, p) == want  # s1 now holds a cache: evicted for this request
+    llm.close_session(s1)
+    llm.close_session(s2)
+    assert llm.engine.cache.all_free()
+    llm.close_session(llm.open_session())
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_idle_session_is_evicted_and_its_next_turn_reprefills(tmp_path_factory, k):
+    d = _ckpt(tmp_path_factory)
+    llm = _tight_llm(d, k)
+    p1, big = _ids(50, 21), _ids(80, 22)
+    want_big = _fresh(llm, big)
+    s = llm.open_session()
+    t1 = list(llm.stream_tokens(p1, SP, session=s))
+    assert llm.engine.cache.holds(s.cache_key)
+    # 80 + 12 tokens need all 7 blocks: the idle session's cache has to go
+    assert _fresh(llm, big) == want_big
+    assert llm.engine.stats["num_session_evictions"] == 1 and s.token_ids == []
+    p2 = p1 + t1 + _ids(5, 23)
+    t2 = list(llm.stream_tokens(p2, SP, session=s))
+    m = llm.last_stream_output.metrics
+    assert m["session_cache_evicted"] and m["num_prefilled_tokens"] == len(p2)
+    p3 = p2 + t2 + _ids(4, 24)
+    t3 = list(llm.stream_tokens(p3, SP, session=s))
+    m = llm.last_stream_output.metrics
+    assert not m["session_cache_evicted"] and m["num_prefilled_tokens"] == 5
+    assert llm.engine.stats["num_session_evictions"] == 1
+    assert t2 == _fresh(llm, p2) and t3 == _fresh(llm, p3)  # these evict the session again
+    llm.close_session(s)
+    assert llm.engine.cache.all_free()
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_sessions_and_requests_under_pressure_all_finish_correctly(tmp_path_factory, k):
+    """Two sessions' next turns and two long plain requests queued together, a third session
+    idle, on a cache that holds one long request: the idle session's cache is evicted, the two
+    turns reuse theirs, and every output is the one computed alone."""
+    d = _ckpt(tmp_path_factory)
+    llm = _tight_llm(d, k, max_num_seqs=3, max_num_sessions=3)
+    eng = llm.engine
+    sessions = [llm.open_session() for _ in range(3)]
+    nexts = []
+    for i, s in enumerate(sessions):  # 2 blocks each after their first turn
+        p = _ids(10 + 4 * i, 30 + i)
+        nexts.append(p + list(llm.stream_tokens(p, SP, session=s)) + _ids(6, 40 + i))
+    assert eng.stats["num_session_evictions"] == 0
+    plain = [_ids(75, 50), _ids(60, 51)]
+    rids = [eng.add_request(p, SP, session=s) for s, p in zip(sessions[:2], nexts)]
+    rids += [eng.add_request(p, SP) for p in plain]
+    while eng.has_unfinished_requests():
+        eng.step()
+    outs = [eng.make_output(eng.pop_request(r)) for r in rids]
+    # the idle one went first; finished turns are idle too, and evictable
+    assert eng.stats["num_session_evictions"] >= 1 and sessions[2].token_ids == []
+    for o, p in zip(outs[:2], nexts):
+        assert not o.metrics["session_cache_evicted"]
+        assert o.metrics["num_prefilled_tokens"] < len(p)
+    t = list(llm.stream_tokens(nexts[2], SP, session=sessions[2]))
+    assert llm.last_stream_output.metrics["session_cache_evicted"]
+    for o, p in zip(outs, nexts[:2] + plain):
+        assert o.error is None and o.outputs[0].token_ids == _fresh(llm, p)
+    assert t == _fresh(llm, nexts[2])
+    for s in sessions:
+        llm.close_session(s)
+    assert eng.cache.all_free()
+
+
+def test_a_request_that_can_never_be_scheduled_fails_with_a_clear_error(tmp_path_factory):
+    """A cache smaller than the plan allows (built by hand): a request that cannot fit even
+    in the empty cache fails with finish_reason 'error' instead of waiting forever."""
+    from hybridrt.engine import EngineConfig, LLMEngine
+    from hybridrt.statecache import CacheCapacityError, CacheSizing, HybridCacheManager
+
+    d = _ckpt(tmp_path_factory)
+    llm = LLM(d, dtype="float32", max_model_len=128, max_num_seqs=2, cache_memory=32 << 20)
+    cfg, dtype = llm.config, llm.dtype
+    sizing = CacheSizing(num_blocks=3, num_slots=4, block_size=16,
+                         bytes_per_block=CacheTensors.bytes_per_block(cfg, 16, dtype),
+                         bytes_per_slot=CacheTensors.bytes_per_slot(cfg, dtype),
+                         max_num_seqs=2, max_model_len=128, num_snapshot_slots=1)
+    cache = HybridCacheManager(cfg, sizing, dtype)
+    eng = LLMEngine(llm.model, cfg, cache, EngineConfig(128, 2, 512, 16))
+    small, large = _ids(20, 60), _ids(70, 61)  # 20 + 12 tokens fit in 3 blocks, 70 do not
+    ids = [eng.add_request(p, SP) for p in (large, small)]
+    for _ in range(100):
+        if not eng.has_unfinished_requests():
+            break
+        eng.step()
+    out_large, out_small = (eng.make_output(eng.pop_request(r)) for r in ids)
+    assert out_large.outputs[0].finish_reason == "error"
+    assert isinstance(out_large.error, CacheCapacityError)
+    assert "can never be scheduled" in str(out_large.error)
+    assert out_small.error is None and out_small.outputs[0].token_ids == _fresh(llm, small)
+    assert cache.all_free()

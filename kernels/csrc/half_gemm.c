@@ -10,7 +10,7 @@
  * re-read for every panel within about 1 MiB.
  *
  * Against oneDNN's packed fp32 copy of the same weights (the path it replaces) this reads half
- * the bytes and keeps no second copy of the model; the GEMM rates are measured in linear.py.
+ * the bytes and keeps no second copy of the model; its rates are in docs/performance.md.
  */
 #include <stdint.h>
 
