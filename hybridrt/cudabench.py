@@ -160,7 +160,7 @@ def bench_transformers(text_config, state_dict, args) -> dict:
         p = _prompts(1, n, vocab, 3)
         run(p, 1)
         res[f"prefill_{n}_tok_s"] = n / statistics.median(run(p, 1) for _ in range(3))
-    del ref
+    ref = None  # free the model before the next section
     torch.cuda.empty_cache()
     return res
 

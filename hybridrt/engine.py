@@ -11,12 +11,11 @@ from typing import Any
 import torch
 
 from hybridrt.config import ModelConfig
-from hybridrt.detokenizer import IncrementalDetokenizer
 from hybridrt.model import Qwen35ForCausalLM
-from hybridrt.outputs import CompletionOutput, RequestOutput
+from hybridrt.output_processor import OutputProcessor
 from hybridrt.request import Request
 from hybridrt.runner import ModelRunner
-from hybridrt.sampler import Sampler, find_stop, make_generator
+from hybridrt.sampler import Sampler, make_generator
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.scheduler import Scheduler, StepPlan
 from hybridrt.session import Session, common_prefix
@@ -57,6 +56,7 @@ class LLMEngine:
         self.cache = cache
         self.engine_config = engine_config
         self.tokenizer = tokenizer
+        self.output = OutputProcessor(tokenizer, engine_config.max_model_len)
         self.runner = ModelRunner(model, cache, device, backend)
         self.scheduler = Scheduler(cache, engine_config.max_num_seqs,
                                    engine_config.max_num_batched_tokens, sessions=self)
@@ -346,38 +346,8 @@ class LLMEngine:
         return settled
 
     def _append_token(self, req: Request, tok: int, now: float) -> None:
-        req.token_ids.append(tok)
         self.stats["num_decode_tokens"] += 1
-        m = req.metrics
-        m.num_generated_tokens += 1
-        if m.first_token_time is None:
-            m.first_token_time = now
-        p = req.params
-        n_out = req.num_output_tokens
-        reason: tuple[str, int | str | None] | None = None
-        if n_out >= p.min_tokens and tok in req.eos_token_ids:
-            reason = ("stop", tok)
-        elif (p.max_tokens is not None and n_out >= p.max_tokens) or (
-            len(req.token_ids) >= self.engine_config.max_model_len
-        ):
-            reason = ("length", None)
-        if self.tokenizer is not None:
-            prev = len(req.text)
-            if req.detokenizer is None:
-                req.detokenizer = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)
-            if reason is not None and reason[0] == "stop" and not p.include_stop_str_in_output:
-                text = req.text + req.detokenizer.flush()  # the stop token's text is left out
-            else:
-                text = req.text + req.detokenizer.add(tok, final=reason is not None)
-            if p.stop and n_out >= p.min_tokens:
-                at = find_stop(text, p.stop, prev)
-                if at is not None:
-                    hit = next(s for s in p.stop if text.startswith(s, at))
-                    text = text[:at + len(hit)] if p.include_stop_str_in_output else text[:at]
-                    reason = ("stop", hit)
-            req.text = text
-        if reason is not None:
-            req.finish_reason, req.stop_reason = reason
+        if self.output.append(req, tok, now):
             self._finish(req)
 
     def _finish(self, req: Request) -> None:
@@ -397,20 +367,5 @@ class LLMEngine:
         return ids
 
     # Outputs -------------------------------------------------------------------------------
-    @staticmethod
-    def make_output(req: Request) -> RequestOutput:
-        text = req.text
-        out = CompletionOutput(
-            index=0, text=text, token_ids=list(req.output_token_ids),
-            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-            logprobs=None if req.logprobs is None else list(req.logprobs),
-        )
-        metrics = req.metrics.as_dict()
-        if req.spec_stats is not None:
-            metrics["spec"] = req.spec_stats.as_dict()
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt,
-            prompt_token_ids=list(req.prompt_token_ids), outputs=[out],
-            finished=req.is_finished, metrics=metrics, error=req.error,
-        )
+    make_output = staticmethod(OutputProcessor.make_output)
 

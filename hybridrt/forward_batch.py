@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 
-
 @dataclass(slots=True)
 class ForwardBatch:
     """One model step over B sequences with T tokens in all (packed, no padding).

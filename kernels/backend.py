@@ -7,11 +7,12 @@ verify slots, block tables, sequence lengths) is built there, once, from the hos
 the runner already has. The layers then call the backend with that metadata and only index
 into it: no layer converts a tensor to Python or decides on a kernel.
 
-| backend | attention | GDN mixer | linear, norms |
-| --- | --- | --- | --- |
-| ``ReferenceBackend`` | plain torch | plain torch | plain torch (the definition of correct) |
-| ``CPUBackend`` | plain torch | compiled decode step (``kernels/csrc``) where it built | compiled half GEMV/GEMM on repacked weights |
-| ``CudaBackend`` (``kernels/cuda/backend.py``) | Triton paged decode/verify, SDPA prefill | Triton decode/verify over the slot pool, fla chunked prefill | cuBLAS, Triton fused norms; CUDA graphs |
+- ``ReferenceBackend``: plain torch everywhere, the definition of correct.
+- ``CPUBackend``: the compiled GDN decode step and half-precision GEMV/GEMM on repacked
+  weights (``kernels/csrc``) where they built for this CPU; plain torch otherwise.
+- ``CudaBackend`` (``kernels/cuda/backend.py``): Triton kernels for decode and verification
+  (GDN over the slot pool, paged attention, fused norms), fla and SDPA for prompt chunks,
+  merged projections through cuBLAS, CUDA graphs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .attention import AttentionPlan, attention_plan, paged_attention, write_kv
+from .attention import attention_plan, paged_attention, write_kv
 from .conv import ConvPlan, causal_conv1d_update, causal_conv1d_varlen, conv_plan
 from .delta_rule import (
     ChunkGroup,
@@ -33,7 +34,7 @@ from .delta_rule import (
     slot_runs,
 )
 from .linear import linear as cpu_linear
-from .linear import use_fp32_gemm, pack_weight
+from .linear import pack_weight, use_fp32_gemm
 from .norm import gated_rms_norm, rms_norm
 from .rope import apply_partial_rope
 

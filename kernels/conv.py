@@ -75,12 +75,12 @@ def conv_plan(lens: list[int], K: int, device: torch.device | str) -> ConvPlan:
     # row r of the K passes belongs to the token at window row r + K-1, so packed token i of
     # sequence b is row i + b (K-1); a window's last K-1 rows are the new state
     out_rows, state_rows, end = [], [], 0
-    for b, n in enumerate(lens):
+    for n in lens:
         out_rows.extend(range(end, end + n))
         end += n + K - 1
         state_rows.append(list(range(end - (K - 1), end)))
-    return ConvPlan(lens, torch.tensor(out_rows, dtype=torch.long, device=device),
-                    torch.tensor(state_rows, dtype=torch.long, device=device).view(len(lens), K - 1))
+    rows = torch.tensor(state_rows, dtype=torch.long, device=device).view(len(lens), K - 1)
+    return ConvPlan(lens, torch.tensor(out_rows, dtype=torch.long, device=device), rows)
 
 
 def causal_conv1d_update(

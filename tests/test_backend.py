@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers import assert_rel_close, build_model
 
 from hybridrt.kernels import native
 from hybridrt.kernels.backend import CPUBackend, ReferenceBackend, select_backend
@@ -15,8 +16,6 @@ from hybridrt.runner import build_batch
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.statecache import CacheTensors
 from hybridrt.testing import tiny_text_config, write_random_checkpoint
-
-from helpers import assert_rel_close, build_model
 
 CONVERSIONS = ("tolist", "item", "__int__", "__bool__", "__float__", "__index__")
 

@@ -11,8 +11,6 @@ import time
 
 import pytest
 import torch
-
-from hybridrt.kernels.backend import CPUBackend
 from helpers import (
     PackedRunner,
     assert_rel_close,
@@ -24,6 +22,7 @@ from helpers import (
 )
 
 from hybridrt.config import ModelConfig
+from hybridrt.kernels.backend import CPUBackend
 from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.testing import QWEN35_08B_TEXT_CONFIG, random_state_dict, tiny_text_config
 

@@ -156,8 +156,8 @@ def demo_spec_llm():
 
 
 def test_top_k_sampling_with_drafts_emits_only_the_targets_top_k(demo_spec_llm, monkeypatch):
-    from hybridrt.specdec import verify as engine_verify
     from hybridrt.specbench import DEFAULT_QUESTIONS
+    from hybridrt.specdec import verify as engine_verify
 
     llm = demo_spec_llm
     bonus: list[tuple[tuple[int, ...], int]] = []  # (prompt, output index) of bonus tokens

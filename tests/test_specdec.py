@@ -669,8 +669,8 @@ def test_spec_stats_are_consistent(ckpt, prompts, reference, rounds):
 def test_specbench_reports_what_it_ran(ckpt, tmp_path, capsys, monkeypatch):
     import json
 
-    from hybridrt.specdec import verify as engine_verify
     from hybridrt.specbench import run_spec_bench
+    from hybridrt.specdec import verify as engine_verify
 
     out = tmp_path / "spec.json"
     report = run_spec_bench(str(ckpt), ks=(0, 1, 2), batch_sizes=(1, 4), threads=1,

@@ -221,10 +221,10 @@ def _paged_attn_reduce_kernel(
     p_mask = offs_p < NUM_PARTS
     base = (row.to(tl.int64) * H + h) * NUM_PARTS
     m = tl.load(part_ml_ptr + (base + offs_p) * 2, mask=p_mask, other=-1.0e30)
-    l = tl.load(part_ml_ptr + (base + offs_p) * 2 + 1, mask=p_mask, other=0.0)
+    lse = tl.load(part_ml_ptr + (base + offs_p) * 2 + 1, mask=p_mask, other=0.0)
     m_max = tl.max(m, 0)
-    w = tl.exp2(m - m_max)  # empty partitions: l == 0 and acc == 0
-    l_tot = tl.sum(l * w, 0)
+    w = tl.exp2(m - m_max)  # empty partitions: lse == 0 and acc == 0
+    l_tot = tl.sum(lse * w, 0)
     acc = tl.load(part_acc_ptr + (base + offs_p)[:, None] * D + offs_d[None, :],
                   mask=p_mask[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], 0)

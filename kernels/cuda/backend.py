@@ -1,14 +1,16 @@
 """The CUDA backend: Triton kernels over the same slot pools and paged KV, fla for prefill,
 CUDA graphs for decode and verify steps.
 
-| op | kernel |
-| --- | --- |
-| projections | one cuBLAS GEMM per group (q|k|v, in_proj qkv|z|b|a, gate|up): the weights of a group are concatenated once at bind time and each module keeps a view |
-| norms, silu*mul, q/k norm + partial RoPE | ``fused.py`` (one launch each, the reference's rounding) |
-| attention, decode/verify | KV write + ``paged_attention_decode`` (``attention.py``) |
-| attention, prompt chunks | SDPA: flash on the chunk's own K/V for a fresh prompt, else the reference over the gathered blocks |
-| GDN, decode/verify | ``conv_update`` + ``gdn_recurrent`` (``gdn.py``), in place over the slot pool |
-| GDN, prompt chunks | ``conv_prefill`` + ``chunk_prefill`` (fla, ``prefill.py``) |
+- projections that read the same input (q|k|v, the GDN in_proj qkv|z|b|a, gate|up): one
+  cuBLAS GEMM on a weight concatenated once at bind time (each module keeps a view of it);
+- norms, silu x up, q/k norm + partial RoPE: ``fused.py``, one launch each, the reference's
+  rounding;
+- attention: KV write + ``paged_attention_decode`` (``attention.py``) for decode and verify;
+  for prompt chunks SDPA (flash on a fresh prompt's own K/V, else the reference over the
+  gathered blocks);
+- GDN: ``conv_update`` + ``gdn_recurrent`` (``gdn.py``) in place over the slot pool for
+  decode and verify; ``conv_prefill`` + ``chunk_prefill`` (fla, ``prefill.py``) for prompt
+  chunks.
 
 A step whose sequences all continue from a state with the same number of tokens L (a batch of
 decodes, L = 1, or of verifications of k drafts, L = 1 + k) runs as a captured CUDA graph for
@@ -28,9 +30,8 @@ import torch.nn.functional as F
 from ..attention import AttentionPlan, attention_plan, paged_attention
 from ..backend import GDNMeta, RecurrentGroup, ReferenceBackend, StepMeta, gdn_split
 from . import attention as attn_k
-from . import fused
+from . import fused, prefill
 from . import gdn as gdn_k
-from . import prefill
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 

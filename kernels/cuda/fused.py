@@ -99,7 +99,7 @@ def _round(x, DT: tl.constexpr):
 def _rstd(x, D, eps, inv_d, MUL_MEAN: tl.constexpr):
     """rsqrt(mean(x^2) + eps) of a masked (zero-padded) fp32 row."""
     ss = tl.sum(x * x, axis=0)
-    if MUL_MEAN:
+    if MUL_MEAN:  # noqa: SIM108 (a constexpr branch in a Triton kernel)
         ms = ss * inv_d
     else:
         ms = ss / D
@@ -244,16 +244,16 @@ def gated_rms_norm(
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, y_ptr, I, s0, DT: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, y_ptr, n_inner, s0, DT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < I
+    mask = offs < n_inner
     base = gu_ptr + row * s0
     g = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(base + I + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(base + n_inner + offs, mask=mask, other=0.0).to(tl.float32)
     s = _round(_silu(g), DT)  # F.silu(gate) returns the model dtype
     y = _round(s * u, DT)
-    tl.store(y_ptr + row * I + offs, y, mask=mask)
+    tl.store(y_ptr + row * n_inner + offs, y, mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -262,17 +262,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     two_i = gate_up.shape[-1]
     if two_i % 2:
         raise ValueError(f"last dim {two_i} is not even")
-    I = two_i // 2
+    n_inner = two_i // 2
     dt = _code(gate_up.dtype)
     g2 = gate_up if gate_up.dim() == 2 else gate_up.reshape(-1, two_i)
     if g2.stride(-1) != 1:
         g2 = g2.contiguous()
     N = g2.shape[0]
-    y = torch.empty(*gate_up.shape[:-1], I, dtype=gate_up.dtype, device=gate_up.device)
-    if N and I:
-        block = min(triton.next_power_of_2(I), 1024)
-        _silu_mul_kernel[(N, triton.cdiv(I, block))](
-            g2, y, I, g2.stride(0), DT=dt, BLOCK=block, num_warps=_warps(block),
+    y = torch.empty(*gate_up.shape[:-1], n_inner, dtype=gate_up.dtype, device=gate_up.device)
+    if N and n_inner:
+        block = min(triton.next_power_of_2(n_inner), 1024)
+        _silu_mul_kernel[(N, triton.cdiv(n_inner, block))](
+            g2, y, n_inner, g2.stride(0), DT=dt, BLOCK=block, num_warps=_warps(block),
             **_launch_opts(gate_up),
         )
     return y

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybridrt.kernels.cuda import fused
 from hybridrt.kernels.norm import gated_rms_norm as ref_gated_rms_norm
 from hybridrt.kernels.norm import rms_norm as ref_rms_norm
 from hybridrt.kernels.rope import apply_partial_rope, rope_cos_sin
-from hybridrt.kernels.cuda import fused
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -116,7 +116,8 @@ def test_rms_norm_small_values_eps_matters(device, dtype):
     check(fused.rms_norm(x, w, 1e-6), ref_rms_norm(x, w, 1e-6))
     xg = (torch.randn(2, 2, 12, device=device) * 1e-3).to(dtype)
     z = torch.randn(2, 2, 12, device=device).to(dtype)
-    check(fused.gated_rms_norm(xg, z, w[:12] + 1, 1e-6), ref_gated_rms_norm(xg, z, w[:12] + 1, 1e-6))
+    check(fused.gated_rms_norm(xg, z, w[:12] + 1, 1e-6),
+          ref_gated_rms_norm(xg, z, w[:12] + 1, 1e-6))
 
 
 def test_rms_norm_large_values_and_ties(device):

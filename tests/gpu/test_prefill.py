@@ -5,11 +5,10 @@ tolerances: tight under the interpreter (exact fp32 arithmetic); on a GPU fla's 
 tf32, so the check there is fla's own: rmse(diff) / rmse(ref) < 0.005.
 """
 
+import fla_interpret  # noqa: F401  (patches fla for the interpreter; must come first)
 import pytest
 import torch
 import torch.nn.functional as F
-
-import fla_interpret  # noqa: F401  (patches fla for the interpreter; must come first)
 
 pytest.importorskip("fla")
 
