@@ -30,6 +30,14 @@ def _need_matplotlib(plot: Path | None) -> None:
                        "(pip install 'hybridrt[plot]')", 2)
 
 
+def _check_dtype(dtype: str) -> None:
+    from hybridrt.options import DTYPE_NAMES
+
+    if dtype.lower() not in DTYPE_NAMES:
+        raise CliError(f"--dtype: unknown dtype {dtype!r}; choose one of bfloat16, float16, "
+                       f"float32", 2)
+
+
 def _int_list(name: str, text: str, minimum: int) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -70,15 +78,11 @@ def throughput(
     plot: PlotOpt = None,
 ) -> None:
     """Prefill, batch-1 decode and aggregate tok/s, side by side with transformers."""
-    from hybridrt import bench
-    from hybridrt.loader import parse_dtype
-
     _need_matplotlib(plot)
-    try:
-        parse_dtype(dtype)
-    except ValueError as e:
-        raise CliError(f"--dtype: {e}", 2) from None
+    _check_dtype(dtype)
     _int_list("--concurrency", concurrency, 1)
+    from hybridrt import bench
+
     args = argparse.Namespace(
         cmd="throughput", model=model, dtype=dtype, threads=threads, prefill_len=prefill_len,
         prompt_len=prompt_len, decode_tokens=decode_tokens, concurrency=concurrency,
@@ -140,13 +144,8 @@ def spec(
 
     Reports tok/s, speedup over k=0, mean acceptance length and per-position acceptance.
     """
-    from hybridrt.loader import parse_dtype
-
     _need_matplotlib(plot)
-    try:
-        parse_dtype(dtype)
-    except ValueError as e:
-        raise CliError(f"--dtype: {e}", 2) from None
+    _check_dtype(dtype)
     k_list = _int_list("--ks", ks, 0)
     b_list = _int_list("--batch-sizes", batch_sizes, 1)
     prompts = list(prompt or [])

@@ -35,6 +35,7 @@ from hybridrt.cli.common import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    check_model_options,
     error_line,
     load_llm,
     sampling_defaults,
@@ -508,6 +509,9 @@ def chat(
     is not a terminal; /help lists the in-chat commands.
     """
     from hybridrt.sampling_params import SamplingParams
+
+    check_model_options(dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
+                        device=device)
 
     flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                presence_penalty=presence_penalty, seed=seed)

@@ -67,22 +67,21 @@ SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    if dtype.lower() == "auto":
-        return "bfloat16" if device.startswith("cuda") else "float32"
-    from hybridrt.loader import parse_dtype
+    from hybridrt.options import check_dtype_name
 
     try:
-        parse_dtype(dtype)
+        dtype = check_dtype_name(dtype)
     except ValueError as e:
         raise CliError(f"--dtype: {e}", 2) from None
+    if dtype == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
     return dtype
 
 
-def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
-             cache_memory: str | None, device: str = "cpu", speculative_tokens: int = 0,
-             max_num_seqs: int = 32, threads: int | None = None):
-    """Build the LLM, turning option mistakes into CliError (exit 2) before the slow load."""
-    from hybridrt.llm import LLM, parse_memory
+def check_model_options(*, dtype: str, max_model_len: int | None, cache_memory: str | None,
+                        device: str = "cpu") -> str:
+    """Option mistakes -> CliError (exit 2), before anything imports torch. -> the dtype."""
+    from hybridrt.options import check_device_name, parse_memory
 
     dtype = resolve_dtype(dtype, device)
     if max_model_len is not None and max_model_len <= 1:
@@ -91,11 +90,24 @@ def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
         parse_memory(cache_memory)
     except ValueError as e:
         raise CliError(f"--cache-memory: {e}", 2) from None
-    if device != "cpu" and not device.startswith("cuda"):
-        raise CliError(f"--device must be cpu, cuda or cuda:N, got {device!r}", 2)
-    if threads is not None:
-        import torch
+    try:
+        check_device_name(device)
+    except ValueError as e:
+        raise CliError(f"--{e}", 2) from None
+    return dtype
 
+
+def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
+             cache_memory: str | None, device: str = "cpu", speculative_tokens: int = 0,
+             max_num_seqs: int = 32, threads: int | None = None):
+    """Build the LLM; option mistakes are CliErrors (exit 2) raised before the slow imports."""
+    dtype = check_model_options(dtype=dtype, max_model_len=max_model_len,
+                                cache_memory=cache_memory, device=device)
+    import torch
+
+    from hybridrt.llm import LLM
+
+    if threads is not None:
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
@@ -128,12 +140,10 @@ def template_kwargs(think: bool | None) -> dict[str, Any]:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions whose message is the whole story for the user (no traceback)."""
-    from hybridrt.config import ConfigError
-    from hybridrt.loader import CheckpointError, ModelNotFoundError
-
-    return (CliError, ModelNotFoundError, CheckpointError, ConfigError, ValueError,
-            FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+    """Exceptions whose message is the whole story for the user (no traceback). hybridrt's
+    own (ModelNotFoundError, CheckpointError, ConfigError) subclass these."""
+    return (CliError, ValueError, FileNotFoundError, PermissionError, IsADirectoryError,
+            NotADirectoryError)
 
 
 class OneLineErrorGroup(TyperGroup):

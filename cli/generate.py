@@ -36,6 +36,7 @@ from hybridrt.cli.common import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    check_model_options,
     load_llm,
     sampling_defaults,
     sampling_overrides,
@@ -199,6 +200,9 @@ def generate(
 ) -> None:
     """Generate for many prompts in one batch; writes one JSON line per prompt, in order."""
     from hybridrt.sampling_params import SamplingParams
+
+    check_model_options(dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
+                        device=device)
 
     flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                presence_penalty=presence_penalty,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import torch
 from hybridrt.cpu_alloc import keep_freed_memory
 from hybridrt.engine import EngineConfig, LLMEngine
 from hybridrt.loader import load_model, parse_dtype
+from hybridrt.options import parse_memory
 from hybridrt.outputs import CompletionOutput, RequestOutput
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.session import Session
@@ -30,31 +30,6 @@ def default_model() -> str:
             f"no model given and the embedded demo checkpoint is missing at {DEMO_MODEL_DIR}"
         )
     return str(DEMO_MODEL_DIR)
-
-
-def parse_memory(value: int | float | str | None) -> tuple[int | None, float | None]:
-    """Cache budget: int bytes, a float fraction in (0, 1] of free memory, or '2GiB'/'512MB'."""
-    if value is None:
-        return None, None
-    if isinstance(value, bool):
-        raise ValueError(f"cache_memory must be bytes, a fraction or a size string, got {value!r}")
-    if isinstance(value, float):
-        if not 0.0 < value <= 1.0:
-            raise ValueError(f"cache_memory as a fraction must be in (0, 1], got {value}")
-        return None, value
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"cache_memory must be positive, got {value}")
-        return value, None
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*", str(value), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"cannot parse cache_memory {value!r}; use e.g. 4GiB, 512MB or 0.5")
-    number, unit = float(m.group(1)), (m.group(2) or "B").upper()
-    if unit == "B" and number <= 1.0 and "." in m.group(1):
-        return parse_memory(number)
-    scale = {"B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
-             "G": 1e9, "GB": 1e9, "GIB": 2**30, "T": 1e12, "TB": 1e12, "TIB": 2**40}[unit]
-    return parse_memory(int(number * scale))
 
 
 class LLM:

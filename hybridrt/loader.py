@@ -11,12 +11,9 @@ import torch
 
 from hybridrt.config import ConfigError, ModelConfig
 from hybridrt.model import Qwen35ForCausalLM
+from hybridrt.options import DTYPE_NAMES
 
-DTYPES = {
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
+DTYPES = {name: getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer*"]
 

@@ -314,6 +314,37 @@ def test_bad_flag_values_are_one_error_line_exit_2(tiny, flags, needle):
     assert needle in one_error_line(res.stderr)
 
 
+# Runs the CLI in a fresh interpreter -> "<exit code> <whether torch was imported>".
+_NO_TORCH_PROBE = """
+import sys
+from hybridrt.cli.main import main
+sys.argv = ["hybridrt", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as e:
+    print(e.code, "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("args", [
+    ["chat", "--temperature", "-1"],
+    ["generate", "-p", "x", "--dtype", "float8"],
+    ["generate", "-p", "x", "--cache-memory", "lots"],
+    ["chat", "--max-model-len", "1"],
+    ["chat", "--device", "tpu"],
+    ["generate", "--no-such-flag"],
+    ["generate", "-p", "x", "--top-p", "0"],
+    ["bench", "spec", "--ks", "x"],
+    ["bench", "throughput", "--dtype", "int4"],
+], ids=lambda a: "-".join(a).replace("--", ""))
+def test_usage_errors_print_before_torch_is_imported(args):
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH_PROBE, *args],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          stdin=subprocess.DEVNULL)
+    assert proc.stdout.split() == ["2", "False"], (proc.stdout, proc.stderr)
+    one_error_line(proc.stderr)
+
+
 def test_broken_checkpoint_is_one_error_line(tiny, tmp_path):
     (tmp_path / "config.json").write_text(Path(tiny, "config.json").read_text())
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{trunc")
