@@ -12,11 +12,12 @@ import typer
 
 from hybridrt.cli.common import CliError, ModelArg
 
-bench_app = typer.Typer(no_args_is_help=True, add_completion=False,
+bench_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                         help="Benchmarks: throughput vs transformers, speculative decoding.")
 
 PlotOpt = Annotated[Path | None, typer.Option(
-    "--plot", help="Also draw a chart to this PNG (needs matplotlib, the 'plot' extra).",
+    "--plot", help="Also draw a chart to this PNG (needs matplotlib, the 'plot' extra) "
+    "(default: no chart).",
     show_default=False)]
 
 
@@ -63,16 +64,22 @@ def throughput(
     model: Annotated[str | None, typer.Option(
         "--model", help="Checkpoint dir or hub id (default: random-weight 0.8B shape).",
         show_default=False)] = None,
-    dtype: Annotated[str, typer.Option("--dtype")] = "bfloat16",
-    threads: Annotated[int, typer.Option("--threads", min=1)] = 2,
-    prefill_len: Annotated[int, typer.Option("--prefill-len", min=1)] = 512,
-    prompt_len: Annotated[int, typer.Option("--prompt-len", min=1)] = 16,
-    decode_tokens: Annotated[int, typer.Option("--decode-tokens", min=2)] = 16,
+    dtype: Annotated[str, typer.Option("--dtype", help="Weight and cache dtype.")
+                     ] = "bfloat16",
+    threads: Annotated[int, typer.Option("--threads", min=1, help="CPU threads.")] = 2,
+    prefill_len: Annotated[int, typer.Option(
+        "--prefill-len", min=1, help="Prompt length of the prefill measurement.")] = 512,
+    prompt_len: Annotated[int, typer.Option(
+        "--prompt-len", min=1, help="Prompt length of the decode measurements.")] = 16,
+    decode_tokens: Annotated[int, typer.Option(
+        "--decode-tokens", min=2, help="New tokens per request when decoding.")] = 16,
     concurrency: Annotated[str, typer.Option("--concurrency",
                                              help="Comma-separated batch sizes.")] = "8,32",
-    repeats: Annotated[int, typer.Option("--repeats", min=1)] = 2,
+    repeats: Annotated[int, typer.Option(
+        "--repeats", min=1, help="Runs per measurement (the median is reported).")] = 2,
     no_transformers: Annotated[bool, typer.Option(
-        "--no-transformers", help="Only hybridrt, skip the transformers side.")] = False,
+        "--no-transformers", help="Only hybridrt, skip the transformers side (default: off).")
+    ] = False,
     json_path: Annotated[str, typer.Option("--json", help="Write the report here.")
                          ] = "bench-throughput.json",
     plot: PlotOpt = None,
@@ -122,20 +129,25 @@ def spec(
     model: ModelArg = None,
     ks: Annotated[str, typer.Option("--ks", help="Draft lengths to compare (0 = no "
                                                  "speculation, the baseline).")] = "0,1,2,3,4",
-    batch_sizes: Annotated[str, typer.Option("--batch-sizes")] = "1,8",
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 64,
+    batch_sizes: Annotated[str, typer.Option(
+        "--batch-sizes", help="Comma-separated numbers of concurrent requests.")] = "1,8",
+    max_tokens: Annotated[int, typer.Option(
+        "--max-tokens", min=1, help="New tokens per request.")] = 64,
     prompt: Annotated[list[str] | None, typer.Option(
         "--prompt", help="A prompt; repeat for more (default: the benchmark's chat questions).",
         show_default=False)] = None,
     prompts_file: Annotated[Path | None, typer.Option(
-        "--prompts", help="Prompts file, one per line.", show_default=False)] = None,
+        "--prompts", help="Prompts file, one per line (default: none).", show_default=False)
+    ] = None,
     temperature: Annotated[float, typer.Option(
         "--temperature", min=0.0, help="0 (greedy) also checks every k reproduces k=0.")] = 0.0,
     ignore_eos: Annotated[bool, typer.Option(
-        "--ignore-eos", help="Always generate --max-tokens tokens.")] = False,
-    dtype: Annotated[str, typer.Option("--dtype")] = "float32",
-    threads: Annotated[int, typer.Option("--threads", min=1)] = 2,
-    quick: Annotated[bool, typer.Option("--quick", help="A short smoke run.")] = False,
+        "--ignore-eos", help="Always generate --max-tokens tokens (default: off).")] = False,
+    dtype: Annotated[str, typer.Option("--dtype", help="Weight and cache dtype.")
+                     ] = "float32",
+    threads: Annotated[int, typer.Option("--threads", min=1, help="CPU threads.")] = 2,
+    quick: Annotated[bool, typer.Option("--quick", help="A short smoke run (default: off).")
+                     ] = False,
     json_path: Annotated[str, typer.Option("--json", help="Write the report here.")
                          ] = "bench-spec.json",
     plot: PlotOpt = None,

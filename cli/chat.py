@@ -483,8 +483,8 @@ def _summary(s: dict, interrupted: bool) -> str:
 # The command ---------------------------------------------------------------------------------
 def chat(
     model: ModelArg = None,
-    system: Annotated[str | None, typer.Option("--system", help="System prompt.",
-                                               show_default=False)] = None,
+    system: Annotated[str | None, typer.Option(
+        "--system", help="System prompt (default: none).", show_default=False)] = None,
     temperature: TemperatureOpt = None,
     top_p: TopPOpt = None,
     top_k: TopKOpt = None,
@@ -494,8 +494,9 @@ def chat(
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1,
                                             help="Most tokens per answer.")] = 1024,
     think: ThinkOpt = None,
-    hide_thinking: Annotated[bool, typer.Option(
-        "--hide-thinking", help="Do not show the text between <think> and </think>.")] = False,
+    show_thinking: Annotated[bool, typer.Option(
+        "--show-thinking/--hide-thinking",
+        help="Show the text between <think> and </think> (dimmed on a terminal).")] = True,
     speculative_tokens: SpecOpt = 0,
     dtype: DtypeOpt = "auto",
     max_model_len: MaxModelLenOpt = None,
@@ -523,4 +524,4 @@ def chat(
                    device=device, threads=threads, speculative_tokens=speculative_tokens,
                    max_num_seqs=2)
     sampling = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
-    ChatLoop(llm, sampling, speculative_tokens, system, think, hide_thinking).run()
+    ChatLoop(llm, sampling, speculative_tokens, system, think, not show_thinking).run()

@@ -32,30 +32,48 @@ def error_line(message: object) -> None:
 
 
 # Options shared by chat / generate (typer reads them from the annotations) -------------------
+# Every option's help states its default: typer prints "[default: ...]" where the default is a
+# value, and options whose default is decided later (None) say it in their help text.
+_GEN = "default: the model's generation_config.json, else"
 ModelArg = Annotated[str | None, typer.Argument(
-    help="Local checkpoint directory or Hugging Face id (default: the embedded demo model).",
-    show_default=False)]
+    metavar="MODEL", show_default=False,
+    help="Local checkpoint directory or Hugging Face id (default: the embedded demo model).")]
 DtypeOpt = Annotated[str, typer.Option(
     "--dtype", help="bfloat16, float16, float32, or auto (float32 on CPU, bfloat16 on CUDA).")]
 MaxModelLenOpt = Annotated[int | None, typer.Option(
-    "--max-model-len", help="Context length (prompt + answer); default min(model's, 4096).",
-    show_default=False)]
+    "--max-model-len", help="Context length (prompt + answer) (default: min(the model's, "
+    "4096)).", show_default=False)]
 CacheMemoryOpt = Annotated[str | None, typer.Option(
-    "--cache-memory", help="KV + state cache budget: bytes, a fraction of free memory (0.3) "
-    "or a size (2GiB).", show_default=False)]
+    "--cache-memory", help="KV + state cache budget: bytes, a fraction of free memory or a "
+    "size such as 2GiB (default: 0.3).", show_default=False)]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
 ThreadsOpt = Annotated[int | None, typer.Option(
-    "--threads", min=1, help="CPU threads for torch (default: torch's choice).",
-    show_default=False)]
+    "--threads", min=1, help="CPU threads for torch (default: torch's choice, the number of "
+    "physical cores).", show_default=False)]
 TemperatureOpt = Annotated[float | None, typer.Option(
-    "--temperature", help="0 = greedy (default: generation_config.json, else 1.0).",
+    "--temperature", help=f"0 = greedy ({_GEN} 1.0).", show_default=False)]
+TopPOpt = Annotated[float | None, typer.Option(
+    "--top-p", help=f"Nucleus sampling mass in (0, 1] ({_GEN} 1.0: off).", show_default=False)]
+TopKOpt = Annotated[int | None, typer.Option(
+    "--top-k", help=f"Sample from the k likeliest tokens; 0 or -1: off ({_GEN} off).",
     show_default=False)]
-TopPOpt = Annotated[float | None, typer.Option("--top-p", show_default=False)]
-TopKOpt = Annotated[int | None, typer.Option("--top-k", help="0 or -1: off.", show_default=False)]
-MinPOpt = Annotated[float | None, typer.Option("--min-p", show_default=False)]
-PresenceOpt = Annotated[float | None, typer.Option("--presence-penalty", show_default=False)]
+MinPOpt = Annotated[float | None, typer.Option(
+    "--min-p", help=f"Drop tokens below min_p x the top probability ({_GEN} 0).",
+    show_default=False)]
+PresenceOpt = Annotated[float | None, typer.Option(
+    "--presence-penalty", help="Penalty in [-2, 2] for tokens already generated (default: 0).",
+    show_default=False)]
+FrequencyOpt = Annotated[float | None, typer.Option(
+    "--frequency-penalty", help="Penalty in [-2, 2] per earlier occurrence of a token "
+    "(default: 0).", show_default=False)]
+RepetitionOpt = Annotated[float | None, typer.Option(
+    "--repetition-penalty", help=f"> 1 discourages repeating prompt and output tokens "
+    f"({_GEN} 1.0: off).", show_default=False)]
 SeedOpt = Annotated[int | None, typer.Option(
-    "--seed", help="Per-request sampling seed (reproducible samples).", show_default=False)]
+    "--seed", help="Per-request sampling seed, for reproducible samples (default: none).",
+    show_default=False)]
+StopOpt = Annotated[list[str] | None, typer.Option(
+    "--stop", help="Stop string; repeat for more (default: none).", show_default=False)]
 ThinkOpt = Annotated[bool | None, typer.Option(
     "--think/--no-think", help="enable_thinking for the chat template (default: the "
     "template's own default).", show_default=False)]
@@ -160,8 +178,9 @@ class OneLineErrorGroup(TyperGroup):
             rv = super().main(args, prog_name, complete_var, False, windows_expand_args,
                               **extra)
         except _ClickException as e:
-            if type(e).__name__ == "NoArgsIsHelpError":  # the help text is already out
-                sys.exit(e.exit_code)
+            if type(e).__name__ == "NoArgsIsHelpError":  # bare `hybridrt`: the help, exit 0
+                typer.echo(e.format_message())
+                sys.exit(0)
             ctx = getattr(e, "ctx", None)
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
             error_line(f"{e.format_message()}{hint}")

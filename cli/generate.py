@@ -25,12 +25,15 @@ from hybridrt.cli.common import (
     CliError,
     DeviceOpt,
     DtypeOpt,
+    FrequencyOpt,
     MaxModelLenOpt,
     MinPOpt,
     ModelArg,
     PresenceOpt,
+    RepetitionOpt,
     SeedOpt,
     SpecOpt,
+    StopOpt,
     TemperatureOpt,
     ThinkOpt,
     ThreadsOpt,
@@ -164,28 +167,27 @@ def run_items(llm, items: list[Item], defaults: dict, chat_kwargs: dict,
 def generate(
     model: ModelArg = None,
     prompt: Annotated[list[str] | None, typer.Option(
-        "--prompt", "-p", help="A prompt (plain text); repeat for more.", show_default=False)
+        "--prompt", "-p", help="A prompt (plain text); repeat for more (default: none).",
+        show_default=False)
     ] = None,
     input_file: Annotated[Path | None, typer.Option(
-        "--input", "-i", help="Prompts file: plain text lines or JSONL ('-': stdin).",
+        "--input", "-i", help="Prompts file: plain text lines or JSONL ('-': stdin) "
+        "(default: stdin unless --prompt is given).",
         show_default=False)] = None,
     output: Annotated[Path | None, typer.Option(
-        "--output", "-o", help="Write the JSONL here instead of stdout.", show_default=False)
+        "--output", "-o", help="Write the JSONL here (default: stdout).", show_default=False)
     ] = None,
     temperature: TemperatureOpt = None,
     top_p: TopPOpt = None,
     top_k: TopKOpt = None,
     min_p: MinPOpt = None,
     presence_penalty: PresenceOpt = None,
-    frequency_penalty: Annotated[float | None, typer.Option(
-        "--frequency-penalty", show_default=False)] = None,
-    repetition_penalty: Annotated[float | None, typer.Option(
-        "--repetition-penalty", show_default=False)] = None,
+    frequency_penalty: FrequencyOpt = None,
+    repetition_penalty: RepetitionOpt = None,
     seed: SeedOpt = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1,
                                             help="Most tokens per prompt.")] = 256,
-    stop: Annotated[list[str] | None, typer.Option(
-        "--stop", help="Stop string; repeat for more.", show_default=False)] = None,
+    stop: StopOpt = None,
     think: ThinkOpt = None,
     speculative_tokens: SpecOpt = 0,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1,

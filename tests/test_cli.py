@@ -365,6 +365,49 @@ def test_python_m_chat_over_a_pipe(tiny, ref):
     assert "Traceback" not in proc.stderr
 
 
+# the command line itself -----------------------------------------------------------------------
+def test_version_and_bare_hybridrt_prints_help_exit_0():
+    from hybridrt import __version__
+
+    res = invoke("--version")
+    assert res.exit_code == 0 and res.stdout.strip() == f"hybridrt {__version__}"
+    for args in ([], ["bench"]):
+        res = invoke(*args)
+        assert res.exit_code == 0, res.output
+        assert res.stdout.startswith("Usage: hybridrt") and not res.stderr
+
+
+def test_python_m_hybridrt_is_the_cli():
+    proc = subprocess.run([sys.executable, "-m", "hybridrt", "--version"], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0 and proc.stdout.startswith("hybridrt "), proc.stderr
+
+
+def _all_commands(group, path=()):
+    for name, cmd in group.commands.items():
+        if hasattr(cmd, "commands"):
+            yield from _all_commands(cmd, (*path, name))
+        else:
+            yield (*path, name), cmd
+
+
+def test_every_option_has_a_help_line_with_its_default():
+    import click
+    import typer.main
+
+    for path, cmd in _all_commands(typer.main.get_command(app)):
+        for p in cmd.params:
+            if not isinstance(p, click.Option) or p.name == "help":
+                continue
+            where = f"{' '.join(path)} {p.opts[0]}"
+            assert p.help, f"{where} has no help"
+            shown = p.show_default and p.default is not None and not (
+                p.is_flag and not p.secondary_opts and p.default is False)
+            assert shown or "default" in p.help, f"{where}: the help does not give the default"
+        res = invoke(*path, "--help")
+        assert res.exit_code == 0 and "<bool>" not in res.stdout, res.stdout
+
+
 # bench ---------------------------------------------------------------------------------------
 def test_throughput_flags_match_hybridrt_bench():
     import typer.main
