@@ -200,7 +200,12 @@ def generate(
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
 ) -> None:
-    """Generate for many prompts in one batch; writes one JSON line per prompt, in order."""
+    """Generate for many prompts in one batch; writes one JSON line per prompt, in order.
+
+    Exit status: 0 when every prompt succeeded; 1 when any failed (each failed prompt still
+    has its {"id", "error"} line, and the others their results) or the run stopped; 2 for a
+    usage error (bad option or value, no prompts), reported before the model loads.
+    """
     from hybridrt.sampling_params import SamplingParams
 
     check_model_options(dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
@@ -240,3 +245,4 @@ def generate(
     if failed:
         typer.echo(f"{failed} of {len(records)} prompts failed (see their error lines)",
                    err=True)
+        raise typer.Exit(1)

@@ -258,7 +258,7 @@ def test_generate_jsonl_mixed_settings_in_order_with_error_lines(tiny, ref, tmp_
     src.write_text("\n".join(lines) + "\n")
     res = invoke("generate", tiny, *MODEL_FLAGS, "--temperature", "0", "--max-tokens", "4",
                  "--input", src, "--output", dst)
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1, res.output  # some prompts failed
     recs = [json.loads(ln) for ln in dst.read_text().splitlines()]
     assert [r["id"] for r in recs] == ["greedy", 1, "chat", 3, "seeded", "bad-value", "unknown",
                                       "stop"]
@@ -290,6 +290,12 @@ def test_generate_reads_prompt_flags_then_stdin_lines(tiny):
     recs = [json.loads(ln) for ln in res.stdout.splitlines()]
     assert [(r["id"], r["prompt"]) for r in recs] == [(0, "first"), (1, "second"), (2, "third")]
     assert all(len(r["token_ids"]) <= 2 and r["finish_reason"] for r in recs)
+    assert not res.stderr  # exit 0: every prompt succeeded
+
+
+def test_generate_exit_status_is_documented_in_help():
+    res = invoke("generate", "--help")
+    assert "Exit status: 0" in " ".join(res.stdout.split())
 
 
 # errors --------------------------------------------------------------------------------------
