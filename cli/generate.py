@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TextIO
 
 import typer
 
@@ -125,9 +126,9 @@ def read_inputs(prompts: list[str], input_file: Path | None) -> list[str]:
 
 
 def run_items(llm, items: list[Item], defaults: dict, chat_kwargs: dict,
-              progress: bool, speculative_tokens: int | None) -> list[dict]:
-    """Generate every runnable item in one LLM.generate call -> one record per item."""
-    records: list[dict | None] = [None] * len(items)
+              progress: bool, speculative_tokens: int | None) -> Iterator[tuple[int, dict]]:
+    """Generate every runnable item in one engine run -> (item index, record) as each
+    finishes; items that cannot run come first."""
     prompts, params, where = [], [], []
     for i, it in enumerate(items):
         if it.error is None and it.messages is not None:
@@ -140,28 +141,52 @@ def run_items(llm, items: list[Item], defaults: dict, chat_kwargs: dict,
         if it.error is None and it.prompt == "":
             it.error = "prompt is empty"
         if it.error is not None:
-            records[i] = {"id": it.id, "error": it.error}
+            yield i, {"id": it.id, "error": it.error}
             continue
         prompts.append(it.prompt)
         params.append({**defaults, **it.sampling})
         where.append(i)
-    if prompts:
-        outs = llm.generate(prompts, params, use_tqdm=progress,
-                            speculative_tokens=speculative_tokens)
-        for i, out in zip(where, outs, strict=True):
-            it = items[i]
-            if out.error is not None:
-                records[i] = {"id": it.id, "error": str(out.error)}
-                continue
-            c = out.outputs[0]
-            rec = {"id": it.id,
-                   "prompt": out.prompt if out.prompt is not None else it.prompt,
-                   "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-                   "metrics": out.metrics}
-            if c.logprobs is not None:
-                rec["logprobs"] = [{str(t): lp for t, lp in d.items()} for d in c.logprobs]
-            records[i] = rec
-    return records
+    if not prompts:
+        return
+    for n, out in llm.generate_iter(prompts, params, use_tqdm=progress,
+                                    speculative_tokens=speculative_tokens):
+        it = items[where[n]]
+        if out.error is not None:
+            yield where[n], {"id": it.id, "error": str(out.error)}
+            continue
+        c = out.outputs[0]
+        rec = {"id": it.id, "prompt": out.prompt if out.prompt is not None else it.prompt,
+               "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+               "metrics": out.metrics}
+        if c.logprobs is not None:
+            rec["logprobs"] = [{str(t): lp for t, lp in d.items()} for d in c.logprobs]
+        yield where[n], rec
+
+
+def write_in_order(results: Iterator[tuple[int, dict]], out: TextIO) -> tuple[int, int]:
+    """Write records in input order as soon as each one and all before it are done (flushed
+    line by line, so an interrupted run keeps every line written) -> (written, failed)."""
+    done: dict[int, dict] = {}
+    written = failed = 0
+    for i, rec in results:
+        done[i] = rec
+        while written in done:
+            r = done.pop(written)
+            out.write(json.dumps(r, ensure_ascii=False, default=str) + "\n")
+            out.flush()
+            written += 1
+            failed += "error" in r
+    return written, failed
+
+
+def open_output(output: Path | None) -> TextIO:
+    """stdout, or the --output file opened now: a bad path fails before the model loads."""
+    if output is None:
+        return sys.stdout
+    try:
+        return output.open("w", encoding="utf-8")
+    except OSError as e:
+        raise CliError(f"--output {output}: {e.strerror or e}", 2) from None
 
 
 def generate(
@@ -220,29 +245,24 @@ def generate(
         SamplingParams(**flags, max_tokens=max_tokens)
     except ValueError as e:
         raise CliError(f"invalid sampling option: {e}", 2) from None
-    lines = read_inputs(prompt or [], input_file)
-    fields = _sampling_fields()
-    items = [Item(id=i, prompt=p) for i, p in enumerate(prompt or [])]
-    rest = [line for line in lines[len(items):] if line.strip()]
-    items += [parse_line(line, len(items) + n, fields) for n, line in enumerate(rest)]
-    if not items:
-        raise CliError("no prompts in the input", 2)
-    llm = load_llm(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
-                   device=device, threads=threads, speculative_tokens=speculative_tokens,
-                   max_num_seqs=max_num_seqs)
-    defaults = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
-    records = run_items(llm, items, defaults, template_kwargs(think), progress, None)
-    text = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)
-    if output is None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    else:
-        try:
-            output.write_text(text)
-        except OSError as e:
-            raise CliError(f"--output {output}: {e.strerror or e}") from None
-    failed = sum("error" in r for r in records)
+    out = open_output(output)
+    try:
+        lines = read_inputs(prompt or [], input_file)
+        fields = _sampling_fields()
+        items = [Item(id=i, prompt=p) for i, p in enumerate(prompt or [])]
+        rest = [line for line in lines[len(items):] if line.strip()]
+        items += [parse_line(line, len(items) + n, fields) for n, line in enumerate(rest)]
+        if not items:
+            raise CliError("no prompts in the input", 2)
+        llm = load_llm(model, dtype=dtype, max_model_len=max_model_len,
+                       cache_memory=cache_memory, device=device, threads=threads,
+                       speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs)
+        defaults = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
+        results = run_items(llm, items, defaults, template_kwargs(think), progress, None)
+        written, failed = write_in_order(results, out)
+    finally:
+        if out is not sys.stdout:
+            out.close()
     if failed:
-        typer.echo(f"{failed} of {len(records)} prompts failed (see their error lines)",
-                   err=True)
+        typer.echo(f"{failed} of {written} prompts failed (see their error lines)", err=True)
         raise typer.Exit(1)

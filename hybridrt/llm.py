@@ -197,44 +197,57 @@ class LLM:
         gets an output with ``error`` (a ValueError) and finish_reason 'error'; the others run.
         speculative_tokens: MTP drafts per step for this call (default: the LLM's; 0 = off).
         """
+        outs: list[RequestOutput | None] = []
+        for i, out in self.generate_iter(prompts, sampling_params, use_tqdm, speculative_tokens):
+            outs.extend([None] * (i + 1 - len(outs)))
+            outs[i] = out
+        return outs
+
+    def generate_iter(self, prompts, sampling_params=None, use_tqdm: bool = True,
+                      speculative_tokens: int | None = None
+                      ) -> Iterator[tuple[int, RequestOutput]]:
+        """``generate``, but yields ``(index in prompts, RequestOutput)`` as each request
+        finishes (rejected prompts first), so a caller can keep what is done if the run stops.
+        Closing the iterator early aborts the requests still running."""
         prompts = self._as_list(prompts)
         params = self._params(sampling_params, len(prompts))
-        slots: list[str | RequestOutput] = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            try:
-                slots.append(self._add(p, sp, speculative_tokens))
-            except (ValueError, TypeError) as e:
-                err = e if isinstance(e, ValueError) else ValueError(str(e))
-                slots.append(_error_output(f"error-{i}", p, err))
-        pending = {s for s in slots if isinstance(s, str)}
-        bar = None
-        if use_tqdm and pending:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(pending), desc="generate", unit="req", dynamic_ncols=True)
+        pending: dict[str, int] = {}
+        rejected: list[tuple[int, RequestOutput]] = []
         try:
-            while pending:
-                for req in self.engine.step():
-                    if req.is_finished and req.request_id in pending:
-                        pending.discard(req.request_id)
-                        if bar is not None:
-                            bar.update(1)
-                if not self.engine.has_unfinished_requests():
-                    break
-        except BaseException:
-            for rid in pending:
-                self.engine.abort_request(rid)
-            raise
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                try:
+                    pending[self._add(p, sp, speculative_tokens)] = i
+                except (ValueError, TypeError) as e:
+                    err = e if isinstance(e, ValueError) else ValueError(str(e))
+                    rejected.append((i, _error_output(f"error-{i}", p, err)))
+            yield from rejected
+            bar = None
+            if use_tqdm and pending:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(pending), desc="generate", unit="req", dynamic_ncols=True)
+            try:
+                while pending:
+                    for req in self.engine.step():
+                        if req.is_finished and req.request_id in pending:
+                            if bar is not None:
+                                bar.update(1)
+                            yield self._pop_output(req.request_id, pending)
+                    if not self.engine.has_unfinished_requests():
+                        break
+                for rid in list(pending):  # finished without a step reporting it
+                    yield self._pop_output(rid, pending)
+            finally:
+                if bar is not None:
+                    bar.close()
         finally:
-            if bar is not None:
-                bar.close()
-        outs = []
-        for s in slots:
-            if isinstance(s, RequestOutput):
-                outs.append(s)
-            else:
-                outs.append(self.engine.make_output(self.engine.pop_request(s)))
-        return outs
+            for rid in pending:  # an error, Ctrl-C or an early close
+                self.engine.abort_request(rid)
+                self.engine.pop_request(rid)
+
+    def _pop_output(self, rid: str, pending: dict[str, int]) -> tuple[int, RequestOutput]:
+        i = pending.pop(rid)
+        return i, self.engine.make_output(self.engine.pop_request(rid))
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template_kwargs: dict | None = None,

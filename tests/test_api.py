@@ -90,3 +90,14 @@ def test_empty_text_prompt_is_rejected_alone(llm):
 def test_progress_bar_writes_to_stderr(llm, capsys):
     llm.generate(["a", "b"], GREEDY.clone(max_tokens=2), use_tqdm=True)
     assert "generate" in capsys.readouterr().err
+
+
+def test_generate_iter_yields_requests_as_they_finish_and_close_aborts(llm):
+    params = [GREEDY.clone(max_tokens=n) for n in (20, 2, 5, 8)]
+    order = [i for i, _ in llm.generate_iter(["x", "y", "", "z"], params, use_tqdm=False)]
+    assert order == [2, 1, 3, 0]  # the rejected empty prompt first, then by length
+    it = llm.generate_iter(["x", "y"], [GREEDY.clone(max_tokens=2), GREEDY], use_tqdm=False)
+    assert next(it)[0] == 0
+    it.close()
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    assert llm.engine.cache.all_free()

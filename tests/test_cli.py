@@ -298,6 +298,34 @@ def test_generate_exit_status_is_documented_in_help():
     assert "Exit status: 0" in " ".join(res.stdout.split())
 
 
+def test_generate_writes_each_line_when_done_and_keeps_them_when_interrupted(tiny, tmp_path,
+                                                                             monkeypatch):
+    """Lines go out in input order as soon as they and the ones before are done (flushed), so
+    Ctrl-C in the middle of a run keeps every finished line."""
+    from hybridrt.engine import LLMEngine
+
+    lines = [json.dumps({"prompt": "a", "max_tokens": 1}),
+             json.dumps({"prompt": "b", "max_tokens": 40, "ignore_eos": True}),
+             json.dumps({"prompt": "c", "max_tokens": 2})]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    step, calls = LLMEngine.step, []
+
+    def step_then_ctrl_c(self):
+        calls.append(1)
+        if len(calls) == 6:
+            assert [json.loads(ln)["id"] for ln in dst.read_text().splitlines()] == [0]
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", step_then_ctrl_c)
+    res = invoke("generate", tiny, *MODEL_FLAGS, "--temperature", "0", "--no-progress",
+                 "--input", src, "--output", dst)
+    assert res.exit_code == 130, res.output
+    recs = [json.loads(ln) for ln in dst.read_text().splitlines()]
+    assert [(r["id"], len(r["token_ids"])) for r in recs] == [(0, 1)]  # "c" waits for "b"
+
+
 # errors --------------------------------------------------------------------------------------
 def test_unknown_model_path_is_one_error_line(tmp_path):
     res = invoke("chat", tmp_path / "no-such-model", input="hi\n")
@@ -342,6 +370,7 @@ except SystemExit as e:
     ["generate", "-p", "x", "--top-p", "0"],
     ["bench", "spec", "--ks", "x"],
     ["bench", "throughput", "--dtype", "int4"],
+    ["generate", "-p", "x", "--output", "/no-such-dir/out.jsonl"],
 ], ids=lambda a: "-".join(a).replace("--", ""))
 def test_usage_errors_print_before_torch_is_imported(args):
     proc = subprocess.run([sys.executable, "-c", _NO_TORCH_PROBE, *args],
