@@ -253,6 +253,13 @@ def test_generate_jsonl_mixed_settings_in_order_with_error_lines(tiny, ref, tmp_
         json.dumps({"id": "bad-value", "prompt": "x", "top_p": 0}),
         json.dumps({"id": "unknown", "prompt": "x", "colour": "red"}),
         json.dumps({"id": "stop", "prompt": "hello", "max_tokens": 8, "stop": [stop]}),
+        '"a JSON string"',
+        "[1, 2]",
+        '"Hi," she said.',
+        json.dumps({"id": "think", "messages": msgs, "max_tokens": 3,
+                    "chat_template_kwargs": {"enable_thinking": False}}),
+        json.dumps({"id": "kwargs-no-messages", "prompt": "x",
+                    "chat_template_kwargs": {"enable_thinking": True}}),
     ]
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
@@ -261,10 +268,17 @@ def test_generate_jsonl_mixed_settings_in_order_with_error_lines(tiny, ref, tmp_
     assert res.exit_code == 1, res.output  # some prompts failed
     recs = [json.loads(ln) for ln in dst.read_text().splitlines()]
     assert [r["id"] for r in recs] == ["greedy", 1, "chat", 3, "seeded", "bad-value", "unknown",
-                                      "stop"]
+                                      "stop", 8, 9, 10, "think", "kwargs-no-messages"]
     by_id = {r["id"]: r for r in recs}
-    for bad, why in [(3, "invalid JSON"), ("bad-value", "top_p"), ("unknown", "colour")]:
-        assert set(by_id[bad]) == {"id", "error"} and why in by_id[bad]["error"]
+    for bad, why in [(3, "line 4: invalid JSON"), ("bad-value", "line 7: top_p"),
+                     ("unknown", "line 8: unknown field(s) 'colour'"),
+                     (8, "line 10: a JSON string is not a request"),
+                     (9, "line 11: a JSON list is not a request"),
+                     ("kwargs-no-messages", "line 14: chat_template_kwargs applies to messages")]:
+        assert set(by_id[bad]) == {"id", "error"} and by_id[bad]["error"].startswith(why), bad
+    assert by_id[10]["prompt"] == '"Hi," she said.'
+    assert by_id["think"]["prompt"] == ref.apply_chat_template(msgs, {"enable_thinking": False})
+    assert by_id["think"]["prompt"] != by_id["chat"]["prompt"]
 
     def same(rec, prompt, params):
         out = ref.generate([prompt], params, use_tqdm=False)[0].outputs[0]
@@ -280,7 +294,7 @@ def test_generate_jsonl_mixed_settings_in_order_with_error_lines(tiny, ref, tmp_
     assert len(by_id["seeded"]["logprobs"]) == len(by_id["seeded"]["token_ids"])
     assert by_id["stop"]["text"] == hello_text[:hello_text.index(stop)]
     assert by_id["stop"]["finish_reason"] == "stop"
-    assert "3 of 8 prompts failed" in res.stderr
+    assert "6 of 13 prompts failed" in res.stderr
 
 
 def test_generate_reads_prompt_flags_then_stdin_lines(tiny):
