@@ -74,6 +74,7 @@ class Item:
     sampling: dict = dataclasses.field(default_factory=dict)
     chat_kwargs: dict | None = None
     error: str | None = None
+    plain: bool = False  # plain text (a --prompt or a non-JSON line): --chat templates it
 
     def error_record(self, message: str) -> dict:
         return {"id": self.id, "error": f"{self.where}: {message}"}
@@ -87,12 +88,12 @@ def parse_line(line: str, index: int, line_number: int,
     where = f"line {line_number}"
     head = text.lstrip()[:1]
     if head not in ("{", "[", '"'):
-        return Item(id=index, where=where, prompt=text)
+        return Item(id=index, where=where, prompt=text, plain=True)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         if head != "{":  # e.g. '"Hi," she said.' or '[draft] ...': plain text
-            return Item(id=index, where=where, prompt=text)
+            return Item(id=index, where=where, prompt=text, plain=True)
         return Item(id=index, where=where, error=f"invalid JSON: {e}")
     if not isinstance(obj, dict):
         kind = _JSON_KINDS.get(type(obj), type(obj).__name__)
@@ -138,7 +139,8 @@ def parse_line(line: str, index: int, line_number: int,
 def read_items(prompts: list[str], input_file: Path | None) -> list[Item]:
     """The --prompt texts, then the input's non-blank lines (file, '-' or piped stdin)."""
     fields = _sampling_fields()
-    items = [Item(id=i, where=f"--prompt {i + 1}", prompt=p) for i, p in enumerate(prompts)]
+    items = [Item(id=i, where=f"--prompt {i + 1}", prompt=p, plain=True)
+             for i, p in enumerate(prompts)]
     lines: list[str] = []
     if input_file is not None:
         if str(input_file) == "-":
@@ -249,6 +251,10 @@ def generate(
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1,
                                             help="Most tokens per prompt.")] = 256,
     stop: StopOpt = None,
+    chat: Annotated[bool, typer.Option(
+        "--chat/--no-chat", help="Send each --prompt text and plain-text line as a user "
+        "message through the model's chat template (JSON lines choose with 'messages' or "
+        "'prompt').")] = False,
     think: ThinkOpt = None,
     speculative_tokens: SpecOpt = 0,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1,
@@ -293,6 +299,10 @@ def generate(
         items = read_items(prompt or [], input_file)
         if not items:
             raise CliError("no prompts in the input", 2)
+        if chat:
+            for it in items:
+                if it.plain and it.prompt:
+                    it.messages = [{"role": "user", "content": it.prompt}]
         llm = load_llm(model, dtype=dtype, max_model_len=max_model_len,
                        cache_memory=cache_memory, device=device, threads=threads,
                        speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs)

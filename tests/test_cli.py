@@ -307,6 +307,18 @@ def test_generate_reads_prompt_flags_then_stdin_lines(tiny):
     assert not res.stderr  # exit 0: every prompt succeeded
 
 
+def test_generate_chat_templates_plain_prompts(tiny, ref):
+    res = invoke("generate", tiny, *MODEL_FLAGS, *GREEDY, "--no-progress", "--chat", "--no-think",
+                 "-p", "hi", "--input", "-",
+                 input="what now\n" + json.dumps({"prompt": "raw"}) + "\n")
+    assert res.exit_code == 0, res.output
+    recs = [json.loads(ln) for ln in res.stdout.splitlines()]
+    off = {"enable_thinking": False}
+    assert [r["prompt"] for r in recs] == [
+        ref.apply_chat_template([{"role": "user", "content": "hi"}], off),
+        ref.apply_chat_template([{"role": "user", "content": "what now"}], off), "raw"]
+
+
 def test_generate_exit_status_is_documented_in_help():
     res = invoke("generate", "--help")
     assert "Exit status: 0" in " ".join(res.stdout.split())
