@@ -39,7 +39,8 @@ ModelArg = Annotated[str | None, typer.Argument(
     metavar="MODEL", show_default=False,
     help="Local checkpoint directory or Hugging Face id (default: the embedded demo model).")]
 DtypeOpt = Annotated[str, typer.Option(
-    "--dtype", help="bfloat16, float16, float32, or auto (float32 on CPU, bfloat16 on CUDA).")]
+    "--dtype", help="auto (the checkpoint's dtype: bfloat16 for Qwen3.5 and the demo model), "
+    "bfloat16, float16 or float32.")]
 MaxModelLenOpt = Annotated[int | None, typer.Option(
     "--max-model-len", help="Context length (prompt + answer) (default: min(the model's, "
     "4096)).", show_default=False)]
@@ -84,16 +85,13 @@ SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                   "repetition_penalty")
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
+def resolve_dtype(dtype: str) -> str:
     from hybridrt.options import check_dtype_name
 
     try:
-        dtype = check_dtype_name(dtype)
+        return check_dtype_name(dtype)
     except ValueError as e:
         raise CliError(f"--dtype: {e}", 2) from None
-    if dtype == "auto":
-        return "bfloat16" if device.startswith("cuda") else "float32"
-    return dtype
 
 
 def check_model_options(*, dtype: str, max_model_len: int | None, cache_memory: str | None,
@@ -101,7 +99,7 @@ def check_model_options(*, dtype: str, max_model_len: int | None, cache_memory: 
     """Option mistakes -> CliError (exit 2), before anything imports torch. -> the dtype."""
     from hybridrt.options import check_device_name, parse_memory
 
-    dtype = resolve_dtype(dtype, device)
+    dtype = resolve_dtype(dtype)
     if max_model_len is not None and max_model_len <= 1:
         raise CliError(f"--max-model-len must be an integer > 1, got {max_model_len}", 2)
     try:
@@ -131,10 +129,14 @@ def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
     llm = LLM(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
               device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs)
     if sys.stderr.isatty():
-        typer.echo(f"loaded {llm.model_path} ({dtype}, {device}, max_model_len "
+        typer.echo(f"loaded {llm.model_path} ({_dtype_name(llm.dtype)}, {device}, max_model_len "
                    f"{llm.engine.engine_config.max_model_len}) in "
                    f"{time.perf_counter() - t0:.1f}s", err=True)
     return llm
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def sampling_defaults(model_path: str | os.PathLike) -> dict[str, Any]:

@@ -36,6 +36,10 @@ class LLM:
     """Offline batch generation over the hybridrt engine.
 
     model: a local checkpoint directory or a Hugging Face id (default: the embedded demo model).
+    dtype: "auto" (default: the checkpoint's dtype, bfloat16 for Qwen3.5 and the demo model;
+    a float32 checkpoint loads as bfloat16 on CUDA), "bfloat16", "float16" or "float32".
+    On CPU bfloat16 weights are read as they are by the C GEMM/GEMV kernels, which is as fast
+    as float32 or faster at half the memory; float32 only when asked for.
     cache_memory: the KV + state budget: bytes, a fraction of free memory, or '2GiB'
     (default 0.3 of free memory, capped at what max_num_seqs x max_model_len needs).
     """
@@ -44,7 +48,7 @@ class LLM:
         self,
         model: str | os.PathLike | None = None,
         *,
-        dtype: str | torch.dtype = "bfloat16",
+        dtype: str | torch.dtype = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 32,
         max_num_batched_tokens: int | None = None,
@@ -65,11 +69,13 @@ class LLM:
         self.device = torch.device(device)
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.dtype = parse_dtype(dtype)
+        if not (isinstance(dtype, str) and dtype.lower() == "auto"):
+            dtype = parse_dtype(dtype)
         path = default_model() if model is None else model
         self.model, self.config, self.model_path = load_model(
-            path, self.dtype, with_mtp=speculative_tokens > 0, device=self.device
+            path, dtype, with_mtp=speculative_tokens > 0, device=self.device
         )
+        self.dtype = self.model.dtype
         if speculative_tokens > 0 and self.model.mtp is None:
             raise ValueError(
                 f"speculative_tokens={speculative_tokens} needs MTP weights, but the checkpoint "

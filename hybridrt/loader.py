@@ -39,6 +39,34 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         ) from None
 
 
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def checkpoint_dtype(path: Path, handles: dict, device: torch.device) -> torch.dtype:
+    """``dtype="auto"``: the dtype the checkpoint declares (``dtype`` / ``torch_dtype`` in
+    config.json, text_config first), else that of its weights. On CUDA a float32 checkpoint
+    loads as bfloat16, the dtype the GPU kernels are written for."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        raw = {}
+    found = None
+    for cfg in (raw.get("text_config"), raw):
+        if isinstance(cfg, dict):
+            for key in ("dtype", "torch_dtype"):
+                if isinstance(cfg.get(key), str) and cfg[key].lower() in DTYPES:
+                    found = found or DTYPES[cfg[key].lower()]
+    if found is None:
+        for h, name in handles.values():
+            found = _SAFETENSORS_DTYPES.get(h.get_slice(name).get_dtype())
+            if found is not None:
+                break
+    found = found or torch.bfloat16
+    if device.type == "cuda" and found == torch.float32:
+        return torch.bfloat16
+    return found
+
+
 def resolve_model_path(model: str | os.PathLike) -> Path:
     """A local checkpoint directory, or a Hugging Face id resolved through the local cache or
     the hub. Raises ModelNotFoundError with the reason when neither works."""
@@ -125,13 +153,16 @@ def load_model(
 ) -> tuple[Qwen35ForCausalLM, ModelConfig, Path]:
     """Load a checkpoint directory or hub id -> (model in eval mode, config, resolved path).
 
-    Tensors are read through memory-mapped ``safe_open`` handles and converted to ``dtype``.
+    Tensors are read through memory-mapped ``safe_open`` handles and converted to ``dtype``
+    (``"auto"``: the checkpoint's own, see ``checkpoint_dtype``).
     ``mtp.*`` tensors are loaded when ``with_mtp`` and present; ``model.visual.*`` is ignored.
     Missing, unexpected and mis-shaped text tensors fail together in one CheckpointError.
     """
     from safetensors import safe_open
 
-    dtype = parse_dtype(dtype)
+    auto = isinstance(dtype, str) and dtype.lower() == "auto"
+    if not auto:
+        dtype = parse_dtype(dtype)
     path = resolve_model_path(model)
     config = load_config(path)
 
@@ -148,6 +179,8 @@ def load_model(
             if canon is not None:
                 handles[canon] = (h, name)
 
+    if auto:
+        dtype = checkpoint_dtype(path, handles, torch.device(device))
     has_mtp = any(n.startswith("mtp.") for n in handles)
     with torch.device("meta"):
         net = Qwen35ForCausalLM(config, with_mtp=with_mtp and has_mtp)

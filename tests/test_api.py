@@ -101,3 +101,25 @@ def test_generate_iter_yields_requests_as_they_finish_and_close_aborts(llm):
     it.close()
     assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
     assert llm.engine.cache.all_free()
+
+
+def test_dtype_auto_is_the_checkpoints_and_the_default(tmp_path):
+    import json
+
+    import torch
+
+    from hybridrt.llm import default_model
+
+    small = {"max_model_len": 64, "cache_memory": 4 << 20}
+    fp32 = write_random_checkpoint(tmp_path / "fp32", tiny_text_config(), seed=1)
+    bf16 = write_random_checkpoint(tmp_path / "bf16", tiny_text_config(), seed=1,
+                                   dtype=torch.bfloat16)
+    assert LLM(fp32, **small).dtype == torch.float32  # no dtype in config.json: the weights'
+    assert LLM(bf16, **small).dtype == torch.bfloat16
+    assert LLM(bf16, dtype="float32", **small).dtype == torch.float32  # only when asked
+    cfg = json.loads((bf16 / "config.json").read_text())
+    cfg["text_config"]["dtype"] = "float16"  # declared in config.json: that one
+    (bf16 / "config.json").write_text(json.dumps(cfg))
+    assert LLM(bf16, **small).dtype == torch.float16
+    demo = LLM(default_model(), **small)
+    assert demo.dtype == torch.bfloat16 == demo.model.model.layers[0].mlp.up_proj.weight.dtype
