@@ -119,15 +119,12 @@ def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
     """Build the LLM; option mistakes are CliErrors (exit 2) raised before the slow imports."""
     dtype = check_model_options(dtype=dtype, max_model_len=max_model_len,
                                 cache_memory=cache_memory, device=device)
-    import torch
-
     from hybridrt.llm import LLM
 
-    if threads is not None:
-        torch.set_num_threads(threads)
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
-              device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs)
+              device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
+              threads=threads)
     if sys.stderr.isatty():
         typer.echo(f"loaded {llm.model_path} ({_dtype_name(llm.dtype)}, {device}, max_model_len "
                    f"{llm.engine.engine_config.max_model_len}) in "

@@ -40,6 +40,8 @@ class LLM:
     a float32 checkpoint loads as bfloat16 on CUDA), "bfloat16", "float16" or "float32".
     On CPU bfloat16 weights are read as they are by the C GEMM/GEMV kernels, which is as fast
     as float32 or faster at half the memory; float32 only when asked for.
+    threads: CPU threads for torch, like ``--threads`` (``torch.set_num_threads``, which is
+    process-wide; default: torch's choice, the number of physical cores).
     cache_memory: the KV + state budget: bytes, a fraction of free memory, or '2GiB'
     (default 0.3 of free memory, capped at what max_num_seqs x max_model_len needs).
     """
@@ -59,6 +61,7 @@ class LLM:
         device: str | torch.device = "cpu",
         speculative_tokens: int = 0,
         backend: str | None = None,
+        threads: int | None = None,
     ):
         if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or (
             speculative_tokens < 0
@@ -66,6 +69,10 @@ class LLM:
             raise ValueError(
                 f"speculative_tokens must be an integer >= 0, got {speculative_tokens!r}"
             )
+        if threads is not None:
+            if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+                raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+            torch.set_num_threads(threads)
         self.device = torch.device(device)
         if self.device.type == "cpu":
             keep_freed_memory()

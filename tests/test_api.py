@@ -123,3 +123,18 @@ def test_dtype_auto_is_the_checkpoints_and_the_default(tmp_path):
     assert LLM(bf16, **small).dtype == torch.float16
     demo = LLM(default_model(), **small)
     assert demo.dtype == torch.bfloat16 == demo.model.model.layers[0].mlp.up_proj.weight.dtype
+
+
+def test_threads_like_the_cli_flag(tmp_path):
+    import torch
+
+    d = write_random_checkpoint(tmp_path, tiny_text_config(), seed=1)
+    before = torch.get_num_threads()
+    try:
+        LLM(d, max_model_len=64, cache_memory=4 << 20, threads=2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="threads"):
+            LLM(d, threads=bad)
