@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -81,9 +79,6 @@ ThinkOpt = Annotated[bool | None, typer.Option(
 SpecOpt = Annotated[int, typer.Option(
     "--speculative-tokens", "-k", help="MTP draft tokens per step (0 = off).", min=0)]
 
-SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                  "repetition_penalty")
-
 
 def resolve_dtype(dtype: str) -> str:
     from hybridrt.options import check_dtype_name
@@ -138,14 +133,13 @@ def _dtype_name(dtype) -> str:
 
 def sampling_defaults(model_path: str | os.PathLike) -> dict[str, Any]:
     """The checkpoint's recommended sampling settings (generation_config.json), as vLLM uses
-    them: explicit flags and per-request fields override these."""
-    path = Path(model_path) / "generation_config.json"
-    try:
-        raw = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return {k: raw[k] for k in SAMPLING_FLAGS if isinstance(raw.get(k), (int, float))
-            and not isinstance(raw.get(k), bool)}
+    them and LLM does without sampling params: explicit flags and per-request fields override
+    these. Not max_new_tokens: the commands have their own --max-tokens."""
+    from hybridrt.llm import generation_defaults
+
+    defaults = generation_defaults(model_path)
+    defaults.pop("max_tokens", None)
+    return defaults
 
 
 def sampling_overrides(**flags: Any) -> dict[str, Any]:

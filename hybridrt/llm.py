@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -21,6 +22,26 @@ from hybridrt.statecache import HybridCacheManager, plan_cache
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 
 PromptType = str | Sequence[int] | dict
+
+
+# generation_config.json fields that become SamplingParams defaults (vLLM reads the same)
+_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                      "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                      "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint's recommended sampling settings (``generation_config.json``) as
+    SamplingParams fields; {} without the file."""
+    path = Path(model_path) / "generation_config.json"
+    try:
+        raw = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {ours: raw[theirs] for theirs, ours in _GENERATION_FIELDS.items()
+            if isinstance(raw.get(theirs), (int, float)) and not isinstance(raw[theirs], bool)}
 
 
 def default_model() -> str:
@@ -140,6 +161,15 @@ class LLM:
     def cache_sizing(self):
         return self.engine.cache.sizing
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling params uses: the checkpoint's generation_config.json
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens)
+        over SamplingParams' own defaults, as vLLM does."""
+        try:
+            return SamplingParams(**generation_defaults(self.model_path))
+        except ValueError as e:
+            raise ValueError(f"{Path(self.model_path) / 'generation_config.json'}: {e}") from None
+
     # Inputs ------------------------------------------------------------------------------
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -169,10 +199,9 @@ class LLM:
             return [prompts]
         return list(prompts)
 
-    @staticmethod
-    def _params(params, n: int) -> list:
+    def _params(self, params, n: int) -> list:
         if params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(params, (SamplingParams, dict)):
             return [params] * n
         params = list(params)
@@ -205,7 +234,9 @@ class LLM:
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
                  speculative_tokens: int | None = None) -> list[RequestOutput]:
         """prompts: a str / token-id list / {'prompt_token_ids': [...]} or a list of them.
-        sampling_params: one SamplingParams (or dict of its fields) for all, or one per prompt.
+        sampling_params: one SamplingParams (or dict of its fields) for all, or one per prompt;
+        None (the default): the checkpoint's generation_config.json, as vLLM does
+        (``get_default_sampling_params``).
         Returns one RequestOutput per prompt, in input order. A prompt whose input is invalid
         gets an output with ``error`` (a ValueError) and finish_reason 'error'; the others run.
         speculative_tokens: MTP drafts per step for this call (default: the LLM's; 0 = off).
@@ -266,7 +297,8 @@ class LLM:
              chat_template_kwargs: dict | None = None,
              add_generation_prompt: bool = True,
              speculative_tokens: int | None = None) -> list[RequestOutput]:
-        """messages: one conversation (list of {'role', 'content'}) or a list of them."""
+        """messages: one conversation (list of {'role', 'content'}) or a list of them.
+        sampling_params as in ``generate`` (None: the checkpoint's generation_config.json)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -286,7 +318,8 @@ class LLM:
                session: Session | None = None, speculative_tokens: int | None = None,
                snapshot_at: int | None = None) -> Iterator[str]:
         """Yield text deltas of one request as its tokens arrive. Closing the iterator early
-        aborts the request. The finished request's output is then in ``last_stream_output``."""
+        aborts the request. The finished request's output is then in ``last_stream_output``.
+        sampling_params None: the checkpoint's generation_config.json, as in ``generate``."""
         if self.tokenizer is None:
             raise ValueError("stream() needs a tokenizer; use stream_tokens() for token ids")
         sent = 0
@@ -309,7 +342,9 @@ class LLM:
 
     def _stream(self, prompt, sampling_params, session=None, speculative_tokens=None,
                 snapshot_at=None):
-        rid = self._add(prompt, sampling_params or SamplingParams(), speculative_tokens, session,
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        rid = self._add(prompt, sampling_params, speculative_tokens, session,
                         snapshot_at)
         req = self.engine.requests[rid]
         try:

@@ -138,3 +138,27 @@ def test_threads_like_the_cli_flag(tmp_path):
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="threads"):
             LLM(d, threads=bad)
+
+
+def test_no_sampling_params_means_the_generation_config(tmp_path):
+    import json
+
+    from hybridrt.llm import default_model
+
+    demo = LLM(default_model(), max_model_len=64, cache_memory=4 << 20)
+    p = demo.get_default_sampling_params()
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.7, 0.8, 20, 256)
+    d = write_random_checkpoint(tmp_path, tiny_text_config(), seed=1)
+    write_char_tokenizer(d)
+    (d / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.0, "max_new_tokens": 3, "do_sample": False}))
+    llm = LLM(d, max_model_len=64, cache_memory=4 << 20)
+    explicit = SamplingParams(temperature=0, max_tokens=3)
+    (out,) = llm.generate("abc", use_tqdm=False)
+    (want,) = llm.generate("abc", explicit, use_tqdm=False)
+    ids = want.outputs[0].token_ids
+    assert out.outputs[0].token_ids == ids and len(ids) <= 3
+    assert "".join(llm.stream("abc")) == want.outputs[0].text
+    (d / "generation_config.json").write_text(json.dumps({"top_p": 0}))
+    with pytest.raises(ValueError, match="generation_config.json: top_p"):
+        llm.generate("abc", use_tqdm=False)
