@@ -253,8 +253,13 @@ class LLM:
         """``generate``, but yields ``(index in prompts, RequestOutput)`` as each request
         finishes (rejected prompts first), so a caller can keep what is done if the run stops.
         Closing the iterator early aborts the requests still running."""
+        self._check_speculative_tokens(speculative_tokens)
         prompts = self._as_list(prompts)
         params = self._params(sampling_params, len(prompts))
+        return self._generate_iter(prompts, params, use_tqdm, speculative_tokens)
+
+    def _generate_iter(self, prompts: list, params: list, use_tqdm: bool,
+                       speculative_tokens: int | None) -> Iterator[tuple[int, RequestOutput]]:
         pending: dict[str, int] = {}
         rejected: list[tuple[int, RequestOutput]] = []
         try:
@@ -289,6 +294,18 @@ class LLM:
                 self.engine.abort_request(rid)
                 self.engine.pop_request(rid)
 
+    def _check_speculative_tokens(self, k: int | None) -> None:
+        """A bad speculative_tokens of a call fails the call (ValueError), before any request
+        is queued; per-request errors are for per-request data."""
+        limit = self.engine.speculative_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool)
+                              or not 0 <= k <= limit):
+            hint = (" (the LLM was built with speculative_tokens="
+                    f"{limit}: build it with a larger value to draft more)") if (
+                isinstance(k, int) and k > limit) else ""
+            raise ValueError(f"speculative_tokens must be an integer in [0, {limit}], got "
+                             f"{k!r}{hint}")
+
     def _pop_output(self, rid: str, pending: dict[str, int]) -> tuple[int, RequestOutput]:
         i = pending.pop(rid)
         return i, self.engine.make_output(self.engine.pop_request(rid))
@@ -319,12 +336,19 @@ class LLM:
                snapshot_at: int | None = None) -> Iterator[str]:
         """Yield text deltas of one request as its tokens arrive. Closing the iterator early
         aborts the request. The finished request's output is then in ``last_stream_output``.
-        sampling_params None: the checkpoint's generation_config.json, as in ``generate``."""
+        sampling_params None: the checkpoint's generation_config.json, as in ``generate``.
+        Bad arguments of the call raise here; a prompt the engine refuses raises its
+        ValueError when iteration starts."""
         if self.tokenizer is None:
             raise ValueError("stream() needs a tokenizer; use stream_tokens() for token ids")
+        self._check_speculative_tokens(speculative_tokens)
+        return self._stream_text(self._stream(prompt, sampling_params, session,
+                                              speculative_tokens, snapshot_at))
+
+    @staticmethod
+    def _stream_text(reqs) -> Iterator[str]:
         sent = 0
-        for req in self._stream(prompt, sampling_params, session, speculative_tokens,
-                                snapshot_at):
+        for req in reqs:
             if len(req.text) > sent:
                 yield req.text[sent:]
                 sent = len(req.text)
@@ -333,9 +357,14 @@ class LLM:
                       session: Session | None = None, speculative_tokens: int | None = None,
                       snapshot_at: int | None = None) -> Iterator[int]:
         """Like ``stream`` but yields token ids."""
+        self._check_speculative_tokens(speculative_tokens)
+        return self._stream_ids(self._stream(prompt, sampling_params, session,
+                                             speculative_tokens, snapshot_at))
+
+    @staticmethod
+    def _stream_ids(reqs) -> Iterator[int]:
         sent = 0
-        for req in self._stream(prompt, sampling_params, session, speculative_tokens,
-                                snapshot_at):
+        for req in reqs:
             ids = req.output_token_ids
             yield from ids[sent:]
             sent = len(ids)

@@ -162,3 +162,15 @@ def test_no_sampling_params_means_the_generation_config(tmp_path):
     (d / "generation_config.json").write_text(json.dumps({"top_p": 0}))
     with pytest.raises(ValueError, match="generation_config.json: top_p"):
         llm.generate("abc", use_tqdm=False)
+
+
+def test_speculative_tokens_above_the_engines_k_fails_the_call(llm):
+    for call in (lambda: llm.generate(["a", "b"], GREEDY, speculative_tokens=1),
+                 lambda: llm.generate_iter(["a"], GREEDY, speculative_tokens=1),
+                 lambda: llm.chat([{"role": "user", "content": "a"}], GREEDY,
+                                  speculative_tokens=2),
+                 lambda: llm.stream("a", GREEDY, speculative_tokens=1),  # before iterating
+                 lambda: llm.stream_tokens("a", GREEDY, speculative_tokens=-1)):
+        with pytest.raises(ValueError, match=r"speculative_tokens must be an integer in \[0, 0\]"):
+            call()
+        assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
