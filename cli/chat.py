@@ -42,8 +42,8 @@ from hybridrt.cli.common import (
     sampling_overrides,
     template_kwargs,
 )
+from hybridrt.reasoning import ReasoningDelta
 
-OPEN_THINK, CLOSE_THINK = "<think>", "</think>"
 _SENTINEL = "\x00hybridrt-answer\x00"
 
 HELP = """commands:
@@ -65,69 +65,47 @@ _NONE_OK = ("seed", "max_tokens")
 
 
 # Thinking text -------------------------------------------------------------------------------
-class ThinkSplitter:
-    """Splits streamed text into (is_thinking, text) pieces at <think> / </think>, also when
-    a tag arrives split over several deltas. The tags count as thinking text."""
-
-    def __init__(self, thinking: bool = False):
-        self.thinking = thinking
-        self._pending = ""
-
-    def feed(self, text: str) -> list[tuple[bool, str]]:
-        buf, out = self._pending + text, []
-        self._pending = ""
-        while buf:
-            tag = CLOSE_THINK if self.thinking else OPEN_THINK
-            i = buf.find(tag)
-            if i >= 0:
-                if i:
-                    out.append((self.thinking, buf[:i]))
-                out.append((True, tag))
-                buf = buf[i + len(tag):]
-                self.thinking = not self.thinking
-                continue
-            keep = next((n for n in range(min(len(tag) - 1, len(buf)), 0, -1)
-                         if tag.startswith(buf[-n:])), 0)
-            if len(buf) > keep:
-                out.append((self.thinking, buf[:len(buf) - keep]))
-            self._pending = buf[len(buf) - keep:]
-            break
-        return out
-
-    def flush(self) -> list[tuple[bool, str]]:
-        rest, self._pending = self._pending, ""
-        return [(self.thinking, rest)] if rest else []
-
-
-def opens_thinking(prompt_text: str) -> bool:
-    """Whether the prompt leaves a <think> block open (the model continues inside it)."""
-    return prompt_text.rfind(OPEN_THINK) > prompt_text.rfind(CLOSE_THINK)
-
-
 class Renderer:
-    """Writes answer text to stdout: thinking dimmed (on a terminal) or hidden."""
+    """Writes an answer's pieces to stdout: the think block dimmed (on a terminal), between
+    <think> and </think> lines (in a pipe), or hidden."""
 
     def __init__(self, out, color: bool, hide_thinking: bool):
         self.out, self.color, self.hide = out, color, hide_thinking
-        self._strip_next = False
+        self.in_think = False
+        self.last_char = "\n"
+
+    def start(self) -> None:
+        self.in_think = False
         self.last_char = "\n"
 
     def write(self, pieces: list[tuple[bool, str]]) -> None:
         for thinking, text in pieces:
             if thinking:
                 if self.hide:
-                    self._strip_next = True
                     continue
-                if self.color:
-                    text = f"\x1b[2m{text}\x1b[22m"
-            elif self._strip_next:
-                text = text.lstrip()
-                if not text:
-                    continue
-                self._strip_next = False
+                if not self.in_think:
+                    self.in_think = True
+                    if not self.color:
+                        self._put("<think>\n")
+                self._put(self.dim(text))
+                continue
+            if self.in_think:
+                self.in_think = False
+                self._put("\n\n" if self.color else "\n</think>\n\n")
+            self._put(text)
+        self.out.flush()
+
+    def end(self) -> None:
+        """The answer is over: close a think block it did not close (cut short)."""
+        if self.in_think:
+            self.in_think = False
+            self._put("" if self.color else "\n</think>")
+        self.out.flush()
+
+    def _put(self, text: str) -> None:
+        if text:
             self.out.write(text)
             self.last_char = text[-1]
-        self.out.flush()
 
     def dim(self, line: str) -> str:
         return f"\x1b[2m{line}\x1b[22m" if self.color else line
@@ -393,12 +371,12 @@ class ChatLoop:
     # Turns ----------------------------------------------------------------------------------
     def turn(self, user_text: str) -> None:
         try:
-            ids, text = self.conv.prompt_for(user_text)
+            ids, _ = self.conv.prompt_for(user_text)
         except Exception as e:  # noqa: BLE001 - a template may raise anything
             error_line(f"chat template: {e}")
             return
         self.conv.messages.append({"role": "user", "content": user_text})
-        answer = self.answer(ids, text)
+        answer = self.answer(ids)
         if answer is None:
             self.conv.messages.pop()
             return
@@ -412,28 +390,25 @@ class ChatLoop:
             return
         old = conv.messages.pop()
         conv.last_build = "same as before (regenerate)"
-        answer = self.answer(conv.prompt_ids, None)
+        answer = self.answer(conv.prompt_ids)
         if answer is None:
             conv.messages.append(old)
             return
         conv.commit(conv.prompt_ids, answer)
 
-    def answer(self, ids: list[int], prompt_text: str | None) -> list[int] | None:
+    def answer(self, ids: list[int]) -> list[int] | None:
         """Stream one answer -> its token ids (None when the request was refused)."""
         from hybridrt.sampling_params import SamplingParams
 
         params = SamplingParams(**self.sampling)
-        if prompt_text is None:
-            prompt_text = self.conv.decode(ids[-64:])
-        splitter = ThinkSplitter(opens_thinking(prompt_text))
-        self.render.last_char = "\n"
+        self.render.start()
         stream = self.llm.stream(ids, params, session=self.session, speculative_tokens=self.k,
                                  snapshot_at=self.conv.gen_start)
         interrupted = False
         with _sigint_flag() as flag:
             try:
                 for delta in stream:
-                    self.render.write(splitter.feed(delta))
+                    self.render.write([(isinstance(delta, ReasoningDelta), delta)])
                     if flag["hit"]:
                         interrupted = True
                         break
@@ -444,7 +419,7 @@ class ChatLoop:
                 interrupted = True
             finally:
                 stream.close()
-        self.render.write(splitter.flush())
+        self.render.end()
         out = self.llm.last_stream_output
         if self.render.last_char != "\n":
             self.out.write("\n")

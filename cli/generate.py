@@ -194,8 +194,10 @@ def run_items(llm, items: list[Item], defaults: dict, chat_kwargs: dict,
             continue
         c = out.outputs[0]
         rec = {"id": it.id, "prompt": out.prompt if out.prompt is not None else it.prompt,
-               "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-               "metrics": out.metrics}
+               "text": c.text}
+        if c.reasoning_text is not None:  # thinking on: text is the answer after the block
+            rec["reasoning_text"] = c.reasoning_text
+        rec.update(token_ids=c.token_ids, finish_reason=c.finish_reason, metrics=out.metrics)
         if c.logprobs is not None:
             rec["logprobs"] = [{str(t): lp for t, lp in d.items()} for d in c.logprobs]
         yield where[n], rec
@@ -273,7 +275,8 @@ def generate(
     text or a JSON object such as {"prompt": "...", "max_tokens": 32} or {"messages": [...],
     "chat_template_kwargs": {"enable_thinking": false}}, with any sampling field. Output, in
     input order as each is done: {"id", "prompt", "text", "token_ids", "finish_reason",
-    "metrics"} or {"id", "error": "line N: ..."}. A prompt without an "id" gets its 0-based
+    "metrics"} (with thinking on, "reasoning_text" holds the think block and "text" the
+    answer) or {"id", "error": "line N: ..."}. A prompt without an "id" gets its 0-based
     position in the output.
 
     Exit status: 0 when every prompt succeeded; 1 when any failed (each failed prompt still

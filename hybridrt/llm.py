@@ -15,6 +15,7 @@ from hybridrt.engine import EngineConfig, LLMEngine
 from hybridrt.loader import load_model, parse_dtype
 from hybridrt.options import parse_memory
 from hybridrt.outputs import CompletionOutput, RequestOutput
+from hybridrt.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.session import Session
 from hybridrt.statecache import HybridCacheManager, plan_cache
@@ -240,6 +241,9 @@ class LLM:
         Returns one RequestOutput per prompt, in input order. A prompt whose input is invalid
         gets an output with ``error`` (a ValueError) and finish_reason 'error'; the others run.
         speculative_tokens: MTP drafts per step for this call (default: the LLM's; 0 = off).
+        With thinking on (the prompt leaves a <think> block open, or the output starts with
+        one), a CompletionOutput's ``reasoning_text`` is the think block and ``text`` the
+        answer after it (hybridrt.reasoning); otherwise reasoning_text is None.
         """
         outs: list[RequestOutput | None] = []
         for i, out in self.generate_iter(prompts, sampling_params, use_tqdm, speculative_tokens):
@@ -308,7 +312,22 @@ class LLM:
 
     def _pop_output(self, rid: str, pending: dict[str, int]) -> tuple[int, RequestOutput]:
         i = pending.pop(rid)
-        return i, self.engine.make_output(self.engine.pop_request(rid))
+        return i, self._output(self.engine.pop_request(rid))
+
+    def _output(self, req) -> RequestOutput:
+        """The request's RequestOutput, its think block apart from the answer."""
+        out = self.engine.make_output(req)
+        if self.tokenizer is not None:
+            c = out.outputs[0]
+            c.reasoning_text, c.text = split_reasoning(c.text, self._prompt_thinks(req))
+        return out
+
+    def _prompt_thinks(self, req) -> bool:
+        """Does the request's prompt leave a <think> block open (see hybridrt.reasoning)?"""
+        text = req.prompt
+        if not isinstance(text, str):
+            text = self.tokenizer.decode(req.prompt_token_ids[-32:], skip_special_tokens=False)
+        return opens_thinking(text)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template_kwargs: dict | None = None,
@@ -336,6 +355,9 @@ class LLM:
                snapshot_at: int | None = None) -> Iterator[str]:
         """Yield text deltas of one request as its tokens arrive. Closing the iterator early
         aborts the request. The finished request's output is then in ``last_stream_output``.
+        With thinking on, the deltas of the think block are ``hybridrt.reasoning.
+        ReasoningDelta`` (a str subclass, without the tags) and the answer's plain str: they
+        join to the output's ``reasoning_text`` and ``text``.
         sampling_params None: the checkpoint's generation_config.json, as in ``generate``.
         Bad arguments of the call raise here; a prompt the engine refuses raises its
         ValueError when iteration starts."""
@@ -345,13 +367,16 @@ class LLM:
         return self._stream_text(self._stream(prompt, sampling_params, session,
                                               speculative_tokens, snapshot_at))
 
-    @staticmethod
-    def _stream_text(reqs) -> Iterator[str]:
-        sent = 0
+    def _stream_text(self, reqs) -> Iterator[str]:
+        sent, splitter = 0, None
         for req in reqs:
+            if splitter is None:
+                splitter = ReasoningSplitter(self._prompt_thinks(req))
             if len(req.text) > sent:
-                yield req.text[sent:]
+                yield from splitter.feed(req.text[sent:])
                 sent = len(req.text)
+        if splitter is not None:
+            yield from splitter.flush()
 
     def stream_tokens(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                       session: Session | None = None, speculative_tokens: int | None = None,
@@ -384,7 +409,7 @@ class LLM:
             if not req.is_finished:
                 self.engine.abort_request(rid)
             self.engine.requests.pop(rid, None)
-            self.last_stream_output = self.engine.make_output(req)
+            self.last_stream_output = self._output(req)
 
 
 def _error_output(rid: str, prompt: Any, err: ValueError) -> RequestOutput:

@@ -16,8 +16,7 @@ from typer.testing import CliRunner
 
 from hybridrt import LLM, SamplingParams
 from hybridrt.cli import bench as cli_bench
-from hybridrt.cli import chat as cli_chat
-from hybridrt.cli.chat import Conversation, Renderer, ThinkSplitter
+from hybridrt.cli.chat import Conversation, Renderer
 from hybridrt.cli.main import app
 from hybridrt.testing import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 
@@ -210,15 +209,8 @@ def test_qwen3_style_template_reuses_up_to_the_generation_prompt(ref):
         ref.close_session(s)
 
 
-def test_think_splitter_handles_tags_split_across_deltas():
-    s = ThinkSplitter(thinking=False)
-    pieces = []
-    for delta in ["<th", "ink>\nhm", "m</", "think>\n\nAnswer <", "b>"]:
-        pieces += s.feed(delta)
-    pieces += s.flush()
-    think = "".join(t for is_think, t in pieces if is_think)
-    answer = "".join(t for is_think, t in pieces if not is_think)
-    assert think == "<think>\nhmm</think>" and answer == "\n\nAnswer <b>"
+def test_renderer_dims_hides_or_tags_the_think_block():
+    pieces = [(True, "hmm"), (True, "m"), (False, "Answer <b>")]
 
     class Out:
         text = ""
@@ -229,12 +221,21 @@ def test_think_splitter_handles_tags_split_across_deltas():
         def flush(self):
             pass
 
-    hidden, dimmed = Out(), Out()
-    Renderer(hidden, color=False, hide_thinking=True).write(pieces)
-    Renderer(dimmed, color=True, hide_thinking=False).write(pieces)
-    assert hidden.text == "Answer <b>"
-    assert "\x1b[2m<think>" in dimmed.text and dimmed.text.endswith("Answer <b>")
-    assert cli_chat.opens_thinking("<|im_start|>assistant\n<think>\n")
+    outs = {}
+    for name, color, hide in (("hidden", True, True), ("dimmed", True, False),
+                              ("piped", False, False)):
+        outs[name] = Out()
+        r = Renderer(outs[name], color=color, hide_thinking=hide)
+        r.write(pieces)
+        r.end()
+    assert outs["hidden"].text == "Answer <b>"
+    assert outs["dimmed"].text == "\x1b[2mhmm\x1b[22m\x1b[2mm\x1b[22m\n\nAnswer <b>"
+    assert outs["piped"].text == "<think>\nhmmm\n</think>\n\nAnswer <b>"
+    cut = Out()
+    r = Renderer(cut, color=False, hide_thinking=False)
+    r.write([(True, "cut short")])
+    r.end()
+    assert cut.text == "<think>\ncut short\n</think>"
 
 
 # generate ------------------------------------------------------------------------------------
