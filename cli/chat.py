@@ -197,6 +197,19 @@ class Conversation:
         ids = self.prompt_ids + answer + (self.encode(suffix) if suffix else [])
         return ids if self.decode(ids) == text else None
 
+    def drop_oldest_turn(self) -> bool:
+        """Forget the oldest user message and the answer to it (the system prompt stays); the
+        next prompt is templated afresh. -> False when there is nothing left to drop."""
+        start = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+        if start >= len(self.messages):
+            return False
+        end = start + 1
+        while end < len(self.messages) and self.messages[end]["role"] != "user":
+            end += 1
+        del self.messages[start:end]
+        self.prompt_ids = self.answer_ids = None
+        return True
+
     def commit(self, prompt_ids: list[int], answer_ids: list[int]) -> None:
         body = answer_ids[:-1] if answer_ids and answer_ids[-1] in self.eos_token_ids \
             else answer_ids
@@ -371,16 +384,56 @@ class ChatLoop:
     # Turns ----------------------------------------------------------------------------------
     def turn(self, user_text: str) -> None:
         try:
-            ids, _ = self.conv.prompt_for(user_text)
+            fitted = self.fit(user_text)
         except Exception as e:  # noqa: BLE001 - a template may raise anything
             error_line(f"chat template: {e}")
             return
+        if fitted is None:
+            return
+        ids, user_text = fitted
         self.conv.messages.append({"role": "user", "content": user_text})
         answer = self.answer(ids)
         if answer is None:
             self.conv.messages.pop()
             return
         self.conv.commit(ids, answer)
+
+    def fit(self, user_text: str) -> tuple[list[int], str] | None:
+        """The prompt for a new user message, within max_model_len with room for an answer
+        (max_tokens, at most a quarter of the context): the oldest turns are dropped (the
+        system prompt stays) and, if the message alone is too long, only its end is kept; one
+        dim line says so. -> (prompt ids, the message as sent), None if even the system prompt
+        leaves no room."""
+        limit = self.llm.engine.engine_config.max_model_len
+        max_tokens = self.sampling.get("max_tokens") or limit
+        budget = limit - max(1, min(max_tokens, limit // 4))
+        conv = self.conv
+        ids, _ = conv.prompt_for(user_text)
+        dropped = 0
+        while len(ids) > budget and conv.drop_oldest_turn():
+            dropped += 1
+            ids, _ = conv.prompt_for(user_text)
+        notes = []
+        if dropped:
+            notes.append("dropped the oldest turn" if dropped == 1
+                         else f"dropped the {dropped} oldest turns")
+        if len(ids) > budget:
+            msg_ids = conv.encode(user_text)
+            keep = len(msg_ids) - (len(ids) - budget)
+            while keep >= 1:
+                user_text = conv.decode(msg_ids[-keep:])
+                ids, _ = conv.prompt_for(user_text)
+                if len(ids) <= budget:
+                    break
+                keep -= len(ids) - budget
+            if len(ids) >= limit or keep < 1:
+                error_line(f"the system prompt leaves no room for a message within "
+                           f"max_model_len {limit}: shorten it with /system")
+                return None
+            notes.append(f"kept the last {keep} of the message's {len(msg_ids)} tokens")
+        if notes:
+            self.say(self.render.dim(f"(context limit {limit} tokens: {'; '.join(notes)})"))
+        return ids, user_text
 
     def regenerate(self) -> None:
         conv = self.conv

@@ -118,6 +118,37 @@ def test_chat_turns_reuse_the_cache_regen_clear_set_and_exit(tiny, ref):
     assert "temperature" in err and ">= 0" in err
 
 
+def test_chat_drops_the_oldest_turns_when_the_context_is_full(tiny):
+    """No turn fails for length: the oldest turns go (the system prompt stays), a message
+    longer than the context keeps its end, and one dim line says so each time."""
+    turns = [f"{c * 20}" for c in "abcdef"] + ["z" * 300, "short"]
+    script = "\n".join([*turns, "/stats"]) + "\n"
+    res = invoke("chat", tiny, "--dtype", "float32", "--cache-memory", "64MiB",
+                 "--max-model-len", "96", "--system", "be brief", *GREEDY, input=script)
+    assert res.exit_code == 0, res.output
+    assert not res.stderr  # no turn failed
+    out = res.stdout
+    assert out.count("[prompt") == len(turns)  # every turn answered
+    notes = re.findall(r"\(context limit 96 tokens: ([^)]*)\)", out)
+    assert notes and all("oldest turn" in n or "kept the last" in n for n in notes)
+    assert any("kept the last" in n and "of the message's 300 tokens" in n for n in notes)
+    (prompt,) = stats(out, "prompt tokens")
+    assert prompt <= 96 - 6  # room for --max-tokens 6
+
+
+def test_conversation_drops_turns_but_keeps_the_system_prompt(ref):
+    conv = Conversation(ref.tokenizer, [1], {}, system="sys")
+    for q, a in (("q1", "a1"), ("q2", "a2")):
+        ids, _ = conv.prompt_for(q)
+        conv.messages.append({"role": "user", "content": q})
+        conv.commit(ids, ref.tokenizer.encode(a, add_special_tokens=False) + [1])
+    assert conv.drop_oldest_turn()
+    assert [m["content"] for m in conv.messages] == ["sys", "q2", "a2"]
+    assert conv.prompt_ids is None  # the next prompt is templated afresh
+    assert conv.drop_oldest_turn() and not conv.drop_oldest_turn()
+    assert conv.messages == [{"role": "system", "content": "sys"}]
+
+
 def test_chat_speculative_stats_and_speculative_tokens_setting(tiny, ref):
     ids1 = encode(ref, [{"role": "user", "content": Q1}])
     t1, _ = greedy(ref, ids1)
