@@ -56,6 +56,8 @@ HELP = """commands:
                         speculative_tokens
   /stats                token counts and speeds of the last answer
   /help                 this list
+A message is one line; a paste of several lines is one message; end a line with \\ to
+continue it, or put the text between two \"\"\" lines.
 Ctrl-C stops an answer (what was generated stays in the conversation)."""
 
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -257,17 +259,60 @@ class ChatLoop:
 
     # Input ----------------------------------------------------------------------------------
     def read(self) -> str | None:
+        """One message -> its text, None at the end of input. A message is a line; in a
+        terminal, with the other lines of a paste; lines joined by a trailing backslash; or a
+        block between \"\"\" lines. Ctrl-C while typing drops the message ('')."""
+        try:
+            line = self._line(">>> ")
+            if line is None:
+                return None
+            if self.interactive:
+                while self._more_pending():  # the rest of a paste is already waiting
+                    more = self._line("")
+                    if more is None:
+                        break
+                    line += "\n" + more
+            if line.lstrip().startswith('"""'):
+                return self._block(line.lstrip()[3:])
+            while line.endswith("\\"):
+                more = self._line("... ")
+                if more is None:
+                    break
+                line = line[:-1] + "\n" + more
+            return line
+        except KeyboardInterrupt:
+            self.out.write("\n(/exit or Ctrl-D to quit)\n")
+            return ""
+
+    def _block(self, text: str) -> str:
+        """The text after an opening \"\"\", up to the closing one (or the end of input)."""
+        lines = []
+        while text is not None:
+            if text.rstrip().endswith('"""'):
+                lines.append(text.rstrip()[:-3])
+                break
+            lines.append(text)
+            text = self._line("... ")
+        return "\n".join(lines)
+
+    def _line(self, prompt: str) -> str | None:
         if self.interactive:
             try:
-                return input(">>> ")
+                return input(prompt)
             except EOFError:
                 self.out.write("\n")
                 return None
-            except KeyboardInterrupt:
-                self.out.write("\n(/exit or Ctrl-D to quit)\n")
-                return ""
         line = self.stdin.readline()
-        return None if line == "" else line
+        return None if line == "" else line.rstrip("\r\n")
+
+    def _more_pending(self) -> bool:
+        """Is input already waiting (so it arrived with the line just read, as a paste)?"""
+        import select
+
+        try:
+            return bool(select.select([self.stdin], [], [], 0.02)[0])
+        except (OSError, ValueError, TypeError):
+            return False
 
     def run(self) -> None:
         if self.interactive:

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from hybridrt import LLM, SamplingParams
 from hybridrt.cli import bench as cli_bench
+from hybridrt.cli import chat as cli_chat
 from hybridrt.cli.chat import Conversation, Renderer
 from hybridrt.cli.main import app
 from hybridrt.testing import tiny_text_config, write_char_tokenizer, write_random_checkpoint
@@ -184,6 +185,38 @@ def test_ctrl_c_stops_the_answer_and_keeps_it_in_the_session(tiny, ref, monkeypa
     (prefilled,) = stats(res.stdout, "prefilled tokens")
     assert len(ids1) <= reused < len(ids1) + 6  # the prompt and the partial answer
     assert prefilled == prompt - reused
+
+
+def _loop(llm, text=""):
+    import io
+
+    return cli_chat.ChatLoop(llm, {"temperature": 0}, 0, None, None, False,
+                             stdin=io.StringIO(text), stdout=io.StringIO())
+
+
+def test_chat_reads_multi_line_messages(ref, monkeypatch):
+    loop = _loop(ref, 'one line\ntwo \\\nlines\n"""\nthree\n\nlines\n"""\n"""inline"""\n'
+                      '"""never closed\n')
+    try:
+        msgs = [loop.read() for _ in range(5)]
+        assert msgs == ["one line", "two \nlines", "\nthree\n\nlines\n", "inline",
+                        "never closed"]
+        assert loop.read() is None
+        # in a terminal, lines already waiting after the one read are the rest of a paste
+        loop.interactive = True
+        typed = ["pasted 1", "pasted 2", "pasted 3", "typed later"]
+        prompts = []
+
+        def fake_input(prompt):
+            prompts.append(prompt)
+            return typed.pop(0)
+
+        monkeypatch.setattr("builtins.input", fake_input)
+        monkeypatch.setattr(loop, "_more_pending", lambda: len(typed) > 1)
+        assert loop.read() == "pasted 1\npasted 2\npasted 3"
+        assert loop.read() == "typed later" and prompts == [">>> ", "", "", ">>> "]
+    finally:
+        ref.close_session(loop.session)
 
 
 def test_incremental_prompt_is_the_template_for_chatml(ref):
