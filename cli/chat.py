@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -36,6 +37,7 @@ from hybridrt.cli.common import (
     TopKOpt,
     TopPOpt,
     check_model_options,
+    dtype_name,
     error_line,
     load_llm,
     sampling_defaults,
@@ -318,7 +320,7 @@ class ChatLoop:
         if self.interactive:
             with contextlib.suppress(ImportError):
                 import readline  # noqa: F401 - line editing and history for input()
-            typer.echo("hybridrt chat: /help lists the commands, Ctrl-D quits", err=True)
+            typer.echo(banner(self.llm), err=True)
         try:
             while True:
                 line = self.read()
@@ -526,6 +528,30 @@ class ChatLoop:
         return list(out.outputs[0].token_ids)
 
 
+DEMO_NOTE = ("  the embedded demo model: 8.4M parameters trained for an hour on Python "
+             "docstrings, not an\n  assistant. Ask it what a stdlib function does, e.g. "
+             "What does json.dumps do?")
+
+
+def banner(llm) -> str:
+    """What an interactive chat starts with: the model and how it runs."""
+    import torch
+
+    from hybridrt.llm import DEMO_MODEL_DIR
+
+    device = llm.device
+    where = f"{device}, {torch.get_num_threads()} threads" if device.type == "cpu" \
+        else str(device)
+    loaded = getattr(llm, "load_seconds", None)
+    lines = [f"hybridrt chat: {llm.model_path} ({dtype_name(llm.dtype)}, {where}, context "
+             f"{llm.engine.engine_config.max_model_len} tokens"
+             + (f", loaded in {loaded:.1f}s)" if loaded is not None else ")")]
+    if Path(llm.model_path).resolve() == DEMO_MODEL_DIR.resolve():
+        lines.append(DEMO_NOTE)
+    lines.append("/help lists the commands, Ctrl-D quits")
+    return "\n".join(lines)
+
+
 def _turn_stats(out, reused: int, built: str) -> dict:
     m = out.metrics
     ttft = m.get("time_to_first_token")
@@ -595,6 +621,6 @@ def chat(
         raise CliError(f"invalid sampling option: {e}", 2) from None
     llm = load_llm(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
                    device=device, threads=threads, speculative_tokens=speculative_tokens,
-                   max_num_seqs=2)
+                   max_num_seqs=2, announce=False)
     sampling = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
     ChatLoop(llm, sampling, speculative_tokens, system, think, not show_thinking).run()

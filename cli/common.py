@@ -110,8 +110,10 @@ def check_model_options(*, dtype: str, max_model_len: int | None, cache_memory: 
 
 def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
              cache_memory: str | None, device: str = "cpu", speculative_tokens: int = 0,
-             max_num_seqs: int = 32, threads: int | None = None):
-    """Build the LLM; option mistakes are CliErrors (exit 2) raised before the slow imports."""
+             max_num_seqs: int = 32, threads: int | None = None, announce: bool = True):
+    """Build the LLM; option mistakes are CliErrors (exit 2) raised before the slow imports.
+    ``announce``: one 'loaded ...' line on stderr when it is a terminal. Sets
+    ``llm.load_seconds``."""
     dtype = check_model_options(dtype=dtype, max_model_len=max_model_len,
                                 cache_memory=cache_memory, device=device)
     from hybridrt.llm import LLM
@@ -120,14 +122,15 @@ def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
     llm = LLM(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
               device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
               threads=threads)
-    if sys.stderr.isatty():
-        typer.echo(f"loaded {llm.model_path} ({_dtype_name(llm.dtype)}, {device}, max_model_len "
-                   f"{llm.engine.engine_config.max_model_len}) in "
-                   f"{time.perf_counter() - t0:.1f}s", err=True)
+    llm.load_seconds = time.perf_counter() - t0
+    if announce and sys.stderr.isatty():
+        typer.echo(f"loaded {llm.model_path} ({dtype_name(llm.dtype)}, {device}, max_model_len "
+                   f"{llm.engine.engine_config.max_model_len}) in {llm.load_seconds:.1f}s",
+                   err=True)
     return llm
 
 
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 

@@ -219,6 +219,21 @@ def test_chat_reads_multi_line_messages(ref, monkeypatch):
         ref.close_session(loop.session)
 
 
+def test_chat_banner_names_the_model_and_how_it_runs(ref):
+    import torch
+
+    from hybridrt.llm import default_model
+
+    text = cli_chat.banner(ref)
+    for part in (str(ref.model_path), "float32", f"cpu, {torch.get_num_threads()} threads",
+                 "context 512 tokens"):
+        assert part in text, part
+    assert "demo" not in text
+    demo = cli_chat.banner(LLM(default_model(), max_model_len=256, cache_memory=4 << 20))
+    assert "bfloat16" in demo and "context 256 tokens" in demo
+    assert "demo model" in demo and "not an\n  assistant" in demo
+
+
 def test_incremental_prompt_is_the_template_for_chatml(ref):
     conv = Conversation(ref.tokenizer, [1], {}, system="be brief")
     ids, _ = conv.prompt_for(Q1)
