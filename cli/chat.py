@@ -25,12 +25,15 @@ from hybridrt.cli.common import (
     CliError,
     DeviceOpt,
     DtypeOpt,
+    FrequencyOpt,
     MaxModelLenOpt,
     MinPOpt,
     ModelArg,
     PresenceOpt,
+    RepetitionOpt,
     SeedOpt,
     SpecOpt,
+    StopOpt,
     TemperatureOpt,
     ThinkOpt,
     ThreadsOpt,
@@ -53,9 +56,11 @@ HELP = """commands:
   /clear                forget the conversation (keeps the system prompt)
   /regen                regenerate the last answer
   /system [text]        set (or with no text, remove) the system prompt; starts over
-  /set [param value]    show or change a setting: temperature, top_p, top_k, min_p,
-                        presence_penalty, seed (int or none), max_tokens (int or none),
-                        speculative_tokens
+  /set [param value]    change a setting, or list them all with their values:
+                        temperature, top_p, top_k, min_p, presence_penalty,
+                        frequency_penalty, repetition_penalty, seed (int or none),
+                        max_tokens (int or none), stop (a string, \\n for a newline,
+                        or none), speculative_tokens
   /stats                token counts and speeds of the last answer
   /help                 this list
 A message is one line; a paste of several lines is one message; end a line with \\ to
@@ -65,7 +70,11 @@ Ctrl-C stops an answer (what was generated stays in the conversation)."""
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
 _INT_PARAMS = ("top_k", "seed", "max_tokens")
-_NONE_OK = ("seed", "max_tokens")
+_NONE_OK = ("seed", "max_tokens", "stop")
+# what /set changes, in the order /set and /help list them
+SETTABLE = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "stop",
+            "speculative_tokens")
 
 
 # Thinking text -------------------------------------------------------------------------------
@@ -367,18 +376,26 @@ class ChatLoop:
             error_line(f"unknown command {name} (/help lists them)")
         return True
 
+    def settings(self) -> dict[str, Any]:
+        """Every /set parameter -> its current value (the SamplingParams default if unset)."""
+        from hybridrt.sampling_params import SamplingParams
+
+        p = SamplingParams(**self.sampling)
+        values = {name: getattr(p, name) for name in SETTABLE if name != "speculative_tokens"}
+        return {**values, "speculative_tokens": self.k}
+
     def set_param(self, arg: str) -> None:
         from hybridrt.sampling_params import SamplingParams
 
         if not arg:
-            shown = {**self.sampling, "speculative_tokens": self.k}
-            self.say("  ".join(f"{k}={v}" for k, v in shown.items()))
+            self.say("\n".join(f"  {k:<20} {_show(v)}" for k, v in self.settings().items()))
             return
-        parts = arg.split()
-        if len(parts) != 2:
-            error_line("usage: /set <param> <value>, e.g. /set temperature 0.7")
+        name, _, raw = arg.partition(" ")
+        name, raw = name.replace("-", "_"), raw.strip()
+        if not raw or (name != "stop" and len(raw.split()) != 1):
+            error_line("usage: /set <param> <value>, e.g. /set temperature 0.7 (/set lists "
+                       "the parameters)")
             return
-        name, raw = parts[0].replace("-", "_"), parts[1]
         try:
             if name == "speculative_tokens":
                 k = int(raw)
@@ -393,13 +410,14 @@ class ChatLoop:
                 return
             if name in _NONE_OK and raw.lower() == "none":
                 value = None
+            elif name == "stop":
+                value = [raw.replace("\\n", "\n").replace("\\t", "\t")]
             elif name in _FLOAT_PARAMS:
                 value = float(raw)
             elif name in _INT_PARAMS:
                 value = int(raw)
             else:
-                raise ValueError(f"unknown setting {parts[0]!r}; one of "
-                                 f"{', '.join(_FLOAT_PARAMS + _INT_PARAMS)}, speculative_tokens")
+                raise ValueError(f"unknown setting {name!r}; one of {', '.join(SETTABLE)}")
             new = {**self.sampling, name: value}
             SamplingParams(**new)
         except ValueError as e:
@@ -409,7 +427,7 @@ class ChatLoop:
             error_line(msg)
             return
         self.sampling = new
-        self.say(f"{name}={value}")
+        self.say(f"{name}={_show(value)}")
 
     def show_stats(self) -> None:
         if self.last is None:
@@ -568,6 +586,10 @@ def _turn_stats(out, reused: int, built: str) -> dict:
     }
 
 
+def _show(value: Any) -> str:
+    return repr(value) if isinstance(value, (str, list)) else str(value)
+
+
 def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -589,9 +611,12 @@ def chat(
     top_k: TopKOpt = None,
     min_p: MinPOpt = None,
     presence_penalty: PresenceOpt = None,
+    frequency_penalty: FrequencyOpt = None,
+    repetition_penalty: RepetitionOpt = None,
     seed: SeedOpt = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1,
                                             help="Most tokens per answer.")] = 1024,
+    stop: StopOpt = None,
     think: ThinkOpt = None,
     show_thinking: Annotated[bool, typer.Option(
         "--show-thinking/--hide-thinking",
@@ -614,7 +639,10 @@ def chat(
                         device=device)
 
     flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                               presence_penalty=presence_penalty, seed=seed)
+                               presence_penalty=presence_penalty,
+                               frequency_penalty=frequency_penalty,
+                               repetition_penalty=repetition_penalty, seed=seed,
+                               stop=stop or None)
     try:
         SamplingParams(**flags, max_tokens=max_tokens)
     except ValueError as e:

@@ -165,6 +165,28 @@ def test_chat_speculative_stats_and_speculative_tokens_setting(tiny, ref):
     assert "speculative_tokens must be in [0, 2]" in res.stderr
 
 
+def test_chat_set_and_help_list_every_setting_and_chat_has_generates_flags(tiny):
+    script = "/set\n/help\n/set stop x y\n/set frequency_penalty 0.5\n/set stop none\n/set\n"
+    res = invoke("chat", tiny, *MODEL_FLAGS, "--repetition-penalty", "1.1", input=script)
+    assert res.exit_code == 0 and not res.stderr, res.output
+    listing, rest = res.stdout.split("commands:")
+    help_text, _ = rest.split("stop=['x y']")
+    for name in cli_chat.SETTABLE:
+        assert re.search(rf"^  {name} +\S", listing, re.M), name  # /set: name and value
+        assert name in help_text, name
+    assert re.search(r"repetition_penalty +1.1", listing)
+    assert "frequency_penalty=0.5" in res.stdout and "stop=None" in res.stdout
+    import click
+    import typer.main
+
+    group = typer.main.get_command(app)
+    opts = {name: {o for p in group.commands[name].params if isinstance(p, click.Option)
+                   for o in p.opts} for name in ("chat", "generate")}
+    io_only = {"--prompt", "-p", "--input", "-i", "--output", "-o", "--max-num-seqs",
+               "--progress", "--chat"}
+    assert opts["generate"] - io_only <= opts["chat"]
+
+
 def test_ctrl_c_stops_the_answer_and_keeps_it_in_the_session(tiny, ref, monkeypatch):
     fired = []
     write = Renderer.write
