@@ -1,5 +1,6 @@
 """``hybridrt bench throughput`` (hybridrt.bench) and ``hybridrt bench spec``
-(hybridrt.specbench): each prints a table, writes JSON and, with ``--plot``, a chart."""
+(hybridrt.specbench): each prints a table and, with ``--json`` / ``--plot``, writes the report
+and a chart."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from hybridrt.cli.common import CliError, ModelArg
+from hybridrt.cli.common import CliError, ModelArg, ThreadsOpt
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                         help="Benchmarks: throughput vs transformers, speculative decoding.")
@@ -29,6 +30,18 @@ def _need_matplotlib(plot: Path | None) -> None:
     if plot is not None and not has_matplotlib():
         raise CliError("--plot needs matplotlib, which is not installed "
                        "(pip install 'hybridrt[plot]')", 2)
+
+
+JsonOpt = Annotated[str | None, typer.Option(
+    "--json", help="Also write the report to this JSON file (default: none).",
+    show_default=False)]
+
+
+def _default_threads() -> int:
+    """chat's and generate's default: torch's own (the number of physical cores)."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _check_dtype(dtype: str) -> None:
@@ -61,12 +74,12 @@ def _pyplot():
 # throughput ----------------------------------------------------------------------------------
 @bench_app.command("throughput")
 def throughput(
-    model: Annotated[str | None, typer.Option(
-        "--model", help="Checkpoint dir or hub id (default: random-weight 0.8B shape).",
-        show_default=False)] = None,
+    model: Annotated[str | None, typer.Argument(
+        metavar="MODEL", help="Checkpoint dir or hub id (default: a random-weight "
+        "Qwen3.5-0.8B-shaped checkpoint).", show_default=False)] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="Weight and cache dtype.")
                      ] = "bfloat16",
-    threads: Annotated[int, typer.Option("--threads", min=1, help="CPU threads.")] = 2,
+    threads: ThreadsOpt = None,
     prefill_len: Annotated[int, typer.Option(
         "--prefill-len", min=1, help="Prompt length of the prefill measurement.")] = 512,
     prompt_len: Annotated[int, typer.Option(
@@ -80,8 +93,7 @@ def throughput(
     no_transformers: Annotated[bool, typer.Option(
         "--no-transformers", help="Only hybridrt, skip the transformers side (default: off).")
     ] = False,
-    json_path: Annotated[str, typer.Option("--json", help="Write the report here.")
-                         ] = "bench-throughput.json",
+    json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
     """Prefill, batch-1 decode and aggregate tok/s, side by side with transformers."""
@@ -89,6 +101,8 @@ def throughput(
     _check_dtype(dtype)
     _int_list("--concurrency", concurrency, 1)
     from hybridrt import bench
+
+    threads = threads or _default_threads()
 
     args = argparse.Namespace(
         cmd="throughput", model=model, dtype=dtype, threads=threads, prefill_len=prefill_len,
@@ -145,11 +159,10 @@ def spec(
         "--ignore-eos", help="Always generate --max-tokens tokens (default: off).")] = False,
     dtype: Annotated[str, typer.Option("--dtype", help="Weight and cache dtype.")
                      ] = "float32",
-    threads: Annotated[int, typer.Option("--threads", min=1, help="CPU threads.")] = 2,
+    threads: ThreadsOpt = None,
     quick: Annotated[bool, typer.Option("--quick", help="A short smoke run (default: off).")
                      ] = False,
-    json_path: Annotated[str, typer.Option("--json", help="Write the report here.")
-                         ] = "bench-spec.json",
+    json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
     """Speculative decoding with the checkpoint's MTP head, per k and batch size.
@@ -173,7 +186,8 @@ def spec(
 
     report = run_spec_bench(default_model() if model is None else model, ks=tuple(k_list),
                             batch_sizes=tuple(b_list), prompts=prompts or None,
-                            max_tokens=max_tokens, dtype=dtype, threads=threads,
+                            max_tokens=max_tokens, dtype=dtype,
+                            threads=threads or _default_threads(),
                             json_path=json_path, quick=quick, temperature=temperature,
                             ignore_eos=ignore_eos)
     if plot is not None:

@@ -176,11 +176,10 @@ def test_chat_set_and_help_list_every_setting_and_chat_has_generates_flags(tiny)
         assert name in help_text, name
     assert re.search(r"repetition_penalty +1.1", listing)
     assert "frequency_penalty=0.5" in res.stdout and "stop=None" in res.stdout
-    import click
     import typer.main
 
     group = typer.main.get_command(app)
-    opts = {name: {o for p in group.commands[name].params if isinstance(p, click.Option)
+    opts = {name: {o for p in group.commands[name].params if p.param_type_name == "option"
                    for o in p.opts} for name in ("chat", "generate")}
     io_only = {"--prompt", "-p", "--input", "-i", "--output", "-o", "--max-num-seqs",
                "--progress", "--chat"}
@@ -555,12 +554,11 @@ def _all_commands(group, path=()):
 
 
 def test_every_option_has_a_help_line_with_its_default():
-    import click
     import typer.main
 
     for path, cmd in _all_commands(typer.main.get_command(app)):
         for p in cmd.params:
-            if not isinstance(p, click.Option) or p.name == "help":
+            if p.param_type_name != "option" or p.name == "help":
                 continue
             where = f"{' '.join(path)} {p.opts[0]}"
             assert p.help, f"{where} has no help"
@@ -582,14 +580,18 @@ def test_throughput_flags_match_hybridrt_bench():
               and a.dest != "help"}
     group = typer.main.get_command(app)
     cmd = group.commands["bench"].commands["throughput"]
-    ours = {p.opts[0]: p.default for p in cmd.params if p.opts[0] != "--plot"}
-    ours = {k: v for k, v in ours.items() if k not in ("--help", "-h")}
+    ours = {p.opts[0] if p.param_type_name == "option" else "--model": p.default
+            for p in cmd.params if p.name not in ("plot", "help")}
+    # the command takes MODEL like the others, writes JSON only with --json, and uses torch's
+    # thread count like chat and generate
+    assert (ours.pop("--json"), ours.pop("--threads")) == (None, None)
+    del theirs["--json"], theirs["--threads"]
     assert ours == theirs
 
 
 def test_bench_throughput_smoke_on_tiny_checkpoint(tiny, tmp_path):
     out = tmp_path / "tp.json"
-    res = invoke("bench", "throughput", "--model", tiny, "--dtype", "float32",
+    res = invoke("bench", "throughput", tiny, "--dtype", "float32",
                  "--no-transformers", "--prefill-len", "16", "--prompt-len", "4",
                  "--decode-tokens", "3", "--concurrency", "2", "--repeats", "1", "--json", out)
     assert res.exit_code == 0, res.output
@@ -638,7 +640,12 @@ def spec_acceptance(report: dict, k: int) -> float:
     return rows[0]["mean_acceptance_length"] - 1.0
 
 
-def test_bench_spec_quick_smoke_on_tiny_checkpoint(tiny, tmp_path):
+def test_bench_spec_quick_smoke_on_tiny_checkpoint(tiny, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = invoke("bench", "spec", tiny, "--quick", "--ks", "0,1", "--batch-sizes", "1",
+                 "--max-tokens", "2")
+    assert res.exit_code == 0, res.output
+    assert "per-position acceptance" in res.stdout and not list(tmp_path.iterdir())  # no --json
     out = tmp_path / "spec.json"
     res = invoke("bench", "spec", tiny, "--quick", "--ks", "0,2", "--batch-sizes", "2",
                  "--max-tokens", "4", "--json", out)
