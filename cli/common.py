@@ -116,8 +116,12 @@ def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
     ``llm.load_seconds``."""
     dtype = check_model_options(dtype=dtype, max_model_len=max_model_len,
                                 cache_memory=cache_memory, device=device)
-    from hybridrt.llm import LLM
+    from hybridrt.llm import LLM, check_device
 
+    try:
+        check_device(device)
+    except ValueError as e:
+        raise CliError(f"--device {device}: {e}", 2) from None
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
               device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,

@@ -13,7 +13,7 @@ import torch
 from hybridrt.cpu_alloc import keep_freed_memory
 from hybridrt.engine import EngineConfig, LLMEngine
 from hybridrt.loader import load_model, parse_dtype
-from hybridrt.options import parse_memory
+from hybridrt.options import check_device_name, parse_memory
 from hybridrt.outputs import CompletionOutput, RequestOutput
 from hybridrt.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
 from hybridrt.sampling_params import SamplingParams
@@ -43,6 +43,29 @@ def generation_defaults(model_path: str | os.PathLike) -> dict[str, Any]:
         return {}
     return {ours: raw[theirs] for theirs, ours in _GENERATION_FIELDS.items()
             if isinstance(raw.get(theirs), (int, float)) and not isinstance(raw[theirs], bool)}
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """-> the torch.device; ValueError saying why when it cannot run here (checked before
+    anything loads)."""
+    if isinstance(device, str):
+        check_device_name(device)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {str(device)!r}")
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            raise ValueError(f"CUDA is not available in this PyTorch build (torch "
+                             f"{torch.__version__} is CPU-only): use the CPU, or install a "
+                             f"CUDA build of torch")
+        raise ValueError(f"CUDA is not available: torch {torch.__version__} is built for CUDA "
+                         f"{torch.version.cuda} but sees no usable GPU (driver? "
+                         f"CUDA_VISIBLE_DEVICES?)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"no device {device}: {torch.cuda.device_count()} GPU(s) visible")
+    return device
 
 
 def default_model() -> str:
@@ -95,7 +118,7 @@ class LLM:
             if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
                 raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
             torch.set_num_threads(threads)
-        self.device = torch.device(device)
+        self.device = check_device(device)
         if self.device.type == "cpu":
             keep_freed_memory()
         if not (isinstance(dtype, str) and dtype.lower() == "auto"):
@@ -192,6 +215,9 @@ class LLM:
 
     @staticmethod
     def _as_list(prompts) -> list:
+        if prompts is None or not isinstance(prompts, (str, dict, Sequence, Iterator)):
+            raise ValueError(f"prompts must be a prompt (text, token ids or a dict) or a list "
+                             f"of them, got {type(prompts).__name__}")
         if isinstance(prompts, (str, dict)):
             return [prompts]
         if isinstance(prompts, Sequence) and prompts and all(

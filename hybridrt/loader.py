@@ -70,6 +70,9 @@ def checkpoint_dtype(path: Path, handles: dict, device: torch.device) -> torch.d
 def resolve_model_path(model: str | os.PathLike) -> Path:
     """A local checkpoint directory, or a Hugging Face id resolved through the local cache or
     the hub. Raises ModelNotFoundError with the reason when neither works."""
+    if not str(model).strip():
+        raise ModelNotFoundError("the model path is empty: give a checkpoint directory or a "
+                                 "Hugging Face id (or no model for the embedded demo)")
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -145,6 +148,17 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
+def _stored_name(name: str, handles: dict[str, tuple[object, str]]) -> str:
+    """Our parameter name as this checkpoint's layout would store it (for a missing tensor:
+    ``model.layers.3...`` is ``model.language_model.layers.3...`` in the published one)."""
+    if not name.startswith("model."):
+        return name
+    for canon, (_, raw) in handles.items():
+        if canon.startswith("model.") and raw != canon and raw.endswith(canon[len("model."):]):
+            return raw[:len(raw) - len(canon) + len("model.")] + name[len("model."):]
+    return name
+
+
 def load_model(
     model: str | os.PathLike,
     dtype: str | torch.dtype = torch.bfloat16,
@@ -167,17 +181,19 @@ def load_model(
     config = load_config(path)
 
     handles: dict[str, tuple[object, str]] = {}
+    file_of: dict[str, Path] = {}  # stored name -> its file, for error messages
     opened = []
     for f in _weight_files(path):
         try:
             h = safe_open(str(f), framework="pt", device="cpu")
         except Exception as e:
-            raise CheckpointError(f"cannot read {f.name} (truncated or corrupt?): {e}") from None
+            raise CheckpointError(f"cannot read {f} (truncated or corrupt?): {e}") from None
         opened.append(h)
         for name in h.keys():  # noqa: SIM118 (safe_open handles are not iterable)
             canon = canonical_name(name)
             if canon is not None:
                 handles[canon] = (h, name)
+                file_of[name] = f
 
     if auto:
         dtype = checkpoint_dtype(path, handles, torch.device(device))
@@ -189,7 +205,7 @@ def load_model(
     missing, mismatched, unexpected = [], [], []
     for name, shape in expected.items():
         if name not in handles:
-            missing.append(f"{name} (expected {list(shape)})")
+            missing.append(f"{_stored_name(name, handles)} (expected {list(shape)})")
             continue
         h, raw = handles[name]
         found = tuple(h.get_slice(raw).get_shape())
@@ -216,7 +232,8 @@ def load_model(
         try:
             t = h.get_tensor(raw)
         except Exception as e:
-            raise CheckpointError(f"cannot read tensor {raw} (truncated file?): {e}") from None
+            raise CheckpointError(f"cannot read tensor {raw} from {file_of[raw]} (truncated "
+                                  f"file?): {e}") from None
         state[name] = t.to(device=device, dtype=dtype)
     net.load_state_dict(state, assign=True, strict=True)
     net.eval().requires_grad_(False)

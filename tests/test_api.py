@@ -174,3 +174,21 @@ def test_speculative_tokens_above_the_engines_k_fails_the_call(llm):
         with pytest.raises(ValueError, match=r"speculative_tokens must be an integer in \[0, 0\]"):
             call()
         assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+
+
+def test_bad_call_arguments_and_devices_raise_value_errors(llm, monkeypatch):
+    import torch
+
+    from hybridrt import ModelNotFoundError
+
+    for bad in (None, 3):
+        with pytest.raises(ValueError, match="prompts must be"):
+            llm.generate(bad, GREEDY, use_tqdm=False)
+    with pytest.raises(ModelNotFoundError, match="the model path is empty"):
+        LLM("")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(ValueError, match="CUDA is not available in this PyTorch build"):
+        LLM(llm.model_path, device="cuda")
+    with pytest.raises(ValueError, match="device must be cpu, cuda or cuda:N"):
+        LLM(llm.model_path, device="tpu")

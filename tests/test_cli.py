@@ -507,6 +507,16 @@ def test_usage_errors_print_before_torch_is_imported(args):
     one_error_line(proc.stderr)
 
 
+def test_cuda_on_a_cpu_only_torch_is_one_error_line_exit_2(tiny, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    res = invoke("generate", tiny, "-p", "x", "--device", "cuda")
+    assert res.exit_code == 2
+    assert "CUDA is not available in this PyTorch build" in one_error_line(res.stderr)
+
+
 def test_broken_checkpoint_is_one_error_line(tiny, tmp_path):
     (tmp_path / "config.json").write_text(Path(tiny, "config.json").read_text())
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{trunc")
