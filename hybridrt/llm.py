@@ -178,8 +178,16 @@ class LLM:
         if (path / "tokenizer.json").is_file():
             # tokenizer.json is the whole pipeline; AutoTokenizer would swap in the
             # model-type class and its own pre-tokenizer.
-            return PreTrainedTokenizerFast.from_pretrained(str(path))
-        return AutoTokenizer.from_pretrained(str(path))
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+        else:
+            tok = AutoTokenizer.from_pretrained(str(path))
+        # hybridrt checks prompt lengths against max_model_len itself: transformers' "Token
+        # indices sequence length is longer than the specified maximum" (model_max_length)
+        # would only add a confusing line. This is the flag with which it warns only once.
+        warned = getattr(tok, "deprecation_warnings", None)
+        if isinstance(warned, dict):
+            warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+        return tok
 
     @property
     def cache_sizing(self):

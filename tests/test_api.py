@@ -192,3 +192,12 @@ def test_bad_call_arguments_and_devices_raise_value_errors(llm, monkeypatch):
         LLM(llm.model_path, device="cuda")
     with pytest.raises(ValueError, match="device must be cpu, cuda or cuda:N"):
         LLM(llm.model_path, device="tpu")
+
+
+def test_no_transformers_warning_about_long_prompts(capfd):
+    from hybridrt.llm import default_model
+
+    demo = LLM(default_model(), max_model_len=64, cache_memory=4 << 20)
+    (out,) = demo.generate("hello world " * 3000, use_tqdm=False)  # 18000 tokens > 4096
+    assert "max_model_len is 64" in str(out.error)
+    assert "Token indices sequence length" not in capfd.readouterr().err
