@@ -14,7 +14,8 @@ import typer
 from hybridrt.cli.common import CliError, ModelArg, ThreadsOpt
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
-                        help="Benchmarks: throughput vs transformers, speculative decoding.")
+                        help="Benchmarks: throughput vs transformers, speculative decoding, "
+                             "start-up.")
 
 PlotOpt = Annotated[Path | None, typer.Option(
     "--plot", help="Also draw a chart to this PNG (needs matplotlib, the 'plot' extra) "
@@ -237,3 +238,23 @@ def plot_spec(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# startup --------------------------------------------------------------------------------------
+@bench_app.command("startup")
+def startup(
+    model: ModelArg = None,
+    runs: Annotated[int, typer.Option(
+        "--runs", min=1, help="Runs of each measurement, alternated (the median is "
+        "reported).")] = 5,
+    threads: ThreadsOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Start-up: hybridrt generate -p hi --max-tokens 1 against python -c 'import torch'.
+
+    Each figure comes from a fresh interpreter; the one that matters is the load and first
+    token beyond importing torch (target 1.5 s on the demo model).
+    """
+    from hybridrt.startup import run_startup_bench
+
+    run_startup_bench(model, runs=runs, threads=threads, json_path=json_path)

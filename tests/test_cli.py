@@ -613,6 +613,20 @@ def test_bench_throughput_smoke_on_tiny_checkpoint(tiny, tmp_path):
     assert "decode b2 / our b1, three alternated runs of each" in res.stdout
 
 
+def test_bench_startup_smoke(tmp_path):
+    """Fresh interpreters: import torch, generate one token of the demo model, a usage
+    error; the report says how much the load and first token add to importing torch."""
+    out = tmp_path / "startup.json"
+    res = invoke("bench", "startup", "--runs", "1", "--threads", "1", "--json", out)
+    assert res.exit_code == 0, res.output
+    assert "load + first token beyond import torch" in res.stdout
+    r = json.loads(out.read_text())
+    assert set(r["median_s"]) == {"import_torch", "generate", "usage_error"}
+    assert r["median_s"]["usage_error"] < r["median_s"]["import_torch"]  # no torch import
+    assert r["generate_minus_import_torch_s"] > 0 and r["dtype"] == "bfloat16"
+    assert r["phases_median_s"]["load"] > 0 and r["threads"] == 1
+
+
 def test_plot_without_matplotlib_is_one_error_line_exit_2(tiny, monkeypatch, tmp_path):
     monkeypatch.setattr(cli_bench, "has_matplotlib", lambda: False)
     for args in (["bench", "spec", tiny, "--quick"], ["bench", "throughput"]):
