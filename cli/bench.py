@@ -1,6 +1,6 @@
-"""``hybridrt bench throughput`` / ``gemm`` (hybridrt.bench) and ``hybridrt bench spec``
-(hybridrt.specbench): each prints a table; throughput and spec write JSON and, with ``--plot``,
-a chart."""
+"""``hybridrt bench throughput`` / ``gemm`` / ``startup`` (hybridrt.bench, hybridrt.startup)
+and ``hybridrt bench spec`` (hybridrt.specbench): each prints a table and, with ``--json`` /
+``--plot``, writes the report and a chart."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ from typing import Annotated
 
 import typer
 
-from hybridrt.cli.common import CliError, ModelArg
+from hybridrt.cli.common import CliError, ModelArg, ThreadsOpt
 
-bench_app = typer.Typer(no_args_is_help=True, add_completion=False,
+bench_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                         help="Benchmarks: throughput vs transformers, speculative decoding, "
-                             "the CPU GEMM paths.")
+                             "the CPU GEMM paths, start-up.")
 
 PlotOpt = Annotated[Path | None, typer.Option(
-    "--plot", help="Also draw a chart to this PNG (needs matplotlib, the 'plot' extra).",
+    "--plot", help="Also draw a chart to this PNG (needs matplotlib, the 'plot' extra) "
+    "(default: no chart).",
     show_default=False)]
 
 
@@ -29,6 +30,26 @@ def _need_matplotlib(plot: Path | None) -> None:
     if plot is not None and not has_matplotlib():
         raise CliError("--plot needs matplotlib, which is not installed "
                        "(pip install 'hybridrt[plot]')", 2)
+
+
+JsonOpt = Annotated[str | None, typer.Option(
+    "--json", help="Also write the report to this JSON file (default: none).",
+    show_default=False)]
+
+
+def _default_threads() -> int:
+    """chat's and generate's default: torch's own (the number of physical cores)."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _check_dtype(dtype: str) -> None:
+    from hybridrt.options import DTYPE_NAMES
+
+    if dtype.lower() not in DTYPE_NAMES:
+        raise CliError(f"--dtype: unknown dtype {dtype!r}; choose one of bfloat16, float16, "
+                       f"float32", 2)
 
 
 def _int_list(name: str, text: str, minimum: int) -> list[int]:
@@ -53,37 +74,39 @@ def _pyplot():
 # throughput ----------------------------------------------------------------------------------
 @bench_app.command("throughput")
 def throughput(
-    model: Annotated[str | None, typer.Option(
-        "--model", help="Checkpoint dir or hub id (default: random-weight 0.8B shape).",
-        show_default=False)] = None,
-    dtype: Annotated[str, typer.Option("--dtype")] = "bfloat16",
-    threads: Annotated[int, typer.Option("--threads", min=1)] = 2,
-    prefill_len: Annotated[int, typer.Option("--prefill-len", min=1)] = 512,
-    prompt_len: Annotated[int, typer.Option("--prompt-len", min=1)] = 16,
-    decode_tokens: Annotated[int, typer.Option("--decode-tokens", min=2)] = 16,
+    model: Annotated[str | None, typer.Argument(
+        metavar="MODEL", help="Checkpoint dir or hub id (default: a random-weight "
+        "Qwen3.5-0.8B-shaped checkpoint).", show_default=False)] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="Weight and cache dtype.")
+                     ] = "bfloat16",
+    threads: ThreadsOpt = None,
+    prefill_len: Annotated[int, typer.Option(
+        "--prefill-len", min=1, help="Prompt length of the prefill measurement.")] = 512,
+    prompt_len: Annotated[int, typer.Option(
+        "--prompt-len", min=1, help="Prompt length of the decode measurements.")] = 16,
+    decode_tokens: Annotated[int, typer.Option(
+        "--decode-tokens", min=2, help="New tokens per request when decoding.")] = 16,
     concurrency: Annotated[str, typer.Option("--concurrency",
                                              help="Comma-separated batch sizes.")] = "8,32",
-    repeats: Annotated[int, typer.Option("--repeats", min=1)] = 2,
+    repeats: Annotated[int, typer.Option(
+        "--repeats", min=1, help="Runs per measurement (the median is reported).")] = 2,
     no_transformers: Annotated[bool, typer.Option(
-        "--no-transformers", help="Only hybridrt, skip the transformers side.")] = False,
-    json_path: Annotated[str, typer.Option("--json", help="Write the report here.")
-                         ] = "bench-throughput.json",
+        "--no-transformers", help="Only hybridrt, skip the transformers side (default: off).")
+    ] = False,
+    json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
     """Prefill, batch-1 decode and aggregate tok/s, side by side with transformers."""
-    from hybridrt import bench
-    from hybridrt.loader import parse_dtype
-
     _need_matplotlib(plot)
-    try:
-        parse_dtype(dtype)
-    except ValueError as e:
-        raise CliError(f"--dtype: {e}", 2) from None
+    _check_dtype(dtype)
+    sizes = _int_list("--concurrency", concurrency, 1)
+    from hybridrt import bench
+
     report = bench.throughput(
-        model=model, dtype=dtype, threads=threads, prefill_len=prefill_len,
-        prompt_len=prompt_len, decode_tokens=decode_tokens,
-        concurrency=_int_list("--concurrency", concurrency, 1), repeats=repeats,
-        transformers=not no_transformers, json_path=json_path,
+        model=model, dtype=dtype, threads=threads or _default_threads(),
+        prefill_len=prefill_len, prompt_len=prompt_len, decode_tokens=decode_tokens,
+        concurrency=sizes, repeats=repeats, transformers=not no_transformers,
+        json_path=json_path,
     )
     if plot is not None:
         plot_throughput(report, plot)
@@ -94,8 +117,9 @@ def throughput(
 def gemm(
     rows: Annotated[str, typer.Option("--rows", help="Comma-separated row counts.")
                     ] = "1,2,8,32,512",
-    threads: Annotated[int, typer.Option("--threads", min=1)] = 2,
-    rounds: Annotated[int, typer.Option("--rounds", min=1)] = 9,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="CPU threads.")] = 2,
+    rounds: Annotated[int, typer.Option(
+        "--rounds", min=1, help="Interleaved rounds per path (the median is reported).")] = 9,
 ) -> None:
     """ms per weight of the CPU half-weight GEMM paths at the 0.8B shapes (kernels/linear.py)."""
     from hybridrt import bench
@@ -131,35 +155,34 @@ def spec(
     model: ModelArg = None,
     ks: Annotated[str, typer.Option("--ks", help="Draft lengths to compare (0 = no "
                                                  "speculation, the baseline).")] = "0,1,2,3,4",
-    batch_sizes: Annotated[str, typer.Option("--batch-sizes")] = "1,8",
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 64,
+    batch_sizes: Annotated[str, typer.Option(
+        "--batch-sizes", help="Comma-separated numbers of concurrent requests.")] = "1,8",
+    max_tokens: Annotated[int, typer.Option(
+        "--max-tokens", min=1, help="New tokens per request.")] = 64,
     prompt: Annotated[list[str] | None, typer.Option(
         "--prompt", help="A prompt; repeat for more (default: the benchmark's chat questions).",
         show_default=False)] = None,
     prompts_file: Annotated[Path | None, typer.Option(
-        "--prompts", help="Prompts file, one per line.", show_default=False)] = None,
+        "--prompts", help="Prompts file, one per line (default: none).", show_default=False)
+    ] = None,
     temperature: Annotated[float, typer.Option(
         "--temperature", min=0.0, help="0 (greedy) also checks every k reproduces k=0.")] = 0.0,
     ignore_eos: Annotated[bool, typer.Option(
-        "--ignore-eos", help="Always generate --max-tokens tokens.")] = False,
-    dtype: Annotated[str, typer.Option("--dtype")] = "float32",
-    threads: Annotated[int, typer.Option("--threads", min=1)] = 2,
-    quick: Annotated[bool, typer.Option("--quick", help="A short smoke run.")] = False,
-    json_path: Annotated[str, typer.Option("--json", help="Write the report here.")
-                         ] = "bench-spec.json",
+        "--ignore-eos", help="Always generate --max-tokens tokens (default: off).")] = False,
+    dtype: Annotated[str, typer.Option("--dtype", help="Weight and cache dtype.")
+                     ] = "float32",
+    threads: ThreadsOpt = None,
+    quick: Annotated[bool, typer.Option("--quick", help="A short smoke run (default: off).")
+                     ] = False,
+    json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
     """Speculative decoding with the checkpoint's MTP head, per k and batch size.
 
     Reports tok/s, speedup over k=0, mean acceptance length and per-position acceptance.
     """
-    from hybridrt.loader import parse_dtype
-
     _need_matplotlib(plot)
-    try:
-        parse_dtype(dtype)
-    except ValueError as e:
-        raise CliError(f"--dtype: {e}", 2) from None
+    _check_dtype(dtype)
     k_list = _int_list("--ks", ks, 0)
     b_list = _int_list("--batch-sizes", batch_sizes, 1)
     prompts = list(prompt or [])
@@ -175,7 +198,8 @@ def spec(
 
     report = run_spec_bench(default_model() if model is None else model, ks=tuple(k_list),
                             batch_sizes=tuple(b_list), prompts=prompts or None,
-                            max_tokens=max_tokens, dtype=dtype, threads=threads,
+                            max_tokens=max_tokens, dtype=dtype,
+                            threads=threads or _default_threads(),
                             json_path=json_path, quick=quick, temperature=temperature,
                             ignore_eos=ignore_eos)
     if plot is not None:
@@ -207,3 +231,23 @@ def plot_spec(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# startup --------------------------------------------------------------------------------------
+@bench_app.command("startup")
+def startup(
+    model: ModelArg = None,
+    runs: Annotated[int, typer.Option(
+        "--runs", min=1, help="Runs of each measurement, alternated (the median is "
+        "reported).")] = 5,
+    threads: ThreadsOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Start-up: hybridrt generate -p hi --max-tokens 1 against python -c 'import torch'.
+
+    Each figure comes from a fresh interpreter; the one that matters is the load and first
+    token beyond importing torch (target 1.5 s on the demo model).
+    """
+    from hybridrt.startup import run_startup_bench
+
+    run_startup_bench(model, runs=runs, threads=threads, json_path=json_path)

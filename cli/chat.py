@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -24,25 +25,30 @@ from hybridrt.cli.common import (
     CliError,
     DeviceOpt,
     DtypeOpt,
+    FrequencyOpt,
     MaxModelLenOpt,
     MinPOpt,
     ModelArg,
     PresenceOpt,
+    RepetitionOpt,
     SeedOpt,
     SpecOpt,
+    StopOpt,
     TemperatureOpt,
     ThinkOpt,
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    check_model_options,
+    dtype_name,
     error_line,
     load_llm,
     sampling_defaults,
     sampling_overrides,
     template_kwargs,
 )
+from hybridrt.reasoning import ReasoningDelta
 
-OPEN_THINK, CLOSE_THINK = "<think>", "</think>"
 _SENTINEL = "\x00hybridrt-answer\x00"
 
 HELP = """commands:
@@ -50,83 +56,69 @@ HELP = """commands:
   /clear                forget the conversation (keeps the system prompt)
   /regen                regenerate the last answer
   /system [text]        set (or with no text, remove) the system prompt; starts over
-  /set [param value]    show or change a setting: temperature, top_p, top_k, min_p,
-                        presence_penalty, seed (int or none), max_tokens (int or none),
-                        speculative_tokens
+  /set [param value]    change a setting, or list them all with their values:
+                        temperature, top_p, top_k, min_p, presence_penalty,
+                        frequency_penalty, repetition_penalty, seed (int or none),
+                        max_tokens (int or none), stop (a string, \\n for a newline,
+                        or none), speculative_tokens
   /stats                token counts and speeds of the last answer
   /help                 this list
+A message is one line; a paste of several lines is one message; end a line with \\ to
+continue it, or put the text between two \"\"\" lines.
 Ctrl-C stops an answer (what was generated stays in the conversation)."""
 
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
 _INT_PARAMS = ("top_k", "seed", "max_tokens")
-_NONE_OK = ("seed", "max_tokens")
+_NONE_OK = ("seed", "max_tokens", "stop")
+# what /set changes, in the order /set and /help list them
+SETTABLE = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "stop",
+            "speculative_tokens")
 
 
 # Thinking text -------------------------------------------------------------------------------
-class ThinkSplitter:
-    """Splits streamed text into (is_thinking, text) pieces at <think> / </think>, also when
-    a tag arrives split over several deltas. The tags count as thinking text."""
-
-    def __init__(self, thinking: bool = False):
-        self.thinking = thinking
-        self._pending = ""
-
-    def feed(self, text: str) -> list[tuple[bool, str]]:
-        buf, out = self._pending + text, []
-        self._pending = ""
-        while buf:
-            tag = CLOSE_THINK if self.thinking else OPEN_THINK
-            i = buf.find(tag)
-            if i >= 0:
-                if i:
-                    out.append((self.thinking, buf[:i]))
-                out.append((True, tag))
-                buf = buf[i + len(tag):]
-                self.thinking = not self.thinking
-                continue
-            keep = next((n for n in range(min(len(tag) - 1, len(buf)), 0, -1)
-                         if tag.startswith(buf[-n:])), 0)
-            if len(buf) > keep:
-                out.append((self.thinking, buf[:len(buf) - keep]))
-            self._pending = buf[len(buf) - keep:]
-            break
-        return out
-
-    def flush(self) -> list[tuple[bool, str]]:
-        rest, self._pending = self._pending, ""
-        return [(self.thinking, rest)] if rest else []
-
-
-def opens_thinking(prompt_text: str) -> bool:
-    """Whether the prompt leaves a <think> block open (the model continues inside it)."""
-    return prompt_text.rfind(OPEN_THINK) > prompt_text.rfind(CLOSE_THINK)
-
-
 class Renderer:
-    """Writes answer text to stdout: thinking dimmed (on a terminal) or hidden."""
+    """Writes an answer's pieces to stdout: the think block dimmed (on a terminal), between
+    <think> and </think> lines (in a pipe), or hidden."""
 
     def __init__(self, out, color: bool, hide_thinking: bool):
         self.out, self.color, self.hide = out, color, hide_thinking
-        self._strip_next = False
+        self.in_think = False
+        self.last_char = "\n"
+
+    def start(self) -> None:
+        self.in_think = False
         self.last_char = "\n"
 
     def write(self, pieces: list[tuple[bool, str]]) -> None:
         for thinking, text in pieces:
             if thinking:
                 if self.hide:
-                    self._strip_next = True
                     continue
-                if self.color:
-                    text = f"\x1b[2m{text}\x1b[22m"
-            elif self._strip_next:
-                text = text.lstrip()
-                if not text:
-                    continue
-                self._strip_next = False
+                if not self.in_think:
+                    self.in_think = True
+                    if not self.color:
+                        self._put("<think>\n")
+                self._put(self.dim(text))
+                continue
+            if self.in_think:
+                self.in_think = False
+                self._put("\n\n" if self.color else "\n</think>\n\n")
+            self._put(text)
+        self.out.flush()
+
+    def end(self) -> None:
+        """The answer is over: close a think block it did not close (cut short)."""
+        if self.in_think:
+            self.in_think = False
+            self._put("" if self.color else "\n</think>")
+        self.out.flush()
+
+    def _put(self, text: str) -> None:
+        if text:
             self.out.write(text)
             self.last_char = text[-1]
-        self.out.flush()
 
     def dim(self, line: str) -> str:
         return f"\x1b[2m{line}\x1b[22m" if self.color else line
@@ -218,6 +210,19 @@ class Conversation:
         ids = self.prompt_ids + answer + (self.encode(suffix) if suffix else [])
         return ids if self.decode(ids) == text else None
 
+    def drop_oldest_turn(self) -> bool:
+        """Forget the oldest user message and the answer to it (the system prompt stays); the
+        next prompt is templated afresh. -> False when there is nothing left to drop."""
+        start = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+        if start >= len(self.messages):
+            return False
+        end = start + 1
+        while end < len(self.messages) and self.messages[end]["role"] != "user":
+            end += 1
+        del self.messages[start:end]
+        self.prompt_ids = self.answer_ids = None
+        return True
+
     def commit(self, prompt_ids: list[int], answer_ids: list[int]) -> None:
         body = answer_ids[:-1] if answer_ids and answer_ids[-1] in self.eos_token_ids \
             else answer_ids
@@ -265,23 +270,66 @@ class ChatLoop:
 
     # Input ----------------------------------------------------------------------------------
     def read(self) -> str | None:
+        """One message -> its text, None at the end of input. A message is a line; in a
+        terminal, with the other lines of a paste; lines joined by a trailing backslash; or a
+        block between \"\"\" lines. Ctrl-C while typing drops the message ('')."""
+        try:
+            line = self._line(">>> ")
+            if line is None:
+                return None
+            if self.interactive:
+                while self._more_pending():  # the rest of a paste is already waiting
+                    more = self._line("")
+                    if more is None:
+                        break
+                    line += "\n" + more
+            if line.lstrip().startswith('"""'):
+                return self._block(line.lstrip()[3:])
+            while line.endswith("\\"):
+                more = self._line("... ")
+                if more is None:
+                    break
+                line = line[:-1] + "\n" + more
+            return line
+        except KeyboardInterrupt:
+            self.out.write("\n(/exit or Ctrl-D to quit)\n")
+            return ""
+
+    def _block(self, text: str) -> str:
+        """The text after an opening \"\"\", up to the closing one (or the end of input)."""
+        lines = []
+        while text is not None:
+            if text.rstrip().endswith('"""'):
+                lines.append(text.rstrip()[:-3])
+                break
+            lines.append(text)
+            text = self._line("... ")
+        return "\n".join(lines)
+
+    def _line(self, prompt: str) -> str | None:
         if self.interactive:
             try:
-                return input(">>> ")
+                return input(prompt)
             except EOFError:
                 self.out.write("\n")
                 return None
-            except KeyboardInterrupt:
-                self.out.write("\n(/exit or Ctrl-D to quit)\n")
-                return ""
         line = self.stdin.readline()
-        return None if line == "" else line
+        return None if line == "" else line.rstrip("\r\n")
+
+    def _more_pending(self) -> bool:
+        """Is input already waiting (so it arrived with the line just read, as a paste)?"""
+        import select
+
+        try:
+            return bool(select.select([self.stdin], [], [], 0.02)[0])
+        except (OSError, ValueError, TypeError):
+            return False
 
     def run(self) -> None:
         if self.interactive:
             with contextlib.suppress(ImportError):
                 import readline  # noqa: F401 - line editing and history for input()
-            typer.echo("hybridrt chat: /help lists the commands, Ctrl-D quits", err=True)
+            typer.echo(banner(self.llm), err=True)
         try:
             while True:
                 line = self.read()
@@ -328,18 +376,26 @@ class ChatLoop:
             error_line(f"unknown command {name} (/help lists them)")
         return True
 
+    def settings(self) -> dict[str, Any]:
+        """Every /set parameter -> its current value (the SamplingParams default if unset)."""
+        from hybridrt.sampling_params import SamplingParams
+
+        p = SamplingParams(**self.sampling)
+        values = {name: getattr(p, name) for name in SETTABLE if name != "speculative_tokens"}
+        return {**values, "speculative_tokens": self.k}
+
     def set_param(self, arg: str) -> None:
         from hybridrt.sampling_params import SamplingParams
 
         if not arg:
-            shown = {**self.sampling, "speculative_tokens": self.k}
-            self.say("  ".join(f"{k}={v}" for k, v in shown.items()))
+            self.say("\n".join(f"  {k:<20} {_show(v)}" for k, v in self.settings().items()))
             return
-        parts = arg.split()
-        if len(parts) != 2:
-            error_line("usage: /set <param> <value>, e.g. /set temperature 0.7")
+        name, _, raw = arg.partition(" ")
+        name, raw = name.replace("-", "_"), raw.strip()
+        if not raw or (name != "stop" and len(raw.split()) != 1):
+            error_line("usage: /set <param> <value>, e.g. /set temperature 0.7 (/set lists "
+                       "the parameters)")
             return
-        name, raw = parts[0].replace("-", "_"), parts[1]
         try:
             if name == "speculative_tokens":
                 k = int(raw)
@@ -354,13 +410,14 @@ class ChatLoop:
                 return
             if name in _NONE_OK and raw.lower() == "none":
                 value = None
+            elif name == "stop":
+                value = [raw.replace("\\n", "\n").replace("\\t", "\t")]
             elif name in _FLOAT_PARAMS:
                 value = float(raw)
             elif name in _INT_PARAMS:
                 value = int(raw)
             else:
-                raise ValueError(f"unknown setting {parts[0]!r}; one of "
-                                 f"{', '.join(_FLOAT_PARAMS + _INT_PARAMS)}, speculative_tokens")
+                raise ValueError(f"unknown setting {name!r}; one of {', '.join(SETTABLE)}")
             new = {**self.sampling, name: value}
             SamplingParams(**new)
         except ValueError as e:
@@ -370,7 +427,7 @@ class ChatLoop:
             error_line(msg)
             return
         self.sampling = new
-        self.say(f"{name}={value}")
+        self.say(f"{name}={_show(value)}")
 
     def show_stats(self) -> None:
         if self.last is None:
@@ -392,16 +449,56 @@ class ChatLoop:
     # Turns ----------------------------------------------------------------------------------
     def turn(self, user_text: str) -> None:
         try:
-            ids, text = self.conv.prompt_for(user_text)
+            fitted = self.fit(user_text)
         except Exception as e:  # noqa: BLE001 - a template may raise anything
             error_line(f"chat template: {e}")
             return
+        if fitted is None:
+            return
+        ids, user_text = fitted
         self.conv.messages.append({"role": "user", "content": user_text})
-        answer = self.answer(ids, text)
+        answer = self.answer(ids)
         if answer is None:
             self.conv.messages.pop()
             return
         self.conv.commit(ids, answer)
+
+    def fit(self, user_text: str) -> tuple[list[int], str] | None:
+        """The prompt for a new user message, within max_model_len with room for an answer
+        (max_tokens, at most a quarter of the context): the oldest turns are dropped (the
+        system prompt stays) and, if the message alone is too long, only its end is kept; one
+        dim line says so. -> (prompt ids, the message as sent), None if even the system prompt
+        leaves no room."""
+        limit = self.llm.engine.engine_config.max_model_len
+        max_tokens = self.sampling.get("max_tokens") or limit
+        budget = limit - max(1, min(max_tokens, limit // 4))
+        conv = self.conv
+        ids, _ = conv.prompt_for(user_text)
+        dropped = 0
+        while len(ids) > budget and conv.drop_oldest_turn():
+            dropped += 1
+            ids, _ = conv.prompt_for(user_text)
+        notes = []
+        if dropped:
+            notes.append("dropped the oldest turn" if dropped == 1
+                         else f"dropped the {dropped} oldest turns")
+        if len(ids) > budget:
+            msg_ids = conv.encode(user_text)
+            keep = len(msg_ids) - (len(ids) - budget)
+            while keep >= 1:
+                user_text = conv.decode(msg_ids[-keep:])
+                ids, _ = conv.prompt_for(user_text)
+                if len(ids) <= budget:
+                    break
+                keep -= len(ids) - budget
+            if len(ids) >= limit or keep < 1:
+                error_line(f"the system prompt leaves no room for a message within "
+                           f"max_model_len {limit}: shorten it with /system")
+                return None
+            notes.append(f"kept the last {keep} of the message's {len(msg_ids)} tokens")
+        if notes:
+            self.say(self.render.dim(f"(context limit {limit} tokens: {'; '.join(notes)})"))
+        return ids, user_text
 
     def regenerate(self) -> None:
         conv = self.conv
@@ -411,28 +508,25 @@ class ChatLoop:
             return
         old = conv.messages.pop()
         conv.last_build = "same as before (regenerate)"
-        answer = self.answer(conv.prompt_ids, None)
+        answer = self.answer(conv.prompt_ids)
         if answer is None:
             conv.messages.append(old)
             return
         conv.commit(conv.prompt_ids, answer)
 
-    def answer(self, ids: list[int], prompt_text: str | None) -> list[int] | None:
+    def answer(self, ids: list[int]) -> list[int] | None:
         """Stream one answer -> its token ids (None when the request was refused)."""
         from hybridrt.sampling_params import SamplingParams
 
         params = SamplingParams(**self.sampling)
-        if prompt_text is None:
-            prompt_text = self.conv.decode(ids[-64:])
-        splitter = ThinkSplitter(opens_thinking(prompt_text))
-        self.render.last_char = "\n"
+        self.render.start()
         stream = self.llm.stream(ids, params, session=self.session, speculative_tokens=self.k,
                                  snapshot_at=self.conv.gen_start)
         interrupted = False
         with _sigint_flag() as flag:
             try:
                 for delta in stream:
-                    self.render.write(splitter.feed(delta))
+                    self.render.write([(isinstance(delta, ReasoningDelta), delta)])
                     if flag["hit"]:
                         interrupted = True
                         break
@@ -443,13 +537,37 @@ class ChatLoop:
                 interrupted = True
             finally:
                 stream.close()
-        self.render.write(splitter.flush())
+        self.render.end()
         out = self.llm.last_stream_output
         if self.render.last_char != "\n":
             self.out.write("\n")
         self.last = _turn_stats(out, self.session.last_reused_tokens, self.conv.last_build)
         self.say(self.render.dim(_summary(self.last, interrupted)))
         return list(out.outputs[0].token_ids)
+
+
+DEMO_NOTE = ("  the embedded demo model: 8.4M parameters trained for an hour on Python "
+             "docstrings, not an\n  assistant. Ask it what a stdlib function does, e.g. "
+             "What does json.dumps do?")
+
+
+def banner(llm) -> str:
+    """What an interactive chat starts with: the model and how it runs."""
+    import torch
+
+    from hybridrt.llm import DEMO_MODEL_DIR
+
+    device = llm.device
+    where = f"{device}, {torch.get_num_threads()} threads" if device.type == "cpu" \
+        else str(device)
+    loaded = getattr(llm, "load_seconds", None)
+    lines = [f"hybridrt chat: {llm.model_path} ({dtype_name(llm.dtype)}, {where}, context "
+             f"{llm.engine.engine_config.max_model_len} tokens"
+             + (f", loaded in {loaded:.1f}s)" if loaded is not None else ")")]
+    if Path(llm.model_path).resolve() == DEMO_MODEL_DIR.resolve():
+        lines.append(DEMO_NOTE)
+    lines.append("/help lists the commands, Ctrl-D quits")
+    return "\n".join(lines)
 
 
 def _turn_stats(out, reused: int, built: str) -> dict:
@@ -468,6 +586,10 @@ def _turn_stats(out, reused: int, built: str) -> dict:
     }
 
 
+def _show(value: Any) -> str:
+    return repr(value) if isinstance(value, (str, list)) else str(value)
+
+
 def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -482,19 +604,23 @@ def _summary(s: dict, interrupted: bool) -> str:
 # The command ---------------------------------------------------------------------------------
 def chat(
     model: ModelArg = None,
-    system: Annotated[str | None, typer.Option("--system", help="System prompt.",
-                                               show_default=False)] = None,
+    system: Annotated[str | None, typer.Option(
+        "--system", help="System prompt (default: none).", show_default=False)] = None,
     temperature: TemperatureOpt = None,
     top_p: TopPOpt = None,
     top_k: TopKOpt = None,
     min_p: MinPOpt = None,
     presence_penalty: PresenceOpt = None,
+    frequency_penalty: FrequencyOpt = None,
+    repetition_penalty: RepetitionOpt = None,
     seed: SeedOpt = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1,
                                             help="Most tokens per answer.")] = 1024,
+    stop: StopOpt = None,
     think: ThinkOpt = None,
-    hide_thinking: Annotated[bool, typer.Option(
-        "--hide-thinking", help="Do not show the text between <think> and </think>.")] = False,
+    show_thinking: Annotated[bool, typer.Option(
+        "--show-thinking/--hide-thinking",
+        help="Show the text between <think> and </think> (dimmed on a terminal).")] = True,
     speculative_tokens: SpecOpt = 0,
     dtype: DtypeOpt = "auto",
     max_model_len: MaxModelLenOpt = None,
@@ -509,14 +635,20 @@ def chat(
     """
     from hybridrt.sampling_params import SamplingParams
 
+    check_model_options(dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
+                        device=device)
+
     flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                               presence_penalty=presence_penalty, seed=seed)
+                               presence_penalty=presence_penalty,
+                               frequency_penalty=frequency_penalty,
+                               repetition_penalty=repetition_penalty, seed=seed,
+                               stop=stop or None)
     try:
         SamplingParams(**flags, max_tokens=max_tokens)
     except ValueError as e:
         raise CliError(f"invalid sampling option: {e}", 2) from None
     llm = load_llm(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
                    device=device, threads=threads, speculative_tokens=speculative_tokens,
-                   max_num_seqs=2)
+                   max_num_seqs=2, announce=False)
     sampling = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
-    ChatLoop(llm, sampling, speculative_tokens, system, think, hide_thinking).run()
+    ChatLoop(llm, sampling, speculative_tokens, system, think, not show_thinking).run()

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -32,91 +30,123 @@ def error_line(message: object) -> None:
 
 
 # Options shared by chat / generate (typer reads them from the annotations) -------------------
+# Every option's help states its default: typer prints "[default: ...]" where the default is a
+# value, and options whose default is decided later (None) say it in their help text.
+_GEN = "default: the model's generation_config.json, else"
 ModelArg = Annotated[str | None, typer.Argument(
-    help="Local checkpoint directory or Hugging Face id (default: the embedded demo model).",
-    show_default=False)]
+    metavar="MODEL", show_default=False,
+    help="Local checkpoint directory or Hugging Face id (default: the embedded demo model).")]
 DtypeOpt = Annotated[str, typer.Option(
-    "--dtype", help="bfloat16, float16, float32, or auto (float32 on CPU, bfloat16 on CUDA).")]
+    "--dtype", help="auto (the checkpoint's dtype: bfloat16 for Qwen3.5 and the demo model), "
+    "bfloat16, float16 or float32.")]
 MaxModelLenOpt = Annotated[int | None, typer.Option(
-    "--max-model-len", help="Context length (prompt + answer); default min(model's, 4096).",
-    show_default=False)]
+    "--max-model-len", help="Context length (prompt + answer) (default: min(the model's, "
+    "4096)).", show_default=False)]
 CacheMemoryOpt = Annotated[str | None, typer.Option(
-    "--cache-memory", help="KV + state cache budget: bytes, a fraction of free memory (0.3) "
-    "or a size (2GiB).", show_default=False)]
+    "--cache-memory", help="KV + state cache budget: bytes, a fraction of free memory or a "
+    "size such as 2GiB (default: 0.3).", show_default=False)]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
 ThreadsOpt = Annotated[int | None, typer.Option(
-    "--threads", min=1, help="CPU threads for torch (default: torch's choice).",
-    show_default=False)]
+    "--threads", min=1, help="CPU threads for torch (default: torch's choice, the number of "
+    "physical cores).", show_default=False)]
 TemperatureOpt = Annotated[float | None, typer.Option(
-    "--temperature", help="0 = greedy (default: generation_config.json, else 1.0).",
+    "--temperature", help=f"0 = greedy ({_GEN} 1.0).", show_default=False)]
+TopPOpt = Annotated[float | None, typer.Option(
+    "--top-p", help=f"Nucleus sampling mass in (0, 1] ({_GEN} 1.0: off).", show_default=False)]
+TopKOpt = Annotated[int | None, typer.Option(
+    "--top-k", help=f"Sample from the k likeliest tokens; 0 or -1: off ({_GEN} off).",
     show_default=False)]
-TopPOpt = Annotated[float | None, typer.Option("--top-p", show_default=False)]
-TopKOpt = Annotated[int | None, typer.Option("--top-k", help="0 or -1: off.", show_default=False)]
-MinPOpt = Annotated[float | None, typer.Option("--min-p", show_default=False)]
-PresenceOpt = Annotated[float | None, typer.Option("--presence-penalty", show_default=False)]
+MinPOpt = Annotated[float | None, typer.Option(
+    "--min-p", help=f"Drop tokens below min_p x the top probability ({_GEN} 0).",
+    show_default=False)]
+PresenceOpt = Annotated[float | None, typer.Option(
+    "--presence-penalty", help="Penalty in [-2, 2] for tokens already generated (default: 0).",
+    show_default=False)]
+FrequencyOpt = Annotated[float | None, typer.Option(
+    "--frequency-penalty", help="Penalty in [-2, 2] per earlier occurrence of a token "
+    "(default: 0).", show_default=False)]
+RepetitionOpt = Annotated[float | None, typer.Option(
+    "--repetition-penalty", help=f"> 1 discourages repeating prompt and output tokens "
+    f"({_GEN} 1.0: off).", show_default=False)]
 SeedOpt = Annotated[int | None, typer.Option(
-    "--seed", help="Per-request sampling seed (reproducible samples).", show_default=False)]
+    "--seed", help="Per-request sampling seed, for reproducible samples (default: none).",
+    show_default=False)]
+StopOpt = Annotated[list[str] | None, typer.Option(
+    "--stop", help="Stop string; repeat for more (default: none).", show_default=False)]
 ThinkOpt = Annotated[bool | None, typer.Option(
     "--think/--no-think", help="enable_thinking for the chat template (default: the "
     "template's own default).", show_default=False)]
 SpecOpt = Annotated[int, typer.Option(
     "--speculative-tokens", "-k", help="MTP draft tokens per step (0 = off).", min=0)]
 
-SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                  "repetition_penalty")
 
-
-def resolve_dtype(dtype: str, device: str) -> str:
-    if dtype.lower() == "auto":
-        return "bfloat16" if device.startswith("cuda") else "float32"
-    from hybridrt.loader import parse_dtype
+def resolve_dtype(dtype: str) -> str:
+    from hybridrt.options import check_dtype_name
 
     try:
-        parse_dtype(dtype)
+        return check_dtype_name(dtype)
     except ValueError as e:
         raise CliError(f"--dtype: {e}", 2) from None
-    return dtype
 
 
-def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
-             cache_memory: str | None, device: str = "cpu", speculative_tokens: int = 0,
-             max_num_seqs: int = 32, threads: int | None = None):
-    """Build the LLM, turning option mistakes into CliError (exit 2) before the slow load."""
-    from hybridrt.llm import LLM, parse_memory
+def check_model_options(*, dtype: str, max_model_len: int | None, cache_memory: str | None,
+                        device: str = "cpu") -> str:
+    """Option mistakes -> CliError (exit 2), before anything imports torch. -> the dtype."""
+    from hybridrt.options import check_device_name, parse_memory
 
-    dtype = resolve_dtype(dtype, device)
+    dtype = resolve_dtype(dtype)
     if max_model_len is not None and max_model_len <= 1:
         raise CliError(f"--max-model-len must be an integer > 1, got {max_model_len}", 2)
     try:
         parse_memory(cache_memory)
     except ValueError as e:
         raise CliError(f"--cache-memory: {e}", 2) from None
-    if device != "cpu" and not device.startswith("cuda"):
-        raise CliError(f"--device must be cpu, cuda or cuda:N, got {device!r}", 2)
-    if threads is not None:
-        import torch
+    try:
+        check_device_name(device)
+    except ValueError as e:
+        raise CliError(f"--{e}", 2) from None
+    return dtype
 
-        torch.set_num_threads(threads)
+
+def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
+             cache_memory: str | None, device: str = "cpu", speculative_tokens: int = 0,
+             max_num_seqs: int = 32, threads: int | None = None, announce: bool = True):
+    """Build the LLM; option mistakes are CliErrors (exit 2) raised before the slow imports.
+    ``announce``: one 'loaded ...' line on stderr when it is a terminal. Sets
+    ``llm.load_seconds``."""
+    dtype = check_model_options(dtype=dtype, max_model_len=max_model_len,
+                                cache_memory=cache_memory, device=device)
+    from hybridrt.llm import LLM, check_device
+
+    try:
+        check_device(device)
+    except ValueError as e:
+        raise CliError(f"--device {device}: {e}", 2) from None
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
-              device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs)
-    if sys.stderr.isatty():
-        typer.echo(f"loaded {llm.model_path} ({dtype}, {device}, max_model_len "
-                   f"{llm.engine.engine_config.max_model_len}) in "
-                   f"{time.perf_counter() - t0:.1f}s", err=True)
+              device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
+              threads=threads)
+    llm.load_seconds = time.perf_counter() - t0
+    if announce and sys.stderr.isatty():
+        typer.echo(f"loaded {llm.model_path} ({dtype_name(llm.dtype)}, {device}, max_model_len "
+                   f"{llm.engine.engine_config.max_model_len}) in {llm.load_seconds:.1f}s",
+                   err=True)
     return llm
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def sampling_defaults(model_path: str | os.PathLike) -> dict[str, Any]:
     """The checkpoint's recommended sampling settings (generation_config.json), as vLLM uses
-    them: explicit flags and per-request fields override these."""
-    path = Path(model_path) / "generation_config.json"
-    try:
-        raw = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return {k: raw[k] for k in SAMPLING_FLAGS if isinstance(raw.get(k), (int, float))
-            and not isinstance(raw.get(k), bool)}
+    them and LLM does without sampling params: explicit flags and per-request fields override
+    these. Not max_new_tokens: the commands have their own --max-tokens."""
+    from hybridrt.llm import generation_defaults
+
+    defaults = generation_defaults(model_path)
+    defaults.pop("max_tokens", None)
+    return defaults
 
 
 def sampling_overrides(**flags: Any) -> dict[str, Any]:
@@ -128,12 +158,10 @@ def template_kwargs(think: bool | None) -> dict[str, Any]:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions whose message is the whole story for the user (no traceback)."""
-    from hybridrt.config import ConfigError
-    from hybridrt.loader import CheckpointError, ModelNotFoundError
-
-    return (CliError, ModelNotFoundError, CheckpointError, ConfigError, ValueError,
-            FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+    """Exceptions whose message is the whole story for the user (no traceback). hybridrt's
+    own (ModelNotFoundError, CheckpointError, ConfigError) subclass these."""
+    return (CliError, ValueError, FileNotFoundError, PermissionError, IsADirectoryError,
+            NotADirectoryError)
 
 
 class OneLineErrorGroup(TyperGroup):
@@ -150,8 +178,9 @@ class OneLineErrorGroup(TyperGroup):
             rv = super().main(args, prog_name, complete_var, False, windows_expand_args,
                               **extra)
         except _ClickException as e:
-            if type(e).__name__ == "NoArgsIsHelpError":  # the help text is already out
-                sys.exit(e.exit_code)
+            if type(e).__name__ == "NoArgsIsHelpError":  # bare `hybridrt`: the help, exit 0
+                typer.echo(e.format_message())
+                sys.exit(0)
             ctx = getattr(e, "ctx", None)
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
             error_line(f"{e.format_message()}{hint}")

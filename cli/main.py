@@ -1,10 +1,13 @@
 """The ``hybridrt`` command line: ``chat``, ``generate``, ``bench throughput|spec|gemm``.
 
 Every failure is one ``error: ...`` line on stderr and a non-zero exit code (2 for bad
-options, 1 otherwise); HYBRIDRT_DEBUG=1 shows tracebacks of unexpected errors.
+options, 1 otherwise); HYBRIDRT_DEBUG=1 shows tracebacks of unexpected errors. Bare
+``hybridrt`` prints the help and exits 0.
 """
 
 from __future__ import annotations
+
+from typing import Annotated
 
 import typer
 
@@ -19,12 +22,30 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
     help="hybridrt: inference for hybrid Gated-DeltaNet + attention models (Qwen3.5).",
 )
 app.command("chat")(chat)
 app.command("generate")(generate)
 app.add_typer(bench_app, name="bench")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from hybridrt import __version__
+
+        typer.echo(f"hybridrt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option(
+        "--version", help="Print the version and exit.", is_eager=True,
+        callback=_print_version)] = False,
+) -> None:
+    """hybridrt: inference for hybrid Gated-DeltaNet + attention models (Qwen3.5)."""
 
 
 def main() -> None:

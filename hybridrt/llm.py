@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import json
 import os
-import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,7 +13,9 @@ import torch
 from hybridrt.cpu_alloc import keep_freed_memory
 from hybridrt.engine import EngineConfig, LLMEngine
 from hybridrt.loader import load_model, parse_dtype
+from hybridrt.options import check_device_name, parse_memory
 from hybridrt.outputs import CompletionOutput, RequestOutput
+from hybridrt.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.session import Session
 from hybridrt.statecache import HybridCacheManager, plan_cache
@@ -21,6 +23,49 @@ from hybridrt.statecache import HybridCacheManager, plan_cache
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 
 PromptType = str | Sequence[int] | dict
+
+
+# generation_config.json fields that become SamplingParams defaults (vLLM reads the same)
+_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                      "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                      "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint's recommended sampling settings (``generation_config.json``) as
+    SamplingParams fields; {} without the file."""
+    path = Path(model_path) / "generation_config.json"
+    try:
+        raw = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {ours: raw[theirs] for theirs, ours in _GENERATION_FIELDS.items()
+            if isinstance(raw.get(theirs), (int, float)) and not isinstance(raw[theirs], bool)}
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """-> the torch.device; ValueError saying why when it cannot run here (checked before
+    anything loads)."""
+    if isinstance(device, str):
+        check_device_name(device)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {str(device)!r}")
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            raise ValueError(f"CUDA is not available in this PyTorch build (torch "
+                             f"{torch.__version__} is CPU-only): use the CPU, or install a "
+                             f"CUDA build of torch")
+        raise ValueError(f"CUDA is not available: torch {torch.__version__} is built for CUDA "
+                         f"{torch.version.cuda} but sees no usable GPU (driver? "
+                         f"CUDA_VISIBLE_DEVICES?)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"no device {device}: {torch.cuda.device_count()} GPU(s) visible")
+    return device
 
 
 def default_model() -> str:
@@ -32,35 +77,16 @@ def default_model() -> str:
     return str(DEMO_MODEL_DIR)
 
 
-def parse_memory(value: int | float | str | None) -> tuple[int | None, float | None]:
-    """Cache budget: int bytes, a float fraction in (0, 1] of free memory, or '2GiB'/'512MB'."""
-    if value is None:
-        return None, None
-    if isinstance(value, bool):
-        raise ValueError(f"cache_memory must be bytes, a fraction or a size string, got {value!r}")
-    if isinstance(value, float):
-        if not 0.0 < value <= 1.0:
-            raise ValueError(f"cache_memory as a fraction must be in (0, 1], got {value}")
-        return None, value
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"cache_memory must be positive, got {value}")
-        return value, None
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*", str(value), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"cannot parse cache_memory {value!r}; use e.g. 4GiB, 512MB or 0.5")
-    number, unit = float(m.group(1)), (m.group(2) or "B").upper()
-    if unit == "B" and number <= 1.0 and "." in m.group(1):
-        return parse_memory(number)
-    scale = {"B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
-             "G": 1e9, "GB": 1e9, "GIB": 2**30, "T": 1e12, "TB": 1e12, "TIB": 2**40}[unit]
-    return parse_memory(int(number * scale))
-
-
 class LLM:
     """Offline batch generation over the hybridrt engine.
 
     model: a local checkpoint directory or a Hugging Face id (default: the embedded demo model).
+    dtype: "auto" (default: the checkpoint's dtype, bfloat16 for Qwen3.5 and the demo model;
+    a float32 checkpoint loads as bfloat16 on CUDA), "bfloat16", "float16" or "float32".
+    On CPU bfloat16 weights are read as they are by the C GEMM/GEMV kernels, which is as fast
+    as float32 or faster at half the memory; float32 only when asked for.
+    threads: CPU threads for torch, like ``--threads`` (``torch.set_num_threads``, which is
+    process-wide; default: torch's choice, the number of physical cores).
     cache_memory: the KV + state budget: bytes, a fraction of free memory, or '2GiB'
     (default 0.3 of free memory, capped at what max_num_seqs x max_model_len needs).
     max_num_sessions: sessions that can be open at once (each has a GDN state slot of its own
@@ -71,7 +97,7 @@ class LLM:
         self,
         model: str | os.PathLike | None = None,
         *,
-        dtype: str | torch.dtype = "bfloat16",
+        dtype: str | torch.dtype = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 32,
         max_num_batched_tokens: int | None = None,
@@ -83,6 +109,7 @@ class LLM:
         speculative_tokens: int = 0,
         backend: str | None = None,
         max_num_sessions: int = 1,
+        threads: int | None = None,
     ):
         if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or (
             speculative_tokens < 0
@@ -94,14 +121,20 @@ class LLM:
             max_num_sessions < 0
         ):
             raise ValueError(f"max_num_sessions must be an integer >= 0, got {max_num_sessions!r}")
-        self.device = torch.device(device)
+        if threads is not None:
+            if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+                raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+            torch.set_num_threads(threads)
+        self.device = check_device(device)
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.dtype = parse_dtype(dtype)
+        if not (isinstance(dtype, str) and dtype.lower() == "auto"):
+            dtype = parse_dtype(dtype)
         path = default_model() if model is None else model
         self.model, self.config, self.model_path = load_model(
-            path, self.dtype, with_mtp=speculative_tokens > 0, device=self.device
+            path, dtype, with_mtp=speculative_tokens > 0, device=self.device
         )
+        self.dtype = self.model.dtype
         if speculative_tokens > 0 and self.model.mtp is None:
             raise ValueError(
                 f"speculative_tokens={speculative_tokens} needs MTP weights, but the checkpoint "
@@ -153,12 +186,29 @@ class LLM:
         if (path / "tokenizer.json").is_file():
             # tokenizer.json is the whole pipeline; AutoTokenizer would swap in the
             # model-type class and its own pre-tokenizer.
-            return PreTrainedTokenizerFast.from_pretrained(str(path))
-        return AutoTokenizer.from_pretrained(str(path))
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+        else:
+            tok = AutoTokenizer.from_pretrained(str(path))
+        # hybridrt checks prompt lengths against max_model_len itself: transformers' "Token
+        # indices sequence length is longer than the specified maximum" (model_max_length)
+        # would only add a confusing line. This is the flag with which it warns only once.
+        warned = getattr(tok, "deprecation_warnings", None)
+        if isinstance(warned, dict):
+            warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+        return tok
 
     @property
     def cache_sizing(self):
         return self.engine.cache_sizing
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling params uses: the checkpoint's generation_config.json
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens)
+        over SamplingParams' own defaults, as vLLM does."""
+        try:
+            return SamplingParams(**generation_defaults(self.model_path))
+        except ValueError as e:
+            raise ValueError(f"{Path(self.model_path) / 'generation_config.json'}: {e}") from None
 
     # Inputs ------------------------------------------------------------------------------
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -181,6 +231,9 @@ class LLM:
 
     @staticmethod
     def _as_list(prompts) -> list:
+        if prompts is None or not isinstance(prompts, (str, dict, Sequence, Iterator)):
+            raise ValueError(f"prompts must be a prompt (text, token ids or a dict) or a list "
+                             f"of them, got {type(prompts).__name__}")
         if isinstance(prompts, (str, dict)):
             return [prompts]
         if isinstance(prompts, Sequence) and prompts and all(
@@ -189,10 +242,9 @@ class LLM:
             return [prompts]
         return list(prompts)
 
-    @staticmethod
-    def _params(params, n: int) -> list:
+    def _params(self, params, n: int) -> list:
         if params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(params, (SamplingParams, dict)):
             return [params] * n
         params = list(params)
@@ -225,55 +277,106 @@ class LLM:
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
                  speculative_tokens: int | None = None) -> list[RequestOutput]:
         """prompts: a str / token-id list / {'prompt_token_ids': [...]} or a list of them.
-        sampling_params: one SamplingParams (or dict of its fields) for all, or one per prompt.
+        sampling_params: one SamplingParams (or dict of its fields) for all, or one per prompt;
+        None (the default): the checkpoint's generation_config.json, as vLLM does
+        (``get_default_sampling_params``).
         Returns one RequestOutput per prompt, in input order. A prompt whose input is invalid
         gets an output with ``error`` (a ValueError) and finish_reason 'error'; the others run.
         speculative_tokens: MTP drafts per step for this call (default: the LLM's; 0 = off).
+        With thinking on (the prompt leaves a <think> block open, or the output starts with
+        one), a CompletionOutput's ``reasoning_text`` is the think block and ``text`` the
+        answer after it (hybridrt.reasoning); otherwise reasoning_text is None.
         """
+        outs: list[RequestOutput | None] = []
+        for i, out in self.generate_iter(prompts, sampling_params, use_tqdm, speculative_tokens):
+            outs.extend([None] * (i + 1 - len(outs)))
+            outs[i] = out
+        return outs
+
+    def generate_iter(self, prompts, sampling_params=None, use_tqdm: bool = True,
+                      speculative_tokens: int | None = None
+                      ) -> Iterator[tuple[int, RequestOutput]]:
+        """``generate``, but yields ``(index in prompts, RequestOutput)`` as each request
+        finishes (rejected prompts first), so a caller can keep what is done if the run stops.
+        Closing the iterator early aborts the requests still running."""
+        self._check_speculative_tokens(speculative_tokens)
         prompts = self._as_list(prompts)
         params = self._params(sampling_params, len(prompts))
-        slots: list[str | RequestOutput] = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            try:
-                slots.append(self._add(p, sp, speculative_tokens))
-            except (ValueError, TypeError) as e:
-                err = e if isinstance(e, ValueError) else ValueError(str(e))
-                slots.append(_error_output(f"error-{i}", p, err))
-        pending = {s for s in slots if isinstance(s, str)}
-        bar = None
-        if use_tqdm and pending:
-            from tqdm.auto import tqdm
+        return self._generate_iter(prompts, params, use_tqdm, speculative_tokens)
 
-            bar = tqdm(total=len(pending), desc="generate", unit="req", dynamic_ncols=True)
+    def _generate_iter(self, prompts: list, params: list, use_tqdm: bool,
+                       speculative_tokens: int | None) -> Iterator[tuple[int, RequestOutput]]:
+        pending: dict[str, int] = {}
+        rejected: list[tuple[int, RequestOutput]] = []
         try:
-            while pending:
-                for req in self.engine.step():
-                    if req.is_finished and req.request_id in pending:
-                        pending.discard(req.request_id)
-                        if bar is not None:
-                            bar.update(1)
-                if not self.engine.has_unfinished_requests():
-                    break
-        except BaseException:
-            for rid in pending:
-                self.engine.abort_request(rid)
-            raise
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                try:
+                    pending[self._add(p, sp, speculative_tokens)] = i
+                except (ValueError, TypeError) as e:
+                    err = e if isinstance(e, ValueError) else ValueError(str(e))
+                    rejected.append((i, _error_output(f"error-{i}", p, err)))
+            yield from rejected
+            bar = None
+            if use_tqdm and pending:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(pending), desc="generate", unit="req", dynamic_ncols=True)
+            try:
+                while pending:
+                    for req in self.engine.step():
+                        if req.is_finished and req.request_id in pending:
+                            if bar is not None:
+                                bar.update(1)
+                            yield self._pop_output(req.request_id, pending)
+                    if not self.engine.has_unfinished_requests():
+                        break
+                for rid in list(pending):  # finished without a step reporting it
+                    yield self._pop_output(rid, pending)
+            finally:
+                if bar is not None:
+                    bar.close()
         finally:
-            if bar is not None:
-                bar.close()
-        outs = []
-        for s in slots:
-            if isinstance(s, RequestOutput):
-                outs.append(s)
-            else:
-                outs.append(self.engine.make_output(self.engine.pop_request(s)))
-        return outs
+            for rid in pending:  # an error, Ctrl-C or an early close
+                self.engine.abort_request(rid)
+                self.engine.pop_request(rid)
+
+    def _check_speculative_tokens(self, k: int | None) -> None:
+        """A bad speculative_tokens of a call fails the call (ValueError), before any request
+        is queued; per-request errors are for per-request data."""
+        limit = self.engine.speculative_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool)
+                              or not 0 <= k <= limit):
+            hint = (" (the LLM was built with speculative_tokens="
+                    f"{limit}: build it with a larger value to draft more)") if (
+                isinstance(k, int) and k > limit) else ""
+            raise ValueError(f"speculative_tokens must be an integer in [0, {limit}], got "
+                             f"{k!r}{hint}")
+
+    def _pop_output(self, rid: str, pending: dict[str, int]) -> tuple[int, RequestOutput]:
+        i = pending.pop(rid)
+        return i, self._output(self.engine.pop_request(rid))
+
+    def _output(self, req) -> RequestOutput:
+        """The request's RequestOutput, its think block apart from the answer."""
+        out = self.engine.make_output(req)
+        if self.tokenizer is not None:
+            c = out.outputs[0]
+            c.reasoning_text, c.text = split_reasoning(c.text, self._prompt_thinks(req))
+        return out
+
+    def _prompt_thinks(self, req) -> bool:
+        """Does the request's prompt leave a <think> block open (see hybridrt.reasoning)?"""
+        text = req.prompt
+        if not isinstance(text, str):
+            text = self.tokenizer.decode(req.prompt_token_ids[-32:], skip_special_tokens=False)
+        return opens_thinking(text)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template_kwargs: dict | None = None,
              add_generation_prompt: bool = True,
              speculative_tokens: int | None = None) -> list[RequestOutput]:
-        """messages: one conversation (list of {'role', 'content'}) or a list of them."""
+        """messages: one conversation (list of {'role', 'content'}) or a list of them.
+        sampling_params as in ``generate`` (None: the checkpoint's generation_config.json)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -294,34 +397,55 @@ class LLM:
                snapshot_at: int | None = None) -> Iterator[str]:
         """Yield text deltas of one request as its tokens arrive. Closing the iterator early
         aborts the request. The finished request's output is then in ``last_stream_output``.
-        A request that can never be scheduled raises its error (a ValueError)."""
+        With thinking on, the deltas of the think block are ``hybridrt.reasoning.
+        ReasoningDelta`` (a str subclass, without the tags) and the answer's plain str: they
+        join to the output's ``reasoning_text`` and ``text``.
+        sampling_params None: the checkpoint's generation_config.json, as in ``generate``.
+        Bad arguments of the call raise here; a prompt the engine refuses raises its
+        ValueError when iteration starts, and so does a request that can never be scheduled.
+        Text that a stop string may still cut off is held back until it cannot be."""
         if self.tokenizer is None:
             raise ValueError("stream() needs a tokenizer; use stream_tokens() for token ids")
-        sent = 0
-        for req in self._stream(prompt, sampling_params, session, speculative_tokens,
-                                snapshot_at):
+        self._check_speculative_tokens(speculative_tokens)
+        return self._stream_text(self._stream(prompt, sampling_params, session,
+                                              speculative_tokens, snapshot_at))
+
+    def _stream_text(self, reqs) -> Iterator[str]:
+        sent, splitter = 0, None
+        for req in reqs:
+            if splitter is None:
+                splitter = ReasoningSplitter(self._prompt_thinks(req))
             end = len(req.text)
             p = req.params
             if not req.is_finished and not p.include_stop_str_in_output:
                 end -= max(0, p.max_stop_len - 1)  # text a stop string may still cut off
             if end > sent:
-                yield req.text[sent:end]
+                yield from splitter.feed(req.text[sent:end])
                 sent = end
+        if splitter is not None:
+            yield from splitter.flush()
 
     def stream_tokens(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                       session: Session | None = None, speculative_tokens: int | None = None,
                       snapshot_at: int | None = None) -> Iterator[int]:
         """Like ``stream`` but yields token ids."""
+        self._check_speculative_tokens(speculative_tokens)
+        return self._stream_ids(self._stream(prompt, sampling_params, session,
+                                             speculative_tokens, snapshot_at))
+
+    @staticmethod
+    def _stream_ids(reqs) -> Iterator[int]:
         sent = 0
-        for req in self._stream(prompt, sampling_params, session, speculative_tokens,
-                                snapshot_at):
+        for req in reqs:
             ids = req.output_token_ids
             yield from ids[sent:]
             sent = len(ids)
 
     def _stream(self, prompt, sampling_params, session=None, speculative_tokens=None,
                 snapshot_at=None):
-        rid = self._add(prompt, sampling_params or SamplingParams(), speculative_tokens, session,
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        rid = self._add(prompt, sampling_params, speculative_tokens, session,
                         snapshot_at)
         req = self.engine.get_request(rid)
         try:
@@ -332,7 +456,7 @@ class LLM:
             if not req.is_finished:
                 self.engine.abort_request(rid)
             self.engine.pop_request(rid)
-            self.last_stream_output = self.engine.make_output(req)
+            self.last_stream_output = self._output(req)
         if req.error is not None:
             raise req.error
 

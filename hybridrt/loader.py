@@ -11,12 +11,9 @@ import torch
 
 from hybridrt.config import ConfigError, ModelConfig
 from hybridrt.model import Qwen35ForCausalLM
+from hybridrt.options import DTYPE_NAMES
 
-DTYPES = {
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
+DTYPES = {name: getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer*"]
 
@@ -42,9 +39,40 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         ) from None
 
 
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def checkpoint_dtype(path: Path, handles: dict, device: torch.device) -> torch.dtype:
+    """``dtype="auto"``: the dtype the checkpoint declares (``dtype`` / ``torch_dtype`` in
+    config.json, text_config first), else that of its weights. On CUDA a float32 checkpoint
+    loads as bfloat16, the dtype the GPU kernels are written for."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        raw = {}
+    found = None
+    for cfg in (raw.get("text_config"), raw):
+        if isinstance(cfg, dict):
+            for key in ("dtype", "torch_dtype"):
+                if isinstance(cfg.get(key), str) and cfg[key].lower() in DTYPES:
+                    found = found or DTYPES[cfg[key].lower()]
+    if found is None:
+        for h, name in handles.values():
+            found = _SAFETENSORS_DTYPES.get(h.get_slice(name).get_dtype())
+            if found is not None:
+                break
+    found = found or torch.bfloat16
+    if device.type == "cuda" and found == torch.float32:
+        return torch.bfloat16
+    return found
+
+
 def resolve_model_path(model: str | os.PathLike) -> Path:
     """A local checkpoint directory, or a Hugging Face id resolved through the local cache or
     the hub. Raises ModelNotFoundError with the reason when neither works."""
+    if not str(model).strip():
+        raise ModelNotFoundError("the model path is empty: give a checkpoint directory or a "
+                                 "Hugging Face id (or no model for the embedded demo)")
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -120,6 +148,17 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
+def _stored_name(name: str, handles: dict[str, tuple[object, str]]) -> str:
+    """Our parameter name as this checkpoint's layout would store it (for a missing tensor:
+    ``model.layers.3...`` is ``model.language_model.layers.3...`` in the published one)."""
+    if not name.startswith("model."):
+        return name
+    for canon, (_, raw) in handles.items():
+        if canon.startswith("model.") and raw != canon and raw.endswith(canon[len("model."):]):
+            return raw[:len(raw) - len(canon) + len("model.")] + name[len("model."):]
+    return name
+
+
 def load_model(
     model: str | os.PathLike,
     dtype: str | torch.dtype = torch.bfloat16,
@@ -128,29 +167,36 @@ def load_model(
 ) -> tuple[Qwen35ForCausalLM, ModelConfig, Path]:
     """Load a checkpoint directory or hub id -> (model in eval mode, config, resolved path).
 
-    Tensors are read through memory-mapped ``safe_open`` handles and converted to ``dtype``.
+    Tensors are read through memory-mapped ``safe_open`` handles and converted to ``dtype``
+    (``"auto"``: the checkpoint's own, see ``checkpoint_dtype``).
     ``mtp.*`` tensors are loaded when ``with_mtp`` and present; ``model.visual.*`` is ignored.
     Missing, unexpected and mis-shaped text tensors fail together in one CheckpointError.
     """
     from safetensors import safe_open
 
-    dtype = parse_dtype(dtype)
+    auto = isinstance(dtype, str) and dtype.lower() == "auto"
+    if not auto:
+        dtype = parse_dtype(dtype)
     path = resolve_model_path(model)
     config = load_config(path)
 
     handles: dict[str, tuple[object, str]] = {}
+    file_of: dict[str, Path] = {}  # stored name -> its file, for error messages
     opened = []
     for f in _weight_files(path):
         try:
             h = safe_open(str(f), framework="pt", device="cpu")
         except Exception as e:
-            raise CheckpointError(f"cannot read {f.name} (truncated or corrupt?): {e}") from None
+            raise CheckpointError(f"cannot read {f} (truncated or corrupt?): {e}") from None
         opened.append(h)
         for name in h.keys():  # noqa: SIM118 (safe_open handles are not iterable)
             canon = canonical_name(name)
             if canon is not None:
                 handles[canon] = (h, name)
+                file_of[name] = f
 
+    if auto:
+        dtype = checkpoint_dtype(path, handles, torch.device(device))
     has_mtp = any(n.startswith("mtp.") for n in handles)
     with torch.device("meta"):
         net = Qwen35ForCausalLM(config, with_mtp=with_mtp and has_mtp)
@@ -159,7 +205,7 @@ def load_model(
     missing, mismatched, unexpected = [], [], []
     for name, shape in expected.items():
         if name not in handles:
-            missing.append(f"{name} (expected {list(shape)})")
+            missing.append(f"{_stored_name(name, handles)} (expected {list(shape)})")
             continue
         h, raw = handles[name]
         found = tuple(h.get_slice(raw).get_shape())
@@ -186,7 +232,8 @@ def load_model(
         try:
             t = h.get_tensor(raw)
         except Exception as e:
-            raise CheckpointError(f"cannot read tensor {raw} (truncated file?): {e}") from None
+            raise CheckpointError(f"cannot read tensor {raw} from {file_of[raw]} (truncated "
+                                  f"file?): {e}") from None
         state[name] = t.to(device=device, dtype=dtype)
     net.load_state_dict(state, assign=True, strict=True)
     net.eval().requires_grad_(False)

@@ -183,7 +183,11 @@ class DecoderLayer(nn.Module):
 class TextModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # _weight skips the random init: its normal_ on the meta device imports torch._dynamo
+        # (2-4 s of start-up), and the loader replaces the weight anyway
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size))
         layers, n_attn, n_gdn = [], 0, 0
         for t in config.layer_types:
             if t == "full_attention":

@@ -14,6 +14,9 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None (running)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}
+    # With thinking on: the think block without its tags (``text`` is then the answer after
+    # it); None when the output does not think. See hybridrt.reasoning.
+    reasoning_text: str | None = None
 
     @property
     def finished(self) -> bool:

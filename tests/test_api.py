@@ -90,3 +90,114 @@ def test_empty_text_prompt_is_rejected_alone(llm):
 def test_progress_bar_writes_to_stderr(llm, capsys):
     llm.generate(["a", "b"], GREEDY.clone(max_tokens=2), use_tqdm=True)
     assert "generate" in capsys.readouterr().err
+
+
+def test_generate_iter_yields_requests_as_they_finish_and_close_aborts(llm):
+    params = [GREEDY.clone(max_tokens=n) for n in (20, 2, 5, 8)]
+    order = [i for i, _ in llm.generate_iter(["x", "y", "", "z"], params, use_tqdm=False)]
+    assert order == [2, 1, 3, 0]  # the rejected empty prompt first, then by length
+    it = llm.generate_iter(["x", "y"], [GREEDY.clone(max_tokens=2), GREEDY], use_tqdm=False)
+    assert next(it)[0] == 0
+    it.close()
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    assert llm.engine.cache.all_free()
+
+
+def test_dtype_auto_is_the_checkpoints_and_the_default(tmp_path):
+    import json
+
+    import torch
+
+    from hybridrt.llm import default_model
+
+    small = {"max_model_len": 64, "cache_memory": 4 << 20}
+    fp32 = write_random_checkpoint(tmp_path / "fp32", tiny_text_config(), seed=1)
+    bf16 = write_random_checkpoint(tmp_path / "bf16", tiny_text_config(), seed=1,
+                                   dtype=torch.bfloat16)
+    assert LLM(fp32, **small).dtype == torch.float32  # no dtype in config.json: the weights'
+    assert LLM(bf16, **small).dtype == torch.bfloat16
+    assert LLM(bf16, dtype="float32", **small).dtype == torch.float32  # only when asked
+    cfg = json.loads((bf16 / "config.json").read_text())
+    cfg["text_config"]["dtype"] = "float16"  # declared in config.json: that one
+    (bf16 / "config.json").write_text(json.dumps(cfg))
+    assert LLM(bf16, **small).dtype == torch.float16
+    demo = LLM(default_model(), **small)
+    assert demo.dtype == torch.bfloat16 == demo.model.model.layers[0].mlp.up_proj.weight.dtype
+
+
+def test_threads_like_the_cli_flag(tmp_path):
+    import torch
+
+    d = write_random_checkpoint(tmp_path, tiny_text_config(), seed=1)
+    before = torch.get_num_threads()
+    try:
+        LLM(d, max_model_len=64, cache_memory=4 << 20, threads=2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="threads"):
+            LLM(d, threads=bad)
+
+
+def test_no_sampling_params_means_the_generation_config(tmp_path):
+    import json
+
+    from hybridrt.llm import default_model
+
+    demo = LLM(default_model(), max_model_len=64, cache_memory=4 << 20)
+    p = demo.get_default_sampling_params()
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.7, 0.8, 20, 256)
+    d = write_random_checkpoint(tmp_path, tiny_text_config(), seed=1)
+    write_char_tokenizer(d)
+    (d / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.0, "max_new_tokens": 3, "do_sample": False}))
+    llm = LLM(d, max_model_len=64, cache_memory=4 << 20)
+    explicit = SamplingParams(temperature=0, max_tokens=3)
+    (out,) = llm.generate("abc", use_tqdm=False)
+    (want,) = llm.generate("abc", explicit, use_tqdm=False)
+    ids = want.outputs[0].token_ids
+    assert out.outputs[0].token_ids == ids and len(ids) <= 3
+    assert "".join(llm.stream("abc")) == want.outputs[0].text
+    (d / "generation_config.json").write_text(json.dumps({"top_p": 0}))
+    with pytest.raises(ValueError, match="generation_config.json: top_p"):
+        llm.generate("abc", use_tqdm=False)
+
+
+def test_speculative_tokens_above_the_engines_k_fails_the_call(llm):
+    for call in (lambda: llm.generate(["a", "b"], GREEDY, speculative_tokens=1),
+                 lambda: llm.generate_iter(["a"], GREEDY, speculative_tokens=1),
+                 lambda: llm.chat([{"role": "user", "content": "a"}], GREEDY,
+                                  speculative_tokens=2),
+                 lambda: llm.stream("a", GREEDY, speculative_tokens=1),  # before iterating
+                 lambda: llm.stream_tokens("a", GREEDY, speculative_tokens=-1)):
+        with pytest.raises(ValueError, match=r"speculative_tokens must be an integer in \[0, 0\]"):
+            call()
+        assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+
+
+def test_bad_call_arguments_and_devices_raise_value_errors(llm, monkeypatch):
+    import torch
+
+    from hybridrt import ModelNotFoundError
+
+    for bad in (None, 3):
+        with pytest.raises(ValueError, match="prompts must be"):
+            llm.generate(bad, GREEDY, use_tqdm=False)
+    with pytest.raises(ModelNotFoundError, match="the model path is empty"):
+        LLM("")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(ValueError, match="CUDA is not available in this PyTorch build"):
+        LLM(llm.model_path, device="cuda")
+    with pytest.raises(ValueError, match="device must be cpu, cuda or cuda:N"):
+        LLM(llm.model_path, device="tpu")
+
+
+def test_no_transformers_warning_about_long_prompts(capfd):
+    from hybridrt.llm import default_model
+
+    demo = LLM(default_model(), max_model_len=64, cache_memory=4 << 20)
+    (out,) = demo.generate("hello world " * 3000, use_tqdm=False)  # 18000 tokens > 4096
+    assert "max_model_len is 64" in str(out.error)
+    assert "Token indices sequence length" not in capfd.readouterr().err

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from hybridrt import LLM, SamplingParams
 from hybridrt.cli import bench as cli_bench
 from hybridrt.cli import chat as cli_chat
-from hybridrt.cli.chat import Conversation, Renderer, ThinkSplitter
+from hybridrt.cli.chat import Conversation, Renderer
 from hybridrt.cli.main import app
 from hybridrt.testing import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 
@@ -119,6 +119,37 @@ def test_chat_turns_reuse_the_cache_regen_clear_set_and_exit(tiny, ref):
     assert "temperature" in err and ">= 0" in err
 
 
+def test_chat_drops_the_oldest_turns_when_the_context_is_full(tiny):
+    """No turn fails for length: the oldest turns go (the system prompt stays), a message
+    longer than the context keeps its end, and one dim line says so each time."""
+    turns = [f"{c * 20}" for c in "abcdef"] + ["z" * 300, "short"]
+    script = "\n".join([*turns, "/stats"]) + "\n"
+    res = invoke("chat", tiny, "--dtype", "float32", "--cache-memory", "64MiB",
+                 "--max-model-len", "96", "--system", "be brief", *GREEDY, input=script)
+    assert res.exit_code == 0, res.output
+    assert not res.stderr  # no turn failed
+    out = res.stdout
+    assert out.count("[prompt") == len(turns)  # every turn answered
+    notes = re.findall(r"\(context limit 96 tokens: ([^)]*)\)", out)
+    assert notes and all("oldest turn" in n or "kept the last" in n for n in notes)
+    assert any("kept the last" in n and "of the message's 300 tokens" in n for n in notes)
+    (prompt,) = stats(out, "prompt tokens")
+    assert prompt <= 96 - 6  # room for --max-tokens 6
+
+
+def test_conversation_drops_turns_but_keeps_the_system_prompt(ref):
+    conv = Conversation(ref.tokenizer, [1], {}, system="sys")
+    for q, a in (("q1", "a1"), ("q2", "a2")):
+        ids, _ = conv.prompt_for(q)
+        conv.messages.append({"role": "user", "content": q})
+        conv.commit(ids, ref.tokenizer.encode(a, add_special_tokens=False) + [1])
+    assert conv.drop_oldest_turn()
+    assert [m["content"] for m in conv.messages] == ["sys", "q2", "a2"]
+    assert conv.prompt_ids is None  # the next prompt is templated afresh
+    assert conv.drop_oldest_turn() and not conv.drop_oldest_turn()
+    assert conv.messages == [{"role": "system", "content": "sys"}]
+
+
 def test_chat_speculative_stats_and_speculative_tokens_setting(tiny, ref):
     ids1 = encode(ref, [{"role": "user", "content": Q1}])
     t1, _ = greedy(ref, ids1)
@@ -132,6 +163,27 @@ def test_chat_speculative_stats_and_speculative_tokens_setting(tiny, ref):
     assert "acceptance" not in second  # k=0 for the regenerated answer
     in_order(out, [shown(t1), shown(t1)])  # greedy speculation is lossless
     assert "speculative_tokens must be in [0, 2]" in res.stderr
+
+
+def test_chat_set_and_help_list_every_setting_and_chat_has_generates_flags(tiny):
+    script = "/set\n/help\n/set stop x y\n/set frequency_penalty 0.5\n/set stop none\n/set\n"
+    res = invoke("chat", tiny, *MODEL_FLAGS, "--repetition-penalty", "1.1", input=script)
+    assert res.exit_code == 0 and not res.stderr, res.output
+    listing, rest = res.stdout.split("commands:")
+    help_text, _ = rest.split("stop=['x y']")
+    for name in cli_chat.SETTABLE:
+        assert re.search(rf"^  {name} +\S", listing, re.M), name  # /set: name and value
+        assert name in help_text, name
+    assert re.search(r"repetition_penalty +1.1", listing)
+    assert "frequency_penalty=0.5" in res.stdout and "stop=None" in res.stdout
+    import typer.main
+
+    group = typer.main.get_command(app)
+    opts = {name: {o for p in group.commands[name].params if p.param_type_name == "option"
+                   for o in p.opts} for name in ("chat", "generate")}
+    io_only = {"--prompt", "-p", "--input", "-i", "--output", "-o", "--max-num-seqs",
+               "--progress", "--chat"}
+    assert opts["generate"] - io_only <= opts["chat"]
 
 
 def test_ctrl_c_stops_the_answer_and_keeps_it_in_the_session(tiny, ref, monkeypatch):
@@ -154,6 +206,53 @@ def test_ctrl_c_stops_the_answer_and_keeps_it_in_the_session(tiny, ref, monkeypa
     (prefilled,) = stats(res.stdout, "prefilled tokens")
     assert len(ids1) <= reused < len(ids1) + 6  # the prompt and the partial answer
     assert prefilled == prompt - reused
+
+
+def _loop(llm, text=""):
+    import io
+
+    return cli_chat.ChatLoop(llm, {"temperature": 0}, 0, None, None, False,
+                             stdin=io.StringIO(text), stdout=io.StringIO())
+
+
+def test_chat_reads_multi_line_messages(ref, monkeypatch):
+    loop = _loop(ref, 'one line\ntwo \\\nlines\n"""\nthree\n\nlines\n"""\n"""inline"""\n'
+                      '"""never closed\n')
+    try:
+        msgs = [loop.read() for _ in range(5)]
+        assert msgs == ["one line", "two \nlines", "\nthree\n\nlines\n", "inline",
+                        "never closed"]
+        assert loop.read() is None
+        # in a terminal, lines already waiting after the one read are the rest of a paste
+        loop.interactive = True
+        typed = ["pasted 1", "pasted 2", "pasted 3", "typed later"]
+        prompts = []
+
+        def fake_input(prompt):
+            prompts.append(prompt)
+            return typed.pop(0)
+
+        monkeypatch.setattr("builtins.input", fake_input)
+        monkeypatch.setattr(loop, "_more_pending", lambda: len(typed) > 1)
+        assert loop.read() == "pasted 1\npasted 2\npasted 3"
+        assert loop.read() == "typed later" and prompts == [">>> ", "", "", ">>> "]
+    finally:
+        ref.close_session(loop.session)
+
+
+def test_chat_banner_names_the_model_and_how_it_runs(ref):
+    import torch
+
+    from hybridrt.llm import default_model
+
+    text = cli_chat.banner(ref)
+    for part in (str(ref.model_path), "float32", f"cpu, {torch.get_num_threads()} threads",
+                 "context 512 tokens"):
+        assert part in text, part
+    assert "demo" not in text
+    demo = cli_chat.banner(LLM(default_model(), max_model_len=256, cache_memory=4 << 20))
+    assert "bfloat16" in demo and "context 256 tokens" in demo
+    assert "demo model" in demo and "not an\n  assistant" in demo
 
 
 def test_incremental_prompt_is_the_template_for_chatml(ref):
@@ -210,15 +309,8 @@ def test_qwen3_style_template_reuses_up_to_the_generation_prompt(ref):
         ref.close_session(s)
 
 
-def test_think_splitter_handles_tags_split_across_deltas():
-    s = ThinkSplitter(thinking=False)
-    pieces = []
-    for delta in ["<th", "ink>\nhm", "m</", "think>\n\nAnswer <", "b>"]:
-        pieces += s.feed(delta)
-    pieces += s.flush()
-    think = "".join(t for is_think, t in pieces if is_think)
-    answer = "".join(t for is_think, t in pieces if not is_think)
-    assert think == "<think>\nhmm</think>" and answer == "\n\nAnswer <b>"
+def test_renderer_dims_hides_or_tags_the_think_block():
+    pieces = [(True, "hmm"), (True, "m"), (False, "Answer <b>")]
 
     class Out:
         text = ""
@@ -229,12 +321,21 @@ def test_think_splitter_handles_tags_split_across_deltas():
         def flush(self):
             pass
 
-    hidden, dimmed = Out(), Out()
-    Renderer(hidden, color=False, hide_thinking=True).write(pieces)
-    Renderer(dimmed, color=True, hide_thinking=False).write(pieces)
-    assert hidden.text == "Answer <b>"
-    assert "\x1b[2m<think>" in dimmed.text and dimmed.text.endswith("Answer <b>")
-    assert cli_chat.opens_thinking("<|im_start|>assistant\n<think>\n")
+    outs = {}
+    for name, color, hide in (("hidden", True, True), ("dimmed", True, False),
+                              ("piped", False, False)):
+        outs[name] = Out()
+        r = Renderer(outs[name], color=color, hide_thinking=hide)
+        r.write(pieces)
+        r.end()
+    assert outs["hidden"].text == "Answer <b>"
+    assert outs["dimmed"].text == "\x1b[2mhmm\x1b[22m\x1b[2mm\x1b[22m\n\nAnswer <b>"
+    assert outs["piped"].text == "<think>\nhmmm\n</think>\n\nAnswer <b>"
+    cut = Out()
+    r = Renderer(cut, color=False, hide_thinking=False)
+    r.write([(True, "cut short")])
+    r.end()
+    assert cut.text == "<think>\ncut short\n</think>"
 
 
 # generate ------------------------------------------------------------------------------------
@@ -253,18 +354,32 @@ def test_generate_jsonl_mixed_settings_in_order_with_error_lines(tiny, ref, tmp_
         json.dumps({"id": "bad-value", "prompt": "x", "top_p": 0}),
         json.dumps({"id": "unknown", "prompt": "x", "colour": "red"}),
         json.dumps({"id": "stop", "prompt": "hello", "max_tokens": 8, "stop": [stop]}),
+        '"a JSON string"',
+        "[1, 2]",
+        '"Hi," she said.',
+        json.dumps({"id": "think", "messages": msgs, "max_tokens": 3,
+                    "chat_template_kwargs": {"enable_thinking": False}}),
+        json.dumps({"id": "kwargs-no-messages", "prompt": "x",
+                    "chat_template_kwargs": {"enable_thinking": True}}),
     ]
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
     res = invoke("generate", tiny, *MODEL_FLAGS, "--temperature", "0", "--max-tokens", "4",
                  "--input", src, "--output", dst)
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1, res.output  # some prompts failed
     recs = [json.loads(ln) for ln in dst.read_text().splitlines()]
     assert [r["id"] for r in recs] == ["greedy", 1, "chat", 3, "seeded", "bad-value", "unknown",
-                                      "stop"]
+                                      "stop", 8, 9, 10, "think", "kwargs-no-messages"]
     by_id = {r["id"]: r for r in recs}
-    for bad, why in [(3, "invalid JSON"), ("bad-value", "top_p"), ("unknown", "colour")]:
-        assert set(by_id[bad]) == {"id", "error"} and why in by_id[bad]["error"]
+    for bad, why in [(3, "line 4: invalid JSON"), ("bad-value", "line 7: top_p"),
+                     ("unknown", "line 8: unknown field(s) 'colour'"),
+                     (8, "line 10: a JSON string is not a request"),
+                     (9, "line 11: a JSON list is not a request"),
+                     ("kwargs-no-messages", "line 14: chat_template_kwargs applies to messages")]:
+        assert set(by_id[bad]) == {"id", "error"} and by_id[bad]["error"].startswith(why), bad
+    assert by_id[10]["prompt"] == '"Hi," she said.'
+    assert by_id["think"]["prompt"] == ref.apply_chat_template(msgs, {"enable_thinking": False})
+    assert by_id["think"]["prompt"] != by_id["chat"]["prompt"]
 
     def same(rec, prompt, params):
         out = ref.generate([prompt], params, use_tqdm=False)[0].outputs[0]
@@ -280,7 +395,7 @@ def test_generate_jsonl_mixed_settings_in_order_with_error_lines(tiny, ref, tmp_
     assert len(by_id["seeded"]["logprobs"]) == len(by_id["seeded"]["token_ids"])
     assert by_id["stop"]["text"] == hello_text[:hello_text.index(stop)]
     assert by_id["stop"]["finish_reason"] == "stop"
-    assert "3 of 8 prompts failed" in res.stderr
+    assert "6 of 13 prompts failed" in res.stderr
 
 
 def test_generate_reads_prompt_flags_then_stdin_lines(tiny):
@@ -290,6 +405,52 @@ def test_generate_reads_prompt_flags_then_stdin_lines(tiny):
     recs = [json.loads(ln) for ln in res.stdout.splitlines()]
     assert [(r["id"], r["prompt"]) for r in recs] == [(0, "first"), (1, "second"), (2, "third")]
     assert all(len(r["token_ids"]) <= 2 and r["finish_reason"] for r in recs)
+    assert not res.stderr  # exit 0: every prompt succeeded
+
+
+def test_generate_chat_templates_plain_prompts(tiny, ref):
+    res = invoke("generate", tiny, *MODEL_FLAGS, *GREEDY, "--no-progress", "--chat", "--no-think",
+                 "-p", "hi", "--input", "-",
+                 input="what now\n" + json.dumps({"prompt": "raw"}) + "\n")
+    assert res.exit_code == 0, res.output
+    recs = [json.loads(ln) for ln in res.stdout.splitlines()]
+    off = {"enable_thinking": False}
+    assert [r["prompt"] for r in recs] == [
+        ref.apply_chat_template([{"role": "user", "content": "hi"}], off),
+        ref.apply_chat_template([{"role": "user", "content": "what now"}], off), "raw"]
+
+
+def test_generate_exit_status_is_documented_in_help():
+    res = invoke("generate", "--help")
+    assert "Exit status: 0" in " ".join(res.stdout.split())
+
+
+def test_generate_writes_each_line_when_done_and_keeps_them_when_interrupted(tiny, tmp_path,
+                                                                             monkeypatch):
+    """Lines go out in input order as soon as they and the ones before are done (flushed), so
+    Ctrl-C in the middle of a run keeps every finished line."""
+    from hybridrt.engine import LLMEngine
+
+    lines = [json.dumps({"prompt": "a", "max_tokens": 1}),
+             json.dumps({"prompt": "b", "max_tokens": 40, "ignore_eos": True}),
+             json.dumps({"prompt": "c", "max_tokens": 2})]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    step, calls = LLMEngine.step, []
+
+    def step_then_ctrl_c(self):
+        calls.append(1)
+        if len(calls) == 6:
+            assert [json.loads(ln)["id"] for ln in dst.read_text().splitlines()] == [0]
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", step_then_ctrl_c)
+    res = invoke("generate", tiny, *MODEL_FLAGS, "--temperature", "0", "--no-progress",
+                 "--input", src, "--output", dst)
+    assert res.exit_code == 130, res.output
+    recs = [json.loads(ln) for ln in dst.read_text().splitlines()]
+    assert [(r["id"], len(r["token_ids"])) for r in recs] == [(0, 1)]  # "c" waits for "b"
 
 
 # errors --------------------------------------------------------------------------------------
@@ -314,6 +475,48 @@ def test_bad_flag_values_are_one_error_line_exit_2(tiny, flags, needle):
     assert needle in one_error_line(res.stderr)
 
 
+# Runs the CLI in a fresh interpreter -> "<exit code> <whether torch was imported>".
+_NO_TORCH_PROBE = """
+import sys
+from hybridrt.cli.main import main
+sys.argv = ["hybridrt", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as e:
+    print(e.code, "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("args", [
+    ["chat", "--temperature", "-1"],
+    ["generate", "-p", "x", "--dtype", "float8"],
+    ["generate", "-p", "x", "--cache-memory", "lots"],
+    ["chat", "--max-model-len", "1"],
+    ["chat", "--device", "tpu"],
+    ["generate", "--no-such-flag"],
+    ["generate", "-p", "x", "--top-p", "0"],
+    ["bench", "spec", "--ks", "x"],
+    ["bench", "throughput", "--dtype", "int4"],
+    ["generate", "-p", "x", "--output", "/no-such-dir/out.jsonl"],
+], ids=lambda a: "-".join(a).replace("--", ""))
+def test_usage_errors_print_before_torch_is_imported(args):
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH_PROBE, *args],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          stdin=subprocess.DEVNULL)
+    assert proc.stdout.split() == ["2", "False"], (proc.stdout, proc.stderr)
+    one_error_line(proc.stderr)
+
+
+def test_cuda_on_a_cpu_only_torch_is_one_error_line_exit_2(tiny, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    res = invoke("generate", tiny, "-p", "x", "--device", "cuda")
+    assert res.exit_code == 2
+    assert "CUDA is not available in this PyTorch build" in one_error_line(res.stderr)
+
+
 def test_broken_checkpoint_is_one_error_line(tiny, tmp_path):
     (tmp_path / "config.json").write_text(Path(tiny, "config.json").read_text())
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{trunc")
@@ -334,12 +537,54 @@ def test_python_m_chat_over_a_pipe(tiny, ref):
     assert "Traceback" not in proc.stderr
 
 
+# the command line itself -----------------------------------------------------------------------
+def test_version_and_bare_hybridrt_prints_help_exit_0():
+    from hybridrt import __version__
+
+    res = invoke("--version")
+    assert res.exit_code == 0 and res.stdout.strip() == f"hybridrt {__version__}"
+    for args in ([], ["bench"]):
+        res = invoke(*args)
+        assert res.exit_code == 0, res.output
+        assert res.stdout.startswith("Usage: hybridrt") and not res.stderr
+
+
+def test_python_m_hybridrt_is_the_cli():
+    proc = subprocess.run([sys.executable, "-m", "hybridrt", "--version"], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0 and proc.stdout.startswith("hybridrt "), proc.stderr
+
+
+def _all_commands(group, path=()):
+    for name, cmd in group.commands.items():
+        if hasattr(cmd, "commands"):
+            yield from _all_commands(cmd, (*path, name))
+        else:
+            yield (*path, name), cmd
+
+
+def test_every_option_has_a_help_line_with_its_default():
+    import typer.main
+
+    for path, cmd in _all_commands(typer.main.get_command(app)):
+        for p in cmd.params:
+            if p.param_type_name != "option" or p.name == "help":
+                continue
+            where = f"{' '.join(path)} {p.opts[0]}"
+            assert p.help, f"{where} has no help"
+            shown = p.show_default and p.default is not None and not (
+                p.is_flag and not p.secondary_opts and p.default is False)
+            assert shown or "default" in p.help, f"{where}: the help does not give the default"
+        res = invoke(*path, "--help")
+        assert res.exit_code == 0 and "<bool>" not in res.stdout, res.stdout
+
+
 # bench ---------------------------------------------------------------------------------------
 def test_bench_throughput_on_tiny_checkpoint_gives_both_engines_the_same_work(tiny, tmp_path):
     out = tmp_path / "tp.json"
     torch.set_num_threads(2)
     try:
-        res = invoke("bench", "throughput", "--model", tiny, "--dtype", "float32", "--threads",
+        res = invoke("bench", "throughput", tiny, "--dtype", "float32", "--threads",
                      "1", "--prefill-len", "16", "--prompt-len", "4", "--decode-tokens", "3",
                      "--concurrency", "2,9", "--repeats", "1", "--json", out)
         assert torch.get_num_threads() == 2  # the benchmark puts the caller's count back
@@ -363,6 +608,20 @@ def test_bench_throughput_on_tiny_checkpoint_gives_both_engines_the_same_work(ti
         report["hybridrt"]["decode_b9_tok_s"] / report["hybridrt"]["decode_b1_tok_s"])
     assert "interleaved_decode_b9_over_b1" in report and "aggregate_b9_tok_s" in res.stdout
     assert report["peak_rss_gib"] > 0 and "hybridrt peak RSS" in res.stdout
+
+
+def test_bench_startup_smoke(tmp_path):
+    """Fresh interpreters: import torch, generate one token of the demo model, a usage
+    error; the report says how much the load and first token add to importing torch."""
+    out = tmp_path / "startup.json"
+    res = invoke("bench", "startup", "--runs", "1", "--threads", "1", "--json", out)
+    assert res.exit_code == 0, res.output
+    assert "load + first token beyond import torch" in res.stdout
+    r = json.loads(out.read_text())
+    assert set(r["median_s"]) == {"import_torch", "generate", "usage_error"}
+    assert r["median_s"]["usage_error"] < r["median_s"]["import_torch"]  # no torch import
+    assert r["generate_minus_import_torch_s"] > 0 and r["dtype"] == "bfloat16"
+    assert r["phases_median_s"]["load"] > 0 and r["threads"] == 1
 
 
 def test_plot_without_matplotlib_is_one_error_line_exit_2(tiny, monkeypatch, tmp_path):
@@ -398,7 +657,12 @@ def spec_acceptance(report: dict, k: int) -> float:
     return rows[0]["mean_acceptance_length"] - 1.0
 
 
-def test_bench_spec_quick_smoke_on_tiny_checkpoint(tiny, tmp_path):
+def test_bench_spec_quick_smoke_on_tiny_checkpoint(tiny, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = invoke("bench", "spec", tiny, "--quick", "--ks", "0,1", "--batch-sizes", "1",
+                 "--max-tokens", "2")
+    assert res.exit_code == 0, res.output
+    assert "per-position acceptance" in res.stdout and not list(tmp_path.iterdir())  # no --json
     out = tmp_path / "spec.json"
     res = invoke("bench", "spec", tiny, "--quick", "--ks", "0,2", "--batch-sizes", "2",
                  "--max-tokens", "4", "--threads", "1", "--json", out)
