@@ -198,46 +198,47 @@ class ReferenceBackend:
         """Conv + gated delta rule of one GDN layer over its state slots.
 
         mixed: [T, conv_dim] (q | k | v channels), a, b: [T, HV] raw projections ->
-        core [T, HV, DV]."""
+        core [T, HV, DV]. Each recurrent group and the prompt chunks get their own rows of the
+        inputs (no copy when they are the whole batch) from ``gdn_recurrent`` /
+        ``gdn_chunked``, the kernels a backend provides."""
         T = mixed.shape[0]
-        g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
-        beta = torch.sigmoid(b).float()
-        weight = layer.conv1d.weight[:, 0, :]
         core = None
         gm: GDNMeta = meta.gdn
-        for grp in gm.groups:
-            n, L = grp.num_seqs, grp.num_tokens_per_seq
-            pick = (lambda t: t) if grp.rows is None else (lambda t, r=grp.rows: t[r])
-            m = causal_conv1d_update(pick(mixed).view(n, L, -1), weight, conv_states, grp.slots,
-                                     state_slots_out=grp.slots_out)
-            q, k, v = layer.split(m.reshape(n * L, -1))
-            o = recurrent_gated_delta_rule(
-                q.view(n, L, *q.shape[1:]), k.view(n, L, *k.shape[1:]),
-                v.view(n, L, *v.shape[1:]), pick(g).view(n, L, -1), pick(beta).view(n, L, -1),
-                ssm_states, grp.slots, state_slots_out=grp.slots_out, runs=grp.runs,
-                step=self._decode_step(),
-            ).reshape(n * L, *v.shape[1:])
-            if grp.rows is None:
+        parts = [(g.rows, self.gdn_recurrent, g) for g in gm.groups]
+        if gm.chunked is not None:
+            parts.append((gm.chunked.rows, self.gdn_chunked, gm.chunked))
+        for rows, kernel, part in parts:
+            x = [t if rows is None else t[rows] for t in (mixed, a, b)]
+            o = kernel(layer, part, *x, conv_states, ssm_states)
+            if rows is None:
                 core = o
             else:
                 if core is None:
                     core = o.new_empty(T, *o.shape[1:])
-                core[grp.rows] = o
-        c = gm.chunked
-        if c is not None:
-            part = (lambda t: t) if c.rows is None else (lambda t: t[c.rows])
-            m = causal_conv1d_varlen(part(mixed), weight, c.cu_seqlens, conv_states, c.slots,
-                                     c.has_initial_state, plan=c.conv)
-            q, k, v = layer.split(m)
-            o = chunk_gated_delta_rule(q, k, v, part(g), part(beta), c.cu_seqlens, ssm_states,
-                                       c.slots, c.has_initial_state, plan=c.delta)
-            if c.rows is None:
-                core = o
-            else:
-                if core is None:
-                    core = o.new_empty(T, *o.shape[1:])
-                core[c.rows] = o
+                core[rows] = o
         return core
+
+    def gdn_recurrent(self, layer, grp: RecurrentGroup, mixed, a, b, conv_states, ssm_states):
+        """The group's n sequences of L tokens each (rows in order) -> core [n * L, HV, DV]."""
+        n, L = grp.num_seqs, grp.num_tokens_per_seq
+        g, beta = _gates(layer, a, b)
+        m = causal_conv1d_update(mixed.view(n, L, -1), _conv_weight(layer), conv_states,
+                                 grp.slots, state_slots_out=grp.slots_out)
+        q, k, v = layer.split(m.reshape(n * L, -1))
+        return recurrent_gated_delta_rule(
+            q.view(n, L, *q.shape[1:]), k.view(n, L, *k.shape[1:]), v.view(n, L, *v.shape[1:]),
+            g.view(n, L, -1), beta.view(n, L, -1), ssm_states, grp.slots,
+            state_slots_out=grp.slots_out, runs=grp.runs, step=self._decode_step(),
+        ).reshape(n * L, *v.shape[1:])
+
+    def gdn_chunked(self, layer, c: ChunkedSeqs, mixed, a, b, conv_states, ssm_states):
+        """The prompt chunks' tokens (packed as ``c.cu_seqlens``) -> core [t, HV, DV]."""
+        g, beta = _gates(layer, a, b)
+        m = causal_conv1d_varlen(mixed, _conv_weight(layer), c.cu_seqlens, conv_states, c.slots,
+                                 c.has_initial_state, plan=c.conv)
+        q, k, v = layer.split(m)
+        return chunk_gated_delta_rule(q, k, v, g, beta, c.cu_seqlens, ssm_states, c.slots,
+                                      c.has_initial_state, plan=c.delta)
 
     def _decode_step(self):
         return None
@@ -303,6 +304,16 @@ class CPUBackend(ReferenceBackend):
 
 def _checked_step(*args):
     return native.gdn_decode_step(*args, checked=True)
+
+
+def _gates(layer, a, b):
+    """GDN decay (log space) and write strength from the raw projections, in fp32."""
+    g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
+    return g, torch.sigmoid(b).float()
+
+
+def _conv_weight(layer) -> torch.Tensor:
+    return layer.conv1d.weight[:, 0, :]  # [C, K]
 
 
 def select_backend(config, device: torch.device | str = "cpu", name: str | None = None):

@@ -28,7 +28,15 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionPlan, attention_plan, paged_attention
-from ..backend import GDNMeta, RecurrentGroup, ReferenceBackend, StepMeta, gdn_split
+from ..backend import (
+    ChunkedSeqs,
+    GDNMeta,
+    RecurrentGroup,
+    ReferenceBackend,
+    StepMeta,
+    _conv_weight,
+    gdn_split,
+)
 from . import attention as attn_k
 from . import fused, prefill
 from . import gdn as gdn_k
@@ -166,45 +174,24 @@ class CudaBackend(ReferenceBackend):
             out[start:start + n] = o.transpose(0, 1)
         return out
 
-    def gdn(self, meta: StepMeta, layer, mixed, a, b, conv_states, ssm_states):
-        T = mixed.shape[0]
-        weight = layer.conv1d.weight[:, 0, :]
-        gm: GDNMeta = meta.gdn
-        core = None
-        for grp in gm.groups:
-            n, L = grp.num_seqs, grp.num_tokens_per_seq
-            pick = (lambda t: t) if grp.rows is None else (lambda t, r=grp.rows: t[r])
-            m = gdn_k.conv_update(pick(mixed).view(n, L, -1), weight, conv_states, grp.slots,
-                                  grp.slots_out)
-            q, k, v = layer.split(m.view(n * L, -1))
-            o = gdn_k.gdn_recurrent(
-                q.view(n, L, *q.shape[1:]), k.view(n, L, *k.shape[1:]),
-                v.view(n, L, *v.shape[1:]), pick(a).view(n, L, -1), pick(b).view(n, L, -1),
-                layer.A_log, layer.dt_bias, ssm_states, grp.slots, grp.slots_out,
-            ).view(n * L, *v.shape[1:])
-            if grp.rows is None:
-                core = o
-            else:
-                if core is None:
-                    core = o.new_empty(T, *o.shape[1:])
-                core[grp.rows] = o
-        c = gm.chunked
-        if c is not None:
-            part = (lambda t: t) if c.rows is None else (lambda t: t[c.rows])
-            cu_cpu = c.cu_seqlens_cpu
-            m = prefill.conv_prefill(part(mixed), weight, c.cu_seqlens, conv_states, c.slots,
-                                     c.has_initial_state, cu_seqlens_cpu=cu_cpu)
-            q, k, v = layer.split(m)
-            o = prefill.chunk_prefill(q, k, v, part(a), part(b), layer.A_log, layer.dt_bias,
-                                      c.cu_seqlens, ssm_states, c.slots, c.has_initial_state,
-                                      cu_seqlens_cpu=cu_cpu)
-            if c.rows is None:
-                core = o
-            else:
-                if core is None:
-                    core = o.new_empty(T, *o.shape[1:])
-                core[c.rows] = o
-        return core
+    def gdn_recurrent(self, layer, grp: RecurrentGroup, mixed, a, b, conv_states, ssm_states):
+        n, L = grp.num_seqs, grp.num_tokens_per_seq
+        m = gdn_k.conv_update(mixed.view(n, L, -1), _conv_weight(layer), conv_states, grp.slots,
+                              grp.slots_out)
+        q, k, v = layer.split(m.view(n * L, -1))
+        return gdn_k.gdn_recurrent(
+            q.view(n, L, *q.shape[1:]), k.view(n, L, *k.shape[1:]), v.view(n, L, *v.shape[1:]),
+            a.view(n, L, -1), b.view(n, L, -1), layer.A_log, layer.dt_bias, ssm_states,
+            grp.slots, grp.slots_out,
+        ).view(n * L, *v.shape[1:])
+
+    def gdn_chunked(self, layer, c: ChunkedSeqs, mixed, a, b, conv_states, ssm_states):
+        m = prefill.conv_prefill(mixed, _conv_weight(layer), c.cu_seqlens, conv_states, c.slots,
+                                 c.has_initial_state, cu_seqlens_cpu=c.cu_seqlens_cpu)
+        q, k, v = layer.split(m)
+        return prefill.chunk_prefill(q, k, v, a, b, layer.A_log, layer.dt_bias, c.cu_seqlens,
+                                     ssm_states, c.slots, c.has_initial_state,
+                                     cu_seqlens_cpu=c.cu_seqlens_cpu)
 
     # CUDA graphs --------------------------------------------------------------------------
     def forward(self, model, batch, cache):
