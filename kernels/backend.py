@@ -278,12 +278,6 @@ class CPUBackend(ReferenceBackend):
     def linear(self, module, x: torch.Tensor) -> torch.Tensor:
         return cpu_linear(x, module.weight, self._packed(module, x), self.half_simd)
 
-    def logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
-        # cpu_linear already rounds the fp32 product to the model's dtype (what a half LM head
-        # returns)
-        head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
-        return self.linear(head, hidden).float()
-
     def _packed(self, module, x: torch.Tensor):
         """The weight's repacked copy for the batched CPU GEMM, made at first use and kept on
         the module (see kernels/linear.py)."""

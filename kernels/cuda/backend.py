@@ -213,13 +213,6 @@ class CudaBackend(ReferenceBackend):
             self.graphs[(bs, L)] = graph
         return graph.run(batch)
 
-    def capture(self, model, cache, batch_sizes, num_tokens_per_seq=(1,)) -> None:
-        """Capture graphs ahead of time (the benchmark does, so that timing excludes it)."""
-        for L in num_tokens_per_seq:
-            for bs in batch_sizes:
-                if (bs, L) not in self.graphs:
-                    self.graphs[(bs, L)] = _Graph(model, cache, self, bs, L)
-
 
 class _Graph:
     """One captured model step for ``bs`` sequences of ``L`` tokens each."""
