@@ -46,6 +46,8 @@ import torch
 from fla.modules.causal_conv1d import causal_conv1d
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+from ..conv import _check_conv
+
 
 def _long(t: torch.Tensor | None) -> torch.Tensor | None:
     # fla wants int64 offsets; keep the caller's tensor (fla caches by identity) when it is one
@@ -124,13 +126,10 @@ def conv_prefill(
 ) -> torch.Tensor:
     """Causal depthwise conv over a packed batch, states in the slot pool (see module doc).
     -> y [T, C] in x's dtype."""
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be [C, K], got {tuple(weight.shape)}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, C], got {tuple(x.shape)}")
+    _check_conv(x, weight, conv_states)
     C, K = weight.shape
-    if x.dim() != 2 or x.shape[1] != C:
-        raise ValueError(f"x must be [T, {C}], got {tuple(x.shape)}")
-    if conv_states.dim() != 3 or tuple(conv_states.shape[1:]) != (K - 1, C):
-        raise ValueError(f"conv_states must be [S, {K - 1}, {C}], got {tuple(conv_states.shape)}")
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported activation {activation!r}")
     N = state_slots.shape[0]
