@@ -49,10 +49,14 @@ class AttentionPlan:
     decode_valid: torch.Tensor | None  # [b, decode_len] bool, None when all lengths are equal
     prefill: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]  # (start, n, ctx, table
     # [1, M], causal mask [n, ctx]) per longer sequence
+    fresh: list[tuple[int, int]]  # (start, n) of prompts with no cached prefix, when set apart
 
 
 def attention_plan(query_lens: list[int], context_lens: list[int], block_tables: torch.Tensor,
-                   device: torch.device | str) -> AttentionPlan:
+                   device: torch.device | str, fresh_apart: bool = False) -> AttentionPlan:
+    """``fresh_apart``: list the sequences with no cached prefix (ctx == n > 1) in ``fresh``,
+    without a mask, for a caller that attends over their own K/V (``paged_attention`` does not
+    compute them then)."""
     starts = _starts(query_lens)
     single = [b for b, n in enumerate(query_lens) if n == 1]
     rows = tables = valid = None
@@ -66,15 +70,18 @@ def attention_plan(query_lens: list[int], context_lens: list[int], block_tables:
         if min(lens) < n_max:
             valid = torch.arange(n_max, device=device)[None, :] < torch.tensor(
                 lens, device=device)[:, None]
-    prefill = []
+    prefill, fresh = [], []
     for b, n in enumerate(query_lens):
         if n <= 1:
             continue
         c = context_lens[b]
+        if fresh_apart and c == n:
+            fresh.append((starts[b], n))
+            continue
         qpos = torch.arange(c - n, c, device=device)
         mask = torch.arange(c, device=device)[None, :] <= qpos[:, None]  # [n, c]
         prefill.append((starts[b], n, c, block_tables[b:b + 1], mask))
-    return AttentionPlan(rows, tables, n_max, valid, prefill)
+    return AttentionPlan(rows, tables, n_max, valid, prefill, fresh)
 
 
 def paged_attention(

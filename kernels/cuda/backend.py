@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionPlan, attention_plan, paged_attention
+from ..attention import attention_plan, paged_attention
 from ..backend import (
     ChunkedSeqs,
     GDNMeta,
@@ -51,15 +51,6 @@ class UniformAttention:
     num_queries_per_seq: int
     seq_lens: torch.Tensor  # [B]
     max_seq_len: int  # sizing hint for the split-KV partition count
-
-
-@dataclass(slots=True)
-class MixedAttention:
-    """Prompt chunks among the sequences: the reference plan for all but the fresh prompts,
-    which take flash attention over their own K/V ([(start, n)])."""
-
-    plan: AttentionPlan
-    fresh: list[tuple[int, int]]
 
 
 class CudaBackend(ReferenceBackend):
@@ -118,14 +109,10 @@ class CudaBackend(ReferenceBackend):
             L = gdn.groups[0].num_tokens_per_seq
             attn = UniformAttention(L, batch.seq_lens, max(batch.context_lens))
         else:
-            plan = attention_plan(batch.query_lens, batch.context_lens, batch.block_tables, dev)
-            if self.triton_attention:
-                # fresh prompts (no cached prefix) take flash attention on their own K/V
-                fresh = [(s, n) for s, n, c, _, _ in plan.prefill if c == n]
-                plan.prefill = [p for p in plan.prefill if p[1] != p[2]]
-                attn = MixedAttention(plan, fresh)
-            else:
-                attn = plan
+            # with the Triton attention, fresh prompts (no cached prefix) take flash attention
+            # on their own K/V: no mask or gather is built for them
+            attn = attention_plan(batch.query_lens, batch.context_lens, batch.block_tables, dev,
+                                  fresh_apart=self.triton_attention)
         return StepMeta(attn, gdn, batch.num_tokens)
 
     # Linear layers and elementwise ops ----------------------------------------------------
@@ -164,7 +151,7 @@ class CudaBackend(ReferenceBackend):
                 q, key_cache, value_cache, batch.block_tables, a.seq_lens, scale,
                 num_queries_per_seq=a.num_queries_per_seq, max_seq_len=a.max_seq_len)
         out = paged_attention(q, key_cache, value_cache, batch.cu_seqlens, batch.seq_lens,
-                              batch.block_tables, scale, plan=a.plan)
+                              batch.block_tables, scale, plan=a)
         H, HKV = q.shape[1], k.shape[1]
         for start, n in a.fresh:
             o = F.scaled_dot_product_attention(
