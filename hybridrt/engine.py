@@ -57,7 +57,9 @@ class LLMEngine:
         self.engine_config = engine_config
         self.tokenizer = tokenizer
         self.output = OutputProcessor(tokenizer, engine_config.max_model_len)
-        self.runner = ModelRunner(model, cache, device, backend)
+        self.runner = ModelRunner(model, cache, device, backend, engine_config.max_num_seqs,
+                                  engine_config.max_num_batched_tokens,
+                                  engine_config.max_model_len)
         self.scheduler = Scheduler(cache, engine_config.max_num_seqs,
                                    engine_config.max_num_batched_tokens, sessions=self)
         self.sampler = Sampler(seed=seed)  # shared generator for requests without a seed

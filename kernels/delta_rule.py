@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from .meta import arrays_for
 from .norm import l2_norm
 
 
@@ -167,7 +169,9 @@ class ChunkGroup:
 def chunk_plan(lens: list[int], state_slots: list[int], has_initial_state: list[bool],
                device: torch.device | str, chunk_size: int = 64) -> list[ChunkGroup]:
     """Group the sequences of a packed batch (host lists, one entry per sequence) for
-    ``chunk_gated_delta_rule``: built once per step and shared by every GDN layer."""
+    ``chunk_gated_delta_rule``: built once per step and shared by every GDN layer.
+    ``device``: a device, or the step's arrays (kernels/meta.py)."""
+    arr = arrays_for(device)
     groups: dict[tuple[int, int], list[int]] = {}
     for b, n in enumerate(lens):
         if n:
@@ -182,9 +186,8 @@ def chunk_plan(lens: list[int], state_slots: list[int], has_initial_state: list[
         rows = [[starts[b] + t if t < lens[b] else T for t in range(N * C)] for b in bs]
         init = [bool(has_initial_state[b]) for b in bs]
         plan.append(ChunkGroup(
-            C, N, torch.tensor(rows, device=device),
-            torch.tensor([state_slots[b] for b in bs], device=device),
-            torch.tensor(init, device=device), any(init),
+            C, N, arr.tensor(arr.put(rows)), arr.tensor(arr.put([state_slots[b] for b in bs])),
+            arr.tensor(arr.put(init, np.bool_)), any(init),
         ))
     return plan
 
