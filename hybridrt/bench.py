@@ -260,13 +260,13 @@ def format_table(report: dict) -> str:
 @_restores_threads
 def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9) -> list[dict]:
     """ms per weight of the CPU GEMM paths for bf16 weights at the 0.8B shapes (kernels/linear.py):
-    compiled panels, oneDNN's fp32 copy, for up to 4 rows the compiled GEMV on the weight as it
-    is, and for 1-2 rows bf16 ``F.linear``. Several weights in turn so each streams from memory
+    the compiled GEMM on the weight as it is, oneDNN's fp32 copy, for up to 4 rows the compiled
+    GEMV, and for 1-2 rows bf16 ``F.linear``. Several weights in turn so each streams from memory
     as in a model; median of interleaved rounds."""
     import torch.nn.functional as F
 
     from hybridrt.kernels import native
-    from hybridrt.kernels.linear import PanelWeight, _cpu_gemm, _onednn_available
+    from hybridrt.kernels.linear import _cpu_gemm, _onednn_available
 
     torch.set_num_threads(threads)
     results = []
@@ -274,8 +274,7 @@ def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9
         ws = [torch.randn(n, k).bfloat16() for _ in range(copies)]
         paths = {}
         if native.half_gemm_available():
-            pw = [PanelWeight(w) for w in ws]
-            paths["panels"] = lambda x, pw=pw: [_cpu_gemm(x, p) for p in pw]
+            paths["half_gemm"] = lambda x, ws=ws: [native.half_gemm(x, w) for w in ws]
         if _onednn_available():
             od = [torch.ops.mkldnn._reorder_linear_weight(w.float().contiguous(), 32) for w in ws]
             paths["onednn_fp32"] = lambda x, od=od: [_cpu_gemm(x, p) for p in od]

@@ -8,8 +8,9 @@ the runner already has. The layers then call the backend with that metadata and 
 into it: no layer converts a tensor to Python or decides on a kernel.
 
 - ``ReferenceBackend``: plain torch everywhere, the definition of correct.
-- ``CPUBackend``: the compiled GDN decode step and half-precision GEMV/GEMM on repacked
-  weights (``kernels/csrc``) where they built for this CPU; plain torch otherwise.
+- ``CPUBackend``: the compiled GDN decode step and half-precision GEMV/GEMM on the weights as
+  the model holds them (``kernels/csrc``) where they built for this CPU; plain torch (and an
+  fp32 copy of each half weight for batched products) otherwise.
 - ``CudaBackend`` (``kernels/cuda/backend.py``): Triton kernels for decode and verification
   (GDN over the slot pool, paged attention, fused norms), fla and SDPA for prompt chunks,
   merged projections through cuBLAS, CUDA graphs.
@@ -283,8 +284,8 @@ class CPUBackend(ReferenceBackend):
         return cpu_linear(x, module.weight, self._packed(module, x), self.half_simd)
 
     def _packed(self, module, x: torch.Tensor):
-        """The weight's repacked copy for the batched CPU GEMM, made at first use and kept on
-        the module (see kernels/linear.py)."""
+        """The weight's fp32 copy for the batched CPU GEMM where the compiled half kernels do not
+        run (kernels/linear.py), made at first use and kept on the module."""
         weight = module.weight
         if not use_fp32_gemm(x, weight, self.half_simd):
             return None

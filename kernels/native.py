@@ -5,7 +5,7 @@
   small batched products; this does one read pass and one update pass per (sequence, head)
   while the 64 KiB state sits in L2.
 - ``csrc/half_gemm.c``: x W^T for bf16/fp16 weights in fp32 on AVX2 + FMA + F16C CPUs, reading
-  the half-precision weights (packed in 16-column panels) instead of an fp32 copy of them
+  the half-precision weights as the model holds them instead of an fp32 copy of them
   (kernels/linear.py says when it is used; docs/performance.md what it was measured against).
 
 Both are built into one library with ``cc -O3 -march=native -fopenmp`` into
@@ -148,46 +148,44 @@ def half_gemm_available() -> bool:
     return load() is not None and _simd
 
 
-def half_gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [M, K] (any float dtype) times the weight packed in ``panels`` [ceil(N / 16), K, 16]
-    (bf16 or fp16, see csrc/half_gemm.c) -> [M, N] fp32. Callers check ``half_gemm_available``."""
-    P, K, nr = panels.shape
-    if panels.dtype not in (torch.bfloat16, torch.float16) or nr != 16 or not (
-            panels.is_contiguous() and panels.device.type == "cpu"):
-        raise ValueError(f"half_gemm: panels must be contiguous CPU bf16/fp16 [P, K, 16], got "
-                         f"{panels.dtype} {list(panels.shape)}")
-    if not (P - 1) * 16 < out_features <= P * 16:
-        raise ValueError(f"half_gemm: {out_features} output features do not fit {P} panels")
-    if x.dim() != 2 or x.shape[1] != K:
-        raise ValueError(f"half_gemm: x must be [M, {K}], got {list(x.shape)}")
+def _check_half_weight(name: str, x: torch.Tensor, weight: torch.Tensor, max_rows=None):
+    if weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or not (
+            weight.is_contiguous() and weight.device.type == "cpu"):
+        raise ValueError(f"{name}: weight must be a contiguous CPU bf16/fp16 matrix, got "
+                         f"{weight.dtype} {list(weight.shape)}")
+    K = weight.shape[1]
+    if x.dim() != 2 or x.shape[1] != K or (max_rows is not None and x.shape[0] > max_rows):
+        rows = "M" if max_rows is None else f"M <= {max_rows}"
+        raise ValueError(f"{name}: x must be [{rows}, {K}], got {list(x.shape)}")
+
+
+def half_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (any float dtype) times a bf16/fp16 weight [N, K] as it is (row-major,
+    contiguous; see csrc/half_gemm.c) -> [M, N] fp32. Callers check ``half_gemm_available``."""
+    _check_half_weight("half_gemm", x, weight)
     lib = _lib or load()  # callers checked availability: no environment read per call
     if lib is None:
         raise RuntimeError("half_gemm: native CPU kernels unavailable")
+    N, K = weight.shape
     x = x.float().contiguous()
-    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    y = torch.empty(x.shape[0], N, dtype=torch.float32)
     if K == 0:
         return y.zero_()
-    if x.shape[0]:
-        lib.half_gemm(x.data_ptr(), panels.data_ptr(), y.data_ptr(), x.shape[0], out_features, K,
-                      int(panels.dtype == torch.float16), torch.get_num_threads())
+    if x.shape[0] and N:
+        lib.half_gemm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], N, K,
+                      int(weight.dtype == torch.float16), torch.get_num_threads())
     return y
 
 
-HALF_GEMV_MAX_ROWS = 4  # from 5 rows on, half_gemm's panels are as fast (kernels/linear.py)
+HALF_GEMV_MAX_ROWS = 4  # from 5 rows on, half_gemm is as fast (kernels/linear.py)
 
 
 def half_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] (M <= ``HALF_GEMV_MAX_ROWS``, any float dtype) times a bf16/fp16 weight [N, K]
     as it is (row-major, contiguous) -> [M, N] fp32: each weight element read once, for decode
     at small batch and draft verification. Callers check ``half_gemm_available``."""
-    if weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or not (
-            weight.is_contiguous() and weight.device.type == "cpu"):
-        raise ValueError(f"half_gemv: weight must be a contiguous CPU bf16/fp16 matrix, got "
-                         f"{weight.dtype} {list(weight.shape)}")
+    _check_half_weight("half_gemv", x, weight, HALF_GEMV_MAX_ROWS)
     N, K = weight.shape
-    if x.dim() != 2 or x.shape[1] != K or not 0 <= x.shape[0] <= HALF_GEMV_MAX_ROWS:
-        raise ValueError(f"half_gemv: x must be [M <= {HALF_GEMV_MAX_ROWS}, {K}], got "
-                         f"{list(x.shape)}")
     lib = _lib or load()
     if lib is None:
         raise RuntimeError("half_gemv: native CPU kernels unavailable")
@@ -197,3 +195,4 @@ def half_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         lib.half_gemv(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], N, K,
                       int(weight.dtype == torch.float16), torch.get_num_threads())
     return y
+

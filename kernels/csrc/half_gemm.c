@@ -1,16 +1,13 @@
 /* y = x W^T with half-precision (bf16 or fp16) weights, fp32 activations and fp32 sums, for
  * CPUs without half-precision matrix instructions (AVX2 + FMA + F16C).
  *
- * x: [M, K] fp32 row-major; y: [M, N] fp32 row-major. W [N, K] comes packed in panels of 16
- * output columns, wp[p][k][c] = W[16 p + c][k] ([ceil(N / 16), K, 16], zero past N; see
- * kernels/linear.py, pack_weight). Each thread takes a range of panels. Per panel and block of
- * KC inputs the weights are widened to fp32 once, into a thread-local buffer that stays in L1,
- * and every tile of up to 6 rows of x runs over it with a 6 x 16 register tile (12 ymm
- * accumulators, one broadcast of x per row and k). Blocks of MC rows keep the part of x that is
- * re-read for every panel within about 1 MiB.
- *
- * Against oneDNN's packed fp32 copy of the same weights (the path it replaces) this reads half
- * the bytes and keeps no second copy of the model; its rates are in docs/performance.md.
+ * x: [M, K] fp32 row-major; y: [M, N] fp32 row-major; W [N, K] row-major, as the model holds it
+ * (no second copy). half_gemm: each thread takes a range of panels of 16 output columns. Per
+ * panel and block of KC inputs the weights are widened to fp32 and transposed once
+ * (widen_rows), into a thread-local buffer buf[k][c] that stays in L1, and every tile of up to 6
+ * rows of x runs over it with a 6 x 16 register tile (12 ymm accumulators, one broadcast of x per
+ * row and k). Blocks of MC rows keep the part of x that is re-read for every panel within about
+ * 1 MiB. half_gemv (up to 4 rows): each weight element read and widened once.
  */
 #include <stdint.h>
 
@@ -23,14 +20,18 @@
 
 int half_gemm_simd(void) { return 1; }
 
-static inline void widen(const uint16_t *src, float *dst, int64_t n, int is_fp16)
+static inline __m256 widen8(const uint16_t *src, int is_fp16)
 {
-    for (int64_t i = 0; i < n; i += 8) {
-        const __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
-        const __m256 f = is_fp16 ? _mm256_cvtph_ps(h)
-                         : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        _mm256_store_ps(dst + i, f);
-    }
+    const __m128i h = _mm_loadu_si128((const __m128i *)src);
+    return is_fp16 ? _mm256_cvtph_ps(h)
+                   : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float half_to_float(uint16_t h, int is_fp16)
+{
+    if (is_fp16) return _cvtsh_ss(h);
+    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
+    return c.f;
 }
 
 /* y[0:mr, 0:ncols] (+)= x[0:mr, 0:kc] b[0:kc, 0:16]; mr is a literal at every call, so the
@@ -94,8 +95,47 @@ static inline int tile_rows(int64_t rows)
 
 #define TILE(m) tile(x + i * K + k0, K, buf, kc, y + i * N + n0, N, m, k0 == 0, ncols)
 
-void half_gemm(const float *x, const uint16_t *wp, float *y, int64_t M, int64_t N, int64_t K,
-               int is_fp16, int num_threads)
+/* 8 rows of 8 floats -> 8 columns: r[j][c] = in[c][j] */
+static inline void transpose8(__m256 r[8])
+{
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20); r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20); r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20); r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20); r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+/* buf[k][c] = W[c][k] widened to fp32 for k < kc, c < ncols (0 for c >= ncols): the 16-column
+ * panel block the tile reads, taken from W [N, K] row-major (w at the block's first element).
+ * Blocks of 8 x 8 are widened and transposed in registers. */
+static void widen_rows(const uint16_t *w, int64_t K, int ncols, int64_t kc, float *buf,
+                       int is_fp16)
+{
+    const int64_t k8 = kc & ~(int64_t)7;
+    for (int h = 0; h < NR; h += 8) {
+        for (int64_t k = 0; k < k8; k += 8) {
+            __m256 r[8];
+            for (int c = 0; c < 8; ++c)
+                r[c] = h + c < ncols ? widen8(w + (h + c) * K + k, is_fp16) : _mm256_setzero_ps();
+            transpose8(r);
+            for (int j = 0; j < 8; ++j) _mm256_store_ps(buf + (k + j) * NR + h, r[j]);
+        }
+        for (int64_t k = k8; k < kc; ++k)
+            for (int c = 0; c < 8; ++c)
+                buf[k * NR + h + c] = h + c < ncols ? half_to_float(w[(h + c) * K + k], is_fp16)
+                                                    : 0.0f;
+    }
+}
+
+void half_gemm(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N,
+                    int64_t K, int is_fp16, int num_threads)
 {
     const int64_t P = (N + NR - 1) / NR;
     int64_t MC = ((int64_t)1 << 20) / (K * 4);
@@ -111,7 +151,7 @@ void half_gemm(const float *x, const uint16_t *wp, float *y, int64_t M, int64_t 
                 const int ncols = (int)(N - n0 < NR ? N - n0 : NR);
                 for (int64_t k0 = 0; k0 < K; k0 += KC) {
                     const int64_t kc = K - k0 < KC ? K - k0 : KC;
-                    widen(wp + (p * K + k0) * NR, buf, kc * NR, is_fp16);
+                    widen_rows(w + n0 * K + k0, K, ncols, kc, buf, is_fp16);
                     for (int64_t i = m0; i < m1;) {
                         const int mr = tile_rows(m1 - i);
                         switch (mr) {
@@ -141,20 +181,6 @@ static inline float hsum(__m256 v)
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
-}
-
-static inline __m256 widen8(const uint16_t *src, int is_fp16)
-{
-    const __m128i h = _mm_loadu_si128((const __m128i *)src);
-    return is_fp16 ? _mm256_cvtph_ps(h)
-                   : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline float half_to_float(uint16_t h, int is_fp16)
-{
-    if (is_fp16) return _cvtsh_ss(h);
-    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
-    return c.f;
 }
 
 static inline __attribute__((always_inline)) void gemv_block(
@@ -231,9 +257,10 @@ void half_gemv(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N
     (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)is_fp16; (void)num_threads;
 }
 
-void half_gemm(const float *x, const uint16_t *wp, float *y, int64_t M, int64_t N, int64_t K,
-               int is_fp16, int num_threads)
+void half_gemm(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N,
+               int64_t K, int is_fp16, int num_threads)
 {
-    (void)x; (void)wp; (void)y; (void)M; (void)N; (void)K; (void)is_fp16; (void)num_threads;
+    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)is_fp16; (void)num_threads;
 }
+
 #endif
