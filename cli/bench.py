@@ -251,3 +251,21 @@ def startup(
     from hybridrt.startup import run_startup_bench
 
     run_startup_bench(model, runs=runs, threads=threads, json_path=json_path)
+
+
+# busy ----------------------------------------------------------------------------------------
+@bench_app.command("busy")
+def busy(
+    model: ModelArg = None,
+    tokens: Annotated[int, typer.Option(
+        "--tokens", min=2, help="New tokens per decode run.")] = 24,
+    rounds: Annotated[int, typer.Option(
+        "--rounds", min=1, help="Runs of each variant, alternated (the median is "
+        "reported).")] = 2,
+    json_path: JsonOpt = None,
+) -> None:
+    """Batch-1 decode with the default threads against each explicit --threads, on the
+    machine as it is and beside one busy process (each run a fresh interpreter)."""
+    from hybridrt.busybench import run_busy_bench
+
+    run_busy_bench(model, tokens=tokens, rounds=rounds, json_path=json_path)
