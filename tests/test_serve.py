@@ -1,0 +1,394 @@
+"""`hybridrt serve`: the real server on a loopback port, spoken to with the official openai
+client and raw HTTP; outputs pinned to a cold ``LLM.generate`` of the same prompt ids (fp32,
+greedy)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("starlette")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from hybridrt import LLM, SamplingParams  # noqa: E402
+from hybridrt.server import Server  # noqa: E402
+
+MODEL = "hybridrt-demo"
+QUESTIONS = ["What does json.dumps do?", "Which module provides deque?",
+             "What is the signature of os.path.join?", "What does re.sub return?"]
+
+
+def make_llm(**kw) -> LLM:
+    kw = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 32,
+          "cache_memory": 64 << 20, **kw}
+    return LLM(**kw)
+
+
+class Running:
+    """A Server under uvicorn in a thread, on a free loopback port."""
+
+    def __init__(self, llm: LLM, num_prefixes: int):
+        self.server = Server(llm, MODEL, num_prefixes)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.base = f"http://127.0.0.1:{port}"
+        self.uv = uvicorn.Server(uvicorn.Config(self.server.app, host="127.0.0.1", port=port,
+                                                log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.uv.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused")
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for line in httpx.get(f"{self.base}/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def wait_idle(self) -> dict[str, float]:
+        deadline = time.time() + 30
+        while True:
+            m = self.metrics()
+            if m["hybridrt_requests_running"] == 0 and m["hybridrt_requests_waiting"] == 0:
+                return m
+            assert time.time() < deadline, m
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return make_llm()
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = Running(make_llm(max_num_sessions=4), num_prefixes=4)
+    yield s
+    s.stop()
+
+
+def chat_ids(llm: LLM, messages: list[dict], **kwargs) -> list[int]:
+    text = llm.apply_chat_template(messages, kwargs or None)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def cold(ref: LLM, ids: list[int], **params):
+    params = {"temperature": 0.0, "max_tokens": 16, **params}
+    (out,) = ref.generate([ids], SamplingParams(**params), use_tqdm=False)
+    return out
+
+
+def user(q: str) -> list[dict]:
+    return [{"role": "user", "content": q}]
+
+
+# Chat and completions, non-streaming and streaming -------------------------------------------
+def test_chat_non_streaming_matches_llm(srv, ref):
+    msgs = user(QUESTIONS[0])
+    r = srv.client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                           max_tokens=16)
+    want = cold(ref, chat_ids(ref, msgs))
+    c = want.outputs[0]
+    assert r.choices[0].message.content == c.text
+    assert r.choices[0].finish_reason == c.finish_reason
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.usage.completion_tokens == len(c.token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_streaming_equals_non_streaming_with_usage(srv, ref):
+    msgs = user(QUESTIONS[1])
+    want = cold(ref, chat_ids(ref, msgs), max_tokens=20)
+    chunks = list(srv.client.chat.completions.create(
+        model=MODEL, messages=msgs, temperature=0, max_tokens=20, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == want.outputs[0].text
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finishes[-1] == want.outputs[0].finish_reason and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(
+        want.outputs[0].token_ids)
+    assert chunks[-1].usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_completions_text_and_token_ids_streaming_and_not(srv, ref):
+    prompt = "def read_config(path):\n    "
+    ids = ref.tokenizer.encode(prompt, add_special_tokens=False)
+    want = cold(ref, ids, max_tokens=12).outputs[0]
+    r = srv.client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12)
+    assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.token_ids)
+    r2 = srv.client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=12)
+    assert r2.choices[0].text == want.text
+    parts = [ch.choices[0].text for ch in srv.client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stream=True) if ch.choices]
+    assert "".join(parts) == want.text
+
+
+def test_stop_strings_cut_the_text_streaming_and_not(srv, ref):
+    msgs = user(QUESTIONS[2])
+    full = cold(ref, chat_ids(ref, msgs), max_tokens=24).outputs[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert len(stop) == 3 and stop.strip()
+    want = full[:full.index(stop)]
+    r = srv.client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                           max_tokens=24, stop=[stop, "zzzzzz"])
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in
+                       srv.client.chat.completions.create(
+                           model=MODEL, messages=msgs, temperature=0, max_tokens=24,
+                           stop=[stop, "zzzzzz"], stream=True) if ch.choices)
+    assert streamed == want
+
+
+def test_logprobs_chat_and_completions(srv, ref):
+    msgs = user(QUESTIONS[3])
+    want = cold(ref, chat_ids(ref, msgs), max_tokens=8, logprobs=3).outputs[0]
+    r = srv.client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                           max_tokens=8, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(want.token_ids)
+    for entry, tok, lp in zip(content, want.token_ids, want.logprobs):
+        assert entry.token == ref.tokenizer.decode([tok])
+        assert entry.logprob == pytest.approx(lp[tok], abs=1e-5)
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert entry.logprob == pytest.approx(tops[0], abs=1e-6)  # greedy: the top token
+    c = srv.client.completions.create(model=MODEL, prompt="import os\n", temperature=0,
+                                      max_tokens=6, logprobs=2)
+    lps = c.choices[0].logprobs
+    assert "".join(lps.tokens) == c.choices[0].text
+    assert len(lps.token_logprobs) == 6 and all(len(t) == 2 for t in lps.top_logprobs)
+    assert lps.text_offset[0] == 0 and lps.text_offset[1] == len(lps.tokens[0])
+
+
+def test_thinking_returns_reasoning_apart(srv, ref):
+    msgs = user(QUESTIONS[0])
+    want = ref.chat(msgs, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False,
+                    chat_template_kwargs={"enable_thinking": True})[0].outputs[0]
+    assert want.reasoning_text is not None  # the demo model thinks when asked to
+    r = srv.client.chat.completions.create(
+        model=MODEL, messages=msgs, temperature=0, max_tokens=40,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    m = r.choices[0].message
+    assert m.reasoning_content == want.reasoning_text and m.content == want.text
+    chunks = [ch.choices[0].delta for ch in srv.client.chat.completions.create(
+        model=MODEL, messages=msgs, temperature=0, max_tokens=40, stream=True,
+        extra_body={"enable_thinking": True}) if ch.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in chunks) == \
+        want.reasoning_text
+    assert "".join(d.content or "" for d in chunks) == want.text
+
+
+def test_models_health_metrics(srv):
+    models = srv.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(f"{srv.base}/health").json() == {"status": "ok"}
+    m = srv.metrics()
+    for name in ("hybridrt_prompt_tokens_total", "hybridrt_prefix_reused_tokens_total",
+                 "hybridrt_prefill_tokens_total", "hybridrt_cache_usage",
+                 "hybridrt_spec_accepted_tokens_total", "hybridrt_requests_waiting"):
+        assert name in m
+
+
+# Bad requests ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("body, status, words", [
+    ({"messages": user("hi"), "temperature": -1}, 400, "temperature must be >= 0"),
+    ({"messages": []}, 400, "messages must be a non-empty list"),
+    ({"messages": user("hi"), "model": "gpt-4"}, 404, "'gpt-4' does not exist"),
+    ({"messages": user("hi"), "n": 2}, 400, "n must be 1"),
+    ({"messages": user("hi"), "max_tokens": 0}, 400, "max_tokens must be an int >= 1"),
+    ({"messages": user("hi"), "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
+    ({"messages": user("x " * 600)}, 400, "max_model_len is 512"),
+    ({"messages": user("hi"), "tools": [{"type": "function"}]}, 400, "tools"),
+])
+def test_bad_chat_requests_get_openai_errors(srv, body, status, words):
+    r = httpx.post(f"{srv.base}/v1/chat/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["type"]
+
+
+def test_bad_requests_raw_and_through_the_client(srv):
+    r = httpx.post(f"{srv.base}/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{srv.base}/v1/completions", json={"prompt": ["a", "b"]})
+    assert r.status_code == 400 and "one prompt per request" in r.json()["error"]["message"]
+    r = httpx.post(f"{srv.base}/v1/completions", json={"prompt": [10 ** 9]})
+    assert r.status_code == 400 and "outside" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="top_p must be in"):
+        srv.client.chat.completions.create(model=MODEL, messages=user("hi"), top_p=0)
+
+
+def test_api_key(srv):
+    srv.server.api_key = "sekrit"
+    try:
+        r = httpx.get(f"{srv.base}/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = httpx.get(f"{srv.base}/v1/models", headers={"Authorization": "Bearer sekrit"})
+        assert r.status_code == 200
+        assert httpx.get(f"{srv.base}/health").status_code == 200
+    finally:
+        srv.server.api_key = None
+
+
+def test_engine_error_is_a_500_and_the_server_goes_on(srv, ref):
+    engine = srv.server.loop.engine
+    real = engine.step
+
+    def broken():
+        engine.step = real
+        raise RuntimeError("injected failure")
+
+    engine.step = broken
+    r = httpx.post(f"{srv.base}/v1/chat/completions",
+                   json={"messages": user("hi"), "max_tokens": 4})
+    assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+    m = srv.wait_idle()
+    assert m["hybridrt_engine_errors_total"] >= 1
+    assert m["hybridrt_cache_blocks_used"] == m["hybridrt_cache_blocks_prefix"]
+    test_chat_non_streaming_matches_llm(srv, ref)
+
+
+# Disconnects and concurrency -------------------------------------------------------------------
+def test_client_disconnect_aborts_and_frees(srv, ref):
+    before = srv.metrics().get('hybridrt_requests_total{finish_reason="abort"}', 0)
+    body = {"messages": user(QUESTIONS[1]), "max_tokens": 400, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{srv.base}/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert all(line.startswith("data: ") or not line for line in got)
+    m = srv.wait_idle()
+    assert m['hybridrt_requests_total{finish_reason="abort"}'] == before + 1
+    assert m["hybridrt_cache_blocks_used"] == m["hybridrt_cache_blocks_prefix"]
+    test_chat_non_streaming_matches_llm(srv, ref)  # still serving, same answers
+
+
+def test_32_concurrent_streaming_clients_equal_llm_generate(srv, ref):
+    questions = [f"{q} (case {i})" for i in range(8) for q in QUESTIONS]
+    assert len(questions) == 32
+    ids = [chat_ids(ref, user(q)) for q in questions]
+    want = [o.outputs[0].text for o in ref.generate(
+        ids, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)]
+
+    async def one(client, q):
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=user(q), temperature=0, max_tokens=12, stream=True)
+        return "".join([ch.choices[0].delta.content or "" async for ch in stream
+                        if ch.choices])
+
+    async def all_of_them():
+        async with openai.AsyncOpenAI(base_url=f"{srv.base}/v1", api_key="x",
+                                      max_retries=0) as client:
+            return await asyncio.gather(*(one(client, q) for q in questions))
+
+    assert asyncio.run(all_of_them()) == want
+    m = srv.wait_idle()
+    assert m["hybridrt_cache_blocks_used"] == m["hybridrt_cache_blocks_prefix"]
+
+
+# Prefix reuse ----------------------------------------------------------------------------------
+def converse(s: Running, ref: LLM, msgs: list[dict], turns: list[str], **kwargs):
+    """Continue the conversation ``msgs`` (extended in place) by ``turns``; each answer must
+    equal a cold run of the same prompt -> per turn (prompt tokens, cached tokens, tokens the
+    server prefilled, prompt ids, answer ids)."""
+    stats = []
+    extra = {"chat_template_kwargs": kwargs} if kwargs else {}
+    for q in turns:
+        msgs.append({"role": "user", "content": q})
+        before = s.metrics()["hybridrt_prefill_tokens_total"]
+        r = s.client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                             max_tokens=16, extra_body=extra)
+        prefilled = s.metrics()["hybridrt_prefill_tokens_total"] - before
+        ids = chat_ids(ref, msgs, **kwargs)
+        want = cold(ref, ids).outputs[0]
+        assert r.choices[0].message.content == want.text
+        assert r.choices[0].message.reasoning_content == want.reasoning_text
+        u = r.usage
+        stats.append((u.prompt_tokens, u.prompt_tokens_details.cached_tokens, prefilled, ids,
+                      want.token_ids))
+        msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+    return stats
+
+
+TURNS = ["What does json.dumps do?", "And json.loads?", "Which module provides deque?",
+         "What is os.path.join for?"]
+
+
+def test_multi_turn_prefills_only_the_new_tokens(srv, ref):
+    stats = converse(srv, ref, [], TURNS)
+    assert stats[0][1] == 0
+    for n in range(1, len(stats)):
+        prompt, cached, prefilled, ids, _ = stats[n]
+        _, _, _, prev_ids, prev_answer = stats[n - 1]
+        # the previous prompt and its answer up to the last token (its eos, never computed)
+        assert ids[:len(prev_ids) + len(prev_answer) - 1] == (prev_ids + prev_answer)[:-1]
+        assert cached == len(prev_ids) + len(prev_answer) - 1
+        assert prefilled == prompt - cached
+
+
+def test_multi_turn_with_a_history_rewriting_template(srv, ref):
+    """A template that renders earlier answers without their think block (as Qwen3.5's
+    does; the demo's keeps them): the next turn diverges where the previous answer began, and
+    reuses everything before it through the GDN state saved there."""
+    tokenizers = [srv.server.tokenizer, ref.tokenizer]
+    demo = ref.tokenizer.chat_template
+    keep = "'<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + " \
+        "'\\n</think>\\n\\n' + content.lstrip('\\n')"
+    assert keep in demo
+    for t in tokenizers:
+        t.chat_template = demo.replace(keep, "'<|im_start|>assistant\\n' + content")
+    try:
+        msgs = []
+        stats = converse(srv, ref, msgs, TURNS[:3])
+        for n in range(1, len(stats)):
+            prompt, cached, prefilled, ids, _ = stats[n]
+            prev_ids = stats[n - 1][3]
+            assert ids[:len(prev_ids)] != prev_ids  # the generation prompt was re-rendered
+            gen_start = len(ref.tokenizer.encode(ref.apply_chat_template(
+                msgs[:2 * n - 1], add_generation_prompt=False), add_special_tokens=False))
+            assert prev_ids[:gen_start] == ids[:gen_start]
+            assert cached == gen_start and prefilled == prompt - cached
+    finally:
+        for t in tokenizers:
+            t.chat_template = demo
+
+
+def test_eviction_under_a_small_cache_keeps_outputs_exact(ref):
+    """Three conversations on a cache that holds about two: the third evicts the least
+    recently used prefix; the evicted conversation's next turn prefills from scratch, the one
+    after reuses again, and every answer equals a cold run's."""
+    s = Running(make_llm(max_model_len=128, max_num_seqs=1, max_num_sessions=3),
+                num_prefixes=3)
+    try:
+        blocks = s.metrics()["hybridrt_cache_blocks_total"]
+        hist = [[] for _ in range(3)]
+        first = [converse(s, ref, hist[i], [f"{q} Please answer briefly, in plain words."])[0]
+                 for i, q in enumerate(QUESTIONS[:3])]
+        assert sum(-(-(p + 15) // 16) for p, *_ in first) > blocks  # they cannot all stay
+        m = s.metrics()
+        assert m["hybridrt_prefix_evictions_total"] >= 1
+        assert m["hybridrt_preemptions_total"] == 0
+        ((prompt, cached, prefilled, *_),) = converse(s, ref, hist[0], ["And then?"])
+        assert cached == 0 and prefilled == prompt  # conversation 0's prefix was evicted
+        ((prompt, cached, prefilled, *_),) = converse(s, ref, hist[0], ["Why?"])
+        assert cached > 0 and prefilled == prompt - cached
+    finally:
+        s.stop()
