@@ -25,6 +25,7 @@ import contextlib
 import json
 import queue
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +58,10 @@ class Handle:
     sent_tokens: int = 0
 
     def post(self, item: Progress) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
 
 
 class EngineLoop:
@@ -429,17 +433,22 @@ class Server:
         from starlette.responses import JSONResponse
 
         ids, entries = [], []
+        next_check = time.monotonic() + 0.5
         while True:
             try:
-                item = await asyncio.wait_for(handle.queue.get(), timeout=1.0)
+                item = await asyncio.wait_for(handle.queue.get(), timeout=0.5)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    self.loop.abort(handle)
-                    return JSONResponse({}, status_code=499)
-                continue
+                item = None
             except asyncio.CancelledError:
                 self.loop.abort(handle)
                 raise
+            if time.monotonic() >= next_check:  # twice a second: is the client still there?
+                next_check = time.monotonic() + 0.5
+                if await request.is_disconnected():
+                    self.loop.abort(handle)
+                    return JSONResponse({}, status_code=499)
+            if item is None:
+                continue
             ids += item.new_token_ids
             entries += item.new_logprobs or []
             if item.finish_reason is not None:

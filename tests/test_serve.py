@@ -278,7 +278,28 @@ def test_client_disconnect_aborts_and_frees(srv, ref):
     m = srv.wait_idle()
     assert m['hybridrt_requests_total{finish_reason="abort"}'] == before + 1
     assert m["hybridrt_cache_blocks_used"] == m["hybridrt_cache_blocks_prefix"]
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        httpx.post(f"{srv.base}/v1/chat/completions", json={**body, "stream": False},
+                   timeout=0.5)
+    m = srv.wait_idle()
+    assert m['hybridrt_requests_total{finish_reason="abort"}'] == before + 2
+    assert m["hybridrt_cache_blocks_used"] == m["hybridrt_cache_blocks_prefix"]
     test_chat_non_streaming_matches_llm(srv, ref)  # still serving, same answers
+
+
+def test_bench_serve_runs_the_real_command_with_and_without_reuse(tmp_path):
+    from hybridrt import servebench
+
+    report = servebench.run(conversations=2, turns=2, max_tokens=4, time_limit=60, threads=1,
+                            json_path=tmp_path / "serve.json")
+    on, off = report["runs"]
+    for r in (on, off):
+        assert r["requests"] == 4 and r["skipped"] == 0 and r["errors"] == 0
+        assert r["ttft_ms_p50"] > 0 and r["itl_ms_p50"] > 0
+    assert on["prompt_tokens"] == off["prompt_tokens"]
+    assert off["reused_tokens"] == 0 and off["prefilled_tokens"] == off["prompt_tokens"]
+    assert on["reused_tokens"] > 0
+    assert on["prefilled_tokens"] == on["prompt_tokens"] - on["reused_tokens"]
 
 
 def test_32_concurrent_streaming_clients_equal_llm_generate(srv, ref):
