@@ -126,6 +126,7 @@ class EngineLoop:
             except Exception as e:  # a bug or a device error: fail what is in flight, go on
                 traceback.print_exc()
                 self._fail_all(e)
+                self._publish()
                 continue
             for req in progressed:
                 self._post(req)

@@ -142,10 +142,17 @@ def test_completions_text_and_token_ids_streaming_and_not(srv, ref):
 
 def test_stop_strings_cut_the_text_streaming_and_not(srv, ref):
     msgs = user(QUESTIONS[2])
-    full = cold(ref, chat_ids(ref, msgs), max_tokens=24).outputs[0].text
-    stop = full[len(full) // 2: len(full) // 2 + 3]
-    assert len(stop) == 3 and stop.strip()
-    want = full[:full.index(stop)]
+    out = cold(ref, chat_ids(ref, msgs), max_tokens=24).outputs[0]
+    full = out.text
+    # a stop string over a token boundary: the last character of one token and the first
+    # two of the next, so a stream must hold text back to cut it
+    pieces = [ref.tokenizer.decode(out.token_ids[:i]) for i in range(len(out.token_ids) + 1)]
+    at = next(len(pieces[i]) - 1 for i in range(3, len(pieces) - 1)
+              if len(pieces[i + 1]) - len(pieces[i]) >= 2 and full[:len(pieces[i])] ==
+              pieces[i] and full[len(pieces[i]) - 1] != " ")
+    stop = full[at:at + 3]
+    assert full.index(stop) == at
+    want = full[:at]
     r = srv.client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
                                            max_tokens=24, stop=[stop, "zzzzzz"])
     assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
@@ -249,6 +256,8 @@ def test_api_key(srv):
 
 
 def test_engine_error_is_a_500_and_the_server_goes_on(srv, ref):
+    test_chat_non_streaming_matches_llm(srv, ref)
+    assert srv.wait_idle()["hybridrt_prefixes_held"] >= 1
     engine = srv.server.loop.engine
     real = engine.step
 
@@ -262,6 +271,7 @@ def test_engine_error_is_a_500_and_the_server_goes_on(srv, ref):
     assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
     m = srv.wait_idle()
     assert m["hybridrt_engine_errors_total"] >= 1
+    assert m["hybridrt_prefixes_held"] == 0  # a failed step may have left them half-written
     assert m["hybridrt_cache_blocks_used"] == m["hybridrt_cache_blocks_prefix"]
     test_chat_non_streaming_matches_llm(srv, ref)
 
@@ -336,11 +346,15 @@ def converse(s: Running, ref: LLM, msgs: list[dict], turns: list[str], **kwargs)
         msgs.append({"role": "user", "content": q})
         before = s.metrics()["hybridrt_prefill_tokens_total"]
         r = s.client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
-                                             max_tokens=16, extra_body=extra)
+                                             max_tokens=16, logprobs=True, extra_body=extra)
         prefilled = s.metrics()["hybridrt_prefill_tokens_total"] - before
         ids = chat_ids(ref, msgs, **kwargs)
-        want = cold(ref, ids).outputs[0]
+        want = cold(ref, ids, logprobs=0).outputs[0]
         assert r.choices[0].message.content == want.text
+        # the same distributions, not only the same argmax: the reused state is exact
+        got = [e.logprob for e in r.choices[0].logprobs.content]
+        assert got == pytest.approx([lp[t] for t, lp in zip(want.token_ids, want.logprobs)],
+                                    abs=1e-4)
         assert r.choices[0].message.reasoning_content == want.reasoning_text
         u = r.usage
         stats.append((u.prompt_tokens, u.prompt_tokens_details.cached_tokens, prefilled, ids,
