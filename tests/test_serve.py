@@ -427,3 +427,25 @@ def test_eviction_under_a_small_cache_keeps_outputs_exact(ref):
         assert cached > 0 and prefilled == prompt - cached
     finally:
         s.stop()
+
+
+def test_readme_server_examples_run(srv, capsys):
+    """The README's Server examples, pointed at this test's port instead of 8000."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("## Server"):text.index("## Python API")]
+    (python,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    exec(compile(python.replace("http://127.0.0.1:8000", srv.base), "README", "exec"), {})
+    out = capsys.readouterr().out
+    assert "cached prompt tokens:" in out and int(out.rsplit(":", 1)[1]) > 0
+    curls = re.findall(r"```bash\n(.*?)```", section, re.S)[1]
+    if shutil.which("curl"):
+        res = subprocess.run(["bash", "-ec", curls.replace("http://127.0.0.1:8000", srv.base)],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert '"object":"chat.completion"' in res.stdout and "data: [DONE]" in res.stdout
+        assert "hybridrt_prefix_reused_tokens_total" in res.stdout
