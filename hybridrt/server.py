@@ -58,10 +58,8 @@ class Handle:
     sent_tokens: int = 0
 
     def post(self, item: Progress) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # a closed event loop: shutting down
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: the server is shutting down
-            pass
 
 
 class EngineLoop:

@@ -176,6 +176,11 @@ def test_logprobs_chat_and_completions(srv, ref):
         tops = [t.logprob for t in entry.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True)
         assert entry.logprob == pytest.approx(tops[0], abs=1e-6)  # greedy: the top token
+    streamed = [e for ch in srv.client.chat.completions.create(
+        model=MODEL, messages=msgs, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3,
+        stream=True) if ch.choices and ch.choices[0].logprobs
+        for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     c = srv.client.completions.create(model=MODEL, prompt="import os\n", temperature=0,
                                       max_tokens=6, logprobs=2)
     lps = c.choices[0].logprobs
@@ -449,3 +454,18 @@ def test_readme_server_examples_run(srv, capsys):
         assert res.returncode == 0, res.stderr
         assert '"object":"chat.completion"' in res.stdout and "data: [DONE]" in res.stdout
         assert "hybridrt_prefix_reused_tokens_total" in res.stdout
+
+
+def test_serve_without_the_extra_and_with_bad_options(monkeypatch):
+    import sys
+
+    from typer.testing import CliRunner
+
+    from hybridrt.cli.main import app
+
+    res = CliRunner().invoke(app, ["serve", "--max-model-len", "1"])
+    assert res.exit_code == 2 and "--max-model-len must be an integer > 1" in res.output
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # not installed
+    for args in (["serve"], ["bench", "serve"]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 1 and "pip install 'hybridrt[serve]'" in res.output
