@@ -76,6 +76,9 @@ def serve(
     name = served_model_name or (model if model is not None else "hybridrt-demo")
     typer.echo(f"hybridrt serve: {llm.model_path} as {name!r} on http://{host}:{port}/v1 "
                f"({llm.cache_sizing.describe()})", err=True)
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        typer.echo(f"warning: listening on {host} without --api-key: anyone who can reach "
+                   f"this port can use the model", err=True)
     run(llm, name, host, port, max_cached_prefixes, api_key, log_level)
 
 
