@@ -35,7 +35,10 @@ _SRCS = [Path(__file__).parent / "csrc" / name for name in ("gdn_decode.c", "hal
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lib: ctypes.CDLL | None = None
 _simd = False  # half_gemm / half_gemv built with AVX2 + FMA + F16C (asked once, at load)
+_bf16dot = False  # ... and the bf16 dot-product versions (AVX512-BF16) built too
 _tried = False
+_path: str | None = None  # the half path chosen at load (half_path())
+HALF_PATHS = ("fma", "bf16dot")  # HYBRIDRT_HALF_PATH: "auto" (default) or one of these
 
 
 def enabled() -> bool:
@@ -88,7 +91,7 @@ def _build(cc: str) -> Path:
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None (torch fallback). Builds at most once per process."""
-    global _lib, _simd, _tried
+    global _lib, _simd, _bf16dot, _tried, _path
     if _tried or not enabled():
         return _lib if enabled() else None
     _tried = True
@@ -111,8 +114,14 @@ def load() -> ctypes.CDLL | None:
     lib.half_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.half_gemm_simd.restype = ctypes.c_int
     lib.half_gemm_simd.argtypes = []
+    lib.half_gemm_bf16dot.restype = ctypes.c_int
+    lib.half_gemm_bf16dot.argtypes = []
+    lib.half_gemm_bf16.restype = None
+    lib.half_gemm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     _simd = bool(lib.half_gemm_simd())
+    _bf16dot = _simd and bool(lib.half_gemm_bf16dot())
     _lib = lib
+    _path = half_path()
     return _lib
 
 
@@ -159,21 +168,58 @@ def _check_half_weight(name: str, x: torch.Tensor, weight: torch.Tensor, max_row
         raise ValueError(f"{name}: x must be [{rows}, {K}], got {list(x.shape)}")
 
 
-def half_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def half_paths() -> list[str]:
+    """The half-weight kernel paths built for this CPU: "fma" (AVX2 + FMA + F16C: weights and
+    activations widened to fp32) and "bf16dot" (AVX512-BF16 dot products, for bf16 activations
+    times bf16 weights)."""
+    if load() is None or not _simd:
+        return []
+    return ["fma", "bf16dot"] if _bf16dot else ["fma"]
+
+
+def half_path() -> str | None:
+    """The path ``half_gemm`` takes for bf16 x bf16: the fastest built, or the one
+    ``HYBRIDRT_HALF_PATH`` names (an unknown or unbuilt name is an error)."""
+    paths = half_paths()
+    want = os.environ.get("HYBRIDRT_HALF_PATH", "auto").lower()
+    if want == "auto":
+        return paths[-1] if paths else None
+    if want not in HALF_PATHS:
+        raise ValueError(f"HYBRIDRT_HALF_PATH={want!r}: use auto, {' or '.join(HALF_PATHS)}")
+    if want not in paths:
+        raise ValueError(f"HYBRIDRT_HALF_PATH={want!r}: not built for this CPU (built: "
+                         f"{', '.join(paths) or 'none'})")
+    return want
+
+
+def _bf16_operands(x: torch.Tensor, weight: torch.Tensor, path: str | None) -> bool:
+    return (path == "bf16dot" and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and weight.shape[1] % 2 == 0)
+
+
+def half_gemm(x: torch.Tensor, weight: torch.Tensor, path: str | None = None) -> torch.Tensor:
     """x [M, K] (any float dtype) times a bf16/fp16 weight [N, K] as it is (row-major,
-    contiguous; see csrc/half_gemm.c) -> [M, N] fp32. Callers check ``half_gemm_available``."""
+    contiguous; see csrc/half_gemm.c) -> [M, N] fp32. ``path``: "fma" or "bf16dot" (bf16 x and
+    weight, even K; otherwise "fma" runs), default ``half_path()``. Callers check
+    ``half_gemm_available``."""
     _check_half_weight("half_gemm", x, weight)
     lib = _lib or load()  # callers checked availability: no environment read per call
     if lib is None:
         raise RuntimeError("half_gemm: native CPU kernels unavailable")
     N, K = weight.shape
-    x = x.float().contiguous()
     y = torch.empty(x.shape[0], N, dtype=torch.float32)
     if K == 0:
         return y.zero_()
-    if x.shape[0] and N:
-        lib.half_gemm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], N, K,
-                      int(weight.dtype == torch.float16), torch.get_num_threads())
+    if not (x.shape[0] and N):
+        return y
+    if _bf16_operands(x, weight, path or _path):
+        x = x.contiguous()
+        lib.half_gemm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], N, K,
+                           torch.get_num_threads())
+        return y
+    x = x.float().contiguous()
+    lib.half_gemm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], N, K,
+                  int(weight.dtype == torch.float16), torch.get_num_threads())
     return y
 
 
@@ -183,14 +229,15 @@ HALF_GEMV_MAX_ROWS = 4  # from 5 rows on, half_gemm is as fast (kernels/linear.p
 def half_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] (M <= ``HALF_GEMV_MAX_ROWS``, any float dtype) times a bf16/fp16 weight [N, K]
     as it is (row-major, contiguous) -> [M, N] fp32: each weight element read once, for decode
-    at small batch and draft verification. Callers check ``half_gemm_available``."""
+    at small batch and draft verification (memory-bound: one path, on every CPU with AVX2).
+    Callers check ``half_gemm_available``."""
     _check_half_weight("half_gemv", x, weight, HALF_GEMV_MAX_ROWS)
     N, K = weight.shape
     lib = _lib or load()
     if lib is None:
         raise RuntimeError("half_gemv: native CPU kernels unavailable")
-    x = x.float().contiguous()
     y = torch.empty(x.shape[0], N, dtype=torch.float32)
+    x = x.float().contiguous()
     if x.shape[0] and N:
         lib.half_gemv(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], N, K,
                       int(weight.dtype == torch.float16), torch.get_num_threads())

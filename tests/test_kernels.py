@@ -522,6 +522,57 @@ def test_native_half_gemv_against_fp64(M, N, K, dtype):
     assert_rel_close(y.double(), ref, TOL, f"M={M} N={N} K={K}")
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+def test_half_paths_follow_the_cpu(monkeypatch):
+    """Every half path this CPU can run is built (bf16dot exactly where the CPU has
+    AVX512-BF16), the default is the fastest, and HYBRIDRT_HALF_PATH picks or refuses."""
+    _require_half_kernels()
+    flags = _cpu_flags()
+    paths = native.half_paths()
+    assert paths[0] == "fma"
+    if flags:
+        assert ("bf16dot" in paths) == ("avx512_bf16" in flags and "avx512f" in flags)
+    assert native.half_path() == paths[-1]
+    monkeypatch.setenv("HYBRIDRT_HALF_PATH", "fma")
+    assert native.half_path() == "fma"
+    monkeypatch.setenv("HYBRIDRT_HALF_PATH", "vnni")
+    with pytest.raises(ValueError, match="HYBRIDRT_HALF_PATH='vnni': use auto, fma or bf16dot"):
+        native.half_path()
+    if "bf16dot" not in paths:
+        monkeypatch.setenv("HYBRIDRT_HALF_PATH", "bf16dot")
+        with pytest.raises(ValueError, match="not built for this CPU"):
+            native.half_path()
+
+
+_BUILT_HALF_PATHS = native.half_paths()  # (builds the kernels once, at collection)
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.skipif(
+    p not in _BUILT_HALF_PATHS, reason=f"half path {p} not built for this CPU"))
+    for p in native.HALF_PATHS])
+@pytest.mark.parametrize("M,N,K", [(1, 16, 8), (3, 17, 34), (4, 7, 66), (5, 33, 300),
+                                   (13, 100, 46), (25, 31, 64), (30, 40, 4100), (9, 5, 18),
+                                   (7, 9, 45)],
+                         ids=lambda v: str(v))
+def test_half_paths_on_bf16_activations(M, N, K, path):
+    """bf16 activations times bf16 weights in ``half_gemm`` on each path built here: every tile
+    size of either path (up to 12 rows: 25 = 9 8 8, 30 = 10 10 10), a partial last panel (and
+    N < 8), K past a 256-input block and off a multiple of 8 pairs, odd K (which bf16dot leaves
+    to fma) -> the fp64 product of the same bf16 values."""
+    w, x, _ = _half_operands(M, N, K, torch.bfloat16, seed=M * 31 + N)
+    x = x.bfloat16()
+    ref = x.double() @ w.double().t()
+    y = native.half_gemm(x, w, path=path)
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    assert_rel_close(y.double(), ref, TOL, f"{path} M={M} N={N} K={K}")
+
+
 def test_native_half_gemm_rejects_bad_shapes():
     _require_half_kernels()
     w = torch.randn(40, 24).bfloat16()

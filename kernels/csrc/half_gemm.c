@@ -247,9 +247,139 @@ void half_gemv(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N
     for (int64_t n = blocks * nw; n < N; ++n) { GEMV_ROWS(1) }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* bf16 activations times bf16 weights with the CPU's bf16 dot-product instruction (vdpbf16ps:
+ * for each of 16 fp32 lanes, acc += a0 b0 + a1 b1 over a pair of bf16 inputs), the products of
+ * a bf16 GEMM with fp32 sums, as torch computes it. Only where x is bf16 already (a bf16 model);
+ * K must be even. */
+#include <string.h>
+
+int half_gemm_bf16dot(void) { return 1; }
+
+#define MR16 12  /* rows per tile: 12 zmm accumulators, one weight load per 12 dot products */
+
+static inline int tile_rows16(int64_t rows)
+{
+    const int64_t tiles = (rows + MR16 - 1) / MR16;
+    return (int)((rows + tiles - 1) / tiles);
+}
+
+/* buf[p][c] = the pair (W[c][2p], W[c][2p + 1]) as 32 bits, p < kc / 2, c < 16 (0 past ncols):
+ * blocks of 8 rows x 8 pairs transposed in registers (pairs move as 32-bit lanes). */
+static void pair_rows(const uint16_t *w, int64_t K, int ncols, int64_t kc, uint32_t *buf)
+{
+    const int64_t pc = kc / 2, p8 = pc & ~(int64_t)7;
+    for (int h = 0; h < NR; h += 8) {
+        for (int64_t p = 0; p < p8; p += 8) {
+            __m256 r[8];
+            for (int c = 0; c < 8; ++c)
+                r[c] = h + c < ncols ? _mm256_loadu_ps((const float *)(w + (h + c) * K + 2 * p))
+                                     : _mm256_setzero_ps();
+            transpose8(r);
+            for (int j = 0; j < 8; ++j) _mm256_store_ps((float *)(buf + (p + j) * NR + h), r[j]);
+        }
+        for (int64_t p = p8; p < pc; ++p)
+            for (int c = 0; c < 8; ++c) {
+                uint32_t v = 0;
+                if (h + c < ncols) memcpy(&v, w + (h + c) * K + 2 * p, 4);
+                buf[p * NR + h + c] = v;
+            }
+    }
+}
+
+static inline __attribute__((always_inline)) void tile16(
+    const uint16_t *x, int64_t ldx, const uint32_t *b, int64_t pc, float *y, int64_t ldy,
+    int mr, int first, int ncols)
+{
+    __m512 acc[MR16];
+    #pragma GCC unroll 12
+    for (int r = 0; r < MR16; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pc; ++p) {
+        const __m512i bv = _mm512_load_si512((const void *)(b + p * NR));
+        #pragma GCC unroll 12
+        for (int r = 0; r < MR16; ++r) {
+            if (r < mr) {
+                int32_t a;
+                memcpy(&a, x + r * ldx + 2 * p, 4);
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(a), (__m512bh)bv);
+            }
+        }
+    }
+    const __mmask16 m = (__mmask16)((1u << ncols) - 1);
+    #pragma GCC unroll 12
+    for (int r = 0; r < MR16; ++r) {
+        if (r < mr) {
+            float *yr = y + r * ldy;
+            if (!first) acc[r] = _mm512_add_ps(acc[r], _mm512_maskz_loadu_ps(m, yr));
+            _mm512_mask_storeu_ps(yr, m, acc[r]);
+        }
+    }
+}
+
+#define TILE16(m) tile16(x + i * K + k0, K, buf, kc / 2, y + i * N + n0, N, m, k0 == 0, ncols)
+
+void half_gemm_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N,
+                    int64_t K, int num_threads)
+{
+    const int64_t P = (N + NR - 1) / NR;
+    int64_t MC = ((int64_t)1 << 20) / (K * 2);
+    MC = MC < MR16 ? MR16 : (MC / MR16) * MR16;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        uint32_t buf[KC / 2 * NR] __attribute__((aligned(64)));
+        for (int64_t m0 = 0; m0 < M; m0 += MC) {
+            const int64_t m1 = m0 + MC < M ? m0 + MC : M;
+            #pragma omp for schedule(static)
+            for (int64_t p = 0; p < P; ++p) {
+                const int64_t n0 = p * NR;
+                const int ncols = (int)(N - n0 < NR ? N - n0 : NR);
+                for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                    const int64_t kc = K - k0 < KC ? K - k0 : KC;
+                    pair_rows(w + n0 * K + k0, K, ncols, kc, buf);
+                    for (int64_t i = m0; i < m1;) {
+                        const int mr = tile_rows16(m1 - i);
+                        switch (mr) {
+                        case 12: TILE16(12); break;
+                        case 11: TILE16(11); break;
+                        case 10: TILE16(10); break;
+                        case 9: TILE16(9); break;
+                        case 8: TILE16(8); break;
+                        case 7: TILE16(7); break;
+                        case 6: TILE16(6); break;
+                        case 5: TILE16(5); break;
+                        case 4: TILE16(4); break;
+                        case 3: TILE16(3); break;
+                        case 2: TILE16(2); break;
+                        default: TILE16(1); break;
+                        }
+                        i += mr;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#else
+int half_gemm_bf16dot(void) { return 0; }
+void half_gemm_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N,
+                    int64_t K, int num_threads)
+{
+    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)num_threads;
+}
+#endif
+
 #else  /* no AVX2 + FMA + F16C: half_gemm_simd() says so and callers keep their own path */
 
 int half_gemm_simd(void) { return 0; }
+int half_gemm_bf16dot(void) { return 0; }
+
+void half_gemm_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N,
+                    int64_t K, int num_threads)
+{
+    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)num_threads;
+}
+
 
 void half_gemv(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
                int is_fp16, int num_threads)
