@@ -42,6 +42,8 @@ def test_parse_llama_bench_real_output():
     assert r == {"prefill_tok_s": pp["avg_ts"], "decode_b1_tok_s": tg["avg_ts"], "n_prompt": 64,
                  "n_gen": 4, "threads": 2, "model_bytes": 1505783040}
     assert r["prefill_tok_s"] > r["decode_b1_tok_s"] > 0
+    pg = dict(tg, n_prompt=64, avg_ts=1.0)  # a -pg test (prompt then generation): not ours
+    assert llamacpp.parse_llama_bench(LLAMA_BENCH + json.dumps(pg) + "\n") == r
     with pytest.raises(llamacpp.LlamaCppError, match="one prompt and one generation test"):
         llamacpp.parse_llama_bench(LLAMA_BENCH.splitlines()[0])
 
@@ -106,11 +108,12 @@ def test_missing_gguf_binaries_or_bad_order_are_one_line_errors(tmp_path, monkey
 
 
 def test_child_peak_rss_is_the_childs_own():
-    """A child allocating 200 MiB: its VmHWM, not this (larger, torch-holding) process's."""
+    """A child allocating 400 MiB: its VmHWM, not this (larger, torch-holding) process's."""
     big = torch.ones(1 << 28)  # 1 GiB here: a fork's rusage would report at least this
-    out, peak = llamacpp.run_child([sys.executable, "-c", "x = bytearray(200 << 20); "
-                                    "import time; time.sleep(0.3); print('done')"])
-    assert out.strip() == "done" and 200 << 20 < peak < 300 << 20
+    code = "import time; x = bytearray({} << 20); time.sleep(0.3); print('done')"
+    _, base = llamacpp.run_child([sys.executable, "-c", code.format(0)])
+    out, peak = llamacpp.run_child([sys.executable, "-c", code.format(400)])
+    assert out.strip() == "done" and abs(peak - base - (400 << 20)) < 4 << 20
     del big
     with pytest.raises(llamacpp.LlamaCppError, match=r"python.* exited with 3: boom"):
         llamacpp.run_child([sys.executable, "-c",
@@ -123,15 +126,16 @@ import json, sys
 args = sys.argv[1:]
 opt = {{args[i]: args[i + 1] for i in range(0, len(args) - 1, 2)}}
 open(__file__ + ".args", "a").write(" ".join(args) + "\\n")
+call = len(open(__file__ + ".args").readlines())  # 1, 2, ...: each round's figures differ
 lines = [json.loads(x) for x in open({sample!r}) if x.startswith("{{")]
 if "{name}" == "llama-bench":
     pp, tg = lines
-    pp.update(n_prompt=int(opt["-p"]) + {skew}, n_threads=int(opt["-t"]), avg_ts=100.0)
-    tg.update(n_gen=int(opt["-n"]), n_threads=int(opt["-t"]), avg_ts=4.0)
+    pp.update(n_prompt=int(opt["-p"]) + {skew}, n_threads=int(opt["-t"]), avg_ts=100.0 * call)
+    tg.update(n_gen=int(opt["-n"]), n_threads=int(opt["-t"]), avg_ts=4.0 * call)
     lines = [pp, tg]
 else:
     lines = [dict(lines[0], pl=int(pl), pp=int(opt["-npp"]), tg=int(opt["-ntg"]),
-                  n_threads=int(opt["-t"]), speed_tg=10.0 * int(pl))
+                  n_threads=int(opt["-t"]), speed_tg=10.0 * int(pl) * call)
              for pl in opt["-npl"].split(",")]
 for line in lines:
     print(json.dumps(line))
@@ -139,7 +143,8 @@ for line in lines:
 
 
 def fake_llamacpp(directory: Path, skew: int = 0) -> Path:
-    """llama-bench and llama-batched-bench stand-ins (pp = 100, tg = 4, S_TG = 10 x pl tok/s);
+    """llama-bench and llama-batched-bench stand-ins (pp = 100, tg = 4, S_TG = 10 x pl tok/s,
+    times the number of the call);
     ``skew`` tokens added to the prompt llama-bench reports."""
     directory.mkdir()
     for name, sample in (("llama-bench", DATA / "llama-bench.jsonl"),
@@ -170,8 +175,11 @@ def test_side_by_side_report_with_stand_in_binaries(tiny, tmp_path):
                  "--order", "llamacpp,hybridrt,llamacpp", "--json", out)
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())
-    assert r["llamacpp"] == {"prefill_tok_s": 100.0, "decode_b1_tok_s": 4.0,
-                             "decode_b2_tok_s": 20.0, "decode_b3_tok_s": 30.0}
+    # two llama.cpp rounds, the second's figures twice the first's: their medians
+    assert [x["results"]["decode_b2_tok_s"] for x in r["rounds"] if x["engine"] == "llamacpp"
+            ] == [20.0, 40.0]
+    assert r["llamacpp"] == {"prefill_tok_s": 150.0, "decode_b1_tok_s": 6.0,
+                             "decode_b2_tok_s": 30.0, "decode_b3_tok_s": 45.0}
     assert r["ratio_vs_llamacpp"] == {k: pytest.approx(r["hybridrt"][k] / v)
                                       for k, v in r["llamacpp"].items()}
     assert [x["engine"] for x in r["rounds"]] == ["llamacpp", "hybridrt", "llamacpp"]
@@ -187,7 +195,7 @@ def test_side_by_side_report_with_stand_in_binaries(tiny, tmp_path):
     c = r["ceilings"]
     assert c["batch1_decode_tok_s"] == pytest.approx(
         c["stream_read"]["gb_s"] * 1e9 / c["weight_bytes_per_token"])
-    assert c["fraction"]["llamacpp"] == pytest.approx(4.0 / c["batch1_decode_tok_s"])
+    assert c["fraction"]["llamacpp"] == pytest.approx(6.0 / c["batch1_decode_tok_s"])
     assert c["fraction"]["hybridrt"] == pytest.approx(
         r["hybridrt"]["decode_b1_tok_s"] / c["batch1_decode_tok_s"])
     for text in ("llama.cpp", "own random prompt tokens", "llama.cpp peak RSS",
