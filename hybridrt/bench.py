@@ -9,6 +9,12 @@ alternated three times. Both engines get the same prompts and generate the same 
 tokens in every row; ``work`` in the report records, per row and engine, the requests, prompt
 length and new tokens per request that were actually run. Timings on shared machines are noisy:
 read the ratios, measured side by side in the same process.
+
+With ``against_llamacpp`` (a GGUF of the same model), llama.cpp's own benchmarks run the same
+work with the same threads (hybridrt.llamacpp), in rounds alternated with hybridrt's, and the
+report adds its figures and hybridrt's ratios to them. Every run also measures what the machine
+allows (hybridrt.ceilings): the read bandwidth, an fp32 matmul rate, and the batch-1 decode
+ceiling, bandwidth over the bytes of weights a decode step reads.
 """
 
 from __future__ import annotations
