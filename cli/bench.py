@@ -152,17 +152,16 @@ def gemm(
 
 def plot_throughput(report: dict, path: Path) -> None:
     plt = _pyplot()
-    ours, theirs = report["hybridrt"], report.get("transformers", {})
-    names = list(ours)
-    x = range(len(names))
+    engines = [(label, report[key]) for key, label in (
+        ("hybridrt", "hybridrt"), ("llamacpp", "llama.cpp"), ("transformers", "transformers"))
+        if key in report]
+    names = list(report["hybridrt"])
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(names)), 4))
-    width = 0.4 if theirs else 0.8
-    ax.bar([i - (width / 2 if theirs else 0) for i in x], [ours[n] for n in names], width,
-           label="hybridrt")
-    if theirs:
-        ax.bar([i + width / 2 for i in x], [theirs.get(n, 0.0) for n in names], width,
-               label="transformers")
-    ax.set_xticks(list(x), [n.replace("_tok_s", "") for n in names])
+    width = 0.8 / len(engines)
+    for j, (label, rows) in enumerate(engines):
+        ax.bar([i + (j - (len(engines) - 1) / 2) * width for i in range(len(names))],
+               [rows.get(n, 0.0) for n in names], width, label=label)
+    ax.set_xticks(range(len(names)), [n.replace("_tok_s", "") for n in names])
     ax.set_ylabel("tokens / s")
     ax.set_title(f"throughput: {report.get('model')} ({report.get('dtype')}, "
                  f"{report.get('threads')} threads)")

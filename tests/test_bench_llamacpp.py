@@ -203,6 +203,22 @@ def test_side_by_side_report_with_stand_in_binaries(tiny, tmp_path):
         assert text in res.stdout
 
 
+def test_plot_has_a_bar_per_engine_and_row(tmp_path, monkeypatch):
+    figure = pytest.importorskip("matplotlib.figure")
+
+    from hybridrt.cli.bench import plot_throughput
+
+    drawn = []
+    monkeypatch.setattr(figure.Figure, "savefig", lambda fig, *a, **k: drawn.append(
+        {c.get_label(): [b.get_height() for b in c] for c in fig.axes[0].containers}))
+    rows = {"prefill_tok_s": 100.0, "decode_b1_tok_s": 10.0}
+    plot_throughput({"model": "m", "dtype": "bf16", "threads": 2, "hybridrt": rows,
+                     "llamacpp": {"prefill_tok_s": 70.0, "decode_b1_tok_s": 7.0},
+                     "transformers": {"prefill_tok_s": 50.0}}, tmp_path / "t.png")
+    assert drawn == [{"hybridrt": [100.0, 10.0], "llama.cpp": [70.0, 7.0],
+                      "transformers": [50.0, 0.0]}]
+
+
 def test_llamacpp_running_other_work_is_refused(tiny, tmp_path):
     bins = fake_llamacpp(tmp_path / "bin", skew=1)  # reports a 17-token prompt for 16 asked
     gguf = tmp_path / "m.gguf"
