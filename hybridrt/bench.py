@@ -351,11 +351,11 @@ def format_table(report: dict) -> str:
         rss = report["peak_rss_gib"] / run["peak_rss_gib"] if report.get("peak_rss_gib") else 0
         rows.append(f"llama.cpp peak RSS: {run['peak_rss_gib']:.2f} GiB (hybridrt / llama.cpp: "
                     f"{rss:.2f})")
-        rows.append("llama.cpp: llama-bench (prefill, batch 1) and llama-batched-bench (S_TG) "
-                    "on their own random prompt tokens, same lengths and threads; its batch-1 "
-                    "decode runs without a prompt; medians of the rounds "
-                    + ", ".join(f"{r['engine']} (load {_loads(r['load_average'][:1])})"
-                                for r in report["rounds"]))
+        rows.append("llama.cpp: llama-bench (prefill; batch 1, without a prompt) and "
+                    "llama-batched-bench (S_TG), on its own random prompt tokens")
+        rows.append("rounds (1-min load average before each): "
+                    + ", ".join(f"{r['engine']} {r['load_average'][0]:.2f}"
+                                for r in report["rounds"]) + "; medians per engine")
     for k, v in report.items():
         if k.startswith("interleaved_"):
             c = k.split("_b")[1].split("_")[0]
