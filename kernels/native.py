@@ -109,15 +109,15 @@ def load() -> ctypes.CDLL | None:
     fn = lib.gdn_decode_step
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    lib.stream_sum.restype = ctypes.c_double  # csrc/stream.c: hybridrt/ceilings.py uses it
+    lib.stream_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.stream_vector_bytes.restype = ctypes.c_int
     lib.half_gemm.restype = None
     lib.half_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.half_gemv.restype = None
     lib.half_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.half_gemm_simd.restype = ctypes.c_int
     lib.half_gemm_simd.argtypes = []
-    lib.stream_sum.restype = ctypes.c_double  # csrc/stream.c: hybridrt/ceilings.py uses it
-    lib.stream_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    lib.stream_vector_bytes.restype = ctypes.c_int
     _simd = bool(lib.half_gemm_simd())
     _lib = lib
     return _lib
