@@ -8,7 +8,10 @@
   the half-precision weights as the model holds them instead of an fp32 copy of them
   (kernels/linear.py says when it is used; docs/performance.md what it was measured against).
 
-Both are built into one library with ``cc -O3 -march=native -fopenmp`` into
+- ``csrc/stream.c``: a streaming read loop, the bandwidth ceiling of ``hybridrt bench
+  throughput``.
+
+All are built into one library with ``cc -O3 -march=native -fopenmp`` into
 ``$HYBRIDRT_CACHE`` (default ``~/.cache/hybridrt``), keyed by a hash of the source, the flags
 and this CPU's model and feature flags (a ``-march=native`` build must not be reused on another
 CPU), and loaded with ctypes. Without a C compiler that builds it (with OpenMP), on Windows, or
@@ -31,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-_SRCS = [Path(__file__).parent / "csrc" / name for name in ("gdn_decode.c", "half_gemm.c")]
+_SRCS = [Path(__file__).parent / "csrc" / name
+         for name in ("gdn_decode.c", "half_gemm.c", "stream.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lib: ctypes.CDLL | None = None
 _simd = False  # half_gemm / half_gemv built with AVX2 + FMA + F16C (asked once, at load)
@@ -108,6 +112,9 @@ def load() -> ctypes.CDLL | None:
     fn = lib.gdn_decode_step
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    lib.stream_sum.restype = ctypes.c_double  # csrc/stream.c: hybridrt/ceilings.py uses it
+    lib.stream_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.stream_vector_bytes.restype = ctypes.c_int
     lib.half_gemm.restype = None
     lib.half_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.half_gemv.restype = None
