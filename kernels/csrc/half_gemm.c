@@ -171,10 +171,11 @@ void half_gemm(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N
 }
 
 /* Few rows (decode at small batch, draft verification): y[M, N] = x[M, K] W^T straight from the
- * weight in its own layout, W [N, K] row-major, each weight element read and widened once. A
- * block of nw weight rows times the M <= 4 rows of x keeps nw * M <= 12 vector accumulators;
- * each is summed across its 8 lanes at the end. From 5 rows on the panels above are as fast
- * (kernels/linear.py). */
+ * weight in its own layout, W [N, K] row-major, each weight element read and widened once. One
+ * weight row at a time, so that each thread reads its share of W as a single sequential stream
+ * (4 rows read side by side ran at about half the bandwidth: short interleaved streams defeat
+ * the hardware prefetcher); 32 inputs a step into 4 accumulators per row of x (M <= 4: 16 ymm),
+ * summed across lanes at the end. From 5 rows on half_gemm is as fast (kernels/linear.py). */
 static inline float hsum(__m256 v)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -183,68 +184,60 @@ static inline float hsum(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-static inline __attribute__((always_inline)) void gemv_block(
-    const float *x, const uint16_t *w, float *y, int64_t N, int64_t K, int nw, int mr,
-    int is_fp16)
+static inline __attribute__((always_inline)) void gemv_row(
+    const float *x, const uint16_t *w, float *y, int64_t N, int64_t K, int mr, int is_fp16)
 {
     __m256 acc[4][4];
     #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
+    for (int r = 0; r < 4; ++r) {
         #pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) acc[j][r] = _mm256_setzero_ps();
+        for (int u = 0; u < 4; ++u) acc[r][u] = _mm256_setzero_ps();
     }
-    const int64_t K8 = K & ~(int64_t)7;
-    for (int64_t k = 0; k < K8; k += 8) {
-        __m256 xv[4];
+    const int64_t K32 = K & ~(int64_t)31, K8 = K & ~(int64_t)7;
+    for (int64_t k = 0; k < K32; k += 32) {
+        const __m256 w0 = widen8(w + k, is_fp16), w1 = widen8(w + k + 8, is_fp16);
+        const __m256 w2 = widen8(w + k + 16, is_fp16), w3 = widen8(w + k + 24, is_fp16);
         #pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) if (r < mr) xv[r] = _mm256_loadu_ps(x + r * K + k);
-        #pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
-            if (j < nw) {
-                const __m256 wv = widen8(w + j * K + k, is_fp16);
-                #pragma GCC unroll 4
-                for (int r = 0; r < 4; ++r)
-                    if (r < mr) acc[j][r] = _mm256_fmadd_ps(xv[r], wv, acc[j][r]);
+        for (int r = 0; r < 4; ++r) {
+            if (r < mr) {
+                const float *xr = x + r * K + k;
+                acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, acc[r][1]);
+                acc[r][2] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, acc[r][2]);
+                acc[r][3] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, acc[r][3]);
             }
         }
     }
+    for (int64_t k = K32; k < K8; k += 8) {
+        const __m256 wv = widen8(w + k, is_fp16);
+        #pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r)
+            if (r < mr) acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), wv, acc[r][0]);
+    }
     #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-        if (j < nw) {
-            #pragma GCC unroll 4
-            for (int r = 0; r < 4; ++r) {
-                if (r < mr) {
-                    float t = hsum(acc[j][r]);
-                    for (int64_t k = K8; k < K; ++k)
-                        t += x[r * K + k] * half_to_float(w[j * K + k], is_fp16);
-                    y[r * N + j] = t;
-                }
-            }
+    for (int r = 0; r < 4; ++r) {
+        if (r < mr) {
+            float t = hsum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
+                                         _mm256_add_ps(acc[r][2], acc[r][3])));
+            for (int64_t k = K8; k < K; ++k) t += x[r * K + k] * half_to_float(w[k], is_fp16);
+            y[r * N] = t;
         }
     }
 }
-
-#define GEMV(nw_, mr_) gemv_block(x, w + n * K, y + n, N, K, nw_, mr_, is_fp16)
-#define GEMV_ROWS(nw_)                                                    \
-    switch (M) {                                                          \
-    case 1: GEMV(nw_, 1); break;                                          \
-    case 2: GEMV(nw_, 2); break;                                          \
-    case 3: GEMV(nw_, 3); break;                                          \
-    default: GEMV(nw_ > 2 ? 2 : nw_, 4); break;                           \
-    }
 
 void half_gemv(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
                int is_fp16, int num_threads)
 {
     if (M < 1 || M > 4) return;
-    const int nw = M <= 3 ? 4 : 2;  /* weight rows per block */
-    const int64_t blocks = N / nw;
     #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t n = b * nw;
-        if (nw == 4) { GEMV_ROWS(4) } else { GEMV_ROWS(2) }
+    for (int64_t n = 0; n < N; ++n) {
+        switch (M) {
+        case 1: gemv_row(x, w + n * K, y + n, N, K, 1, is_fp16); break;
+        case 2: gemv_row(x, w + n * K, y + n, N, K, 2, is_fp16); break;
+        case 3: gemv_row(x, w + n * K, y + n, N, K, 3, is_fp16); break;
+        default: gemv_row(x, w + n * K, y + n, N, K, 4, is_fp16); break;
+        }
     }
-    for (int64_t n = blocks * nw; n < N; ++n) { GEMV_ROWS(1) }
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
