@@ -280,7 +280,7 @@ def startup(
 def busy(
     model: ModelArg = None,
     tokens: Annotated[int, typer.Option(
-        "--tokens", min=2, help="New tokens per decode run.")] = 24,
+        "--tokens", min=2, help="New tokens per decode run.")] = 64,
     rounds: Annotated[int, typer.Option(
         "--rounds", min=1, help="Runs of each variant, alternated (the median is "
         "reported).")] = 2,

@@ -47,8 +47,8 @@ CacheMemoryOpt = Annotated[str | None, typer.Option(
     "size such as 2GiB (default: 0.3).", show_default=False)]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
 ThreadsOpt = Annotated[int | None, typer.Option(
-    "--threads", min=1, help="CPU threads for torch (default: torch's choice, the number of "
-    "physical cores).", show_default=False)]
+    "--threads", min=1, help="CPU threads for torch (default: up to the number of physical "
+    "cores, fewer while other processes keep cores busy).", show_default=False)]
 TemperatureOpt = Annotated[float | None, typer.Option(
     "--temperature", help=f"0 = greedy ({_GEN} 1.0).", show_default=False)]
 TopPOpt = Annotated[float | None, typer.Option(

@@ -75,9 +75,10 @@ def load_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: in
 
     max_len = max(prefill_len, prompt_len) + decode_tokens + 8
     llm = LLM(model, dtype=dtype, max_model_len=max_len, max_num_seqs=max(concurrency + [1]),
+              threads=torch.get_num_threads(),  # the benchmark's, fixed
               max_num_batched_tokens=max(prefill_len, 512), cache_memory=0.25)
-    # warm-up with the largest batch of the measured shape: batched CPU steps pack each weight
-    # once, on first use, and the first step of a shape faults in its buffers' pages
+    # warm-up with the largest batch of the measured shape: the first step of a shape faults in
+    # its buffers' pages
     warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     llm.generate(_prompts(max(concurrency + [1]), prompt_len, llm.config.vocab_size, 99), warm,
                  use_tqdm=False)

@@ -1,12 +1,13 @@
 """Decode speed beside a busy process: the default thread settings against explicit choices.
 
-    hybridrt bench busy [MODEL] [--tokens 24] [--rounds 2] [--json out.json]
+    hybridrt bench busy [MODEL] [--tokens 64] [--rounds 2] [--json out.json]
 
 For each condition (the machine as it is; and with one extra CPU-bound process started by the
 benchmark, a pure-Python loop) batch-1 decode runs in fresh interpreters, alternated:
-hybridrt's defaults, each explicit ``--threads`` from 1 to the number of cores, and torch's own
-OpenMP wait policy (``HYBRIDRT_PASSIVE_WAIT=0``, how hybridrt ran before it chose passive
-waiting; hybridrt/threads.py). Reports the median tok/s of each and the default's ratio to the
+hybridrt's defaults (passive waiting, threads fitted to the free cores), each explicit
+``--threads`` from 1 to the number of cores, and the defaults of before: torch's own OpenMP
+wait policy and all cores (``HYBRIDRT_PASSIVE_WAIT=0 HYBRIDRT_ADAPTIVE_THREADS=0``;
+hybridrt/threads.py). Reports the median tok/s of each and the default's ratio to the
 best explicit choice. The model defaults to the demo model; the 0.8B figures in
 docs/performance.md come from a random-weight 0.8B checkpoint (``--model DIR``).
 """
@@ -46,13 +47,14 @@ def _variants(cores: int) -> dict[str, tuple[dict, int]]:
     out = {"default": ({}, 0)}
     for t in range(1, cores + 1):
         out[f"--threads {t}"] = ({}, t)
-    out["default, torch's wait policy"] = ({"HYBRIDRT_PASSIVE_WAIT": "0"}, 0)
-    out["spin 10k, then sleep"] = ({"HYBRIDRT_PASSIVE_WAIT": "0", "GOMP_SPINCOUNT": "10000"}, 0)
+    out["previous default"] = ({"HYBRIDRT_PASSIVE_WAIT": "0", "HYBRIDRT_ADAPTIVE_THREADS": "0"},
+                               0)
     return out
 
 
 def _probe(model: str | None, env: dict, threads: int, tokens: int) -> float:
-    full = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    drop = ("OMP_WAIT_POLICY", "HYBRIDRT_PASSIVE_WAIT", "HYBRIDRT_ADAPTIVE_THREADS")
+    full = {k: v for k, v in os.environ.items() if k not in drop}
     full.update(env)
     proc = subprocess.run([sys.executable, "-c", _PROBE, model or "", str(threads), str(tokens)],
                           capture_output=True, text=True, env=full, stdin=subprocess.DEVNULL,
@@ -62,7 +64,7 @@ def _probe(model: str | None, env: dict, threads: int, tokens: int) -> float:
     return json.loads(proc.stdout.strip().splitlines()[-1])["tok_s"]
 
 
-def measure_busy(model: str | None = None, tokens: int = 24, rounds: int = 2,
+def measure_busy(model: str | None = None, tokens: int = 64, rounds: int = 2,
                  cores: int | None = None) -> dict:
     """-> the report: per condition and variant the median decode tok/s, and per condition the
     default's ratio to the best explicit ``--threads``."""
@@ -107,7 +109,7 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def run_busy_bench(model: str | None = None, tokens: int = 24, rounds: int = 2,
+def run_busy_bench(model: str | None = None, tokens: int = 64, rounds: int = 2,
                    json_path: str | Path | None = None) -> dict:
     report = measure_busy(model, tokens, rounds)
     print(format_report(report))

@@ -50,7 +50,7 @@ class LLMEngine:
     def __init__(self, model: Qwen35ForCausalLM, config: ModelConfig, cache: HybridCacheManager,
                  engine_config: EngineConfig, tokenizer: Any = None, seed: int | None = 0,
                  device: torch.device | str = "cpu", speculative_tokens: int = 0,
-                 backend: str | None = None):
+                 backend: str | None = None, thread_governor=None):
         self.model = model
         self.config = config
         self.cache = cache
@@ -64,6 +64,7 @@ class LLMEngine:
                                    engine_config.max_num_batched_tokens, sessions=self)
         self.sampler = Sampler(seed=seed)  # shared generator for requests without a seed
         self.speculative_tokens = speculative_tokens
+        self.governor = thread_governor  # hybridrt/threads.py: CPU threads fitted each step
         self.proposer = None
         if speculative_tokens > 0:
             self.proposer = MTPProposer(model, cache, self.sampler, engine_config.max_model_len,
@@ -284,6 +285,8 @@ class LLMEngine:
             self._finish(req)
         if not plan.seqs:
             return plan.failed
+        if self.governor is not None:
+            self.governor.update()
         now = time.perf_counter()
         for s in plan.seqs:
             if s.request.metrics.first_scheduled_time is None:

@@ -19,6 +19,7 @@ from hybridrt.reasoning import ReasoningSplitter, opens_thinking, split_reasonin
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.session import Session
 from hybridrt.statecache import HybridCacheManager, plan_cache
+from hybridrt.threads import ThreadGovernor, adaptive_threads_enabled
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 
@@ -86,7 +87,8 @@ class LLM:
     On CPU bfloat16 weights are read as they are by the C GEMM/GEMV kernels, which is as fast
     as float32 or faster at half the memory; float32 only when asked for.
     threads: CPU threads for torch, like ``--threads`` (``torch.set_num_threads``, which is
-    process-wide; default: torch's choice, the number of physical cores).
+    process-wide). Default: up to torch's choice (the number of physical cores), fewer while
+    other processes keep cores busy, re-decided every half second (``hybridrt/threads.py``).
     cache_memory: the KV + state budget: bytes, a fraction of free memory, or '2GiB'
     (default 0.3 of free memory, capped at what max_num_seqs x max_model_len needs).
     max_num_sessions: sessions that can be open at once (each has a GDN state slot of its own
@@ -167,9 +169,13 @@ class LLM:
             slots_per_request=1 + speculative_tokens, num_extra_attention_layers=extra_layers,
         )
         self.tokenizer = self._load_tokenizer(tokenizer)
+        governor = None
+        if self.device.type == "cpu" and threads is None and adaptive_threads_enabled():
+            governor = ThreadGovernor(torch.get_num_threads())
         self.engine = LLMEngine(self.model, self.config, cache, engine_config, self.tokenizer,
                                 seed=seed, device=self.device,
-                                speculative_tokens=speculative_tokens, backend=backend)
+                                speculative_tokens=speculative_tokens, backend=backend,
+                                thread_governor=governor)
 
     # Set-up ------------------------------------------------------------------------------
     def _load_tokenizer(self, tokenizer: Any):
