@@ -1,4 +1,5 @@
-"""The ``hybridrt`` command line: ``chat``, ``generate``, ``bench throughput|spec|gemm``.
+"""The ``hybridrt`` command line: ``chat``, ``generate``, ``bench throughput|spec|gemm``,
+``draft-vocab``.
 
 Every failure is one ``error: ...`` line on stderr and a non-zero exit code (2 for bad
 options, 1 otherwise); HYBRIDRT_DEBUG=1 shows tracebacks of unexpected errors. Bare
@@ -14,6 +15,7 @@ import typer
 from hybridrt.cli.bench import bench_app
 from hybridrt.cli.chat import chat
 from hybridrt.cli.common import OneLineErrorGroup
+from hybridrt.cli.draft_vocab import draft_vocab
 from hybridrt.cli.generate import generate
 
 app = typer.Typer(
@@ -29,6 +31,7 @@ app = typer.Typer(
 app.command("chat")(chat)
 app.command("generate")(generate)
 app.add_typer(bench_app, name="bench")
+app.command("draft-vocab")(draft_vocab)
 
 
 def _print_version(value: bool) -> None:
