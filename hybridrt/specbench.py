@@ -11,9 +11,12 @@ draft i / rounds). Decoding is greedy by default, so every k must reproduce k = 
 ``draft_vocabs``: draft-head sizes to compare, 0 being the full LM head (the LLM's draft head is
 swapped between rows). ``simulate_acceptance``: acceptance rates alpha; for each, the MTP still
 runs every draft pass (its cost is real) but each proposed token is replaced by the target's
-own greedy continuation (from the k = 0 run of the same prompts at the same batch size) with
-probability alpha, by a wrong token otherwise, so acceptance is controlled while verification,
-rollback and the rest run unchanged. Those rows are labelled simulated everywhere. Each row
+own greedy continuation with probability alpha, by a wrong token otherwise, so acceptance is
+controlled while verification, rollback and the rest run unchanged. The continuation comes
+from an untimed run of the same prompts at the same k and batch size whose drafts are all
+wrong (``_reference_run``: in bf16 it can differ from k = 0's where greedy choices are near
+ties). Those rows are labelled simulated everywhere, with the fraction of drafts that had a
+reference token (``reference_coverage``). Each row
 also gives the measured costs (engine ``StepCosts``) relative to a k = 0 decode step: one draft
 pass, one verify step, and the break-even alpha at which k drafts pay for them.
 """
@@ -91,21 +94,48 @@ def _spec_summary(outs, k: int) -> dict:
 class SimulatedDrafts:
     """A ``draft_override`` (``specdec.mtp``): draft j of a request becomes the reference
     continuation's token at that position with probability ``alpha``, else a token that
-    differs from it. ``refs``: prompt ids -> prompt + the greedy output of a k = 0 run. Where
-    the request has left its reference (or run past its end) the MTP's own token stays."""
+    differs from it. ``refs``: prompt ids -> prompt + a greedy output. Where the request has
+    left its reference (or run past its end) the MTP's own token stays; ``coverage`` is the
+    fraction of drafts that had a reference token."""
 
     def __init__(self, refs: dict[tuple, list[int]], alpha: float, vocab_size: int,
                  seed: int = 0):
         self.refs, self.alpha, self.vocab_size = refs, alpha, vocab_size
         self.rng = random.Random(seed)
+        self.num_drafts = self.num_known = 0
 
     def __call__(self, req, j: int, token: int) -> int:
         ref = self.refs.get(tuple(req.prompt_token_ids))
         n = len(req.token_ids)
+        self.num_drafts += 1
         if ref is None or n + j >= len(ref) or ref[:n] != req.token_ids:
             return token
+        self.num_known += 1
         right = ref[n + j]
         return right if self.rng.random() < self.alpha else (right + 1) % self.vocab_size
+
+    @property
+    def coverage(self) -> float | None:
+        return self.num_known / self.num_drafts if self.num_drafts else None
+
+
+def _sequences(outs) -> dict[tuple, list[int]]:
+    return {tuple(o.prompt_token_ids): o.prompt_token_ids + o.outputs[0].token_ids
+            for o in outs}
+
+
+def _reference_run(llm, prompts, params, b: int, k: int, k0_refs) -> dict[tuple, list[int]]:
+    """The greedy continuations a k-draft run produces, for simulated acceptance: an untimed
+    run at k whose drafts are all wrong. In half precision a verify step's numerics differ
+    from a 1-token step's, so near-tied greedy choices can differ from k = 0's; every step of
+    this run verifies k + 1 rows per request as the simulated runs do, so theirs match it."""
+    proposer = llm.engine.proposer
+    proposer.draft_override = SimulatedDrafts(k0_refs, 0.0, llm.config.vocab_size)
+    outs = []
+    for i in range(0, len(prompts), b):
+        outs += llm.generate(prompts[i:i + b], params, use_tqdm=False, speculative_tokens=k)
+    proposer.draft_override = None
+    return _sequences(outs)
 
 
 def expected_acceptance_length(alpha: float, k: int) -> float:
@@ -241,14 +271,18 @@ def run_spec_bench(
         rows = []
         for b in batch_sizes:
             base_tokens = base_rate = decode_step = None
-            refs: dict[tuple, list[int]] = {}
+            refs: dict[int, dict[tuple, list[int]]] = {}  # per k: prompt -> greedy sequence
             for n, alpha, k in [(0, None, ks[0])] + [
                 (n, a, k) for n in draft_vocabs for a in alphas for k in ks if k > 0
             ]:
+                sim = None
+                if alpha is not None and k not in refs:
+                    refs[k] = _reference_run(llm, prompts, params, b, k, refs[0])
                 if proposer is not None:
                     proposer.draft_head = heads[n]
-                    proposer.draft_override = None if alpha is None else SimulatedDrafts(
-                        refs, alpha, llm.config.vocab_size)
+                    if alpha is not None:
+                        sim = SimulatedDrafts(refs[k], alpha, llm.config.vocab_size)
+                    proposer.draft_override = sim
                 outs, seconds, costs = run(b, k)
                 toks = [o.outputs[0].token_ids for o in outs]
                 n_tok = sum(len(t) for t in toks)
@@ -256,8 +290,7 @@ def run_spec_bench(
                 if base_rate is None:
                     base_tokens, base_rate = toks, rate
                     decode_step = costs.mean("decode")
-                    refs.update({tuple(o.prompt_token_ids): o.prompt_token_ids + t
-                                 for o, t in zip(outs, toks)})
+                    refs[0] = _sequences(outs)
                 row = {
                     "batch_size": b,
                     "k": k,
@@ -271,8 +304,8 @@ def run_spec_bench(
                     "speedup": rate / base_rate if ks[0] == 0 and base_rate else None,
                     **_spec_summary(outs, k),
                     "expected_acceptance_length": (
-                        expected_acceptance_length(alpha, k) if alpha is not None and k else
-                        None),
+                        expected_acceptance_length(alpha, k) if sim is not None else None),
+                    "reference_coverage": sim.coverage if sim is not None else None,
                     **_costs(costs, k, decode_step),
                     "step_costs": costs.as_dict(),
                     "identical_to_k0": (toks == base_tokens) if ks[0] == 0 else None,
@@ -325,7 +358,7 @@ def format_table(report: dict) -> str:
         return none if v is None else format(v, fmt)
 
     head = (f"{'batch':>5} {'k':>2} {'head':>6} {'alpha':>9} {'tok/s':>9} {'speedup':>8} "
-            f"{'accept len':>10} {'draft/step':>10} {'verify/step':>11} {'break-even':>10} "
+            f"{'accept len':>12} {'ref':>4} {'draft/step':>10} {'verify/step':>11} {'break-even':>10} "
             f"{'same as k0':>10}  per-position acceptance")
     lines = []
     if report.get("acceptance") == "simulated":
@@ -348,12 +381,14 @@ def format_table(report: dict) -> str:
         lines.append(
             f"{r['batch_size']:>5} {r['k']:>2} {dv:>6} {alpha:>9} {r['tok_s']:>9.1f} "
             f"{num(r['speedup'], '.2f') + ('x' if r['speedup'] is not None else ''):>8} "
-            f"{al:>10} {num(r.get('draft_pass_over_step'), '.3f'):>10} "
+            f"{al:>12} {num(r.get('reference_coverage'), '.2f'):>4} "
+            f"{num(r.get('draft_pass_over_step'), '.3f'):>10} "
             f"{num(r.get('verify_over_step'), '.3f'):>11} "
             f"{num(r.get('break_even_alpha'), '.2f', '-' if r['k'] == 0 else 'never'):>10} "
             f"{same:>10}  {pp}")
     if any(r.get("draft_pass_over_step") is not None for r in report["rows"]):
-        lines.append("accept len: measured (expected for simulated alpha); draft/step: one MTP "
-                     "draft pass, verify/step: one verify step, each over a k=0 decode step; "
-                     "break-even: the alpha at which k drafts pay for their cost")
+        lines.append("accept len: measured (expected for simulated alpha); ref: drafts that had a "
+                     "reference token; draft/step: one MTP draft pass, verify/step: one verify "
+                     "step, each over a k=0 decode step; break-even: the alpha at which k drafts "
+                     "pay for their cost")
     return "\n".join(lines)
