@@ -176,6 +176,9 @@ def spec(
                      ] = False,
     num_prompts: Annotated[int, typer.Option(
         "--num-prompts", min=1, help="How many of the default prompts to run.")] = 8,
+    repeats: Annotated[int, typer.Option(
+        "--repeats", min=1, help="Runs of every row, alternated (the median tok/s is "
+        "reported).")] = 1,
     draft_vocab: Annotated[str, typer.Option(
         "--draft-vocab", help="Comma-separated draft-head sizes to compare: N drafts from the "
         "N most frequent tokens (the model's draft_vocab.json, else the first N ids), 0 from "
@@ -230,7 +233,8 @@ def spec(
                             threads=threads or _default_threads(),
                             json_path=json_path, quick=quick, temperature=temperature,
                             ignore_eos=ignore_eos, draft_vocabs=tuple(dv_list),
-                            simulate_acceptance=alphas, num_prompts=num_prompts)
+                            simulate_acceptance=alphas, num_prompts=num_prompts,
+                            repeats=repeats)
     if plot is not None:
         plot_spec(report, plot)
         typer.echo(f"wrote {plot}", err=True)

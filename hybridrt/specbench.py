@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -119,6 +120,20 @@ class SimulatedDrafts:
         return self.num_known / self.num_drafts if self.num_drafts else None
 
 
+def _summary(runs: list) -> dict:
+    """A row's repeated runs -> the median tok/s, the step costs of all of them, and the
+    outputs, acceptance and simulation of the last."""
+    outs, seconds, _, sim = runs[-1]
+    rates = [sum(len(o.outputs[0].token_ids) for o in r[0]) / r[1] for r in runs]
+    costs = StepCosts()
+    for r in runs:
+        costs.merge(r[2])
+    token_ids = [o.outputs[0].token_ids for o in outs]
+    return {"outs": outs, "sim": sim, "seconds": seconds, "tok_s": statistics.median(rates),
+            "tok_s_runs": rates, "costs": costs, "token_ids": token_ids,
+            "tokens": sum(len(t) for t in token_ids)}
+
+
 def _sequences(outs) -> dict[tuple, list[int]]:
     return {tuple(o.prompt_token_ids): o.prompt_token_ids + o.outputs[0].token_ids
             for o in outs}
@@ -188,6 +203,7 @@ def run_spec_bench(
     draft_vocabs: Sequence[int] = (0,),
     simulate_acceptance: Sequence[float] | None = None,
     num_prompts: int = 8,
+    repeats: int = 1,
 ) -> dict:
     """Run every (batch size, draft head, alpha, k) on the same prompts -> report dict (also
     printed as a table and written to ``json_path`` when given).
@@ -197,7 +213,8 @@ def run_spec_bench(
     For batch size b the prompts run in consecutive groups of b concurrent requests. ``quick``:
     4 prompts and at most 8 new tokens, for smoke tests on tiny models. ``draft_vocabs`` and
     ``simulate_acceptance``: see the module docstring (simulated acceptance needs greedy
-    decoding).
+    decoding). ``repeats``: every row runs that many times, alternated with the others, and
+    reports the median tok/s.
     """
     from hybridrt.llm import LLM
 
@@ -205,6 +222,8 @@ def run_spec_bench(
     batch_sizes = sorted({int(b) for b in batch_sizes})
     draft_vocabs = list(dict.fromkeys(int(n) for n in draft_vocabs))
     alphas = [None] if simulate_acceptance is None else [float(a) for a in simulate_acceptance]
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
     if not ks or ks[0] < 0:
         raise ValueError(f"ks must be integers >= 0, got {ks}")
     if not batch_sizes or batch_sizes[0] <= 0:
@@ -270,51 +289,54 @@ def run_spec_bench(
 
         rows = []
         for b in batch_sizes:
-            base_tokens = base_rate = decode_step = None
             refs: dict[int, dict[tuple, list[int]]] = {}  # per k: prompt -> greedy sequence
-            for n, alpha, k in [(0, None, ks[0])] + [
-                (n, a, k) for n in draft_vocabs for a in alphas for k in ks if k > 0
-            ]:
-                sim = None
-                if alpha is not None and k not in refs:
-                    refs[k] = _reference_run(llm, prompts, params, b, k, refs[0])
-                if proposer is not None:
-                    proposer.draft_head = heads[n]
-                    if alpha is not None:
-                        sim = SimulatedDrafts(refs[k], alpha, llm.config.vocab_size)
-                    proposer.draft_override = sim
-                outs, seconds, costs = run(b, k)
-                toks = [o.outputs[0].token_ids for o in outs]
-                n_tok = sum(len(t) for t in toks)
-                rate = n_tok / seconds if seconds > 0 else 0.0
-                if base_rate is None:
-                    base_tokens, base_rate = toks, rate
-                    decode_step = costs.mean("decode")
-                    refs[0] = _sequences(outs)
-                row = {
+            configs = [(0, None, ks[0])] + [
+                (n, a, k) for n in draft_vocabs for a in alphas for k in ks if k > 0]
+            runs: dict[tuple, list] = {c: [] for c in configs}
+            for _ in range(repeats):  # alternated, so that load changes hit every row alike
+                for n, alpha, k in configs:
+                    sim = None
+                    if alpha is not None and k not in refs:
+                        refs[k] = _reference_run(llm, prompts, params, b, k, refs[0])
+                    if proposer is not None:
+                        proposer.draft_head = heads[n]
+                        if alpha is not None:
+                            sim = SimulatedDrafts(refs[k], alpha, llm.config.vocab_size)
+                        proposer.draft_override = sim
+                    outs, seconds, costs = run(b, k)
+                    refs.setdefault(0, _sequences(outs))
+                    runs[(n, alpha, k)].append((outs, seconds, costs, sim))
+                    if verbose:
+                        what = "" if k == 0 else (f" head {n or 'full'}" + (
+                            "" if alpha is None else f" simulated alpha {alpha}"))
+                        rate = sum(len(o.outputs[0].token_ids) for o in outs) / seconds
+                        print(f"batch {b} k {k}{what}: {rate:.1f} tok/s", file=sys.stderr)
+            base = _summary(runs[configs[0]])
+            for n, alpha, k in configs:
+                got = _summary(runs[(n, alpha, k)])
+                outs, sim = got["outs"], got["sim"]
+                rows.append({
                     "batch_size": b,
                     "k": k,
                     "draft_vocab": n if k > 0 else None,
                     "acceptance": "real" if alpha is None else "simulated",
                     "simulated_alpha": alpha if k > 0 else None,
                     "num_requests": len(outs),
-                    "generated_tokens": n_tok,
-                    "seconds": seconds,
-                    "tok_s": rate,
-                    "speedup": rate / base_rate if ks[0] == 0 and base_rate else None,
+                    "generated_tokens": got["tokens"],
+                    "seconds": got["seconds"],
+                    "tok_s": got["tok_s"],
+                    "tok_s_runs": got["tok_s_runs"],
+                    "speedup": got["tok_s"] / base["tok_s"] if ks[0] == 0 and base["tok_s"]
+                    else None,
                     **_spec_summary(outs, k),
                     "expected_acceptance_length": (
                         expected_acceptance_length(alpha, k) if sim is not None else None),
                     "reference_coverage": sim.coverage if sim is not None else None,
-                    **_costs(costs, k, decode_step),
-                    "step_costs": costs.as_dict(),
-                    "identical_to_k0": (toks == base_tokens) if ks[0] == 0 else None,
-                }
-                rows.append(row)
-                if verbose:
-                    what = "" if k == 0 else (f" head {n or 'full'}" + (
-                        "" if alpha is None else f" simulated alpha {alpha}"))
-                    print(f"batch {b} k {k}{what}: {rate:.1f} tok/s", file=sys.stderr)
+                    **_costs(got["costs"], k, base["costs"].mean("decode")),
+                    "step_costs": got["costs"].as_dict(),
+                    "identical_to_k0": (got["token_ids"] == base["token_ids"]) if ks[0] == 0
+                    else None,
+                })
         if proposer is not None:
             proposer.draft_head, proposer.draft_override = heads[reduced or 0], None
         report = {
@@ -324,6 +346,7 @@ def run_spec_bench(
             "max_tokens": max_tokens,
             "temperature": temperature,
             "num_prompts": len(prompts),
+            "repeats": repeats,
             "ks": ks,
             "batch_sizes": batch_sizes,
             "draft_vocabs": draft_vocabs,
@@ -358,8 +381,8 @@ def format_table(report: dict) -> str:
         return none if v is None else format(v, fmt)
 
     head = (f"{'batch':>5} {'k':>2} {'head':>6} {'alpha':>9} {'tok/s':>9} {'speedup':>8} "
-            f"{'accept len':>12} {'ref':>4} {'draft/step':>10} {'verify/step':>11} {'break-even':>10} "
-            f"{'same as k0':>10}  per-position acceptance")
+            f"{'accept len':>12} {'ref':>4} {'draft/step':>10} {'verify/step':>11} "
+            f"{'break-even':>10} {'same as k0':>10}  per-position acceptance")
     lines = []
     if report.get("acceptance") == "simulated":
         lines.append("SIMULATED ACCEPTANCE: the MTP drafts (at its real cost), then each draft is "

@@ -81,6 +81,11 @@ class StepCosts:
         self.seconds[kind] += seconds
         self.counts[kind] += 1
 
+    def merge(self, other: StepCosts) -> None:
+        for k in KINDS:
+            self.seconds[k] += other.seconds[k]
+            self.counts[k] += other.counts[k]
+
     def mean(self, kind: str) -> float | None:
         """Mean seconds of one step (or one drafting) of this kind; None if there was none."""
         return self.seconds[kind] / self.counts[kind] if self.counts[kind] else None

@@ -274,3 +274,15 @@ def test_simulated_acceptance_bench(ckpt, capsys, tmp_path):
             n = r["num_rounds"]
             assert n > 150
             assert abs(r["per_position_acceptance"][0] - 0.5) < 4 * (0.25 / n) ** 0.5
+
+
+def test_repeated_rows_report_the_median(ckpt):
+    import statistics
+
+    report = run_spec_bench(str(ckpt), ks=(0, 1), batch_sizes=(2,), threads=1, quick=True,
+                            repeats=3, verbose=False, simulate_acceptance=(0.5,))
+    for r in report["rows"]:
+        assert len(r["tok_s_runs"]) == 3 and r["tok_s"] == statistics.median(r["tok_s_runs"])
+        assert r["step_costs"]["prefill_count"] == 3 * 4  # 4 prompts, each run 3 times
+    base, spec = report["rows"]
+    assert spec["speedup"] == pytest.approx(spec["tok_s"] / base["tok_s"])
