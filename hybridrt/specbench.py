@@ -275,7 +275,7 @@ def run_spec_bench(
 
         def run(b: int, k: int):
             outs, seconds = [], 0.0
-            llm.engine.step_costs = StepCosts()
+            costs = llm.engine.step_costs = StepCosts()  # this run's steps only
             for i in range(0, len(prompts), b):
                 group = prompts[i:i + b]
                 t = time.perf_counter()
@@ -285,7 +285,8 @@ def run_spec_bench(
                     if o.error is not None:
                         raise o.error
                 outs.extend(res)
-            return outs, seconds, llm.engine.step_costs
+            llm.engine.step_costs = StepCosts()
+            return outs, seconds, costs
 
         rows = []
         for b in batch_sizes:
