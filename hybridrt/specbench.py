@@ -269,9 +269,15 @@ def run_spec_bench(
                              f"max_model_len {llm.engine.engine_config.max_model_len}")
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
                                 ignore_eos=ignore_eos, seed=0 if temperature > 0 else None)
-        warm = params.clone(max_tokens=2)
-        for k in ks:
-            llm.generate(prompts[:1], warm, use_tqdm=False, speculative_tokens=k)
+        # warm-up at the largest batch with every head: the CPU backend makes its packed
+        # weight copies for batched GEMMs at first use
+        warm = params.clone(max_tokens=3)
+        for n in draft_vocabs if max(ks) > 0 else [0]:
+            if proposer is not None:
+                proposer.draft_head = heads[n]
+            for k in ks:
+                llm.generate(prompts[:max(batch_sizes)], warm, use_tqdm=False,
+                             speculative_tokens=k)
 
         def run(b: int, k: int):
             outs, seconds = [], 0.0
