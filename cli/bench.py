@@ -179,6 +179,9 @@ def spec(
     repeats: Annotated[int, typer.Option(
         "--repeats", min=1, help="Runs of every row, alternated (the median tok/s is "
         "reported).")] = 1,
+    cpu_time: Annotated[bool, typer.Option(
+        "--cpu-time", help="Time in this process's CPU seconds instead of wall seconds: with "
+        "--threads 1, the speed on a machine of its own (default: off).")] = False,
     draft_vocab: Annotated[str, typer.Option(
         "--draft-vocab", help="Comma-separated draft-head sizes to compare: N drafts from the "
         "N most frequent tokens (the model's draft_vocab.json, else the first N ids), 0 from "
@@ -234,7 +237,7 @@ def spec(
                             json_path=json_path, quick=quick, temperature=temperature,
                             ignore_eos=ignore_eos, draft_vocabs=tuple(dv_list),
                             simulate_acceptance=alphas, num_prompts=num_prompts,
-                            repeats=repeats)
+                            repeats=repeats, cpu_time=cpu_time)
     if plot is not None:
         plot_spec(report, plot)
         typer.echo(f"wrote {plot}", err=True)

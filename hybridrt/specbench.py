@@ -125,7 +125,7 @@ def _summary(runs: list) -> dict:
     outputs, acceptance and simulation of the last."""
     outs, seconds, _, sim = runs[-1]
     rates = [sum(len(o.outputs[0].token_ids) for o in r[0]) / r[1] for r in runs]
-    costs = StepCosts()
+    costs = StepCosts(runs[0][2].clock)
     for r in runs:
         costs.merge(r[2])
     token_ids = [o.outputs[0].token_ids for o in outs]
@@ -204,6 +204,7 @@ def run_spec_bench(
     simulate_acceptance: Sequence[float] | None = None,
     num_prompts: int = 8,
     repeats: int = 1,
+    cpu_time: bool = False,
 ) -> dict:
     """Run every (batch size, draft head, alpha, k) on the same prompts -> report dict (also
     printed as a table and written to ``json_path`` when given).
@@ -214,7 +215,9 @@ def run_spec_bench(
     4 prompts and at most 8 new tokens, for smoke tests on tiny models. ``draft_vocabs`` and
     ``simulate_acceptance``: see the module docstring (simulated acceptance needs greedy
     decoding). ``repeats``: every row runs that many times, alternated with the others, and
-    reports the median tok/s.
+    reports the median tok/s. ``cpu_time``: time everything in this process's CPU seconds
+    instead of wall seconds (with one thread, what the run takes on a machine it has to
+    itself; on a shared one, wall time also counts the time other processes hold the core).
     """
     from hybridrt.llm import LLM
 
@@ -279,14 +282,16 @@ def run_spec_bench(
                 llm.generate(prompts[:max(batch_sizes)], warm, use_tqdm=False,
                              speculative_tokens=k)
 
+        clock = time.process_time if cpu_time else time.perf_counter
+
         def run(b: int, k: int):
             outs, seconds = [], 0.0
-            costs = llm.engine.step_costs = StepCosts()  # this run's steps only
+            costs = llm.engine.step_costs = StepCosts(clock)  # this run's steps only
             for i in range(0, len(prompts), b):
                 group = prompts[i:i + b]
-                t = time.perf_counter()
+                t = clock()
                 res = llm.generate(group, params, use_tqdm=False, speculative_tokens=k)
-                seconds += time.perf_counter() - t
+                seconds += clock() - t
                 for o in res:
                     if o.error is not None:
                         raise o.error
@@ -354,6 +359,7 @@ def run_spec_bench(
             "temperature": temperature,
             "num_prompts": len(prompts),
             "repeats": repeats,
+            "clock": "cpu" if cpu_time else "wall",
             "ks": ks,
             "batch_sizes": batch_sizes,
             "draft_vocabs": draft_vocabs,
@@ -391,6 +397,9 @@ def format_table(report: dict) -> str:
             f"{'accept len':>12} {'ref':>4} {'draft/step':>10} {'verify/step':>11} "
             f"{'break-even':>10} {'same as k0':>10}  per-position acceptance")
     lines = []
+    if report.get("clock") == "cpu":
+        lines.append("CPU TIME: tok/s and step costs in this process's CPU seconds, not wall "
+                     "seconds")
     if report.get("acceptance") == "simulated":
         lines.append("SIMULATED ACCEPTANCE: the MTP drafts (at its real cost), then each draft is "
                      "replaced by the k=0 greedy token with probability alpha, a wrong one "

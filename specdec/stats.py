@@ -6,6 +6,8 @@ per-position acceptance rate i = drafts accepted at position i / rounds.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -72,8 +74,10 @@ class StepCosts:
     engine steps by kind, and of the MTP passes after them. A step is ``prefill`` when it
     computes any prompt token, else ``verify`` when it verifies any drafts, else ``decode``
     (one new token per request); its time runs from scheduling to the emitted tokens.
-    ``draft`` is the proposer's time after a step (the MTP passes and picking the drafts)."""
+    ``draft`` is the proposer's time after a step (the MTP passes and picking the drafts).
+    ``clock``: wall time by default; ``time.process_time`` gives this process's CPU time."""
 
+    clock: Callable[[], float] = time.perf_counter
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
 

@@ -21,6 +21,7 @@ from hybridrt.specbench import (
     SimulatedDrafts,
     break_even_alpha,
     expected_acceptance_length,
+    format_table,
     run_spec_bench,
 )
 from hybridrt.specdec.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab, rank_tokens
@@ -221,6 +222,11 @@ def test_step_costs_count_the_steps(ckpt, prompts):
     assert c.counts["draft"] == c.counts["prefill"] + c.counts["verify"] + c.counts["decode"]
     assert all(v > 0 for k, v in c.seconds.items() if c.counts[k])
     assert c.as_dict()["verify_count"] == rounds
+    ticks = iter(range(10**6))  # a clock that advances by 1 per reading
+    llm.engine.step_costs = type(c)(clock=lambda: next(ticks))
+    llm.generate([prompts[2]], GREEDY, use_tqdm=False)
+    c = llm.engine.step_costs
+    assert c.seconds == {k: float(n) for k, n in c.counts.items()}  # one tick per step
 
 
 # Simulated acceptance -------------------------------------------------------------------------
@@ -280,7 +286,8 @@ def test_repeated_rows_report_the_median(ckpt):
     import statistics
 
     report = run_spec_bench(str(ckpt), ks=(0, 1), batch_sizes=(2,), threads=1, quick=True,
-                            repeats=3, verbose=False, simulate_acceptance=(0.5,))
+                            repeats=3, verbose=False, simulate_acceptance=(0.5,), cpu_time=True)
+    assert report["clock"] == "cpu" and "CPU TIME" in format_table(report)
     for r in report["rows"]:
         assert len(r["tok_s_runs"]) == 3 and r["tok_s"] == statistics.median(r["tok_s_runs"])
         n = r["step_costs"]["prefill_count"]  # the same steps in each of the 3 runs
