@@ -93,20 +93,43 @@ def throughput(
     no_transformers: Annotated[bool, typer.Option(
         "--no-transformers", help="Only hybridrt, skip the transformers side (default: off).")
     ] = False,
+    against_llamacpp: Annotated[Path | None, typer.Option(
+        "--against-llamacpp", metavar="GGUF", help="Also run llama.cpp's llama-bench and "
+        "llama-batched-bench on this GGUF of the same model, same work and threads, and add "
+        "its columns and our ratios to it (default: off).", show_default=False)] = None,
+    llamacpp_bin: Annotated[Path | None, typer.Option(
+        "--llamacpp-bin", metavar="DIR", help="Folder of llama-bench and llama-batched-bench "
+        "(default: $LLAMACPP_HOME/llama.cpp/build/bin, LLAMACPP_HOME defaulting to "
+        "~/.cache/hybridrt-llamacpp).", show_default=False)] = None,
+    order: Annotated[str, typer.Option(
+        "--order", help="With --against-llamacpp: the rounds, alternated so that a change in "
+        "the machine's load reaches both engines; medians per engine.")
+    ] = "hybridrt,llamacpp,hybridrt,llamacpp",
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
-    """Prefill, batch-1 decode and aggregate tok/s, side by side with transformers."""
+    """Prefill, batch-1 decode and aggregate tok/s, side by side with transformers and, with
+    --against-llamacpp, llama.cpp; the machine's read bandwidth and the batch-1 ceiling."""
     _need_matplotlib(plot)
     _check_dtype(dtype)
     sizes = _int_list("--concurrency", concurrency, 1)
+    from hybridrt import llamacpp
+
+    rounds = [e.strip() for e in order.split(",") if e.strip()]
+    try:
+        llamacpp.check_order(rounds)
+        if against_llamacpp is not None:
+            llamacpp.check(against_llamacpp, llamacpp_bin)
+    except (ValueError, llamacpp.LlamaCppError) as e:
+        raise CliError(str(e), 2) from None
     from hybridrt import bench
 
     report = bench.throughput(
         model=model, dtype=dtype, threads=threads or _default_threads(),
         prefill_len=prefill_len, prompt_len=prompt_len, decode_tokens=decode_tokens,
         concurrency=sizes, repeats=repeats, transformers=not no_transformers,
-        json_path=json_path,
+        json_path=json_path, against_llamacpp=against_llamacpp, llamacpp_bin=llamacpp_bin,
+        order=rounds,
     )
     if plot is not None:
         plot_throughput(report, plot)
@@ -129,17 +152,16 @@ def gemm(
 
 def plot_throughput(report: dict, path: Path) -> None:
     plt = _pyplot()
-    ours, theirs = report["hybridrt"], report.get("transformers", {})
-    names = list(ours)
-    x = range(len(names))
+    engines = [(label, report[key]) for key, label in (
+        ("hybridrt", "hybridrt"), ("llamacpp", "llama.cpp"), ("transformers", "transformers"))
+        if key in report]
+    names = list(report["hybridrt"])
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(names)), 4))
-    width = 0.4 if theirs else 0.8
-    ax.bar([i - (width / 2 if theirs else 0) for i in x], [ours[n] for n in names], width,
-           label="hybridrt")
-    if theirs:
-        ax.bar([i + width / 2 for i in x], [theirs.get(n, 0.0) for n in names], width,
-               label="transformers")
-    ax.set_xticks(list(x), [n.replace("_tok_s", "") for n in names])
+    width = 0.8 / len(engines)
+    for j, (label, rows) in enumerate(engines):
+        ax.bar([i + (j - (len(engines) - 1) / 2) * width for i in range(len(names))],
+               [rows.get(n, 0.0) for n in names], width, label=label)
+    ax.set_xticks(range(len(names)), [n.replace("_tok_s", "") for n in names])
     ax.set_ylabel("tokens / s")
     ax.set_title(f"throughput: {report.get('model')} ({report.get('dtype')}, "
                  f"{report.get('threads')} threads)")
@@ -294,3 +316,21 @@ def startup(
     from hybridrt.startup import run_startup_bench
 
     run_startup_bench(model, runs=runs, threads=threads, json_path=json_path)
+
+
+# busy ----------------------------------------------------------------------------------------
+@bench_app.command("busy")
+def busy(
+    model: ModelArg = None,
+    tokens: Annotated[int, typer.Option(
+        "--tokens", min=2, help="New tokens per decode run.")] = 24,
+    rounds: Annotated[int, typer.Option(
+        "--rounds", min=1, help="Runs of each variant, alternated (the median is "
+        "reported).")] = 2,
+    json_path: JsonOpt = None,
+) -> None:
+    """Batch-1 decode with the default threads against each explicit --threads, on the
+    machine as it is and beside one busy process (each run a fresh interpreter)."""
+    from hybridrt.busybench import run_busy_bench
+
+    run_busy_bench(model, tokens=tokens, rounds=rounds, json_path=json_path)

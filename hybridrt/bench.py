@@ -9,6 +9,12 @@ alternated three times. Both engines get the same prompts and generate the same 
 tokens in every row; ``work`` in the report records, per row and engine, the requests, prompt
 length and new tokens per request that were actually run. Timings on shared machines are noisy:
 read the ratios, measured side by side in the same process.
+
+With ``against_llamacpp`` (a GGUF of the same model), llama.cpp's own benchmarks run the same
+work with the same threads (hybridrt.llamacpp), in rounds alternated with hybridrt's, and the
+report adds its figures and hybridrt's ratios to them. Every run also measures what the machine
+allows (hybridrt.ceilings): the read bandwidth, an fp32 matmul rate, and the batch-1 decode
+ceiling, bandwidth over the bytes of weights a decode step reads.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -24,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from hybridrt.llamacpp import DEFAULT_ORDER, ENGINES, check_order
 from hybridrt.sampling_params import SamplingParams
 
 
@@ -60,22 +68,29 @@ def _work(requests: int, prompt_len: int, new_tokens: list[int]) -> dict:
     return {"requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens[0]}
 
 
-def bench_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: int,
-               concurrency: list[int], prompt_len: int, repeats: int
-               ) -> tuple[dict, dict, object]:
+def load_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: int,
+              concurrency: list[int], prompt_len: int):
+    """The engine for ``bench_ours``, warmed up."""
     from hybridrt.llm import LLM
 
     max_len = max(prefill_len, prompt_len) + decode_tokens + 8
     llm = LLM(model, dtype=dtype, max_model_len=max_len, max_num_seqs=max(concurrency + [1]),
               max_num_batched_tokens=max(prefill_len, 512), cache_memory=0.25)
-    vocab = llm.config.vocab_size
-    res: dict[str, float] = {}
-    work: dict[str, dict] = {}
     # warm-up with the largest batch of the measured shape: batched CPU steps pack each weight
     # once, on first use, and the first step of a shape faults in its buffers' pages
     warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    llm.generate(_prompts(max(concurrency + [1]), prompt_len, vocab, 99), warm, use_tqdm=False)
+    llm.generate(_prompts(max(concurrency + [1]), prompt_len, llm.config.vocab_size, 99), warm,
+                 use_tqdm=False)
+    return llm
 
+
+def bench_ours(llm, prefill_len: int, decode_tokens: int, concurrency: list[int],
+               prompt_len: int, repeats: int, interleave: bool = True) -> tuple[dict, dict]:
+    """One round of hybridrt's measurements -> (results, the work of each row); with
+    ``interleave``, also the batching ratio from alternated runs."""
+    vocab = llm.config.vocab_size
+    res: dict[str, float] = {}
+    work: dict[str, dict] = {}
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     times = []
     for r in range(repeats):
@@ -107,7 +122,7 @@ def bench_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: i
         res[f"decode_b{c}_tok_s"] = sum(o.metrics["decode_tokens_per_s"] for o in outs)
         work[f"aggregate_b{c}_tok_s"] = work[f"decode_b{c}_tok_s"] = _work(
             c, prompt_len, [len(o.outputs[0].token_ids) for o in outs])
-    if concurrency:
+    if concurrency and interleave:
         # the batching ratio again from batch-1 and largest-batch runs alternated, so that drift
         # in this shared machine's speed between the measurements above does not enter it
         c = max(concurrency)
@@ -119,7 +134,7 @@ def bench_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: i
             batched.append(sum(o.metrics["decode_tokens_per_s"] for o in outs))
         res[f"interleaved_decode_b{c}_over_b1"] = (statistics.median(batched)
                                                    / statistics.median(alone))
-    return res, work, llm
+    return res, work
 
 
 def bench_transformers(state_dict: dict, text_config: dict, dtype: torch.dtype, prefill_len: int,
@@ -163,13 +178,39 @@ def bench_transformers(state_dict: dict, text_config: dict, dtype: torch.dtype, 
     return res, work
 
 
+def _medians(rounds: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+
+
+def _check_same_work(ours: dict, theirs: dict) -> None:
+    """llama.cpp's rows against ours: the same prompt length for prefill (llama-bench generates
+    no token there), the same new tokens at batch 1 (its tg runs without a prompt), everything
+    the same at each concurrency."""
+    fields = {"prefill_tok_s": ("requests", "prompt_len"),
+              "decode_b1_tok_s": ("requests", "new_tokens")}
+    for row, w in theirs.items():
+        keys = fields.get(row, ("requests", "prompt_len", "new_tokens"))
+        if any(w[k] != ours[row][k] for k in keys):
+            raise RuntimeError(f"unequal work in {row}: hybridrt {ours[row]}, llama.cpp {w}")
+
+
 @_restores_threads
 def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int = 2,
                prefill_len: int = 512, prompt_len: int = 16, decode_tokens: int = 16,
                concurrency: list[int] = (8, 32), repeats: int = 2, transformers: bool = True,
-               json_path: str | Path | None = None) -> dict:
+               json_path: str | Path | None = None, against_llamacpp: str | Path | None = None,
+               llamacpp_bin: str | Path | None = None, order: list[str] = DEFAULT_ORDER,
+               stream_bytes: int = 1 << 30) -> dict:
     """Run the throughput benchmark -> the report (also printed as a table and written to
-    ``json_path``). ``model``: a checkpoint (default: a random-weight 0.8B-shaped one)."""
+    ``json_path``). ``model``: a checkpoint (default: a random-weight 0.8B-shaped one).
+    ``against_llamacpp``: a GGUF of the same model, benchmarked by llama.cpp in the rounds
+    ``order`` names (hybridrt's rows measured once per ``hybridrt`` round); each engine's
+    figure is the median over its rounds. The read bandwidth (``stream_bytes`` streamed) and
+    an fp32 matmul rate are measured in the same run, with the same threads."""
+    from hybridrt import ceilings, llamacpp
+
+    bins = llamacpp.check(against_llamacpp, llamacpp_bin) if against_llamacpp else None
+    order = check_order(order) if bins is not None else ["hybridrt"]
     torch.set_num_threads(threads)
     concurrency = list(concurrency)
     tmp = None
@@ -179,22 +220,57 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
         print("writing a random-weight Qwen3.5-0.8B-shaped checkpoint (bf16) ...", file=sys.stderr)
         path = str(make_random_08b(tmp.name))
     print(f"hybridrt: prefill {prefill_len}, decode {decode_tokens} tokens, "
-          f"concurrency {concurrency}, {threads} threads", file=sys.stderr)
-    ours, our_work, llm = bench_ours(path, dtype, prefill_len, decode_tokens, concurrency,
-                                     prompt_len, repeats)
-    interleaved = {k: ours.pop(k) for k in list(ours) if k.startswith("interleaved_")}
+          f"concurrency {concurrency}, {threads} threads, rounds {','.join(order)}",
+          file=sys.stderr)
+    load_start = list(os.getloadavg())
+    llm = load_ours(path, dtype, prefill_len, decode_tokens, concurrency, prompt_len)
+    rounds, our_work, their_work, their_run = [], None, None, {}
+    for engine in order:
+        load = list(os.getloadavg())
+        if engine == "hybridrt":
+            res, our_work = bench_ours(llm, prefill_len, decode_tokens, concurrency, prompt_len,
+                                       repeats, interleave=not rounds)
+        else:
+            print("llama.cpp: llama-bench, llama-batched-bench ...", file=sys.stderr)
+            res, their_work, their_run = llamacpp.bench(
+                against_llamacpp, bins, threads, prefill_len, prompt_len, decode_tokens,
+                concurrency)
+        rounds.append({"engine": engine, "load_average": load, "results": res})
+    interleaved = {k: rounds[0]["results"].pop(k) for k in list(rounds[0]["results"])
+                   if k.startswith("interleaved_")}
+    ours = _medians([r["results"] for r in rounds if r["engine"] == "hybridrt"])
     c = max(concurrency, default=None)
     report = {"model": str(model or "random Qwen3.5-0.8B shape"), "dtype": dtype,
-              "threads": threads,
+              "threads": threads, "cpu": ceilings.cpu_info(),
               "workload": {"prefill_len": prefill_len, "prompt_len": prompt_len,
                            "decode_tokens": decode_tokens, "concurrency": concurrency,
                            "repeats": repeats},
               "hybridrt": ours, "work": {"hybridrt": our_work}, **interleaved,
-              "peak_rss_gib": _peak_rss_gib()}
+              "peak_rss_gib": _peak_rss_gib(),
+              "load_average": {"start": load_start}}
     if c is not None:
         report[f"ratio_aggregate_b{c}_vs_b1"] = (ours[f"aggregate_b{c}_tok_s"]
                                                  / ours["decode_b1_tok_s"])
         report[f"ratio_decode_b{c}_vs_b1"] = ours[f"decode_b{c}_tok_s"] / ours["decode_b1_tok_s"]
+    if bins is not None:
+        _check_same_work(our_work, their_work)
+        theirs = _medians([r["results"] for r in rounds if r["engine"] == "llamacpp"])
+        report["llamacpp"] = theirs
+        report["work"]["llamacpp"] = their_work
+        report["ratio_vs_llamacpp"] = llamacpp.ratios(ours, theirs)
+        report["llamacpp_run"] = {
+            "gguf": str(against_llamacpp), "bin": str(bins), **their_run,
+            "prompts": "llama.cpp's own random tokens; llama-bench's tg runs without a prompt"}
+        report["rounds"] = rounds
+    print("measuring the read bandwidth and the fp32 matmul rate ...", file=sys.stderr)
+    stream = ceilings.stream_read(threads, stream_bytes)
+    per_token = ceilings.weight_bytes_per_token(llm.model)
+    ceiling = stream["gb_s"] * 1e9 / per_token
+    report["ceilings"] = {
+        "stream_read": stream, "matmul_fp32": ceilings.matmul_rate(threads),
+        "weight_bytes_per_token": per_token, "batch1_decode_tok_s": ceiling,
+        "fraction": {e: report[e]["decode_b1_tok_s"] / ceiling
+                     for e in ENGINES if e in report}}
     if transformers:
         import copy
         import json as _json
@@ -217,6 +293,7 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
         report["transformers"] = theirs
         report["work"]["transformers"] = their_work
         report["ratio_vs_transformers"] = {k: ours[k] / theirs[k] for k in ours if k in theirs}
+    report["load_average"]["end"] = list(os.getloadavg())
     if tmp is not None:
         tmp.cleanup()
     print(format_table(report))
@@ -236,13 +313,32 @@ def _peak_rss_gib() -> float | None:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+def _loads(values: list[float]) -> str:
+    return " ".join(f"{v:.2f}" for v in values)
+
+
 def format_table(report: dict) -> str:
-    ours, theirs = report["hybridrt"], report.get("transformers", {})
-    rows = [f"{'metric':<24}{'hybridrt':>12}{'transformers':>14}{'ratio':>8}"]
+    """The report as text: the CPU, one row per measurement with each other engine's figure and
+    hybridrt's ratio to it, memory, batching ratios, the ceilings."""
+    ours = report["hybridrt"]
+    others = [(name, label) for name, label in (("llamacpp", "llama.cpp"),
+                                                ("transformers", "transformers"))
+              if name in report]
+    rows = []
+    cpu = report.get("cpu")
+    if cpu:
+        load = report.get("load_average", {})
+        rows.append(f"CPU: {cpu['model']} ({' '.join(cpu['flags']) or 'no listed flags'}); "
+                    f"{report['threads']} threads; load average "
+                    + "; ".join(f"{k} {_loads(v)}" for k, v in load.items()))
+    rows.append(f"{'metric':<24}{'hybridrt':>12}"
+                + "".join(f"{label:>14}{'ratio':>8}" for _, label in others))
     for k, v in ours.items():
-        t = theirs.get(k)
-        rest = f"{t:>14.2f}{v / t:>8.2f}" if t else f"{'-':>14}{'-':>8}"
-        rows.append(f"{k:<24}{v:>12.2f}" + rest)
+        line = f"{k:<24}{v:>12.2f}"
+        for name, _ in others:
+            t = report[name].get(k)
+            line += f"{t:>14.2f}{v / t:>8.2f}" if t else f"{'-':>14}{'-':>8}"
+        rows.append(line)
     for k, v in report.items():
         if k.startswith("ratio_aggregate_b"):
             c = k.split("_b")[1].split("_")[0]
@@ -250,23 +346,44 @@ def format_table(report: dict) -> str:
                         f"our b1: {report[f'ratio_decode_b{c}_vs_b1']:.2f}x")
     if report.get("peak_rss_gib") is not None:
         rows.append(f"hybridrt peak RSS: {report['peak_rss_gib']:.2f} GiB")
+    if "llamacpp" in report:
+        run = report["llamacpp_run"]
+        rss = report["peak_rss_gib"] / run["peak_rss_gib"] if report.get("peak_rss_gib") else 0
+        rows.append(f"llama.cpp peak RSS: {run['peak_rss_gib']:.2f} GiB (hybridrt / llama.cpp: "
+                    f"{rss:.2f})")
+        rows.append("llama.cpp: llama-bench (prefill; batch 1, without a prompt) and "
+                    "llama-batched-bench (S_TG), on its own random prompt tokens")
+        rows.append("rounds (1-min load average before each): "
+                    + ", ".join(f"{r['engine']} {r['load_average'][0]:.2f}"
+                                for r in report["rounds"]) + "; medians per engine")
     for k, v in report.items():
         if k.startswith("interleaved_"):
             c = k.split("_b")[1].split("_")[0]
             rows.append(f"decode b{c} / our b1, three alternated runs of each: {v:.2f}x")
+    ceil = report.get("ceilings")
+    if ceil:
+        s, mm = ceil["stream_read"], ceil["matmul_fp32"]
+        how = f"{s['vector_bits']}-bit C read loop" if s["vector_bits"] else s["method"]
+        rows.append(f"read bandwidth: {s['gb_s']:.1f} GB/s ({how}, {s['bytes'] / 2**30:.2g} GiB, "
+                    f"best of {s['passes']}); fp32 matmul {'x'.join(map(str, mm['shape']))}: "
+                    f"{mm['gflop_s']:.1f} GFLOP/s")
+        rows.append(f"weights read per decoded token: {ceil['weight_bytes_per_token'] / 1e9:.3f} "
+                    f"GB -> batch-1 ceiling {ceil['batch1_decode_tok_s']:.2f} tok/s; "
+                    + ", ".join(f"{'llama.cpp' if e == 'llamacpp' else e} {f:.0%}"
+                                for e, f in ceil["fraction"].items()) + " of it")
     return "\n".join(rows)
 
 
 @_restores_threads
 def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9) -> list[dict]:
     """ms per weight of the CPU GEMM paths for bf16 weights at the 0.8B shapes (kernels/linear.py):
-    compiled panels, oneDNN's fp32 copy, for up to 4 rows the compiled GEMV on the weight as it
-    is, and for 1-2 rows bf16 ``F.linear``. Several weights in turn so each streams from memory
+    the compiled GEMM on the weight as it is, oneDNN's fp32 copy, for up to 4 rows the compiled
+    GEMV, and for 1-2 rows bf16 ``F.linear``. Several weights in turn so each streams from memory
     as in a model; median of interleaved rounds."""
     import torch.nn.functional as F
 
     from hybridrt.kernels import native
-    from hybridrt.kernels.linear import PanelWeight, _cpu_gemm, _onednn_available
+    from hybridrt.kernels.linear import _cpu_gemm, _onednn_available
 
     torch.set_num_threads(threads)
     results = []
@@ -274,8 +391,7 @@ def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9
         ws = [torch.randn(n, k).bfloat16() for _ in range(copies)]
         paths = {}
         if native.half_gemm_available():
-            pw = [PanelWeight(w) for w in ws]
-            paths["panels"] = lambda x, pw=pw: [_cpu_gemm(x, p) for p in pw]
+            paths["half_gemm"] = lambda x, ws=ws: [native.half_gemm(x, w) for w in ws]
         if _onednn_available():
             od = [torch.ops.mkldnn._reorder_linear_weight(w.float().contiguous(), 32) for w in ws]
             paths["onednn_fp32"] = lambda x, od=od: [_cpu_gemm(x, p) for p in od]

@@ -57,7 +57,9 @@ class LLMEngine:
         self.engine_config = engine_config
         self.tokenizer = tokenizer
         self.output = OutputProcessor(tokenizer, engine_config.max_model_len)
-        self.runner = ModelRunner(model, cache, device, backend)
+        self.runner = ModelRunner(model, cache, device, backend, engine_config.max_num_seqs,
+                                  engine_config.max_num_batched_tokens,
+                                  engine_config.max_model_len)
         self.scheduler = Scheduler(cache, engine_config.max_num_seqs,
                                    engine_config.max_num_batched_tokens, sessions=self)
         self.sampler = Sampler(seed=seed)  # shared generator for requests without a seed
@@ -169,16 +171,9 @@ class LLMEngine:
         session, snapshot_at = req.session, req.session_snapshot_at
         cache, key = self.cache, session.cache_key
         ids = req.prompt_token_ids
-        reuse = min(common_prefix(ids, session.token_ids), len(ids) - 1)
-        slots = cache.state_slots.get(key)
-        if slots is not None and len(slots) != 1 + req.spec_k:
-            reuse = 0  # slot layout changed with speculative_tokens: start over
-        if 0 < reuse < len(session.token_ids):
-            if session.snapshot_len is not None and session.snapshot_len <= reuse:
-                reuse = session.snapshot_len
-                cache.copy_state(session.snapshot_slot, slots[session.slot_cursor])
-            else:
-                reuse = 0
+        reuse = self.reusable_tokens(session, ids, req.spec_k)
+        if 0 < reuse < len(session.token_ids):  # the GDN state at the snapshot
+            cache.copy_state(session.snapshot_slot, cache.state_slots[key][session.slot_cursor])
         if reuse == 0:
             cache.free(key)
             session.slot_cursor, session.snapshot_len = 0, None
@@ -194,7 +189,23 @@ class LLMEngine:
         req.snapshot_at = at if at > reuse else None
         req.session_attached = True
         req.metrics.session_cache_evicted, session.evicted = session.evicted, False
-        session.last_reused_tokens = reuse
+        session.last_reused_tokens = req.metrics.num_reused_prompt_tokens = reuse
+
+    def reusable_tokens(self, session: Session, prompt_token_ids: list[int],
+                        spec_k: int = 0) -> int:
+        """How many leading prompt tokens a request on ``session`` would take from its cache
+        now: the common prefix with the session's tokens (at most all but the last prompt
+        token); where the prompt diverges inside them, the snapshot if it lies before the
+        divergence, else none."""
+        reuse = min(common_prefix(prompt_token_ids, session.token_ids),
+                    len(prompt_token_ids) - 1)
+        slots = self.cache.state_slots.get(session.cache_key)
+        if slots is not None and len(slots) != 1 + spec_k:
+            return 0  # slot layout changed with speculative_tokens: start over
+        if 0 < reuse < len(session.token_ids):
+            snap = session.snapshot_len
+            return snap if snap is not None and snap <= reuse else 0
+        return reuse
 
     def detach_session(self, req: Request) -> None:
         """Undo ``attach_session`` for a request that could not be admitted after all: the
@@ -204,6 +215,7 @@ class LLMEngine:
         session.token_ids = req.token_ids[:req.num_computed_tokens]
         session.slot_cursor = req.slot_cursor
         req.num_computed_tokens, req.slot_cursor, req.session_attached = 0, 0, False
+        req.metrics.num_reused_prompt_tokens = 0
 
     def evict_idle_session(self) -> bool:
         """Free the cache of the least recently used session that holds one while no request

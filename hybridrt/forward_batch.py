@@ -31,7 +31,8 @@ class ForwardBatch:
     Host-side copies (``query_lens``, ``context_lens``, ``state_slot_list``, ``initial_list``)
     come from the runner, which has them as lists (derived here, once, for a batch built
     from tensors alone): the backend's ``prepare`` builds the step's metadata from them, so
-    that no layer reads a device tensor back. ``meta`` is that metadata, set by the model.
+    that no layer reads a device tensor back. ``meta`` is that metadata, set by the model;
+    ``arrays`` the buffers it goes into (the engine's ``StepBuffers``, kernels/meta.py).
     """
 
     input_ids: torch.Tensor
@@ -50,6 +51,7 @@ class ForwardBatch:
     initial_list: list[bool] = field(default_factory=list)
     query_starts: list[int] = field(default_factory=list)
     meta: Any = None
+    arrays: Any = None  # where the backend's plans go (kernels/meta.py); new arrays if None
 
     def __post_init__(self) -> None:
         B = self.cu_seqlens.numel() - 1

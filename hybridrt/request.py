@@ -30,6 +30,7 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_computed_prompt_tokens: int = 0  # prompt tokens actually prefilled (recompute counts)
+    num_reused_prompt_tokens: int = 0  # prompt tokens taken from a session's cache
     num_preemptions: int = 0
     session_cache_evicted: bool = False  # the session's cache was evicted since its last turn
 
@@ -56,6 +57,7 @@ class RequestMetrics:
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "num_preemptions": self.num_preemptions,
             "num_prefilled_tokens": self.num_computed_prompt_tokens,
+            "num_reused_tokens": self.num_reused_prompt_tokens,
             "session_cache_evicted": self.session_cache_evicted,
         }
 

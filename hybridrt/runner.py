@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hybridrt.forward_batch import ForwardBatch
 from hybridrt.kernels.backend import select_backend
+from hybridrt.kernels.meta import FreshArrays, StepBuffers
 from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.scheduler import StepPlan
 from hybridrt.statecache import HybridCacheManager
@@ -20,58 +22,76 @@ def build_batch(
     logits_rows: list[str] | None = None,
     verify_slots: list[list[int] | None] | None = None,
     device: torch.device | str = "cpu",
+    arrays: FreshArrays | None = None,
 ) -> ForwardBatch:
     """Flat batch for sequences whose new tokens ``token_lists[b]`` sit at positions
-    ``starts[b]..``. Per-token quantities (positions, KV slots) are computed with tensor ops.
+    ``starts[b]..``. Per-token quantities (positions, KV slots) are computed with array ops,
+    into ``arrays`` (the engine's persistent ``StepBuffers``; new arrays by default).
 
     logits_rows[b]: "none", "last" (the row of the sequence's last token) or "all" (every row,
     draft verification). Default: "last" for every sequence.
     """
+    arr = arrays if arrays is not None else FreshArrays(device)
     B = len(token_lists)
-    ids: list[int] = []
-    for t in token_lists:
-        ids.extend(t)
     q_lens_list = [len(t) for t in token_lists]
-    q_lens = torch.tensor(q_lens_list, dtype=torch.long)
-    computed = torch.tensor(starts, dtype=torch.long)
-    cu = torch.zeros(B + 1, dtype=torch.long)
-    torch.cumsum(q_lens, 0, out=cu[1:])
-    T = len(ids)
-    seq_idx = torch.repeat_interleave(torch.arange(B), q_lens)
-    positions = computed[seq_idx] + torch.arange(T) - cu[:-1][seq_idx]
+    q_lens = np.asarray(q_lens_list, dtype=np.int64)
+    computed = np.asarray(starts, dtype=np.int64)
+    T = int(q_lens.sum())
+    ids = arr.longs(T)
+    if T:
+        ids[:] = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_lists])
+    cu = arr.longs(B + 1)
+    cu[0] = 0
+    np.cumsum(q_lens, out=cu[1:])
+    seq_idx = np.repeat(np.arange(B), q_lens)
+    positions = arr.longs(T)
+    np.add(computed[seq_idx], np.arange(T) - cu[:-1][seq_idx], out=positions)
+    seq_lens = arr.longs(B)
+    np.add(computed, q_lens, out=seq_lens)
     width = max(len(t) for t in block_tables)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
-    slot_mapping = tables[seq_idx, positions // block_size] * block_size + positions % block_size
+    tables = arr.longs(B * width).reshape(B, width)
+    tables.fill(0)
+    for b, t in enumerate(block_tables):
+        tables[b, :len(t)] = t
+    slot_mapping = arr.longs(T)
+    np.add(tables[seq_idx, positions // block_size] * block_size, positions % block_size,
+           out=slot_mapping)
     modes = logits_rows or ["last"] * B
-    want_last = torch.tensor([m == "last" for m in modes], dtype=torch.bool)
-    want_all = torch.tensor([m == "all" for m in modes], dtype=torch.bool)
-    is_last = torch.zeros(T, dtype=torch.bool)
-    is_last[cu[1:] - 1] = True
-    rows = (want_all[seq_idx] | (want_last[seq_idx] & is_last)).nonzero().view(-1)
+    want = arr.bools(T)
+    want.fill(False)
+    for b, m in enumerate(modes):
+        if m == "all":
+            want[cu[b]:cu[b + 1]] = True
+        elif m == "last" and q_lens_list[b]:
+            want[cu[b + 1] - 1] = True
+    rows = arr.longs(int(want.sum()))
+    rows[:] = np.flatnonzero(want)
     slot_list = list(state_slots) if state_slots is not None else [0] * B
-    slots = torch.tensor(slot_list, dtype=torch.long)
-    dev = torch.device(device)
+    initial = [c > 0 for c in starts]
     return ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long).to(dev),
-        positions=positions.to(dev),
-        cu_seqlens=cu.to(dev),
-        seq_lens=(computed + q_lens).to(dev),
-        slot_mapping=slot_mapping.to(dev),
-        block_tables=tables.to(dev),
-        state_slots=slots.to(dev),
-        has_initial_state=(computed > 0).to(dev),
-        logits_indices=rows.to(dev),
+        input_ids=arr.tensor(ids),
+        positions=arr.tensor(positions),
+        cu_seqlens=arr.tensor(cu),
+        seq_lens=arr.tensor(seq_lens),
+        slot_mapping=arr.tensor(slot_mapping),
+        block_tables=arr.tensor(tables),
+        state_slots=arr.tensor(arr.put(slot_list)),
+        has_initial_state=arr.tensor(arr.put(initial, np.bool_)),
+        logits_indices=arr.tensor(rows),
         verify_slots=verify_slots,
         query_lens=q_lens_list,
         context_lens=[c + n for c, n in zip(starts, q_lens_list)],
         state_slot_list=slot_list,
-        initial_list=[c > 0 for c in starts],
+        initial_list=initial,
+        arrays=arr,
     )
 
 
 class ModelRunner:
     def __init__(self, model: Qwen35ForCausalLM, cache: HybridCacheManager,
-                 device: torch.device | str = "cpu", backend: str | None = None):
+                 device: torch.device | str = "cpu", backend: str | None = None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 max_model_len: int | None = None):
         self.backend = select_backend(model.config, device, backend)
         model.set_backend(self.backend)
         self.backend.attach(cache)
@@ -79,6 +99,15 @@ class ModelRunner:
         self.cache = cache
         self.device = torch.device(device)
         self.block_size = cache.block_size
+        # every step's index metadata in buffers sized here, once (kernels/meta.py); a device
+        # other than the CPU copies fresh arrays over each step (its CUDA graphs keep their own
+        # persistent inputs)
+        self.arrays = FreshArrays(self.device)
+        if self.device.type == "cpu" and None not in (max_num_seqs, max_num_batched_tokens,
+                                                      max_model_len):
+            self.arrays = StepBuffers.for_limits(
+                max_num_seqs, max_num_batched_tokens, -(-max_model_len // self.block_size),
+                model.config.linear_conv_kernel_dim)
 
     def prepare(self, plan: StepPlan) -> ForwardBatch:
         """The step's batch: each request's uncomputed tokens (plus its drafts when verifying)
@@ -96,8 +125,10 @@ class ModelRunner:
             slots.append(own[req.slot_cursor])
             modes.append("all" if s.num_drafts else ("last" if s.sample else "none"))
             verify.append(own[:s.num_drafts + 1] if s.num_drafts else None)
+        self.arrays.begin()
         return build_batch(tokens, starts, tables, self.block_size, slots, modes,
-                           verify if any(v is not None for v in verify) else None, self.device)
+                           verify if any(v is not None for v in verify) else None, self.device,
+                           self.arrays)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -272,8 +272,8 @@ def run_spec_bench(
                              f"max_model_len {llm.engine.engine_config.max_model_len}")
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
                                 ignore_eos=ignore_eos, seed=0 if temperature > 0 else None)
-        # warm-up at the largest batch with every head: the CPU backend makes its packed
-        # weight copies for batched GEMMs at first use
+        # warm-up at the largest batch with every head: a backend may make weight copies for
+        # batched GEMMs at first use
         warm = params.clone(max_tokens=3)
         for n in draft_vocabs if max(ks) > 0 else [0]:
             if proposer is not None:

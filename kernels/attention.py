@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .meta import arrays_for
+
 
 def write_kv(
     key: torch.Tensor,
@@ -53,23 +55,26 @@ class AttentionPlan:
 
 
 def attention_plan(query_lens: list[int], context_lens: list[int], block_tables: torch.Tensor,
-                   device: torch.device | str, fresh_apart: bool = False) -> AttentionPlan:
-    """``fresh_apart``: list the sequences with no cached prefix (ctx == n > 1) in ``fresh``,
+                   device, fresh_apart: bool = False) -> AttentionPlan:
+    """``device``: a device, or the step's arrays (kernels/meta.py) that index tensors go into.
+    ``fresh_apart``: list the sequences with no cached prefix (ctx == n > 1) in ``fresh``,
     without a mask, for a caller that attends over their own K/V (``paged_attention`` does not
     compute them then)."""
+    arr = arrays_for(device)
+    device = block_tables.device
     starts = _starts(query_lens)
     single = [b for b, n in enumerate(query_lens) if n == 1]
     rows = tables = valid = None
     n_max = 0
     if single:
-        rows = torch.tensor([starts[b] for b in single], device=device)
+        rows = arr.tensor(arr.put([starts[b] for b in single]))
         tables = block_tables if len(single) == len(query_lens) else block_tables[
-            torch.tensor(single, device=device)]
+            arr.tensor(arr.put(single))]
         lens = [context_lens[b] for b in single]
         n_max = max(lens)
         if min(lens) < n_max:
-            valid = torch.arange(n_max, device=device)[None, :] < torch.tensor(
-                lens, device=device)[:, None]
+            valid = torch.arange(n_max, device=device)[None, :] < arr.tensor(
+                arr.put(lens))[:, None]
     prefill, fresh = [], []
     for b, n in enumerate(query_lens):
         if n <= 1:

@@ -8,8 +8,9 @@ the runner already has. The layers then call the backend with that metadata and 
 into it: no layer converts a tensor to Python or decides on a kernel.
 
 - ``ReferenceBackend``: plain torch everywhere, the definition of correct.
-- ``CPUBackend``: the compiled GDN decode step and half-precision GEMV/GEMM on repacked
-  weights (``kernels/csrc``) where they built for this CPU; plain torch otherwise.
+- ``CPUBackend``: the compiled GDN decode step and half-precision GEMV/GEMM on the weights as
+  the model holds them (``kernels/csrc``) where they built for this CPU; plain torch (and an
+  fp32 copy of each half weight for batched products) otherwise.
 - ``CudaBackend`` (``kernels/cuda/backend.py``): Triton kernels for decode and verification
   (GDN over the slot pool, paged attention, fused norms), fla and SDPA for prompt chunks,
   merged projections through cuBLAS, CUDA graphs.
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +37,7 @@ from .delta_rule import (
 )
 from .linear import linear as cpu_linear
 from .linear import pack_weight, use_fp32_gemm
+from .meta import arrays_for
 from .norm import gated_rms_norm, rms_norm
 from .rope import apply_partial_rope
 
@@ -83,7 +86,9 @@ class StepMeta:
 
 def gdn_split(batch, device, with_plans: bool, kernel_size: int) -> GDNMeta:
     """Route each sequence of ``batch`` (its host lists) to the recurrent kernel (one new token
-    from a state, or draft verification, grouped by length) or the chunked one (prompts)."""
+    from a state, or draft verification, grouped by length) or the chunked one (prompts).
+    ``device``: a device, or the step's arrays (kernels/meta.py) the index tensors go into."""
+    arr = arrays_for(device)
     B = batch.num_seqs
     starts = batch.query_starts
     verify = batch.verify_slots or [None] * B
@@ -102,12 +107,12 @@ def gdn_split(batch, device, with_plans: bool, kernel_size: int) -> GDNMeta:
     rec = []
     for (n, v), bs in groups.items():
         whole = len(bs) * n == T
-        rows = None if whole else torch.tensor(
-            [starts[b] + t for b in bs for t in range(n)], device=device)
+        rows = None if whole else arr.tensor(arr.put(
+            [starts[b] + t for b in bs for t in range(n)]))
         slots = [slot_list[b] for b in bs]
         rec.append(RecurrentGroup(
-            rows, len(bs), n, torch.tensor(slots, device=device),
-            torch.tensor([verify[b] for b in bs], device=device) if v else None,
+            rows, len(bs), n, arr.tensor(arr.put(slots)),
+            arr.tensor(arr.put([verify[b] for b in bs])) if v else None,
             slot_runs(slots),
         ))
     chunked = None
@@ -115,21 +120,21 @@ def gdn_split(batch, device, with_plans: bool, kernel_size: int) -> GDNMeta:
         lens = [batch.query_lens[b] for b in chunk]
         rows = None
         if rec:
-            rows = torch.tensor([starts[b] + t for b in chunk for t in range(batch.query_lens[b])],
-                                device=device)
+            rows = arr.tensor(arr.put(
+                [starts[b] + t for b in chunk for t in range(batch.query_lens[b])]))
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
         slots = [slot_list[b] for b in chunk]
         inits = [bool(init[b]) for b in chunk]
-        cu_cpu = torch.tensor(cu)
+        cu_host = arr.put(cu)
         chunked = ChunkedSeqs(
-            rows, cu_cpu.to(device), lens, torch.tensor(slots, device=device),
-            torch.tensor(inits, device=device), cu_cpu,
+            rows, arr.tensor(cu_host), lens, arr.tensor(arr.put(slots)),
+            arr.tensor(arr.put(inits, np.bool_)), torch.from_numpy(cu_host),
         )
         if with_plans:
-            chunked.conv = conv_plan(lens, kernel_size, device)
-            chunked.delta = chunk_plan(lens, slots, inits, device)
+            chunked.conv = conv_plan(lens, kernel_size, arr)
+            chunked.delta = chunk_plan(lens, slots, inits, arr)
     return GDNMeta(rec, chunked)
 
 
@@ -152,10 +157,10 @@ class ReferenceBackend:
 
     # Per step -----------------------------------------------------------------------------
     def prepare(self, batch) -> StepMeta:
-        dev = batch.input_ids.device
+        arr = batch.arrays if batch.arrays is not None else batch.input_ids.device
         K = self.config.linear_conv_kernel_dim if self.config is not None else 4
-        attn = attention_plan(batch.query_lens, batch.context_lens, batch.block_tables, dev)
-        return StepMeta(attn, gdn_split(batch, dev, True, K), batch.num_tokens)
+        attn = attention_plan(batch.query_lens, batch.context_lens, batch.block_tables, arr)
+        return StepMeta(attn, gdn_split(batch, arr, True, K), batch.num_tokens)
 
     # Linear layers and elementwise ops ----------------------------------------------------
     def linear(self, module, x: torch.Tensor) -> torch.Tensor:
@@ -279,8 +284,8 @@ class CPUBackend(ReferenceBackend):
         return cpu_linear(x, module.weight, self._packed(module, x), self.half_simd)
 
     def _packed(self, module, x: torch.Tensor):
-        """The weight's repacked copy for the batched CPU GEMM, made at first use and kept on
-        the module (see kernels/linear.py)."""
+        """The weight's fp32 copy for the batched CPU GEMM where the compiled half kernels do not
+        run (kernels/linear.py), made at first use and kept on the module."""
         weight = module.weight
         if not use_fp32_gemm(x, weight, self.half_simd):
             return None

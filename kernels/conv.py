@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .meta import arrays_for
+
 
 def causal_conv1d_varlen(
     x: torch.Tensor,
@@ -70,7 +72,8 @@ class ConvPlan:
     state_rows: torch.Tensor  # [B, K-1] window rows that become each sequence's new state
 
 
-def conv_plan(lens: list[int], K: int, device: torch.device | str) -> ConvPlan:
+def conv_plan(lens: list[int], K: int, device) -> ConvPlan:
+    """``device``: a device, or the step's arrays (kernels/meta.py)."""
     # every sequence's window is its K-1 history rows, then its tokens, back to back: output
     # row r of the K passes belongs to the token at window row r + K-1, so packed token i of
     # sequence b is row i + b (K-1); a window's last K-1 rows are the new state
@@ -79,8 +82,9 @@ def conv_plan(lens: list[int], K: int, device: torch.device | str) -> ConvPlan:
         out_rows.extend(range(end, end + n))
         end += n + K - 1
         state_rows.append(list(range(end - (K - 1), end)))
-    rows = torch.tensor(state_rows, dtype=torch.long, device=device).view(len(lens), K - 1)
-    return ConvPlan(lens, torch.tensor(out_rows, dtype=torch.long, device=device), rows)
+    arr = arrays_for(device)
+    rows = arr.tensor(arr.put(state_rows)).view(len(lens), K - 1)
+    return ConvPlan(lens, arr.tensor(arr.put(out_rows)), rows)
 
 
 def causal_conv1d_update(

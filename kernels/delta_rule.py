@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from .meta import arrays_for
 from .norm import l2_norm
 
 
@@ -73,13 +75,14 @@ def _chunk_one(q, k, v, g, beta, state, chunk_size):
     lower = (k_beta @ k.transpose(-1, -2)) * decay
     lower = lower.masked_fill(~causal.tril(-1), 0.0)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    system = eye + lower
-    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    # the inverse itself (C right-hand sides, as fla computes it), then two batched products:
+    # cheaper than solving for v's and k's DV + DK columns
+    inv = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False,
+                                        unitriangular=True)
+    u = inv @ (v * beta[..., None])
     w = None
     if state is not None or N > 1:
-        w = torch.linalg.solve_triangular(
-            system, k_beta * gc.exp()[..., None], upper=False, unitriangular=True
-        )
+        w = inv @ (k_beta * gc.exp()[..., None])
     attn = (q @ k.transpose(-1, -2)) * decay  # intra-chunk, diagonal included
     q_decayed = q * gc.exp()[..., None]
     k_to_end = (k * (gc[..., -1:] - gc).exp()[..., None]).transpose(-1, -2)
@@ -167,7 +170,9 @@ class ChunkGroup:
 def chunk_plan(lens: list[int], state_slots: list[int], has_initial_state: list[bool],
                device: torch.device | str, chunk_size: int = 64) -> list[ChunkGroup]:
     """Group the sequences of a packed batch (host lists, one entry per sequence) for
-    ``chunk_gated_delta_rule``: built once per step and shared by every GDN layer."""
+    ``chunk_gated_delta_rule``: built once per step and shared by every GDN layer.
+    ``device``: a device, or the step's arrays (kernels/meta.py)."""
+    arr = arrays_for(device)
     groups: dict[tuple[int, int], list[int]] = {}
     for b, n in enumerate(lens):
         if n:
@@ -182,9 +187,8 @@ def chunk_plan(lens: list[int], state_slots: list[int], has_initial_state: list[
         rows = [[starts[b] + t if t < lens[b] else T for t in range(N * C)] for b in bs]
         init = [bool(has_initial_state[b]) for b in bs]
         plan.append(ChunkGroup(
-            C, N, torch.tensor(rows, device=device),
-            torch.tensor([state_slots[b] for b in bs], device=device),
-            torch.tensor(init, device=device), any(init),
+            C, N, arr.tensor(arr.put(rows)), arr.tensor(arr.put([state_slots[b] for b in bs])),
+            arr.tensor(arr.put(init, np.bool_)), any(init),
         ))
     return plan
 

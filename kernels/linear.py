@@ -5,21 +5,14 @@ roughly GEMV speed per row, several times slower than fp32 from a few rows on (f
 docs/performance.md). So products are computed in fp32 and rounded back to the input's dtype,
 which is what a half GEMM with fp32 accumulation returns, by the first of these that applies:
 
-- up to ``native.HALF_GEMV_MAX_ROWS`` (4) rows, where the compiled kernels run: ``half_gemv``
-  (``csrc/half_gemm.c``) on the weight as it is, each element read and widened once (decode at
-  small batch, draft verification);
-- from ``CPU_HALF_GEMM_MIN_ROWS`` rows on: a copy of the weight made once by ``pack_weight``
-  (the caller keeps it), multiplied in fp32;
+- where the compiled kernels run (``csrc/half_gemm.c``), on the weight as the model holds it:
+  up to ``native.HALF_GEMV_MAX_ROWS`` (4) rows ``half_gemv``, each element read and widened once
+  (decode at small batch, draft verification); from 5 rows on ``half_gemm``, which widens
+  blocks of the weight into L1 once and runs register tiles over them;
+- without them, from ``CPU_HALF_GEMM_MIN_ROWS`` rows on: an fp32 copy of the weight made once
+  by ``pack_weight`` (the caller keeps it), in oneDNN's blocked layout when PyTorch has oneDNN
+  (``_reorder_linear_weight``, the op behind PyTorch's own CPU inference freezing), else plain;
 - otherwise (one row without the compiled kernels) torch's bf16 GEMV.
-
-The copy is, in order of preference:
-
-1. ``PanelWeight``: the half-precision values repacked in 16-column panels, multiplied by the
-   compiled ``half_gemm`` (AVX2 + FMA + F16C; widens each panel to fp32 in L1). Same bytes as
-   the weight, half of an fp32 copy, at about oneDNN's speed.
-2. oneDNN's blocked fp32 layout when PyTorch has oneDNN (``_reorder_linear_weight``, the op
-   behind PyTorch's own CPU inference freezing), faster than ``torch.mm`` on a plain copy.
-3. a plain fp32 tensor multiplied as W x^T.
 
 ``hybridrt bench gemm`` times each path per weight at the 0.8B shapes.
 """
@@ -39,16 +32,16 @@ _PACK_HINT_ROWS = 32  # oneDNN picks its blocking for this many rows; any count 
 
 def _half_cpu_path(x: torch.Tensor, weight: torch.Tensor,
                    simd: bool | None = None) -> str | None:
-    """Which CPU half-weight path ``linear`` takes: "gemv" (few rows, compiled kernels,
-    ``native.half_gemv`` on the weight as it is), "packed" (``pack_weight``'s copy multiplied in
-    fp32, from ``CPU_HALF_GEMM_MIN_ROWS`` rows on) or None (torch)."""
+    """Which CPU half-weight path ``linear`` takes: "gemv" / "gemm" (the compiled kernels on
+    the weight as it is), "packed" (``pack_weight``'s fp32 copy, from ``CPU_HALF_GEMM_MIN_ROWS``
+    rows on, where the compiled kernels do not run) or None (torch)."""
     if x.device.type != "cpu" or weight.dtype not in HALF or weight.dim() != 2:
         return None
     k = weight.shape[1]
     if simd is None:
         simd = native.half_gemm_available()
-    if weight.is_contiguous() and 0 < x.numel() <= native.HALF_GEMV_MAX_ROWS * k and simd:
-        return "gemv"
+    if simd and weight.is_contiguous() and x.numel():
+        return "gemv" if x.numel() <= native.HALF_GEMV_MAX_ROWS * k else "gemm"
     return "packed" if x.numel() >= CPU_HALF_GEMM_MIN_ROWS * k else None
 
 
@@ -59,9 +52,9 @@ def use_half_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def use_fp32_gemm(x: torch.Tensor, weight: torch.Tensor, simd: bool | None = None) -> bool:
-    """Whether ``linear`` multiplies ``pack_weight(weight)`` in fp32 (so the caller should keep
-    that copy): half weights on CPU, from ``CPU_HALF_GEMM_MIN_ROWS`` rows on, unless
-    ``use_half_gemv``."""
+    """Whether ``linear`` multiplies ``pack_weight(weight)``, an fp32 copy (so the caller should
+    keep it): half weights on a CPU where the compiled kernels do not run, from
+    ``CPU_HALF_GEMM_MIN_ROWS`` rows on."""
     return _half_cpu_path(x, weight, simd) == "packed"
 
 
@@ -70,30 +63,10 @@ def _onednn_available() -> bool:
                                                             "_reorder_linear_weight")
 
 
-class PanelWeight:
-    """A half-precision weight [N, K] repacked for ``native.half_gemm``: ``panels`` [ceil(N / 16),
-    K, 16] with panels[p, k, c] = W[16 p + c, k] (zero past N). ``shape`` is W's."""
-
-    __slots__ = ("panels", "shape", "dtype")
-
-    def __init__(self, weight: torch.Tensor):
-        w = weight.detach()
-        n, k = w.shape
-        p = -(-n // 16)
-        if p * 16 != n:
-            w = F.pad(w, (0, 0, 0, p * 16 - n))
-        self.panels = w.reshape(p, 16, k).transpose(1, 2).contiguous()
-        self.shape = weight.shape
-        self.dtype = weight.dtype
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | PanelWeight:
-    """The copy of ``weight`` [out, in] that ``linear``'s CPU batched path multiplies: for half
-    weights where ``native.half_gemm`` runs, the same values repacked in panels; otherwise an
-    fp32 copy in the fastest layout PyTorch has (oneDNN's blocked one, else plain)."""
-    if (weight.dtype in HALF and weight.device.type == "cpu" and weight.dim() == 2
-            and native.half_gemm_available()):
-        return PanelWeight(weight)
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The fp32 copy of ``weight`` [out, in] that ``linear``'s CPU batched path multiplies where
+    the compiled half kernels do not run, in the fastest layout PyTorch has (oneDNN's blocked
+    one, else plain)."""
     w = weight.detach().float().contiguous()
     if w.device.type == "cpu" and _onednn_available():
         try:
@@ -103,16 +76,16 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | PanelWeight:
     return w
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           packed: torch.Tensor | PanelWeight | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None,
            simd: bool | None = None) -> torch.Tensor:
     """x: [..., in], weight: [out, in] -> [..., out] in x's dtype. ``packed``: the
     ``pack_weight(weight)`` copy for the CPU batched path (made on the fly when not given).
     ``simd``: whether the compiled half kernels run here, as the CPU backend decided at
     start-up (asked of ``native`` on every call when not given)."""
     path = _half_cpu_path(x, weight, simd)
-    if path == "gemv":
-        y = native.half_gemv(x.reshape(-1, x.shape[-1]), weight)
+    if path in ("gemv", "gemm"):
+        gemm = native.half_gemv if path == "gemv" else native.half_gemm
+        y = gemm(x.reshape(-1, x.shape[-1]), weight)
         return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
     if path == "packed":
         return linear_fp32(x, weight, packed).to(x.dtype)
@@ -122,18 +95,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
 
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor,
-                packed: torch.Tensor | PanelWeight | None = None) -> torch.Tensor:
+                packed: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T computed and returned in fp32 (CPU batched path; ``packed`` as in ``linear``)."""
     w = packed if packed is not None else pack_weight(weight)
     return _cpu_gemm(x.float(), w)
 
 
-def _cpu_gemm(x: torch.Tensor, weight: torch.Tensor | PanelWeight) -> torch.Tensor:
+def _cpu_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x W^T. Plain weights as W x^T, which for a few dozen rows of fp32 with the weight streamed
     from memory ran faster than F.linear (docs/performance.md)."""
-    if isinstance(weight, PanelWeight):
-        y = native.half_gemm(x.reshape(-1, x.shape[-1]), weight.panels, weight.shape[0])
-        return y.view(*x.shape[:-1], weight.shape[0])
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
     x2 = x.reshape(-1, x.shape[-1])

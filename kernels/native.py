@@ -5,10 +5,13 @@
   small batched products; this does one read pass and one update pass per (sequence, head)
   while the 64 KiB state sits in L2.
 - ``csrc/half_gemm.c``: x W^T for bf16/fp16 weights in fp32 on AVX2 + FMA + F16C CPUs, reading
-  the half-precision weights (packed in 16-column panels) instead of an fp32 copy of them
+  the half-precision weights as the model holds them instead of an fp32 copy of them
   (kernels/linear.py says when it is used; docs/performance.md what it was measured against).
 
-Both are built into one library with ``cc -O3 -march=native -fopenmp`` into
+- ``csrc/stream.c``: a streaming read loop, the bandwidth ceiling of ``hybridrt bench
+  throughput``.
+
+All are built into one library with ``cc -O3 -march=native -fopenmp`` into
 ``$HYBRIDRT_CACHE`` (default ``~/.cache/hybridrt``), keyed by a hash of the source, the flags
 and this CPU's model and feature flags (a ``-march=native`` build must not be reused on another
 CPU), and loaded with ctypes. Without a C compiler that builds it (with OpenMP), on Windows, or
@@ -31,11 +34,15 @@ from pathlib import Path
 
 import torch
 
-_SRCS = [Path(__file__).parent / "csrc" / name for name in ("gdn_decode.c", "half_gemm.c")]
+_SRCS = [Path(__file__).parent / "csrc" / name
+         for name in ("gdn_decode.c", "half_gemm.c", "stream.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lib: ctypes.CDLL | None = None
 _simd = False  # half_gemm / half_gemv built with AVX2 + FMA + F16C (asked once, at load)
+_bf16dot = False  # ... and the bf16 dot-product versions (AVX512-BF16) built too
 _tried = False
+_path: str | None = None  # the half path chosen at load (half_path())
+HALF_PATHS = ("fma", "bf16dot")  # HYBRIDRT_HALF_PATH: "auto" (default) or one of these
 
 
 def enabled() -> bool:
@@ -88,7 +95,7 @@ def _build(cc: str) -> Path:
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None (torch fallback). Builds at most once per process."""
-    global _lib, _simd, _tried
+    global _lib, _simd, _bf16dot, _tried, _path
     if _tried or not enabled():
         return _lib if enabled() else None
     _tried = True
@@ -105,14 +112,23 @@ def load() -> ctypes.CDLL | None:
     fn = lib.gdn_decode_step
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    lib.stream_sum.restype = ctypes.c_double  # csrc/stream.c: hybridrt/ceilings.py uses it
+    lib.stream_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.stream_vector_bytes.restype = ctypes.c_int
     lib.half_gemm.restype = None
     lib.half_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.half_gemv.restype = None
     lib.half_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.half_gemm_simd.restype = ctypes.c_int
     lib.half_gemm_simd.argtypes = []
+    lib.half_gemm_bf16dot.restype = ctypes.c_int
+    lib.half_gemm_bf16dot.argtypes = []
+    lib.half_gemm_bf16.restype = None
+    lib.half_gemm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     _simd = bool(lib.half_gemm_simd())
+    _bf16dot = _simd and bool(lib.half_gemm_bf16dot())
     _lib = lib
+    _path = half_path()
     return _lib
 
 
@@ -148,52 +164,89 @@ def half_gemm_available() -> bool:
     return load() is not None and _simd
 
 
-def half_gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [M, K] (any float dtype) times the weight packed in ``panels`` [ceil(N / 16), K, 16]
-    (bf16 or fp16, see csrc/half_gemm.c) -> [M, N] fp32. Callers check ``half_gemm_available``."""
-    P, K, nr = panels.shape
-    if panels.dtype not in (torch.bfloat16, torch.float16) or nr != 16 or not (
-            panels.is_contiguous() and panels.device.type == "cpu"):
-        raise ValueError(f"half_gemm: panels must be contiguous CPU bf16/fp16 [P, K, 16], got "
-                         f"{panels.dtype} {list(panels.shape)}")
-    if not (P - 1) * 16 < out_features <= P * 16:
-        raise ValueError(f"half_gemm: {out_features} output features do not fit {P} panels")
-    if x.dim() != 2 or x.shape[1] != K:
-        raise ValueError(f"half_gemm: x must be [M, {K}], got {list(x.shape)}")
+def _check_half_weight(name: str, x: torch.Tensor, weight: torch.Tensor, max_rows=None):
+    if weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or not (
+            weight.is_contiguous() and weight.device.type == "cpu"):
+        raise ValueError(f"{name}: weight must be a contiguous CPU bf16/fp16 matrix, got "
+                         f"{weight.dtype} {list(weight.shape)}")
+    K = weight.shape[1]
+    if x.dim() != 2 or x.shape[1] != K or (max_rows is not None and x.shape[0] > max_rows):
+        rows = "M" if max_rows is None else f"M <= {max_rows}"
+        raise ValueError(f"{name}: x must be [{rows}, {K}], got {list(x.shape)}")
+
+
+def half_paths() -> list[str]:
+    """The half-weight kernel paths built for this CPU: "fma" (AVX2 + FMA + F16C: weights and
+    activations widened to fp32) and "bf16dot" (AVX512-BF16 dot products, for bf16 activations
+    times bf16 weights)."""
+    if load() is None or not _simd:
+        return []
+    return ["fma", "bf16dot"] if _bf16dot else ["fma"]
+
+
+def half_path() -> str | None:
+    """The path ``half_gemm`` takes for bf16 x bf16: the fastest built, or the one
+    ``HYBRIDRT_HALF_PATH`` names (an unknown or unbuilt name is an error)."""
+    paths = half_paths()
+    want = os.environ.get("HYBRIDRT_HALF_PATH", "auto").lower()
+    if want == "auto":
+        return paths[-1] if paths else None
+    if want not in HALF_PATHS:
+        raise ValueError(f"HYBRIDRT_HALF_PATH={want!r}: use auto, {' or '.join(HALF_PATHS)}")
+    if want not in paths:
+        raise ValueError(f"HYBRIDRT_HALF_PATH={want!r}: not built for this CPU (built: "
+                         f"{', '.join(paths) or 'none'})")
+    return want
+
+
+def _bf16_operands(x: torch.Tensor, weight: torch.Tensor, path: str | None) -> bool:
+    return (path == "bf16dot" and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and weight.shape[1] % 2 == 0)
+
+
+def half_gemm(x: torch.Tensor, weight: torch.Tensor, path: str | None = None) -> torch.Tensor:
+    """x [M, K] (any float dtype) times a bf16/fp16 weight [N, K] as it is (row-major,
+    contiguous; see csrc/half_gemm.c) -> [M, N] fp32. ``path``: "fma" or "bf16dot" (bf16 x and
+    weight, even K; otherwise "fma" runs), default ``half_path()``. Callers check
+    ``half_gemm_available``."""
+    _check_half_weight("half_gemm", x, weight)
     lib = _lib or load()  # callers checked availability: no environment read per call
     if lib is None:
         raise RuntimeError("half_gemm: native CPU kernels unavailable")
-    x = x.float().contiguous()
-    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    N, K = weight.shape
+    y = torch.empty(x.shape[0], N, dtype=torch.float32)
     if K == 0:
         return y.zero_()
-    if x.shape[0]:
-        lib.half_gemm(x.data_ptr(), panels.data_ptr(), y.data_ptr(), x.shape[0], out_features, K,
-                      int(panels.dtype == torch.float16), torch.get_num_threads())
+    if not (x.shape[0] and N):
+        return y
+    if _bf16_operands(x, weight, path or _path):
+        x = x.contiguous()
+        lib.half_gemm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], N, K,
+                           torch.get_num_threads())
+        return y
+    x = x.float().contiguous()
+    lib.half_gemm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], N, K,
+                  int(weight.dtype == torch.float16), torch.get_num_threads())
     return y
 
 
-HALF_GEMV_MAX_ROWS = 4  # from 5 rows on, half_gemm's panels are as fast (kernels/linear.py)
+HALF_GEMV_MAX_ROWS = 4  # from 5 rows on, half_gemm is as fast (kernels/linear.py)
 
 
 def half_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] (M <= ``HALF_GEMV_MAX_ROWS``, any float dtype) times a bf16/fp16 weight [N, K]
     as it is (row-major, contiguous) -> [M, N] fp32: each weight element read once, for decode
-    at small batch and draft verification. Callers check ``half_gemm_available``."""
-    if weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or not (
-            weight.is_contiguous() and weight.device.type == "cpu"):
-        raise ValueError(f"half_gemv: weight must be a contiguous CPU bf16/fp16 matrix, got "
-                         f"{weight.dtype} {list(weight.shape)}")
+    at small batch and draft verification (memory-bound: one path, on every CPU with AVX2).
+    Callers check ``half_gemm_available``."""
+    _check_half_weight("half_gemv", x, weight, HALF_GEMV_MAX_ROWS)
     N, K = weight.shape
-    if x.dim() != 2 or x.shape[1] != K or not 0 <= x.shape[0] <= HALF_GEMV_MAX_ROWS:
-        raise ValueError(f"half_gemv: x must be [M <= {HALF_GEMV_MAX_ROWS}, {K}], got "
-                         f"{list(x.shape)}")
     lib = _lib or load()
     if lib is None:
         raise RuntimeError("half_gemv: native CPU kernels unavailable")
-    x = x.float().contiguous()
     y = torch.empty(x.shape[0], N, dtype=torch.float32)
+    x = x.float().contiguous()
     if x.shape[0] and N:
         lib.half_gemv(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], N, K,
                       int(weight.dtype == torch.float16), torch.get_num_threads())
     return y
+

@@ -146,3 +146,95 @@ def test_select_backend():
     with pytest.raises(ValueError, match="unknown backend"):
         select_backend(cfg, "cpu", "tpu")
     assert select_backend(cfg, "cpu").native == (native.load() is not None)
+
+
+def _index_tensors(batch) -> dict[str, torch.Tensor]:
+    """The step's index tensors made from host lists: the batch's and the backend plans'."""
+    out = {f: getattr(batch, f) for f in (
+        "input_ids", "positions", "cu_seqlens", "seq_lens", "slot_mapping", "block_tables",
+        "state_slots", "has_initial_state", "logits_indices")}
+    meta = batch.meta
+    if meta.attention.decode_rows is not None:
+        out["attention.decode_rows"] = meta.attention.decode_rows
+    for i, g in enumerate(meta.gdn.groups):
+        for f in ("rows", "slots", "slots_out"):
+            if getattr(g, f) is not None:
+                out[f"group{i}.{f}"] = getattr(g, f)
+    c = meta.gdn.chunked
+    if c is not None:
+        for f in ("rows", "cu_seqlens", "slots", "has_initial_state", "cu_seqlens_cpu"):
+            if getattr(c, f) is not None:
+                out[f"chunked.{f}"] = getattr(c, f)
+        out["conv.out_rows"], out["conv.state_rows"] = c.conv.out_rows, c.conv.state_rows
+        for i, grp in enumerate(c.delta):
+            for f in ("rows", "slots", "has_initial_state"):
+                out[f"delta{i}.{f}"] = getattr(grp, f)
+    return out
+
+
+def test_step_metadata_lives_in_buffers_sized_at_start_up(tmp_path):
+    """Every engine step (prompt chunks, decodes, draft verification, all mixed) puts its index
+    tensors into the runner's ``StepBuffers``, allocated once when the engine starts: none is
+    allocated per step, and none overflows."""
+    engine = _engine(tmp_path, 4, k=2)
+    runner = engine.runner
+    bufs = runner.arrays
+    forward = runner.forward
+    seen: list[tuple[set, dict]] = []
+
+    def checked_forward(batch):
+        out = forward(batch)
+        kinds = {(n, v is not None) for n, v in zip(batch.query_lens, batch.verify_slots
+                                                    or [None] * batch.num_seqs)}
+        seen.append((kinds, {k: bufs.holds(t) for k, t in _index_tensors(batch).items()}))
+        return out
+
+    runner.forward = checked_forward
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for n in (5, 30, 9, 17):  # 30 and 17 tokens: chunked beside decodes and verifications
+        engine.add_request(list(range(3, 3 + n)), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    runner.forward = forward
+    outside = [(i, k) for i, (_, held) in enumerate(seen) for k, ok in held.items() if not ok]
+    assert not outside, outside
+    kinds = set().union(*(k for k, _ in seen))
+    assert any(v for _, v in kinds) and any(n > 1 and not v for n, v in kinds) and (1, False) in kinds
+    assert bufs.overflows == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_step_buffers_hold_the_largest_steps(seed):
+    """Steps at the engine's limits (max_num_seqs sequences, max_num_batched_tokens tokens in
+    all, prompt chunks padded to their chunk size, verifications, the longest block tables) fit
+    the capacity computed at start-up."""
+    import random
+
+    from hybridrt.kernels.meta import StepBuffers
+
+    rng = random.Random(seed)
+    cfg = tiny_text_config()
+    net, config, _ = build_model(cfg, seed=0, dtype=torch.float32)
+    backend = CPUBackend(config)
+    S, T, max_len, bs = 6, 200, 512, 8
+    bufs = StepBuffers.for_limits(S, T, max_len // bs, config.linear_conv_kernel_dim)
+    for i in range(20):
+        n_seqs = rng.randint(1, S)
+        cuts = sorted(rng.sample(range(1, T), n_seqs - 1))
+        lens = [b - a for a, b in zip([0, *cuts], [*cuts, T])]
+        starts = [rng.choice([0, rng.randint(1, max_len - n - 1)]) for n in lens]
+        if i == 0:  # the most per token: a decode beside prompts padded to 2 chunks of 64
+            lens, starts = [1, 65, 65, 65, 2, 2], [9, 0, 0, 0, 0, 0]
+            n_seqs = S
+        verify = [list(range(n)) if s and n <= 4 and rng.random() < 0.5 else None
+                  for s, n in zip(starts, lens)]
+        tables = [list(range(max_len // bs))] * n_seqs
+        bufs.begin()
+        batch = build_batch([[3] * n for n in lens], starts, tables, bs, list(range(n_seqs)),
+                            ["all"] * n_seqs if i == 0 else
+                            [rng.choice(["all", "last", "none"]) for _ in lens],
+                            verify if any(verify) else None, arrays=bufs)
+        batch.meta = backend.prepare(batch)
+        assert bufs.overflows == 0, (lens, starts, verify)
+        assert [k for k, t in _index_tensors(batch).items() if not bufs.holds(t)] == []
+    assert bufs.overflows == 0

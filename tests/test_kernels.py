@@ -35,7 +35,6 @@ from hybridrt.kernels import (
 from hybridrt.kernels.delta_rule import _step_in_place, slot_runs
 from hybridrt.kernels.linear import (
     CPU_HALF_GEMM_MIN_ROWS,
-    PanelWeight,
     linear,
     linear_fp32,
     pack_weight,
@@ -450,16 +449,17 @@ def _half_operands(M: int, N: int, K: int, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("rows", [1, CPU_HALF_GEMM_MIN_ROWS, 4, 5, 12, 33],
                          ids=lambda r: f"rows{r}")
 def test_linear_half_weights_match_fp32_product(rows, half_gemm_impl):
-    """Half-precision weights: native up to 4 rows ``half_gemv`` on the weight, then panels;
-    without it one row runs torch's bf16 GEMV, more rows a packed fp32 copy. All equal the
-    fp32 product rounded to bf16 (up to accumulation order: 1 bf16 ulp)."""
+    """Half-precision weights: native up to 4 rows ``half_gemv`` on the weight, then
+    ``half_gemm`` on it (no copy); without them one row runs torch's bf16 GEMV, more rows a
+    packed fp32 copy. All equal the fp32 product rounded to bf16 (up to accumulation order:
+    1 bf16 ulp)."""
     gen = _gen(30)
     w = (torch.randn(67, 45, generator=gen) / 7).bfloat16()
     x = torch.randn(rows, 45, generator=gen).bfloat16()
-    packed = pack_weight(w)
-    assert isinstance(packed, PanelWeight) == (half_gemm_impl == "native")
-    assert use_half_gemv(x, w) == (half_gemm_impl == "native" and rows <= 4)
-    assert use_fp32_gemm(x, w) == (rows >= CPU_HALF_GEMM_MIN_ROWS and not use_half_gemv(x, w))
+    native_ = half_gemm_impl == "native"
+    assert use_half_gemv(x, w) == (native_ and rows <= 4)
+    assert use_fp32_gemm(x, w) == (rows >= CPU_HALF_GEMM_MIN_ROWS and not native_)
+    packed = pack_weight(w) if use_fp32_gemm(x, w) else None
     expect = (x.float() @ w.float().t()).bfloat16().float()
     got = linear(x, w, packed)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 67)
@@ -469,7 +469,8 @@ def test_linear_half_weights_match_fp32_product(rows, half_gemm_impl):
 
 
 def test_packed_weight_layouts_compute_the_same_product(monkeypatch):
-    """Native panels, oneDNN's packed layout and the plain fp32 fallback: the same product."""
+    """oneDNN's packed layout and the plain fp32 fallback (the copies kept where the compiled
+    half kernels do not run) and the compiled ``half_gemm`` on the weight: the same product."""
     import importlib
 
     lin = importlib.import_module("hybridrt.kernels.linear")  # the module, not the function
@@ -478,9 +479,9 @@ def test_packed_weight_layouts_compute_the_same_product(monkeypatch):
     w = torch.randn(300, 64, generator=gen).bfloat16()
     x = torch.randn(2, 7, 64, generator=gen)
     layouts = {}
+    expect = x @ w.float().t()
     if native.half_gemm_available():
-        layouts["panels"] = pack_weight(w)
-        assert isinstance(layouts["panels"], PanelWeight)
+        assert_rel_close(linear(x, w).float(), expect, 8e-3, "half_gemm")
     monkeypatch.setenv("HYBRIDRT_NATIVE", "0")
     layouts["onednn"] = pack_weight(w)
     assert layouts["onednn"].is_mkldnn == torch.backends.mkldnn.is_available()
@@ -488,22 +489,22 @@ def test_packed_weight_layouts_compute_the_same_product(monkeypatch):
     layouts["plain"] = pack_weight(w)
     assert not layouts["plain"].is_mkldnn and layouts["plain"].dtype == torch.float32
     monkeypatch.setenv("HYBRIDRT_NATIVE", "1")
-    expect = x @ w.float().t()
     for name, p in layouts.items():
         assert_rel_close(linear_fp32(x, w, p), expect, TOL, name)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("M,N,K", [(1, 16, 8), (2, 17, 9), (5, 33, 300), (7, 48, 257),
-                                   (13, 100, 45), (33, 31, 64), (70, 40, 4100)],
+                                   (13, 100, 45), (33, 31, 64), (70, 40, 4100), (9, 5, 19)],
                          ids=lambda v: str(v))
 def test_native_half_gemm_against_fp64(M, N, K, dtype):
     """Every tile shape (1-6 rows: 7 = 4 + 3, 13 = 5 + 4 + 4, 33 = 6 6 6 5 5 5), a partial last
-    panel (N % 16), K past a 256-input block, and rows past one 1 MiB block of x (K=4100: 60
-    rows a block)."""
+    panel (N % 16, and N < 8: the second half of a panel empty), K past a 256-input block and K
+    off a multiple of 8 (the transposing widen's tail), rows past one 1 MiB block of x (K=4100:
+    60 rows a block)."""
     _require_half_kernels()
     w, x, ref = _half_operands(M, N, K, dtype, seed=M * 1000 + N)
-    y = native.half_gemm(x, PanelWeight(w).panels, N)
+    y = native.half_gemm(x, w)
     assert y.dtype == torch.float32 and y.shape == (M, N)
     assert_rel_close(y.double(), ref, TOL, f"M={M} N={N} K={K}")
 
@@ -521,23 +522,73 @@ def test_native_half_gemv_against_fp64(M, N, K, dtype):
     assert_rel_close(y.double(), ref, TOL, f"M={M} N={N} K={K}")
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+def test_half_paths_follow_the_cpu(monkeypatch):
+    """Every half path this CPU can run is built (bf16dot exactly where the CPU has
+    AVX512-BF16), the default is the fastest, and HYBRIDRT_HALF_PATH picks or refuses."""
+    _require_half_kernels()
+    flags = _cpu_flags()
+    paths = native.half_paths()
+    assert paths[0] == "fma"
+    if flags:
+        assert ("bf16dot" in paths) == ("avx512_bf16" in flags and "avx512f" in flags)
+    assert native.half_path() == paths[-1]
+    monkeypatch.setenv("HYBRIDRT_HALF_PATH", "fma")
+    assert native.half_path() == "fma"
+    monkeypatch.setenv("HYBRIDRT_HALF_PATH", "vnni")
+    with pytest.raises(ValueError, match="HYBRIDRT_HALF_PATH='vnni': use auto, fma or bf16dot"):
+        native.half_path()
+    if "bf16dot" not in paths:
+        monkeypatch.setenv("HYBRIDRT_HALF_PATH", "bf16dot")
+        with pytest.raises(ValueError, match="not built for this CPU"):
+            native.half_path()
+
+
+_BUILT_HALF_PATHS = native.half_paths()  # (builds the kernels once, at collection)
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.skipif(
+    p not in _BUILT_HALF_PATHS, reason=f"half path {p} not built for this CPU"))
+    for p in native.HALF_PATHS])
+@pytest.mark.parametrize("M,N,K", [(1, 16, 8), (3, 17, 34), (4, 7, 66), (5, 33, 300),
+                                   (13, 100, 46), (25, 31, 64), (30, 40, 4100), (9, 5, 18),
+                                   (7, 9, 45)],
+                         ids=lambda v: str(v))
+def test_half_paths_on_bf16_activations(M, N, K, path):
+    """bf16 activations times bf16 weights in ``half_gemm`` on each path built here: every tile
+    size of either path (up to 12 rows: 25 = 9 8 8, 30 = 10 10 10), a partial last panel (and
+    N < 8), K past a 256-input block and off a multiple of 8 pairs, odd K (which bf16dot leaves
+    to fma) -> the fp64 product of the same bf16 values."""
+    w, x, _ = _half_operands(M, N, K, torch.bfloat16, seed=M * 31 + N)
+    x = x.bfloat16()
+    ref = x.double() @ w.double().t()
+    y = native.half_gemm(x, w, path=path)
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    assert_rel_close(y.double(), ref, TOL, f"{path} M={M} N={N} K={K}")
+
+
 def test_native_half_gemm_rejects_bad_shapes():
     _require_half_kernels()
-    panels = PanelWeight(torch.randn(40, 24).bfloat16()).panels  # 3 panels
-    with pytest.raises(ValueError, match="do not fit 3 panels"):
-        native.half_gemm(torch.randn(2, 24), panels, 49)
-    with pytest.raises(ValueError, match=r"x must be \[M, 24\]"):
-        native.half_gemm(torch.randn(2, 23), panels, 40)
-    with pytest.raises(ValueError, match="panels must be"):
-        native.half_gemm(torch.randn(2, 24), panels.float(), 40)
-    assert native.half_gemm(torch.randn(0, 24), panels, 40).shape == (0, 40)
     w = torch.randn(40, 24).bfloat16()
+    with pytest.raises(ValueError, match=r"x must be \[M, 24\]"):
+        native.half_gemm(torch.randn(2, 23), w)
+    with pytest.raises(ValueError, match="contiguous CPU bf16/fp16"):
+        native.half_gemm(torch.randn(2, 24), w.float())
+    with pytest.raises(ValueError, match="contiguous CPU bf16/fp16"):
+        native.half_gemm(torch.randn(2, 40), w.t())
+    assert native.half_gemm(torch.randn(0, 24), w).shape == (0, 40)
     with pytest.raises(ValueError, match=r"x must be \[M <= 4, 24\]"):
         native.half_gemv(torch.randn(5, 24), w)
     with pytest.raises(ValueError, match="contiguous CPU bf16/fp16"):
         native.half_gemv(torch.randn(2, 40), w.t())
-    empty = PanelWeight(torch.randn(40, 0).bfloat16()).panels
-    assert torch.equal(native.half_gemm(torch.randn(2, 0), empty, 40), torch.zeros(2, 40))
+    empty = torch.randn(40, 0).bfloat16()
+    assert torch.equal(native.half_gemm(torch.randn(2, 0), empty), torch.zeros(2, 40))
 
 
 # ------------------------------------------------------------------------------------------

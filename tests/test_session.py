@@ -264,3 +264,28 @@ def test_a_request_that_can_never_be_scheduled_fails_with_a_clear_error(tmp_path
     assert "can never be scheduled" in str(out_large.error)
     assert out_small.error is None and out_small.outputs[0].token_ids == _fresh(llm, small)
     assert cache.all_free()
+
+
+def test_reusable_tokens_predicts_what_a_request_reuses(llm):
+    """``LLMEngine.reusable_tokens`` (how the server picks a cached prefix) says what the
+    request will reuse, and ``num_reused_tokens`` reports it: a continuation reuses every
+    computed token, a divergence inside the answer the snapshot, one before it nothing."""
+    eng, k = llm.engine, llm.engine.speculative_tokens
+    s = llm.open_session()
+    p = _ids(40, 21)
+    t = list(llm.stream_tokens(p, SP, session=s, snapshot_at=30))
+    cont = p + t + _ids(5, 22)
+    inside = p + t[:4] + [t[4] % 90 + 3 + (t[4] % 90 + 3 == t[4])]  # differs at answer token 4
+    before = p[:20] + [p[20] % 90 + 3 + (p[20] % 90 + 3 == p[20])] + p[21:]
+    assert eng.reusable_tokens(s, cont, k) == len(p) + len(t) - 1
+    assert eng.reusable_tokens(s, inside, k) == 30
+    assert eng.reusable_tokens(s, before, k) == 0
+    assert eng.reusable_tokens(s, p, k) == 30  # the same prompt again: from the snapshot
+    for prompt in (inside, cont):
+        want = eng.reusable_tokens(s, prompt, k)
+        out = list(llm.stream_tokens(prompt, SP, session=s))
+        assert llm.last_stream_output.metrics["num_reused_tokens"] == want
+        assert llm.last_stream_output.metrics["num_prefilled_tokens"] == len(prompt) - want
+        assert out == _fresh(llm, prompt)
+    llm.close_session(s)
+    assert llm.engine.cache.all_free()

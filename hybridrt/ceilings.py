@@ -1,0 +1,111 @@
+"""What this machine allows, measured in the benchmark's own run: the CPU's model and vector
+flags, the streaming read bandwidth (kernels/csrc/stream.c), an fp32 matmul rate, and the bytes
+of weights a batch-1 decode step must read, whose quotient is the batch-1 decode ceiling."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+# the flags that decide which kernels a CPU can run (AMX: amx_tile, amx_bf16, amx_int8)
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni",
+             "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_info(cpuinfo: str | None = None) -> dict:
+    """{"model": the first ``model name`` of /proc/cpuinfo, "flags": those of ``CPU_FLAGS`` it
+    lists}; model None and no flags where there is no /proc/cpuinfo."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return {"model": fields.get("model name"), "flags": [f for f in CPU_FLAGS if f in flags]}
+
+
+def stream_sum(x: torch.Tensor, threads: int) -> float:
+    """The sum of a contiguous fp32 CPU tensor, read by the C streaming loop with ``threads``
+    threads (fp32 within blocks of 64 Ki floats, fp64 across them: exact for small integers)."""
+    from hybridrt.kernels import native
+
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"stream_sum: x must be a contiguous CPU float32 tensor, got "
+                         f"{x.dtype} on {x.device}")
+    lib = native.load()
+    if lib is None:
+        raise RuntimeError("stream_sum: native CPU kernels unavailable")
+    return lib.stream_sum(x.data_ptr(), x.numel(), threads)
+
+
+def stream_read(threads: int, size_bytes: int = 1 << 30, passes: int = 5) -> dict:
+    """Read bandwidth: ``size_bytes`` of fp32 (more than the caches hold) summed by the C
+    streaming loop with ``threads`` threads, best of ``passes`` -> {"gb_s", "method",
+    "vector_bits", "bytes", "threads", "passes"}. Without the native library, a torch sum
+    (method "torch sum", slower than the loop)."""
+    from hybridrt.kernels import native
+
+    buf = torch.ones(size_bytes // 4)  # written here: its pages are mapped before timing
+    lib = native.load()
+    if lib is not None:
+        method, bits = "C read loop", lib.stream_vector_bytes() * 8
+
+        def read():
+            return stream_sum(buf, threads)
+    else:
+        method, bits = "torch sum", None
+
+        def read():
+            return float(buf.sum())
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        read()
+        best = float("inf")
+        for _ in range(passes):
+            t = time.perf_counter()
+            total = read()
+            best = min(best, time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(before)
+    if total != buf.numel():  # every element is 1.0: a partial read shows here
+        raise RuntimeError(f"stream read summed {total}, expected {buf.numel()}")
+    return {"gb_s": buf.numel() * 4 / best / 1e9, "method": method, "vector_bits": bits,
+            "bytes": buf.numel() * 4, "threads": threads, "passes": passes}
+
+
+def matmul_rate(threads: int, m: int = 512, k: int = 1024, n: int = 1024, reps: int = 10) -> dict:
+    """torch fp32 matmul [m, k] x [k, n] with ``threads`` threads, best of ``reps`` ->
+    {"gflop_s", "shape", "threads"}."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a @ b
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(before)
+    return {"gflop_s": 2 * m * k * n / best / 1e9, "shape": [m, k, n], "threads": threads}
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights one batch-1 decode step reads: every parameter of the model but the MTP
+    head's, with the token embedding counted only where it is also the LM head (tied; an
+    untied embedding is one row looked up per token)."""
+    total = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                if not name.startswith("mtp."))
+    if getattr(model, "lm_head", None) is not None:
+        emb = model.model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+    return total

@@ -1,0 +1,186 @@
+"""``hybridrt bench serve``: a bounded load test of ``hybridrt serve`` over loopback.
+
+Each run starts ``hybridrt serve`` as a subprocess on a free 127.0.0.1 port and runs
+``conversations`` chat clients at once; each client holds one conversation of ``turns``
+turns, resending the whole history every turn as chat clients do, streaming each answer
+(greedy, ``max_tokens`` tokens, EOS ignored, so both runs generate the same tokens). Two
+runs: prefix reuse on (``--max-cached-prefixes`` = conversations) and off (0). Per run:
+requests/s, output tokens/s, time to first token and inter-token latency percentiles (at the
+client, first streamed piece of text / gaps between streamed pieces), and the prompt tokens
+reused vs prefilled (the server's ``/metrics``). A turn not started within ``time_limit``
+seconds of the run's start is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SYSTEM = ("You answer questions about the Python standard library in one or two sentences, "
+          "naming the module and the function, and you say so when you are not sure. ")
+QUESTIONS = ["What does json.dumps do?", "Which module provides deque?",
+             "What is the signature of os.path.join?", "What does re.sub return?",
+             "How do I read a file line by line?", "What does itertools.chain do?",
+             "What is functools.lru_cache for?", "What does shutil.copy do?"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pct(xs: list[float], p: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def _metrics(client, base: str) -> dict[str, float]:
+    out = {}
+    for line in client.get(f"{base}/metrics").text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.split()
+            out[name] = float(value)
+    return out
+
+
+async def _conversation(client, base: str, c: int, turns: int, max_tokens: int,
+                        deadline: float, rec: dict) -> None:
+    messages = [{"role": "system", "content": SYSTEM * 3}]
+    for t in range(turns):
+        if time.perf_counter() > deadline:
+            rec["skipped"] += 1
+            continue
+        messages.append({"role": "user", "content": QUESTIONS[(c + t) % len(QUESTIONS)]})
+        body = {"model": rec["model"], "messages": messages, "stream": True,
+                "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        t0 = time.perf_counter()
+        last, answer = None, []
+        async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                rec["errors"] += 1
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    rec["tokens"] += chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices"):
+                    continue
+                delta = chunk["choices"][0]["delta"]
+                piece = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+                if not piece:
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    rec["ttft"].append(now - t0)
+                else:
+                    rec["itl"].append(now - last)
+                last = now
+                answer.append(piece)
+        rec["requests"] += 1
+        messages.append({"role": "assistant", "content": "".join(answer)})
+
+
+async def _load(base: str, model: str, conversations: int, turns: int, max_tokens: int,
+                time_limit: float) -> dict:
+    import httpx
+
+    rec = {"model": model, "ttft": [], "itl": [], "requests": 0, "tokens": 0, "skipped": 0,
+           "errors": 0}
+    limits = httpx.Limits(max_connections=conversations + 4)
+    async with httpx.AsyncClient(timeout=time_limit + 60, limits=limits) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(_conversation(client, base, c, turns, max_tokens,
+                                             t0 + time_limit, rec)
+                               for c in range(conversations)))
+        rec["seconds"] = time.perf_counter() - t0
+    return rec
+
+
+def _one_run(model: str | None, prefixes: int, conversations: int, turns: int,
+             max_tokens: int, time_limit: float, threads: int | None) -> dict:
+    import httpx
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "hybridrt", "serve", "--port", str(port), "--log-level",
+           "warning", "--max-cached-prefixes", str(prefixes), "--max-num-seqs",
+           str(conversations)]
+    if model is not None:
+        cmd.insert(3, model)
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(timeout=10) as client:
+            for _ in range(600):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"hybridrt serve exited: {proc.stderr.read()[-2000:]}")
+                try:
+                    if client.get(f"{base}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.1)
+            name = client.get(f"{base}/v1/models").json()["data"][0]["id"]
+            before = _metrics(client, base)
+            rec = asyncio.run(_load(base, name, conversations, turns, max_tokens, time_limit))
+            after = _metrics(client, base)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    ms = [round(1000 * v, 1) if v is not None else None for v in
+          (_pct(rec["ttft"], 50), _pct(rec["ttft"], 90), _pct(rec["ttft"], 99),
+           _pct(rec["itl"], 50), _pct(rec["itl"], 90), _pct(rec["itl"], 99))]
+    return {"prefix_reuse": prefixes > 0, "requests": rec["requests"],
+            "skipped": rec["skipped"], "errors": rec["errors"],
+            "seconds": round(rec["seconds"], 2),
+            "requests_per_s": round(rec["requests"] / rec["seconds"], 3),
+            "output_tokens_per_s": round(rec["tokens"] / rec["seconds"], 1),
+            "ttft_ms_p50": ms[0], "ttft_ms_p90": ms[1], "ttft_ms_p99": ms[2],
+            "itl_ms_p50": ms[3], "itl_ms_p90": ms[4], "itl_ms_p99": ms[5],
+            "prompt_tokens": int(delta.get("hybridrt_prompt_tokens_total", 0)),
+            "reused_tokens": int(delta.get("hybridrt_prefix_reused_tokens_total", 0)),
+            "prefilled_tokens": int(delta.get("hybridrt_prefill_tokens_total", 0))}
+
+
+COLUMNS = ["prefix_reuse", "requests", "skipped", "seconds", "requests_per_s",
+           "output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50",
+           "itl_ms_p90", "itl_ms_p99", "prompt_tokens", "reused_tokens", "prefilled_tokens"]
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " ---: |" * len(COLUMNS)]
+    for r in rows:
+        lines.append("| " + " | ".join("on" if r[c] is True else "off" if r[c] is False
+                                       else str(r[c]) for c in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def run(model: str | None = None, conversations: int = 8, turns: int = 4, max_tokens: int = 32,
+        time_limit: float = 300.0, threads: int | None = None,
+        json_path: str | os.PathLike | None = None) -> dict:
+    """Both runs (reuse on, then off) -> the report; prints the table."""
+    rows = [_one_run(model, n, conversations, turns, max_tokens, time_limit, threads)
+            for n in (conversations, 0)]
+    report = {"model": model or "demo", "conversations": conversations, "turns": turns,
+              "max_tokens": max_tokens, "time_limit": time_limit, "threads": threads,
+              "runs": rows}
+    print(table(rows))
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+    return report

@@ -1,0 +1,557 @@
+"""``hybridrt serve``: an OpenAI-compatible HTTP server over one engine.
+
+Two threads. The HTTP side (Starlette on uvicorn's event loop) parses requests, applies the
+chat template, tokenizes, and turns progress into responses or server-sent events. The
+engine thread (``EngineLoop``) owns the ``LLMEngine``: between steps it takes new requests and
+aborts from a queue, runs a step when anything is unfinished, and posts each request's
+progress (``Progress``) back to the event loop. A client that disconnects aborts its request;
+an exception inside a step fails the requests in flight (HTTP 500) and the loop goes on.
+
+Prefix reuse: the engine thread keeps a pool of engine sessions (``hybridrt.session``), one
+per cached prefix. A new request goes on the idle session that lets it reuse the most tokens
+(``LLMEngine.reusable_tokens``), else on an empty or the least recently used idle one, whose
+prefix it replaces. When the request finishes its tokens' cache stays with the session, so a
+client that resends the conversation with one more turn prefills only that turn. A chat
+request saves its GDN state where its generation prompt starts (``snapshot_at``): a next turn
+that re-renders or re-tokenizes the answer diverges after that point and still reuses
+everything before it. Under memory pressure the engine frees idle sessions' caches, least
+recently used first, before it preempts a running request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridrt import openai_protocol as api
+from hybridrt.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
+from hybridrt.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class Progress:
+    """What one step did to a request, posted to its handle."""
+
+    new_token_ids: list[int]
+    new_logprobs: list[dict] | None
+    text: str  # all of the output's text so far
+    finish_reason: str | None = None
+    error: Exception | None = None
+    num_prompt_tokens: int = 0
+    num_reused_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Handle:
+    """The HTTP side's end of one request."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    request_id: str | None = None
+    sent_tokens: int = 0
+
+    def post(self, item: Progress) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed event loop: shutting down
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class EngineLoop:
+    """Runs ``llm.engine`` in its own thread; ``submit`` / ``abort`` from any thread.
+    ``num_prefixes``: sessions kept for prefix reuse (0: none; ``llm`` must have been built
+    with ``max_num_sessions >= num_prefixes``)."""
+
+    def __init__(self, llm, num_prefixes: int):
+        self.llm, self.engine = llm, llm.engine
+        self.sessions = [self.engine.open_session() for _ in range(num_prefixes)]
+        self.inbox: queue.Queue = queue.Queue()
+        self.active: dict[str, Handle] = {}
+        self.counters = {"requests": {}, "prompt_tokens": 0, "generation_tokens": 0,
+                         "prefix_hits": 0, "prefix_reused_tokens": 0, "engine_errors": 0}
+        self.gauges: dict[str, Any] = {}
+        self.thread = threading.Thread(target=self._run, name="hybridrt-engine", daemon=True)
+        self._stopping = False
+        self._publish()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread, abort what is in flight and close the prefix sessions."""
+        self._stopping = True
+        self.inbox.put(("stop",))
+        if self.thread.is_alive():
+            self.thread.join(timeout=30)
+        for rid in list(self.active):
+            self.engine.abort_request(rid)
+            self.engine.pop_request(rid)
+        self.active.clear()
+        for s in self.sessions:
+            self.engine.close_session(s)
+
+    def submit(self, handle: Handle, ids: list[int], params: SamplingParams,
+               prompt: str | None, snapshot_at: int | None) -> None:
+        self.inbox.put(("add", handle, ids, params, prompt, snapshot_at))
+
+    def abort(self, handle: Handle) -> None:
+        self.inbox.put(("abort", handle))
+
+    # The engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            busy = self.engine.has_unfinished_requests()
+            try:
+                cmd = self.inbox.get(block=not busy)
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                self._command(cmd)
+                try:
+                    cmd = self.inbox.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self._stopping or not self.engine.has_unfinished_requests():
+                self._publish()
+                continue
+            try:
+                progressed = self.engine.step()
+            except Exception as e:  # a bug or a device error: fail what is in flight, go on
+                traceback.print_exc()
+                self._fail_all(e)
+                self._publish()
+                continue
+            for req in progressed:
+                self._post(req)
+            self._publish()
+
+    def _command(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, handle, ids, params, prompt, snapshot_at = cmd
+            session = self._pick_session(ids)
+            try:
+                rid = self.engine.add_request(ids, params, prompt=prompt, session=session,
+                                              snapshot_at=snapshot_at if session else None)
+            except Exception as e:
+                handle.post(Progress([], None, "", "error", e, len(ids)))
+                return
+            handle.request_id = rid
+            self.active[rid] = handle
+        elif cmd[0] == "abort":
+            rid = cmd[1].request_id
+            if rid in self.active:
+                del self.active[rid]
+                self.engine.abort_request(rid)
+                self._count(self.engine.pop_request(rid))
+
+    def _pick_session(self, ids: list[int]):
+        """The idle session that lets ``ids`` reuse the most; else an empty one; else the
+        least recently used idle one; None when every session is busy."""
+        idle = [s for s in self.engine.sessions.values() if s in self.sessions and not s.busy]
+        if not idle:
+            return None
+        best = max(idle, key=lambda s: self.engine.reusable_tokens(s, ids,
+                                                                   self.engine.speculative_tokens))
+        if self.engine.reusable_tokens(best, ids, self.engine.speculative_tokens) > 0:
+            return best
+        empty = [s for s in idle if not self.engine.cache.holds(s.cache_key)]
+        return (empty or idle)[0]
+
+    def _post(self, req) -> None:
+        handle = self.active.get(req.request_id)
+        if handle is None:
+            return
+        out = req.output_token_ids
+        new = out[handle.sent_tokens:]
+        lps = None if req.logprobs is None else req.logprobs[handle.sent_tokens:len(out)]
+        handle.sent_tokens = len(out)
+        item = Progress(list(new), lps, req.text)
+        if req.is_finished:
+            item.finish_reason, item.error = req.finish_reason, req.error
+            item.num_prompt_tokens = req.num_prompt_tokens
+            item.num_reused_tokens = req.metrics.num_reused_prompt_tokens
+            del self.active[req.request_id]
+            self._count(self.engine.pop_request(req.request_id))
+        handle.post(item)
+
+    def _count(self, req) -> None:
+        if req is None:
+            return
+        c = self.counters
+        reason = req.finish_reason or "abort"
+        c["requests"][reason] = c["requests"].get(reason, 0) + 1
+        c["prompt_tokens"] += req.num_prompt_tokens
+        c["generation_tokens"] += req.num_output_tokens
+        reused = req.metrics.num_reused_prompt_tokens
+        c["prefix_hits"] += reused > 0
+        c["prefix_reused_tokens"] += reused
+
+    def _fail_all(self, error: Exception) -> None:
+        self.counters["engine_errors"] += 1
+        for rid, handle in list(self.active.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                traceback.print_exc()
+            req = self.engine.pop_request(rid)
+            if req is not None:
+                req.finish_reason = "error"
+                self._count(req)
+            handle.post(Progress([], None, "", "error", RuntimeError(f"engine error: {error}")))
+        self.active.clear()
+        for s in self.sessions:  # a half-done step may have written into their state
+            if not s.busy:
+                self.engine.reset_session(s)
+
+    def _publish(self) -> None:
+        """Numbers for /metrics, replaced as a whole so the HTTP side reads a consistent
+        set."""
+        e, cache = self.engine, self.engine.cache
+        prefix_blocks = sum(len(cache.block_tables.get(s.cache_key, ())) for s in self.sessions)
+        spec = e.spec_stats
+        self.gauges = {
+            "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+            "blocks_total": cache.blocks.num_blocks,
+            "blocks_used": cache.blocks.num_blocks - cache.blocks.num_free,
+            "blocks_prefix": prefix_blocks,
+            "prefixes_held": sum(cache.holds(s.cache_key) for s in self.sessions),
+            "prefilled_tokens": e.stats["num_prefill_tokens"],
+            "prefix_evictions": e.stats["num_session_evictions"],
+            "preemptions": e.stats["num_preemptions"],
+            "spec_draft_tokens": spec.num_draft_tokens, "spec_accepted_tokens": spec.num_accepted,
+        }
+
+
+# Metrics -------------------------------------------------------------------------------------
+_METRICS = [  # name, type, help, how to read it from (counters, gauges)
+    ("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+     lambda c, g: c["prompt_tokens"]),
+    ("generation_tokens_total", "counter", "Generated tokens of finished requests.",
+     lambda c, g: c["generation_tokens"]),
+    ("prefill_tokens_total", "counter", "Prompt tokens computed (prefilled).",
+     lambda c, g: g["prefilled_tokens"]),
+    ("prefix_reused_tokens_total", "counter", "Prompt tokens taken from a held prefix.",
+     lambda c, g: c["prefix_reused_tokens"]),
+    ("prefix_cache_hits_total", "counter", "Requests that reused a held prefix.",
+     lambda c, g: c["prefix_hits"]),
+    ("prefix_evictions_total", "counter", "Held prefixes evicted for room.",
+     lambda c, g: g["prefix_evictions"]),
+    ("preemptions_total", "counter", "Running requests preempted for room.",
+     lambda c, g: g["preemptions"]),
+    ("engine_errors_total", "counter", "Engine steps that raised.",
+     lambda c, g: c["engine_errors"]),
+    ("spec_draft_tokens_total", "counter", "Speculative draft tokens verified.",
+     lambda c, g: g["spec_draft_tokens"]),
+    ("spec_accepted_tokens_total", "counter", "Speculative draft tokens accepted.",
+     lambda c, g: g["spec_accepted_tokens"]),
+    ("requests_running", "gauge", "Requests running.", lambda c, g: g["running"]),
+    ("requests_waiting", "gauge", "Requests waiting.", lambda c, g: g["waiting"]),
+    ("cache_blocks_total", "gauge", "KV blocks in the cache.", lambda c, g: g["blocks_total"]),
+    ("cache_blocks_used", "gauge", "KV blocks in use (requests and held prefixes).",
+     lambda c, g: g["blocks_used"]),
+    ("cache_blocks_prefix", "gauge", "KV blocks held by cached prefixes.",
+     lambda c, g: g["blocks_prefix"]),
+    ("cache_usage", "gauge", "Fraction of KV blocks in use.",
+     lambda c, g: g["blocks_used"] / max(1, g["blocks_total"])),
+    ("prefixes_held", "gauge", "Cached prefixes held.", lambda c, g: g["prefixes_held"]),
+]
+
+
+def metrics_text(loop: EngineLoop) -> str:
+    """Prometheus text exposition of the loop's counters and gauges."""
+    c, g = loop.counters, loop.gauges
+    lines = ["# HELP hybridrt_requests_total Finished requests, by finish reason.",
+             "# TYPE hybridrt_requests_total counter"]
+    for reason, n in sorted(dict(c["requests"]).items()):
+        lines.append(f'hybridrt_requests_total{{finish_reason="{reason}"}} {n}')
+    for name, kind, text, read in _METRICS:
+        lines += [f"# HELP hybridrt_{name} {text}", f"# TYPE hybridrt_{name} {kind}",
+                  f"hybridrt_{name} {read(c, g)}"]
+    return "\n".join(lines) + "\n"
+
+
+# HTTP ----------------------------------------------------------------------------------------
+class Server:
+    """The OpenAI endpoints over an ``EngineLoop``."""
+
+    def __init__(self, llm, model_name: str, num_prefixes: int = 16,
+                 api_key: str | None = None):
+        from hybridrt.llm import generation_defaults
+
+        self.llm, self.tokenizer, self.model_name = llm, llm.tokenizer, model_name
+        self.api_key = api_key
+        self.defaults = generation_defaults(llm.model_path)
+        self.loop = EngineLoop(llm, num_prefixes)
+        self.app = self._build_app()
+
+    def _build_app(self):
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"]),
+                  Route("/metrics", self.metrics, methods=["GET"])]
+        return Starlette(routes=routes, lifespan=self._lifespan)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        self.loop.start()
+        try:
+            yield
+        finally:
+            self.loop.stop()
+
+    # Plain endpoints ----------------------------------------------------------------------
+    async def models(self, request):
+        from starlette.responses import JSONResponse
+
+        if (denied := self._auth(request)) is not None:
+            return denied
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": api.now(),
+            "owned_by": "hybridrt",
+            "max_model_len": self.llm.engine.engine_config.max_model_len}]})
+
+    async def health(self, request):
+        from starlette.responses import JSONResponse
+
+        ok = self.loop.thread.is_alive()
+        return JSONResponse({"status": "ok" if ok else "engine thread stopped"},
+                            status_code=200 if ok else 503)
+
+    async def metrics(self, request):
+        from starlette.responses import PlainTextResponse
+
+        return PlainTextResponse(metrics_text(self.loop),
+                                 media_type="text/plain; version=0.0.4")
+
+    def _auth(self, request):
+        if self.api_key is None or \
+                request.headers.get("authorization") == f"Bearer {self.api_key}":
+            return None
+        return _error(api.ApiError(401, "invalid or missing API key (send Authorization: "
+                                        "Bearer <key>)", kind="authentication_error"))
+
+    # Generation ---------------------------------------------------------------------------
+    async def chat(self, request):
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request):
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request, chat: bool):
+        if (denied := self._auth(request)) is not None:
+            return denied
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(api.bad("the request body is not valid JSON"))
+        try:
+            job = self._prepare(body, chat)
+        except api.ApiError as e:
+            return _error(e)
+        handle = Handle(asyncio.get_running_loop())
+        self.loop.submit(handle, job["ids"], job["params"], job["prompt"], job["snapshot_at"])
+        if body.get("stream"):
+            try:
+                first = await handle.queue.get()  # refusals still get a status code
+            except asyncio.CancelledError:
+                self.loop.abort(handle)
+                raise
+            if first.error is not None:
+                return _error(_as_api_error(first.error))
+            from starlette.responses import StreamingResponse
+
+            return StreamingResponse(self._events(handle, first, job, body, chat),
+                                     media_type="text/event-stream")
+        return await self._collect(request, handle, job, chat)
+
+    def _prepare(self, body: Any, chat: bool) -> dict:
+        """Validate a request body -> prompt ids, text, params and the snapshot point."""
+        api.check_common(body, self.model_name)
+        params = api.sampling_params(body, self.defaults, chat)
+        snapshot_at = None
+        if chat:
+            if self.tokenizer is None:
+                raise api.bad("this model has no tokenizer, so it has no chat template")
+            messages = api.chat_messages(body)
+            kwargs = api.template_kwargs(body)
+            gen = body.get("add_generation_prompt", True)
+            try:
+                text = self.llm.apply_chat_template(messages, kwargs, gen)
+                base = self.llm.apply_chat_template(messages, kwargs, False) if gen else None
+            except Exception as e:
+                raise api.bad(f"the chat template failed on these messages: {e}",
+                              "messages") from None
+            ids = self._encode(text)
+            if base is not None:
+                base_ids = self._encode(base)
+                if 0 < len(base_ids) < len(ids) and ids[:len(base_ids)] == base_ids:
+                    snapshot_at = len(base_ids)
+        else:
+            prompt = api.completion_prompt(body)
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise api.bad("this model has no tokenizer: send token ids", "prompt")
+                text, ids = prompt, self._encode(prompt)
+            else:
+                text, ids = None, prompt
+        try:
+            ids = self.llm.engine.validate_prompt(ids)
+        except ValueError as e:
+            raise api.bad(str(e), "messages" if chat else "prompt") from None
+        thinks = chat and text is not None and opens_thinking(text)
+        return {"ids": ids, "params": params, "prompt": text, "snapshot_at": snapshot_at,
+                "thinks": thinks, "id": api.new_id("chatcmpl" if chat else "cmpl"),
+                "created": api.now(),
+                "top": params.logprobs or 0}
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs(self, chat: bool, ids: list[int], entries: list[dict] | None, top: int,
+                  offset: int) -> dict | None:
+        if entries is None or not ids:
+            return None
+        if chat:
+            return api.chat_logprobs(ids, entries, top, self._piece)
+        return api.completion_logprobs(ids, entries, top, self._piece, offset)
+
+    async def _collect(self, request, handle: Handle, job: dict, chat: bool):
+        """A non-streaming answer; aborts the request if the client goes away meanwhile."""
+        from starlette.responses import JSONResponse
+
+        ids, entries = [], []
+        next_check = time.monotonic() + 0.5
+        while True:
+            try:
+                item = await asyncio.wait_for(handle.queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                item = None
+            except asyncio.CancelledError:
+                self.loop.abort(handle)
+                raise
+            if time.monotonic() >= next_check:  # twice a second: is the client still there?
+                next_check = time.monotonic() + 0.5
+                if await request.is_disconnected():
+                    self.loop.abort(handle)
+                    return JSONResponse({}, status_code=499)
+            if item is None:
+                continue
+            ids += item.new_token_ids
+            entries += item.new_logprobs or []
+            if item.finish_reason is not None:
+                break
+        if item.error is not None:
+            return _error(_as_api_error(item.error))
+        use = api.usage(item.num_prompt_tokens, len(ids), item.num_reused_tokens)
+        lps = self._logprobs(chat, ids, entries if job["params"].logprobs is not None else None,
+                             job["top"], 0)
+        choice = {"index": 0, "logprobs": lps, "finish_reason": item.finish_reason}
+        if chat:
+            reasoning, answer = split_reasoning(item.text, job["thinks"])
+            choice["message"] = {"role": "assistant", "content": answer,
+                                 "reasoning_content": reasoning}
+            obj = "chat.completion"
+        else:
+            choice["text"] = item.text
+            obj = "text_completion"
+        return JSONResponse({"id": job["id"], "object": obj, "created": job["created"],
+                             "model": self.model_name, "choices": [choice], "usage": use})
+
+    async def _events(self, handle: Handle, item: Progress, job: dict, body: dict, chat: bool):
+        """Server-sent events of one streaming request; closing it (a client that went away)
+        aborts the request."""
+        rid, created, model = job["id"], job["created"], self.model_name
+        params: SamplingParams = job["params"]
+        holdback = 0 if params.include_stop_str_in_output else max(0, params.max_stop_len - 1)
+        splitter = ReasoningSplitter(job["thinks"]) if chat else None
+        sent, num_tokens, finished = 0, 0, False
+        try:
+            if chat:
+                yield _sse(api.chat_chunk(rid, model, created, {"role": "assistant",
+                                                                 "content": ""}))
+            while True:
+                done = item.finish_reason is not None
+                if item.error is not None:
+                    err = _as_api_error(item.error)
+                    yield _sse(err.body())
+                    break
+                end = len(item.text) if done else len(item.text) - holdback
+                text = item.text[sent:end] if end > sent else ""
+                sent = max(sent, end)
+                lps = self._logprobs(chat, item.new_token_ids, item.new_logprobs, job["top"],
+                                     sent - len(text))
+                num_tokens += len(item.new_token_ids)
+                if chat:
+                    pieces = splitter.feed(text) + (splitter.flush() if done else [])
+                    delta = _delta(pieces)
+                    if delta or lps:
+                        yield _sse(api.chat_chunk(rid, model, created, delta or {"content": ""},
+                                                  logprobs=lps))
+                    if done:
+                        yield _sse(api.chat_chunk(rid, model, created, {}, item.finish_reason))
+                elif text or lps or done:
+                    yield _sse(api.completion_chunk(rid, model, created, text,
+                                                    item.finish_reason if done else None, lps))
+                if done:
+                    if (body.get("stream_options") or {}).get("include_usage"):
+                        obj = "chat.completion.chunk" if chat else "text_completion"
+                        yield _sse(api.usage_chunk(rid, model, created, obj, api.usage(
+                            item.num_prompt_tokens, num_tokens, item.num_reused_tokens)))
+                    break
+                item = await handle.queue.get()
+            finished = True
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                self.loop.abort(handle)
+
+
+def _delta(pieces: list[str]) -> dict:
+    from hybridrt.reasoning import ReasoningDelta
+
+    reasoning = "".join(p for p in pieces if isinstance(p, ReasoningDelta))
+    answer = "".join(p for p in pieces if not isinstance(p, ReasoningDelta))
+    delta = {}
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if answer:
+        delta["content"] = answer
+    return delta
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _as_api_error(e: Exception) -> api.ApiError:
+    """A request's own error (bad input, can never fit: ValueError) is a 400; the rest 500."""
+    if isinstance(e, ValueError):
+        return api.bad(str(e))
+    return api.ApiError(500, str(e), kind="server_error")
+
+
+def _error(e: api.ApiError):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          num_prefixes: int = 16, api_key: str | None = None, log_level: str = "info") -> None:
+    """Run the server until interrupted."""
+    import uvicorn
+
+    server = Server(llm, model_name, num_prefixes, api_key)
+    uvicorn.run(server.app, host=host, port=port, log_level=log_level)
