@@ -210,9 +210,9 @@ def spec(
         "the full head.")] = "0",
     simulate_acceptance: Annotated[str | None, typer.Option(
         "--simulate-acceptance", help="Comma-separated acceptance rates in [0, 1]: the MTP "
-        "drafts at its real cost, then each draft is replaced by the k=0 greedy token with "
-        "that probability, a wrong one otherwise; rows are labelled simulated (default: off, "
-        "the real acceptance).", show_default=False)] = None,
+        "drafts at its real cost, then each draft is replaced by the target's own greedy token "
+        "with that probability, a wrong one otherwise; rows are labelled simulated (default: "
+        "off, the real acceptance).", show_default=False)] = None,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:

@@ -253,7 +253,7 @@ def run_spec_bench(
                   draft_vocab_size=reduced if max(ks) > 0 else None)
         proposer = llm.engine.proposer
         heads = {0: None}
-        if reduced:
+        if reduced and proposer is not None:
             from hybridrt.specdec.mtp import DraftHead
 
             ids = proposer.draft_head.token_ids.tolist()
@@ -402,7 +402,7 @@ def format_table(report: dict) -> str:
                      "seconds")
     if report.get("acceptance") == "simulated":
         lines.append("SIMULATED ACCEPTANCE: the MTP drafts (at its real cost), then each draft is "
-                     "replaced by the k=0 greedy token with probability alpha, a wrong one "
+                     "replaced by the target's greedy token with probability alpha, a wrong one "
                      "otherwise")
     if report.get("draft_vocab_source"):
         lines.append(f"reduced draft heads take {report['draft_vocab_source']}")
