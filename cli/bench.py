@@ -196,17 +196,51 @@ def spec(
     threads: ThreadsOpt = None,
     quick: Annotated[bool, typer.Option("--quick", help="A short smoke run (default: off).")
                      ] = False,
+    num_prompts: Annotated[int, typer.Option(
+        "--num-prompts", min=1, help="How many of the default prompts to run.")] = 8,
+    repeats: Annotated[int, typer.Option(
+        "--repeats", min=1, help="Runs of every row, alternated (the median tok/s is "
+        "reported).")] = 1,
+    cpu_time: Annotated[bool, typer.Option(
+        "--cpu-time", help="Time in this process's CPU seconds instead of wall seconds: with "
+        "--threads 1, the speed on a machine of its own (default: off).")] = False,
+    draft_vocab: Annotated[str, typer.Option(
+        "--draft-vocab", help="Comma-separated draft-head sizes to compare: N drafts from the "
+        "N most frequent tokens (the model's draft_vocab.json, else the first N ids), 0 from "
+        "the full head.")] = "0",
+    simulate_acceptance: Annotated[str | None, typer.Option(
+        "--simulate-acceptance", help="Comma-separated acceptance rates in [0, 1]: the MTP "
+        "drafts at its real cost, then each draft is replaced by the target's own greedy token "
+        "with that probability, a wrong one otherwise; rows are labelled simulated (default: "
+        "off, the real acceptance).", show_default=False)] = None,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
     """Speculative decoding with the checkpoint's MTP head, per k and batch size.
 
-    Reports tok/s, speedup over k=0, mean acceptance length and per-position acceptance.
+    Reports tok/s, speedup over k=0, mean acceptance length and per-position acceptance, and
+    the measured cost of a draft pass and of a verify step against a k=0 decode step, with the
+    acceptance rate at which k drafts break even.
     """
     _need_matplotlib(plot)
     _check_dtype(dtype)
     k_list = _int_list("--ks", ks, 0)
     b_list = _int_list("--batch-sizes", batch_sizes, 1)
+    dv_list = _int_list("--draft-vocab", draft_vocab, 0)
+    alphas = None
+    if simulate_acceptance is not None:
+        try:
+            alphas = [float(a) for a in simulate_acceptance.split(",") if a.strip()]
+        except ValueError:
+            alphas = []
+        if not alphas or not all(0.0 <= a <= 1.0 for a in alphas):
+            raise CliError(f"--simulate-acceptance needs comma-separated rates in [0, 1], got "
+                           f"{simulate_acceptance!r}", 2)
+        if temperature != 0.0:
+            raise CliError("--simulate-acceptance replays the greedy continuation: it needs "
+                           "--temperature 0", 2)
+        if 0 not in k_list:
+            raise CliError("--simulate-acceptance needs k=0 in --ks (its reference run)", 2)
     prompts = list(prompt or [])
     if prompts_file is not None:
         try:
@@ -223,7 +257,9 @@ def spec(
                             max_tokens=max_tokens, dtype=dtype,
                             threads=threads or _default_threads(),
                             json_path=json_path, quick=quick, temperature=temperature,
-                            ignore_eos=ignore_eos)
+                            ignore_eos=ignore_eos, draft_vocabs=tuple(dv_list),
+                            simulate_acceptance=alphas, num_prompts=num_prompts,
+                            repeats=repeats, cpu_time=cpu_time)
     if plot is not None:
         plot_spec(report, plot)
         typer.echo(f"wrote {plot}", err=True)
@@ -233,21 +269,28 @@ def plot_spec(report: dict, path: Path) -> None:
     plt = _pyplot()
     rows = report["rows"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for b in sorted({r["batch_size"] for r in rows}):
-        sel = sorted((r for r in rows if r["batch_size"] == b), key=lambda r: r["k"])
-        ax1.plot([r["k"] for r in sel], [r["tok_s"] for r in sel], marker="o",
-                 label=f"batch {b}")
+    lines: dict[tuple, list[dict]] = {}  # one line per (batch, draft head, alpha), from k = 0
+    for r in rows:
+        if r["k"] > 0:
+            lines.setdefault((r["batch_size"], r.get("draft_vocab"), r.get("simulated_alpha")),
+                             []).append(r)
+    for (b, dv, alpha), sel in lines.items():
+        base = [r for r in rows if r["batch_size"] == b and r["k"] == 0]
+        sel = sorted(base + sel, key=lambda r: r["k"])
+        label = f"batch {b}" + (f", head {dv}" if dv else "") + (
+            f", simulated alpha {alpha}" if alpha is not None else "")
+        ax1.plot([r["k"] for r in sel], [r["tok_s"] for r in sel], marker="o", label=label)
         acc = [(r["k"], r["mean_acceptance_length"]) for r in sel if r["k"] > 0]
-        ax2.plot([k for k, _ in acc], [a or 0 for _, a in acc], marker="o",
-                 label=f"batch {b}")
+        ax2.plot([k for k, _ in acc], [a or 0 for _, a in acc], marker="o", label=label)
     ax1.set_xlabel("draft tokens k")
     ax1.set_ylabel("output tokens / s")
     ax1.set_title("throughput")
     ax2.set_xlabel("draft tokens k")
     ax2.set_ylabel("mean acceptance length")
-    ax2.set_title("acceptance")
+    ax2.set_title("acceptance" + (" (simulated)" if report.get("acceptance") == "simulated"
+                                  else ""))
     for ax in (ax1, ax2):
-        ax.legend()
+        ax.legend(fontsize="small")
         ax.grid(alpha=0.3)
     fig.suptitle(f"speculative decoding: {report.get('model', '')}")
     fig.tight_layout()

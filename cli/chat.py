@@ -24,6 +24,7 @@ from hybridrt.cli.common import (
     CacheMemoryOpt,
     CliError,
     DeviceOpt,
+    DraftVocabOpt,
     DtypeOpt,
     FrequencyOpt,
     MaxModelLenOpt,
@@ -39,6 +40,7 @@ from hybridrt.cli.common import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    check_draft_vocab,
     check_model_options,
     dtype_name,
     error_line,
@@ -622,6 +624,7 @@ def chat(
         "--show-thinking/--hide-thinking",
         help="Show the text between <think> and </think> (dimmed on a terminal).")] = True,
     speculative_tokens: SpecOpt = 0,
+    draft_vocab: DraftVocabOpt = None,
     dtype: DtypeOpt = "auto",
     max_model_len: MaxModelLenOpt = None,
     cache_memory: CacheMemoryOpt = None,
@@ -637,6 +640,7 @@ def chat(
 
     check_model_options(dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
                         device=device)
+    check_draft_vocab(draft_vocab, speculative_tokens)
 
     flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                presence_penalty=presence_penalty,
@@ -649,6 +653,6 @@ def chat(
         raise CliError(f"invalid sampling option: {e}", 2) from None
     llm = load_llm(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
                    device=device, threads=threads, speculative_tokens=speculative_tokens,
-                   max_num_seqs=2, announce=False)
+                   max_num_seqs=2, announce=False, draft_vocab_size=draft_vocab)
     sampling = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
     ChatLoop(llm, sampling, speculative_tokens, system, think, not show_thinking).run()

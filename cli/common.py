@@ -78,6 +78,21 @@ ThinkOpt = Annotated[bool | None, typer.Option(
     "template's own default).", show_default=False)]
 SpecOpt = Annotated[int, typer.Option(
     "--speculative-tokens", "-k", help="MTP draft tokens per step (0 = off).", min=0)]
+DraftVocabOpt = Annotated[int | None, typer.Option(
+    "--draft-vocab", help="With -k: the MTP drafts from the N most frequent tokens only (the "
+    "model's draft_vocab.json, else the first N ids); outputs are unchanged (default: the "
+    "whole vocabulary).", show_default=False)]
+
+
+def check_draft_vocab(draft_vocab: int | None, speculative_tokens: int) -> None:
+    """--draft-vocab mistakes -> CliError (exit 2), before the model loads."""
+    if draft_vocab is None:
+        return
+    if draft_vocab < 1:
+        raise CliError(f"--draft-vocab must be a positive integer, got {draft_vocab}", 2)
+    if speculative_tokens == 0:
+        raise CliError("--draft-vocab is for MTP drafts: it needs -k/--speculative-tokens > 0",
+                       2)
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -110,7 +125,8 @@ def check_model_options(*, dtype: str, max_model_len: int | None, cache_memory: 
 
 def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
              cache_memory: str | None, device: str = "cpu", speculative_tokens: int = 0,
-             max_num_seqs: int = 32, threads: int | None = None, announce: bool = True):
+             max_num_seqs: int = 32, threads: int | None = None, announce: bool = True,
+             draft_vocab_size: int | None = None):
     """Build the LLM; option mistakes are CliErrors (exit 2) raised before the slow imports.
     ``announce``: one 'loaded ...' line on stderr when it is a terminal. Sets
     ``llm.load_seconds``."""
@@ -125,7 +141,7 @@ def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
               device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
-              threads=threads)
+              threads=threads, draft_vocab_size=draft_vocab_size)
     llm.load_seconds = time.perf_counter() - t0
     if announce and sys.stderr.isatty():
         typer.echo(f"loaded {llm.model_path} ({dtype_name(llm.dtype)}, {device}, max_model_len "

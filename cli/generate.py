@@ -31,6 +31,7 @@ from hybridrt.cli.common import (
     CacheMemoryOpt,
     CliError,
     DeviceOpt,
+    DraftVocabOpt,
     DtypeOpt,
     FrequencyOpt,
     MaxModelLenOpt,
@@ -46,6 +47,7 @@ from hybridrt.cli.common import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    check_draft_vocab,
     check_model_options,
     load_llm,
     sampling_defaults,
@@ -259,6 +261,7 @@ def generate(
         "'prompt').")] = False,
     think: ThinkOpt = None,
     speculative_tokens: SpecOpt = 0,
+    draft_vocab: DraftVocabOpt = None,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1,
                                               help="Requests run concurrently.")] = 32,
     progress: Annotated[bool, typer.Option("--progress/--no-progress",
@@ -287,6 +290,7 @@ def generate(
 
     check_model_options(dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
                         device=device)
+    check_draft_vocab(draft_vocab, speculative_tokens)
 
     flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                presence_penalty=presence_penalty,
@@ -308,7 +312,8 @@ def generate(
                     it.messages = [{"role": "user", "content": it.prompt}]
         llm = load_llm(model, dtype=dtype, max_model_len=max_model_len,
                        cache_memory=cache_memory, device=device, threads=threads,
-                       speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs)
+                       speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
+                       draft_vocab_size=draft_vocab)
         defaults = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
         results = run_items(llm, items, defaults, template_kwargs(think), progress, None)
         written, failed = write_in_order(results, out)

@@ -20,7 +20,7 @@ from hybridrt.sampling_params import SamplingParams
 from hybridrt.scheduler import Scheduler, StepPlan
 from hybridrt.session import Session, common_prefix
 from hybridrt.specdec.mtp import MTPProposer
-from hybridrt.specdec.stats import SpecStats
+from hybridrt.specdec.stats import SpecStats, StepCosts
 from hybridrt.specdec.verify import settle_verified, verify_requests
 from hybridrt.statecache import HybridCacheManager
 
@@ -50,7 +50,8 @@ class LLMEngine:
     def __init__(self, model: Qwen35ForCausalLM, config: ModelConfig, cache: HybridCacheManager,
                  engine_config: EngineConfig, tokenizer: Any = None, seed: int | None = 0,
                  device: torch.device | str = "cpu", speculative_tokens: int = 0,
-                 backend: str | None = None, thread_governor=None):
+                 backend: str | None = None, draft_vocab: list[int] | None = None,
+                 thread_governor=None):
         self.model = model
         self.config = config
         self.cache = cache
@@ -68,13 +69,14 @@ class LLMEngine:
         self.proposer = None
         if speculative_tokens > 0:
             self.proposer = MTPProposer(model, cache, self.sampler, engine_config.max_model_len,
-                                        device)
+                                        device, draft_vocab=draft_vocab)
         self.spec_stats = SpecStats(speculative_tokens)
         self.requests: dict[str, Request] = {}
         self.sessions: dict[str, Session] = {}  # open sessions, least recently used first
         self._ids = itertools.count()
         self.stats = {"num_steps": 0, "num_preemptions": 0, "num_prefill_tokens": 0,
                       "num_decode_tokens": 0, "num_session_evictions": 0}
+        self.step_costs = StepCosts()  # seconds in prefill, decode, verify steps and drafting
 
     # Requests ------------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
@@ -278,6 +280,7 @@ class LLMEngine:
     # Step ----------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """One engine step -> the requests that made progress (new tokens or finished)."""
+        t0 = self.step_costs.clock()
         plan = self.scheduler.schedule()
         self.stats["num_preemptions"] += len(plan.preempted)
         for req in plan.failed:
@@ -296,8 +299,11 @@ class LLMEngine:
         logits = self.runner.logits(hidden, batch)
         emitted = self._sample(plan, logits)
         settled = self._update(plan, emitted)
-        if self.proposer is not None:
+        t1 = self.step_costs.clock()
+        self.step_costs.record(_step_kind(plan), t1 - t0)
+        if self.proposer is not None and any(s.request.spec_k for s in plan.seqs):
             self.proposer.propose(plan, batch.query_starts, hidden, settled)
+            self.step_costs.record("draft", self.step_costs.clock() - t1)
         self.stats["num_steps"] += 1
         return plan.failed + [s.request for s in plan.seqs if s.sample or s.num_drafts]
 
@@ -383,4 +389,11 @@ class LLMEngine:
 
     # Outputs -------------------------------------------------------------------------------
     make_output = staticmethod(OutputProcessor.make_output)
+
+
+def _step_kind(plan: StepPlan) -> str:
+    """prefill (any prompt token), verify (any drafts) or decode: see StepCosts."""
+    if any(s.start < s.request.num_prompt_tokens for s in plan.seqs):
+        return "prefill"
+    return "verify" if any(s.num_drafts for s in plan.seqs) else "decode"
 

@@ -18,6 +18,7 @@ from hybridrt.outputs import CompletionOutput, RequestOutput
 from hybridrt.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.session import Session
+from hybridrt.specdec.draft_vocab import load_draft_vocab
 from hybridrt.statecache import HybridCacheManager, plan_cache
 from hybridrt.threads import ThreadGovernor, adaptive_threads_enabled
 
@@ -93,6 +94,10 @@ class LLM:
     (default 0.3 of free memory, capped at what max_num_seqs x max_model_len needs).
     max_num_sessions: sessions that can be open at once (each has a GDN state slot of its own
     in the budget, for rollbacks).
+    draft_vocab_size: with speculative_tokens, the MTP drafts from the N most frequent tokens
+    only (the model directory's ``draft_vocab.json``, else the first N ids; see
+    ``hybridrt.specdec.draft_vocab``, and ``draft_vocab_source`` for which); verification
+    uses the whole vocabulary, so outputs are unchanged.
     """
 
     def __init__(
@@ -112,6 +117,7 @@ class LLM:
         backend: str | None = None,
         max_num_sessions: int = 1,
         threads: int | None = None,
+        draft_vocab_size: int | None = None,
     ):
         if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or (
             speculative_tokens < 0
@@ -123,6 +129,15 @@ class LLM:
             max_num_sessions < 0
         ):
             raise ValueError(f"max_num_sessions must be an integer >= 0, got {max_num_sessions!r}")
+        if draft_vocab_size is not None:
+            if not isinstance(draft_vocab_size, int) or isinstance(draft_vocab_size, bool) or (
+                draft_vocab_size < 1
+            ):
+                raise ValueError(f"draft_vocab_size must be a positive integer, got "
+                                 f"{draft_vocab_size!r}")
+            if speculative_tokens == 0:
+                raise ValueError("draft_vocab_size is for MTP drafts: it needs "
+                                 "speculative_tokens > 0")
         if threads is not None:
             if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
                 raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
@@ -168,6 +183,10 @@ class LLM:
             self.config, sizing, self.dtype, self.device,
             slots_per_request=1 + speculative_tokens, num_extra_attention_layers=extra_layers,
         )
+        draft_vocab, self.draft_vocab_source = None, None
+        if draft_vocab_size is not None:
+            draft_vocab, self.draft_vocab_source = load_draft_vocab(
+                self.model_path, self.config.vocab_size, draft_vocab_size)
         self.tokenizer = self._load_tokenizer(tokenizer)
         governor = None
         if self.device.type == "cpu" and threads is None and adaptive_threads_enabled():
@@ -175,7 +194,7 @@ class LLM:
         self.engine = LLMEngine(self.model, self.config, cache, engine_config, self.tokenizer,
                                 seed=seed, device=self.device,
                                 speculative_tokens=speculative_tokens, backend=backend,
-                                thread_governor=governor)
+                                draft_vocab=draft_vocab, thread_governor=governor)
 
     # Set-up ------------------------------------------------------------------------------
     def _load_tokenizer(self, tokenizer: Any):

@@ -7,11 +7,25 @@ speedup over k = 0 at the same batch size, the mean acceptance length (1 + accep
 rounds, the bonus token included) and the per-position acceptance rate (rounds that accepted
 draft i / rounds). Decoding is greedy by default, so every k must reproduce k = 0's tokens
 (``identical_to_k0``). Timings on shared machines are noisy: compare rows of one run.
+
+``draft_vocabs``: draft-head sizes to compare, 0 being the full LM head (the LLM's draft head is
+swapped between rows). ``simulate_acceptance``: acceptance rates alpha; for each, the MTP still
+runs every draft pass (its cost is real) but each proposed token is replaced by the target's
+own greedy continuation with probability alpha, by a wrong token otherwise, so acceptance is
+controlled while verification, rollback and the rest run unchanged. The continuation comes
+from an untimed run of the same prompts at the same k and batch size whose drafts are all
+wrong (``_reference_run``: in bf16 it can differ from k = 0's where greedy choices are near
+ties). Those rows are labelled simulated everywhere, with the fraction of drafts that had a
+reference token (``reference_coverage``). Each row
+also gives the measured costs (engine ``StepCosts``) relative to a k = 0 decode step: one draft
+pass, one verify step, and the break-even alpha at which k drafts pay for them.
 """
 
 from __future__ import annotations
 
 import json
+import random
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -20,6 +34,7 @@ from pathlib import Path
 import torch
 
 from hybridrt.sampling_params import SamplingParams
+from hybridrt.specdec.stats import StepCosts
 
 DEFAULT_QUESTIONS = [
     "What does json.dumps do?",
@@ -77,6 +92,101 @@ def _spec_summary(outs, k: int) -> dict:
     }
 
 
+class SimulatedDrafts:
+    """A ``draft_override`` (``specdec.mtp``): draft j of a request becomes the reference
+    continuation's token at that position with probability ``alpha``, else a token that
+    differs from it. ``refs``: prompt ids -> prompt + a greedy output. Where the request has
+    left its reference (or run past its end) the MTP's own token stays; ``coverage`` is the
+    fraction of drafts that had a reference token."""
+
+    def __init__(self, refs: dict[tuple, list[int]], alpha: float, vocab_size: int,
+                 seed: int = 0):
+        self.refs, self.alpha, self.vocab_size = refs, alpha, vocab_size
+        self.rng = random.Random(seed)
+        self.num_drafts = self.num_known = 0
+
+    def __call__(self, req, j: int, token: int) -> int:
+        ref = self.refs.get(tuple(req.prompt_token_ids))
+        n = len(req.token_ids)
+        self.num_drafts += 1
+        if ref is None or n + j >= len(ref) or ref[:n] != req.token_ids:
+            return token
+        self.num_known += 1
+        right = ref[n + j]
+        return right if self.rng.random() < self.alpha else (right + 1) % self.vocab_size
+
+    @property
+    def coverage(self) -> float | None:
+        return self.num_known / self.num_drafts if self.num_drafts else None
+
+
+def _summary(runs: list) -> dict:
+    """A row's repeated runs -> the median tok/s, the step costs of all of them, and the
+    outputs, acceptance and simulation of the last."""
+    outs, seconds, _, sim = runs[-1]
+    rates = [sum(len(o.outputs[0].token_ids) for o in r[0]) / r[1] for r in runs]
+    costs = StepCosts(runs[0][2].clock)
+    for r in runs:
+        costs.merge(r[2])
+    token_ids = [o.outputs[0].token_ids for o in outs]
+    return {"outs": outs, "sim": sim, "seconds": seconds, "tok_s": statistics.median(rates),
+            "tok_s_runs": rates, "costs": costs, "token_ids": token_ids,
+            "tokens": sum(len(t) for t in token_ids)}
+
+
+def _sequences(outs) -> dict[tuple, list[int]]:
+    return {tuple(o.prompt_token_ids): o.prompt_token_ids + o.outputs[0].token_ids
+            for o in outs}
+
+
+def _reference_run(llm, prompts, params, b: int, k: int, k0_refs) -> dict[tuple, list[int]]:
+    """The greedy continuations a k-draft run produces, for simulated acceptance: an untimed
+    run at k whose drafts are all wrong. In half precision a verify step's numerics differ
+    from a 1-token step's, so near-tied greedy choices can differ from k = 0's; every step of
+    this run verifies k + 1 rows per request as the simulated runs do, so theirs match it."""
+    proposer = llm.engine.proposer
+    proposer.draft_override = SimulatedDrafts(k0_refs, 0.0, llm.config.vocab_size)
+    outs = []
+    for i in range(0, len(prompts), b):
+        outs += llm.generate(prompts[i:i + b], params, use_tqdm=False, speculative_tokens=k)
+    proposer.draft_override = None
+    return _sequences(outs)
+
+
+def expected_acceptance_length(alpha: float, k: int) -> float:
+    """1 + alpha + ... + alpha^k: the mean acceptance length when each draft is right with
+    probability alpha independently (the bonus token included)."""
+    return sum(alpha ** i for i in range(k + 1))
+
+
+def break_even_alpha(cost_ratio: float, k: int) -> float | None:
+    """The alpha at which k drafts per round pay for themselves: expected_acceptance_length
+    (alpha, k) = cost_ratio (a round's cost, drafting + verify step, over one k = 0 decode
+    step). 0.0 when any alpha pays; None when none does (the ratio exceeds k + 1)."""
+    if cost_ratio <= 1.0:
+        return 0.0
+    if cost_ratio > k + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_acceptance_length(mid, k) < cost_ratio else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _costs(step_costs, k: int, decode_step: float | None) -> dict:
+    """A row's measured costs relative to one k = 0 decode step of the same batch size."""
+    verify, rounds = step_costs.mean("verify"), step_costs.counts["verify"]
+    if k == 0 or not verify or not rounds or not decode_step:
+        return {"draft_pass_over_step": None, "verify_over_step": None,
+                "break_even_alpha": None}
+    draft = step_costs.seconds["draft"] / rounds  # drafting for one round: k MTP passes
+    ratio = (verify + draft) / decode_step
+    return {"draft_pass_over_step": draft / k / decode_step,
+            "verify_over_step": verify / decode_step,
+            "break_even_alpha": break_even_alpha(ratio, k)}
+
+
 def run_spec_bench(
     model,
     ks: Sequence[int] = (0, 1, 2, 3, 4),
@@ -90,32 +200,66 @@ def run_spec_bench(
     temperature: float = 0.0,
     ignore_eos: bool = False,
     verbose: bool = True,
+    draft_vocabs: Sequence[int] = (0,),
+    simulate_acceptance: Sequence[float] | None = None,
+    num_prompts: int = 8,
+    repeats: int = 1,
+    cpu_time: bool = False,
 ) -> dict:
-    """Run every (batch size, k) on the same prompts -> report dict (also printed as a table
-    and written to ``json_path`` when given).
+    """Run every (batch size, draft head, alpha, k) on the same prompts -> report dict (also
+    printed as a table and written to ``json_path`` when given).
 
-    prompts: strings (the model needs a tokenizer) or token-id lists; default: chat-formatted
-    generic questions, or random token ids for models without a chat template. For batch size
-    b the prompts run in consecutive groups of b concurrent requests. ``quick``: 4 prompts and
-    at most 8 new tokens, for smoke tests on tiny models.
+    prompts: strings (the model needs a tokenizer) or token-id lists; default: ``num_prompts``
+    chat-formatted generic questions, or random token ids for models without a chat template.
+    For batch size b the prompts run in consecutive groups of b concurrent requests. ``quick``:
+    4 prompts and at most 8 new tokens, for smoke tests on tiny models. ``draft_vocabs`` and
+    ``simulate_acceptance``: see the module docstring (simulated acceptance needs greedy
+    decoding). ``repeats``: every row runs that many times, alternated with the others, and
+    reports the median tok/s. ``cpu_time``: time everything in this process's CPU seconds
+    instead of wall seconds (with one thread, what the run takes on a machine it has to
+    itself; on a shared one, wall time also counts the time other processes hold the core).
     """
     from hybridrt.llm import LLM
 
     ks = sorted({int(k) for k in ks})
     batch_sizes = sorted({int(b) for b in batch_sizes})
+    draft_vocabs = list(dict.fromkeys(int(n) for n in draft_vocabs))
+    alphas = [None] if simulate_acceptance is None else [float(a) for a in simulate_acceptance]
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
     if not ks or ks[0] < 0:
         raise ValueError(f"ks must be integers >= 0, got {ks}")
     if not batch_sizes or batch_sizes[0] <= 0:
         raise ValueError(f"batch sizes must be positive, got {batch_sizes}")
+    if not draft_vocabs or min(draft_vocabs) < 0:
+        raise ValueError(f"draft vocabulary sizes must be >= 0 (0: the full head), got "
+                         f"{draft_vocabs}")
+    if simulate_acceptance is not None:
+        if not alphas or not all(0.0 <= a <= 1.0 for a in alphas):
+            raise ValueError(f"simulated acceptance rates must be in [0, 1], got {alphas}")
+        if temperature != 0.0:
+            raise ValueError("simulated acceptance replays the greedy continuation: it needs "
+                             "temperature 0")
+        if ks[0] != 0:
+            raise ValueError("simulated acceptance needs k = 0 among the ks (its reference run)")
     if quick:
         max_tokens = min(max_tokens, 8)
     before_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        llm = LLM(model, dtype=dtype, speculative_tokens=max(ks),
-                  max_num_seqs=max(batch_sizes), max_model_len=_max_len_hint(model, 4096))
+        reduced = max(draft_vocabs) or None
+        llm = LLM(model, dtype=dtype, speculative_tokens=max(ks), threads=threads,
+                  max_num_seqs=max(batch_sizes), max_model_len=_max_len_hint(model, 4096),
+                  draft_vocab_size=reduced if max(ks) > 0 else None)
+        proposer = llm.engine.proposer
+        heads = {0: None}
+        if reduced and proposer is not None:
+            from hybridrt.specdec.mtp import DraftHead
+
+            ids = proposer.draft_head.token_ids.tolist()
+            heads.update({n: DraftHead(llm.model, ids[:n]) for n in draft_vocabs if n})
         if prompts is None:
-            prompts = default_prompts(llm, n=4 if quick else 8)
+            prompts = default_prompts(llm, n=4 if quick else num_prompts)
         prompts = list(prompts)
         if quick:
             prompts = prompts[:4]
@@ -128,44 +272,85 @@ def run_spec_bench(
                              f"max_model_len {llm.engine.engine_config.max_model_len}")
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
                                 ignore_eos=ignore_eos, seed=0 if temperature > 0 else None)
-        warm = params.clone(max_tokens=2)
-        for k in ks:
-            llm.generate(prompts[:1], warm, use_tqdm=False, speculative_tokens=k)
+        # warm-up at the largest batch with every head: a backend may make weight copies for
+        # batched GEMMs at first use
+        warm = params.clone(max_tokens=3)
+        for n in draft_vocabs if max(ks) > 0 else [0]:
+            if proposer is not None:
+                proposer.draft_head = heads[n]
+            for k in ks:
+                llm.generate(prompts[:max(batch_sizes)], warm, use_tqdm=False,
+                             speculative_tokens=k)
+
+        clock = time.process_time if cpu_time else time.perf_counter
+
+        def run(b: int, k: int):
+            outs, seconds = [], 0.0
+            costs = llm.engine.step_costs = StepCosts(clock)  # this run's steps only
+            for i in range(0, len(prompts), b):
+                group = prompts[i:i + b]
+                t = clock()
+                res = llm.generate(group, params, use_tqdm=False, speculative_tokens=k)
+                seconds += clock() - t
+                for o in res:
+                    if o.error is not None:
+                        raise o.error
+                outs.extend(res)
+            llm.engine.step_costs = StepCosts()
+            return outs, seconds, costs
 
         rows = []
         for b in batch_sizes:
-            base_tokens = None
-            base_rate = None
-            for k in ks:
-                outs, seconds = [], 0.0
-                for i in range(0, len(prompts), b):
-                    group = prompts[i:i + b]
-                    t = time.perf_counter()
-                    res = llm.generate(group, params, use_tqdm=False, speculative_tokens=k)
-                    seconds += time.perf_counter() - t
-                    for o in res:
-                        if o.error is not None:
-                            raise o.error
-                    outs.extend(res)
-                toks = [o.outputs[0].token_ids for o in outs]
-                n_tok = sum(len(t) for t in toks)
-                rate = n_tok / seconds if seconds > 0 else 0.0
-                if k == ks[0]:
-                    base_tokens, base_rate = toks, rate
-                row = {
+            refs: dict[int, dict[tuple, list[int]]] = {}  # per k: prompt -> greedy sequence
+            configs = [(0, None, ks[0])] + [
+                (n, a, k) for n in draft_vocabs for a in alphas for k in ks if k > 0]
+            runs: dict[tuple, list] = {c: [] for c in configs}
+            for _ in range(repeats):  # alternated, so that load changes hit every row alike
+                for n, alpha, k in configs:
+                    sim = None
+                    if alpha is not None and k not in refs:
+                        refs[k] = _reference_run(llm, prompts, params, b, k, refs[0])
+                    if proposer is not None:
+                        proposer.draft_head = heads[n]
+                        if alpha is not None:
+                            sim = SimulatedDrafts(refs[k], alpha, llm.config.vocab_size)
+                        proposer.draft_override = sim
+                    outs, seconds, costs = run(b, k)
+                    refs.setdefault(0, _sequences(outs))
+                    runs[(n, alpha, k)].append((outs, seconds, costs, sim))
+                    if verbose:
+                        what = "" if k == 0 else (f" head {n or 'full'}" + (
+                            "" if alpha is None else f" simulated alpha {alpha}"))
+                        rate = sum(len(o.outputs[0].token_ids) for o in outs) / seconds
+                        print(f"batch {b} k {k}{what}: {rate:.1f} tok/s", file=sys.stderr)
+            base = _summary(runs[configs[0]])
+            for n, alpha, k in configs:
+                got = _summary(runs[(n, alpha, k)])
+                outs, sim = got["outs"], got["sim"]
+                rows.append({
                     "batch_size": b,
                     "k": k,
+                    "draft_vocab": n if k > 0 else None,
+                    "acceptance": "real" if alpha is None else "simulated",
+                    "simulated_alpha": alpha if k > 0 else None,
                     "num_requests": len(outs),
-                    "generated_tokens": n_tok,
-                    "seconds": seconds,
-                    "tok_s": rate,
-                    "speedup": rate / base_rate if ks[0] == 0 and base_rate else None,
+                    "generated_tokens": got["tokens"],
+                    "seconds": got["seconds"],
+                    "tok_s": got["tok_s"],
+                    "tok_s_runs": got["tok_s_runs"],
+                    "speedup": got["tok_s"] / base["tok_s"] if ks[0] == 0 and base["tok_s"]
+                    else None,
                     **_spec_summary(outs, k),
-                    "identical_to_k0": (toks == base_tokens) if ks[0] == 0 else None,
-                }
-                rows.append(row)
-                if verbose:
-                    print(f"batch {b} k {k}: {rate:.1f} tok/s", file=sys.stderr)
+                    "expected_acceptance_length": (
+                        expected_acceptance_length(alpha, k) if sim is not None else None),
+                    "reference_coverage": sim.coverage if sim is not None else None,
+                    **_costs(got["costs"], k, base["costs"].mean("decode")),
+                    "step_costs": got["costs"].as_dict(),
+                    "identical_to_k0": (got["token_ids"] == base["token_ids"]) if ks[0] == 0
+                    else None,
+                })
+        if proposer is not None:
+            proposer.draft_head, proposer.draft_override = heads[reduced or 0], None
         report = {
             "model": str(model),
             "dtype": str(dtype),
@@ -173,8 +358,14 @@ def run_spec_bench(
             "max_tokens": max_tokens,
             "temperature": temperature,
             "num_prompts": len(prompts),
+            "repeats": repeats,
+            "clock": "cpu" if cpu_time else "wall",
             "ks": ks,
             "batch_sizes": batch_sizes,
+            "draft_vocabs": draft_vocabs,
+            "draft_vocab_source": llm.draft_vocab_source,
+            "acceptance": "real" if simulate_acceptance is None else "simulated",
+            "simulated_alphas": None if simulate_acceptance is None else alphas,
             "rows": rows,
         }
     finally:
@@ -197,14 +388,46 @@ def _max_len_hint(model, cap: int) -> int:
 
 
 def format_table(report: dict) -> str:
-    head = (f"{'batch':>5} {'k':>2} {'tok/s':>9} {'speedup':>8} {'accept len':>10} "
-            f"{'same as k0':>10}  per-position acceptance")
-    lines = [head, "-" * len(head)]
+    """The report as a table; simulated-acceptance rows say so in their alpha column and in a
+    heading line."""
+    def num(v, fmt, none="-"):
+        return none if v is None else format(v, fmt)
+
+    head = (f"{'batch':>5} {'k':>2} {'head':>6} {'alpha':>9} {'tok/s':>9} {'speedup':>8} "
+            f"{'accept len':>12} {'ref':>4} {'draft/step':>10} {'verify/step':>11} "
+            f"{'break-even':>10} {'same as k0':>10}  per-position acceptance")
+    lines = []
+    if report.get("clock") == "cpu":
+        lines.append("CPU TIME: tok/s and step costs in this process's CPU seconds, not wall "
+                     "seconds")
+    if report.get("acceptance") == "simulated":
+        lines.append("SIMULATED ACCEPTANCE: the MTP drafts (at its real cost), then each draft is "
+                     "replaced by the target's greedy token with probability alpha, a wrong one "
+                     "otherwise")
+    if report.get("draft_vocab_source"):
+        lines.append(f"reduced draft heads take {report['draft_vocab_source']}")
+    lines += [head, "-" * len(head)]
     for r in report["rows"]:
-        sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
-        al = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "-"
+        al = num(r["mean_acceptance_length"], ".2f")
+        if r.get("expected_acceptance_length") is not None:
+            al += f" ({r['expected_acceptance_length']:.2f})"
+        alpha = "-" if r["k"] == 0 else (
+            "real" if r.get("simulated_alpha") is None else f"{r['simulated_alpha']:.2f} sim")
+        dv = r.get("draft_vocab")
+        dv = "-" if dv is None else ("full" if dv == 0 else str(dv))
         same = {True: "yes", False: "NO", None: "-"}[r["identical_to_k0"]]
         pp = " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]) or "-"
-        lines.append(f"{r['batch_size']:>5} {r['k']:>2} {r['tok_s']:>9.1f} {sp:>8} {al:>10} "
-                     f"{same:>10}  {pp}")
+        lines.append(
+            f"{r['batch_size']:>5} {r['k']:>2} {dv:>6} {alpha:>9} {r['tok_s']:>9.1f} "
+            f"{num(r['speedup'], '.2f') + ('x' if r['speedup'] is not None else ''):>8} "
+            f"{al:>12} {num(r.get('reference_coverage'), '.2f'):>4} "
+            f"{num(r.get('draft_pass_over_step'), '.3f'):>10} "
+            f"{num(r.get('verify_over_step'), '.3f'):>11} "
+            f"{num(r.get('break_even_alpha'), '.2f', '-' if r['k'] == 0 else 'never'):>10} "
+            f"{same:>10}  {pp}")
+    if any(r.get("draft_pass_over_step") is not None for r in report["rows"]):
+        lines.append("accept len: measured (expected for simulated alpha); ref: drafts that had a "
+                     "reference token; draft/step: one MTP draft pass, verify/step: one verify "
+                     "step, each over a k=0 decode step; break-even: the alpha at which k drafts "
+                     "pay for their cost")
     return "\n".join(lines)

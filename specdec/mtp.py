@@ -5,9 +5,19 @@ prompt chunk, or the last token plus the accepted drafts), with inputs shifted b
 (``t[p+1]``, target hidden ``h[p]``), so that its own paged KV (same block tables and slots as
 the target's, its own cache tensor) covers every position. The output at the last position
 gives the first draft; drafts 2..k reuse the layer on its own output, one position further each.
+
+With a draft vocabulary (``draft_vocab``: token ids, see ``specdec.draft_vocab``) the drafts'
+logits are computed over those ids only, from a copy of the LM head's rows made once; every
+other token gets -inf, so the draft distribution is zero there. Verification is unchanged.
+
+``draft_override(request, j, token) -> token``, when set, replaces draft j of a request after
+the MTP picked it (the MTP passes still run, and the next one reads the replaced token). Only
+``hybridrt bench spec --simulate-acceptance`` sets it, for greedy requests.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -20,7 +30,8 @@ from hybridrt.statecache import HybridCacheManager
 
 class MTPProposer:
     def __init__(self, model: Qwen35ForCausalLM, cache: HybridCacheManager, sampler: Sampler,
-                 max_model_len: int, device: torch.device | str = "cpu"):
+                 max_model_len: int, device: torch.device | str = "cpu",
+                 draft_vocab: list[int] | None = None):
         if model.mtp is None:
             raise ValueError("speculative decoding needs the checkpoint's mtp.* weights")
         if len(model.mtp.layers) != 1:
@@ -33,6 +44,8 @@ class MTPProposer:
         self.sampler = sampler
         self.max_model_len = max_model_len
         self.device = torch.device(device)
+        self.draft_head = None if draft_vocab is None else DraftHead(model, draft_vocab)
+        self.draft_override: Callable | None = None
 
     def num_drafts_for(self, req) -> int:
         """k, capped so that verification stays inside max_model_len and max_tokens."""
@@ -71,13 +84,23 @@ class MTPProposer:
         if reqs:
             self._draft(reqs, out[mb.logits_indices])
 
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The drafts' fp32 logits [n, vocab]: the full LM head, or the draft vocabulary's rows
+        with -inf elsewhere."""
+        if self.draft_head is None:
+            return self.model.compute_logits(h)
+        head = self.draft_head
+        small = self.model.backend.linear(head, h).float()
+        full = small.new_full((small.shape[0], self.model.config.vocab_size), float("-inf"))
+        return full.index_copy_(1, head.token_ids, small)
+
     def _draft(self, reqs: list, h: torch.Tensor) -> None:
         budget = [self.num_drafts_for(r) for r in reqs]
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         active = list(range(len(reqs)))
         for j in range(max(budget)):
-            logits = self.model.compute_logits(h)
+            logits = self._logits(h)
             rows = [reqs[i].sampling_row(drafts[i]) for i in active]
             prepared = self.sampler.prepare(logits, rows)
             picked = prepared.argmax(dim=-1)
@@ -89,7 +112,10 @@ class MTPProposer:
                 for m, n in enumerate(rand):
                     probs[active[n]].append(p[m])
             for n, i in enumerate(active):
-                drafts[i].append(int(picked[n]))
+                tok = int(picked[n])
+                if self.draft_override is not None:
+                    tok = self.draft_override(reqs[i], j, tok)
+                drafts[i].append(tok)
             keep = [n for n, i in enumerate(active) if budget[i] > j + 1]
             if not keep:
                 break
@@ -105,3 +131,13 @@ class MTPProposer:
         for i, r in enumerate(reqs):
             r.draft_token_ids = drafts[i]
             r.draft_probs = torch.stack(probs[i]) if probs[i] else None
+
+
+class DraftHead:
+    """The LM head's rows for the draft vocabulary: ``weight`` [N, hidden], a copy gathered
+    once from the head (the tied embedding when there is no lm_head), and ``token_ids`` [N]."""
+
+    def __init__(self, model: Qwen35ForCausalLM, token_ids: list[int]):
+        head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
+        self.token_ids = torch.tensor(token_ids, dtype=torch.long, device=head.weight.device)
+        self.weight = head.weight.detach()[self.token_ids].contiguous()

@@ -6,6 +6,8 @@ per-position acceptance rate i = drafts accepted at position i / rounds.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -61,3 +63,37 @@ class SpecStats:
             "acceptance_rate": self.acceptance_rate,
             "per_position_acceptance": self.per_position_acceptance,
         }
+
+
+KINDS = ("prefill", "decode", "verify", "draft")
+
+
+@dataclass(slots=True)
+class StepCosts:
+    """Where the engine's time goes (``LLMEngine.step_costs``): wall seconds and counts of
+    engine steps by kind, and of the MTP passes after them. A step is ``prefill`` when it
+    computes any prompt token, else ``verify`` when it verifies any drafts, else ``decode``
+    (one new token per request); its time runs from scheduling to the emitted tokens.
+    ``draft`` is the proposer's time after a step (the MTP passes and picking the drafts).
+    ``clock``: wall time by default; ``time.process_time`` gives this process's CPU time."""
+
+    clock: Callable[[], float] = time.perf_counter
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+
+    def record(self, kind: str, seconds: float) -> None:
+        self.seconds[kind] += seconds
+        self.counts[kind] += 1
+
+    def merge(self, other: StepCosts) -> None:
+        for k in KINDS:
+            self.seconds[k] += other.seconds[k]
+            self.counts[k] += other.counts[k]
+
+    def mean(self, kind: str) -> float | None:
+        """Mean seconds of one step (or one drafting) of this kind; None if there was none."""
+        return self.seconds[kind] / self.counts[kind] if self.counts[kind] else None
+
+    def as_dict(self) -> dict:
+        return {f"{k}_{what}": d[k] for k in KINDS
+                for what, d in (("seconds", self.seconds), ("count", self.counts))}

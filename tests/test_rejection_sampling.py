@@ -70,6 +70,8 @@ def _sparse(probs: torch.Tensor, n: int) -> torch.Tensor:
     return p / p.sum(-1, keepdim=True)
 
 
+_OUTSIDE = torch.arange(V) >= 5  # the tokens a reduced draft vocabulary leaves out
+
 # name: (target sampling params, draft distribution from the draft logits)
 CASES = {
     "t1": (SamplingParams(temperature=1.0), lambda d: torch.softmax(d.double(), -1)),
@@ -79,6 +81,11 @@ CASES = {
     # the draft is 0 where the target is not: only the residual can emit those tokens
     "t1-sparse-draft": (SamplingParams(temperature=1.0),
                         lambda d: _sparse(torch.softmax(d.double(), -1), 3)),
+    # a reduced draft vocabulary: the draft is 0 outside tokens 0..4 in every row, where the
+    # target has 15-36% of its mass; only the residual max(p - q, 0) can emit tokens 5..7
+    "t1-draft-vocab": (SamplingParams(temperature=1.0),
+                       lambda d: torch.softmax(d.double().masked_fill(_OUTSIDE, float("-inf")),
+                                               -1)),
 }
 
 
@@ -147,12 +154,15 @@ def test_the_cases_can_tell_the_rows_and_rules_apart():
 TOP_K = 3
 
 
-@pytest.fixture(scope="module")
-def demo_spec_llm():
+DRAFT_VOCAB = 1500  # the demo's first 1500 ids: the reduced draft head's vocabulary
+
+
+@pytest.fixture(scope="module", params=[None, DRAFT_VOCAB], ids=["full-head", "draft-vocab"])
+def demo_spec_llm(request):
     from hybridrt import LLM
 
     return LLM(dtype="float32", speculative_tokens=K, max_model_len=256, max_num_seqs=8,
-               cache_memory=64 << 20)
+               cache_memory=64 << 20, draft_vocab_size=request.param)
 
 
 def test_top_k_sampling_with_drafts_emits_only_the_targets_top_k(demo_spec_llm, monkeypatch):
@@ -161,8 +171,10 @@ def test_top_k_sampling_with_drafts_emits_only_the_targets_top_k(demo_spec_llm, 
 
     llm = demo_spec_llm
     bonus: list[tuple[tuple[int, ...], int]] = []  # (prompt, output index) of bonus tokens
+    drafted: set[int] = set()
 
     def spy(sampler, logits, items):
+        drafted.update(t for it in items for t in it.drafts)
         results = verify_drafts(sampler, logits, items)
         for it, (_, a) in zip(items, results):
             if a == len(it.drafts):
@@ -187,3 +199,6 @@ def test_top_k_sampling_with_drafts_emits_only_the_targets_top_k(demo_spec_llm, 
         assert not outside, f"output tokens {outside} are not in the target's top-{TOP_K}"
         checked_bonus += sum(1 for pr, i in bonus if pr == tuple(prompt) and i < len(out))
     assert checked_bonus >= 10, f"only {checked_bonus} bonus tokens were emitted"
+    if llm.draft_vocab_source is not None:  # drafts from the reduced vocabulary only, while
+        assert max(drafted) < DRAFT_VOCAB  # the target emitted tokens outside it
+        assert any(t >= DRAFT_VOCAB for o in outs for t in o.outputs[0].token_ids)

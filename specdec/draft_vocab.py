@@ -1,0 +1,69 @@
+"""Reduced draft vocabularies: the MTP head drafts from the N most frequent tokens only.
+
+A frequency table is ``draft_vocab.json`` in the model directory: ``{"token_ids": [...],
+"source": "..."}`` with token ids most frequent first (``hybridrt draft-vocab MODEL CORPUS``
+writes one from a text corpus). ``draft_vocab_size=N`` takes its first N ids; a model directory
+without a table falls back to the first N ids of the vocabulary (for a byte-level BPE, the
+bytes and the earliest merges) and says so in the returned source.
+
+Verification always scores the full vocabulary, so drafting from a subset changes only how
+many drafts are accepted, never the output: the draft distribution q is zero outside the
+subset, and rejection sampling's residual max(p - q, 0) covers those tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def check_draft_vocab_size(n, vocab_size: int) -> None:
+    """ValueError unless ``n`` is an integer in [1, vocab_size]."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= vocab_size:
+        raise ValueError(f"draft_vocab_size must be an integer in [1, {vocab_size}] (the "
+                         f"model's vocab_size), got {n!r}")
+
+
+def load_draft_vocab(model_dir: str | Path, vocab_size: int, n: int) -> tuple[list[int], str]:
+    """-> (the N token ids to draft from, where they came from). Reads
+    ``model_dir/draft_vocab.json`` when there is one, else the first N ids."""
+    check_draft_vocab_size(n, vocab_size)
+    path = Path(model_dir) / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return list(range(n)), f"the first {n} token ids (no {DRAFT_VOCAB_FILE} in {model_dir})"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    ids = raw.get("token_ids") if isinstance(raw, dict) else raw
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids
+    ):
+        raise ValueError(f"{path}: token_ids must be a list of token ids in [0, {vocab_size})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: token_ids has repeated ids")
+    if len(ids) < n:
+        raise ValueError(f"draft_vocab_size {n} is larger than the {len(ids)} ids of {path}")
+    return ids[:n], f"the {n} most frequent tokens of {path}"
+
+
+def rank_tokens(counts: Counter, vocab_size: int) -> list[int]:
+    """Every id of the vocabulary, most frequent first (ties and unseen ids by id)."""
+    seen = sorted((t for t in counts if 0 <= t < vocab_size), key=lambda t: (-counts[t], t))
+    rest = sorted(set(range(vocab_size)) - set(seen))
+    return seen + rest
+
+
+def count_tokens(token_lists: Iterable[list[int]]) -> Counter:
+    counts: Counter = Counter()
+    for ids in token_lists:
+        counts.update(ids)
+    return counts
+
+
+def write_draft_vocab(path: str | Path, token_ids: list[int], source: str) -> None:
+    Path(path).write_text(json.dumps({"source": source, "token_ids": token_ids}))

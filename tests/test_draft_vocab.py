@@ -1,0 +1,296 @@
+"""Reduced draft vocabularies (``draft_vocab_size``), the engine's step costs and the simulated
+acceptance of ``hybridrt bench spec``.
+
+The draft head only decides which drafts are proposed: greedy output must equal k = 0 token for
+token and every draft must come from the draft vocabulary. Sampling with a reduced draft head
+is checked model-free in test_rejection_sampling.py (a draft distribution that is zero outside
+a fixed subset) and there on the demo model (the target's top-k support).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from hybridrt.llm import LLM
+from hybridrt.sampling_params import SamplingParams
+from hybridrt.specbench import (
+    SimulatedDrafts,
+    break_even_alpha,
+    expected_acceptance_length,
+    format_table,
+    run_spec_bench,
+)
+from hybridrt.specdec.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab, rank_tokens
+from hybridrt.testing import tiny_text_config, write_char_tokenizer, write_random_checkpoint
+
+TEXT_CONFIG = tiny_text_config()
+VOCAB = TEXT_CONFIG["vocab_size"]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = write_random_checkpoint(tmp_path_factory.mktemp("tiny_dv"), TEXT_CONFIG, seed=3)
+    write_char_tokenizer(d, VOCAB)
+    return d
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (1, 5, 17, 40)]
+
+
+def make_llm(ckpt, k=0, **kw):
+    return LLM(ckpt, dtype="float32", speculative_tokens=k, max_model_len=128, max_num_seqs=8,
+               cache_memory=32 << 20, **kw)
+
+
+def spy_drafts(llm) -> list[list[int]]:
+    """Every request's drafts as the proposer leaves them."""
+    seen: list[list[int]] = []
+    proposer = llm.engine.proposer
+    inner = proposer.propose
+
+    def propose(plan, *args):
+        inner(plan, *args)
+        seen.extend(list(s.request.draft_token_ids) for s in plan.seqs
+                    if s.request.draft_token_ids)
+
+    proposer.propose = propose
+    return seen
+
+
+# Greedy: lossless, drafts inside the draft vocabulary ---------------------------------------
+@pytest.mark.parametrize("n", [1, 7, VOCAB // 2])
+def test_greedy_with_a_draft_vocabulary_equals_k0(ckpt, prompts, n):
+    base = make_llm(ckpt).generate(prompts, GREEDY, use_tqdm=False)
+    llm = make_llm(ckpt, 3, draft_vocab_size=n)
+    drafts = spy_drafts(llm)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for b, o in zip(base, outs):
+        assert o.outputs[0].token_ids == b.outputs[0].token_ids
+    assert drafts and all(0 <= t < n for d in drafts for t in d)  # no table: the first n ids
+    assert llm.draft_vocab_source.startswith(f"the first {n} token ids")
+
+
+def test_draft_vocabulary_from_the_model_directory_table(ckpt, prompts, tmp_path):
+    d = tmp_path / "with_table"
+    d.mkdir()
+    for f in ckpt.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    table = random.Random(0).sample(range(VOCAB), VOCAB)  # every id, in a shuffled order
+    (d / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": table}))
+    llm = make_llm(d, 2, draft_vocab_size=5)
+    assert llm.engine.proposer.draft_head.token_ids.tolist() == table[:5]
+    head = llm.model.model.embed_tokens.weight  # tied: the head's rows are the embedding's
+    assert torch.equal(llm.engine.proposer.draft_head.weight, head[table[:5]])
+    drafts = spy_drafts(llm)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    base = make_llm(ckpt).generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+    assert drafts and {t for dr in drafts for t in dr} <= set(table[:5])
+
+
+def test_draft_logits_are_the_full_heads_on_the_draft_vocabulary(ckpt):
+    llm = make_llm(ckpt, 1, draft_vocab_size=9)
+    proposer = llm.engine.proposer
+    h = torch.randn(3, TEXT_CONFIG["hidden_size"])
+    full = llm.model.compute_logits(h)
+    ids = proposer.draft_head.token_ids
+    got = proposer._logits(h)
+    assert torch.allclose(got[:, ids], full[:, ids], rtol=1e-5, atol=1e-5)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(got[:, outside]).all()
+
+
+def test_demo_model_greedy_with_a_draft_vocabulary_equals_k0():
+    from hybridrt.specbench import DEFAULT_QUESTIONS
+
+    llm = LLM(dtype="float32", speculative_tokens=3, max_model_len=256, max_num_seqs=4,
+              cache_memory=64 << 20, draft_vocab_size=1500)
+    prompts = [llm.apply_chat_template([{"role": "user", "content": q}])
+               for q in DEFAULT_QUESTIONS[:4]]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    base = llm.generate(prompts, params, use_tqdm=False, speculative_tokens=0)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
+    accepted = sum(o.metrics["spec"]["num_accepted"] for o in spec)
+    assert accepted > 20  # the reduced head still drafts well on the demo model
+    # some output tokens lie outside the draft vocabulary: verification emitted them itself
+    assert any(t >= 1500 for o in spec for t in o.outputs[0].token_ids)
+
+
+# Tables and bad input -------------------------------------------------------------------------
+def test_rank_tokens_orders_by_count_then_id():
+    from collections import Counter
+
+    assert rank_tokens(Counter({5: 3, 2: 3, 7: 9, 1: 1}), 9) == [7, 2, 5, 1, 0, 3, 4, 6, 8]
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])
+def test_bad_draft_vocab_size_is_refused(ckpt, bad):
+    with pytest.raises(ValueError, match="draft_vocab_size must be a positive integer"):
+        make_llm(ckpt, 2, draft_vocab_size=bad)
+
+
+def test_draft_vocab_size_limits(ckpt, tmp_path):
+    with pytest.raises(ValueError, match=rf"draft_vocab_size must be an integer in \[1, {VOCAB}\]"):
+        make_llm(ckpt, 2, draft_vocab_size=VOCAB + 1)
+    with pytest.raises(ValueError, match="needs speculative_tokens > 0"):
+        make_llm(ckpt, 0, draft_vocab_size=4)
+    nomtp = write_random_checkpoint(tmp_path / "nomtp", TEXT_CONFIG, seed=3, with_mtp=False)
+    with pytest.raises(ValueError, match="no mtp.. tensors"):
+        make_llm(nomtp, 2, draft_vocab_size=4)
+
+
+@pytest.mark.parametrize("table, message", [
+    ({"token_ids": [1, 2, 2]}, "repeated"),
+    ({"token_ids": [1, VOCAB]}, "token ids in"),
+    ({"token_ids": [1, 2]}, "larger than the 2 ids"),
+    ("not json", "not a readable JSON"),
+])
+def test_bad_tables_are_refused(tmp_path, table, message):
+    text = table if isinstance(table, str) else json.dumps(table)
+    (tmp_path / DRAFT_VOCAB_FILE).write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_draft_vocab(tmp_path, VOCAB, 3)
+
+
+def test_draft_vocab_command_counts_the_corpus(ckpt, tmp_path):
+    from typer.testing import CliRunner
+
+    from hybridrt.cli.main import app
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("abracadabra\nbanana band\n")
+    out = tmp_path / "table.json"
+    res = CliRunner().invoke(app, ["draft-vocab", str(ckpt), str(corpus), "--size", "6",
+                                   "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(ckpt))
+    counts: dict[int, int] = {}
+    for ch in corpus.read_text():
+        t = tok.convert_tokens_to_ids(ch)
+        counts[t] = counts.get(t, 0) + 1
+    want = sorted(counts, key=lambda t: (-counts[t], t))[:6]
+    assert json.loads(out.read_text())["token_ids"] == want
+    assert load_draft_vocab(ckpt, VOCAB, 3)[0] == [0, 1, 2]  # the model dir has no table
+
+
+def test_cli_draft_vocab_usage_errors(ckpt):
+    from typer.testing import CliRunner
+
+    from hybridrt.cli.main import app
+
+    r = CliRunner()
+    res = r.invoke(app, ["generate", str(ckpt), "-p", "ab", "-k", "1", "--draft-vocab", "0"])
+    assert res.exit_code == 2 and "--draft-vocab must be a positive integer" in res.output
+    res = r.invoke(app, ["generate", str(ckpt), "-p", "ab", "--draft-vocab", "4"])
+    assert res.exit_code == 2 and "needs -k/--speculative-tokens > 0" in res.output
+    res = r.invoke(app, ["bench", "spec", str(ckpt), "--simulate-acceptance", "1.5"])
+    assert res.exit_code == 2 and "rates in [0, 1]" in res.output
+
+
+# Step costs -----------------------------------------------------------------------------------
+def test_step_costs_count_the_steps(ckpt, prompts):
+    llm = make_llm(ckpt, 2)
+    (o,) = llm.generate([prompts[2]], GREEDY, use_tqdm=False, speculative_tokens=0)
+    c = llm.engine.step_costs
+    assert (c.counts["prefill"], c.counts["decode"], c.counts["verify"], c.counts["draft"]) == (
+        1, len(o.outputs[0].token_ids) - 1, 0, 0)
+    llm.engine.step_costs = type(c)()
+    (o,) = llm.generate([prompts[2]], GREEDY, use_tqdm=False)
+    c = llm.engine.step_costs
+    rounds = o.metrics["spec"]["num_rounds"]
+    assert c.counts["prefill"] == 1 and c.counts["verify"] == rounds
+    assert c.counts["draft"] == c.counts["prefill"] + c.counts["verify"] + c.counts["decode"]
+    assert all(v > 0 for k, v in c.seconds.items() if c.counts[k])
+    assert c.as_dict()["verify_count"] == rounds
+    ticks = iter(range(10**6))  # a clock that advances by 1 per reading
+    llm.engine.step_costs = type(c)(clock=lambda: next(ticks))
+    llm.generate([prompts[2]], GREEDY, use_tqdm=False)
+    c = llm.engine.step_costs
+    assert c.seconds == {k: float(n) for k, n in c.counts.items()}  # one tick per step
+
+
+# Simulated acceptance -------------------------------------------------------------------------
+def test_expected_length_and_break_even():
+    assert expected_acceptance_length(0.5, 2) == pytest.approx(1.75)
+    assert expected_acceptance_length(1.0, 3) == 4
+    for k, r in [(1, 1.3), (2, 1.9), (3, 3.5)]:
+        a = break_even_alpha(r, k)
+        assert expected_acceptance_length(a, k) == pytest.approx(r, abs=1e-9)
+    assert break_even_alpha(0.9, 2) == 0.0 and break_even_alpha(3.5, 2) is None
+
+
+def test_simulated_drafts_follow_the_reference():
+    class Req:
+        prompt_token_ids = [5, 6]
+        token_ids = [5, 6, 7]
+
+    sim = SimulatedDrafts({(5, 6): [5, 6, 7, 8, 9]}, 1.0, VOCAB)
+    assert [sim(Req, j, 0) for j in range(3)] == [8, 9, 0]  # past the reference: its own
+    sim = SimulatedDrafts({(5, 6): [5, 6, 7, 8, 9]}, 0.0, VOCAB)
+    assert [sim(Req, j, 8) for j in range(2)] == [9, 10]  # always a wrong token
+    Req.token_ids = [5, 6, 4]  # left the reference: the MTP's token stays
+    assert sim(Req, 0, 3) == 3 and sim.coverage == 2 / 3
+
+
+def test_simulated_acceptance_bench(ckpt, capsys, tmp_path):
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, VOCAB, (6,), generator=g).tolist() for _ in range(8)]
+    out = tmp_path / "sim.json"
+    report = run_spec_bench(str(ckpt), ks=(0, 1, 3), batch_sizes=(1, 4), prompts=prompts,
+                            max_tokens=48, threads=1, ignore_eos=True, draft_vocabs=(0, 10),
+                            simulate_acceptance=(0.0, 0.5, 1.0), json_path=out)
+    table = capsys.readouterr().out
+    assert "SIMULATED ACCEPTANCE" in table and "0.50 sim" in table
+    assert json.loads(out.read_text()) == report and report["acceptance"] == "simulated"
+    rows = [r for r in report["rows"] if r["k"] > 0]
+    assert len(rows) == 2 * 2 * 3 * 2  # batch x head x alpha x k
+    for r in report["rows"]:
+        assert r["identical_to_k0"] is True  # fp32: the simulation never changes the output
+        if r["k"] == 0:
+            assert r["acceptance"] == "real" and r["simulated_alpha"] is None
+            continue
+        assert r["acceptance"] == "simulated" and r["reference_coverage"] == 1.0
+        assert r["draft_vocab"] in (0, 10) and r["step_costs"]["draft_count"] > 0
+        assert r["verify_over_step"] > 0 and r["draft_pass_over_step"] > 0
+        if r["simulated_alpha"] == 1.0:
+            assert r["acceptance_rate"] == 1.0
+        elif r["simulated_alpha"] == 0.0:
+            assert r["acceptance_rate"] == 0.0
+        elif r["k"] == 1:  # draft 1 is accepted with probability 0.5, round after round
+            n = r["num_rounds"]
+            assert n > 150
+            assert abs(r["per_position_acceptance"][0] - 0.5) < 4 * (0.25 / n) ** 0.5
+
+
+def test_repeated_rows_report_the_median(ckpt):
+    import statistics
+
+    report = run_spec_bench(str(ckpt), ks=(0, 1), batch_sizes=(2,), threads=1, quick=True,
+                            repeats=3, verbose=False, simulate_acceptance=(0.5,), cpu_time=True)
+    assert report["clock"] == "cpu" and "CPU TIME" in format_table(report)
+    for r in report["rows"]:
+        assert len(r["tok_s_runs"]) == 3 and r["tok_s"] == statistics.median(r["tok_s_runs"])
+        n = r["step_costs"]["prefill_count"]  # the same steps in each of the 3 runs
+        assert n >= 3 * 2 and n % 3 == 0
+    base, spec = report["rows"]
+    assert spec["speedup"] == pytest.approx(spec["tok_s"] / base["tok_s"])
