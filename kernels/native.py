@@ -123,8 +123,9 @@ def load() -> ctypes.CDLL | None:
     lib.half_gemm_simd.argtypes = []
     lib.half_gemm_bf16dot.restype = ctypes.c_int
     lib.half_gemm_bf16dot.argtypes = []
-    lib.half_gemm_bf16.restype = None
-    lib.half_gemm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    for name in ("half_gemm_bf16", "half_gemv_bf16"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     _simd = bool(lib.half_gemm_simd())
     _bf16dot = _simd and bool(lib.half_gemm_bf16dot())
     _lib = lib
@@ -185,8 +186,8 @@ def half_paths() -> list[str]:
 
 
 def half_path() -> str | None:
-    """The path ``half_gemm`` takes for bf16 x bf16: the fastest built, or the one
-    ``HYBRIDRT_HALF_PATH`` names (an unknown or unbuilt name is an error)."""
+    """The path ``half_gemm`` / ``half_gemv`` take for bf16 x bf16: the fastest built, or the
+    one ``HYBRIDRT_HALF_PATH`` names (an unknown or unbuilt name is an error)."""
     paths = half_paths()
     want = os.environ.get("HYBRIDRT_HALF_PATH", "auto").lower()
     if want == "auto":
@@ -233,10 +234,10 @@ def half_gemm(x: torch.Tensor, weight: torch.Tensor, path: str | None = None) ->
 HALF_GEMV_MAX_ROWS = 4  # from 5 rows on, half_gemm is as fast (kernels/linear.py)
 
 
-def half_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def half_gemv(x: torch.Tensor, weight: torch.Tensor, path: str | None = None) -> torch.Tensor:
     """x [M, K] (M <= ``HALF_GEMV_MAX_ROWS``, any float dtype) times a bf16/fp16 weight [N, K]
     as it is (row-major, contiguous) -> [M, N] fp32: each weight element read once, for decode
-    at small batch and draft verification (memory-bound: one path, on every CPU with AVX2).
+    at small batch and draft verification. ``path`` as in ``half_gemm`` (bf16dot: any K).
     Callers check ``half_gemm_available``."""
     _check_half_weight("half_gemv", x, weight, HALF_GEMV_MAX_ROWS)
     N, K = weight.shape
@@ -244,6 +245,12 @@ def half_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if lib is None:
         raise RuntimeError("half_gemv: native CPU kernels unavailable")
     y = torch.empty(x.shape[0], N, dtype=torch.float32)
+    if (path or _path) == "bf16dot" and x.dtype == weight.dtype == torch.bfloat16:
+        if x.shape[0] and N:
+            x = x.contiguous()
+            lib.half_gemv_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], N, K,
+                               torch.get_num_threads())
+        return y
     x = x.float().contiguous()
     if x.shape[0] and N:
         lib.half_gemv(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], N, K,

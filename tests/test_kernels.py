@@ -556,12 +556,13 @@ _BUILT_HALF_PATHS = native.half_paths()  # (builds the kernels once, at collecti
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.skipif(
     p not in _BUILT_HALF_PATHS, reason=f"half path {p} not built for this CPU"))
     for p in native.HALF_PATHS])
-@pytest.mark.parametrize("M,N,K", [(1, 16, 8), (3, 17, 34), (4, 7, 66), (5, 33, 300),
+@pytest.mark.parametrize("M,N,K", [(1, 16, 8), (3, 17, 34), (4, 7, 66), (2, 9, 200), (5, 33, 300),
                                    (13, 100, 46), (25, 31, 64), (30, 40, 4100), (9, 5, 18),
                                    (7, 9, 45)],
                          ids=lambda v: str(v))
 def test_half_paths_on_bf16_activations(M, N, K, path):
-    """bf16 activations times bf16 weights in ``half_gemm`` on each path built here: every tile
+    """bf16 activations times bf16 weights in ``half_gemm`` (and ``half_gemv`` up to 4 rows) on
+    each path built here: every tile
     size of either path (up to 12 rows: 25 = 9 8 8, 30 = 10 10 10), a partial last panel (and
     N < 8), K past a 256-input block and off a multiple of 8 pairs, odd K (which bf16dot leaves
     to fma) -> the fp64 product of the same bf16 values."""
@@ -571,6 +572,8 @@ def test_half_paths_on_bf16_activations(M, N, K, path):
     y = native.half_gemm(x, w, path=path)
     assert y.dtype == torch.float32 and y.shape == (M, N)
     assert_rel_close(y.double(), ref, TOL, f"{path} M={M} N={N} K={K}")
+    if M <= native.HALF_GEMV_MAX_ROWS:  # and the GEMV (bf16dot: 64 inputs a step, tails masked)
+        assert_rel_close(native.half_gemv(x, w, path=path).double(), ref, TOL, f"gemv {path}")
 
 
 def test_native_half_gemm_rejects_bad_shapes():

@@ -353,9 +353,66 @@ void half_gemm_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, i
     }
 }
 
+/* Up to 4 rows of bf16 x: one weight row at a time as in half_gemv, 64 inputs a step into 2
+ * accumulators per row of x (masked loads for the tail), no widening. */
+static inline __attribute__((always_inline)) void gemv_row16(
+    const uint16_t *x, const uint16_t *w, float *y, int64_t N, int64_t K, int mr)
+{
+    __m512 acc[4][2];
+    #pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t K64 = K & ~(int64_t)63;
+    for (int64_t k = 0; k < K64; k += 64) {
+        const __m512i w0 = _mm512_loadu_si512((const void *)(w + k));
+        const __m512i w1 = _mm512_loadu_si512((const void *)(w + k + 32));
+        #pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+            if (r < mr) {
+                const uint16_t *xr = x + r * K + k;
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_loadu_si512(
+                    (const void *)xr), (__m512bh)w0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_loadu_si512(
+                    (const void *)(xr + 32)), (__m512bh)w1);
+            }
+        }
+    }
+    for (int64_t k = K64; k < K; k += 32) {
+        const __mmask32 m = K - k >= 32 ? (__mmask32)0xFFFFFFFFu
+                                        : (__mmask32)((1u << (K - k)) - 1);
+        const __m512i wv = _mm512_maskz_loadu_epi16(m, w + k);
+        #pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r)
+            if (r < mr)
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_maskz_loadu_epi16(
+                    m, x + r * K + k), (__m512bh)wv);
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r)
+        if (r < mr) y[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+void half_gemv_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N,
+                    int64_t K, int num_threads)
+{
+    if (M < 1 || M > 4) return;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+        switch (M) {
+        case 1: gemv_row16(x, w + n * K, y + n, N, K, 1); break;
+        case 2: gemv_row16(x, w + n * K, y + n, N, K, 2); break;
+        case 3: gemv_row16(x, w + n * K, y + n, N, K, 3); break;
+        default: gemv_row16(x, w + n * K, y + n, N, K, 4); break;
+        }
+    }
+}
 #else
 int half_gemm_bf16dot(void) { return 0; }
 void half_gemm_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N,
+                    int64_t K, int num_threads)
+{
+    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)num_threads;
+}
+void half_gemv_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N,
                     int64_t K, int num_threads)
 {
     (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)num_threads;
@@ -368,6 +425,11 @@ int half_gemm_simd(void) { return 0; }
 int half_gemm_bf16dot(void) { return 0; }
 
 void half_gemm_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N,
+                    int64_t K, int num_threads)
+{
+    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)num_threads;
+}
+void half_gemv_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N,
                     int64_t K, int num_threads)
 {
     (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)num_threads;
