@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-_SRCS = [Path(__file__).parent / "csrc" / name for name in ("gdn_decode.c", "half_gemm.c")]
+_SRCS = [Path(__file__).parent / "csrc" / name for name in ("gdn_decode.c", "half_gemm.c",
+                                                                 "int8_gemm.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lib: ctypes.CDLL | None = None
 _simd = False  # half_gemm / half_gemv built with AVX2 + FMA + F16C (asked once, at load)
