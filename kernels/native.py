@@ -7,8 +7,10 @@
 - ``csrc/half_gemm.c``: x W^T for bf16/fp16 weights in fp32 on AVX2 + FMA + F16C CPUs, reading
   the half-precision weights (packed in 16-column panels) instead of an fp32 copy of them
   (kernels/linear.py says when it is used; docs/performance.md what it was measured against).
+- ``csrc/int8_gemm.c``: x W^T for int8 weights with one scale per 32 inputs, on AVX-512 VNNI,
+  AVX2 or plain C (kernels/quant.py binds it and picks the path).
 
-Both are built into one library with ``cc -O3 -march=native -fopenmp`` into
+All are built into one library with ``cc -O3 -march=native -fopenmp`` into
 ``$HYBRIDRT_CACHE`` (default ``~/.cache/hybridrt``), keyed by a hash of the source, the flags
 and this CPU's model and feature flags (a ``-march=native`` build must not be reused on another
 CPU), and loaded with ctypes. Without a C compiler that builds it (with OpenMP), on Windows, or
