@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from hybridrt.cli.common import CliError, ModelArg, ThreadsOpt
+from hybridrt.cli.common import CliError, ModelArg, QuantizationOpt, ThreadsOpt
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                         help="Benchmarks: throughput vs transformers, speculative decoding, "
@@ -50,6 +50,15 @@ def _check_dtype(dtype: str) -> None:
     if dtype.lower() not in DTYPE_NAMES:
         raise CliError(f"--dtype: unknown dtype {dtype!r}; choose one of bfloat16, float16, "
                        f"float32", 2)
+
+
+def _check_quantization(quantization: str | None) -> str | None:
+    from hybridrt.options import check_quantization
+
+    try:
+        return check_quantization(quantization)
+    except ValueError as e:
+        raise CliError(f"--quantization: {e}", 2) from None
 
 
 def _int_list(name: str, text: str, minimum: int) -> list[int]:
@@ -93,12 +102,15 @@ def throughput(
     no_transformers: Annotated[bool, typer.Option(
         "--no-transformers", help="Only hybridrt, skip the transformers side (default: off).")
     ] = False,
+    quantization: QuantizationOpt = None,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
-    """Prefill, batch-1 decode and aggregate tok/s, side by side with transformers."""
+    """Prefill, batch-1 decode and aggregate tok/s, side by side with transformers (which runs
+    the unquantized weights; with --quantization it is left out)."""
     _need_matplotlib(plot)
     _check_dtype(dtype)
+    quantization = _check_quantization(quantization)
     sizes = _int_list("--concurrency", concurrency, 1)
     from hybridrt import bench
 
@@ -106,7 +118,7 @@ def throughput(
         model=model, dtype=dtype, threads=threads or _default_threads(),
         prefill_len=prefill_len, prompt_len=prompt_len, decode_tokens=decode_tokens,
         concurrency=sizes, repeats=repeats, transformers=not no_transformers,
-        json_path=json_path,
+        json_path=json_path, quantization=quantization,
     )
     if plot is not None:
         plot_throughput(report, plot)
@@ -172,6 +184,7 @@ def spec(
     dtype: Annotated[str, typer.Option("--dtype", help="Weight and cache dtype.")
                      ] = "float32",
     threads: ThreadsOpt = None,
+    quantization: QuantizationOpt = None,
     quick: Annotated[bool, typer.Option("--quick", help="A short smoke run (default: off).")
                      ] = False,
     json_path: JsonOpt = None,
@@ -183,6 +196,7 @@ def spec(
     """
     _need_matplotlib(plot)
     _check_dtype(dtype)
+    quantization = _check_quantization(quantization)
     k_list = _int_list("--ks", ks, 0)
     b_list = _int_list("--batch-sizes", batch_sizes, 1)
     prompts = list(prompt or [])
@@ -201,7 +215,7 @@ def spec(
                             max_tokens=max_tokens, dtype=dtype,
                             threads=threads or _default_threads(),
                             json_path=json_path, quick=quick, temperature=temperature,
-                            ignore_eos=ignore_eos)
+                            ignore_eos=ignore_eos, quantization=quantization)
     if plot is not None:
         plot_spec(report, plot)
         typer.echo(f"wrote {plot}", err=True)

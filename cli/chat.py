@@ -30,6 +30,7 @@ from hybridrt.cli.common import (
     MinPOpt,
     ModelArg,
     PresenceOpt,
+    QuantizationOpt,
     RepetitionOpt,
     SeedOpt,
     SpecOpt,
@@ -627,6 +628,7 @@ def chat(
     cache_memory: CacheMemoryOpt = None,
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
+    quantization: QuantizationOpt = None,
 ) -> None:
     """Chat with a model; answers stream as they are generated.
 
@@ -636,7 +638,7 @@ def chat(
     from hybridrt.sampling_params import SamplingParams
 
     check_model_options(dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
-                        device=device)
+                        device=device, quantization=quantization)
 
     flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                presence_penalty=presence_penalty,
@@ -649,6 +651,6 @@ def chat(
         raise CliError(f"invalid sampling option: {e}", 2) from None
     llm = load_llm(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
                    device=device, threads=threads, speculative_tokens=speculative_tokens,
-                   max_num_seqs=2, announce=False)
+                   quantization=quantization, max_num_seqs=2, announce=False)
     sampling = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
     ChatLoop(llm, sampling, speculative_tokens, system, think, not show_thinking).run()

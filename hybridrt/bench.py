@@ -61,13 +61,14 @@ def _work(requests: int, prompt_len: int, new_tokens: list[int]) -> dict:
 
 
 def bench_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: int,
-               concurrency: list[int], prompt_len: int, repeats: int
-               ) -> tuple[dict, dict, object]:
+               concurrency: list[int], prompt_len: int, repeats: int,
+               quantization: str | None = None) -> tuple[dict, dict, object]:
     from hybridrt.llm import LLM
 
     max_len = max(prefill_len, prompt_len) + decode_tokens + 8
     llm = LLM(model, dtype=dtype, max_model_len=max_len, max_num_seqs=max(concurrency + [1]),
-              max_num_batched_tokens=max(prefill_len, 512), cache_memory=0.25)
+              max_num_batched_tokens=max(prefill_len, 512), cache_memory=0.25,
+              quantization=quantization)
     vocab = llm.config.vocab_size
     res: dict[str, float] = {}
     work: dict[str, dict] = {}
@@ -167,9 +168,10 @@ def bench_transformers(state_dict: dict, text_config: dict, dtype: torch.dtype, 
 def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int = 2,
                prefill_len: int = 512, prompt_len: int = 16, decode_tokens: int = 16,
                concurrency: list[int] = (8, 32), repeats: int = 2, transformers: bool = True,
-               json_path: str | Path | None = None) -> dict:
+               json_path: str | Path | None = None, quantization: str | None = None) -> dict:
     """Run the throughput benchmark -> the report (also printed as a table and written to
-    ``json_path``). ``model``: a checkpoint (default: a random-weight 0.8B-shaped one)."""
+    ``json_path``). ``model``: a checkpoint (default: a random-weight 0.8B-shaped one).
+    ``quantization``: hybridrt's weights in int8; transformers (unquantized) is left out."""
     torch.set_num_threads(threads)
     concurrency = list(concurrency)
     tmp = None
@@ -180,11 +182,14 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
         path = str(make_random_08b(tmp.name))
     print(f"hybridrt: prefill {prefill_len}, decode {decode_tokens} tokens, "
           f"concurrency {concurrency}, {threads} threads", file=sys.stderr)
+    if quantization:
+        transformers = False
     ours, our_work, llm = bench_ours(path, dtype, prefill_len, decode_tokens, concurrency,
-                                     prompt_len, repeats)
+                                     prompt_len, repeats, quantization)
     interleaved = {k: ours.pop(k) for k in list(ours) if k.startswith("interleaved_")}
     c = max(concurrency, default=None)
     report = {"model": str(model or "random Qwen3.5-0.8B shape"), "dtype": dtype,
+              "quantization": quantization,
               "threads": threads,
               "workload": {"prefill_len": prefill_len, "prompt_len": prompt_len,
                            "decode_tokens": decode_tokens, "concurrency": concurrency,
@@ -239,6 +244,8 @@ def _peak_rss_gib() -> float | None:
 def format_table(report: dict) -> str:
     ours, theirs = report["hybridrt"], report.get("transformers", {})
     rows = [f"{'metric':<24}{'hybridrt':>12}{'transformers':>14}{'ratio':>8}"]
+    if report.get("quantization"):
+        rows.insert(0, f"hybridrt weights: {report['quantization']}")
     for k, v in ours.items():
         t = theirs.get(k)
         rest = f"{t:>14.2f}{v / t:>8.2f}" if t else f"{'-':>14}{'-':>8}"

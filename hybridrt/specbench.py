@@ -90,6 +90,7 @@ def run_spec_bench(
     temperature: float = 0.0,
     ignore_eos: bool = False,
     verbose: bool = True,
+    quantization: str | None = None,
 ) -> dict:
     """Run every (batch size, k) on the same prompts -> report dict (also printed as a table
     and written to ``json_path`` when given).
@@ -112,7 +113,7 @@ def run_spec_bench(
     before_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        llm = LLM(model, dtype=dtype, speculative_tokens=max(ks),
+        llm = LLM(model, dtype=dtype, speculative_tokens=max(ks), quantization=quantization,
                   max_num_seqs=max(batch_sizes), max_model_len=_max_len_hint(model, 4096))
         if prompts is None:
             prompts = default_prompts(llm, n=4 if quick else 8)

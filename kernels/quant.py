@@ -23,22 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridrt.options import check_quantization  # noqa: F401 (re-exported)
+
 from . import native
 
-QUANTIZATIONS = ("int8",)
 GROUP = 32  # inputs per scale
 PANEL = 16  # output columns per panel
 ISAS = {"ref": 1, "avx2": 2, "vnni": 4}  # csrc/int8_gemm.c's ISA_* flags, best last
 _CHUNK_ROWS = 8192  # rows quantized at a time (bounds the fp32 temporaries)
-
-
-def check_quantization(name: str | None) -> str | None:
-    """None / "none" -> None; "int8" -> "int8"; anything else: ValueError naming the choices."""
-    if name is None or str(name).lower() == "none":
-        return None
-    if str(name).lower() not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {name!r}; choose int8 (or none)")
-    return str(name).lower()
 
 
 class QuantWeight:
