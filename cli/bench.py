@@ -1,6 +1,6 @@
-"""``hybridrt bench throughput`` / ``gemm`` / ``startup`` (hybridrt.bench, hybridrt.startup)
-and ``hybridrt bench spec`` (hybridrt.specbench): each prints a table and, with ``--json`` /
-``--plot``, writes the report and a chart."""
+"""``hybridrt bench throughput`` / ``gemm`` / ``startup`` (hybridrt.bench, hybridrt.startup),
+``hybridrt bench spec`` (hybridrt.specbench) and ``hybridrt bench quality`` (hybridrt.quality):
+each prints a table and, with ``--json`` / ``--plot``, writes the report and a chart."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hybridrt.cli.common import CliError, ModelArg, QuantizationOpt, ThreadsOpt
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                         help="Benchmarks: throughput vs transformers, speculative decoding, "
-                             "the CPU GEMM paths, start-up.")
+                             "the CPU GEMM paths, start-up, int8 quality.")
 
 PlotOpt = Annotated[Path | None, typer.Option(
     "--plot", help="Also draw a chart to this PNG (needs matplotlib, the 'plot' extra) "
@@ -245,6 +245,29 @@ def plot_spec(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# quality -------------------------------------------------------------------------------------
+@bench_app.command("quality")
+def quality(
+    model_08b: Annotated[str | None, typer.Option(
+        "--model-08b", help="A Qwen3.5-0.8B-shaped checkpoint for the logits comparison "
+        "(default: random bf16 weights written to a temporary directory).",
+        show_default=False)] = None,
+    skip_08b: Annotated[bool, typer.Option(
+        "--skip-08b", help="Only the demo model (default: off).")] = False,
+    max_docs: Annotated[int | None, typer.Option(
+        "--max-docs", min=1, help="Score only the first N held-out documents (default: all).",
+        show_default=False)] = None,
+    threads: ThreadsOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """int8 against bf16 weights: perplexity and greedy agreement of the demo model on held-out
+    text; logits error and top-1 agreement at the 0.8B shape (random weights)."""
+    from hybridrt.quality import run_quality
+
+    run_quality(model_08b, skip_08b=skip_08b, threads=threads or _default_threads(),
+                max_docs=max_docs, json_path=json_path)
 
 
 # startup --------------------------------------------------------------------------------------
