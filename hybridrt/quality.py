@@ -7,7 +7,7 @@ and with ``quantization="int8"``, both on the CPU backend, scoring the same toke
   the int8 model's greedy next token equals bf16's.
 - A Qwen3.5-0.8B-shaped checkpoint with random weights over random token ids: the logits'
   relative error against bf16 (``||int8 - bf16|| / ||bf16||`` over all positions) and top-1
-  agreement.
+  agreement, and for scale the same for bf16 against fp32 weights.
 """
 
 from __future__ import annotations
@@ -68,11 +68,11 @@ def score(model, sequences: list[list[int]], block_size: int = 16):
     return out
 
 
-def _load(path, quantization):
+def _load(path, quantization, dtype="bfloat16"):
     from hybridrt.kernels.backend import CPUBackend
     from hybridrt.loader import load_model
 
-    model, config, _ = load_model(path, "bfloat16", with_mtp=False, quantization=quantization)
+    model, config, _ = load_model(path, dtype, with_mtp=False, quantization=quantization)
     model.set_backend(CPUBackend(config))
     return model
 
@@ -105,33 +105,41 @@ def demo_quality(max_tokens: int = 256, max_docs: int | None = None) -> dict:
 
 @torch.inference_mode()
 def logits_quality(path: str | Path, num_seqs: int = 4, length: int = 64, seed: int = 0) -> dict:
-    """Logits of the int8 model against bf16 on random token ids: relative error, top-1
-    agreement."""
-    bf16 = _load(path, None)
-    vocab = bf16.config.vocab_size
+    """Logits of the int8 model against bf16 on random token ids: relative error
+    (``||int8 - bf16|| / ||bf16||``) and top-1 agreement; for scale, the same for bf16 against
+    fp32 weights (random-weight models amplify small differences layer after layer)."""
+    import gc
+
     g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(num_seqs)]
-    models = {"bf16": bf16}
-    models["int8"] = _load(path, "int8")
-    err2 = ref2 = 0.0
-    agree = total = 0
-    for ids in seqs:
-        hidden = {}
-        for name, m in models.items():
+    logits = {}
+    for name, dtype, q in (("fp32", "float32", None), ("bf16", "bfloat16", None),
+                           ("int8", "bfloat16", "int8")):
+        model = _load(path, q, dtype)
+        vocab = model.config.vocab_size
+        seqs = [torch.randint(0, vocab, (length,), generator=g.manual_seed(seed + i)).tolist()
+                for i in range(num_seqs)]
+        rows = []
+        for ids in seqs:
             nblocks = -(-len(ids) // 16)
-            cache = CacheTensors.allocate(m.config, num_blocks=nblocks, num_slots=1,
-                                          block_size=16, dtype=m.dtype)
+            cache = CacheTensors.allocate(model.config, num_blocks=nblocks, num_slots=1,
+                                          block_size=16, dtype=model.dtype)
             batch = build_batch([ids], [0], [list(range(nblocks))], 16, [0], ["all"])
-            hidden[name] = m(batch, cache)
-        for i in range(0, length, _ROWS):
-            a = models["bf16"].compute_logits(hidden["bf16"][i:i + _ROWS])
-            b = models["int8"].compute_logits(hidden["int8"][i:i + _ROWS])
-            err2 += (b.double() - a.double()).pow(2).sum().item()
-            ref2 += a.double().pow(2).sum().item()
-            agree += (a.argmax(-1) == b.argmax(-1)).sum().item()
-            total += a.shape[0]
-    return {"sequences": num_seqs, "positions": total, "logits_rel_error": math.sqrt(err2 / ref2),
-            "top1_agreement": agree / total}
+            hidden = model(batch, cache)
+            rows += [model.compute_logits(hidden[i:i + _ROWS]) for i in range(0, length, _ROWS)]
+        logits[name] = torch.cat(rows)
+        del model, rows
+        gc.collect()
+
+    def compare(a, b):
+        x, y = logits[a].double(), logits[b].double()
+        top1 = (x.argmax(-1) == y.argmax(-1)).double().mean().item()
+        return ((x - y).norm() / y.norm()).item(), top1
+
+    err, top1 = compare("int8", "bf16")
+    err_ref, top1_ref = compare("bf16", "fp32")
+    return {"sequences": num_seqs, "positions": num_seqs * length, "logits_rel_error": err,
+            "top1_agreement": top1, "bf16_vs_fp32_rel_error": err_ref,
+            "bf16_vs_fp32_top1_agreement": top1_ref}
 
 
 def run_quality(model_08b: str | None = None, skip_08b: bool = False, threads: int = 2,
@@ -176,5 +184,8 @@ def format_table(report: dict) -> str:
         rows += [f"Qwen3.5-0.8B shape, random weights ({r['sequences']} x "
                  f"{r['positions'] // r['sequences']} random tokens):",
                  f"  {'logits relative error':<34}{100 * r['logits_rel_error']:>9.2f}%",
-                 f"  {'top-1 agreement':<34}{100 * r['top1_agreement']:>9.2f}%"]
+                 f"  {'top-1 agreement':<34}{100 * r['top1_agreement']:>9.2f}%",
+                 "  for scale, bf16 against fp32 weights:",
+                 f"  {'logits relative error':<34}{100 * r['bf16_vs_fp32_rel_error']:>9.2f}%",
+                 f"  {'top-1 agreement':<34}{100 * r['bf16_vs_fp32_top1_agreement']:>9.2f}%"]
     return "\n".join(rows)
