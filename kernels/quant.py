@@ -66,7 +66,7 @@ class QuantWeight:
 
 def quantize(weight: torch.Tensor) -> QuantWeight:
     """W [N, K] (any float dtype) -> its QuantWeight: per row and group of 32 inputs,
-    scale = amax / 127 rounded to fp16, q = round(W / scale) clamped to [-127, 127]."""
+    scale = amax / 127 rounded to fp16, q = round(W * (1 / scale)) clamped to [-127, 127]."""
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"quantize: expected a float matrix, got {weight.dtype} "
                          f"{list(weight.shape)}")
@@ -76,17 +76,29 @@ def quantize(weight: torch.Tensor) -> QuantWeight:
     scales = torch.empty(P, G, PANEL, dtype=torch.float16, device=weight.device)
     step = max(PANEL, _CHUNK_ROWS // PANEL * PANEL)
     for n0 in range(0, P * PANEL, step):  # chunks of whole panels
-        w = weight[n0:n0 + step].float()
+        w = weight[n0:n0 + step].to(torch.float32, copy=True)  # changed in place below
         rows = -(-w.shape[0] // PANEL) * PANEL
-        w = F.pad(w, (0, G * GROUP - K, 0, rows - w.shape[0])).view(-1, G, GROUP)
-        s = (w.abs().amax(-1) / 127).half()  # [rows, G]
+        if rows != w.shape[0] or G * GROUP != K:
+            w = F.pad(w, (0, G * GROUP - K, 0, rows - w.shape[0]))
+        w = w.view(-1, G, GROUP)
+        s = (_group_amax(w) / 127).half()  # [rows, G]
         sf = s.float()
-        q = torch.where(sf[..., None] > 0, w / sf[..., None], 0).round_().clamp_(-127, 127)
+        inv = torch.where(sf > 0, 1 / sf, 0)
+        q = w.mul_(inv[..., None]).round_().clamp_(-127, 127)
         p0 = n0 // PANEL
-        qs[p0:p0 + rows // PANEL] = (q.to(torch.int8).view(-1, PANEL, G, 8, 4)
-                                     .permute(0, 2, 3, 1, 4))
+        qs[p0:p0 + rows // PANEL].copy_(q.view(-1, PANEL, G, 8, 4).permute(0, 2, 3, 1, 4))
         scales[p0:p0 + rows // PANEL] = s.view(-1, PANEL, G).transpose(1, 2)
     return QuantWeight(qs, scales, (N, K))
+
+
+def _group_amax(w: torch.Tensor) -> torch.Tensor:
+    """max |w| over the last dimension (a power of two), by halving it: elementwise maxima of
+    its two halves until one value is left."""
+    m, n = w.abs(), w.shape[-1]
+    while n > 1:
+        n //= 2
+        m = torch.maximum(m[..., :n], m[..., n:2 * n])
+    return m[..., 0]
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

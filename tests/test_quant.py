@@ -53,6 +53,9 @@ def test_quantize_round_trip_error_bound(shape):
     ids = torch.tensor([[N - 1, 0], [N // 2, N - 1]])
     assert torch.equal(qw.rows(ids), deq[ids])
     assert qw.qs.dtype == torch.int8 and qw.scales.dtype == torch.float16
+    before = w.clone()
+    assert torch.equal(quant.quantize(w).qs, quant.quantize(w.double()).qs)
+    assert torch.equal(w, before)  # the input is left as it was
 
 
 def test_quantize_rejects_non_float_matrices():

@@ -330,10 +330,20 @@ int int8_gemm(const float *x, const int8_t *qs, const uint16_t *sc, float *y, in
         return -1;
     }
     const Args a = {xq, xd, xs, qs, sc, y, N, K, G};
+    /* Few rows: x is quantized here, so that the threads meet once, not twice (on a busy machine
+     * each meeting can wait for a time slice). Small products run on this thread alone. */
+    const int serial = M * K <= (1 << 16);
+    if (serial)
+        for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, xq + m * K, xd + m * G, xs + m * G);
+    if (num_threads > blocks) num_threads = (int)blocks;
+    if (M * N * K < (1 << 20)) num_threads = 1;
     #pragma omp parallel num_threads(num_threads)
     {
-        #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, xq + m * K, xd + m * G, xs + m * G);
+        if (!serial) {
+            #pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; ++m)
+                quantize_row(x + m * K, K, xq + m * K, xd + m * G, xs + m * G);
+        }
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t p = b * NP;
