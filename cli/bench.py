@@ -133,7 +133,8 @@ def gemm(
     rounds: Annotated[int, typer.Option(
         "--rounds", min=1, help="Interleaved rounds per path (the median is reported).")] = 9,
 ) -> None:
-    """ms per weight of the CPU half-weight GEMM paths at the 0.8B shapes (kernels/linear.py)."""
+    """ms per weight of the CPU half-weight GEMM paths at the 0.8B shapes (kernels/linear.py),
+    and of the int8 kernels (kernels/quant.py)."""
     from hybridrt import bench
 
     bench.gemm(_int_list("--rows", rows, 1), threads=threads, rounds=rounds)

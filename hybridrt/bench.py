@@ -268,11 +268,12 @@ def format_table(report: dict) -> str:
 def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9) -> list[dict]:
     """ms per weight of the CPU GEMM paths for bf16 weights at the 0.8B shapes (kernels/linear.py):
     compiled panels, oneDNN's fp32 copy, for up to 4 rows the compiled GEMV on the weight as it
-    is, and for 1-2 rows bf16 ``F.linear``. Several weights in turn so each streams from memory
+    is, and for 1-2 rows bf16 ``F.linear``; and the int8 kernels on the weight quantized
+    (kernels/quant.py). Several weights in turn so each streams from memory
     as in a model; median of interleaved rounds."""
     import torch.nn.functional as F
 
-    from hybridrt.kernels import native
+    from hybridrt.kernels import native, quant
     from hybridrt.kernels.linear import PanelWeight, _cpu_gemm, _onednn_available
 
     torch.set_num_threads(threads)
@@ -286,6 +287,11 @@ def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9
         if _onednn_available():
             od = [torch.ops.mkldnn._reorder_linear_weight(w.float().contiguous(), 32) for w in ws]
             paths["onednn_fp32"] = lambda x, od=od: [_cpu_gemm(x, p) for p in od]
+        isa = quant.select_isa()
+        if isa is not None:
+            qs = [quant.quantize(w) for w in ws]
+            paths[f"int8_{isa}"] = lambda x, qs=qs, isa=isa: [quant.int8_gemm(x, q, isa)
+                                                              for q in qs]
         for m in rows:
             x = torch.randn(m, k)
             fs = dict(paths)
