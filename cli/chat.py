@@ -41,12 +41,12 @@ from hybridrt.cli.common import (
     TopKOpt,
     TopPOpt,
     check_model_options,
-    dtype_name,
     error_line,
     load_llm,
     sampling_defaults,
     sampling_overrides,
     template_kwargs,
+    weights_name,
 )
 from hybridrt.reasoning import ReasoningDelta
 
@@ -562,7 +562,7 @@ def banner(llm) -> str:
     where = f"{device}, {torch.get_num_threads()} threads" if device.type == "cpu" \
         else str(device)
     loaded = getattr(llm, "load_seconds", None)
-    lines = [f"hybridrt chat: {llm.model_path} ({dtype_name(llm.dtype)}, {where}, context "
+    lines = [f"hybridrt chat: {llm.model_path} ({weights_name(llm)}, {where}, context "
              f"{llm.engine.engine_config.max_model_len} tokens"
              + (f", loaded in {loaded:.1f}s)" if loaded is not None else ")")]
     if Path(llm.model_path).resolve() == DEMO_MODEL_DIR.resolve():

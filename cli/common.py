@@ -139,9 +139,7 @@ def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
               threads=threads, quantization=quantization)
     llm.load_seconds = time.perf_counter() - t0
     if announce and sys.stderr.isatty():
-        weights = f"int8 weights, {dtype_name(llm.dtype)}" if quantization else dtype_name(
-            llm.dtype)
-        typer.echo(f"loaded {llm.model_path} ({weights}, {device}, max_model_len "
+        typer.echo(f"loaded {llm.model_path} ({weights_name(llm)}, {device}, max_model_len "
                    f"{llm.engine.engine_config.max_model_len}) in {llm.load_seconds:.1f}s",
                    err=True)
     return llm
@@ -149,6 +147,13 @@ def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
 
 def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def weights_name(llm) -> str:
+    """'bfloat16', or with int8 weights 'int8 weights, bfloat16'."""
+    name = dtype_name(llm.dtype)
+    quantization = getattr(llm, "quantization", None)
+    return f"{quantization} weights, {name}" if quantization else name
 
 
 def sampling_defaults(model_path: str | os.PathLike) -> dict[str, Any]:
