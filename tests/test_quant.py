@@ -191,6 +191,15 @@ def test_quantized_model_matches_dequantized_reference(ckpt):
     assert_rel_close(ours, ref, 0.1, "int8 CPU backend vs dequantized weights")
 
 
+def test_untied_lm_head_is_quantized_too(tmp_path):
+    cfg = tiny_text_config(vocab_size=131, tie_word_embeddings=False)
+    path = write_random_checkpoint(tmp_path, cfg, seed=6, dtype=torch.bfloat16)
+    net, config, _ = load_model(path, torch.float32, quantization="int8")
+    assert net.lm_head.weight is None and isinstance(net.lm_head.qweight, quant.QuantWeight)
+    net.set_backend(ReferenceBackend(config))
+    assert torch.equal(_logits(net, PROMPTS), _logits(_dequantized_model(path), PROMPTS))
+
+
 def test_every_weight_is_int8_and_memory_is_about_half(ckpt):
     net, _, _ = load_model(ckpt, torch.bfloat16, quantization="int8", with_mtp=True)
     full, _, _ = load_model(ckpt, torch.bfloat16, with_mtp=True)
