@@ -23,6 +23,8 @@ class Linear(nn.Linear):
     copy of the weight on the module, or run several projections as one GEMM). In an int8
     model ``weight`` is None and ``qweight`` holds the int8 values (kernels/quant.py)."""
 
+    qweight = None  # a class attribute: backends look it up on every call
+
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
         self.backend = _REFERENCE
