@@ -1,6 +1,6 @@
-"""``hybridrt bench throughput`` / ``gemm`` / ``startup`` (hybridrt.bench, hybridrt.startup)
-and ``hybridrt bench spec`` (hybridrt.specbench): each prints a table and, with ``--json`` /
-``--plot``, writes the report and a chart."""
+"""``hybridrt bench throughput`` / ``gemm`` / ``startup`` (hybridrt.bench, hybridrt.startup),
+``hybridrt bench spec`` (hybridrt.specbench) and ``hybridrt bench quality`` (hybridrt.quality):
+each prints a table and, with ``--json`` / ``--plot``, writes the report and a chart."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from typing import Annotated
 
 import typer
 
-from hybridrt.cli.common import CliError, ModelArg, ThreadsOpt
+from hybridrt.cli.common import CliError, ModelArg, QuantizationOpt, ThreadsOpt
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                         help="Benchmarks: throughput vs transformers, speculative decoding, "
-                             "the CPU GEMM paths, start-up.")
+                             "the CPU GEMM paths, start-up, int8 quality.")
 
 PlotOpt = Annotated[Path | None, typer.Option(
     "--plot", help="Also draw a chart to this PNG (needs matplotlib, the 'plot' extra) "
@@ -50,6 +50,15 @@ def _check_dtype(dtype: str) -> None:
     if dtype.lower() not in DTYPE_NAMES:
         raise CliError(f"--dtype: unknown dtype {dtype!r}; choose one of bfloat16, float16, "
                        f"float32", 2)
+
+
+def _check_quantization(quantization: str | None) -> str | None:
+    from hybridrt.options import check_quantization
+
+    try:
+        return check_quantization(quantization)
+    except ValueError as e:
+        raise CliError(f"--quantization: {e}", 2) from None
 
 
 def _int_list(name: str, text: str, minimum: int) -> list[int]:
@@ -105,13 +114,16 @@ def throughput(
         "--order", help="With --against-llamacpp: the rounds, alternated so that a change in "
         "the machine's load reaches both engines; medians per engine.")
     ] = "hybridrt,llamacpp,hybridrt,llamacpp",
+    quantization: QuantizationOpt = None,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
     """Prefill, batch-1 decode and aggregate tok/s, side by side with transformers and, with
-    --against-llamacpp, llama.cpp; the machine's read bandwidth and the batch-1 ceiling."""
+    --against-llamacpp, llama.cpp; the machine's read bandwidth and the batch-1 ceiling.
+    With --quantization, transformers (which runs the unquantized weights) is left out."""
     _need_matplotlib(plot)
     _check_dtype(dtype)
+    quantization = _check_quantization(quantization)
     sizes = _int_list("--concurrency", concurrency, 1)
     from hybridrt import llamacpp
 
@@ -129,7 +141,7 @@ def throughput(
         prefill_len=prefill_len, prompt_len=prompt_len, decode_tokens=decode_tokens,
         concurrency=sizes, repeats=repeats, transformers=not no_transformers,
         json_path=json_path, against_llamacpp=against_llamacpp, llamacpp_bin=llamacpp_bin,
-        order=rounds,
+        order=rounds, quantization=quantization,
     )
     if plot is not None:
         plot_throughput(report, plot)
@@ -144,7 +156,8 @@ def gemm(
     rounds: Annotated[int, typer.Option(
         "--rounds", min=1, help="Interleaved rounds per path (the median is reported).")] = 9,
 ) -> None:
-    """ms per weight of the CPU half-weight GEMM paths at the 0.8B shapes (kernels/linear.py)."""
+    """ms per weight of the CPU half-weight GEMM paths at the 0.8B shapes (kernels/linear.py),
+    and of the int8 kernels (kernels/quant.py)."""
     from hybridrt import bench
 
     bench.gemm(_int_list("--rows", rows, 1), threads=threads, rounds=rounds)
@@ -194,6 +207,7 @@ def spec(
     dtype: Annotated[str, typer.Option("--dtype", help="Weight and cache dtype.")
                      ] = "float32",
     threads: ThreadsOpt = None,
+    quantization: QuantizationOpt = None,
     quick: Annotated[bool, typer.Option("--quick", help="A short smoke run (default: off).")
                      ] = False,
     num_prompts: Annotated[int, typer.Option(
@@ -224,6 +238,7 @@ def spec(
     """
     _need_matplotlib(plot)
     _check_dtype(dtype)
+    quantization = _check_quantization(quantization)
     k_list = _int_list("--ks", ks, 0)
     b_list = _int_list("--batch-sizes", batch_sizes, 1)
     dv_list = _int_list("--draft-vocab", draft_vocab, 0)
@@ -259,7 +274,8 @@ def spec(
                             json_path=json_path, quick=quick, temperature=temperature,
                             ignore_eos=ignore_eos, draft_vocabs=tuple(dv_list),
                             simulate_acceptance=alphas, num_prompts=num_prompts,
-                            repeats=repeats, cpu_time=cpu_time)
+                            repeats=repeats, cpu_time=cpu_time,
+                            quantization=quantization)
     if plot is not None:
         plot_spec(report, plot)
         typer.echo(f"wrote {plot}", err=True)
@@ -296,6 +312,29 @@ def plot_spec(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# quality -------------------------------------------------------------------------------------
+@bench_app.command("quality")
+def quality(
+    model_08b: Annotated[str | None, typer.Option(
+        "--model-08b", help="A Qwen3.5-0.8B-shaped checkpoint for the logits comparison "
+        "(default: random bf16 weights written to a temporary directory).",
+        show_default=False)] = None,
+    skip_08b: Annotated[bool, typer.Option(
+        "--skip-08b", help="Only the demo model (default: off).")] = False,
+    max_docs: Annotated[int | None, typer.Option(
+        "--max-docs", min=1, help="Score only the first N held-out documents (default: all).",
+        show_default=False)] = None,
+    threads: ThreadsOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """int8 against bf16 weights: perplexity and greedy agreement of the demo model on held-out
+    text; logits error and top-1 agreement at the 0.8B shape (random weights)."""
+    from hybridrt.quality import run_quality
+
+    run_quality(model_08b, skip_08b=skip_08b, threads=threads or _default_threads(),
+                max_docs=max_docs, json_path=json_path)
 
 
 # startup --------------------------------------------------------------------------------------

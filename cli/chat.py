@@ -31,6 +31,7 @@ from hybridrt.cli.common import (
     MinPOpt,
     ModelArg,
     PresenceOpt,
+    QuantizationOpt,
     RepetitionOpt,
     SeedOpt,
     SpecOpt,
@@ -42,12 +43,12 @@ from hybridrt.cli.common import (
     TopPOpt,
     check_draft_vocab,
     check_model_options,
-    dtype_name,
     error_line,
     load_llm,
     sampling_defaults,
     sampling_overrides,
     template_kwargs,
+    weights_name,
 )
 from hybridrt.reasoning import ReasoningDelta
 
@@ -563,7 +564,7 @@ def banner(llm) -> str:
     where = f"{device}, {torch.get_num_threads()} threads" if device.type == "cpu" \
         else str(device)
     loaded = getattr(llm, "load_seconds", None)
-    lines = [f"hybridrt chat: {llm.model_path} ({dtype_name(llm.dtype)}, {where}, context "
+    lines = [f"hybridrt chat: {llm.model_path} ({weights_name(llm)}, {where}, context "
              f"{llm.engine.engine_config.max_model_len} tokens"
              + (f", loaded in {loaded:.1f}s)" if loaded is not None else ")")]
     if Path(llm.model_path).resolve() == DEMO_MODEL_DIR.resolve():
@@ -630,6 +631,7 @@ def chat(
     cache_memory: CacheMemoryOpt = None,
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
+    quantization: QuantizationOpt = None,
 ) -> None:
     """Chat with a model; answers stream as they are generated.
 
@@ -639,7 +641,7 @@ def chat(
     from hybridrt.sampling_params import SamplingParams
 
     check_model_options(dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
-                        device=device)
+                        device=device, quantization=quantization)
     check_draft_vocab(draft_vocab, speculative_tokens)
 
     flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -653,6 +655,7 @@ def chat(
         raise CliError(f"invalid sampling option: {e}", 2) from None
     llm = load_llm(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
                    device=device, threads=threads, speculative_tokens=speculative_tokens,
-                   max_num_seqs=2, announce=False, draft_vocab_size=draft_vocab)
+                   quantization=quantization, max_num_seqs=2, announce=False,
+                   draft_vocab_size=draft_vocab)
     sampling = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
     ChatLoop(llm, sampling, speculative_tokens, system, think, not show_thinking).run()

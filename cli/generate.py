@@ -38,6 +38,7 @@ from hybridrt.cli.common import (
     MinPOpt,
     ModelArg,
     PresenceOpt,
+    QuantizationOpt,
     RepetitionOpt,
     SeedOpt,
     SpecOpt,
@@ -271,6 +272,7 @@ def generate(
     cache_memory: CacheMemoryOpt = None,
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
+    quantization: QuantizationOpt = None,
 ) -> None:
     """Generate for many prompts in one batch; writes one JSON line per prompt, in order.
 
@@ -289,7 +291,7 @@ def generate(
     from hybridrt.sampling_params import SamplingParams
 
     check_model_options(dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
-                        device=device)
+                        device=device, quantization=quantization)
     check_draft_vocab(draft_vocab, speculative_tokens)
 
     flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -313,7 +315,7 @@ def generate(
         llm = load_llm(model, dtype=dtype, max_model_len=max_model_len,
                        cache_memory=cache_memory, device=device, threads=threads,
                        speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
-                       draft_vocab_size=draft_vocab)
+                       draft_vocab_size=draft_vocab, quantization=quantization)
         defaults = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
         results = run_items(llm, items, defaults, template_kwargs(think), progress, None)
         written, failed = write_in_order(results, out)

@@ -69,14 +69,15 @@ def _work(requests: int, prompt_len: int, new_tokens: list[int]) -> dict:
 
 
 def load_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: int,
-              concurrency: list[int], prompt_len: int):
+              concurrency: list[int], prompt_len: int, quantization: str | None = None):
     """The engine for ``bench_ours``, warmed up."""
     from hybridrt.llm import LLM
 
     max_len = max(prefill_len, prompt_len) + decode_tokens + 8
     llm = LLM(model, dtype=dtype, max_model_len=max_len, max_num_seqs=max(concurrency + [1]),
               threads=torch.get_num_threads(),  # the benchmark's, fixed
-              max_num_batched_tokens=max(prefill_len, 512), cache_memory=0.25)
+              max_num_batched_tokens=max(prefill_len, 512), cache_memory=0.25,
+              quantization=quantization)
     # warm-up with the largest batch of the measured shape: the first step of a shape faults in
     # its buffers' pages
     warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -201,13 +202,14 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
                concurrency: list[int] = (8, 32), repeats: int = 2, transformers: bool = True,
                json_path: str | Path | None = None, against_llamacpp: str | Path | None = None,
                llamacpp_bin: str | Path | None = None, order: list[str] = DEFAULT_ORDER,
-               stream_bytes: int = 1 << 30) -> dict:
+               stream_bytes: int = 1 << 30, quantization: str | None = None) -> dict:
     """Run the throughput benchmark -> the report (also printed as a table and written to
     ``json_path``). ``model``: a checkpoint (default: a random-weight 0.8B-shaped one).
     ``against_llamacpp``: a GGUF of the same model, benchmarked by llama.cpp in the rounds
     ``order`` names (hybridrt's rows measured once per ``hybridrt`` round); each engine's
     figure is the median over its rounds. The read bandwidth (``stream_bytes`` streamed) and
-    an fp32 matmul rate are measured in the same run, with the same threads."""
+    an fp32 matmul rate are measured in the same run, with the same threads.
+    ``quantization``: hybridrt's weights in int8; transformers (unquantized) is left out."""
     from hybridrt import ceilings, llamacpp
 
     bins = llamacpp.check(against_llamacpp, llamacpp_bin) if against_llamacpp else None
@@ -224,7 +226,10 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
           f"concurrency {concurrency}, {threads} threads, rounds {','.join(order)}",
           file=sys.stderr)
     load_start = list(os.getloadavg())
-    llm = load_ours(path, dtype, prefill_len, decode_tokens, concurrency, prompt_len)
+    if quantization:
+        transformers = False
+    llm = load_ours(path, dtype, prefill_len, decode_tokens, concurrency, prompt_len,
+                    quantization)
     rounds, our_work, their_work, their_run = [], None, None, {}
     for engine in order:
         load = list(os.getloadavg())
@@ -242,6 +247,7 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
     ours = _medians([r["results"] for r in rounds if r["engine"] == "hybridrt"])
     c = max(concurrency, default=None)
     report = {"model": str(model or "random Qwen3.5-0.8B shape"), "dtype": dtype,
+              "quantization": quantization,
               "threads": threads, "cpu": ceilings.cpu_info(),
               "workload": {"prefill_len": prefill_len, "prompt_len": prompt_len,
                            "decode_tokens": decode_tokens, "concurrency": concurrency,
@@ -332,6 +338,8 @@ def format_table(report: dict) -> str:
         rows.append(f"CPU: {cpu['model']} ({' '.join(cpu['flags']) or 'no listed flags'}); "
                     f"{report['threads']} threads; load average "
                     + "; ".join(f"{k} {_loads(v)}" for k, v in load.items()))
+    if report.get("quantization"):
+        rows.append(f"hybridrt weights: {report['quantization']}")
     rows.append(f"{'metric':<24}{'hybridrt':>12}"
                 + "".join(f"{label:>14}{'ratio':>8}" for _, label in others))
     for k, v in ours.items():
@@ -379,11 +387,12 @@ def format_table(report: dict) -> str:
 def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9) -> list[dict]:
     """ms per weight of the CPU GEMM paths for bf16 weights at the 0.8B shapes (kernels/linear.py):
     the compiled GEMM on the weight as it is, oneDNN's fp32 copy, for up to 4 rows the compiled
-    GEMV, and for 1-2 rows bf16 ``F.linear``. Several weights in turn so each streams from memory
-    as in a model; median of interleaved rounds."""
+    GEMV, and for 1-2 rows bf16 ``F.linear``; and the int8 kernels on the weight quantized
+    (kernels/quant.py). Several weights in turn so each streams from memory as in a model;
+    median of interleaved rounds."""
     import torch.nn.functional as F
 
-    from hybridrt.kernels import native
+    from hybridrt.kernels import native, quant
     from hybridrt.kernels.linear import _cpu_gemm, _onednn_available
 
     torch.set_num_threads(threads)
@@ -396,6 +405,11 @@ def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9
         if _onednn_available():
             od = [torch.ops.mkldnn._reorder_linear_weight(w.float().contiguous(), 32) for w in ws]
             paths["onednn_fp32"] = lambda x, od=od: [_cpu_gemm(x, p) for p in od]
+        isa = quant.select_isa()
+        if isa is not None:
+            qs = [quant.quantize(w) for w in ws]
+            paths[f"int8_{isa}"] = lambda x, qs=qs, isa=isa: [quant.int8_gemm(x, q, isa)
+                                                              for q in qs]
         for m in rows:
             x = torch.randn(m, k)
             fs = dict(paths)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from hybridrt.config import ConfigError, ModelConfig
+from hybridrt.kernels import quant
 from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.options import DTYPE_NAMES
 
@@ -164,6 +165,7 @@ def load_model(
     dtype: str | torch.dtype = torch.bfloat16,
     with_mtp: bool = True,
     device: str | torch.device = "cpu",
+    quantization: str | None = None,
 ) -> tuple[Qwen35ForCausalLM, ModelConfig, Path]:
     """Load a checkpoint directory or hub id -> (model in eval mode, config, resolved path).
 
@@ -171,9 +173,12 @@ def load_model(
     (``"auto"``: the checkpoint's own, see ``checkpoint_dtype``).
     ``mtp.*`` tensors are loaded when ``with_mtp`` and present; ``model.visual.*`` is ignored.
     Missing, unexpected and mis-shaped text tensors fail together in one CheckpointError.
+    ``quantization="int8"``: every linear weight and the embedding are quantized as they are
+    read (``kernels.quant``), without keeping the full-precision copy.
     """
     from safetensors import safe_open
 
+    quantization = quant.check_quantization(quantization)
     auto = isinstance(dtype, str) and dtype.lower() == "auto"
     if not auto:
         dtype = parse_dtype(dtype)
@@ -226,7 +231,8 @@ def load_model(
         lines += [f"  unexpected tensor: {u}" for u in unexpected]
         raise CheckpointError("\n".join(lines))
 
-    state = {}
+    to_quantize = quant.quantized_names(net) if quantization else set()
+    state, quantized = {}, {}
     for name in expected:
         h, raw = handles[name]
         try:
@@ -234,7 +240,11 @@ def load_model(
         except Exception as e:
             raise CheckpointError(f"cannot read tensor {raw} from {file_of[raw]} (truncated "
                                   f"file?): {e}") from None
-        state[name] = t.to(device=device, dtype=dtype)
+        if name in to_quantize:
+            quantized[name] = quant.quantize(t.to(device))
+        else:
+            state[name] = t.to(device=device, dtype=dtype)
+    quant.attach(net, quantized, dtype)
     net.load_state_dict(state, assign=True, strict=True)
     net.eval().requires_grad_(False)
     return net, config, path

@@ -20,7 +20,10 @@ from hybridrt.statecache import CacheTensors
 
 class Linear(nn.Linear):
     """nn.Linear without bias, computed by the model's backend (which may keep a repacked
-    copy of the weight on the module, or run several projections as one GEMM)."""
+    copy of the weight on the module, or run several projections as one GEMM). In an int8
+    model ``weight`` is None and ``qweight`` holds the int8 values (kernels/quant.py)."""
+
+    qweight = None  # a class attribute: backends look it up on every call
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
@@ -252,7 +255,8 @@ class Qwen35ForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """The activations' dtype (that of the weights, unless they are quantized)."""
+        return self.model.norm.weight.dtype
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         c = self.config

@@ -25,6 +25,18 @@ def check_dtype_name(dtype: str) -> str:
     return name
 
 
+QUANTIZATIONS = ("int8",)
+
+
+def check_quantization(name: str | None) -> str | None:
+    """None / 'none' -> None; 'int8' -> 'int8'; anything else: ValueError naming the choices."""
+    if name is None or str(name).lower() == "none":
+        return None
+    if str(name).lower() not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {name!r}; choose int8 (or none)")
+    return str(name).lower()
+
+
 def check_device_name(device: str) -> str:
     """'cpu', 'cuda' or 'cuda:N' -> it; else ValueError (availability is checked at load)."""
     if device == "cpu" or re.fullmatch(r"cuda(:\d+)?", device):

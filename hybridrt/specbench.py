@@ -205,6 +205,7 @@ def run_spec_bench(
     num_prompts: int = 8,
     repeats: int = 1,
     cpu_time: bool = False,
+    quantization: str | None = None,
 ) -> dict:
     """Run every (batch size, draft head, alpha, k) on the same prompts -> report dict (also
     printed as a table and written to ``json_path`` when given).
@@ -249,6 +250,7 @@ def run_spec_bench(
     try:
         reduced = max(draft_vocabs) or None
         llm = LLM(model, dtype=dtype, speculative_tokens=max(ks), threads=threads,
+                  quantization=quantization,
                   max_num_seqs=max(batch_sizes), max_model_len=_max_len_hint(model, 4096),
                   draft_vocab_size=reduced if max(ks) > 0 else None)
         proposer = llm.engine.proposer

@@ -9,8 +9,9 @@ into it: no layer converts a tensor to Python or decides on a kernel.
 
 - ``ReferenceBackend``: plain torch everywhere, the definition of correct.
 - ``CPUBackend``: the compiled GDN decode step and half-precision GEMV/GEMM on the weights as
-  the model holds them (``kernels/csrc``) where they built for this CPU; plain torch (and an
-  fp32 copy of each half weight for batched products) otherwise.
+  the model holds them, int8 GEMV/GEMM on quantized ones (``kernels/csrc``) where they built
+  for this CPU; plain torch (and an fp32 copy of each half weight for batched products)
+  otherwise.
 - ``CudaBackend`` (``kernels/cuda/backend.py``): Triton kernels for decode and verification
   (GDN over the slot pool, paged attention, fused norms), fla and SDPA for prompt chunks,
   merged projections through cuBLAS, CUDA graphs.
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import native, quant
 from .attention import attention_plan, paged_attention, write_kv
 from .conv import ConvPlan, causal_conv1d_update, causal_conv1d_varlen, conv_plan
 from .delta_rule import (
@@ -164,6 +165,9 @@ class ReferenceBackend:
 
     # Linear layers and elementwise ops ----------------------------------------------------
     def linear(self, module, x: torch.Tensor) -> torch.Tensor:
+        qweight = getattr(module, "qweight", None)  # int8 weights (kernels/quant.py)
+        if qweight is not None:
+            return quant.reference_linear(x, qweight)
         return F.linear(x, module.weight)
 
     def project(self, x: torch.Tensor, modules) -> list[torch.Tensor]:
@@ -266,6 +270,7 @@ class CPUBackend(ReferenceBackend):
         super().__init__(config, device)
         self.native = native.load() is not None
         self.half_simd = native.half_gemm_available()  # decided once, not per call
+        self.int8_isa = quant.select_isa()  # likewise (None: no compiled kernels)
         self.num_slots: int | None = None
 
     def attach(self, cache) -> None:
@@ -281,6 +286,9 @@ class CPUBackend(ReferenceBackend):
         return meta
 
     def linear(self, module, x: torch.Tensor) -> torch.Tensor:
+        qweight = getattr(module, "qweight", None)
+        if qweight is not None:
+            return quant.linear(x, qweight, self.int8_isa)
         return cpu_linear(x, module.weight, self._packed(module, x), self.half_simd)
 
     def _packed(self, module, x: torch.Tensor):

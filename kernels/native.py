@@ -7,6 +7,8 @@
 - ``csrc/half_gemm.c``: x W^T for bf16/fp16 weights in fp32 on AVX2 + FMA + F16C CPUs, reading
   the half-precision weights as the model holds them instead of an fp32 copy of them
   (kernels/linear.py says when it is used; docs/performance.md what it was measured against).
+- ``csrc/int8_gemm.c``: x W^T for int8 weights with one scale per 32 inputs, on AVX-512 VNNI,
+  AVX2 or plain C (kernels/quant.py binds it and picks the path).
 
 - ``csrc/stream.c``: a streaming read loop, the bandwidth ceiling of ``hybridrt bench
   throughput``.
@@ -35,7 +37,7 @@ from pathlib import Path
 import torch
 
 _SRCS = [Path(__file__).parent / "csrc" / name
-         for name in ("gdn_decode.c", "half_gemm.c", "stream.c")]
+         for name in ("gdn_decode.c", "half_gemm.c", "int8_gemm.c", "stream.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lib: ctypes.CDLL | None = None
 _simd = False  # half_gemm / half_gemv built with AVX2 + FMA + F16C (asked once, at load)

@@ -1,0 +1,359 @@
+/* y = x W^T with int8 weights (one fp16 scale per 32 inputs) and fp32 activations, for every
+ * number of rows (decode, draft verification, prefill).
+ *
+ * W [N, K] comes packed by kernels/quant.py (``quantize``) in panels of 16 output columns and
+ * groups of 32 inputs: qs[p][g][k4][c][j] = q(W[16 p + c][32 g + 4 k4 + j]) (int8, zero past N),
+ * sc[p][g][c] = the fp16 scale of that column's group, W ~= q * scale. K is a multiple of 32
+ * (the caller pads). One 64-byte row qs[p][g][k4] holds 4 consecutive inputs of 16 columns:
+ * what one AVX-512 VNNI ``vpdpbusd`` multiplies by 4 bytes of x broadcast to every lane.
+ *
+ * Each row of x is first quantized the same way (per group of 32: d = amax / 127,
+ * q = round(x * 127 / amax)), then every group's dot product is exact in int32 and
+ * y[m][n] = sum over g of dot(m, n, g) * (d_x[m][g] * d_w[n][g]), summed in fp32 in the order of
+ * g. Each row's result is computed by the same operations whatever the number of rows and the
+ * tile it falls in, so a row's output does not depend on the batch it is in.
+ *
+ * Paths (``int8_isas`` says which this build has; the caller picks one per call):
+ *   ISA_REF  plain C;
+ *   ISA_AVX2 AVX2: vpmaddubsw on |x| and sign(x) * w, widened by vpmaddwd;
+ *   ISA_VNNI AVX-512 VNNI: vpdpbusd on (w + 128) as unsigned bytes and x as signed ones, which
+ *            adds 128 * sum(x) to every group's dot product; that sum is taken off per group.
+ * Threads (OpenMP) take blocks of two panels each; a tile is up to 4 rows of x by those panels.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define NR 16 /* output columns per panel */
+#define QK 32 /* inputs per group */
+#define MR 4  /* rows of x per tile */
+#define NP 2  /* panels per tile */
+
+enum { ISA_REF = 1, ISA_AVX2 = 2, ISA_VNNI = 4 };
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAVE_VNNI 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_AVX2 1
+#endif
+
+int int8_isas(void)
+{
+    int isas = ISA_REF;
+#ifdef HAVE_AVX2
+    isas |= ISA_AVX2;
+#endif
+#ifdef HAVE_VNNI
+    isas |= ISA_VNNI;
+#endif
+    return isas;
+}
+
+static inline float fp16_to_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    union { uint32_t u; float f; } v;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        v.f = (float)man * 5.9604644775390625e-8f;
+        v.u |= sign;
+        return v.f;
+    }
+    if (exp == 31) v.u = sign | 0x7f800000u | (man << 13);
+    else v.u = sign | ((exp + 112) << 23) | (man << 13);
+    return v.f;
+}
+
+/* One row of x -> q [K] int8, d [K / 32] scales, s [K / 32] sums of q per group. */
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t *s)
+{
+    for (int64_t g = 0; g < K / QK; ++g) {
+        const float *xg = x + g * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; ++i) amax = fmaxf(amax, fabsf(xg[i]));
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[g] = amax / 127.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < QK; ++i) {
+            const int v = (int)nearbyintf(xg[i] * id);
+            q[g * QK + i] = (int8_t)v;
+            sum += v;
+        }
+        s[g] = sum;
+    }
+}
+
+/* Arguments of every tile: rows [i, i + mr) of the quantized x, panels [p, p + np). */
+typedef struct {
+    const int8_t *xq;
+    const float *xd;
+    const int32_t *xs;
+    const int8_t *w;
+    const uint16_t *sc;
+    float *y;
+    int64_t N, K, G;
+} Args;
+
+static void store(float *y, const float *acc, int64_t n0, int64_t N)
+{
+    for (int c = 0; c < NR && n0 + c < N; ++c) y[n0 + c] = acc[c];
+}
+
+static void tile_ref(const Args *a, int64_t i, int64_t p, int mr, int np)
+{
+    const int64_t K = a->K, G = a->G;
+    for (int r = 0; r < mr; ++r) {
+        const int8_t *xr = a->xq + (i + r) * K;
+        const float *dr = a->xd + (i + r) * G;
+        for (int t = 0; t < np; ++t) {
+            float acc[NR];
+            for (int c = 0; c < NR; ++c) acc[c] = 0.0f;
+            for (int64_t g = 0; g < G; ++g) {
+                const int8_t *wg = a->w + ((p + t) * G + g) * (QK * NR);
+                const uint16_t *sg = a->sc + ((p + t) * G + g) * NR;
+                for (int c = 0; c < NR; ++c) {
+                    int32_t dot = 0;
+                    for (int k4 = 0; k4 < QK / 4; ++k4)
+                        for (int j = 0; j < 4; ++j)
+                            dot += xr[g * QK + 4 * k4 + j] * wg[k4 * 4 * NR + c * 4 + j];
+                    acc[c] += (float)dot * (dr[g] * fp16_to_float(sg[c]));
+                }
+            }
+            store(a->y + (i + r) * a->N, acc, (p + t) * NR, a->N);
+        }
+    }
+}
+
+#ifdef HAVE_AVX2
+static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64_t i, int64_t p,
+                                                            int mr, int np)
+{
+    const int64_t K = a->K, G = a->G;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 accf[MR][NP][2];
+    #pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r)
+        #pragma GCC unroll 2
+        for (int t = 0; t < NP; ++t) accf[r][t][0] = accf[r][t][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        __m256i acci[MR][NP][2];
+        #pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+            #pragma GCC unroll 2
+            for (int t = 0; t < NP; ++t) acci[r][t][0] = acci[r][t][1] = _mm256_setzero_si256();
+        for (int k4 = 0; k4 < QK / 4; ++k4) {
+            __m256i w[NP][2];
+            #pragma GCC unroll 2
+            for (int t = 0; t < NP; ++t) {
+                if (t < np) {
+                    const int8_t *wk = a->w + ((p + t) * G + g) * (QK * NR) + k4 * 4 * NR;
+                    w[t][0] = _mm256_loadu_si256((const __m256i *)wk);
+                    w[t][1] = _mm256_loadu_si256((const __m256i *)(wk + 32));
+                }
+            }
+            #pragma GCC unroll 4
+            for (int r = 0; r < MR; ++r) {
+                if (r < mr) {
+                    const __m256i xv = _mm256_set1_epi32(
+                        *(const int32_t *)(a->xq + (i + r) * K + g * QK + 4 * k4));
+                    const __m256i ax = _mm256_abs_epi8(xv);
+                    #pragma GCC unroll 2
+                    for (int t = 0; t < NP; ++t) {
+                        if (t < np) {
+                            #pragma GCC unroll 2
+                            for (int h = 0; h < 2; ++h) {
+                                const __m256i pr = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[t][h], xv));
+                                acci[r][t][h] = _mm256_add_epi32(acci[r][t][h], _mm256_madd_epi16(pr, ones));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        #pragma GCC unroll 2
+        for (int t = 0; t < NP; ++t) {
+            if (t < np) {
+                const uint16_t *sg = a->sc + ((p + t) * G + g) * NR;
+                const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
+                const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8)));
+                #pragma GCC unroll 4
+                for (int r = 0; r < MR; ++r) {
+                    if (r < mr) {
+                        const __m256 dx = _mm256_set1_ps(a->xd[(i + r) * G + g]);
+                        accf[r][t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[r][t][0]),
+                                                        _mm256_mul_ps(dw0, dx), accf[r][t][0]);
+                        accf[r][t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[r][t][1]),
+                                                        _mm256_mul_ps(dw1, dx), accf[r][t][1]);
+                    }
+                }
+            }
+        }
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+        #pragma GCC unroll 2
+        for (int t = 0; t < NP; ++t) {
+            if (r < mr && t < np) {
+                float *yr = a->y + (i + r) * a->N;
+                const int64_t n0 = (p + t) * NR;
+                if (n0 + NR <= a->N) {
+                    _mm256_storeu_ps(yr + n0, accf[r][t][0]);
+                    _mm256_storeu_ps(yr + n0 + 8, accf[r][t][1]);
+                } else {
+                    float acc[NR];
+                    _mm256_storeu_ps(acc, accf[r][t][0]);
+                    _mm256_storeu_ps(acc + 8, accf[r][t][1]);
+                    store(yr, acc, n0, a->N);
+                }
+            }
+        }
+    }
+}
+#endif
+
+#ifdef HAVE_VNNI
+static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64_t i, int64_t p,
+                                                            int mr, int np)
+{
+    const int64_t K = a->K, G = a->G;
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    __m512 accf[MR][NP];
+    #pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r)
+        #pragma GCC unroll 2
+        for (int t = 0; t < NP; ++t) accf[r][t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        __m512i acci[MR][NP];
+        #pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+            #pragma GCC unroll 2
+            for (int t = 0; t < NP; ++t) acci[r][t] = _mm512_setzero_si512();
+        #pragma GCC unroll 8
+        for (int k4 = 0; k4 < QK / 4; ++k4) {
+            __m512i w[NP];
+            #pragma GCC unroll 2
+            for (int t = 0; t < NP; ++t)
+                if (t < np)
+                    w[t] = _mm512_xor_si512(bias, _mm512_loadu_si512(
+                        a->w + ((p + t) * G + g) * (QK * NR) + k4 * 4 * NR));
+            #pragma GCC unroll 4
+            for (int r = 0; r < MR; ++r) {
+                if (r < mr) {
+                    const __m512i xv = _mm512_set1_epi32(
+                        *(const int32_t *)(a->xq + (i + r) * K + g * QK + 4 * k4));
+                    #pragma GCC unroll 2
+                    for (int t = 0; t < NP; ++t)
+                        if (t < np) acci[r][t] = _mm512_dpbusd_epi32(acci[r][t], w[t], xv);
+                }
+            }
+        }
+        #pragma GCC unroll 2
+        for (int t = 0; t < NP; ++t) {
+            if (t < np) {
+                const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(
+                    (const __m256i *)(a->sc + ((p + t) * G + g) * NR)));
+                #pragma GCC unroll 4
+                for (int r = 0; r < MR; ++r) {
+                    if (r < mr) {
+                        const __m512i dot = _mm512_sub_epi32(
+                            acci[r][t], _mm512_set1_epi32(128 * a->xs[(i + r) * G + g]));
+                        const __m512 dx = _mm512_set1_ps(a->xd[(i + r) * G + g]);
+                        accf[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                                     _mm512_mul_ps(dw, dx), accf[r][t]);
+                    }
+                }
+            }
+        }
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+        #pragma GCC unroll 2
+        for (int t = 0; t < NP; ++t) {
+            if (r < mr && t < np) {
+                float *yr = a->y + (i + r) * a->N;
+                const int64_t n0 = (p + t) * NR;
+                if (n0 + NR <= a->N) {
+                    _mm512_storeu_ps(yr + n0, accf[r][t]);
+                } else {
+                    float acc[NR];
+                    _mm512_storeu_ps(acc, accf[r][t]);
+                    store(yr, acc, n0, a->N);
+                }
+            }
+        }
+    }
+}
+#endif
+
+/* mr and np as literals at every call, so that the unrolled loops keep the tile in registers */
+#define CASES(fn)                                                                 \
+    switch (mr * 2 + np - 1) {                                                    \
+    case 2: fn(a, i, p, 1, 1); break;                                             \
+    case 3: fn(a, i, p, 1, 2); break;                                             \
+    case 4: fn(a, i, p, 2, 1); break;                                             \
+    case 5: fn(a, i, p, 2, 2); break;                                             \
+    case 6: fn(a, i, p, 3, 1); break;                                             \
+    case 7: fn(a, i, p, 3, 2); break;                                             \
+    case 8: fn(a, i, p, 4, 1); break;                                             \
+    default: fn(a, i, p, 4, 2); break;                                            \
+    }
+
+static void tile(const Args *a, int64_t i, int64_t p, int mr, int np, int isa)
+{
+#ifdef HAVE_VNNI
+    if (isa == ISA_VNNI) { CASES(tile_vnni) return; }
+#endif
+#ifdef HAVE_AVX2
+    if (isa == ISA_AVX2) { CASES(tile_avx2) return; }
+#endif
+    (void)isa;
+    tile_ref(a, i, p, mr, np);
+}
+
+/* x [M, K] fp32, qs and sc as above, y [M, N] fp32. Returns 0, or -1 when the path ``isa`` is
+ * not in this build or memory runs out (y untouched). */
+int int8_gemm(const float *x, const int8_t *qs, const uint16_t *sc, float *y, int64_t M,
+              int64_t N, int64_t K, int isa, int num_threads)
+{
+    if (!(isa & int8_isas()) || (isa & (isa - 1)) || K % QK) return -1;
+    const int64_t G = K / QK, P = (N + NR - 1) / NR, blocks = (P + NP - 1) / NP;
+    int8_t *xq = malloc((size_t)(M * K) + 64);
+    float *xd = malloc(sizeof(float) * (size_t)(M * G) + 64);
+    int32_t *xs = malloc(sizeof(int32_t) * (size_t)(M * G) + 64);
+    if (!xq || !xd || !xs) {
+        free(xq); free(xd); free(xs);
+        return -1;
+    }
+    const Args a = {xq, xd, xs, qs, sc, y, N, K, G};
+    /* Few rows: x is quantized here, so that the threads meet once, not twice (on a busy machine
+     * each meeting can wait for a time slice). Small products run on this thread alone. */
+    const int serial = M * K <= (1 << 16);
+    if (serial)
+        for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, xq + m * K, xd + m * G, xs + m * G);
+    if (num_threads > blocks) num_threads = (int)blocks;
+    if (M * N * K < (1 << 20)) num_threads = 1;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        if (!serial) {
+            #pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; ++m)
+                quantize_row(x + m * K, K, xq + m * K, xd + m * G, xs + m * G);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t p = b * NP;
+            const int np = P - p < NP ? (int)(P - p) : NP;
+            for (int64_t i = 0; i < M; i += MR) {
+                const int mr = M - i < MR ? (int)(M - i) : MR;
+                tile(&a, i, p, mr, np, isa);
+            }
+        }
+    }
+    free(xq); free(xd); free(xs);
+    return 0;
+}

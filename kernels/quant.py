@@ -1,0 +1,242 @@
+"""int8 weights (``quantization="int8"``): quantized once at load time, multiplied by the compiled
+kernels of ``csrc/int8_gemm.c``.
+
+Every weight [N, K] becomes int8 values with one fp16 scale per group of 32 inputs, symmetric,
+round to nearest (``W ~= q * scale``, ``scale = amax / 127``): 34 bytes per 32 weights against
+64 in bf16. ``QuantWeight`` keeps them in the kernels' layout, panels of 16 output columns by
+groups of 32 inputs (see csrc/int8_gemm.c); ``dequantize`` and ``rows`` give the values back.
+
+``linear`` multiplies on the CPU with the kernels: each row of x is quantized to int8 per group
+of 32 as well, the group dot products are exact integers and the scales are applied in fp32
+(``emulate`` does the same in torch). The kernels have paths for AVX-512 VNNI, AVX2 and plain C;
+``select_isa`` picks the best this build has, or the one ``HYBRIDRT_INT8_ISA`` (vnni, avx2,
+ref) names. Without the compiled kernels ``linear`` multiplies the dequantized weight
+(``reference_linear``, which is also what the reference backend runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridrt.options import check_quantization  # noqa: F401 (re-exported)
+
+from . import native
+
+GROUP = 32  # inputs per scale
+PANEL = 16  # output columns per panel
+ISAS = {"ref": 1, "avx2": 2, "vnni": 4}  # csrc/int8_gemm.c's ISA_* flags, best last
+_CHUNK_ROWS = 8192  # rows quantized at a time (bounds the fp32 temporaries)
+
+
+class QuantWeight:
+    """A weight [N, K] in int8: ``qs`` [P, G, 8, 16, 4] with qs[p, g, k4, c, j] the value of
+    W[16 p + c, 32 g + 4 k4 + j] and ``scales`` [P, G, 16] fp16 the scale of W[16 p + c]'s
+    group g (P = ceil(N / 16), G = ceil(K / 32), zeros past N and K). ``shape`` is W's."""
+
+    __slots__ = ("qs", "scales", "shape")
+
+    def __init__(self, qs: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int]):
+        self.qs, self.scales, self.shape = qs, scales, (int(shape[0]), int(shape[1]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.numel() + 2 * self.scales.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """-> W [N, K] as the int8 values times their scales."""
+        P, G = self.scales.shape[:2]
+        w = self.qs.to(dtype).view(P, G, 8, PANEL, 4) * self.scales.to(dtype)[:, :, None, :, None]
+        w = w.permute(0, 3, 1, 2, 4).reshape(P * PANEL, G * GROUP)
+        return w[:self.shape[0], :self.shape[1]]
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``ids`` (any shape) of the dequantized W -> [*ids.shape, K]."""
+        flat = ids.reshape(-1)
+        p, c = flat // PANEL, flat % PANEL
+        q = self.qs[p, :, :, c, :]  # [n, G, 8, 4]
+        s = self.scales[p, :, c]  # [n, G]
+        w = q.to(dtype).reshape(len(flat), -1, GROUP) * s.to(dtype)[:, :, None]
+        return w.reshape(len(flat), -1)[:, :self.shape[1]].reshape(*ids.shape, self.shape[1])
+
+
+def quantize(weight: torch.Tensor) -> QuantWeight:
+    """W [N, K] (any float dtype) -> its QuantWeight: per row and group of 32 inputs,
+    scale = amax / 127 rounded to fp16, q = round(W * (1 / scale)) clamped to [-127, 127]."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"quantize: expected a float matrix, got {weight.dtype} "
+                         f"{list(weight.shape)}")
+    N, K = weight.shape
+    P, G = -(-N // PANEL), -(-K // GROUP)
+    qs = torch.empty(P, G, 8, PANEL, 4, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(P, G, PANEL, dtype=torch.float16, device=weight.device)
+    step = max(PANEL, _CHUNK_ROWS // PANEL * PANEL)
+    for n0 in range(0, P * PANEL, step):  # chunks of whole panels
+        w = weight[n0:n0 + step].to(torch.float32, copy=True)  # changed in place below
+        rows = -(-w.shape[0] // PANEL) * PANEL
+        if rows != w.shape[0] or G * GROUP != K:
+            w = F.pad(w, (0, G * GROUP - K, 0, rows - w.shape[0]))
+        w = w.view(-1, G, GROUP)
+        s = (_group_amax(w) / 127).half()  # [rows, G]
+        sf = s.float()
+        inv = torch.where(sf > 0, 1 / sf, 0)
+        q = w.mul_(inv[..., None]).round_().clamp_(-127, 127)
+        p0 = n0 // PANEL
+        qs[p0:p0 + rows // PANEL].copy_(q.view(-1, PANEL, G, 8, 4).permute(0, 2, 3, 1, 4))
+        scales[p0:p0 + rows // PANEL] = s.view(-1, PANEL, G).transpose(1, 2)
+    return QuantWeight(qs, scales, (N, K))
+
+
+def _group_amax(w: torch.Tensor) -> torch.Tensor:
+    """max |w| over the last dimension (a power of two), by halving it: elementwise maxima of
+    its two halves until one value is left."""
+    m, n = w.abs(), w.shape[-1]
+    while n > 1:
+        n //= 2
+        m = torch.maximum(m[..., :n], m[..., n:2 * n])
+    return m[..., 0]
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 32) -> (q [M, K] int8 as float, d [M, K / 32] fp32), per group of
+    32: d = amax / 127, q = round(x * (127 / amax)): what the kernels do to each row first."""
+    M, K = x.shape
+    xg = x.float().view(M, K // GROUP, GROUP)
+    amax = xg.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (xg * inv[..., None]).round().view(M, K), amax / 127
+
+
+def emulate(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
+    """The kernels' result in torch: x [M, K] and W quantized per group, each group's dot
+    product exact, scaled in fp32 -> [M, N] fp32 (to rounding order)."""
+    N, K = qw.shape
+    P, G = qw.scales.shape[:2]
+    xq, dx = quantize_activations(F.pad(x.float(), (0, G * GROUP - K)))
+    wq = qw.qs.double().permute(0, 3, 1, 2, 4).reshape(P * PANEL, G, GROUP)
+    dots = torch.einsum("mgk,ngk->mng", xq.double().view(-1, G, GROUP), wq)
+    dw = qw.scales.float().transpose(1, 2).reshape(P * PANEL, G)
+    y = (dots.float() * (dx[:, None, :] * dw[None])).sum(-1)
+    return y[:, :N]
+
+
+def reference_linear(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
+    """x W^T with the dequantized weight, in x's dtype (activations not quantized)."""
+    return F.linear(x, qw.dequantize(x.dtype))
+
+
+_typed = False
+
+
+def _lib():
+    global _typed
+    lib = native.load()
+    if lib is not None and not _typed:
+        _typed = True
+        lib.int8_isas.restype = ctypes.c_int
+        lib.int8_isas.argtypes = []
+        lib.int8_gemm.restype = ctypes.c_int
+        lib.int8_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+    return lib
+
+
+def available_isas() -> list[str]:
+    """The kernel paths this build has (worst first); [] without the compiled kernels."""
+    lib = _lib()
+    return [] if lib is None else [n for n, f in ISAS.items() if lib.int8_isas() & f]
+
+
+def select_isa() -> str | None:
+    """The path ``linear`` takes: ``HYBRIDRT_INT8_ISA`` when set (ValueError if this build lacks
+    it), else the best one available; None without the compiled kernels."""
+    have = available_isas()
+    forced = os.environ.get("HYBRIDRT_INT8_ISA", "").strip().lower()
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"HYBRIDRT_INT8_ISA={forced!r}: choose one of {', '.join(ISAS)}")
+        if forced not in have:
+            raise ValueError(f"HYBRIDRT_INT8_ISA={forced}: not available here (this CPU's build "
+                             f"has: {', '.join(have) or 'no compiled kernels'})")
+        return forced
+    return have[-1] if have else None
+
+
+def int8_gemm(x: torch.Tensor, qw: QuantWeight, isa: str) -> torch.Tensor:
+    """x [M, K] (any float dtype) times the quantized W by the compiled kernel path ``isa`` ->
+    [M, N] fp32."""
+    N, K = qw.shape
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"int8_gemm: x must be [M, {K}], got {list(x.shape)}")
+    lib = _lib()
+    if lib is None or isa not in ISAS:
+        raise RuntimeError(f"int8_gemm: kernel path {isa!r} unavailable")
+    Kp = qw.scales.shape[1] * GROUP
+    x = x.float()
+    if Kp != K:
+        x = F.pad(x, (0, Kp - K))
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], N, dtype=torch.float32)
+    if x.shape[0] and N and lib.int8_gemm(x.data_ptr(), qw.qs.data_ptr(), qw.scales.data_ptr(),
+                                          y.data_ptr(), x.shape[0], N, Kp, ISAS[isa],
+                                          torch.get_num_threads()):
+        raise RuntimeError(f"int8_gemm: kernel path {isa!r} failed (not in this build?)")
+    return y
+
+
+def linear(x: torch.Tensor, qw: QuantWeight, isa: str | None) -> torch.Tensor:
+    """x [..., K] times the quantized W [N, K] -> [..., N] in x's dtype: the compiled kernel path
+    ``isa`` (``select_isa``) on the CPU; ``reference_linear`` when ``isa`` is None."""
+    if isa is None or x.device.type != "cpu":
+        return reference_linear(x, qw)
+    y = int8_gemm(x.reshape(-1, x.shape[-1]), qw, isa)
+    return y.view(*x.shape[:-1], qw.shape[0]).to(x.dtype)
+
+
+class QuantEmbedding(nn.Module):
+    """The token embedding of a quantized model: looks up (dequantizes) only the rows it needs;
+    ``qweight`` is also the tied LM head's weight."""
+
+    def __init__(self, qweight: QuantWeight, dtype: torch.dtype):
+        super().__init__()
+        self.qweight = qweight
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = qweight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight.rows(ids, self.dtype)
+
+
+def quantized_names(model: nn.Module) -> set[str]:
+    """Parameter names of ``model`` that ``quantization="int8"`` stores in int8: the weights of
+    every bias-free nn.Linear (projections, MLP, MTP, an untied LM head) and the token
+    embedding (the tied LM head)."""
+    names = {f"{n}.weight" for n, m in model.named_modules()
+             if isinstance(m, nn.Linear) and m.bias is None}
+    names |= {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    return names
+
+
+def attach(model: nn.Module, quantized: dict[str, QuantWeight], dtype: torch.dtype) -> None:
+    """Put the QuantWeights in place of their parameters: a Linear's ``weight`` becomes None and
+    its ``qweight`` the QuantWeight; an Embedding becomes a QuantEmbedding."""
+    for name, qw in quantized.items():
+        path = name.removesuffix(".weight")
+        parent_name, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        module = getattr(parent, attr)
+        if isinstance(module, nn.Embedding):
+            setattr(parent, attr, QuantEmbedding(qw, dtype))
+        else:
+            module.weight = None
+            module.qweight = qw
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights: parameters plus the int8 weights and their scales."""
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    return n + sum(m.qweight.nbytes for m in model.modules()
+                   if isinstance(getattr(m, "qweight", None), QuantWeight))
