@@ -1,19 +1,13 @@
 """hybridrt: a small inference runtime for hybrid Gated-DeltaNet + attention models.
 
 The public names are imported on first use, so that ``import hybridrt.cli`` (and with it the
-command line's flag checks) does not pay for importing torch. Importing the package makes torch's
-idle OpenMP workers sleep instead of spinning, when torch is not imported yet
-(``hybridrt/threads.py``).
+command line's flag checks) does not pay for importing torch.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING
-
-from hybridrt.threads import prefer_passive_wait
-
-prefer_passive_wait()  # before torch is imported (hybridrt/threads.py says why)
 
 __version__ = "0.1.0"
 

@@ -39,3 +39,34 @@ def keep_freed_memory() -> bool:
     _done = bool(mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)) and bool(
         mallopt(_M_TRIM_THRESHOLD, _THRESHOLD))
     return _done
+
+
+_MADV_DONTNEED = 4
+_libc = None
+
+
+def release_pages(t) -> int:
+    """Give the pages that lie wholly inside CPU tensor ``t``'s bytes back to the OS (Linux
+    ``madvise(MADV_DONTNEED)``), for a tensor about to be dropped whose memory would otherwise
+    stay resident: a copy's source in a file mapping other tensors keep alive, or a block the
+    heap keeps (the thresholds above) -> the bytes released (0 where it does not apply). ``t``
+    must not be read afterwards: its pages read back as the file's or as zeros."""
+    global _libc
+    if not sys.platform.startswith("linux") or t.device.type != "cpu":
+        return 0
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            _libc = False
+    if not _libc:
+        return 0
+    import mmap
+
+    page = mmap.PAGESIZE
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if end <= start or _libc.madvise(start, end - start, _MADV_DONTNEED) != 0:
+        return 0
+    return end - start

@@ -247,4 +247,5 @@ def load_model(
     quant.attach(net, quantized, dtype)
     net.load_state_dict(state, assign=True, strict=True)
     net.eval().requires_grad_(False)
+    net.owns_weights = True  # nothing else holds these tensors (backends may free replaced ones)
     return net, config, path

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hybridrt.cpu_alloc import release_pages
+
 from . import native, quant
 from .attention import attention_plan, paged_attention, write_kv
 from .conv import ConvPlan, causal_conv1d_update, causal_conv1d_varlen, conv_plan
@@ -137,6 +139,45 @@ def gdn_split(batch, device, with_plans: bool, kernel_size: int) -> GDNMeta:
             chunked.conv = conv_plan(lens, kernel_size, arr)
             chunked.delta = chunk_plan(lens, slots, inits, arr)
     return GDNMeta(rec, chunked)
+
+
+def merge_projections(model, release: bool = False
+                      ) -> dict[tuple[int, ...], tuple[torch.Tensor, list[int]]]:
+    """Concatenate the weights of projections that read the same input (a GDN layer's four,
+    attention's q/k/v, the MLP's gate/up) -> {module ids: (weight, output sizes)}; each
+    module's weight becomes a view into its group's, so no memory is added and one product
+    serves the group. Groups whose weights differ in dtype or are not plain tensors are left.
+    ``release``: give the replaced weights' pages back to the OS at once (CPU, for a model that
+    is the only owner of its weights, as the loader's is: its tensors share a file mapping
+    that the other weights keep alive, so they would stay resident)."""
+    from hybridrt.model import MLP, GatedAttention, GatedDeltaNet
+
+    groups = {}
+    for m in model.modules():
+        if isinstance(m, GatedDeltaNet):
+            mods = (m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a)
+        elif isinstance(m, GatedAttention):
+            mods = (m.q_proj, m.k_proj, m.v_proj)
+        elif isinstance(m, MLP):
+            mods = (m.gate_proj, m.up_proj)
+        else:
+            continue
+        ws = [getattr(x, "weight", None) for x in mods]
+        if any(w is None or w.dtype != ws[0].dtype or w.dim() != 2 for w in ws):
+            continue
+        w = torch.cat([x.detach() for x in ws]).contiguous()
+        sizes, off = [], 0
+        for x in mods:
+            n = x.weight.shape[0]
+            x.weight = torch.nn.Parameter(w[off:off + n], requires_grad=False)
+            sizes.append(n)
+            off += n
+        if release:  # the sources' pages leave memory now, not when the file mapping does
+            for old in ws:
+                if old.untyped_storage().nbytes() == old.numel() * old.element_size():
+                    release_pages(old)  # (not a part of a buffer something else may read)
+        groups[tuple(id(x) for x in mods)] = (w, sizes)
+    return groups
 
 
 class ReferenceBackend:
@@ -272,9 +313,21 @@ class CPUBackend(ReferenceBackend):
         self.half_simd = native.half_gemm_available()  # decided once, not per call
         self.int8_isa = quant.select_isa()  # likewise (None: no compiled kernels)
         self.num_slots: int | None = None
+        self.groups: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
+
+    def bind(self, model) -> None:
+        self.groups = merge_projections(model, release=getattr(model, "owns_weights", False))
 
     def attach(self, cache) -> None:
         self.num_slots = cache.tensors.num_slots
+
+    def project(self, x, modules):
+        """One product for the group (``merge_projections``), split into its outputs."""
+        group = self.groups.get(tuple(id(m) for m in modules))
+        if group is None:
+            return [self.linear(m, x) for m in modules]
+        w, sizes = group
+        return cpu_linear(x, w, None, self.half_simd).split(sizes, dim=-1)
 
     def prepare(self, batch) -> StepMeta:
         meta = super().prepare(batch)

@@ -78,7 +78,7 @@ class StepBuffers(FreshArrays):
 
     @classmethod
     def for_limits(cls, max_seqs: int, max_tokens: int, max_blocks: int,
-                   conv_kernel: int = 4) -> "StepBuffers":
+                   conv_kernel: int = 4) -> StepBuffers:
         return cls(*capacity(max_seqs, max_tokens, max_blocks, conv_kernel))
 
     def begin(self) -> None:

@@ -199,7 +199,8 @@ def test_step_metadata_lives_in_buffers_sized_at_start_up(tmp_path):
     outside = [(i, k) for i, (_, held) in enumerate(seen) for k, ok in held.items() if not ok]
     assert not outside, outside
     kinds = set().union(*(k for k, _ in seen))
-    assert any(v for _, v in kinds) and any(n > 1 and not v for n, v in kinds) and (1, False) in kinds
+    assert any(v for _, v in kinds) and (1, False) in kinds  # verifications, decodes
+    assert any(n > 1 and not v for n, v in kinds)  # prompt chunks
     assert bufs.overflows == 0
 
 
@@ -238,3 +239,56 @@ def test_step_buffers_hold_the_largest_steps(seed):
         assert bufs.overflows == 0, (lens, starts, verify)
         assert [k for k, t in _index_tensors(batch).items() if not bufs.holds(t)] == []
     assert bufs.overflows == 0
+
+
+def test_cpu_backend_merges_projections_into_views():
+    """Projections that read the same input become views into one weight per group (no copy
+    kept), and the backend runs each group as one product (the outputs are checked against the
+    reference backend in test_cpu_backend_matches_reference)."""
+    from hybridrt.model import MLP, GatedAttention, GatedDeltaNet
+
+    net, config, _ = build_model(tiny_text_config(), seed=4, dtype=torch.bfloat16)
+    before = {n: p.clone() for n, p in net.named_parameters()}
+    backend = CPUBackend(config)
+    net.set_backend(backend)
+    n_groups = sum(isinstance(m, (MLP, GatedAttention, GatedDeltaNet)) for m in net.modules())
+    assert len(backend.groups) == n_groups > 0
+    for w, sizes in backend.groups.values():
+        assert w.is_contiguous() and w.shape[0] == sum(sizes)
+    mlp = next(m for m in net.modules() if isinstance(m, MLP))
+    assert mlp.gate_proj.weight.data_ptr() == backend.groups[
+        (id(mlp.gate_proj), id(mlp.up_proj))][0].data_ptr()
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.gate_proj.weight.data_ptr()
+    for n, p in net.named_parameters():  # same values
+        assert torch.equal(p, before[n]), n
+
+
+def test_release_pages_gives_memory_back():
+    from hybridrt.cpu_alloc import release_pages
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    try:
+        rss()
+    except OSError:
+        pytest.skip("no /proc here")
+    t = torch.ones(16 << 20)  # 64 MiB, touched
+    before = rss()
+    freed = release_pages(t)
+    assert freed >= (64 << 20) - 2 * 4096
+    assert before - rss() >= 48 << 20
+    assert release_pages(torch.ones(10)) == 0  # no whole page inside
+
+
+def test_loaded_models_own_their_weights_built_ones_do_not():
+    """Only a model the loader built (no other references to its tensors) lets the CPU backend
+    free the weights that merging replaced; a model built from a caller's state dict keeps them
+    (the caller may still read it)."""
+    llm = LLM(dtype="bfloat16", tokenizer=None, max_model_len=64, cache_memory=32 << 20)
+    assert llm.model.owns_weights is True
+    net, config, sd = build_model(tiny_text_config(), seed=4, dtype=torch.bfloat16)
+    keep = {n: t.clone() for n, t in sd.items()}
+    net.set_backend(CPUBackend(config))
+    assert all(torch.equal(sd[n], keep[n]) for n in sd)

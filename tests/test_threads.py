@@ -1,11 +1,8 @@
-"""The OpenMP wait policy and the thread governor (hybridrt/threads.py), and the busy-machine
-benchmark."""
+"""The thread governor (hybridrt/threads.py) and the busy-machine benchmark."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 
 import pytest
@@ -13,41 +10,6 @@ import pytest
 from hybridrt import busybench
 from hybridrt import threads as threads_mod
 from hybridrt.threads import ThreadGovernor
-
-
-def _policy(code: str, **env) -> tuple[str, str]:
-    """Run ``code`` in a fresh interpreter with libgomp printing its settings at start-up ->
-    (stdout, the spin count libgomp runs with: 0 for PASSIVE; 300000 when no policy is set, its
-    spin-then-sleep default, which it also prints as PASSIVE)."""
-    full = {k: v for k, v in os.environ.items()
-            if k not in ("OMP_WAIT_POLICY", "HYBRIDRT_PASSIVE_WAIT")}
-    full.update(OMP_DISPLAY_ENV="VERBOSE", **env)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=full, check=True)
-    lines = [ln.strip() for ln in proc.stderr.splitlines() if "GOMP_SPINCOUNT" in ln]
-    return proc.stdout.strip(), lines[0] if lines else ""
-
-
-IMPORT = "import hybridrt, torch, os; torch.ones(1); print(os.environ.get('OMP_WAIT_POLICY'))"
-
-
-def test_import_makes_openmp_wait_passively():
-    """``import hybridrt`` before torch: torch's OpenMP runtime starts with PASSIVE (as libgomp
-    itself reports)."""
-    out, gomp = _policy(IMPORT)
-    assert out == "PASSIVE"
-    assert gomp == "GOMP_SPINCOUNT = '0'"
-
-
-@pytest.mark.parametrize("env,code,want", [
-    ({"OMP_WAIT_POLICY": "ACTIVE"}, IMPORT, "ACTIVE"),  # the user's choice stays
-    ({"HYBRIDRT_PASSIVE_WAIT": "0"}, IMPORT, "None"),  # opted out
-    ({}, "import torch, hybridrt, os; print(os.environ.get('OMP_WAIT_POLICY'))", "None"),
-], ids=["user-choice", "opt-out", "torch-first"])
-def test_wait_policy_left_alone(env, code, want):
-    out, gomp = _policy(code, **env)
-    assert out == want
-    assert gomp != "GOMP_SPINCOUNT = '0'" and gomp.startswith("GOMP_SPINCOUNT")
 
 
 def test_busy_bench_report(monkeypatch):
@@ -69,7 +31,7 @@ def test_busy_bench_report(monkeypatch):
     assert cond["one busy process"]["tok_s"]["--threads 1"] == pytest.approx(5.0)
     assert len(calls) == 2 * 2 * len(busybench._variants(2))
     assert all(spin == (i >= len(calls) // 2) for i, (_, _, spin) in enumerate(calls))
-    assert ({"HYBRIDRT_PASSIVE_WAIT": "0", "HYBRIDRT_ADAPTIVE_THREADS": "0"}, 0, False) in calls
+    assert ({"HYBRIDRT_ADAPTIVE_THREADS": "0"}, 0, False) in calls
     text = busybench.format_report(report)
     assert "default / best --threads" in text and "0.80x" in text
 

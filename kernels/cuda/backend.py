@@ -36,6 +36,7 @@ from ..backend import (
     StepMeta,
     _conv_weight,
     gdn_split,
+    merge_projections,
 )
 from . import attention as attn_k
 from . import fused, prefill
@@ -71,27 +72,9 @@ class CudaBackend(ReferenceBackend):
 
     # Binding ------------------------------------------------------------------------------
     def bind(self, model) -> None:
-        """Concatenate the weights of projections that read the same input; each module's
-        weight becomes a view into the group's (no extra memory)."""
-        from hybridrt.model import MLP, GatedAttention, GatedDeltaNet
-
-        for m in model.modules():
-            if isinstance(m, GatedDeltaNet):
-                self._group((m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a))
-            elif isinstance(m, GatedAttention):
-                self._group((m.q_proj, m.k_proj, m.v_proj))
-            elif isinstance(m, MLP):
-                self._group((m.gate_proj, m.up_proj))
-
-    def _group(self, modules) -> None:
-        w = torch.cat([m.weight.detach() for m in modules]).contiguous()
-        sizes, off = [], 0
-        for m in modules:
-            n = m.weight.shape[0]
-            m.weight = torch.nn.Parameter(w[off:off + n], requires_grad=False)
-            sizes.append(n)
-            off += n
-        self.groups[tuple(id(m) for m in modules)] = (w, sizes)
+        """Concatenate the weights of projections that read the same input (each module's
+        weight becomes a view into its group's: no extra memory)."""
+        self.groups = merge_projections(model)
 
     def attach(self, cache) -> None:
         """Engine limits for the CUDA graphs' buffers (called by the runner)."""
