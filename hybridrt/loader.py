@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from hybridrt.config import ConfigError, ModelConfig
+from hybridrt.cpu_alloc import release_pages
 from hybridrt.kernels import quant
 from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.options import DTYPE_NAMES
@@ -242,6 +243,8 @@ def load_model(
                                   f"file?): {e}") from None
         if name in to_quantize:
             quantized[name] = quant.quantize(t.to(device))
+            if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+                release_pages(t)  # read once: its file pages need not stay resident
         else:
             state[name] = t.to(device=device, dtype=dtype)
     quant.attach(net, quantized, dtype)

@@ -279,6 +279,23 @@ def test_weight_bytes_per_token_counts_layers_and_lm_head_once(tied):
     assert ceilings.weight_bytes_per_token(net) == expected
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_bytes_per_token_of_an_int8_model(tied, tmp_path):
+    """int8 weights count as their int8 values and scales: all of the model's weight bytes
+    (``quant.weight_bytes``; no MTP loaded) but an untied embedding, and fewer than bf16's."""
+    from hybridrt.kernels import quant
+    from hybridrt.llm import LLM
+    from hybridrt.testing import write_random_checkpoint
+
+    d = write_random_checkpoint(tmp_path / "m", tiny_text_config(tie_word_embeddings=tied),
+                                seed=1, dtype=torch.bfloat16)
+    bf16 = ceilings.weight_bytes_per_token(LLM(d, tokenizer=None).model)
+    m = LLM(d, tokenizer=None, quantization="int8").model
+    assert m.mtp is None
+    untied = 0 if tied else m.model.embed_tokens.qweight.nbytes
+    assert ceilings.weight_bytes_per_token(m) == quant.weight_bytes(m) - untied < 0.8 * bf16
+
+
 LLAMACPP_BIN = llamacpp.bin_dir()
 GGUF = os.environ.get("HYBRIDRT_TEST_GGUF", "/tmp/r08b-bf16.gguf")
 
