@@ -5,11 +5,11 @@
   small batched products; this does one read pass and one update pass per (sequence, head)
   while the 64 KiB state sits in L2.
 - ``csrc/half_gemm.c``: x W^T for bf16/fp16 weights in fp32 on AVX2 + FMA + F16C CPUs, reading
-  the half-precision weights as the model holds them instead of an fp32 copy of them
-  (kernels/linear.py says when it is used; docs/performance.md what it was measured against).
+  the half-precision weights as the model holds them instead of an fp32 copy of them, and with
+  the bf16 dot-product instruction for bf16 x bf16 where the CPU has AVX512-BF16 (``half_path``;
+  kernels/linear.py says when each is used; docs/performance.md what it was measured against).
 - ``csrc/int8_gemm.c``: x W^T for int8 weights with one scale per 32 inputs, on AVX-512 VNNI,
   AVX2 or plain C (kernels/quant.py binds it and picks the path).
-
 - ``csrc/stream.c``: a streaming read loop, the bandwidth ceiling of ``hybridrt bench
   throughput``.
 
