@@ -316,7 +316,10 @@ class CPUBackend(ReferenceBackend):
         self.groups: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
 
     def bind(self, model) -> None:
-        self.groups = merge_projections(model, release=getattr(model, "owns_weights", False))
+        # without the compiled half kernels a half weight's products need an fp32 copy, kept
+        # per module (``_packed``): the projections stay apart there
+        if self.half_simd:
+            self.groups = merge_projections(model, release=getattr(model, "owns_weights", False))
 
     def attach(self, cache) -> None:
         self.num_slots = cache.tensors.num_slots

@@ -252,6 +252,9 @@ def test_cpu_backend_merges_projections_into_views():
     backend = CPUBackend(config)
     net.set_backend(backend)
     n_groups = sum(isinstance(m, (MLP, GatedAttention, GatedDeltaNet)) for m in net.modules())
+    if not backend.half_simd:  # no compiled half kernels: per-module fp32 copies, no merging
+        assert backend.groups == {}
+        return
     assert len(backend.groups) == n_groups > 0
     for w, sizes in backend.groups.values():
         assert w.is_contiguous() and w.shape[0] == sum(sizes)
