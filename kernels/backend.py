@@ -146,7 +146,9 @@ def merge_projections(model, release: bool = False
     """Concatenate the weights of projections that read the same input (a GDN layer's four,
     attention's q/k/v, the MLP's gate/up) -> {module ids: (weight, output sizes)}; each
     module's weight becomes a view into its group's, so no memory is added and one product
-    serves the group. Groups whose weights differ in dtype or are not plain tensors are left.
+    serves the group (int8 weights, ``quant.QuantWeight``, likewise, when every output size is
+    a whole number of panels).
+    Groups whose weights differ in dtype or are not plain tensors are left.
     ``release``: give the replaced weights' pages back to the OS at once (CPU, for a model that
     is the only owner of its weights, as the loader's is: its tensors share a file mapping
     that the other weights keep alive, so they would stay resident)."""
@@ -161,6 +163,13 @@ def merge_projections(model, release: bool = False
         elif isinstance(m, MLP):
             mods = (m.gate_proj, m.up_proj)
         else:
+            continue
+        qs = [getattr(x, "qweight", None) for x in mods]
+        if all(q is not None and q.shape[0] % quant.PANEL == 0 for q in qs):
+            merged, parts = quant.concat(qs, release)
+            for x, part in zip(mods, parts):
+                x.qweight = part
+            groups[tuple(id(x) for x in mods)] = (merged, [q.shape[0] for q in qs])
             continue
         ws = [getattr(x, "weight", None) for x in mods]
         if any(w is None or w.dtype != ws[0].dtype or w.dim() != 2 for w in ws):
@@ -330,6 +339,8 @@ class CPUBackend(ReferenceBackend):
         if group is None:
             return [self.linear(m, x) for m in modules]
         w, sizes = group
+        if isinstance(w, quant.QuantWeight):
+            return quant.linear(x, w, self.int8_isa).split(sizes, dim=-1)
         return cpu_linear(x, w, None, self.half_simd).split(sizes, dim=-1)
 
     def prepare(self, batch) -> StepMeta:

@@ -124,6 +124,31 @@ def emulate(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
     return y[:, :N]
 
 
+def concat(qws: list[QuantWeight], release: bool = False
+           ) -> tuple[QuantWeight, list[QuantWeight]]:
+    """The weights [N_i, K] (each N_i a multiple of ``PANEL``) stacked as one [sum N_i, K], so
+    that one product serves them all -> (the stack, each input as a view into it). ``release``:
+    give the inputs' pages back to the OS (their owner replaces them by the views)."""
+    from hybridrt.cpu_alloc import release_pages
+
+    K = qws[0].shape[1]
+    if any(q.shape[1] != K or q.shape[0] % PANEL for q in qws):
+        raise ValueError("concat: weights need the same K and whole panels of rows")
+    out = QuantWeight(torch.cat([q.qs for q in qws]), torch.cat([q.scales for q in qws]),
+                      (sum(q.shape[0] for q in qws), K))
+    parts, p0 = [], 0
+    for q in qws:
+        p1 = p0 + q.shape[0] // PANEL
+        parts.append(QuantWeight(out.qs[p0:p1], out.scales[p0:p1], q.shape))
+        p0 = p1
+    if release:
+        for q in qws:
+            for t in (q.qs, q.scales):
+                if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+                    release_pages(t)
+    return out, parts
+
+
 def reference_linear(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
     """x W^T with the dequantized weight, in x's dtype (activations not quantized)."""
     return F.linear(x, qw.dequantize(x.dtype))
