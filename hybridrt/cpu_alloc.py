@@ -49,10 +49,12 @@ def release_pages(t) -> int:
     """Give the pages that lie wholly inside CPU tensor ``t``'s bytes back to the OS (Linux
     ``madvise(MADV_DONTNEED)``), for a tensor about to be dropped whose memory would otherwise
     stay resident: a copy's source in a file mapping other tensors keep alive, or a block the
-    heap keeps (the thresholds above) -> the bytes released (0 where it does not apply). ``t``
-    must not be read afterwards: its pages read back as the file's or as zeros."""
+    heap keeps (the thresholds above) -> the bytes released (0 where it does not apply, and for
+    a tensor that is only part of its storage: the rest may be something else's). ``t`` must
+    not be read afterwards: its pages read back as the file's or as zeros."""
     global _libc
-    if not sys.platform.startswith("linux") or t.device.type != "cpu":
+    if not sys.platform.startswith("linux") or t.device.type != "cpu" or (
+            t.untyped_storage().nbytes() != t.numel() * t.element_size()):
         return 0
     if _libc is None:
         try:

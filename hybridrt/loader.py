@@ -243,8 +243,7 @@ def load_model(
                                   f"file?): {e}") from None
         if name in to_quantize:
             quantized[name] = quant.quantize(t.to(device))
-            if t.untyped_storage().nbytes() == t.numel() * t.element_size():
-                release_pages(t)  # read once: its file pages need not stay resident
+            release_pages(t)  # read once: its file pages need not stay resident
         else:
             state[name] = t.to(device=device, dtype=dtype)
     quant.attach(net, quantized, dtype)

@@ -16,17 +16,11 @@ import os
 
 class ThreadGovernor:
     """Fits torch's thread count to the cores other processes leave free, re-decided at most
-    every ``interval`` seconds (the engine calls ``update`` once per step).
-
-    Passive waiting alone does not save a busy machine: each parallel region (some 200 per
-    0.8B decode step) still waits for every worker, and a worker whose core another process
-    holds gets it back only at that process's next time slice, milliseconds later (measured:
-    a 6144x1024 GEMV took 8 ms with 2 threads beside other work, 0.5 ms with 1). So the CPU
-    time of other processes over the last interval (all CPUs' busy time from /proc/stat minus
-    this process's own from /proc/self/stat) decides: threads = cores - (their busy cores,
-    rounded), between 1 and ``max_threads``. Only where those files exist (Linux), and only
-    when nobody chose a thread count (``LLM(threads=...)``, ``--threads``,
-    ``HYBRIDRT_ADAPTIVE_THREADS=0``).
+    every ``interval`` seconds (the engine calls ``update`` once per step): the CPU time of
+    other processes over the last interval (the CPUs' busy time from /proc/stat minus this
+    process's own from /proc/self/stat) decides, threads = cores - (their busy cores, rounded),
+    between 1 and ``max_threads``. Only where those files exist (Linux), and only when nobody
+    chose a thread count (``LLM(threads=...)``, ``--threads``, ``HYBRIDRT_ADAPTIVE_THREADS=0``).
     """
 
     def __init__(self, max_threads: int, interval: float = 0.5, read=None, clock=None,

@@ -183,8 +183,7 @@ def merge_projections(model, release: bool = False
             off += n
         if release:  # the sources' pages leave memory now, not when the file mapping does
             for old in ws:
-                if old.untyped_storage().nbytes() == old.numel() * old.element_size():
-                    release_pages(old)  # (not a part of a buffer something else may read)
+                release_pages(old)
         groups[tuple(id(x) for x in mods)] = (w, sizes)
     return groups
 

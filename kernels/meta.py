@@ -99,10 +99,6 @@ class StepBuffers(FreshArrays):
     def bools(self, n: int) -> np.ndarray:
         return self._take(1, self._bool, n)
 
-    @property
-    def used(self) -> tuple[int, int]:
-        return self._used[0], self._used[1]
-
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s memory lies inside these buffers (an empty tensor has none)."""
         if t.numel() == 0:

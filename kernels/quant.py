@@ -144,8 +144,7 @@ def concat(qws: list[QuantWeight], release: bool = False
     if release:
         for q in qws:
             for t in (q.qs, q.scales):
-                if t.untyped_storage().nbytes() == t.numel() * t.element_size():
-                    release_pages(t)
+                release_pages(t)
     return out, parts
 
 

@@ -283,6 +283,9 @@ def test_release_pages_gives_memory_back():
     assert freed >= (64 << 20) - 2 * 4096
     assert before - rss() >= 48 << 20
     assert release_pages(torch.ones(10)) == 0  # no whole page inside
+    whole = torch.ones(16 << 20)
+    assert release_pages(whole[: 8 << 20]) == 0  # a part of its storage: the rest is not ours
+    assert whole[-1] == 1 and whole[0] == 1
 
 
 def test_loaded_models_own_their_weights_built_ones_do_not():

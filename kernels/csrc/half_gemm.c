@@ -240,11 +240,33 @@ void half_gemv(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+
+#else  /* no AVX2 + FMA + F16C: half_gemm_simd() says so and callers keep their own path */
+
+int half_gemm_simd(void) { return 0; }
+
+
+void half_gemv(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
+               int is_fp16, int num_threads)
+{
+    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)is_fp16; (void)num_threads;
+}
+
+void half_gemm(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N,
+               int64_t K, int is_fp16, int num_threads)
+{
+    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)is_fp16; (void)num_threads;
+}
+
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVX512F__) \
+    && defined(__AVX512BF16__)
 /* bf16 activations times bf16 weights with the CPU's bf16 dot-product instruction (vdpbf16ps:
  * for each of 16 fp32 lanes, acc += a0 b0 + a1 b1 over a pair of bf16 inputs), the products of
  * a bf16 GEMM with fp32 sums, as torch computes it. Only where x is bf16 already (a bf16 model);
- * K must be even. */
+ * K must be even. Uses transpose8 above. */
+#include <immintrin.h>
 #include <string.h>
 
 int half_gemm_bf16dot(void) { return 1; }
@@ -405,7 +427,7 @@ void half_gemv_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, i
         }
     }
 }
-#else
+#else  /* no AVX512-BF16: half_gemm_bf16dot() says so */
 int half_gemm_bf16dot(void) { return 0; }
 void half_gemm_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N,
                     int64_t K, int num_threads)
@@ -417,35 +439,4 @@ void half_gemv_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, i
 {
     (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)num_threads;
 }
-#endif
-
-#else  /* no AVX2 + FMA + F16C: half_gemm_simd() says so and callers keep their own path */
-
-int half_gemm_simd(void) { return 0; }
-int half_gemm_bf16dot(void) { return 0; }
-
-void half_gemm_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N,
-                    int64_t K, int num_threads)
-{
-    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)num_threads;
-}
-void half_gemv_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N,
-                    int64_t K, int num_threads)
-{
-    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)num_threads;
-}
-
-
-void half_gemv(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
-               int is_fp16, int num_threads)
-{
-    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)is_fp16; (void)num_threads;
-}
-
-void half_gemm(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N,
-               int64_t K, int is_fp16, int num_threads)
-{
-    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)is_fp16; (void)num_threads;
-}
-
 #endif
