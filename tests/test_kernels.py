@@ -533,6 +533,7 @@ def test_half_paths_follow_the_cpu(monkeypatch):
     """Every half path this CPU can run is built (bf16dot exactly where the CPU has
     AVX512-BF16), the default is the fastest, and HYBRIDRT_HALF_PATH picks or refuses."""
     _require_half_kernels()
+    monkeypatch.delenv("HYBRIDRT_HALF_PATH", raising=False)  # the default, whatever the caller set
     flags = _cpu_flags()
     paths = native.half_paths()
     assert paths[0] == "fma"
