@@ -82,16 +82,11 @@ class GatedAttention(nn.Module):
         self.backend = _REFERENCE
 
     def forward(self, x, batch: ForwardBatch, cache: CacheTensors, cos, sin):
-        T = x.shape[0]
         be = self.backend
         qg, k, v = be.project(x, (self.q_proj, self.k_proj, self.v_proj))
-        q, gate = qg.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q, k = be.qk_norm_rope(q, k.view(T, self.num_kv_heads, self.head_dim),
-                               self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        o = be.attention(batch.meta, batch, q, k, v, cache.key_caches[self.cache_index],
-                         cache.value_caches[self.cache_index], self.scale)
-        o = o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+        o = be.gated_attention(batch.meta, batch, self, qg, k, v,
+                               cache.key_caches[self.cache_index],
+                               cache.value_caches[self.cache_index], cos, sin)
         return self.o_proj(o)
 
 
@@ -121,14 +116,12 @@ class GatedDeltaNet(nn.Module):
         self.backend = _REFERENCE
 
     def forward(self, x, batch: ForwardBatch, cache: CacheTensors, cos=None, sin=None):
-        T = x.shape[0]
         be = self.backend
         mixed, z, b, a = be.project(x, (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
                                         self.in_proj_a))
-        core = be.gdn(batch.meta, self, mixed, a, b, cache.conv_states[self.state_index],
-                      cache.ssm_states[self.state_index])
-        y = self.norm(core, z.view(T, self.num_v_heads, self.head_v_dim))
-        return self.out_proj(y.reshape(T, self.value_dim))
+        y = be.gdn(batch.meta, self, mixed, z, a, b, cache.conv_states[self.state_index],
+                   cache.ssm_states[self.state_index])
+        return self.out_proj(y)
 
     def split(self, mixed: torch.Tensor):
         """[n, conv_dim] conv output -> q, k [n, HK, DK], v [n, HV, DV] (views)."""
@@ -142,6 +135,8 @@ class GatedDeltaNet(nn.Module):
 
 
 class _GatedNorm(nn.Module):
+    """The GDN output norm's weight (the backend's ``gdn`` applies it, fused or not)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))

@@ -85,6 +85,8 @@ class StepMeta:
     attention: Any
     gdn: GDNMeta
     num_tokens: int
+    kv_checked: bool = False  # CPU: every KV slot, block and length of a decode-only step
+    # was checked against the caches (csrc/attn_decode.c indexes them unchecked)
 
 
 def gdn_split(batch, device, with_plans: bool, kernel_size: int) -> GDNMeta:
@@ -245,6 +247,21 @@ class ReferenceBackend:
                 apply_partial_rope(rms_norm(k, k_weight, eps), cos, sin))
 
     # Mixers -------------------------------------------------------------------------------
+    def gated_attention(self, meta: StepMeta, batch, layer, qg, k, v, key_cache, value_cache,
+                        cos, sin):
+        """A gated attention layer from its projections' outputs to o_proj's input: q/k norms
+        and partial RoPE, this step's K/V into the paged cache, attention, the sigmoid gate.
+        qg: [T, H * 2D] (per head D query then D gate values), k, v: [T, HKV * D] ->
+        [T, H * D]."""
+        T = qg.shape[0]
+        H, HKV, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        q, gate = qg.view(T, H, 2 * D).chunk(2, dim=-1)
+        q, k = self.qk_norm_rope(q, k.view(T, HKV, D), layer.q_norm.weight,
+                                 layer.k_norm.weight, layer.q_norm.eps, cos, sin)
+        o = self.attention(meta, batch, q, k, v.view(T, HKV, D), key_cache, value_cache,
+                           layer.scale)
+        return o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+
     def attention(self, meta: StepMeta, batch, q, k, v, key_cache, value_cache, scale):
         """Write this step's K/V into the paged cache, then causal attention of ``q`` over
         each sequence's blocks -> [T, H, D]."""
@@ -252,29 +269,47 @@ class ReferenceBackend:
         return paged_attention(q, key_cache, value_cache, batch.cu_seqlens, batch.seq_lens,
                                batch.block_tables, scale, plan=meta.attention)
 
-    def gdn(self, meta: StepMeta, layer, mixed, a, b, conv_states, ssm_states):
-        """Conv + gated delta rule of one GDN layer over its state slots.
+    def gdn(self, meta: StepMeta, layer, mixed, z, a, b, conv_states, ssm_states):
+        """One GDN layer over its state slots, from the in-projections' outputs to out_proj's
+        input: conv, gated delta rule, gated output norm.
 
-        mixed: [T, conv_dim] (q | k | v channels), a, b: [T, HV] raw projections ->
-        core [T, HV, DV]. Each recurrent group and the prompt chunks get their own rows of the
-        inputs (no copy when they are the whole batch) from ``gdn_recurrent`` /
-        ``gdn_chunked``, the kernels a backend provides."""
+        mixed: [T, conv_dim] (q | k | v channels), z: [T, HV * DV], a, b: [T, HV] raw
+        projections -> [T, HV * DV]. Each recurrent group and the prompt chunks get their own
+        rows of the inputs (no copy when they are the whole batch) from ``gdn_recurrent_out``
+        / ``gdn_chunked_out``."""
         T = mixed.shape[0]
-        core = None
+        out = None
         gm: GDNMeta = meta.gdn
-        parts = [(g.rows, self.gdn_recurrent, g) for g in gm.groups]
+        parts = [(g.rows, self.gdn_recurrent_out, g) for g in gm.groups]
         if gm.chunked is not None:
-            parts.append((gm.chunked.rows, self.gdn_chunked, gm.chunked))
+            parts.append((gm.chunked.rows, self.gdn_chunked_out, gm.chunked))
         for rows, kernel, part in parts:
-            x = [t if rows is None else t[rows] for t in (mixed, a, b)]
+            x = [t if rows is None else t[rows] for t in (mixed, z, a, b)]
             o = kernel(layer, part, *x, conv_states, ssm_states)
             if rows is None:
-                core = o
+                out = o
             else:
-                if core is None:
-                    core = o.new_empty(T, *o.shape[1:])
-                core[rows] = o
-        return core
+                if out is None:
+                    out = o.new_empty(T, *o.shape[1:])
+                out[rows] = o
+        return out
+
+    def gdn_recurrent_out(self, layer, grp: RecurrentGroup, mixed, z, a, b, conv_states,
+                          ssm_states):
+        """A recurrent group's rows -> the gated-normed output [n * L, HV * DV]."""
+        core = self.gdn_recurrent(layer, grp, mixed, a, b, conv_states, ssm_states)
+        return self._gdn_norm(layer, core, z)
+
+    def gdn_chunked_out(self, layer, c: ChunkedSeqs, mixed, z, a, b, conv_states, ssm_states):
+        """The prompt chunks' rows -> the gated-normed output [t, HV * DV]."""
+        return self._gdn_norm(layer, self.gdn_chunked(layer, c, mixed, a, b, conv_states,
+                                                      ssm_states), z)
+
+    def _gdn_norm(self, layer, core, z):
+        n = core.shape[0]
+        y = self.gated_rms_norm(core, z.reshape(n, layer.num_v_heads, layer.head_v_dim),
+                                layer.norm.weight, layer.norm.eps)
+        return y.reshape(n, layer.value_dim)
 
     def gdn_recurrent(self, layer, grp: RecurrentGroup, mixed, a, b, conv_states, ssm_states):
         """The group's n sequences of L tokens each (rows in order) -> core [n * L, HV, DV]."""
@@ -321,7 +356,9 @@ class CPUBackend(ReferenceBackend):
         self.half_simd = native.half_gemm_available()  # decided once, not per call
         self.int8_isa = quant.select_isa()  # likewise (None: no compiled kernels)
         self.num_slots: int | None = None
+        self.kv_shape: tuple[int, int] | None = None  # (blocks, block size) of the KV caches
         self.groups: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
+        self.gdn_params: dict[int, tuple[torch.Tensor, ...]] = {}  # _gdn_params, per layer
 
     def bind(self, model) -> None:
         # without the compiled half kernels a half weight's products need an fp32 copy, kept
@@ -331,6 +368,32 @@ class CPUBackend(ReferenceBackend):
 
     def attach(self, cache) -> None:
         self.num_slots = cache.tensors.num_slots
+        if cache.tensors.key_caches:
+            self.kv_shape = tuple(cache.tensors.key_caches[0].shape[:2])
+
+    def gated_attention(self, meta, batch, layer, qg, k, v, key_cache, value_cache, cos, sin):
+        """Decode-only steps in one compiled call per layer (csrc/attn_decode.c) where it runs
+        for these tensors: fp32 or bf16 throughout, contiguous caches, unit column strides."""
+        plan = meta.attention
+        dtype = qg.dtype
+        if not (self.native and plan.decode_rows is not None and not plan.prefill
+                and not plan.fresh and plan.decode_rows.shape[0] == qg.shape[0]
+                and native.fused_dtype_code(dtype) is not None
+                and key_cache.dtype == value_cache.dtype == cos.dtype == dtype
+                and k.dtype == v.dtype == layer.q_norm.weight.dtype == dtype
+                and key_cache.is_contiguous() and value_cache.is_contiguous()
+                and qg.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and cos.is_contiguous()
+                and sin.is_contiguous() and batch.slot_mapping.dtype == batch.seq_lens.dtype
+                == batch.block_tables.dtype == torch.int64):
+            return super().gated_attention(meta, batch, layer, qg, k, v, key_cache,
+                                           value_cache, cos, sin)
+        if not meta.kv_checked:
+            _check_kv(batch, tuple(key_cache.shape[:2]))
+        return native.attn_decode(qg, k, v, layer.q_norm.weight, layer.k_norm.weight,
+                                  layer.q_norm.eps, cos, sin, key_cache, value_cache,
+                                  batch.slot_mapping, batch.block_tables, batch.seq_lens,
+                                  layer.scale, layer.num_heads, layer.num_kv_heads,
+                                  layer.head_dim)
 
     def project(self, x, modules):
         """One product for the group (``merge_projections``), split into its outputs."""
@@ -340,7 +403,66 @@ class CPUBackend(ReferenceBackend):
         w, sizes = group
         if isinstance(w, quant.QuantWeight):
             return quant.linear(x, w, self.int8_isa).split(sizes, dim=-1)
+        if self._decode_gemv(x, w):
+            return native.gemv_bf16(x, w).split(sizes, dim=-1)
         return cpu_linear(x, w, None, self.half_simd).split(sizes, dim=-1)
+
+    def _decode_gemv(self, x, w) -> bool:
+        """Whether x W^T is a bf16 product of a few rows for ``native.gemv_bf16`` (decode and
+        verification steps: the common case, without ``cpu_linear``'s path choice)."""
+        return (self.half_simd and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+                and x.dim() == 2 and 0 < x.shape[0] <= native.HALF_GEMV_MAX_ROWS
+                and x.is_contiguous() and w.is_contiguous())
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if (not self.native or x.dtype != torch.bfloat16 or weight.dtype != x.dtype
+                or x.device.type != "cpu" or x.stride(-1) != 1
+                or not (x.dim() == 2 or x.is_contiguous()) or not weight.is_contiguous()
+                or (residual is not None and (residual.dtype != x.dtype
+                                              or residual.shape != x.shape
+                                              or not residual.is_contiguous()))):
+            return super().rms_norm(x, weight, eps, residual)
+        return native.rms_norm(x, weight, eps, residual)
+
+    def gdn_recurrent_out(self, layer, grp, mixed, z, a, b, conv_states, ssm_states):
+        """The group in one compiled call (csrc/gdn_fused.c) where it runs for these tensors:
+        fp32 or bf16 activations throughout, contiguous pools, unit column strides."""
+        params = self._gdn_params(layer, mixed, conv_states)
+        if params is None or not (ssm_states.dtype == torch.float32
+                                  and ssm_states.is_contiguous() and all(
+                                      t.stride(-1) == 1 and t.dtype == mixed.dtype
+                                      for t in (z, a, b))):
+            return super().gdn_recurrent_out(layer, grp, mixed, z, a, b, conv_states, ssm_states)
+        if self.num_slots is None:  # not attached to an engine: no per-step check was made
+            for t in (grp.slots, grp.slots_out):
+                if t is not None and t.numel() and not (
+                        0 <= int(t.min()) <= int(t.max()) < ssm_states.shape[0]):
+                    raise IndexError(f"state slots out of range [0, {ssm_states.shape[0]})")
+        taps, neg_exp_a, dt_bias, norm_w = params
+        return native.gdn_fused(mixed, z, a, b, taps, conv_states, ssm_states, grp.slots,
+                                grp.slots_out, neg_exp_a, dt_bias, norm_w, layer.norm.eps,
+                                grp.num_tokens_per_seq, layer.num_k_heads, layer.head_k_dim)
+
+    def _gdn_params(self, layer, mixed, conv_states):
+        """fp32 conv taps [K, C], -exp(A_log), dt_bias and the norm weight in the
+        activations' dtype for ``native.gdn_fused``, made at the layer's first call; None where
+        the fused call does not run."""
+        if not self.native or mixed.device.type != "cpu":
+            return None
+        dtype = mixed.dtype
+        if (native.fused_dtype_code(dtype) is None or conv_states.dtype != dtype
+                or not conv_states.is_contiguous() or layer.kernel_size > 16):
+            return None
+        params = self.gdn_params.get(id(layer))
+        if params is None or params[3].dtype != dtype:
+            params = (
+                _conv_weight(layer).float().t().contiguous(),
+                -layer.A_log.detach().float().exp(),
+                layer.dt_bias.detach().float().contiguous(),
+                layer.norm.weight.detach().to(dtype).contiguous(),
+            )
+            self.gdn_params[id(layer)] = params
+        return params
 
     def prepare(self, batch) -> StepMeta:
         meta = super().prepare(batch)
@@ -349,13 +471,19 @@ class CPUBackend(ReferenceBackend):
             slots += batch.state_slot_list
             if slots and not 0 <= min(slots) <= max(slots) < self.num_slots:
                 raise IndexError(f"state slots out of range [0, {self.num_slots})")
+            if self.kv_shape is not None and batch.query_lens and max(batch.query_lens) == 1:
+                _check_kv(batch, self.kv_shape)
+                meta.kv_checked = True
         return meta
 
     def linear(self, module, x: torch.Tensor) -> torch.Tensor:
         qweight = getattr(module, "qweight", None)
         if qweight is not None:
             return quant.linear(x, qweight, self.int8_isa)
-        return cpu_linear(x, module.weight, self._packed(module, x), self.half_simd)
+        w = module.weight
+        if self._decode_gemv(x, w):
+            return native.gemv_bf16(x, w)
+        return cpu_linear(x, w, self._packed(module, x), self.half_simd)
 
     def _packed(self, module, x: torch.Tensor):
         """The weight's fp32 copy for the batched CPU GEMM where the compiled half kernels do not
@@ -373,6 +501,20 @@ class CPUBackend(ReferenceBackend):
         if not self.native:
             return None
         return _checked_step if self.num_slots is not None else native.gdn_decode_step
+
+
+def _check_kv(batch, kv_shape: tuple[int, int]) -> None:
+    """Every KV slot, block table entry and context length of ``batch`` inside caches of
+    ``kv_shape`` (blocks, block size), or IndexError."""
+    blocks, bs = kv_shape
+    tables, slots = batch.block_tables.numpy(), batch.slot_mapping.numpy()  # host memory
+    if slots.size and not 0 <= slots.min() <= slots.max() < blocks * bs:
+        raise IndexError(f"KV slots out of range [0, {blocks * bs})")
+    if tables.size and not 0 <= tables.min() <= tables.max() < blocks:
+        raise IndexError(f"block table entries out of range [0, {blocks})")
+    if batch.context_lens and not 0 < min(batch.context_lens) <= max(
+            batch.context_lens) <= tables.shape[-1] * bs:
+        raise IndexError(f"context lengths out of range (1, {tables.shape[-1] * bs}]")
 
 
 def _checked_step(*args):

@@ -83,6 +83,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = 
     ``simd``: whether the compiled half kernels run here, as the CPU backend decided at
     start-up (asked of ``native`` on every call when not given)."""
     path = _half_cpu_path(x, weight, simd)
+    if path == "gemv" and x.dtype == torch.bfloat16:  # rounded to bf16 by the kernel
+        y = native.half_gemv(x.reshape(-1, x.shape[-1]), weight, out_dtype=x.dtype)
+        return y.view(*x.shape[:-1], weight.shape[0])
     if path in ("gemv", "gemm"):
         gemm = native.half_gemv if path == "gemv" else native.half_gemm
         y = gemm(x.reshape(-1, x.shape[-1]), weight)

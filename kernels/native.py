@@ -4,6 +4,12 @@
   torch formulation (``delta_rule._step_in_place``) makes three passes over every state plus
   small batched products; this does one read pass and one update pass per (sequence, head)
   while the 64 KiB state sits in L2.
+- ``csrc/gdn_fused.c``: the rest of a GDN layer's recurrent tokens around that step (conv,
+  q/k norms, gates, the gated output norm) in the same call, from the in-projections' outputs
+  to out_proj's input; the torch ops for them are some thirty small calls per layer.
+- ``csrc/attn_decode.c``: a gated attention layer's decode tokens (q/k norms, partial RoPE,
+  the KV write, attention over the paged cache, the output gate) in one call.
+- ``csrc/norm.c``: RMSNorm of bf16 rows with the residual add fused in.
 - ``csrc/half_gemm.c``: x W^T for bf16/fp16 weights in fp32 on AVX2 + FMA + F16C CPUs, reading
   the half-precision weights as the model holds them instead of an fp32 copy of them, and with
   the bf16 dot-product instruction for bf16 x bf16 where the CPU has AVX512-BF16 (``half_path``;
@@ -37,7 +43,8 @@ from pathlib import Path
 import torch
 
 _SRCS = [Path(__file__).parent / "csrc" / name
-         for name in ("gdn_decode.c", "half_gemm.c", "int8_gemm.c", "stream.c")]
+         for name in ("gdn_decode.c", "gdn_fused.c", "attn_decode.c", "norm.c", "half_gemm.c", "int8_gemm.c",
+                     "stream.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lib: ctypes.CDLL | None = None
 _simd = False  # half_gemm / half_gemv built with AVX2 + FMA + F16C (asked once, at load)
@@ -114,20 +121,29 @@ def load() -> ctypes.CDLL | None:
     fn = lib.gdn_decode_step
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.gdn_fused.restype = None
+    lib.gdn_fused.argtypes = [P, I64] * 4 + [P] * 8 + [ctypes.c_float, P] + [I64] * 7 + [I, I]
+    lib.attn_decode.restype = None
+    lib.attn_decode.argtypes = ([P, I64] * 3 + [P, P, ctypes.c_float, P, P, I64, P, P, P, P, I64,
+                                                P, I64, ctypes.c_float, P] + [I64] * 4 + [I, I])
+    lib.rms_norm_bf16.restype = None
+    lib.rms_norm_bf16.argtypes = [P, I64, P, P, P, P, ctypes.c_float, I64, I64, I]
     lib.stream_sum.restype = ctypes.c_double  # csrc/stream.c: hybridrt/ceilings.py uses it
     lib.stream_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.stream_vector_bytes.restype = ctypes.c_int
     lib.half_gemm.restype = None
     lib.half_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.half_gemv.restype = None
-    lib.half_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+    lib.half_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3
     lib.half_gemm_simd.restype = ctypes.c_int
     lib.half_gemm_simd.argtypes = []
     lib.half_gemm_bf16dot.restype = ctypes.c_int
     lib.half_gemm_bf16dot.argtypes = []
-    for name in ("half_gemm_bf16", "half_gemv_bf16"):
-        getattr(lib, name).restype = None
-        getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.half_gemm_bf16.restype = None
+    lib.half_gemm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.half_gemv_bf16.restype = None
+    lib.half_gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     _simd = bool(lib.half_gemm_simd())
     _bf16dot = _simd and bool(lib.half_gemm_bf16dot())
     _lib = lib
@@ -236,26 +252,117 @@ def half_gemm(x: torch.Tensor, weight: torch.Tensor, path: str | None = None) ->
 HALF_GEMV_MAX_ROWS = 4  # from 5 rows on, half_gemm is as fast (kernels/linear.py)
 
 
-def half_gemv(x: torch.Tensor, weight: torch.Tensor, path: str | None = None) -> torch.Tensor:
+def half_gemv(x: torch.Tensor, weight: torch.Tensor, path: str | None = None,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x [M, K] (M <= ``HALF_GEMV_MAX_ROWS``, any float dtype) times a bf16/fp16 weight [N, K]
-    as it is (row-major, contiguous) -> [M, N] fp32: each weight element read once, for decode
-    at small batch and draft verification. ``path`` as in ``half_gemm`` (bf16dot: any K).
-    Callers check ``half_gemm_available``."""
+    as it is (row-major, contiguous) -> [M, N] in ``out_dtype`` (fp32, or bf16: the fp32 sums
+    rounded): each weight element read once, for decode at small batch and draft verification.
+    ``path`` as in ``half_gemm`` (bf16dot: any K). Callers check ``half_gemm_available``."""
     _check_half_weight("half_gemv", x, weight, HALF_GEMV_MAX_ROWS)
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"half_gemv: out_dtype must be float32 or bfloat16, got {out_dtype}")
     N, K = weight.shape
     lib = _lib or load()
     if lib is None:
         raise RuntimeError("half_gemv: native CPU kernels unavailable")
-    y = torch.empty(x.shape[0], N, dtype=torch.float32)
-    if (path or _path) == "bf16dot" and x.dtype == weight.dtype == torch.bfloat16:
-        if x.shape[0] and N:
-            x = x.contiguous()
-            lib.half_gemv_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], N, K,
-                               torch.get_num_threads())
-        return y
-    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], N, dtype=out_dtype)
     if x.shape[0] and N:
-        lib.half_gemv(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], N, K,
-                      int(weight.dtype == torch.float16), torch.get_num_threads())
+        _gemv(x, weight, y, path or _path)
     return y
 
+
+def _gemv(x, weight, y, path) -> None:
+    """half_gemv's call, shapes checked: bf16 x and weight on the bf16dot path, else x
+    widened to fp32."""
+    M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
+    out_bf16 = int(y.dtype == torch.bfloat16)
+    if path == "bf16dot" and x.dtype == weight.dtype == torch.bfloat16:
+        x = x.contiguous()
+        _lib.half_gemv_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), M, N, K, out_bf16,
+                            torch.get_num_threads())
+        return
+    x = x.float().contiguous()
+    _lib.half_gemv(x.data_ptr(), weight.data_ptr(), y.data_ptr(), M, N, K,
+                   int(weight.dtype == torch.float16), out_bf16, torch.get_num_threads())
+
+
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``half_gemv`` for the CPU backend's decode products, without its checks: x [M <= 4, K]
+    bf16 contiguous, weight a contiguous bf16 [N, K] (the backend checked it once) -> [M, N]
+    bf16."""
+    M, K = x.shape
+    if M > HALF_GEMV_MAX_ROWS or weight.shape[1] != K:
+        raise ValueError(f"gemv_bf16: x {list(x.shape)} for a weight {list(weight.shape)}")
+    y = torch.empty(M, weight.shape[0], dtype=torch.bfloat16)
+    _gemv(x, weight, y, _path)
+    return y
+
+
+_FUSED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def fused_dtype_code(dtype: torch.dtype) -> int | None:
+    """0 (fp32) or 1 (bf16): the activation dtypes ``gdn_fused`` and ``rms_norm`` take."""
+    return _FUSED_DTYPES.get(dtype)
+
+
+def gdn_fused(mixed, z, a, b, conv_taps, conv_states, ssm, slots, slots_out, neg_exp_a,
+              dt_bias, norm_w, eps: float, L: int, HK: int, DK: int) -> torch.Tensor:
+    """A GDN layer's recurrent tokens (csrc/gdn_fused.c) -> out [B * L, HV * DV] in the
+    activations' dtype, the gated-normed input of out_proj; conv and recurrent states updated
+    in their pools (in place, or into ``slots_out`` [B, L]).
+
+    mixed [B*L, C], z [B*L, HV*DV], a, b [B*L, HV]: rows with unit column stride (views into
+    one projection output are fine), all fp32 or all bf16 as ``conv_states`` [S, K-1, C] and
+    ``norm_w`` [DV]; conv_taps [K, C], neg_exp_a (-exp(A_log)), dt_bias [HV] fp32; ssm
+    [S, HV, DK, DV] fp32; slots [B] int64. Callers check shapes and slot ranges (the CPU
+    backend does, once per step) and ``load()``."""
+    N, HV = a.shape
+    DV = norm_w.shape[0]
+    K = conv_taps.shape[0]
+    out = torch.empty(N, HV * DV, dtype=mixed.dtype)
+    _lib.gdn_fused(
+        mixed.data_ptr(), mixed.stride(0), z.data_ptr(), z.stride(0), a.data_ptr(), a.stride(0),
+        b.data_ptr(), b.stride(0), conv_taps.data_ptr(), conv_states.data_ptr(), ssm.data_ptr(),
+        slots.data_ptr(), None if slots_out is None else slots_out.data_ptr(),
+        neg_exp_a.data_ptr(), dt_bias.data_ptr(), norm_w.data_ptr(), eps, out.data_ptr(),
+        N // L, L, K, HK, HV, DK, DV, _FUSED_DTYPES[mixed.dtype], torch.get_num_threads())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """Zero-centred RMSNorm of the rows of bf16 ``x`` (csrc/norm.c), with ``residual``: the
+    pair (norm(residual + x), residual + x), what ``kernels.norm.rms_norm`` gives after the
+    add. x: [..., D] with unit last stride and rows of D (2-D: any row stride); weight [D] and
+    residual (contiguous) bf16. Callers check dtypes and ``load()``."""
+    D = x.shape[-1]
+    x2 = x if x.dim() == 2 else x.reshape(-1, D)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    res_out = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
+    _lib.rms_norm_bf16(x2.data_ptr(), x2.stride(0),
+                       None if residual is None else residual.data_ptr(), out.data_ptr(),
+                       None if res_out is None else res_out.data_ptr(), weight.data_ptr(), eps,
+                       x2.shape[0], D, torch.get_num_threads())
+    return out if residual is None else (out, res_out)
+
+
+def attn_decode(qg, k, v, q_w, k_w, eps: float, cos, sin, key_cache, value_cache,
+                slot_mapping, block_tables, seq_lens, scale: float, H: int, HKV: int,
+                D: int) -> torch.Tensor:
+    """Decode tokens of a gated attention layer (csrc/attn_decode.c), one per sequence ->
+    out [B, H * D] in the activations' dtype, the gated input of o_proj; each token's k and v
+    written to its KV slot. qg [B, H * 2D], k, v [B, HKV * D] with unit column stride; q_w, k_w
+    [D], cos, sin [B, R], caches [blocks, block size, HKV, D] all in that dtype (fp32 or bf16);
+    slot_mapping [B], block_tables [B, M], seq_lens [B] int64. Callers check every slot, block
+    and length against the caches, and ``load()``."""
+    B = qg.shape[0]
+    out = torch.empty(B, H * D, dtype=qg.dtype)
+    tables = block_tables.contiguous()
+    _lib.attn_decode(
+        qg.data_ptr(), qg.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        q_w.data_ptr(), k_w.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), cos.shape[-1],
+        key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
+        tables.data_ptr(), tables.shape[-1], seq_lens.data_ptr(), key_cache.shape[1], scale,
+        out.data_ptr(), B, H, HKV, D, _FUSED_DTYPES[qg.dtype], torch.get_num_threads())
+    return out

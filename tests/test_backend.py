@@ -109,15 +109,18 @@ def _mixed_batches(config):
     second = build_batch([[7], list(range(30, 36)), [9, 10, 11, 12]], [5, 11, 5],
                          [[0], [1, 2, 4], [3, 5]], 8, [1, 2, 3], ["all", "all", "all"],
                          verify_slots=[None, None, [4, 5, 6, 3]])
-    return first, second
+    # step 3: decodes only (the compiled decode layers on the CPU backend)
+    third = build_batch([[3], [4], [5]], [6, 17, 9], [[0], [1, 2, 4], [3, 5]], 8, [1, 2, 3],
+                        ["all", "all", "all"])
+    return first, second, third
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(2, 4), (4, 4)], ids=["grouped", "equal"])
 def test_cpu_backend_matches_reference(dtype, heads):
-    """Whole mixed steps (prompts, chunk continuation, decode, draft verification) on the CPU
-    backend against the reference backend: hidden states, conv and recurrent states of every
-    slot, KV caches."""
+    """Whole mixed steps (prompts, chunk continuation, decode, draft verification, then
+    decodes alone) on the CPU backend against the reference backend: hidden states, conv and
+    recurrent states of every slot, KV caches."""
     cfg = tiny_text_config(linear_num_key_heads=heads[0], linear_num_value_heads=heads[1])
     results = []
     for backend in (ReferenceBackend, CPUBackend):
@@ -298,3 +301,186 @@ def test_loaded_models_own_their_weights_built_ones_do_not():
     keep = {n: t.clone() for n, t in sd.items()}
     net.set_backend(CPUBackend(config))
     assert all(torch.equal(sd[n], keep[n]) for n in sd)
+
+
+# ------------------------------------------------------------------------------------------
+# The compiled decode layers (csrc/gdn_fused.c, attn_decode.c, norm.c) against the reference
+# backend's ops, each call counted so that a fallback to the torch ops cannot pass for them
+# ------------------------------------------------------------------------------------------
+
+
+def _count_calls(monkeypatch, name: str) -> list[int]:
+    _require_native()
+    calls = [0]
+    orig = getattr(native, name)
+
+    def counted(*args, **kw):
+        calls[0] += 1
+        return orig(*args, **kw)
+
+    monkeypatch.setattr(native, name, counted)
+    return calls
+
+
+def _require_native() -> None:
+    if native.load() is None:
+        pytest.skip("native kernels unavailable here")
+
+
+def _fused_tol(dtype) -> float:
+    # fp32: sums in another order; bf16: the same roundings, so at most an ulp where an exp or
+    # a sum lands on a rounding boundary (2^-8 of max |ref|)
+    return 1e-5 if dtype == torch.float32 else 2 ** -8
+
+
+def _layer(cls, dtype, **cfg):
+    net, config, _ = build_model(tiny_text_config(**cfg), seed=6, dtype=dtype)
+    return next(m for m in net.modules() if isinstance(m, cls)), config, net
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [(2, 4), (3, 3)], ids=["grouped", "equal"])
+@pytest.mark.parametrize("L,verify", [(1, False), (3, True), (2, False)],
+                         ids=["decode", "verify3", "two-in-place"])
+def test_fused_gdn_layer_matches_reference(dtype, heads, L, verify, monkeypatch):
+    """One GDN layer's recurrent group in one compiled call: the gated-normed output, the conv
+    and recurrent states of every slot (sources kept when verifying into per-token slots,
+    unnamed slots untouched) as the reference ops leave them. Conv kernel 3, K < 4 taps."""
+    from hybridrt.kernels.backend import RecurrentGroup
+    from hybridrt.kernels.delta_rule import slot_runs
+    from hybridrt.model import GatedDeltaNet
+
+    layer, config, _ = _layer(GatedDeltaNet, dtype, linear_num_key_heads=heads[0],
+                              linear_num_value_heads=heads[1], linear_conv_kernel_dim=3)
+    gen = torch.Generator().manual_seed(L * 10 + heads[0])
+    B, S = 3, 14
+    N = B * L
+    # one projection output [N, C + V + 2 HV] split into views, as the merged product gives
+    widths = [config.conv_dim, layer.value_dim, layer.num_v_heads, layer.num_v_heads]
+    proj = torch.randn(N, sum(widths), generator=gen).to(dtype)
+    mixed, z, a, b = proj.split(widths, dim=-1)
+    conv0 = torch.randn(S, layer.kernel_size - 1, config.conv_dim, generator=gen).to(dtype)
+    ssm0 = torch.randn(S, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim,
+                       generator=gen) * 0.3
+    slots = [4, 1, 6]
+    slots_out = torch.tensor([[0, 2, 3], [5, 7, 8], [9, 10, 11]])[:, :L] if verify else None
+    grp = RecurrentGroup(None, B, L, torch.tensor(slots), slots_out, slot_runs(slots))
+    calls = _count_calls(monkeypatch, "gdn_fused")
+    results = []
+    for be in (ReferenceBackend(config), CPUBackend(config)):
+        conv, ssm = conv0.clone(), ssm0.clone()
+        out = be.gdn_recurrent_out(layer, grp, mixed, z, a, b, conv, ssm)
+        results.append((out, conv, ssm))
+    assert calls[0] == 1
+    (o_ref, c_ref, s_ref), (o, c, s) = results
+    tol = _fused_tol(dtype)
+    assert o.dtype == dtype and o.shape == (N, layer.value_dim)
+    assert_rel_close(o.float(), o_ref.float(), tol, "output")
+    assert torch.equal(c, c_ref), "conv states"
+    assert_rel_close(s, s_ref, 1e-5, "recurrent states")
+    if verify:  # the sources are left as they were
+        assert torch.equal(s[slots], ssm0[slots]) and torch.equal(c[slots], conv0[slots])
+    named = set(slots) | (set(slots_out.flatten().tolist()) if verify else set())
+    free = [i for i in range(S) if i not in named]
+    assert torch.equal(s[free], ssm0[free]) and torch.equal(c[free], conv0[free])
+
+
+def _decode_batch(computed, tables, block_size):
+    return build_batch([[1 + i] for i in range(len(computed))], computed, tables, block_size,
+                       list(range(len(computed))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("gqa", [1, 3])
+def test_fused_decode_attention_matches_reference(dtype, gqa, monkeypatch):
+    """A decode-only step of a gated attention layer in one compiled call: 3 sequences with
+    contexts of 5, 47 (more than one 32-position block of the online softmax) and 1 over
+    scattered blocks; q/k norms, partial RoPE, the KV writes, attention and the gate as the
+    reference ops compute them; other cache slots untouched."""
+    from hybridrt.model import GatedAttention
+
+    layer, config, net = _layer(GatedAttention, dtype, num_attention_heads=2 * gqa,
+                                num_key_value_heads=2, head_dim=12)
+    bs, NB = 4, 24
+    batch = _decode_batch([4, 46, 0], [[3, 0], list(range(5, 17)), [4]], bs)
+    gen = torch.Generator().manual_seed(gqa)
+    H, HKV, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    proj = torch.randn(3, H * 2 * D + 2 * HKV * D, generator=gen).to(dtype)
+    qg, k, v = proj.split([H * 2 * D, HKV * D, HKV * D], dim=-1)
+    kc0 = torch.randn(NB, bs, HKV, D, generator=gen).to(dtype)
+    vc0 = torch.randn(NB, bs, HKV, D, generator=gen).to(dtype)
+    cos, sin = net.rope(batch.positions, dtype)
+    calls = _count_calls(monkeypatch, "attn_decode")
+    results = []
+    for be in (ReferenceBackend(config), CPUBackend(config)):
+        kc, vc = kc0.clone(), vc0.clone()
+        out = be.gated_attention(be.prepare(batch), batch, layer, qg, k, v, kc, vc, cos, sin)
+        results.append((out, kc, vc))
+    assert calls[0] == 1
+    (o_ref, k_ref, v_ref), (o, kc, vc) = results
+    assert o.dtype == dtype and o.shape == (3, H * D)
+    assert_rel_close(o.float(), o_ref.float(), _fused_tol(dtype), "output")
+    assert_rel_close(kc.float(), k_ref.float(), _fused_tol(dtype), "key cache")
+    assert torch.equal(vc, v_ref), "value cache"
+    written = batch.slot_mapping.tolist()
+    keep = [i for i in range(NB * bs) if i not in written]
+    assert torch.equal(kc.view(NB * bs, -1)[keep], kc0.view(NB * bs, -1)[keep])
+
+
+def test_fused_decode_attention_checks_the_cache_indices(monkeypatch):
+    """A block table entry past the cache (or a KV slot) is an IndexError naming it, not a
+    read outside the cache."""
+    from hybridrt.model import GatedAttention
+
+    layer, config, net = _layer(GatedAttention, torch.bfloat16)
+    H, HKV, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    caches = [torch.zeros(4, 4, HKV, D, dtype=torch.bfloat16) for _ in range(2)]
+    be = CPUBackend(config)
+    # the second sequence's new token (position 5) lands in its second block
+    for tables, what in (([[1], [7, 2]], "block table"), ([[1], [2, 9]], "KV slots")):
+        batch = _decode_batch([2, 5], tables, 4)
+        qg = torch.randn(2, H * 2 * D).bfloat16()
+        kv = torch.randn(2, HKV * D).bfloat16()
+        cos, sin = net.rope(batch.positions, torch.bfloat16)
+        with pytest.raises(IndexError, match=what):
+            be.gated_attention(be.prepare(batch), batch, layer, qg, kv, kv, *caches, cos, sin)
+
+
+def test_fused_gdn_layer_checks_the_slots():
+    from hybridrt.kernels.backend import RecurrentGroup
+    from hybridrt.model import GatedDeltaNet
+
+    layer, config, _ = _layer(GatedDeltaNet, torch.bfloat16)
+    _require_native()
+    x = torch.randn(2, config.conv_dim + layer.value_dim + 2 * layer.num_v_heads).bfloat16()
+    mixed, z, a, b = x.split([config.conv_dim, layer.value_dim, layer.num_v_heads,
+                              layer.num_v_heads], dim=-1)
+    conv = torch.zeros(4, layer.kernel_size - 1, config.conv_dim, dtype=torch.bfloat16)
+    ssm = torch.zeros(4, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)
+    for slots, out in (([0, 4], None), ([0, 1], [[2], [5]])):
+        grp = RecurrentGroup(None, 2, 1, torch.tensor(slots),
+                             None if out is None else torch.tensor(out), [])
+        with pytest.raises(IndexError, match="state slots out of range"):
+            CPUBackend(config).gdn_recurrent_out(layer, grp, mixed, z, a, b, conv, ssm)
+
+
+@pytest.mark.parametrize("shape,residual,strided", [((5, 64), True, False), ((2, 3, 40), True, False),
+                                                    ((4, 64), False, True), ((1, 1024), True, False)])
+def test_fused_rms_norm_matches_reference(shape, residual, strided, monkeypatch):
+    """bf16 rows (2-D, 3-D, a column slice of a wider tensor) with and without the residual
+    add: the reference ops' values exactly (the bf16 roundings hide the sums' order here);
+    fp32 keeps the torch ops."""
+    calls = _count_calls(monkeypatch, "rms_norm")
+    gen = torch.Generator().manual_seed(shape[-1])
+    D = shape[-1]
+    x = torch.randn(*shape[:-1], D + 16 if strided else D, generator=gen).bfloat16()[..., :D]
+    r = torch.randn(shape, generator=gen).bfloat16() if residual else None
+    w = (torch.randn(D, generator=gen) * 0.2).bfloat16()
+    ref, cpu = ReferenceBackend(), CPUBackend()
+    want, got = ref.rms_norm(x, w, 1e-6, r), cpu.rms_norm(x, w, 1e-6, r)
+    if residual:
+        assert torch.equal(got[1], want[1]), "residual sum"
+        want, got = want[0], got[0]
+    assert torch.equal(got, want)
+    cpu.rms_norm(x.float(), w.float(), 1e-6)
+    assert calls[0] == 1

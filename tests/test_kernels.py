@@ -574,7 +574,11 @@ def test_half_paths_on_bf16_activations(M, N, K, path):
     assert y.dtype == torch.float32 and y.shape == (M, N)
     assert_rel_close(y.double(), ref, TOL, f"{path} M={M} N={N} K={K}")
     if M <= native.HALF_GEMV_MAX_ROWS:  # and the GEMV (bf16dot: 64 inputs a step, tails masked)
-        assert_rel_close(native.half_gemv(x, w, path=path).double(), ref, TOL, f"gemv {path}")
+        y = native.half_gemv(x, w, path=path)
+        assert_rel_close(y.double(), ref, TOL, f"gemv {path}")
+        # bf16 outputs: the same sums rounded to nearest even, as .to(bf16) rounds them
+        assert torch.equal(native.half_gemv(x, w, path=path, out_dtype=torch.bfloat16),
+                           y.to(torch.bfloat16))
 
 
 def test_native_half_gemm_rejects_bad_shapes():

@@ -184,8 +184,18 @@ static inline float hsum(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
+/* y[r * N] = v, as fp32 or rounded to bf16 (round to nearest even, as torch's .to() does) */
+static inline void store_out(void *y, int64_t i, float v, int out_bf16)
+{
+    if (!out_bf16) { ((float *)y)[i] = v; return; }
+    union { float f; uint32_t u; } c = { .f = v };
+    ((uint16_t *)y)[i] = (c.u & 0x7fffffffu) > 0x7f800000u
+        ? (uint16_t)((c.u >> 16) | 0x40) : (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
 static inline __attribute__((always_inline)) void gemv_row(
-    const float *x, const uint16_t *w, float *y, int64_t N, int64_t K, int mr, int is_fp16)
+    const float *x, const uint16_t *w, void *y, int64_t N, int64_t K, int mr, int is_fp16,
+    int out_bf16)
 {
     __m256 acc[4][4];
     #pragma GCC unroll 4
@@ -220,22 +230,24 @@ static inline __attribute__((always_inline)) void gemv_row(
             float t = hsum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
                                          _mm256_add_ps(acc[r][2], acc[r][3])));
             for (int64_t k = K8; k < K; ++k) t += x[r * K + k] * half_to_float(w[k], is_fp16);
-            y[r * N] = t;
+            store_out(y, r * N, t, out_bf16);
         }
     }
 }
 
-void half_gemv(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
-               int is_fp16, int num_threads)
+void half_gemv(const float *x, const uint16_t *w, void *y, int64_t M, int64_t N, int64_t K,
+               int is_fp16, int out_bf16, int num_threads)
 {
     if (M < 1 || M > 4) return;
+    char *yb = y;
+    const int64_t ys = out_bf16 ? 2 : 4;
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; ++n) {
         switch (M) {
-        case 1: gemv_row(x, w + n * K, y + n, N, K, 1, is_fp16); break;
-        case 2: gemv_row(x, w + n * K, y + n, N, K, 2, is_fp16); break;
-        case 3: gemv_row(x, w + n * K, y + n, N, K, 3, is_fp16); break;
-        default: gemv_row(x, w + n * K, y + n, N, K, 4, is_fp16); break;
+        case 1: gemv_row(x, w + n * K, yb + n * ys, N, K, 1, is_fp16, out_bf16); break;
+        case 2: gemv_row(x, w + n * K, yb + n * ys, N, K, 2, is_fp16, out_bf16); break;
+        case 3: gemv_row(x, w + n * K, yb + n * ys, N, K, 3, is_fp16, out_bf16); break;
+        default: gemv_row(x, w + n * K, yb + n * ys, N, K, 4, is_fp16, out_bf16); break;
         }
     }
 }
@@ -246,10 +258,11 @@ void half_gemv(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N
 int half_gemm_simd(void) { return 0; }
 
 
-void half_gemv(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
-               int is_fp16, int num_threads)
+void half_gemv(const float *x, const uint16_t *w, void *y, int64_t M, int64_t N, int64_t K,
+               int is_fp16, int out_bf16, int num_threads)
 {
-    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)is_fp16; (void)num_threads;
+    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)is_fp16; (void)out_bf16;
+    (void)num_threads;
 }
 
 void half_gemm(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N,
@@ -378,7 +391,7 @@ void half_gemm_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, i
 /* Up to 4 rows of bf16 x: one weight row at a time as in half_gemv, 64 inputs a step into 2
  * accumulators per row of x (masked loads for the tail), no widening. */
 static inline __attribute__((always_inline)) void gemv_row16(
-    const uint16_t *x, const uint16_t *w, float *y, int64_t N, int64_t K, int mr)
+    const uint16_t *x, const uint16_t *w, void *y, int64_t N, int64_t K, int mr, int out_bf16)
 {
     __m512 acc[4][2];
     #pragma GCC unroll 4
@@ -410,20 +423,24 @@ static inline __attribute__((always_inline)) void gemv_row16(
     }
     #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r)
-        if (r < mr) y[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+        if (r < mr)
+            store_out(y, r * N, _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])),
+                      out_bf16);
 }
 
-void half_gemv_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N,
-                    int64_t K, int num_threads)
+void half_gemv_bf16(const uint16_t *x, const uint16_t *w, void *y, int64_t M, int64_t N,
+                    int64_t K, int out_bf16, int num_threads)
 {
     if (M < 1 || M > 4) return;
+    char *yb = y;
+    const int64_t ys = out_bf16 ? 2 : 4;
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; ++n) {
         switch (M) {
-        case 1: gemv_row16(x, w + n * K, y + n, N, K, 1); break;
-        case 2: gemv_row16(x, w + n * K, y + n, N, K, 2); break;
-        case 3: gemv_row16(x, w + n * K, y + n, N, K, 3); break;
-        default: gemv_row16(x, w + n * K, y + n, N, K, 4); break;
+        case 1: gemv_row16(x, w + n * K, yb + n * ys, N, K, 1, out_bf16); break;
+        case 2: gemv_row16(x, w + n * K, yb + n * ys, N, K, 2, out_bf16); break;
+        case 3: gemv_row16(x, w + n * K, yb + n * ys, N, K, 3, out_bf16); break;
+        default: gemv_row16(x, w + n * K, yb + n * ys, N, K, 4, out_bf16); break;
         }
     }
 }
@@ -434,9 +451,9 @@ void half_gemm_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, i
 {
     (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)num_threads;
 }
-void half_gemv_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N,
-                    int64_t K, int num_threads)
+void half_gemv_bf16(const uint16_t *x, const uint16_t *w, void *y, int64_t M, int64_t N,
+                    int64_t K, int out_bf16, int num_threads)
 {
-    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)num_threads;
+    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)out_bf16; (void)num_threads;
 }
 #endif

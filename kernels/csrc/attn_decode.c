@@ -1,0 +1,134 @@
+/* A gated attention layer's decode tokens in one call, from the q/k/v projections' outputs to
+ * the input of o_proj: B sequences of one new token each over their paged KV.
+ *
+ * As the reference ops compute it (hybridrt/model.py GatedAttention, kernels/attention.py):
+ *   q, k:  per head RMSNorm (zero-centred weight), rounded, then partial RoPE on the first R
+ *          dims in rotate-half pairs, round(round(x cos) + round(rot(x) sin))
+ *   cache: the token's k (normed, rotated) and v written to its KV slot
+ *   attn:  softmax(scale q.k) v over the sequence's ctx_lens[b] positions (its block table),
+ *          in fp32, rounded; GQA: head h reads kv head h / (H / HKV)
+ *   gate:  out = round(o * round(sigmoid(gate)))
+ * "round" is to bf16 when the activations are bf16, nothing when they are fp32.
+ *
+ * qg [B, H * 2D] holds per head D query then D gate values; k, v [B, HKV * D]; rows ld_* apart.
+ * cos, sin [B, R]; q_w, k_w [D]; caches [num_blocks, BS, HKV, D]; slot_mapping [B] (flat slot
+ * block * BS + offset); tables [B, M]; all in the activations' dtype or int64. The caller has
+ * checked every slot, block and length against the caches. out [B, H * D] contiguous.
+ */
+#include <math.h>
+#include <stdint.h>
+
+static inline float abf(uint16_t h)
+{
+    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
+    return c.f;
+}
+
+static inline uint16_t a2bf(float f)
+{
+    union { float f; uint32_t u; } c = { .f = f };
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+static inline float ald(const void *p, int64_t i, int bf)
+{
+    return bf ? abf(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void ast(void *p, int64_t i, float v, int bf)
+{
+    if (bf) ((uint16_t *)p)[i] = a2bf(v);
+    else ((float *)p)[i] = v;
+}
+
+static inline float ar(float v, int bf) { return bf ? abf(a2bf(v)) : v; }
+
+/* y[0:D] = rope(round(rmsnorm(x))) for one head of token b, as rounded values in fp32 */
+static void norm_rope(const void *x, int64_t off, const void *w, float eps, const void *cos,
+                      const void *sin, int64_t b, int64_t R, int64_t D, int bf, float *y)
+{
+    float ss = 0.0f;
+    for (int64_t i = 0; i < D; ++i) { const float v = ald(x, off + i, bf); ss += v * v; }
+    const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+    for (int64_t i = 0; i < D; ++i)
+        y[i] = ar(ald(x, off + i, bf) * inv * (1.0f + ald(w, i, bf)), bf);
+    float rot[R > 0 ? R : 1];
+    const int64_t half = R / 2;
+    for (int64_t i = 0; i < R; ++i) {
+        const float c = ald(cos, b * R + i, bf), s = ald(sin, b * R + i, bf);
+        const float rh = i < half ? -y[i + half] : y[i - half];
+        rot[i] = ar(ar(y[i] * c, bf) + ar(rh * s, bf), bf);
+    }
+    for (int64_t i = 0; i < R; ++i) y[i] = rot[i];
+}
+
+#define PB 32  /* positions scored per block of the online softmax */
+
+void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, const void *v,
+                 int64_t ld_v, const void *q_w, const void *k_w, float eps, const void *cos,
+                 const void *sin, int64_t R, void *k_cache, void *v_cache,
+                 const int64_t *slot_mapping, const int64_t *tables, int64_t M,
+                 const int64_t *ctx_lens, int64_t BS, float scale, void *out, int64_t B,
+                 int64_t H, int64_t HKV, int64_t D, int bf, int num_threads)
+{
+    const int64_t es = bf ? 2 : 4, row = HKV * D;  /* cache elements per slot */
+    #pragma omp parallel num_threads(num_threads)
+    {
+        /* 1. the new token's k (normed, rotated) and v into its KV slot */
+        #pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * HKV; ++bh) {
+            const int64_t b = bh / HKV, h = bh % HKV, slot = slot_mapping[b];
+            float kk[D];
+            norm_rope(k, b * ld_k + h * D, k_w, eps, cos, sin, b, R, D, bf, kk);
+            char *kd = (char *)k_cache + (slot * row + h * D) * es;
+            char *vd = (char *)v_cache + (slot * row + h * D) * es;
+            for (int64_t i = 0; i < D; ++i) {
+                ast(kd, i, kk[i], bf);
+                ast(vd, i, ald(v, b * ld_v + h * D + i, bf), bf);
+            }
+        }
+        /* 2. per (sequence, query head): attention over its positions, then the gate */
+        #pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * H; ++bh) {
+            const int64_t b = bh / H, h = bh % H, hk = h / (H / HKV), n = ctx_lens[b];
+            float q[D], acc[D], s[PB];
+            norm_rope(qg, b * ld_qg + h * 2 * D, q_w, eps, cos, sin, b, R, D, bf, q);
+            for (int64_t i = 0; i < D; ++i) acc[i] = 0.0f;
+            float m = -INFINITY, l = 0.0f;
+            for (int64_t p0 = 0; p0 < n; p0 += PB) {
+                const int64_t np = n - p0 < PB ? n - p0 : PB;
+                float bm = -INFINITY;
+                for (int64_t j = 0; j < np; ++j) {
+                    const int64_t p = p0 + j, slot = tables[b * M + p / BS] * BS + p % BS;
+                    const char *kp = (const char *)k_cache + (slot * row + hk * D) * es;
+                    float dot = 0.0f;
+                    if (bf) for (int64_t i = 0; i < D; ++i) dot += q[i] * abf(((const uint16_t *)kp)[i]);
+                    else for (int64_t i = 0; i < D; ++i) dot += q[i] * ((const float *)kp)[i];
+                    s[j] = dot * scale;
+                    if (s[j] > bm) bm = s[j];
+                }
+                if (bm > m) {  /* rescale what was summed under the old maximum */
+                    const float c = expf(m - bm);
+                    for (int64_t i = 0; i < D; ++i) acc[i] *= c;
+                    l *= c;
+                    m = bm;
+                }
+                for (int64_t j = 0; j < np; ++j) {
+                    const int64_t p = p0 + j, slot = tables[b * M + p / BS] * BS + p % BS;
+                    const char *vp = (const char *)v_cache + (slot * row + hk * D) * es;
+                    const float w = expf(s[j] - m);
+                    l += w;
+                    if (bf) for (int64_t i = 0; i < D; ++i) acc[i] += w * abf(((const uint16_t *)vp)[i]);
+                    else for (int64_t i = 0; i < D; ++i) acc[i] += w * ((const float *)vp)[i];
+                }
+            }
+            const int64_t g0 = b * ld_qg + h * 2 * D + D;
+            for (int64_t i = 0; i < D; ++i) {
+                const float o = ar(acc[i] / l, bf);
+                const float g = ar(1.0f / (1.0f + expf(-ald(qg, g0 + i, bf))), bf);
+                ast(out, b * H * D + h * D + i, o * g, bf);
+            }
+        }
+    }
+}

@@ -1,0 +1,155 @@
+/* A GDN layer's recurrent tokens in one call: from the in-projections' outputs to the input of
+ * out_proj, for B sequences of L tokens each (decode: L = 1; draft verification: L = 1 + k).
+ *
+ * Per token, as the reference ops compute it (kernels/backend.py gdn_recurrent, kernels/norm.py):
+ *   conv:   m = silu(sum_j w[j] window[j]) over the K-1 state rows and the token, rounded to
+ *           the activations' dtype; the state becomes the last K-1 inputs
+ *   q, k:   l2-normalised heads of m (q also times DK^-1/2), expanded to HV heads
+ *   gates:  decay = exp(-exp(A_log) softplus(a + dt_bias)), beta = sigmoid(b) (rounded)
+ *   delta:  the gated delta rule step of csrc/gdn_decode.c on the fp32 state
+ *   norm:   out = round(round(w * round(rmsnorm(round(o)))) * silu(z))
+ * "round" is to bf16 when the activations are bf16 and nothing when they are fp32, which puts
+ * the roundings where the reference's dtype conversions put them.
+ *
+ * Token t of sequence b reads its states from slot src(b, t) and writes them to dst(b, t):
+ * without slots_out both are slots[b] (in place); with slots_out [B, L] (verification keeps
+ * every intermediate state) src(b, 0) = slots[b], src(b, t) = slots_out[b, t-1] and
+ * dst(b, t) = slots_out[b, t], so the source slot is left as it was.
+ *
+ * Inputs are rows with their own strides (views into one merged projection output);
+ * conv_taps [K, C] and neg_exp_a (= -exp(A_log)), dt_bias [HV] are fp32 copies the backend makes
+ * once; conv_states [S, K-1, C] and norm_w [DV] are in the activations' dtype; ssm
+ * [S, HV, DK, DV] fp32; out [B*L, HV*DV] contiguous.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h)
+{
+    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
+    return c.f;
+}
+
+static inline uint16_t f32_to_bf16(float f)  /* round to nearest even, as torch does */
+{
+    union { float f; uint32_t u; } c = { .f = f };
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);  /* NaN */
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+static inline float ld(const void *p, int64_t i, int bf)
+{
+    return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void st(void *p, int64_t i, float v, int bf)
+{
+    if (bf) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+static inline float rnd(float v, int bf) { return bf ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+static inline int64_t src_slot(const int64_t *slots, const int64_t *slots_out, int64_t b,
+                               int64_t t, int64_t L)
+{
+    return (slots_out == NULL || t == 0) ? slots[b] : slots_out[b * L + t - 1];
+}
+
+static inline int64_t dst_slot(const int64_t *slots, const int64_t *slots_out, int64_t b,
+                               int64_t t, int64_t L)
+{
+    return slots_out == NULL ? slots[b] : slots_out[b * L + t];
+}
+
+void gdn_fused(const void *mixed, int64_t ld_mixed, const void *z, int64_t ld_z,
+               const void *a, int64_t ld_a, const void *bv, int64_t ld_b,
+               const float *conv_taps, void *conv_states, float *ssm,
+               const int64_t *slots, const int64_t *slots_out,
+               const float *neg_exp_a, const float *dt_bias, const void *norm_w, float eps,
+               void *out, int64_t B, int64_t L, int64_t K, int64_t HK, int64_t HV, int64_t DK,
+               int64_t DV, int bf, int num_threads)
+{
+    const int64_t C = 2 * HK * DK + HV * DV, W = K - 1, N = B * L;
+    float *m = malloc(sizeof(float) * (size_t)(N * C));  /* conv outputs, rounded */
+    if (m == NULL) return;
+    const int64_t cs = W * C * (bf ? 2 : 4);  /* bytes per conv state slot */
+    #pragma omp parallel num_threads(num_threads)
+    {
+        /* 1. conv: per sequence the L tokens in order, channels split between threads */
+        #pragma omp for schedule(static) collapse(2)
+        for (int64_t b = 0; b < B; ++b) {
+            for (int64_t c0 = 0; c0 < C; c0 += 256) {
+                const int64_t c1 = c0 + 256 < C ? c0 + 256 : C;
+                for (int64_t t = 0; t < L; ++t) {
+                    char *src = (char *)conv_states + src_slot(slots, slots_out, b, t, L) * cs;
+                    char *dst = (char *)conv_states + dst_slot(slots, slots_out, b, t, L) * cs;
+                    const int64_t row = b * L + t;
+                    for (int64_t c = c0; c < c1; ++c) {
+                        float win[16];  /* K <= 16, checked by the caller */
+                        for (int64_t j = 0; j < W; ++j) win[j] = ld(src, j * C + c, bf);
+                        win[W] = ld(mixed, row * ld_mixed + c, bf);
+                        float y = win[0] * conv_taps[c];
+                        for (int64_t j = 1; j < K; ++j) y += win[j] * conv_taps[j * C + c];
+                        m[row * C + c] = rnd(silu(y), bf);
+                        for (int64_t j = 0; j < W; ++j) st(dst, j * C + c, win[j + 1], bf);
+                    }
+                }
+            }
+        }
+        /* 2. per (sequence, value head): gates, q/k norms, the delta rule over the L tokens,
+         * the gated output norm */
+        #pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * HV; ++bh) {
+            const int64_t b = bh / HV, h = bh % HV, hk = h / (HV / HK);
+            float qn[DK], kn[DK], kS[DV], qS[DV], delta[DV], o[DV];
+            for (int64_t t = 0; t < L; ++t) {
+                const int64_t row = b * L + t;
+                const float *mq = m + row * C + hk * DK, *mk = mq + HK * DK;
+                const float *mv = m + row * C + 2 * HK * DK + h * DV;
+                float sq = 0.0f, sk = 0.0f;
+                for (int64_t i = 0; i < DK; ++i) { sq += mq[i] * mq[i]; sk += mk[i] * mk[i]; }
+                const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
+                const float scale = 1.0f / sqrtf((float)DK);
+                for (int64_t i = 0; i < DK; ++i) { qn[i] = mq[i] * rq * scale; kn[i] = mk[i] * rk; }
+                float x = ld(a, row * ld_a + h, bf) + dt_bias[h];
+                const float sp = x > 20.0f ? x : log1pf(expf(x));
+                const float d = expf(neg_exp_a[h] * sp);
+                const float beta = rnd(1.0f / (1.0f + expf(-ld(bv, row * ld_b + h, bf))), bf);
+                const float *S = ssm + (src_slot(slots, slots_out, b, t, L) * HV + h) * DK * DV;
+                float *S2 = ssm + (dst_slot(slots, slots_out, b, t, L) * HV + h) * DK * DV;
+                for (int64_t j = 0; j < DV; ++j) { kS[j] = 0.0f; qS[j] = 0.0f; }
+                float qk = 0.0f;
+                for (int64_t i = 0; i < DK; ++i) {
+                    const float *r = S + i * DV;
+                    const float ki = kn[i], qi = qn[i];
+                    qk += qi * ki;
+                    for (int64_t j = 0; j < DV; ++j) { kS[j] += ki * r[j]; qS[j] += qi * r[j]; }
+                }
+                float ss = 0.0f;
+                for (int64_t j = 0; j < DV; ++j) {
+                    delta[j] = beta * (mv[j] - d * kS[j]);
+                    o[j] = rnd(d * qS[j] + qk * delta[j], bf);
+                    ss += o[j] * o[j];
+                }
+                for (int64_t i = 0; i < DK; ++i) {
+                    const float *r = S + i * DV;
+                    float *r2 = S2 + i * DV;
+                    const float ki = kn[i];
+                    for (int64_t j = 0; j < DV; ++j) r2[j] = d * r[j] + ki * delta[j];
+                }
+                const float inv = 1.0f / sqrtf(ss / (float)DV + eps);
+                for (int64_t j = 0; j < DV; ++j) {
+                    const float y = rnd(ld(norm_w, j, bf) * rnd(o[j] * inv, bf), bf);
+                    const float zz = ld(z, row * ld_z + h * DV + j, bf);
+                    st(out, row * HV * DV + h * DV + j, y * silu(zz), bf);
+                }
+            }
+        }
+    }
+    free(m);
+}
