@@ -359,17 +359,102 @@ class CPUBackend(ReferenceBackend):
         self.kv_shape: tuple[int, int] | None = None  # (blocks, block size) of the KV caches
         self.groups: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
         self.gdn_params: dict[int, tuple[torch.Tensor, ...]] = {}  # _gdn_params, per layer
+        self.fast: list[_FastLayer] | None = None  # forward's decode loop (bind, attach)
 
     def bind(self, model) -> None:
         # without the compiled half kernels a half weight's products need an fp32 copy, kept
         # per module (``_packed``): the projections stay apart there
         if self.half_simd:
             self.groups = merge_projections(model, release=getattr(model, "owns_weights", False))
+        self.fast = self._fast_layers(model)
 
     def attach(self, cache) -> None:
-        self.num_slots = cache.tensors.num_slots
-        if cache.tensors.key_caches:
-            self.kv_shape = tuple(cache.tensors.key_caches[0].shape[:2])
+        t = cache.tensors
+        self.num_slots = t.num_slots
+        if t.key_caches:
+            self.kv_shape = tuple(t.key_caches[0].shape[:2])
+        pools = [*t.key_caches, *t.value_caches, *t.conv_states]
+        if not (all(p.dtype == torch.bfloat16 and p.is_contiguous() for p in pools)
+                and t.ssm_states.dtype == torch.float32 and t.ssm_states.is_contiguous()):
+            self.fast = None
+
+    # Decode steps without the modules ------------------------------------------------------
+    def _fast_layers(self, model) -> list[_FastLayer] | None:
+        """Per decoder layer what ``forward``'s decode loop calls, or None where some layer's
+        weights do not suit it (it needs a bf16 model, the compiled kernels, and every
+        layer's projections merged: bf16 weights on the half kernels, or int8 ones)."""
+        if not (self.native and self.half_simd and model.dtype == torch.bfloat16):
+            return None
+        layers = []
+        for dl in model.model.layers:
+            m = dl.mixer
+            mods = ((m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a)
+                    if dl.layer_type == "linear_attention" else (m.q_proj, m.k_proj, m.v_proj))
+            mixer_in = self.groups.get(tuple(id(x) for x in mods))
+            mlp_in = self.groups.get((id(dl.mlp.gate_proj), id(dl.mlp.up_proj)))
+            outs = [_weight_of(x) for x in (m.out_proj if dl.layer_type == "linear_attention"
+                                            else m.o_proj, dl.mlp.down_proj)]
+            if mixer_in is None or mlp_in is None or None in outs:
+                return None
+            if isinstance(mixer_in[0], quant.QuantWeight) and self.int8_isa is None:
+                return None
+            norms = [dl.input_layernorm.weight, dl.post_attention_layernorm.weight]
+            if dl.layer_type == "full_attention":
+                norms += [m.q_norm.weight, m.k_norm.weight]
+            if any(w.dtype != torch.bfloat16 for w in norms):
+                return None
+            layers.append(_FastLayer(dl, m, mixer_in, outs[0], mlp_in, outs[1]))
+        if model.model.norm.weight.dtype != torch.bfloat16:
+            return None
+        return layers
+
+    def _product(self, x, w):
+        if isinstance(w, quant.QuantWeight):
+            return quant.linear(x, w, self.int8_isa)
+        if self._decode_gemv(x, w):
+            return native.gemv_bf16(x, w)
+        return cpu_linear(x, w, None, self.half_simd)
+
+    def forward(self, model, batch, cache):
+        """Steps of only decodes (one new token per sequence from its state) in a loop over
+        ``_FastLayer``s, the same compiled calls as the model's layers make for them, without
+        the modules and backend dispatch around each (a model step of the 0.8B shape makes
+        some 250 module calls). Other steps: None, the model's own loop."""
+        meta, fast = batch.meta, self.fast
+        if fast is None or not _decode_only(meta):
+            return None
+        h = model.model.embed_tokens(batch.input_ids)
+        cos, sin = model.rope(batch.positions, h.dtype)
+        grp = meta.gdn.groups[0]
+        product, norm = self._product, native.rms_norm
+        residual = None
+        for f in fast:
+            if residual is None:
+                x, residual = norm(h, f.in_norm, f.eps), h
+            else:
+                x, residual = norm(h, f.in_norm, f.eps, residual)
+            parts = product(x, f.mixer_in).split(f.mixer_sizes, dim=-1)
+            m = f.mixer
+            if f.gdn:
+                mixed, z, b, a = parts
+                taps, neg_exp_a, dt_bias, norm_w = self._gdn_params(m, mixed,
+                                                                    cache.conv_states[m.state_index])
+                y = native.gdn_fused(mixed, z, a, b, taps, cache.conv_states[m.state_index],
+                                     cache.ssm_states[m.state_index], grp.slots, None, neg_exp_a,
+                                     dt_bias, norm_w, m.norm.eps, 1, m.num_k_heads, m.head_k_dim)
+            else:
+                qg, k, v = parts
+                y = native.attn_decode(qg, k, v, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps,
+                                       cos, sin, cache.key_caches[m.cache_index],
+                                       cache.value_caches[m.cache_index], batch.slot_mapping,
+                                       batch.block_tables, batch.seq_lens, m.scale, m.num_heads,
+                                       m.num_kv_heads, m.head_dim)
+            x, residual = norm(product(y, f.mixer_out), f.post_norm, f.eps, residual)
+            gate, up = product(x, f.mlp_in).split(f.mlp_sizes, dim=-1)
+            h = product(F.silu(gate) * up, f.mlp_out)
+        final = model.model.norm
+        return norm(h, final.weight, final.eps, residual)[0]
+
 
     def gated_attention(self, meta, batch, layer, qg, k, v, key_cache, value_cache, cos, sin):
         """Decode-only steps in one compiled call per layer (csrc/attn_decode.c) where it runs
@@ -501,6 +586,44 @@ class CPUBackend(ReferenceBackend):
         if not self.native:
             return None
         return _checked_step if self.num_slots is not None else native.gdn_decode_step
+
+
+class _FastLayer:
+    """One decoder layer as ``CPUBackend.forward``'s decode loop runs it: its mixer, norms and
+    the weights of its four products (merged where ``merge_projections`` merged them)."""
+
+    __slots__ = ("gdn", "mixer", "in_norm", "post_norm", "eps", "mixer_in", "mixer_sizes",
+                 "mixer_out", "mlp_in", "mlp_sizes", "mlp_out")
+
+    def __init__(self, layer, mixer, mixer_in, mixer_out, mlp_in, mlp_out):
+        self.gdn = layer.layer_type == "linear_attention"
+        self.mixer = mixer
+        self.in_norm = layer.input_layernorm.weight
+        self.post_norm = layer.post_attention_layernorm.weight
+        self.eps = layer.input_layernorm.eps
+        self.mixer_in, self.mixer_sizes = mixer_in
+        self.mixer_out = mixer_out
+        self.mlp_in, self.mlp_sizes = mlp_in
+        self.mlp_out = mlp_out
+
+
+def _weight_of(module):
+    """A Linear's int8 or bf16 weight for ``CPUBackend._product``, or None."""
+    if module.qweight is not None:
+        return module.qweight
+    w = module.weight
+    return w if w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous() else None
+
+
+def _decode_only(meta) -> bool:
+    """A step of decodes alone, its KV indices checked (``CPUBackend.prepare``)."""
+    if meta is None or not meta.kv_checked:
+        return False
+    gm, plan = meta.gdn, meta.attention
+    if gm.chunked is not None or len(gm.groups) != 1 or plan.prefill or plan.fresh:
+        return False
+    g = gm.groups[0]
+    return g.rows is None and g.slots_out is None and g.num_tokens_per_seq == 1
 
 
 def _check_kv(batch, kv_shape: tuple[int, int]) -> None:

@@ -4,6 +4,7 @@ inside a model step (the metadata is built once per step from the runner's host 
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -125,13 +126,26 @@ def test_cpu_backend_matches_reference(dtype, heads):
     results = []
     for backend in (ReferenceBackend, CPUBackend):
         net, config, _ = build_model(cfg, seed=4, dtype=dtype)
-        net.set_backend(backend(config))
+        be = backend(config)
+        net.set_backend(be)
         cache = CacheTensors.allocate(config, 6, 8, 8, dtype)
+        be.attach(SimpleNamespace(tensors=cache))  # as the engine does
+        whole_step = be.forward
+        looped = []  # per step: whether the backend ran it (CPU: its decode loop)
+
+        def recorded(*args, _f=whole_step, _log=looped):
+            out = _f(*args)
+            _log.append(out is not None)
+            return out
+
+        be.forward = recorded
         hidden = []
         with torch.inference_mode():
             for batch in _mixed_batches(config):
                 hidden.append(net(batch, cache))
         results.append((hidden, cache))
+    # bf16 with the compiled kernels: the decodes-only step ran the CPU backend's loop
+    assert looped == [False, False, dtype == torch.bfloat16 and native.half_gemm_available()]
     (h_ref, c_ref), (h_cpu, c_cpu) = results
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for i, (a, b) in enumerate(zip(h_cpu, h_ref)):
