@@ -165,6 +165,9 @@ def _lib():
         lib.int8_isas.argtypes = []
         lib.int8_gemm.restype = ctypes.c_int
         lib.int8_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+        lib.int8_gemm_bf16.restype = ctypes.c_int
+        lib.int8_gemm_bf16.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+                                       + [ctypes.c_int] * 2)
     return lib
 
 
@@ -216,8 +219,24 @@ def linear(x: torch.Tensor, qw: QuantWeight, isa: str | None) -> torch.Tensor:
     ``isa`` (``select_isa``) on the CPU; ``reference_linear`` when ``isa`` is None."""
     if isa is None or x.device.type != "cpu":
         return reference_linear(x, qw)
+    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous():
+        return _int8_gemm_bf16(x, qw, isa)
     y = int8_gemm(x.reshape(-1, x.shape[-1]), qw, isa)
     return y.view(*x.shape[:-1], qw.shape[0]).to(x.dtype)
+
+
+def _int8_gemm_bf16(x: torch.Tensor, qw: QuantWeight, isa: str) -> torch.Tensor:
+    """``int8_gemm`` for contiguous bf16 x [M, K] -> [M, N] bf16, the sums rounded once, in
+    one call (no conversions around it)."""
+    N, K = qw.shape
+    if x.shape[1] != K:
+        raise ValueError(f"int8_gemm: x must be [M, {K}], got {list(x.shape)}")
+    y = torch.empty(x.shape[0], N, dtype=torch.bfloat16)
+    if x.shape[0] and N and _lib().int8_gemm_bf16(
+            x.data_ptr(), qw.qs.data_ptr(), qw.scales.data_ptr(), y.data_ptr(), x.shape[0], N, K,
+            qw.scales.shape[1] * GROUP, ISAS[isa], torch.get_num_threads()):
+        raise RuntimeError(f"int8_gemm: kernel path {isa!r} failed (not in this build?)")
+    return y
 
 
 class QuantEmbedding(nn.Module):

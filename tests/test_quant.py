@@ -121,6 +121,21 @@ def test_kernel_pads_inputs_that_are_not_a_multiple_of_32():
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("K", [45, 96], ids=lambda k: f"K{k}")
+def test_bf16_activations_in_one_call(isa, K):
+    """bf16 x [M, K] (the decode loop's products) in one call: bit for bit the fp32 path's
+    result rounded to bf16, the padding of K to a multiple of 32 included."""
+    g = torch.Generator().manual_seed(K)
+    qw = quant.quantize(torch.randn(37, K, generator=g))
+    for M in (1, 3, 6):
+        x = (torch.randn(M, K, generator=g) * 0.05).bfloat16()  # |x| < 1: padding shows
+        y = quant.linear(x, qw, isa)
+        assert y.dtype == torch.bfloat16 and y.shape == (M, 37)
+        assert torch.equal(y, quant.int8_gemm(x.float(), qw, isa).to(torch.bfloat16)), M
+
+
+@needs_kernels
 def test_isa_switch(monkeypatch):
     monkeypatch.setenv("HYBRIDRT_INT8_ISA", "ref")
     assert quant.select_isa() == "ref"

@@ -357,3 +357,31 @@ int int8_gemm(const float *x, const int8_t *qs, const uint16_t *sc, float *y, in
     free(xq); free(xd); free(xs);
     return 0;
 }
+
+/* The same product for bf16 x [M, K] (K not padded: the groups past K are zeros) into bf16 y
+ * [M, N], the fp32 sums rounded to nearest even: what int8_gemm and two dtype conversions
+ * give, for the CPU backend's decode loop. Kp: K padded to a multiple of 32. */
+int int8_gemm_bf16(const uint16_t *x, const int8_t *qs, const uint16_t *sc, uint16_t *y,
+                   int64_t M, int64_t N, int64_t K, int64_t Kp, int isa, int num_threads)
+{
+    float *xf = malloc(sizeof(float) * (size_t)(M * Kp) + 64);
+    float *yf = malloc(sizeof(float) * (size_t)(M * N) + 64);
+    int rc = -1;
+    if (xf && yf) {
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t k = 0; k < Kp; ++k) {
+                union { uint32_t u; float f; } c = { .u = k < K ? (uint32_t)x[m * K + k] << 16 : 0 };
+                xf[m * Kp + k] = c.f;
+            }
+        rc = int8_gemm(xf, qs, sc, yf, M, N, Kp, isa, num_threads);
+        if (rc == 0)
+            for (int64_t i = 0; i < M * N; ++i) {
+                union { float f; uint32_t u; } c = { .f = yf[i] };
+                y[i] = (c.u & 0x7fffffffu) > 0x7f800000u
+                    ? (uint16_t)((c.u >> 16) | 0x40)
+                    : (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+            }
+    }
+    free(xf); free(yf);
+    return rc;
+}
