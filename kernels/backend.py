@@ -85,8 +85,9 @@ class StepMeta:
     attention: Any
     gdn: GDNMeta
     num_tokens: int
-    kv_checked: bool = False  # CPU: every KV slot, block and length of a decode-only step
-    # was checked against the caches (csrc/attn_decode.c indexes them unchecked)
+    uniform_tokens: int = 0  # CPU: every sequence has this many new tokens (1 to
+    # FUSED_MAX_TOKENS) and their KV slots, blocks and lengths were checked against the caches
+    # (csrc/attn_decode.c indexes them unchecked); 0 otherwise
 
 
 def gdn_split(batch, device, with_plans: bool, kernel_size: int) -> GDNMeta:
@@ -416,16 +417,18 @@ class CPUBackend(ReferenceBackend):
         return cpu_linear(x, w, None, self.half_simd)
 
     def forward(self, model, batch, cache):
-        """Steps of only decodes (one new token per sequence from its state) in a loop over
-        ``_FastLayer``s, the same compiled calls as the model's layers make for them, without
-        the modules and backend dispatch around each (a model step of the 0.8B shape makes
-        some 250 module calls). Other steps: None, the model's own loop."""
+        """Steps of only decodes (one new token per sequence from its state), or only
+        verifications of the same number of drafts, in a loop over ``_FastLayer``s: the same
+        compiled calls as the model's layers make for them, without the modules and backend
+        dispatch around each (a model step of the 0.8B shape makes some 250 module calls).
+        Other steps: None, the model's own loop."""
         meta, fast = batch.meta, self.fast
-        if fast is None or not _decode_only(meta):
+        if fast is None or not _recurrent_only(meta):
             return None
         h = model.model.embed_tokens(batch.input_ids)
         cos, sin = model.rope(batch.positions, h.dtype)
         grp = meta.gdn.groups[0]
+        L = meta.uniform_tokens
         product, norm = self._product, native.rms_norm
         residual = None
         for f in fast:
@@ -440,15 +443,16 @@ class CPUBackend(ReferenceBackend):
                 taps, neg_exp_a, dt_bias, norm_w = self._gdn_params(m, mixed,
                                                                     cache.conv_states[m.state_index])
                 y = native.gdn_fused(mixed, z, a, b, taps, cache.conv_states[m.state_index],
-                                     cache.ssm_states[m.state_index], grp.slots, None, neg_exp_a,
-                                     dt_bias, norm_w, m.norm.eps, 1, m.num_k_heads, m.head_k_dim)
+                                     cache.ssm_states[m.state_index], grp.slots, grp.slots_out,
+                                     neg_exp_a, dt_bias, norm_w, m.norm.eps, L, m.num_k_heads,
+                                     m.head_k_dim)
             else:
                 qg, k, v = parts
                 y = native.attn_decode(qg, k, v, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps,
                                        cos, sin, cache.key_caches[m.cache_index],
                                        cache.value_caches[m.cache_index], batch.slot_mapping,
-                                       batch.block_tables, batch.seq_lens, m.scale, m.num_heads,
-                                       m.num_kv_heads, m.head_dim)
+                                       batch.block_tables, batch.seq_lens, m.scale, L,
+                                       m.num_heads, m.num_kv_heads, m.head_dim)
             x, residual = norm(product(y, f.mixer_out), f.post_norm, f.eps, residual)
             gate, up = product(x, f.mlp_in).split(f.mlp_sizes, dim=-1)
             h = product(F.silu(gate) * up, f.mlp_out)
@@ -457,13 +461,16 @@ class CPUBackend(ReferenceBackend):
 
 
     def gated_attention(self, meta, batch, layer, qg, k, v, key_cache, value_cache, cos, sin):
-        """Decode-only steps in one compiled call per layer (csrc/attn_decode.c) where it runs
-        for these tensors: fp32 or bf16 throughout, contiguous caches, unit column strides."""
-        plan = meta.attention
+        """Steps where every sequence has the same few new tokens (decode, verification) in
+        one compiled call per layer (csrc/attn_decode.c) where it runs for these tensors: fp32
+        or bf16 throughout, contiguous caches, unit column strides."""
         dtype = qg.dtype
-        if not (self.native and plan.decode_rows is not None and not plan.prefill
-                and not plan.fresh and plan.decode_rows.shape[0] == qg.shape[0]
-                and native.fused_dtype_code(dtype) is not None
+        L = meta.uniform_tokens
+        if not L and self.kv_shape is None:  # not attached to an engine: no per-step check
+            L = _uniform_len(batch.query_lens)
+            if L and self.native:
+                _check_kv(batch, tuple(key_cache.shape[:2]))
+        if not (self.native and L and native.fused_dtype_code(dtype) is not None
                 and key_cache.dtype == value_cache.dtype == cos.dtype == dtype
                 and k.dtype == v.dtype == layer.q_norm.weight.dtype == dtype
                 and key_cache.is_contiguous() and value_cache.is_contiguous()
@@ -472,12 +479,10 @@ class CPUBackend(ReferenceBackend):
                 == batch.block_tables.dtype == torch.int64):
             return super().gated_attention(meta, batch, layer, qg, k, v, key_cache,
                                            value_cache, cos, sin)
-        if not meta.kv_checked:
-            _check_kv(batch, tuple(key_cache.shape[:2]))
         return native.attn_decode(qg, k, v, layer.q_norm.weight, layer.k_norm.weight,
                                   layer.q_norm.eps, cos, sin, key_cache, value_cache,
                                   batch.slot_mapping, batch.block_tables, batch.seq_lens,
-                                  layer.scale, layer.num_heads, layer.num_kv_heads,
+                                  layer.scale, L, layer.num_heads, layer.num_kv_heads,
                                   layer.head_dim)
 
     def project(self, x, modules):
@@ -556,9 +561,10 @@ class CPUBackend(ReferenceBackend):
             slots += batch.state_slot_list
             if slots and not 0 <= min(slots) <= max(slots) < self.num_slots:
                 raise IndexError(f"state slots out of range [0, {self.num_slots})")
-            if self.kv_shape is not None and batch.query_lens and max(batch.query_lens) == 1:
+            L = _uniform_len(batch.query_lens) if self.kv_shape is not None else 0
+            if L:
                 _check_kv(batch, self.kv_shape)
-                meta.kv_checked = True
+                meta.uniform_tokens = L
         return meta
 
     def linear(self, module, x: torch.Tensor) -> torch.Tensor:
@@ -615,15 +621,25 @@ def _weight_of(module):
     return w if w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous() else None
 
 
-def _decode_only(meta) -> bool:
-    """A step of decodes alone, its KV indices checked (``CPUBackend.prepare``)."""
-    if meta is None or not meta.kv_checked:
+FUSED_MAX_TOKENS = 8  # new tokens per sequence up to which csrc/attn_decode.c runs a step
+
+
+def _uniform_len(query_lens: list[int]) -> int:
+    """L when every sequence has L new tokens, 1 <= L <= FUSED_MAX_TOKENS; 0 otherwise."""
+    L = query_lens[0] if query_lens else 0
+    return L if 0 < L <= FUSED_MAX_TOKENS and query_lens.count(L) == len(query_lens) else 0
+
+
+def _recurrent_only(meta) -> bool:
+    """A step of one recurrent group over the whole batch (decodes, or verifications of the
+    same number of drafts), its KV indices checked (``CPUBackend.prepare``)."""
+    if meta is None or not meta.uniform_tokens:
         return False
-    gm, plan = meta.gdn, meta.attention
-    if gm.chunked is not None or len(gm.groups) != 1 or plan.prefill or plan.fresh:
+    gm = meta.gdn
+    if gm.chunked is not None or len(gm.groups) != 1:
         return False
     g = gm.groups[0]
-    return g.rows is None and g.slots_out is None and g.num_tokens_per_seq == 1
+    return g.rows is None and g.num_tokens_per_seq == meta.uniform_tokens
 
 
 def _check_kv(batch, kv_shape: tuple[int, int]) -> None:

@@ -7,8 +7,8 @@
 - ``csrc/gdn_fused.c``: the rest of a GDN layer's recurrent tokens around that step (conv,
   q/k norms, gates, the gated output norm) in the same call, from the in-projections' outputs
   to out_proj's input; the torch ops for them are some thirty small calls per layer.
-- ``csrc/attn_decode.c``: a gated attention layer's decode tokens (q/k norms, partial RoPE,
-  the KV write, attention over the paged cache, the output gate) in one call.
+- ``csrc/attn_decode.c``: a gated attention layer's decode or verification tokens (q/k norms,
+  partial RoPE, the KV write, attention over the paged cache, the output gate) in one call.
 - ``csrc/norm.c``: RMSNorm of bf16 rows with the residual add fused in.
 - ``csrc/half_gemm.c``: x W^T for bf16/fp16 weights in fp32 on AVX2 + FMA + F16C CPUs, reading
   the half-precision weights as the model holds them instead of an fp32 copy of them, and with
@@ -126,7 +126,7 @@ def load() -> ctypes.CDLL | None:
     lib.gdn_fused.argtypes = [P, I64] * 4 + [P] * 8 + [ctypes.c_float, P] + [I64] * 7 + [I, I]
     lib.attn_decode.restype = None
     lib.attn_decode.argtypes = ([P, I64] * 3 + [P, P, ctypes.c_float, P, P, I64, P, P, P, P, I64,
-                                                P, I64, ctypes.c_float, P] + [I64] * 4 + [I, I])
+                                                P, I64, ctypes.c_float, P] + [I64] * 5 + [I, I])
     lib.rms_norm_bf16.restype = None
     lib.rms_norm_bf16.argtypes = [P, I64, P, P, P, P, ctypes.c_float, I64, I64, I]
     lib.stream_sum.restype = ctypes.c_double  # csrc/stream.c: hybridrt/ceilings.py uses it
@@ -348,21 +348,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def attn_decode(qg, k, v, q_w, k_w, eps: float, cos, sin, key_cache, value_cache,
-                slot_mapping, block_tables, seq_lens, scale: float, H: int, HKV: int,
+                slot_mapping, block_tables, seq_lens, scale: float, L: int, H: int, HKV: int,
                 D: int) -> torch.Tensor:
-    """Decode tokens of a gated attention layer (csrc/attn_decode.c), one per sequence ->
-    out [B, H * D] in the activations' dtype, the gated input of o_proj; each token's k and v
-    written to its KV slot. qg [B, H * 2D], k, v [B, HKV * D] with unit column stride; q_w, k_w
-    [D], cos, sin [B, R], caches [blocks, block size, HKV, D] all in that dtype (fp32 or bf16);
-    slot_mapping [B], block_tables [B, M], seq_lens [B] int64. Callers check every slot, block
-    and length against the caches, and ``load()``."""
-    B = qg.shape[0]
-    out = torch.empty(B, H * D, dtype=qg.dtype)
+    """Decode or verification tokens of a gated attention layer (csrc/attn_decode.c), L per
+    sequence (rows sequence after sequence) -> out [B L, H * D] in the activations' dtype, the
+    gated input of o_proj; each token's k and v written to its KV slot. qg [B L, H * 2D],
+    k, v [B L, HKV * D] with unit column stride; q_w, k_w [D], cos, sin [B L, R], caches
+    [blocks, block size, HKV, D] all in that dtype (fp32 or bf16); slot_mapping [B L],
+    block_tables [B, M], seq_lens [B] int64. Callers check every slot, block and length against
+    the caches, and ``load()``."""
+    N = qg.shape[0]
+    out = torch.empty(N, H * D, dtype=qg.dtype)
     tables = block_tables.contiguous()
     _lib.attn_decode(
         qg.data_ptr(), qg.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         q_w.data_ptr(), k_w.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), cos.shape[-1],
         key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
         tables.data_ptr(), tables.shape[-1], seq_lens.data_ptr(), key_cache.shape[1], scale,
-        out.data_ptr(), B, H, HKV, D, _FUSED_DTYPES[qg.dtype], torch.get_num_threads())
+        out.data_ptr(), N // L, L, H, HKV, D, _FUSED_DTYPES[qg.dtype], torch.get_num_threads())
     return out

@@ -110,25 +110,28 @@ def _mixed_batches(config):
     second = build_batch([[7], list(range(30, 36)), [9, 10, 11, 12]], [5, 11, 5],
                          [[0], [1, 2, 4], [3, 5]], 8, [1, 2, 3], ["all", "all", "all"],
                          verify_slots=[None, None, [4, 5, 6, 3]])
-    # step 3: decodes only (the compiled decode layers on the CPU backend)
+    # step 3: decodes only; step 4: verifications of 2 drafts only (the CPU backend's loop)
     third = build_batch([[3], [4], [5]], [6, 17, 9], [[0], [1, 2, 4], [3, 5]], 8, [1, 2, 3],
                         ["all", "all", "all"])
-    return first, second, third
+    fourth = build_batch([[6, 7, 8], [9, 10, 11], [12, 13, 14]], [7, 18, 10],
+                         [[0, 6], [1, 2, 4], [3, 5]], 8, [1, 2, 3], ["all", "all", "all"],
+                         verify_slots=[[4, 5, 6], [7, 8, 9], [10, 11, 3]])
+    return first, second, third, fourth
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(2, 4), (4, 4)], ids=["grouped", "equal"])
 def test_cpu_backend_matches_reference(dtype, heads):
     """Whole mixed steps (prompts, chunk continuation, decode, draft verification, then
-    decodes alone) on the CPU backend against the reference backend: hidden states, conv and
-    recurrent states of every slot, KV caches."""
+    decodes alone, then verifications alone) on the CPU backend against the reference
+    backend: hidden states, conv and recurrent states of every slot, KV caches."""
     cfg = tiny_text_config(linear_num_key_heads=heads[0], linear_num_value_heads=heads[1])
     results = []
     for backend in (ReferenceBackend, CPUBackend):
         net, config, _ = build_model(cfg, seed=4, dtype=dtype)
         be = backend(config)
         net.set_backend(be)
-        cache = CacheTensors.allocate(config, 6, 8, 8, dtype)
+        cache = CacheTensors.allocate(config, 8, 12, 8, dtype)
         be.attach(SimpleNamespace(tensors=cache))  # as the engine does
         whole_step = be.forward
         looped = []  # per step: whether the backend ran it (CPU: its decode loop)
@@ -144,8 +147,10 @@ def test_cpu_backend_matches_reference(dtype, heads):
             for batch in _mixed_batches(config):
                 hidden.append(net(batch, cache))
         results.append((hidden, cache))
-    # bf16 with the compiled kernels: the decodes-only step ran the CPU backend's loop
-    assert looped == [False, False, dtype == torch.bfloat16 and native.half_gemm_available()]
+    # bf16 with the compiled kernels: the decodes-only and verifications-only steps ran the
+    # CPU backend's loop
+    fast = dtype == torch.bfloat16 and native.half_gemm_available()
+    assert looped == [False, False, fast, fast]
     (h_ref, c_ref), (h_cpu, c_cpu) = results
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for i, (a, b) in enumerate(zip(h_cpu, h_ref)):
@@ -399,27 +404,30 @@ def test_fused_gdn_layer_matches_reference(dtype, heads, L, verify, monkeypatch)
     assert torch.equal(s[free], ssm0[free]) and torch.equal(c[free], conv0[free])
 
 
-def _decode_batch(computed, tables, block_size):
-    return build_batch([[1 + i] for i in range(len(computed))], computed, tables, block_size,
+def _decode_batch(computed, tables, block_size, L=1):
+    return build_batch([[1 + i] * L for i in range(len(computed))], computed, tables, block_size,
                        list(range(len(computed))))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gqa", [1, 3])
-def test_fused_decode_attention_matches_reference(dtype, gqa, monkeypatch):
-    """A decode-only step of a gated attention layer in one compiled call: 3 sequences with
-    contexts of 5, 47 (more than one 32-position block of the online softmax) and 1 over
-    scattered blocks; q/k norms, partial RoPE, the KV writes, attention and the gate as the
-    reference ops compute them; other cache slots untouched."""
+@pytest.mark.parametrize("L", [1, 3])
+def test_fused_decode_attention_matches_reference(dtype, gqa, L, monkeypatch):
+    """A step of L new tokens per sequence (decode, verification) of a gated attention layer
+    in one compiled call: 3 sequences with 4, 44 and 0 tokens before (more than one
+    32-position block of the online softmax; a fresh prompt when L > 1) over scattered blocks;
+    q/k norms, partial RoPE, the KV writes, causal attention and the gate as the reference ops
+    compute them; other cache slots untouched."""
     from hybridrt.model import GatedAttention
 
     layer, config, net = _layer(GatedAttention, dtype, num_attention_heads=2 * gqa,
                                 num_key_value_heads=2, head_dim=12)
     bs, NB = 4, 24
-    batch = _decode_batch([4, 46, 0], [[3, 0], list(range(5, 17)), [4]], bs)
+    batch = _decode_batch([4, 44, 0], [[3, 0], list(range(5, 17)), [4]], bs, L)
     gen = torch.Generator().manual_seed(gqa)
     H, HKV, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
-    proj = torch.randn(3, H * 2 * D + 2 * HKV * D, generator=gen).to(dtype)
+    N = 3 * L
+    proj = torch.randn(N, H * 2 * D + 2 * HKV * D, generator=gen).to(dtype)
     qg, k, v = proj.split([H * 2 * D, HKV * D, HKV * D], dim=-1)
     kc0 = torch.randn(NB, bs, HKV, D, generator=gen).to(dtype)
     vc0 = torch.randn(NB, bs, HKV, D, generator=gen).to(dtype)
@@ -432,7 +440,7 @@ def test_fused_decode_attention_matches_reference(dtype, gqa, monkeypatch):
         results.append((out, kc, vc))
     assert calls[0] == 1
     (o_ref, k_ref, v_ref), (o, kc, vc) = results
-    assert o.dtype == dtype and o.shape == (3, H * D)
+    assert o.dtype == dtype and o.shape == (N, H * D)
     assert_rel_close(o.float(), o_ref.float(), _fused_tol(dtype), "output")
     assert_rel_close(kc.float(), k_ref.float(), _fused_tol(dtype), "key cache")
     assert torch.equal(vc, v_ref), "value cache"

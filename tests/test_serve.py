@@ -310,7 +310,8 @@ def test_bench_serve_runs_the_real_command_with_and_without_reuse(tmp_path):
     on, off = report["runs"]
     for r in (on, off):
         assert r["requests"] == 4 and r["skipped"] == 0 and r["errors"] == 0
-        assert r["ttft_ms_p50"] > 0 and r["itl_ms_p50"] > 0
+        # inter-token gaps of a few microseconds print as 0.0 ms: the slowest are not
+        assert r["ttft_ms_p50"] > 0 and r["itl_ms_p99"] > 0 and r["itl_ms_p50"] >= 0
     assert on["prompt_tokens"] == off["prompt_tokens"]
     assert off["reused_tokens"] == 0 and off["prefilled_tokens"] == off["prompt_tokens"]
     assert on["reused_tokens"] > 0

@@ -1,19 +1,22 @@
-/* A gated attention layer's decode tokens in one call, from the q/k/v projections' outputs to
- * the input of o_proj: B sequences of one new token each over their paged KV.
+/* A gated attention layer's decode or verification tokens in one call, from the q/k/v
+ * projections' outputs to the input of o_proj: B sequences of L new tokens each (decode: L = 1;
+ * draft verification: L = 1 + k) over their paged KV, token t of a sequence with context n
+ * (this step's tokens included) attending to positions 0 .. n - L + t.
  *
  * As the reference ops compute it (hybridrt/model.py GatedAttention, kernels/attention.py):
  *   q, k:  per head RMSNorm (zero-centred weight), rounded, then partial RoPE on the first R
  *          dims in rotate-half pairs, round(round(x cos) + round(rot(x) sin))
  *   cache: the token's k (normed, rotated) and v written to its KV slot
- *   attn:  softmax(scale q.k) v over the sequence's ctx_lens[b] positions (its block table),
+ *   attn:  softmax(scale q.k) v over the token's positions (its sequence's block table),
  *          in fp32, rounded; GQA: head h reads kv head h / (H / HKV)
  *   gate:  out = round(o * round(sigmoid(gate)))
  * "round" is to bf16 when the activations are bf16, nothing when they are fp32.
  *
- * qg [B, H * 2D] holds per head D query then D gate values; k, v [B, HKV * D]; rows ld_* apart.
- * cos, sin [B, R]; q_w, k_w [D]; caches [num_blocks, BS, HKV, D]; slot_mapping [B] (flat slot
- * block * BS + offset); tables [B, M]; all in the activations' dtype or int64. The caller has
- * checked every slot, block and length against the caches. out [B, H * D] contiguous.
+ * Rows are tokens, sequence after sequence (row b L + t). qg [B L, H * 2D] holds per head D
+ * query then D gate values; k, v [B L, HKV * D]; rows ld_* apart. cos, sin [B L, R]; q_w, k_w
+ * [D]; caches [num_blocks, BS, HKV, D]; slot_mapping [B L] (flat slot block * BS + offset);
+ * tables [B, M]; ctx_lens [B] (>= L); all in the activations' dtype or int64. The caller has
+ * checked every slot, block and length against the caches. out [B L, H * D] contiguous.
  */
 #include <math.h>
 #include <stdint.h>
@@ -44,7 +47,7 @@ static inline void ast(void *p, int64_t i, float v, int bf)
 
 static inline float ar(float v, int bf) { return bf ? abf(a2bf(v)) : v; }
 
-/* y[0:D] = rope(round(rmsnorm(x))) for one head of token b, as rounded values in fp32 */
+/* y[0:D] = rope(round(rmsnorm(x))) for one head of token (row) b, as rounded values in fp32 */
 static void norm_rope(const void *x, int64_t off, const void *w, float eps, const void *cos,
                       const void *sin, int64_t b, int64_t R, int64_t D, int bf, float *y)
 {
@@ -70,30 +73,31 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
                  const void *sin, int64_t R, void *k_cache, void *v_cache,
                  const int64_t *slot_mapping, const int64_t *tables, int64_t M,
                  const int64_t *ctx_lens, int64_t BS, float scale, void *out, int64_t B,
-                 int64_t H, int64_t HKV, int64_t D, int bf, int num_threads)
+                 int64_t L, int64_t H, int64_t HKV, int64_t D, int bf, int num_threads)
 {
     const int64_t es = bf ? 2 : 4, row = HKV * D;  /* cache elements per slot */
     #pragma omp parallel num_threads(num_threads)
     {
-        /* 1. the new token's k (normed, rotated) and v into its KV slot */
+        /* 1. the new tokens' k (normed, rotated) and v into their KV slots */
         #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < B * HKV; ++bh) {
-            const int64_t b = bh / HKV, h = bh % HKV, slot = slot_mapping[b];
+        for (int64_t th = 0; th < B * L * HKV; ++th) {
+            const int64_t r = th / HKV, h = th % HKV, slot = slot_mapping[r];
             float kk[D];
-            norm_rope(k, b * ld_k + h * D, k_w, eps, cos, sin, b, R, D, bf, kk);
+            norm_rope(k, r * ld_k + h * D, k_w, eps, cos, sin, r, R, D, bf, kk);
             char *kd = (char *)k_cache + (slot * row + h * D) * es;
             char *vd = (char *)v_cache + (slot * row + h * D) * es;
             for (int64_t i = 0; i < D; ++i) {
                 ast(kd, i, kk[i], bf);
-                ast(vd, i, ald(v, b * ld_v + h * D + i, bf), bf);
+                ast(vd, i, ald(v, r * ld_v + h * D + i, bf), bf);
             }
         }
-        /* 2. per (sequence, query head): attention over its positions, then the gate */
+        /* 2. per (token, query head): attention over its positions, then the gate */
         #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < B * H; ++bh) {
-            const int64_t b = bh / H, h = bh % H, hk = h / (H / HKV), n = ctx_lens[b];
+        for (int64_t th = 0; th < B * L * H; ++th) {
+            const int64_t r = th / H, h = th % H, hk = h / (H / HKV), b = r / L;
+            const int64_t n = ctx_lens[b] - L + r % L + 1;
             float q[D], acc[D], s[PB];
-            norm_rope(qg, b * ld_qg + h * 2 * D, q_w, eps, cos, sin, b, R, D, bf, q);
+            norm_rope(qg, r * ld_qg + h * 2 * D, q_w, eps, cos, sin, r, R, D, bf, q);
             for (int64_t i = 0; i < D; ++i) acc[i] = 0.0f;
             float m = -INFINITY, l = 0.0f;
             for (int64_t p0 = 0; p0 < n; p0 += PB) {
@@ -123,11 +127,11 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
                     else for (int64_t i = 0; i < D; ++i) acc[i] += w * ((const float *)vp)[i];
                 }
             }
-            const int64_t g0 = b * ld_qg + h * 2 * D + D;
+            const int64_t g0 = r * ld_qg + h * 2 * D + D;
             for (int64_t i = 0; i < D; ++i) {
                 const float o = ar(acc[i] / l, bf);
                 const float g = ar(1.0f / (1.0f + expf(-ald(qg, g0 + i, bf))), bf);
-                ast(out, b * H * D + h * D + i, o * g, bf);
+                ast(out, r * H * D + h * D + i, o * g, bf);
             }
         }
     }
