@@ -459,7 +459,6 @@ class CPUBackend(ReferenceBackend):
         final = model.model.norm
         return norm(h, final.weight, final.eps, residual)[0]
 
-
     def gated_attention(self, meta, batch, layer, qg, k, v, key_cache, value_cache, cos, sin):
         """Steps where every sequence has the same few new tokens (decode, verification) in
         one compiled call per layer (csrc/attn_decode.c) where it runs for these tensors: fp32
@@ -653,7 +652,7 @@ def _check_kv(batch, kv_shape: tuple[int, int]) -> None:
         raise IndexError(f"block table entries out of range [0, {blocks})")
     if batch.context_lens and not 0 < min(batch.context_lens) <= max(
             batch.context_lens) <= tables.shape[-1] * bs:
-        raise IndexError(f"context lengths out of range (1, {tables.shape[-1] * bs}]")
+        raise IndexError(f"context lengths out of range [1, {tables.shape[-1] * bs}]")
 
 
 def _checked_step(*args):
