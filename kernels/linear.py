@@ -6,8 +6,9 @@ docs/performance.md). So products are computed in fp32 and rounded back to the i
 which is what a half GEMM with fp32 accumulation returns, by the first of these that applies:
 
 - where the compiled kernels run (``csrc/half_gemm.c``), on the weight as the model holds it:
-  up to ``native.HALF_GEMV_MAX_ROWS`` (4) rows ``half_gemv``, each element read and widened once
-  (decode at small batch, draft verification); from 5 rows on ``half_gemm``, which widens
+  up to ``native.HALF_GEMV_MAX_ROWS`` (8) rows ``half_gemv``, each element read and widened once
+  (decode at small batch, draft verification), each row's result independent of the rows
+  beside it; from 9 rows on ``half_gemm``, which widens
   blocks of the weight into L1 once and runs register tiles over them;
 - without them, from ``CPU_HALF_GEMM_MIN_ROWS`` rows on: an fp32 copy of the weight made once
   by ``pack_weight`` (the caller keeps it), in oneDNN's blocked layout when PyTorch has oneDNN

@@ -249,7 +249,7 @@ def half_gemm(x: torch.Tensor, weight: torch.Tensor, path: str | None = None) ->
     return y
 
 
-HALF_GEMV_MAX_ROWS = 4  # from 5 rows on, half_gemm is as fast (kernels/linear.py)
+HALF_GEMV_MAX_ROWS = 8  # up to here the GEMV beat half_gemm (docs/performance.md)
 
 
 def half_gemv(x: torch.Tensor, weight: torch.Tensor, path: str | None = None,

@@ -446,10 +446,10 @@ def _half_operands(M: int, N: int, K: int, dtype: torch.dtype, seed: int):
     return w, x, x.double() @ w.double().t()
 
 
-@pytest.mark.parametrize("rows", [1, CPU_HALF_GEMM_MIN_ROWS, 4, 5, 12, 33],
+@pytest.mark.parametrize("rows", [1, CPU_HALF_GEMM_MIN_ROWS, 4, 5, 8, 9, 12, 33],
                          ids=lambda r: f"rows{r}")
 def test_linear_half_weights_match_fp32_product(rows, half_gemm_impl):
-    """Half-precision weights: native up to 4 rows ``half_gemv`` on the weight, then
+    """Half-precision weights: native up to 8 rows ``half_gemv`` on the weight, then
     ``half_gemm`` on it (no copy); without them one row runs torch's bf16 GEMV, more rows a
     packed fp32 copy. All equal the fp32 product rounded to bf16 (up to accumulation order:
     1 bf16 ulp)."""
@@ -457,7 +457,7 @@ def test_linear_half_weights_match_fp32_product(rows, half_gemm_impl):
     w = (torch.randn(67, 45, generator=gen) / 7).bfloat16()
     x = torch.randn(rows, 45, generator=gen).bfloat16()
     native_ = half_gemm_impl == "native"
-    assert use_half_gemv(x, w) == (native_ and rows <= 4)
+    assert use_half_gemv(x, w) == (native_ and rows <= 8)
     assert use_fp32_gemm(x, w) == (rows >= CPU_HALF_GEMM_MIN_ROWS and not native_)
     packed = pack_weight(w) if use_fp32_gemm(x, w) else None
     expect = (x.float() @ w.float().t()).bfloat16().float()
@@ -581,6 +581,22 @@ def test_half_paths_on_bf16_activations(M, N, K, path):
                            y.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.skipif(
+    p not in _BUILT_HALF_PATHS, reason=f"half path {p} not built for this CPU"))
+    for p in native.HALF_PATHS])
+@pytest.mark.parametrize("K", [100, 1024])
+def test_half_gemv_rows_do_not_depend_on_the_rows_beside_them(K, path):
+    """Each of up to 8 rows comes out bit for bit as it does alone, on every path (what makes
+    a verification of up to 7 drafts reproduce decoding exactly): the row groups of 4 and the
+    second pass over each weight row for rows 5-8."""
+    w, x, _ = _half_operands(8, 37, K, torch.bfloat16, seed=K)
+    x = x.bfloat16()
+    alone = torch.cat([native.half_gemv(x[i:i + 1], w, path=path) for i in range(8)])
+    for M in range(1, 9):
+        for i in range(0, 8 - M + 1, 3):
+            assert torch.equal(native.half_gemv(x[i:i + M], w, path=path), alone[i:i + M]), (M, i)
+
+
 def test_native_half_gemm_rejects_bad_shapes():
     _require_half_kernels()
     w = torch.randn(40, 24).bfloat16()
@@ -591,8 +607,8 @@ def test_native_half_gemm_rejects_bad_shapes():
     with pytest.raises(ValueError, match="contiguous CPU bf16/fp16"):
         native.half_gemm(torch.randn(2, 40), w.t())
     assert native.half_gemm(torch.randn(0, 24), w).shape == (0, 40)
-    with pytest.raises(ValueError, match=r"x must be \[M <= 4, 24\]"):
-        native.half_gemv(torch.randn(5, 24), w)
+    with pytest.raises(ValueError, match=r"x must be \[M <= 8, 24\]"):
+        native.half_gemv(torch.randn(9, 24), w)
     with pytest.raises(ValueError, match="contiguous CPU bf16/fp16"):
         native.half_gemv(torch.randn(2, 40), w.t())
     empty = torch.randn(40, 0).bfloat16()

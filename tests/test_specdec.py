@@ -175,6 +175,29 @@ def test_mixed_batch_mixed_k_chunked_prefill(ckpt, prompts, reference, rounds):
     assert eng.cache.all_free()
 
 
+@pytest.mark.parametrize("k", [3, 7])
+def test_bf16_request_alone_equals_no_speculation(ckpt, prompts, rounds, k):
+    """bf16 on the CPU backend (its compiled decode and verification steps): a request alone,
+    with the MTP's drafts and with drafts that are all accepted (every verification row is
+    used), gives the tokens it gets without speculation: up to 8 rows the products compute each
+    row as decoding computes it alone (``half_gemv``), and so do the GDN and attention calls."""
+    kw = dict(dtype="bfloat16", max_model_len=128, max_num_seqs=1, cache_memory=32 << 20)
+    base = LLM(ckpt, **kw)
+    ref = {tuple(p): base.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+           for p in prompts}
+    for oracle in (False, True):
+        llm = LLM(ckpt, speculative_tokens=k, **kw)
+        if oracle:
+            install_oracle(llm, ref)
+        rounds.clear()
+        for p in prompts:
+            (out,) = llm.generate([p], GREEDY, use_tqdm=False)
+            assert out.outputs[0].token_ids == ref[tuple(p)], (oracle, p)
+        assert any(d == k for d, _ in rounds)
+        if oracle:
+            assert all(a == d for d, a in rounds)
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_oracle_drafts_fully_accepted(ckpt, prompts, reference, rounds, k):
     llm = make_llm(ckpt, k)

@@ -7,7 +7,7 @@
  * (widen_rows), into a thread-local buffer buf[k][c] that stays in L1, and every tile of up to 6
  * rows of x runs over it with a 6 x 16 register tile (12 ymm accumulators, one broadcast of x per
  * row and k). Blocks of MC rows keep the part of x that is re-read for every panel within about
- * 1 MiB. half_gemv (up to 4 rows): each weight element read and widened once.
+ * 1 MiB. half_gemv (up to 8 rows): each weight element read and widened once.
  */
 #include <stdint.h>
 
@@ -174,8 +174,12 @@ void half_gemm(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N
  * weight in its own layout, W [N, K] row-major, each weight element read and widened once. One
  * weight row at a time, so that each thread reads its share of W as a single sequential stream
  * (4 rows read side by side ran at about half the bandwidth: short interleaved streams defeat
- * the hardware prefetcher); 32 inputs a step into 4 accumulators per row of x (M <= 4: 16 ymm),
- * summed across lanes at the end. From 5 rows on half_gemm is as fast (kernels/linear.py). */
+ * the hardware prefetcher); 32 inputs a step into 4 accumulators per row of x (4 rows: 16 ymm),
+ * summed across lanes at the end; rows 5-8 run a second pass over the weight row, from L1. Each
+ * row of x goes through the same operations whatever M is, so a row's result does not depend on
+ * the rows beside it: a draft verification of up to 7 drafts computes its rows exactly as
+ * decoding computes them one by one. Up to 8 rows this ran faster than half_gemm
+ * (docs/performance.md). */
 static inline float hsum(__m256 v)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -238,16 +242,20 @@ static inline __attribute__((always_inline)) void gemv_row(
 void half_gemv(const float *x, const uint16_t *w, void *y, int64_t M, int64_t N, int64_t K,
                int is_fp16, int out_bf16, int num_threads)
 {
-    if (M < 1 || M > 4) return;
+    if (M < 1 || M > 8) return;
     char *yb = y;
     const int64_t ys = out_bf16 ? 2 : 4;
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; ++n) {
-        switch (M) {
-        case 1: gemv_row(x, w + n * K, yb + n * ys, N, K, 1, is_fp16, out_bf16); break;
-        case 2: gemv_row(x, w + n * K, yb + n * ys, N, K, 2, is_fp16, out_bf16); break;
-        case 3: gemv_row(x, w + n * K, yb + n * ys, N, K, 3, is_fp16, out_bf16); break;
-        default: gemv_row(x, w + n * K, yb + n * ys, N, K, 4, is_fp16, out_bf16); break;
+        for (int64_t r0 = 0; r0 < M; r0 += 4) {  /* rows 4-7 re-read the weight row from L1 */
+            const float *xr = x + r0 * K;
+            char *yr = yb + (r0 * N + n) * ys;
+            switch (M - r0) {
+            case 1: gemv_row(xr, w + n * K, yr, N, K, 1, is_fp16, out_bf16); break;
+            case 2: gemv_row(xr, w + n * K, yr, N, K, 2, is_fp16, out_bf16); break;
+            case 3: gemv_row(xr, w + n * K, yr, N, K, 3, is_fp16, out_bf16); break;
+            default: gemv_row(xr, w + n * K, yr, N, K, 4, is_fp16, out_bf16); break;
+            }
         }
     }
 }
@@ -388,8 +396,9 @@ void half_gemm_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, i
     }
 }
 
-/* Up to 4 rows of bf16 x: one weight row at a time as in half_gemv, 64 inputs a step into 2
- * accumulators per row of x (masked loads for the tail), no widening. */
+/* Up to 4 rows of bf16 x (half_gemv_bf16 runs 8 in two passes): one weight row at a time as in
+ * half_gemv, 64 inputs a step into 2 accumulators per row of x (masked loads for the tail), no
+ * widening. */
 static inline __attribute__((always_inline)) void gemv_row16(
     const uint16_t *x, const uint16_t *w, void *y, int64_t N, int64_t K, int mr, int out_bf16)
 {
@@ -431,16 +440,20 @@ static inline __attribute__((always_inline)) void gemv_row16(
 void half_gemv_bf16(const uint16_t *x, const uint16_t *w, void *y, int64_t M, int64_t N,
                     int64_t K, int out_bf16, int num_threads)
 {
-    if (M < 1 || M > 4) return;
+    if (M < 1 || M > 8) return;
     char *yb = y;
     const int64_t ys = out_bf16 ? 2 : 4;
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; ++n) {
-        switch (M) {
-        case 1: gemv_row16(x, w + n * K, yb + n * ys, N, K, 1, out_bf16); break;
-        case 2: gemv_row16(x, w + n * K, yb + n * ys, N, K, 2, out_bf16); break;
-        case 3: gemv_row16(x, w + n * K, yb + n * ys, N, K, 3, out_bf16); break;
-        default: gemv_row16(x, w + n * K, yb + n * ys, N, K, 4, out_bf16); break;
+        for (int64_t r0 = 0; r0 < M; r0 += 4) {  /* rows 4-7 re-read the weight row from L1 */
+            const uint16_t *xr = x + r0 * K;
+            char *yr = yb + (r0 * N + n) * ys;
+            switch (M - r0) {
+            case 1: gemv_row16(xr, w + n * K, yr, N, K, 1, out_bf16); break;
+            case 2: gemv_row16(xr, w + n * K, yr, N, K, 2, out_bf16); break;
+            case 3: gemv_row16(xr, w + n * K, yr, N, K, 3, out_bf16); break;
+            default: gemv_row16(xr, w + n * K, yr, N, K, 4, out_bf16); break;
+            }
         }
     }
 }
