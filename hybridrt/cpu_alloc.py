@@ -6,13 +6,22 @@ and over (the [32, vocab] fp32 logits alone are 32 MiB), and each comes back as 
 that fault in on first write, which costs several times the copy itself (docs/performance.md).
 Raising the mmap and trim thresholds keeps freed blocks for reuse (what vLLM's CPU backend gets
 by preloading tcmalloc); the cost is that the heap keeps its peak size. A no-op off glibc.
+
+Also here: ``release_pages`` (give a dropped tensor's pages back now) and ``HugeArena``
+(weights in transparent-huge-page memory).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
+import mmap
+import os
 import sys
+from pathlib import Path
+
+import torch
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -52,23 +61,78 @@ def release_pages(t) -> int:
     heap keeps (the thresholds above) -> the bytes released (0 where it does not apply, and for
     a tensor that is only part of its storage: the rest may be something else's). ``t`` must
     not be read afterwards: its pages read back as the file's or as zeros."""
-    global _libc
     if not sys.platform.startswith("linux") or t.device.type != "cpu" or (
             t.untyped_storage().nbytes() != t.numel() * t.element_size()):
         return 0
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            _libc = False
-    if not _libc:
+    if not _load_libc():
         return 0
-    import mmap
-
     page = mmap.PAGESIZE
     start = -(-t.data_ptr() // page) * page
     end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
     if end <= start or _libc.madvise(start, end - start, _MADV_DONTNEED) != 0:
         return 0
     return end - start
+
+
+def _load_libc():
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            _libc = False
+    return _libc
+
+
+_MADV_HUGEPAGE = 14
+_HUGE = 2 << 20
+
+
+def huge_pages_enabled() -> bool:
+    """Whether the CPU backend moves weights into a ``HugeArena``: Linux with transparent huge
+    pages not "never", and ``HYBRIDRT_HUGE_PAGES`` not 0."""
+    if os.environ.get("HYBRIDRT_HUGE_PAGES", "1") in ("0", "false", "no", "off"):
+        return False
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "[never]" not in mode and bool(_load_libc())
+
+
+class HugeArena:
+    """One anonymous mapping, 2 MiB-aligned and advised for transparent huge pages
+    (``madvise(MADV_HUGEPAGE)`` before anything touches it), handed out front to back by
+    ``empty``: the weights a decode step streams, so that a stream crosses a page every 2 MiB
+    instead of every 4 KiB (the hardware prefetcher stops at page boundaries;
+    docs/performance.md). One mapping for all of them wastes at most one page; it lives as long
+    as any tensor taken from it."""
+
+    ALIGN = 64
+
+    def __init__(self, nbytes: int):
+        self._buf = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
+        start = -addr % _HUGE
+        libc = _load_libc()
+        if libc:
+            libc.madvise(addr + start, nbytes, _MADV_HUGEPAGE)  # advice: a refusal changes nothing
+        self._bytes = torch.frombuffer(self._buf, dtype=torch.uint8, count=nbytes, offset=start)
+        self._next = 0
+
+    def empty(self, shape, dtype) -> torch.Tensor:
+        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        if self._next + n > self._bytes.numel():
+            raise MemoryError(f"HugeArena: {n} bytes asked, {self._bytes.numel() - self._next} left")
+        t = self._bytes[self._next:self._next + n].view(dtype).view(shape)
+        self._next += -(-n // self.ALIGN) * self.ALIGN
+        return t
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        return self.empty(t.shape, t.dtype).copy_(t)
+
+    @classmethod
+    def size_for(cls, tensors) -> int:
+        """Bytes an arena needs to hold ``tensors`` (each padded to ``ALIGN``)."""
+        return sum(-(-t.numel() * t.element_size() // cls.ALIGN) * cls.ALIGN for t in tensors)

@@ -506,3 +506,43 @@ def test_fused_rms_norm_matches_reference(shape, residual, strided, monkeypatch)
     assert torch.equal(got, want)
     cpu.rms_norm(x.float(), w.float(), 1e-6)
     assert calls[0] == 1
+
+
+def _vm_flags(addr: int) -> str:
+    """The VmFlags line of the mapping holding ``addr`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("VmFlags"):
+                return line
+    return ""
+
+
+def test_loaded_weights_live_in_huge_pages(tmp_path, monkeypatch):
+    """A loaded bf16 model on the CPU backend holds every weight matrix (the merged groups and
+    the rest, the tied LM head too) in mappings advised for transparent huge pages (smaps
+    VmFlags "hg"); with ``HYBRIDRT_HUGE_PAGES=0`` none is, and the tokens are the same."""
+    from hybridrt import cpu_alloc
+
+    if not cpu_alloc.huge_pages_enabled():
+        pytest.skip("transparent huge pages are off here (or not Linux)")
+    d = write_random_checkpoint(tmp_path / "m", tiny_text_config(), seed=3)
+    outs = []
+    for env in ("0", "1"):
+        monkeypatch.setenv("HYBRIDRT_HUGE_PAGES", env)
+        llm = LLM(d, dtype="bfloat16", tokenizer=None, max_model_len=64, max_num_seqs=2,
+                  cache_memory=8 << 20)
+        model = llm.engine.runner.model
+        mats = [m.weight for m in model.modules()
+                if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+        assert len(mats) > 10
+        huge = ["hg" in _vm_flags(w.data_ptr()).split() for w in mats]
+        assert all(huge) if env == "1" else not any(huge), huge
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(
+            [[3, 4, 5], list(range(7, 30))], params, use_tqdm=False)])
+    assert outs[0] == outs[1]
