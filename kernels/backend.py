@@ -170,7 +170,7 @@ def merge_projections(model, release: bool = False, alloc=None
             continue
         qs = [getattr(x, "qweight", None) for x in mods]
         if all(q is not None and q.shape[0] % quant.PANEL == 0 for q in qs):
-            merged, parts = quant.concat(qs, release)
+            merged, parts = quant.concat(qs, release, alloc)
             for x, part in zip(mods, parts):
                 x.qweight = part
             groups[tuple(id(x) for x in mods)] = (merged, [q.shape[0] for q in qs])
@@ -368,15 +368,23 @@ class CPUBackend(ReferenceBackend):
         # without the compiled half kernels a half weight's products need an fp32 copy, kept
         # per module (``_packed``): the projections stay apart there
         owns = getattr(model, "owns_weights", False)
-        mats = _half_matrices(model) if owns and huge_pages_enabled() else []
-        arena = HugeArena(HugeArena.size_for(w for _, w in mats)) if mats else None
+        mats, quants = _streamed_weights(model) if owns and huge_pages_enabled() else ([], [])
+        arena = None
+        if mats or quants:
+            arena = HugeArena(HugeArena.size_for(
+                [w for _, w in mats] + [t for _, q in quants for t in (q.qs, q.scales)]))
         if self.half_simd:
             self.groups = merge_projections(model, release=owns,
                                             alloc=arena.empty if arena else None)
-        for m, w in mats:  # the rest (merged ones now lie in the arena: not whole storages)
+        for m, w in mats:  # the rest (merged ones now lie in the arena)
             if m.weight is w:
                 m.weight = torch.nn.Parameter(arena.copy(w.detach()), requires_grad=False)
                 release_pages(w.detach())
+        for m, q in quants:
+            if m.qweight is q:
+                m.qweight = quant.QuantWeight(arena.copy(q.qs), arena.copy(q.scales), q.shape)
+                release_pages(q.qs)
+                release_pages(q.scales)
         self.fast = self._fast_layers(model)
 
     def attach(self, cache) -> None:
@@ -607,20 +615,25 @@ def _empty(shape, dtype):
     return torch.empty(shape, dtype=dtype)
 
 
-def _half_matrices(model) -> list:
-    """(module, weight) for every Linear and Embedding whose weight is a whole CPU half-precision
-    matrix: what a decode step streams, moved by ``CPUBackend.bind`` into a ``HugeArena`` (4-5%
-    faster batch-1 decode, docs/performance.md)."""
-    out = []
+def _streamed_weights(model) -> tuple[list, list]:
+    """What a decode step streams, moved by ``CPUBackend.bind`` into a ``HugeArena`` (4-5%
+    faster batch-1 decode, docs/performance.md): (module, weight) for every Linear and Embedding
+    whose weight is a whole CPU half-precision matrix, and (module, QuantWeight) for every int8
+    one (a Linear's, or the quantized embedding, the tied LM head)."""
+    mats, quants = [], []
     for m in model.modules():
+        q = getattr(m, "qweight", None)
+        if isinstance(q, quant.QuantWeight) and q.qs.device.type == "cpu":
+            quants.append((m, q))
+            continue
         if not isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
             continue
         w = m.weight
         if (w is not None and w.dtype in (torch.bfloat16, torch.float16) and w.dim() == 2
                 and w.device.type == "cpu" and w.is_contiguous()
                 and w.untyped_storage().nbytes() == w.numel() * w.element_size()):
-            out.append((m, w))
-    return out
+            mats.append((m, w))
+    return mats, quants
 
 
 class _FastLayer:

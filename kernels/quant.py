@@ -124,18 +124,24 @@ def emulate(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
     return y[:, :N]
 
 
-def concat(qws: list[QuantWeight], release: bool = False
+def concat(qws: list[QuantWeight], release: bool = False, alloc=None
            ) -> tuple[QuantWeight, list[QuantWeight]]:
     """The weights [N_i, K] (each N_i a multiple of ``PANEL``) stacked as one [sum N_i, K], so
     that one product serves them all -> (the stack, each input as a view into it). ``release``:
-    give the inputs' pages back to the OS (their owner replaces them by the views)."""
+    give the inputs' pages back to the OS (their owner replaces them by the views).
+    ``alloc(shape, dtype)``: where the stack goes (default ``torch.empty``)."""
     from hybridrt.cpu_alloc import release_pages
 
     K = qws[0].shape[1]
     if any(q.shape[1] != K or q.shape[0] % PANEL for q in qws):
         raise ValueError("concat: weights need the same K and whole panels of rows")
-    out = QuantWeight(torch.cat([q.qs for q in qws]), torch.cat([q.scales for q in qws]),
-                      (sum(q.shape[0] for q in qws), K))
+    alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    stacked = []
+    for name in ("qs", "scales"):
+        parts = [getattr(q, name) for q in qws]
+        t = alloc((sum(x.shape[0] for x in parts), *parts[0].shape[1:]), parts[0].dtype)
+        stacked.append(torch.cat(parts, out=t))
+    out = QuantWeight(*stacked, (sum(q.shape[0] for q in qws), K))
     parts, p0 = [], 0
     for q in qws:
         p1 = p0 + q.shape[0] // PANEL

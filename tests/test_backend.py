@@ -522,23 +522,31 @@ def _vm_flags(addr: int) -> str:
     return ""
 
 
-def test_loaded_weights_live_in_huge_pages(tmp_path, monkeypatch):
-    """A loaded bf16 model on the CPU backend holds every weight matrix (the merged groups and
-    the rest, the tied LM head too) in mappings advised for transparent huge pages (smaps
-    VmFlags "hg"); with ``HYBRIDRT_HUGE_PAGES=0`` none is, and the tokens are the same."""
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_loaded_weights_live_in_huge_pages(tmp_path, monkeypatch, quantization):
+    """A loaded bf16 (or int8) model on the CPU backend holds every weight matrix (the merged
+    groups and the rest, the tied LM head too; int8 values and scales) in mappings advised for
+    transparent huge pages (smaps VmFlags "hg"); with ``HYBRIDRT_HUGE_PAGES=0`` none is, and
+    the tokens are the same."""
     from hybridrt import cpu_alloc
 
     if not cpu_alloc.huge_pages_enabled():
         pytest.skip("transparent huge pages are off here (or not Linux)")
-    d = write_random_checkpoint(tmp_path / "m", tiny_text_config(), seed=3)
+    # MLP widths of whole 16-row panels: int8 gate/up merge too
+    d = write_random_checkpoint(tmp_path / "m", tiny_text_config(intermediate_size=64), seed=3)
     outs = []
     for env in ("0", "1"):
         monkeypatch.setenv("HYBRIDRT_HUGE_PAGES", env)
         llm = LLM(d, dtype="bfloat16", tokenizer=None, max_model_len=64, max_num_seqs=2,
-                  cache_memory=8 << 20)
+                  cache_memory=8 << 20, quantization=quantization)
         model = llm.engine.runner.model
-        mats = [m.weight for m in model.modules()
-                if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+        assert model.backend.groups  # merged groups: made in the arena
+        if quantization:
+            mats = [t for m in model.modules() if getattr(m, "qweight", None) is not None
+                    for t in (m.qweight.qs, m.qweight.scales)]
+        else:
+            mats = [m.weight for m in model.modules()
+                    if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
         assert len(mats) > 10
         huge = ["hg" in _vm_flags(w.data_ptr()).split() for w in mats]
         assert all(huge) if env == "1" else not any(huge), huge
