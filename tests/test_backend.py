@@ -358,19 +358,22 @@ def _layer(cls, dtype, **cfg):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("heads", [(2, 4), (3, 3)], ids=["grouped", "equal"])
+@pytest.mark.parametrize("heads", [(2, 4, 6), (3, 3, 6), (1, 2, 128)],
+                         ids=["grouped", "equal", "dv128"])
 @pytest.mark.parametrize("L,verify", [(1, False), (3, True), (2, False)],
                          ids=["decode", "verify3", "two-in-place"])
 def test_fused_gdn_layer_matches_reference(dtype, heads, L, verify, monkeypatch):
     """One GDN layer's recurrent group in one compiled call: the gated-normed output, the conv
     and recurrent states of every slot (sources kept when verifying into per-token slots,
-    unnamed slots untouched) as the reference ops leave them. Conv kernel 3, K < 4 taps."""
+    unnamed slots untouched) as the reference ops leave them. Conv kernel 3, K < 4 taps;
+    value heads of 128 (Qwen3.5's) take the register-resident read of the state."""
     from hybridrt.kernels.backend import RecurrentGroup
     from hybridrt.kernels.delta_rule import slot_runs
     from hybridrt.model import GatedDeltaNet
 
     layer, config, _ = _layer(GatedDeltaNet, dtype, linear_num_key_heads=heads[0],
-                              linear_num_value_heads=heads[1], linear_conv_kernel_dim=3)
+                              linear_num_value_heads=heads[1], linear_value_head_dim=heads[2],
+                              linear_conv_kernel_dim=3)
     gen = torch.Generator().manual_seed(L * 10 + heads[0])
     B, S = 3, 14
     N = B * L
