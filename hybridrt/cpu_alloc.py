@@ -124,7 +124,8 @@ class HugeArena:
     def empty(self, shape, dtype) -> torch.Tensor:
         n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         if self._next + n > self._bytes.numel():
-            raise MemoryError(f"HugeArena: {n} bytes asked, {self._bytes.numel() - self._next} left")
+            left = self._bytes.numel() - self._next
+            raise MemoryError(f"HugeArena: {n} bytes asked, {left} left")
         t = self._bytes[self._next:self._next + n].view(dtype).view(shape)
         self._next += -(-n // self.ALIGN) * self.ALIGN
         return t

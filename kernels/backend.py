@@ -458,9 +458,9 @@ class CPUBackend(ReferenceBackend):
             m = f.mixer
             if f.gdn:
                 mixed, z, b, a = parts
-                taps, neg_exp_a, dt_bias, norm_w = self._gdn_params(m, mixed,
-                                                                    cache.conv_states[m.state_index])
-                y = native.gdn_fused(mixed, z, a, b, taps, cache.conv_states[m.state_index],
+                conv = cache.conv_states[m.state_index]
+                taps, neg_exp_a, dt_bias, norm_w = self._gdn_params(m, mixed, conv)
+                y = native.gdn_fused(mixed, z, a, b, taps, conv,
                                      cache.ssm_states[m.state_index], grp.slots, grp.slots_out,
                                      neg_exp_a, dt_bias, norm_w, m.norm.eps, L, m.num_k_heads,
                                      m.head_k_dim)

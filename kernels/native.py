@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 
 _SRCS = [Path(__file__).parent / "csrc" / name
-         for name in ("gdn_decode.c", "gdn_fused.c", "attn_decode.c", "norm.c", "half_gemm.c", "int8_gemm.c",
-                     "stream.c")]
+         for name in ("gdn_decode.c", "gdn_fused.c", "attn_decode.c", "norm.c", "half_gemm.c",
+                      "int8_gemm.c", "stream.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lib: ctypes.CDLL | None = None
 _simd = False  # half_gemm / half_gemv built with AVX2 + FMA + F16C (asked once, at load)
@@ -121,14 +121,14 @@ def load() -> ctypes.CDLL | None:
     fn = lib.gdn_decode_step
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int]
-    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.gdn_fused.restype = None
-    lib.gdn_fused.argtypes = [P, I64] * 4 + [P] * 8 + [ctypes.c_float, P] + [I64] * 7 + [I, I]
+    lib.gdn_fused.argtypes = [P, I64] * 4 + [P] * 8 + [ctypes.c_float, P] + [I64] * 7 + [INT, INT]
     lib.attn_decode.restype = None
     lib.attn_decode.argtypes = ([P, I64] * 3 + [P, P, ctypes.c_float, P, P, I64, P, P, P, P, I64,
-                                                P, I64, ctypes.c_float, P] + [I64] * 5 + [I, I])
+                                                P, I64, ctypes.c_float, P] + [I64] * 5 + [INT, INT])
     lib.rms_norm_bf16.restype = None
-    lib.rms_norm_bf16.argtypes = [P, I64, P, P, P, P, ctypes.c_float, I64, I64, I]
+    lib.rms_norm_bf16.argtypes = [P, I64, P, P, P, P, ctypes.c_float, I64, I64, INT]
     lib.stream_sum.restype = ctypes.c_double  # csrc/stream.c: hybridrt/ceilings.py uses it
     lib.stream_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.stream_vector_bytes.restype = ctypes.c_int
@@ -287,7 +287,7 @@ def _gemv(x, weight, y, path) -> None:
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``half_gemv`` for the CPU backend's decode products, without its checks: x [M <= 4, K]
+    """``half_gemv`` for the CPU backend's decode products, without its checks: x [M <= 8, K]
     bf16 contiguous, weight a contiguous bf16 [N, K] (the backend checked it once) -> [M, N]
     bf16."""
     M, K = x.shape
@@ -302,7 +302,7 @@ _FUSED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def fused_dtype_code(dtype: torch.dtype) -> int | None:
-    """0 (fp32) or 1 (bf16): the activation dtypes ``gdn_fused`` and ``rms_norm`` take."""
+    """0 (fp32) or 1 (bf16): the activation dtypes ``gdn_fused`` and ``attn_decode`` take."""
     return _FUSED_DTYPES.get(dtype)
 
 

@@ -489,8 +489,9 @@ def test_fused_gdn_layer_checks_the_slots():
             CPUBackend(config).gdn_recurrent_out(layer, grp, mixed, z, a, b, conv, ssm)
 
 
-@pytest.mark.parametrize("shape,residual,strided", [((5, 64), True, False), ((2, 3, 40), True, False),
-                                                    ((4, 64), False, True), ((1, 1024), True, False)])
+@pytest.mark.parametrize("shape,residual,strided", [
+    ((5, 64), True, False), ((2, 3, 40), True, False), ((4, 64), False, True),
+    ((1, 1024), True, False)])
 def test_fused_rms_norm_matches_reference(shape, residual, strided, monkeypatch):
     """bf16 rows (2-D, 3-D, a column slice of a wider tensor) with and without the residual
     add: the reference ops' values exactly (the bf16 roundings hide the sums' order here);

@@ -107,7 +107,9 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
                     const int64_t p = p0 + j, slot = tables[b * M + p / BS] * BS + p % BS;
                     const char *kp = (const char *)k_cache + (slot * row + hk * D) * es;
                     float dot = 0.0f;
-                    if (bf) for (int64_t i = 0; i < D; ++i) dot += q[i] * abf(((const uint16_t *)kp)[i]);
+                    if (bf)
+                        for (int64_t i = 0; i < D; ++i)
+                            dot += q[i] * abf(((const uint16_t *)kp)[i]);
                     else for (int64_t i = 0; i < D; ++i) dot += q[i] * ((const float *)kp)[i];
                     s[j] = dot * scale;
                     if (s[j] > bm) bm = s[j];
@@ -123,7 +125,9 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
                     const char *vp = (const char *)v_cache + (slot * row + hk * D) * es;
                     const float w = expf(s[j] - m);
                     l += w;
-                    if (bf) for (int64_t i = 0; i < D; ++i) acc[i] += w * abf(((const uint16_t *)vp)[i]);
+                    if (bf)
+                        for (int64_t i = 0; i < D; ++i)
+                            acc[i] += w * abf(((const uint16_t *)vp)[i]);
                     else for (int64_t i = 0; i < D; ++i) acc[i] += w * ((const float *)vp)[i];
                 }
             }

@@ -370,7 +370,8 @@ int int8_gemm_bf16(const uint16_t *x, const int8_t *qs, const uint16_t *sc, uint
     if (xf && yf) {
         for (int64_t m = 0; m < M; ++m)
             for (int64_t k = 0; k < Kp; ++k) {
-                union { uint32_t u; float f; } c = { .u = k < K ? (uint32_t)x[m * K + k] << 16 : 0 };
+                union { uint32_t u; float f; } c;
+                c.u = k < K ? (uint32_t)x[m * K + k] << 16 : 0;
                 xf[m * Kp + k] = c.f;
             }
         rc = int8_gemm(xf, qs, sc, yf, M, N, Kp, isa, num_threads);
