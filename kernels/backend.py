@@ -155,7 +155,8 @@ def merge_projections(model, release: bool = False, alloc=None
     ``release``: give the replaced weights' pages back to the OS at once (CPU, for a model that
     is the only owner of its weights, as the loader's is: its tensors share a file mapping
     that the other weights keep alive, so they would stay resident). ``alloc(shape, dtype)``:
-    where the merged weights go (default ``torch.empty``; the CPU backend's ``HugeArena``)."""
+    where the merged weights go (default: ``torch.empty`` on the weights' device; the CPU
+    backend's ``HugeArena``)."""
     from hybridrt.model import MLP, GatedAttention, GatedDeltaNet
 
     groups = {}
@@ -178,7 +179,9 @@ def merge_projections(model, release: bool = False, alloc=None
         ws = [getattr(x, "weight", None) for x in mods]
         if any(w is None or w.dtype != ws[0].dtype or w.dim() != 2 for w in ws):
             continue
-        w = (alloc or _empty)((sum(x.shape[0] for x in ws), ws[0].shape[1]), ws[0].dtype)
+        shape = (sum(x.shape[0] for x in ws), ws[0].shape[1])
+        w = (alloc(shape, ws[0].dtype) if alloc is not None
+             else torch.empty(shape, dtype=ws[0].dtype, device=ws[0].device))
         torch.cat([x.detach() for x in ws], out=w)
         sizes, off = [], 0
         for x in mods:
@@ -609,10 +612,6 @@ class CPUBackend(ReferenceBackend):
         if not self.native:
             return None
         return _checked_step if self.num_slots is not None else native.gdn_decode_step
-
-
-def _empty(shape, dtype):
-    return torch.empty(shape, dtype=dtype)
 
 
 def _streamed_weights(model) -> tuple[list, list]:

@@ -129,13 +129,15 @@ def concat(qws: list[QuantWeight], release: bool = False, alloc=None
     """The weights [N_i, K] (each N_i a multiple of ``PANEL``) stacked as one [sum N_i, K], so
     that one product serves them all -> (the stack, each input as a view into it). ``release``:
     give the inputs' pages back to the OS (their owner replaces them by the views).
-    ``alloc(shape, dtype)``: where the stack goes (default ``torch.empty``)."""
+    ``alloc(shape, dtype)``: where the stack goes (default ``torch.empty`` on the inputs'
+    device)."""
     from hybridrt.cpu_alloc import release_pages
 
     K = qws[0].shape[1]
     if any(q.shape[1] != K or q.shape[0] % PANEL for q in qws):
         raise ValueError("concat: weights need the same K and whole panels of rows")
-    alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    device = qws[0].qs.device
+    alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device))
     stacked = []
     for name in ("qs", "scales"):
         parts = [getattr(q, name) for q in qws]

@@ -558,3 +558,16 @@ def test_loaded_weights_live_in_huge_pages(tmp_path, monkeypatch, quantization):
         outs.append([o.outputs[0].token_ids for o in llm.generate(
             [[3, 4, 5], list(range(7, 30))], params, use_tqdm=False)])
     assert outs[0] == outs[1]
+
+
+def test_merged_projections_stay_on_the_weights_device():
+    """``merge_projections`` builds each group where its weights are (the meta device here,
+    standing in for a GPU: a host-side default would move the CUDA backend's weights off it)."""
+    from hybridrt.config import ModelConfig
+    from hybridrt.kernels.backend import merge_projections
+    from hybridrt.model import Qwen35ForCausalLM
+
+    with torch.device("meta"):
+        net = Qwen35ForCausalLM(ModelConfig.from_dict(tiny_text_config()))
+    groups = merge_projections(net)
+    assert groups and all(w.device.type == "meta" for w, _ in groups.values())
