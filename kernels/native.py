@@ -45,6 +45,7 @@ import torch
 _SRCS = [Path(__file__).parent / "csrc" / name
          for name in ("gdn_decode.c", "gdn_fused.c", "attn_decode.c", "norm.c", "half_gemm.c",
                       "int8_gemm.c", "stream.c")]
+_HEADERS = [Path(__file__).parent / "csrc" / "bf16.h"]  # included by the sources above
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lib: ctypes.CDLL | None = None
 _simd = False  # half_gemm / half_gemv built with AVX2 + FMA + F16C (asked once, at load)
@@ -80,7 +81,7 @@ def _cpu_id() -> str:
 
 
 def _build(cc: str) -> Path:
-    src = b"".join(f.read_bytes() for f in _SRCS)
+    src = b"".join(f.read_bytes() for f in _SRCS + _HEADERS)
     key = hashlib.sha256(src + " ".join([cc, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"hybridrt-cpu-{key}.so"
     if out.is_file():

@@ -21,47 +21,23 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline float abf(uint16_t h)
-{
-    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
-    return c.f;
-}
-
-static inline uint16_t a2bf(float f)
-{
-    union { float f; uint32_t u; } c = { .f = f };
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
-
-static inline float ald(const void *p, int64_t i, int bf)
-{
-    return bf ? abf(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void ast(void *p, int64_t i, float v, int bf)
-{
-    if (bf) ((uint16_t *)p)[i] = a2bf(v);
-    else ((float *)p)[i] = v;
-}
-
-static inline float ar(float v, int bf) { return bf ? abf(a2bf(v)) : v; }
+#include "bf16.h"
 
 /* y[0:D] = rope(round(rmsnorm(x))) for one head of token (row) b, as rounded values in fp32 */
 static void norm_rope(const void *x, int64_t off, const void *w, float eps, const void *cos,
                       const void *sin, int64_t b, int64_t R, int64_t D, int bf, float *y)
 {
     float ss = 0.0f;
-    for (int64_t i = 0; i < D; ++i) { const float v = ald(x, off + i, bf); ss += v * v; }
+    for (int64_t i = 0; i < D; ++i) { const float v = act_ld(x, off + i, bf); ss += v * v; }
     const float inv = 1.0f / sqrtf(ss / (float)D + eps);
     for (int64_t i = 0; i < D; ++i)
-        y[i] = ar(ald(x, off + i, bf) * inv * (1.0f + ald(w, i, bf)), bf);
+        y[i] = act_round(act_ld(x, off + i, bf) * inv * (1.0f + act_ld(w, i, bf)), bf);
     float rot[R > 0 ? R : 1];
     const int64_t half = R / 2;
     for (int64_t i = 0; i < R; ++i) {
-        const float c = ald(cos, b * R + i, bf), s = ald(sin, b * R + i, bf);
+        const float c = act_ld(cos, b * R + i, bf), s = act_ld(sin, b * R + i, bf);
         const float rh = i < half ? -y[i + half] : y[i - half];
-        rot[i] = ar(ar(y[i] * c, bf) + ar(rh * s, bf), bf);
+        rot[i] = act_round(act_round(y[i] * c, bf) + act_round(rh * s, bf), bf);
     }
     for (int64_t i = 0; i < R; ++i) y[i] = rot[i];
 }
@@ -87,8 +63,8 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
             char *kd = (char *)k_cache + (slot * row + h * D) * es;
             char *vd = (char *)v_cache + (slot * row + h * D) * es;
             for (int64_t i = 0; i < D; ++i) {
-                ast(kd, i, kk[i], bf);
-                ast(vd, i, ald(v, r * ld_v + h * D + i, bf), bf);
+                act_st(kd, i, kk[i], bf);
+                act_st(vd, i, act_ld(v, r * ld_v + h * D + i, bf), bf);
             }
         }
         /* 2. per (token, query head): attention over its positions, then the gate */
@@ -109,7 +85,7 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
                     float dot = 0.0f;
                     if (bf)
                         for (int64_t i = 0; i < D; ++i)
-                            dot += q[i] * abf(((const uint16_t *)kp)[i]);
+                            dot += q[i] * bf16_to_f32(((const uint16_t *)kp)[i]);
                     else for (int64_t i = 0; i < D; ++i) dot += q[i] * ((const float *)kp)[i];
                     s[j] = dot * scale;
                     if (s[j] > bm) bm = s[j];
@@ -127,15 +103,15 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
                     l += w;
                     if (bf)
                         for (int64_t i = 0; i < D; ++i)
-                            acc[i] += w * abf(((const uint16_t *)vp)[i]);
+                            acc[i] += w * bf16_to_f32(((const uint16_t *)vp)[i]);
                     else for (int64_t i = 0; i < D; ++i) acc[i] += w * ((const float *)vp)[i];
                 }
             }
             const int64_t g0 = r * ld_qg + h * 2 * D + D;
             for (int64_t i = 0; i < D; ++i) {
-                const float o = ar(acc[i] / l, bf);
-                const float g = ar(1.0f / (1.0f + expf(-ald(qg, g0 + i, bf))), bf);
-                ast(out, r * H * D + h * D + i, o * g, bf);
+                const float o = act_round(acc[i] / l, bf);
+                const float g = act_round(1.0f / (1.0f + expf(-act_ld(qg, g0 + i, bf))), bf);
+                act_st(out, r * H * D + h * D + i, o * g, bf);
             }
         }
     }

@@ -24,35 +24,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-static inline float bf16_to_f32(uint16_t h)
-{
-    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
-    return c.f;
-}
-
-static inline uint16_t f32_to_bf16(float f)  /* round to nearest even, as torch does */
-{
-    union { float f; uint32_t u; } c = { .f = f };
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);  /* NaN */
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
-
-static inline float ld(const void *p, int64_t i, int bf)
-{
-    return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void st(void *p, int64_t i, float v, int bf)
-{
-    if (bf) ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else ((float *)p)[i] = v;
-}
-
-static inline float rnd(float v, int bf) { return bf ? bf16_to_f32(f32_to_bf16(v)) : v; }
-
-static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+#include "bf16.h"
 
 static inline int64_t src_slot(const int64_t *slots, const int64_t *slots_out, int64_t b,
                                int64_t t, int64_t L)
@@ -138,12 +111,12 @@ void gdn_fused(const void *mixed, int64_t ld_mixed, const void *z, int64_t ld_z,
                     const int64_t row = b * L + t;
                     for (int64_t c = c0; c < c1; ++c) {
                         float win[16];  /* K <= 16, checked by the caller */
-                        for (int64_t j = 0; j < W; ++j) win[j] = ld(src, j * C + c, bf);
-                        win[W] = ld(mixed, row * ld_mixed + c, bf);
+                        for (int64_t j = 0; j < W; ++j) win[j] = act_ld(src, j * C + c, bf);
+                        win[W] = act_ld(mixed, row * ld_mixed + c, bf);
                         float y = win[0] * conv_taps[c];
                         for (int64_t j = 1; j < K; ++j) y += win[j] * conv_taps[j * C + c];
-                        m[row * C + c] = rnd(silu(y), bf);
-                        for (int64_t j = 0; j < W; ++j) st(dst, j * C + c, win[j + 1], bf);
+                        m[row * C + c] = act_round(silu(y), bf);
+                        for (int64_t j = 0; j < W; ++j) act_st(dst, j * C + c, win[j + 1], bf);
                     }
                 }
             }
@@ -163,10 +136,10 @@ void gdn_fused(const void *mixed, int64_t ld_mixed, const void *z, int64_t ld_z,
                 const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
                 const float scale = 1.0f / sqrtf((float)DK);
                 for (int64_t i = 0; i < DK; ++i) { qn[i] = mq[i] * rq * scale; kn[i] = mk[i] * rk; }
-                float x = ld(a, row * ld_a + h, bf) + dt_bias[h];
+                float x = act_ld(a, row * ld_a + h, bf) + dt_bias[h];
                 const float sp = x > 20.0f ? x : log1pf(expf(x));
                 const float d = expf(neg_exp_a[h] * sp);
-                const float beta = rnd(1.0f / (1.0f + expf(-ld(bv, row * ld_b + h, bf))), bf);
+                const float beta = act_round(1.0f / (1.0f + expf(-act_ld(bv, row * ld_b + h, bf))), bf);
                 const float *S = ssm + (src_slot(slots, slots_out, b, t, L) * HV + h) * DK * DV;
                 float *S2 = ssm + (dst_slot(slots, slots_out, b, t, L) * HV + h) * DK * DV;
                 float qk = 0.0f;
@@ -176,7 +149,7 @@ void gdn_fused(const void *mixed, int64_t ld_mixed, const void *z, int64_t ld_z,
                 float ss = 0.0f;
                 for (int64_t j = 0; j < DV; ++j) {
                     delta[j] = beta * (mv[j] - d * kS[j]);
-                    o[j] = rnd(d * qS[j] + qk * delta[j], bf);
+                    o[j] = act_round(d * qS[j] + qk * delta[j], bf);
                     ss += o[j] * o[j];
                 }
                 for (int64_t i = 0; i < DK; ++i) {
@@ -187,9 +160,9 @@ void gdn_fused(const void *mixed, int64_t ld_mixed, const void *z, int64_t ld_z,
                 }
                 const float inv = 1.0f / sqrtf(ss / (float)DV + eps);
                 for (int64_t j = 0; j < DV; ++j) {
-                    const float y = rnd(ld(norm_w, j, bf) * rnd(o[j] * inv, bf), bf);
-                    const float zz = ld(z, row * ld_z + h * DV + j, bf);
-                    st(out, row * HV * DV + h * DV + j, y * silu(zz), bf);
+                    const float y = act_round(act_ld(norm_w, j, bf) * act_round(o[j] * inv, bf), bf);
+                    const float zz = act_ld(z, row * ld_z + h * DV + j, bf);
+                    act_st(out, row * HV * DV + h * DV + j, y * silu(zz), bf);
                 }
             }
         }

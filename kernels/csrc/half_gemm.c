@@ -11,6 +11,8 @@
  */
 #include <stdint.h>
 
+#include "bf16.h"
+
 #define NR 16
 #define MR 6
 #define KC 256
@@ -42,9 +44,7 @@ static inline void prefetch_next_panel(const uint16_t *w, int64_t N, int64_t K, 
 
 static inline float half_to_float(uint16_t h, int is_fp16)
 {
-    if (is_fp16) return _cvtsh_ss(h);
-    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
-    return c.f;
+    return is_fp16 ? _cvtsh_ss(h) : bf16_to_f32(h);
 }
 
 /* y[0:mr, 0:ncols] (+)= x[0:mr, 0:kc] b[0:kc, 0:16]; mr is a literal at every call, so the
@@ -202,15 +202,6 @@ static inline float hsum(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-/* y[r * N] = v, as fp32 or rounded to bf16 (round to nearest even, as torch's .to() does) */
-static inline void store_out(void *y, int64_t i, float v, int out_bf16)
-{
-    if (!out_bf16) { ((float *)y)[i] = v; return; }
-    union { float f; uint32_t u; } c = { .f = v };
-    ((uint16_t *)y)[i] = (c.u & 0x7fffffffu) > 0x7f800000u
-        ? (uint16_t)((c.u >> 16) | 0x40) : (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
-
 static inline __attribute__((always_inline)) void gemv_row(
     const float *x, const uint16_t *w, void *y, int64_t N, int64_t K, int mr, int is_fp16,
     int out_bf16)
@@ -248,7 +239,7 @@ static inline __attribute__((always_inline)) void gemv_row(
             float t = hsum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
                                          _mm256_add_ps(acc[r][2], acc[r][3])));
             for (int64_t k = K8; k < K; ++k) t += x[r * K + k] * half_to_float(w[k], is_fp16);
-            store_out(y, r * N, t, out_bf16);
+            act_st(y, r * N, t, out_bf16);
         }
     }
 }
@@ -448,7 +439,7 @@ static inline __attribute__((always_inline)) void gemv_row16(
     #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r)
         if (r < mr)
-            store_out(y, r * N, _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])),
+            act_st(y, r * N, _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])),
                       out_bf16);
 }
 

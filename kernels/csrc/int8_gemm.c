@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bf16.h"
+
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -369,19 +371,10 @@ int int8_gemm_bf16(const uint16_t *x, const int8_t *qs, const uint16_t *sc, uint
     int rc = -1;
     if (xf && yf) {
         for (int64_t m = 0; m < M; ++m)
-            for (int64_t k = 0; k < Kp; ++k) {
-                union { uint32_t u; float f; } c;
-                c.u = k < K ? (uint32_t)x[m * K + k] << 16 : 0;
-                xf[m * Kp + k] = c.f;
-            }
+            for (int64_t k = 0; k < Kp; ++k) xf[m * Kp + k] = k < K ? bf16_to_f32(x[m * K + k]) : 0.0f;
         rc = int8_gemm(xf, qs, sc, yf, M, N, Kp, isa, num_threads);
         if (rc == 0)
-            for (int64_t i = 0; i < M * N; ++i) {
-                union { float f; uint32_t u; } c = { .f = yf[i] };
-                y[i] = (c.u & 0x7fffffffu) > 0x7f800000u
-                    ? (uint16_t)((c.u >> 16) | 0x40)
-                    : (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-            }
+            for (int64_t i = 0; i < M * N; ++i) y[i] = f32_to_bf16(yf[i]);
     }
     free(xf); free(yf);
     return rc;

@@ -10,18 +10,7 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline float nbf(uint16_t h)
-{
-    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
-    return c.f;
-}
-
-static inline uint16_t nrnd(float f)
-{
-    union { float f; uint32_t u; } c = { .f = f };
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
+#include "bf16.h"
 
 static inline void norm_row_bf16(const uint16_t *x, const uint16_t *res, uint16_t *out,
                                  uint16_t *res_out, const uint16_t *w, float eps, int64_t D,
@@ -29,13 +18,13 @@ static inline void norm_row_bf16(const uint16_t *x, const uint16_t *res, uint16_
 {
     float ss = 0.0f;
     for (int64_t i = 0; i < D; ++i) {
-        float v = nbf(x[i]);
-        if (res) { const uint16_t s = nrnd(v + nbf(res[i])); res_out[i] = s; v = nbf(s); }
+        float v = bf16_to_f32(x[i]);
+        if (res) { const uint16_t s = f32_to_bf16(v + bf16_to_f32(res[i])); res_out[i] = s; v = bf16_to_f32(s); }
         r[i] = v;
         ss += v * v;
     }
     const float inv = 1.0f / sqrtf(ss / (float)D + eps);
-    for (int64_t i = 0; i < D; ++i) out[i] = nrnd(r[i] * inv * (1.0f + nbf(w[i])));
+    for (int64_t i = 0; i < D; ++i) out[i] = f32_to_bf16(r[i] * inv * (1.0f + bf16_to_f32(w[i])));
 }
 
 void rms_norm_bf16(const uint16_t *x, int64_t ld_x, const uint16_t *res, uint16_t *out,
