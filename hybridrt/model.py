@@ -135,16 +135,12 @@ class GatedDeltaNet(nn.Module):
 
 
 class _GatedNorm(nn.Module):
-    """The GDN output norm's weight (the backend's ``gdn`` applies it, fused or not)."""
+    """The GDN output norm's weight and eps (the backend's ``gdn`` applies it, fused or not)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.backend = _REFERENCE
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return self.backend.gated_rms_norm(x, z, self.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):

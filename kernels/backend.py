@@ -425,7 +425,12 @@ class CPUBackend(ReferenceBackend):
                 norms += [m.q_norm.weight, m.k_norm.weight]
             if any(w.dtype != torch.bfloat16 for w in norms):
                 return None
-            layers.append(_FastLayer(dl, m, mixer_in, outs[0], mlp_in, outs[1]))
+            gdn = None
+            if dl.layer_type == "linear_attention":
+                if m.kernel_size > 16:  # csrc/gdn_fused.c's window
+                    return None
+                gdn = self._gdn_weights(m, torch.bfloat16)
+            layers.append(_FastLayer(dl, m, mixer_in, outs[0], mlp_in, outs[1], gdn))
         if model.model.norm.weight.dtype != torch.bfloat16:
             return None
         return layers
@@ -459,11 +464,10 @@ class CPUBackend(ReferenceBackend):
                 x, residual = norm(h, f.in_norm, f.eps, residual)
             parts = product(x, f.mixer_in).split(f.mixer_sizes, dim=-1)
             m = f.mixer
-            if f.gdn:
+            if f.gdn is not None:
                 mixed, z, b, a = parts
-                conv = cache.conv_states[m.state_index]
-                taps, neg_exp_a, dt_bias, norm_w = self._gdn_params(m, mixed, conv)
-                y = native.gdn_fused(mixed, z, a, b, taps, conv,
+                taps, neg_exp_a, dt_bias, norm_w = f.gdn
+                y = native.gdn_fused(mixed, z, a, b, taps, cache.conv_states[m.state_index],
                                      cache.ssm_states[m.state_index], grp.slots, grp.slots_out,
                                      neg_exp_a, dt_bias, norm_w, m.norm.eps, L, m.num_k_heads,
                                      m.head_k_dim)
@@ -563,6 +567,10 @@ class CPUBackend(ReferenceBackend):
         if (native.fused_dtype_code(dtype) is None or conv_states.dtype != dtype
                 or not conv_states.is_contiguous() or layer.kernel_size > 16):
             return None
+        return self._gdn_weights(layer, dtype)
+
+    def _gdn_weights(self, layer, dtype):
+        """``_gdn_params``' tensors, without the checks (kept per layer)."""
         params = self.gdn_params.get(id(layer))
         if params is None or params[3].dtype != dtype:
             params = (
@@ -636,14 +644,16 @@ def _streamed_weights(model) -> tuple[list, list]:
 
 
 class _FastLayer:
-    """One decoder layer as ``CPUBackend.forward``'s decode loop runs it: its mixer, norms and
-    the weights of its four products (merged where ``merge_projections`` merged them)."""
+    """One decoder layer as ``CPUBackend.forward``'s decode loop runs it: its mixer, norms, the
+    weights of its four products (merged where ``merge_projections`` merged them) and, for a
+    GDN layer, ``gdn``: the tensors ``native.gdn_fused`` takes besides the activations (None
+    for an attention layer)."""
 
     __slots__ = ("gdn", "mixer", "in_norm", "post_norm", "eps", "mixer_in", "mixer_sizes",
                  "mixer_out", "mlp_in", "mlp_sizes", "mlp_out")
 
-    def __init__(self, layer, mixer, mixer_in, mixer_out, mlp_in, mlp_out):
-        self.gdn = layer.layer_type == "linear_attention"
+    def __init__(self, layer, mixer, mixer_in, mixer_out, mlp_in, mlp_out, gdn):
+        self.gdn = gdn
         self.mixer = mixer
         self.in_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
