@@ -32,12 +32,7 @@ VOCAB = TEXT_CONFIG["vocab_size"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

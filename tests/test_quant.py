@@ -22,12 +22,7 @@ ISAS = quant.available_isas()
 needs_kernels = pytest.mark.skipif(not ISAS, reason="compiled kernels unavailable")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tests/conftest.py
 
 
 # Quantization ------------------------------------------------------------------------------

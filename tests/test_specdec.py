@@ -30,14 +30,7 @@ PROMPT_LENS = (1, 2, 7, 17, 40, 70, 100)
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model's ops are far too small to gain from intra-op threads; on a busy 2-core
-    machine OpenMP spin-waits make 2 threads several times slower than 1."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
