@@ -107,8 +107,28 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x.shape
     xg = x.float().view(M, K // GROUP, GROUP)
     amax = xg.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # 127 divided by amax, as the kernels do (``127.0 / amax`` is amax.reciprocal() * 127 in
+    # torch: another rounding, which moves the odd product off or onto a tie)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return (xg * inv[..., None]).round().view(M, K), amax / 127
+
+
+def kernel_quantize_activations(x: torch.Tensor, isa: str
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the compiled path ``isa`` does to fp32 or bf16 rows x [M, K] before the products (the
+    tests hold it to ``quantize_activations``) -> (q [M, Kp] int8, d and sums [M, Kp / 32]), Kp
+    = K rounded up to a multiple of 32."""
+    M, K = x.shape
+    Kp = -(-K // GROUP) * GROUP
+    x = x.contiguous()
+    q = torch.empty(M, Kp, dtype=torch.int8)
+    d = torch.empty(M, Kp // GROUP)
+    s = torch.empty(M, Kp // GROUP, dtype=torch.int32)
+    if x.dtype not in (torch.float32, torch.bfloat16) or _lib().int8_quantize_rows(
+            x.data_ptr(), int(x.dtype == torch.bfloat16), q.data_ptr(), d.data_ptr(), s.data_ptr(),
+            M, K, Kp, ISAS[isa]):
+        raise RuntimeError(f"int8 quantize: path {isa!r} or dtype {x.dtype} unavailable")
+    return q, d, s
 
 
 def emulate(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
@@ -176,6 +196,9 @@ def _lib():
         lib.int8_gemm_bf16.restype = ctypes.c_int
         lib.int8_gemm_bf16.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
                                        + [ctypes.c_int] * 2)
+        lib.int8_quantize_rows.restype = ctypes.c_int
+        lib.int8_quantize_rows.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
+                                           + [ctypes.c_int64] * 3 + [ctypes.c_int])
     return lib
 
 

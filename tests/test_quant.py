@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import PackedRunner, assert_rel_close
 from typer.testing import CliRunner
 
@@ -128,6 +129,26 @@ def test_bf16_activations_in_one_call(isa, K):
         y = quant.linear(x, qw, isa)
         assert y.dtype == torch.bfloat16 and y.shape == (M, 37)
         assert torch.equal(y, quant.int8_gemm(x.float(), qw, isa).to(torch.bfloat16)), M
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_activation_quantization_is_the_reference(isa, dtype):
+    """Each path's quantization of the rows (vectorised on AVX-512 builds, plain C for "ref"):
+    bit for bit ``quantize_activations``, ties rounded to even, an all-zero group, a row ending
+    inside a group (zeros past K) included."""
+    g = torch.Generator().manual_seed(3)
+    for K in (32, 45, 96, 1000):
+        x = torch.randn(5, K, generator=g) * torch.rand(5, 1, generator=g) * 4
+        x[1, :32] = 0  # an all-zero group: d = 0, q = 0
+        x[2, :32] = torch.arange(32) - 15.5  # amax 15.5 -> x * 127 / 15.5: halves, ties
+        x = x.to(dtype)
+        q, d, s = quant.kernel_quantize_activations(x, isa)
+        ref_q, ref_d = quant.quantize_activations(F.pad(x.float(), (0, q.shape[1] - K)))
+        assert torch.equal(q.float(), ref_q), (isa, K)
+        assert torch.equal(d, ref_d), (isa, K)
+        assert torch.equal(s, ref_q.view(5, -1, 32).sum(-1).int()), (isa, K)
 
 
 @needs_kernels

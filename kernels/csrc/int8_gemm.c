@@ -18,7 +18,8 @@
  *   ISA_AVX2 AVX2: vpmaddubsw on |x| and sign(x) * w, widened by vpmaddwd;
  *   ISA_VNNI AVX-512 VNNI: vpdpbusd on (w + 128) as unsigned bytes and x as signed ones, which
  *            adds 128 * sum(x) to every group's dot product; that sum is taken off per group.
- * Threads (OpenMP) take blocks of two panels each; a tile is up to 4 rows of x by those panels.
+ * Threads (OpenMP) take blocks of panels (one panel when x has at most 4 rows, two otherwise);
+ * a tile is up to 4 rows of x by those panels. x and y are fp32 or bf16 (``int8_gemm_bf16``).
  */
 #include <math.h>
 #include <stdint.h>
@@ -71,13 +72,19 @@ static inline float fp16_to_float(uint16_t h)
     return v.f;
 }
 
-/* One row of x -> q [K] int8, d [K / 32] scales, s [K / 32] sums of q per group. */
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t *s)
+/* One row of x (fp32, or bf16 when ``bf``; K inputs, zeros past K up to Kp, a multiple of 32)
+ * -> q [Kp] int8, d [Kp / 32] scales, s [Kp / 32] sums of q per group. */
+static void quantize_row_ref(const void *x, int bf, int64_t K, int64_t Kp, int8_t *q, float *d,
+                             int32_t *s)
 {
-    for (int64_t g = 0; g < K / QK; ++g) {
-        const float *xg = x + g * QK;
+    for (int64_t g = 0; g < Kp / QK; ++g) {
+        float xg[QK];
         float amax = 0.0f;
-        for (int i = 0; i < QK; ++i) amax = fmaxf(amax, fabsf(xg[i]));
+        for (int i = 0; i < QK; ++i) {
+            const int64_t k = g * QK + i;
+            xg[i] = k < K ? act_ld(x, k, bf) : 0.0f;
+            amax = fmaxf(amax, fabsf(xg[i]));
+        }
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         d[g] = amax / 127.0f;
         int32_t sum = 0;
@@ -90,6 +97,64 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* The same with 16 inputs a vector: the same products, rounded to nearest even by the
+ * conversion as nearbyintf rounds them (default rounding mode), the same exact sums. */
+static inline __m512 load16(const void *x, int bf, int64_t k, int64_t K)
+{
+    const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF
+                        : K <= k ? (__mmask16)0 : (__mmask16)((1u << (K - k)) - 1);
+    if (bf)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k)), 16));
+    return _mm512_maskz_loadu_ps(m, (const float *)x + k);
+}
+
+static void quantize_row_simd(const void *x, int bf, int64_t K, int64_t Kp, int8_t *q, float *d,
+                              int32_t *s)
+{
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t g = 0; g < Kp / QK; ++g) {
+        const __m512 x0 = load16(x, bf, g * QK, K), x1 = load16(x, bf, g * QK + 16, K);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(x0, absmask),
+                                                              _mm512_and_ps(x1, absmask)));
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[g] = amax / 127.0f;
+        const __m512 vid = _mm512_set1_ps(id);
+        const __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vid));
+        const __m512i v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vid));
+        _mm_storeu_si128((__m128i *)(q + g * QK), _mm512_cvtepi32_epi8(v0));
+        _mm_storeu_si128((__m128i *)(q + g * QK + 16), _mm512_cvtepi32_epi8(v1));
+        s[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
+    }
+}
+#define HAVE_QUANT_SIMD 1
+#endif
+
+/* The plain C path quantizes in plain C too (the tests compare every path with it). */
+static void quantize_row(const void *x, int bf, int64_t K, int64_t Kp, int8_t *q, float *d,
+                         int32_t *s, int isa)
+{
+#ifdef HAVE_QUANT_SIMD
+    if (isa != ISA_REF) { quantize_row_simd(x, bf, K, Kp, q, d, s); return; }
+#endif
+    (void)isa;
+    quantize_row_ref(x, bf, K, Kp, q, d, s);
+}
+
+/* The quantization alone, for the tests: M rows of x (as in ``gemm`` below) -> q [M, Kp],
+ * d and s [M, Kp / 32]. Returns -1 for a path not in this build or a bad Kp. */
+int int8_quantize_rows(const void *x, int x_bf, int8_t *q, float *d, int32_t *s, int64_t M,
+                       int64_t K, int64_t Kp, int isa)
+{
+    if (!(isa & int8_isas()) || (isa & (isa - 1)) || Kp % QK || K > Kp) return -1;
+    const int64_t xb = x_bf ? 2 : 4;
+    for (int64_t m = 0; m < M; ++m)
+        quantize_row((const char *)x + m * K * xb, x_bf, K, Kp, q + m * Kp, d + m * (Kp / QK),
+                     s + m * (Kp / QK), isa);
+    return 0;
+}
+
 /* Arguments of every tile: rows [i, i + mr) of the quantized x, panels [p, p + np). */
 typedef struct {
     const int8_t *xq;
@@ -97,13 +162,15 @@ typedef struct {
     const int32_t *xs;
     const int8_t *w;
     const uint16_t *sc;
-    float *y;
+    void *y; /* [M, N], fp32 or bf16 (y_bf) */
     int64_t N, K, G;
+    int y_bf;
 } Args;
 
-static void store(float *y, const float *acc, int64_t n0, int64_t N)
+/* acc [16] (fp32 sums of one panel) into row r of y, columns n0.. (short at N) */
+static void store(const Args *a, int64_t r, const float *acc, int64_t n0)
 {
-    for (int c = 0; c < NR && n0 + c < N; ++c) y[n0 + c] = acc[c];
+    for (int c = 0; c < NR && n0 + c < a->N; ++c) act_st(a->y, r * a->N + n0 + c, acc[c], a->y_bf);
 }
 
 static void tile_ref(const Args *a, int64_t i, int64_t p, int mr, int np)
@@ -126,7 +193,7 @@ static void tile_ref(const Args *a, int64_t i, int64_t p, int mr, int np)
                     acc[c] += (float)dot * (dr[g] * fp16_to_float(sg[c]));
                 }
             }
-            store(a->y + (i + r) * a->N, acc, (p + t) * NR, a->N);
+            store(a, i + r, acc, (p + t) * NR);
         }
     }
 }
@@ -201,16 +268,16 @@ static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64
         #pragma GCC unroll 2
         for (int t = 0; t < NP; ++t) {
             if (r < mr && t < np) {
-                float *yr = a->y + (i + r) * a->N;
                 const int64_t n0 = (p + t) * NR;
-                if (n0 + NR <= a->N) {
+                if (n0 + NR <= a->N && !a->y_bf) {
+                    float *yr = (float *)a->y + (i + r) * a->N;
                     _mm256_storeu_ps(yr + n0, accf[r][t][0]);
                     _mm256_storeu_ps(yr + n0 + 8, accf[r][t][1]);
                 } else {
                     float acc[NR];
                     _mm256_storeu_ps(acc, accf[r][t][0]);
                     _mm256_storeu_ps(acc + 8, accf[r][t][1]);
-                    store(yr, acc, n0, a->N);
+                    store(a, i + r, acc, n0);
                 }
             }
         }
@@ -235,6 +302,9 @@ static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64
         for (int r = 0; r < MR; ++r)
             #pragma GCC unroll 2
             for (int t = 0; t < NP; ++t) acci[r][t] = _mm512_setzero_si512();
+        /* a 1 x 1 tile: odd steps into a second sum, two dependency chains (exact in int32) */
+        const int split = mr == 1 && np == 1;
+        __m512i odd = _mm512_setzero_si512();
         #pragma GCC unroll 8
         for (int k4 = 0; k4 < QK / 4; ++k4) {
             __m512i w[NP];
@@ -249,11 +319,16 @@ static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64
                     const __m512i xv = _mm512_set1_epi32(
                         *(const int32_t *)(a->xq + (i + r) * K + g * QK + 4 * k4));
                     #pragma GCC unroll 2
-                    for (int t = 0; t < NP; ++t)
-                        if (t < np) acci[r][t] = _mm512_dpbusd_epi32(acci[r][t], w[t], xv);
+                    for (int t = 0; t < NP; ++t) {
+                        if (t < np) {
+                            if (split && (k4 & 1)) odd = _mm512_dpbusd_epi32(odd, w[t], xv);
+                            else acci[r][t] = _mm512_dpbusd_epi32(acci[r][t], w[t], xv);
+                        }
+                    }
                 }
             }
         }
+        if (split) acci[0][0] = _mm512_add_epi32(acci[0][0], odd);
         #pragma GCC unroll 2
         for (int t = 0; t < NP; ++t) {
             if (t < np) {
@@ -277,14 +352,13 @@ static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64
         #pragma GCC unroll 2
         for (int t = 0; t < NP; ++t) {
             if (r < mr && t < np) {
-                float *yr = a->y + (i + r) * a->N;
                 const int64_t n0 = (p + t) * NR;
-                if (n0 + NR <= a->N) {
-                    _mm512_storeu_ps(yr + n0, accf[r][t]);
+                if (n0 + NR <= a->N && !a->y_bf) {
+                    _mm512_storeu_ps((float *)a->y + (i + r) * a->N + n0, accf[r][t]);
                 } else {
                     float acc[NR];
                     _mm512_storeu_ps(acc, accf[r][t]);
-                    store(yr, acc, n0, a->N);
+                    store(a, i + r, acc, n0);
                 }
             }
         }
@@ -317,39 +391,49 @@ static void tile(const Args *a, int64_t i, int64_t p, int mr, int np, int isa)
     tile_ref(a, i, p, mr, np);
 }
 
-/* x [M, K] fp32, qs and sc as above, y [M, N] fp32. Returns 0, or -1 when the path ``isa`` is
- * not in this build or memory runs out (y untouched). */
-int int8_gemm(const float *x, const int8_t *qs, const uint16_t *sc, float *y, int64_t M,
-              int64_t N, int64_t K, int isa, int num_threads)
+/* y [M, N] = x [M, K] W^T with x fp32 or bf16 (x_bf) holding K inputs a row, zeros past K up
+ * to Kp (a multiple of 32, the packed width), y fp32 or bf16 (y_bf; the fp32 sums rounded to
+ * nearest even once). Returns 0, or -1 when the path ``isa`` is not in this build or memory runs
+ * out (y untouched). */
+static int gemm(const void *x, int x_bf, const int8_t *qs, const uint16_t *sc, void *y, int y_bf,
+                int64_t M, int64_t N, int64_t K, int64_t Kp, int isa, int num_threads)
 {
-    if (!(isa & int8_isas()) || (isa & (isa - 1)) || K % QK) return -1;
-    const int64_t G = K / QK, P = (N + NR - 1) / NR, blocks = (P + NP - 1) / NP;
-    int8_t *xq = malloc((size_t)(M * K) + 64);
+    if (!(isa & int8_isas()) || (isa & (isa - 1)) || Kp % QK || K > Kp) return -1;
+    /* One tile of rows (decode, small verifications): blocks of one panel, so that each thread
+     * reads its share of the weight as one sequential stream; more rows: two panels a tile, each
+     * row's quantized inputs used twice a load. The sums are the same either way. */
+    const int np_max = M <= MR ? 1 : NP;
+    const int64_t G = Kp / QK, P = (N + NR - 1) / NR, blocks = (P + np_max - 1) / np_max;
+    const int64_t xb = x_bf ? 2 : 4;
+    int8_t *xq = malloc((size_t)(M * Kp) + 64);
     float *xd = malloc(sizeof(float) * (size_t)(M * G) + 64);
     int32_t *xs = malloc(sizeof(int32_t) * (size_t)(M * G) + 64);
     if (!xq || !xd || !xs) {
         free(xq); free(xd); free(xs);
         return -1;
     }
-    const Args a = {xq, xd, xs, qs, sc, y, N, K, G};
+    const Args a = {xq, xd, xs, qs, sc, y, N, Kp, G, y_bf};
     /* Few rows: x is quantized here, so that the threads meet once, not twice (on a busy machine
      * each meeting can wait for a time slice). Small products run on this thread alone. */
-    const int serial = M * K <= (1 << 16);
+    const int serial = M * Kp <= (1 << 16);
     if (serial)
-        for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, xq + m * K, xd + m * G, xs + m * G);
+        for (int64_t m = 0; m < M; ++m)
+            quantize_row((const char *)x + m * K * xb, x_bf, K, Kp, xq + m * Kp, xd + m * G,
+                         xs + m * G, isa);
     if (num_threads > blocks) num_threads = (int)blocks;
-    if (M * N * K < (1 << 20)) num_threads = 1;
+    if (M * N * Kp < (1 << 20)) num_threads = 1;
     #pragma omp parallel num_threads(num_threads)
     {
         if (!serial) {
             #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; ++m)
-                quantize_row(x + m * K, K, xq + m * K, xd + m * G, xs + m * G);
+                quantize_row((const char *)x + m * K * xb, x_bf, K, Kp, xq + m * Kp, xd + m * G,
+                             xs + m * G, isa);
         }
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t p = b * NP;
-            const int np = P - p < NP ? (int)(P - p) : NP;
+            const int64_t p = b * np_max;
+            const int np = P - p < np_max ? (int)(P - p) : np_max;
             for (int64_t i = 0; i < M; i += MR) {
                 const int mr = M - i < MR ? (int)(M - i) : MR;
                 tile(&a, i, p, mr, np, isa);
@@ -360,22 +444,18 @@ int int8_gemm(const float *x, const int8_t *qs, const uint16_t *sc, float *y, in
     return 0;
 }
 
+/* x [M, K] fp32 (K a multiple of 32), qs and sc as above, y [M, N] fp32. */
+int int8_gemm(const float *x, const int8_t *qs, const uint16_t *sc, float *y, int64_t M,
+              int64_t N, int64_t K, int isa, int num_threads)
+{
+    return gemm(x, 0, qs, sc, y, 0, M, N, K, K, isa, num_threads);
+}
+
 /* The same product for bf16 x [M, K] (K not padded: the groups past K are zeros) into bf16 y
  * [M, N], the fp32 sums rounded to nearest even: what int8_gemm and two dtype conversions
  * give, for the CPU backend's decode loop. Kp: K padded to a multiple of 32. */
 int int8_gemm_bf16(const uint16_t *x, const int8_t *qs, const uint16_t *sc, uint16_t *y,
                    int64_t M, int64_t N, int64_t K, int64_t Kp, int isa, int num_threads)
 {
-    float *xf = malloc(sizeof(float) * (size_t)(M * Kp) + 64);
-    float *yf = malloc(sizeof(float) * (size_t)(M * N) + 64);
-    int rc = -1;
-    if (xf && yf) {
-        for (int64_t m = 0; m < M; ++m)
-            for (int64_t k = 0; k < Kp; ++k) xf[m * Kp + k] = k < K ? bf16_to_f32(x[m * K + k]) : 0.0f;
-        rc = int8_gemm(xf, qs, sc, yf, M, N, Kp, isa, num_threads);
-        if (rc == 0)
-            for (int64_t i = 0; i < M * N; ++i) y[i] = f32_to_bf16(yf[i]);
-    }
-    free(xf); free(yf);
-    return rc;
+    return gemm(x, 1, qs, sc, y, 1, M, N, K, Kp, isa, num_threads);
 }
