@@ -124,7 +124,7 @@ def load() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.gdn_fused.restype = None
-    lib.gdn_fused.argtypes = [P, I64] * 4 + [P] * 8 + [ctypes.c_float, P] + [I64] * 7 + [INT, INT]
+    lib.gdn_fused.argtypes = [P, I64] * 4 + [P] * 8 + [ctypes.c_float, P] + [I64] * 7 + [INT] * 3
     lib.attn_decode.restype = None
     lib.attn_decode.argtypes = ([P, I64] * 3 + [P, P, ctypes.c_float, P, P, I64, P, P, P, P, I64,
                                                 P, I64, ctypes.c_float, P] + [I64] * 5 + [INT, INT])
@@ -301,6 +301,10 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 _FUSED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
+# gdn_fused's 16-channel AVX-512 loops (conv, output norm) where the build has them;
+# HYBRIDRT_GDN_SIMD=0 runs its plain C loops instead (the tests run both)
+GDN_SIMD = os.environ.get("HYBRIDRT_GDN_SIMD", "1") not in ("0", "false", "no", "off")
+
 
 def fused_dtype_code(dtype: torch.dtype) -> int | None:
     """0 (fp32) or 1 (bf16): the activation dtypes ``gdn_fused`` and ``attn_decode`` take."""
@@ -327,7 +331,8 @@ def gdn_fused(mixed, z, a, b, conv_taps, conv_states, ssm, slots, slots_out, neg
         b.data_ptr(), b.stride(0), conv_taps.data_ptr(), conv_states.data_ptr(), ssm.data_ptr(),
         slots.data_ptr(), None if slots_out is None else slots_out.data_ptr(),
         neg_exp_a.data_ptr(), dt_bias.data_ptr(), norm_w.data_ptr(), eps, out.data_ptr(),
-        N // L, L, K, HK, HV, DK, DV, _FUSED_DTYPES[mixed.dtype], torch.get_num_threads())
+        N // L, L, K, HK, HV, DK, DV, _FUSED_DTYPES[mixed.dtype], int(GDN_SIMD),
+        torch.get_num_threads())
     return out
 
 

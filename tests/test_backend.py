@@ -362,11 +362,14 @@ def _layer(cls, dtype, **cfg):
                          ids=["grouped", "equal", "dv128"])
 @pytest.mark.parametrize("L,verify", [(1, False), (3, True), (2, False)],
                          ids=["decode", "verify3", "two-in-place"])
-def test_fused_gdn_layer_matches_reference(dtype, heads, L, verify, monkeypatch):
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "plain"])
+def test_fused_gdn_layer_matches_reference(dtype, heads, L, verify, simd, monkeypatch):
     """One GDN layer's recurrent group in one compiled call: the gated-normed output, the conv
     and recurrent states of every slot (sources kept when verifying into per-token slots,
     unnamed slots untouched) as the reference ops leave them. Conv kernel 3, K < 4 taps;
-    value heads of 128 (Qwen3.5's) take the register-resident read of the state."""
+    value heads of 128 (Qwen3.5's) take the register-resident read of the state; the AVX-512
+    loops (16 channels, 16 values of a head: the "dv128" case) and the plain C ones."""
+    monkeypatch.setattr(native, "GDN_SIMD", simd)
     from hybridrt.kernels.backend import RecurrentGroup
     from hybridrt.kernels.delta_rule import slot_runs
     from hybridrt.model import GatedDeltaNet

@@ -36,4 +36,70 @@ static inline float act_round(float v, int bf) { return bf ? bf16_to_f32(f32_to_
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* 16 lanes at a time (AVX-512): the same conversions and roundings as above; m masks the lanes
+ * a load or store touches (the tail of a row). */
+static inline __m512 act_ld16(const void *p, int64_t i, int bf, __mmask16 m)
+{
+    if (bf)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i)), 16));
+    return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+}
+
+/* v rounded to bf16 (nearest even, NaN kept a NaN), as fp32 bits */
+static inline __m512i round_bf16_bits16(__m512 v)
+{
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    const __m512i nan = _mm512_or_si512(u, _mm512_set1_epi32(0x00400000));
+    const __mmask16 isnan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_and_si512(_mm512_mask_mov_epi32(r, isnan, nan),
+                            _mm512_set1_epi32((int)0xffff0000u));
+}
+
+static inline __m512 act_round16(__m512 v, int bf)
+{
+    return bf ? _mm512_castsi512_ps(round_bf16_bits16(v)) : v;
+}
+
+static inline void act_st16(void *p, int64_t i, __m512 v, int bf, __mmask16 m)
+{
+    if (bf)
+        _mm256_mask_storeu_epi16((uint16_t *)p + i, m, _mm512_cvtepi32_epi16(
+            _mm512_srli_epi32(round_bf16_bits16(v), 16)));
+    else
+        _mm512_mask_storeu_ps((float *)p + i, m, v);
+}
+
+/* e^x to about an ulp of expf (Cephes' expf polynomial on x - n ln 2, scaled by 2^n with
+ * vscalefps: inf above ~88.7, 0 below ~-103.9, NaN kept) */
+static inline __m512 exp16(__m512 x)
+{
+    const __m512 xc = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(89.0f)),
+                                    _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512 e = _mm512_scalef_ps(y, n);
+    return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+
+static inline __m512 silu16(__m512 x)
+{
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(
+        _mm512_setzero_ps(), x))));
+}
+#endif
+
 #endif
