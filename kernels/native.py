@@ -127,7 +127,8 @@ def load() -> ctypes.CDLL | None:
     lib.gdn_fused.argtypes = [P, I64] * 4 + [P] * 8 + [ctypes.c_float, P] + [I64] * 7 + [INT] * 3
     lib.attn_decode.restype = None
     lib.attn_decode.argtypes = ([P, I64] * 3 + [P, P, ctypes.c_float, P, P, I64, P, P, P, P, I64,
-                                                P, I64, ctypes.c_float, P] + [I64] * 5 + [INT, INT])
+                                                P, I64, ctypes.c_float, P] + [I64] * 5
+                                + [INT] * 3)
     lib.rms_norm_bf16.restype = None
     lib.rms_norm_bf16.argtypes = [P, I64, P, P, P, P, ctypes.c_float, I64, I64, INT]
     lib.stream_sum.restype = ctypes.c_double  # csrc/stream.c: hybridrt/ceilings.py uses it
@@ -301,9 +302,10 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 _FUSED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
-# gdn_fused's 16-channel AVX-512 loops (conv, output norm) where the build has them;
-# HYBRIDRT_GDN_SIMD=0 runs its plain C loops instead (the tests run both)
-GDN_SIMD = os.environ.get("HYBRIDRT_GDN_SIMD", "1") not in ("0", "false", "no", "off")
+# the AVX-512 loops of gdn_fused (conv, output norm: 16 channels a step) and attn_decode (dot
+# products, value sums, gate: 16 dims a step) where the build has them; HYBRIDRT_FUSED_SIMD=0
+# runs their plain C loops instead (the tests run both)
+FUSED_SIMD = os.environ.get("HYBRIDRT_FUSED_SIMD", "1") not in ("0", "false", "no", "off")
 
 
 def fused_dtype_code(dtype: torch.dtype) -> int | None:
@@ -331,7 +333,7 @@ def gdn_fused(mixed, z, a, b, conv_taps, conv_states, ssm, slots, slots_out, neg
         b.data_ptr(), b.stride(0), conv_taps.data_ptr(), conv_states.data_ptr(), ssm.data_ptr(),
         slots.data_ptr(), None if slots_out is None else slots_out.data_ptr(),
         neg_exp_a.data_ptr(), dt_bias.data_ptr(), norm_w.data_ptr(), eps, out.data_ptr(),
-        N // L, L, K, HK, HV, DK, DV, _FUSED_DTYPES[mixed.dtype], int(GDN_SIMD),
+        N // L, L, K, HK, HV, DK, DV, _FUSED_DTYPES[mixed.dtype], int(FUSED_SIMD),
         torch.get_num_threads())
     return out
 
@@ -371,5 +373,6 @@ def attn_decode(qg, k, v, q_w, k_w, eps: float, cos, sin, key_cache, value_cache
         q_w.data_ptr(), k_w.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), cos.shape[-1],
         key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
         tables.data_ptr(), tables.shape[-1], seq_lens.data_ptr(), key_cache.shape[1], scale,
-        out.data_ptr(), N // L, L, H, HKV, D, _FUSED_DTYPES[qg.dtype], torch.get_num_threads())
+        out.data_ptr(), N // L, L, H, HKV, D, _FUSED_DTYPES[qg.dtype], int(FUSED_SIMD),
+        torch.get_num_threads())
     return out

@@ -369,7 +369,7 @@ def test_fused_gdn_layer_matches_reference(dtype, heads, L, verify, simd, monkey
     unnamed slots untouched) as the reference ops leave them. Conv kernel 3, K < 4 taps;
     value heads of 128 (Qwen3.5's) take the register-resident read of the state; the AVX-512
     loops (16 channels, 16 values of a head: the "dv128" case) and the plain C ones."""
-    monkeypatch.setattr(native, "GDN_SIMD", simd)
+    monkeypatch.setattr(native, "FUSED_SIMD", simd)
     from hybridrt.kernels.backend import RecurrentGroup
     from hybridrt.kernels.delta_rule import slot_runs
     from hybridrt.model import GatedDeltaNet
@@ -418,16 +418,20 @@ def _decode_batch(computed, tables, block_size, L=1):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gqa", [1, 3])
 @pytest.mark.parametrize("L", [1, 3])
-def test_fused_decode_attention_matches_reference(dtype, gqa, L, monkeypatch):
+@pytest.mark.parametrize("D,simd", [(12, True), (32, True), (32, False)],
+                         ids=["d12", "d32-simd", "d32-plain"])
+def test_fused_decode_attention_matches_reference(dtype, gqa, L, D, simd, monkeypatch):
     """A step of L new tokens per sequence (decode, verification) of a gated attention layer
     in one compiled call: 3 sequences with 4, 44 and 0 tokens before (more than one
     32-position block of the online softmax; a fresh prompt when L > 1) over scattered blocks;
     q/k norms, partial RoPE, the KV writes, causal attention and the gate as the reference ops
-    compute them; other cache slots untouched."""
+    compute them; other cache slots untouched. Heads of 32 take the AVX-512 loops (16 dims a
+    step) where built, or the plain C ones; heads of 12 the plain ones."""
     from hybridrt.model import GatedAttention
 
+    monkeypatch.setattr(native, "FUSED_SIMD", simd)
     layer, config, net = _layer(GatedAttention, dtype, num_attention_heads=2 * gqa,
-                                num_key_value_heads=2, head_dim=12)
+                                num_key_value_heads=2, head_dim=D)
     bs, NB = 4, 24
     batch = _decode_batch([4, 44, 0], [[3, 0], list(range(5, 17)), [4]], bs, L)
     gen = torch.Generator().manual_seed(gqa)

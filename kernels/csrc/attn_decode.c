@@ -49,8 +49,14 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
                  const void *sin, int64_t R, void *k_cache, void *v_cache,
                  const int64_t *slot_mapping, const int64_t *tables, int64_t M,
                  const int64_t *ctx_lens, int64_t BS, float scale, void *out, int64_t B,
-                 int64_t L, int64_t H, int64_t HKV, int64_t D, int bf, int num_threads)
+                 int64_t L, int64_t H, int64_t HKV, int64_t D, int bf, int simd,
+                 int num_threads)
 {
+#if defined(__AVX512F__)
+    simd = simd && D % 16 == 0;  /* the AVX-512 loops: 16 dims of a head a step */
+#else
+    simd = 0;
+#endif
     const int64_t es = bf ? 2 : 4, row = HKV * D;  /* cache elements per slot */
     #pragma omp parallel num_threads(num_threads)
     {
@@ -83,6 +89,15 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
                     const int64_t p = p0 + j, slot = tables[b * M + p / BS] * BS + p % BS;
                     const char *kp = (const char *)k_cache + (slot * row + hk * D) * es;
                     float dot = 0.0f;
+#if defined(__AVX512F__)
+                    if (simd) {
+                        __m512 d16 = _mm512_setzero_ps();
+                        for (int64_t i = 0; i < D; i += 16)
+                            d16 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i),
+                                                  act_ld16(kp, i, bf, 0xFFFF), d16);
+                        dot = _mm512_reduce_add_ps(d16);
+                    } else
+#endif
                     if (bf)
                         for (int64_t i = 0; i < D; ++i)
                             dot += q[i] * bf16_to_f32(((const uint16_t *)kp)[i]);
@@ -101,6 +116,14 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
                     const char *vp = (const char *)v_cache + (slot * row + hk * D) * es;
                     const float w = expf(s[j] - m);
                     l += w;
+#if defined(__AVX512F__)
+                    if (simd) {
+                        const __m512 w16 = _mm512_set1_ps(w);
+                        for (int64_t i = 0; i < D; i += 16)
+                            _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(
+                                w16, act_ld16(vp, i, bf, 0xFFFF), _mm512_loadu_ps(acc + i)));
+                    } else
+#endif
                     if (bf)
                         for (int64_t i = 0; i < D; ++i)
                             acc[i] += w * bf16_to_f32(((const uint16_t *)vp)[i]);
@@ -108,7 +131,18 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
                 }
             }
             const int64_t g0 = r * ld_qg + h * 2 * D + D;
-            for (int64_t i = 0; i < D; ++i) {
+            int64_t i0 = 0;
+#if defined(__AVX512F__)
+            for (; simd && i0 < D; i0 += 16) {
+                const __m512 o = act_round16(_mm512_div_ps(_mm512_loadu_ps(acc + i0),
+                                                           _mm512_set1_ps(l)), bf);
+                const __m512 x = act_ld16(qg, g0 + i0, bf, 0xFFFF);
+                const __m512 g = act_round16(_mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(
+                    _mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))), bf);
+                act_st16(out, r * H * D + h * D + i0, _mm512_mul_ps(o, g), bf, 0xFFFF);
+            }
+#endif
+            for (int64_t i = i0; i < D; ++i) {
                 const float o = act_round(acc[i] / l, bf);
                 const float g = act_round(1.0f / (1.0f + expf(-act_ld(qg, g0 + i, bf))), bf);
                 act_st(out, r * H * D + h * D + i, o * g, bf);
