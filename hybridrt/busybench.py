@@ -41,6 +41,25 @@ print(json.dumps({"tok_s": out.metrics["decode_tokens_per_s"],
 _SPIN = "while True: pass"
 
 
+def _die_with_parent() -> None:
+    """In the spinner, before it runs: the kernel kills it when this benchmark dies, however it
+    dies (Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)``), so a killed run leaves no core busy."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))
+    except (OSError, AttributeError):
+        pass
+
+
+def _spinner() -> subprocess.Popen:
+    """The competing CPU-bound process."""
+    linux = sys.platform.startswith("linux")
+    return subprocess.Popen([sys.executable, "-c", _SPIN],
+                            preexec_fn=_die_with_parent if linux else None)
+
+
 def _variants(cores: int) -> dict[str, tuple[dict, int]]:
     """name -> (environment changes, --threads or 0 for the default)."""
     out = {"default": ({}, 0)}
@@ -75,7 +94,7 @@ def measure_busy(model: str | None = None, tokens: int = 64, rounds: int = 2,
     for condition in ("as is", "one busy process"):
         spin = None
         if condition == "one busy process":
-            spin = subprocess.Popen([sys.executable, "-c", _SPIN])
+            spin = _spinner()
         try:
             rates: dict[str, list[float]] = {name: [] for name in variants}
             for _ in range(rounds):

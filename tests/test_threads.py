@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -34,6 +36,34 @@ def test_busy_bench_report(monkeypatch):
     assert ({"HYBRIDRT_ADAPTIVE_THREADS": "0"}, 0, False) in calls
     text = busybench.format_report(report)
     assert "default / best --threads" in text and "0.80x" in text
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_busy_bench_spinner_dies_with_the_benchmark():
+    """A benchmark killed outright (no cleanup runs) takes its busy process with it."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import time; from hybridrt import busybench; "
+         "print(busybench._spinner().pid, flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    assert os.path.exists(f"/proc/{pid}")
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survived = _alive(pid)
+    if survived:  # do not leave it spinning under the rest of the suite
+        os.kill(pid, 9)
+    assert not survived, "the spinner outlived the benchmark"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_busy_bench_probe_runs_the_demo_model():
