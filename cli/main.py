@@ -1,5 +1,5 @@
 """The ``hybridrt`` command line: ``chat``, ``generate``, ``serve``,
-``bench throughput|spec|gemm|serve``, ``draft-vocab``.
+``bench throughput|spec|gemm|serve``, ``draft-vocab``, ``quantize``.
 
 Every failure is one ``error: ...`` line on stderr and a non-zero exit code (2 for bad
 options, 1 otherwise); HYBRIDRT_DEBUG=1 shows tracebacks of unexpected errors. Bare
@@ -17,6 +17,7 @@ from hybridrt.cli.chat import chat
 from hybridrt.cli.common import OneLineErrorGroup
 from hybridrt.cli.draft_vocab import draft_vocab
 from hybridrt.cli.generate import generate
+from hybridrt.cli.quantize import quantize
 from hybridrt.cli.serve import bench_serve, serve
 
 app = typer.Typer(
@@ -35,6 +36,7 @@ app.command("serve")(serve)
 bench_app.command("serve")(bench_serve)
 app.add_typer(bench_app, name="bench")
 app.command("draft-vocab")(draft_vocab)
+app.command("quantize")(quantize)
 
 
 def _print_version(value: bool) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from hybridrt.cpu_alloc import keep_freed_memory
 from hybridrt.engine import EngineConfig, LLMEngine
+from hybridrt.kernels import quant
 from hybridrt.loader import load_model, parse_dtype
 from hybridrt.options import check_device_name, check_quantization, parse_memory
 from hybridrt.outputs import CompletionOutput, RequestOutput
@@ -161,6 +162,11 @@ class LLM:
             path, dtype, with_mtp=speculative_tokens > 0, device=self.device,
             quantization=self.quantization,
         )
+        if self.quantization is None and quant.is_quantized(self.model):
+            self.quantization = "int8"  # a checkpoint stored in int8 (hybridrt quantize)
+            if backend not in (None, "cpu", "reference"):
+                raise ValueError(f"{self.model_path} holds int8 weights, which run on the CPU "
+                                 f"backends only, not backend={backend!r}")
         self.dtype = self.model.dtype
         if speculative_tokens > 0 and self.model.mtp is None:
             raise ValueError(

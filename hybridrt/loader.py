@@ -59,7 +59,9 @@ def checkpoint_dtype(path: Path, handles: dict, device: torch.device) -> torch.d
                 if isinstance(cfg.get(key), str) and cfg[key].lower() in DTYPES:
                     found = found or DTYPES[cfg[key].lower()]
     if found is None:
-        for h, name in handles.values():
+        for canon, (h, name) in handles.items():
+            if canon.endswith((".qs", ".scales")):
+                continue  # int8 values and their fp16 scales (save_quantized)
             found = _SAFETENSORS_DTYPES.get(h.get_slice(name).get_dtype())
             if found is not None:
                 break
@@ -139,6 +141,66 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
+def _read(handles: dict, file_of: dict, name: str) -> torch.Tensor:
+    h, raw = handles[name]
+    try:
+        return h.get_tensor(raw)
+    except Exception as e:
+        raise CheckpointError(f"cannot read tensor {raw} from {file_of[raw]} (truncated "
+                              f"file?): {e}") from None
+
+
+QUANT_METADATA = "hybridrt.quantization"  # safetensors metadata key of save_quantized's files
+
+
+def _prequantized(opened: list, path: Path) -> str | None:
+    """The quantization the weight files declare (``save_quantized``), or None; all or none of
+    them must."""
+    kinds = {(h.metadata() or {}).get(QUANT_METADATA) for h in opened}
+    if len(kinds) > 1:
+        raise CheckpointError(f"{path}: some weight files are int8 (hybridrt quantize) and "
+                              f"some are not")
+    kind = kinds.pop() if kinds else None
+    if kind is not None and kind != "int8":
+        raise CheckpointError(f"{path}: unknown {QUANT_METADATA} {kind!r} (this hybridrt "
+                              f"reads int8)")
+    return kind
+
+
+def save_quantized(model: str | os.PathLike, out: str | os.PathLike) -> dict:
+    """Write ``model`` (a checkpoint directory or hub id) with its weights quantized to int8 as
+    ``quantization="int8"`` quantizes them, into the new directory ``out``: one
+    model.safetensors (int8 weights in the kernels' layout, ``<name>.qs`` and
+    ``<name>.scales``; the other tensors in the checkpoint's dtype) and the source's other
+    files (config, tokenizer). ``load_model`` reads it without quantizing again; the model
+    computes the same. -> {"path", "bytes", "tensors"}."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty directory")
+    net, _, path = load_model(model, dtype="auto", with_mtp=True, quantization="int8")
+    tensors = {}
+    for name, module in net.named_modules():
+        qw = getattr(module, "qweight", None)
+        if isinstance(qw, quant.QuantWeight):
+            tensors[f"{name}.weight.qs"] = qw.qs.contiguous()
+            tensors[f"{name}.weight.scales"] = qw.scales.contiguous()
+    for name, t in net.state_dict().items():
+        tensors[name] = t.contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"),
+              metadata={"format": "pt", QUANT_METADATA: "int8"})
+    for f in path.iterdir():  # config, tokenizer, generation config, chat template ...
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json",
+                                                ".bin", ".pt", ".pth")):
+            shutil.copy2(f, out / f.name)
+    return {"path": str(out), "bytes": (out / "model.safetensors").stat().st_size,
+            "tensors": len(tensors)}
+
+
 def canonical_name(name: str) -> str | None:
     """Checkpoint tensor name -> our parameter name, or None for tensors we ignore (vision)."""
     if name.startswith(("model.visual.", "visual.")):
@@ -175,7 +237,9 @@ def load_model(
     ``mtp.*`` tensors are loaded when ``with_mtp`` and present; ``model.visual.*`` is ignored.
     Missing, unexpected and mis-shaped text tensors fail together in one CheckpointError.
     ``quantization="int8"``: every linear weight and the embedding are quantized as they are
-    read (``kernels.quant``), without keeping the full-precision copy.
+    read (``kernels.quant``), without keeping the full-precision copy. A checkpoint written by
+    ``save_quantized`` (``hybridrt quantize``) holds them quantized already: it loads int8
+    whatever ``quantization`` says, with no quantization at start-up.
     """
     from safetensors import safe_open
 
@@ -201,12 +265,23 @@ def load_model(
                 handles[canon] = (h, name)
                 file_of[name] = f
 
+    prequantized = _prequantized(opened, path)
+    if prequantized:
+        if torch.device(device).type != "cpu":
+            raise CheckpointError(f"{path} holds int8 weights (written by hybridrt quantize), "
+                                  f"which run on the CPU only, not on {device}")
+        quantization = prequantized
     if auto:
         dtype = checkpoint_dtype(path, handles, torch.device(device))
     has_mtp = any(n.startswith("mtp.") for n in handles)
     with torch.device("meta"):
         net = Qwen35ForCausalLM(config, with_mtp=with_mtp and has_mtp)
     expected = {n: tuple(p.shape) for n, p in net.state_dict().items()}
+    to_quantize = quant.quantized_names(net) if quantization else set()
+    if prequantized:  # each quantized weight is stored as its two tensors, in the kernels' layout
+        for name in to_quantize & set(expected):
+            qs, scales = quant.packed_shapes(expected.pop(name))
+            expected[f"{name}.qs"], expected[f"{name}.scales"] = qs, scales
 
     missing, mismatched, unexpected = [], [], []
     for name, shape in expected.items():
@@ -232,15 +307,19 @@ def load_model(
         lines += [f"  unexpected tensor: {u}" for u in unexpected]
         raise CheckpointError("\n".join(lines))
 
-    to_quantize = quant.quantized_names(net) if quantization else set()
     state, quantized = {}, {}
+    if prequantized:
+        for name in to_quantize & {n.removesuffix(".qs") for n in expected}:
+            qs, scales = (_read(handles, file_of, f"{name}.{part}") for part in ("qs", "scales"))
+            if qs.dtype != torch.int8 or scales.dtype != torch.float16:
+                raise CheckpointError(f"{handles[name + '.qs'][1]}: int8 values and float16 "
+                                      f"scales expected, found {qs.dtype} and {scales.dtype}")
+            shape = tuple(net.get_parameter(name).shape)
+            quantized[name] = quant.QuantWeight(qs.to(device), scales.to(device), shape)
     for name in expected:
-        h, raw = handles[name]
-        try:
-            t = h.get_tensor(raw)
-        except Exception as e:
-            raise CheckpointError(f"cannot read tensor {raw} from {file_of[raw]} (truncated "
-                                  f"file?): {e}") from None
+        if prequantized and name.endswith((".qs", ".scales")):
+            continue
+        t = _read(handles, file_of, name)
         if name in to_quantize:
             quantized[name] = quant.quantize(t.to(device))
             release_pages(t)  # read once: its file pages need not stay resident

@@ -64,6 +64,12 @@ class QuantWeight:
         return w.reshape(len(flat), -1)[:, :self.shape[1]].reshape(*ids.shape, self.shape[1])
 
 
+def packed_shapes(shape: tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of ``qs`` and ``scales`` of a QuantWeight of a weight [N, K]."""
+    P, G = -(-shape[0] // PANEL), -(-shape[1] // GROUP)
+    return (P, G, GROUP // 4, PANEL, 4), (P, G, PANEL)
+
+
 def quantize(weight: torch.Tensor) -> QuantWeight:
     """W [N, K] (any float dtype) -> its QuantWeight: per row and group of 32 inputs,
     scale = amax / 127 rounded to fp16, q = round(W * (1 / scale)) clamped to [-127, 127]."""
@@ -307,6 +313,11 @@ def attach(model: nn.Module, quantized: dict[str, QuantWeight], dtype: torch.dty
         else:
             module.weight = None
             module.qweight = qw
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether some weight of ``model`` is int8 (a QuantWeight)."""
+    return any(isinstance(getattr(m, "qweight", None), QuantWeight) for m in model.modules())
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -16,7 +16,7 @@ from hybridrt import LLM, SamplingParams
 from hybridrt.cli.main import app
 from hybridrt.kernels import quant
 from hybridrt.kernels.backend import CPUBackend, ReferenceBackend
-from hybridrt.loader import load_model
+from hybridrt.loader import load_model, save_quantized
 from hybridrt.testing import tiny_text_config, write_random_checkpoint
 
 ISAS = quant.available_isas()
@@ -288,3 +288,86 @@ def test_cli_generate_with_int8():
                                    "--max-tokens", "4", "--no-progress"])
     assert res.exit_code == 0, res.output
     assert len(json.loads(res.stdout)["token_ids"]) == 4
+
+
+# Stored int8 checkpoints (hybridrt quantize) ------------------------------------------------
+@pytest.fixture(scope="module")
+def saved(ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("saved") / "int8"
+    info = save_quantized(ckpt, out)
+    assert info["path"] == str(out) and (out / "model.safetensors").stat().st_size == info["bytes"]
+    return out
+
+
+def test_saved_int8_checkpoint_holds_the_load_time_quantization(ckpt, saved):
+    """Every int8 weight (MTP, tied embedding included) and every other tensor as loading the
+    source with quantization="int8" gives them, whatever quantization is asked; the config
+    comes along."""
+    fresh, _, _ = load_model(ckpt, torch.bfloat16, quantization="int8", with_mtp=True)
+    stored, _, _ = load_model(saved, torch.bfloat16, with_mtp=True)
+    assert stored.mtp is not None
+    q_fresh = {n: m.qweight for n, m in fresh.named_modules()
+               if isinstance(getattr(m, "qweight", None), quant.QuantWeight)}
+    q_stored = {n: m.qweight for n, m in stored.named_modules()
+                if isinstance(getattr(m, "qweight", None), quant.QuantWeight)}
+    assert q_fresh.keys() == q_stored.keys() and "model.embed_tokens" in q_stored
+    for n, qw in q_fresh.items():
+        assert q_stored[n].shape == qw.shape, n
+        assert torch.equal(q_stored[n].qs, qw.qs) and torch.equal(q_stored[n].scales, qw.scales), n
+    sd_fresh, sd_stored = fresh.state_dict(), stored.state_dict()
+    assert sd_fresh.keys() == sd_stored.keys()
+    assert all(torch.equal(sd_fresh[k], sd_stored[k]) for k in sd_fresh)
+    assert (saved / "config.json").read_text() == (ckpt / "config.json").read_text()
+
+
+def test_saved_int8_checkpoint_generates_what_load_time_int8_does(ckpt, saved):
+    prompts = [{"prompt_token_ids": [5, 9, 2, 77, 31]}, {"prompt_token_ids": [40, 41, 3]}]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = []
+    for llm in (LLM(ckpt, quantization="int8", cache_memory=16 << 20),
+                LLM(saved, cache_memory=16 << 20)):
+        assert llm.quantization == "int8"
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
+    assert outs[0] == outs[1]
+
+
+def test_saved_int8_checkpoint_errors(ckpt, saved, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from hybridrt.loader import QUANT_METADATA, CheckpointError
+
+    with pytest.raises(CheckpointError, match="run on the CPU only"):
+        load_model(saved, device="cuda")
+    with pytest.raises(FileExistsError, match="not an empty directory"):
+        save_quantized(ckpt, saved)
+    tensors = load_file(str(saved / "model.safetensors"))
+    meta = {"format": "pt", QUANT_METADATA: "int8"}
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((saved / "config.json").read_text())
+    name = "model.layers.0.mlp.down_proj.weight"
+    cases = [
+        ({k: v for k, v in tensors.items() if k != f"{name}.qs"}, meta,
+         rf"missing tensor: {name}\.qs"),
+        ({**tensors, f"{name}.scales": tensors[f"{name}.scales"].float()}, meta,
+         "float16 scales expected"),
+        ({**tensors, f"{name}.qs": tensors[f"{name}.qs"][:1]}, meta, rf"{name}\.qs: expected"),
+        (tensors, {"format": "pt", QUANT_METADATA: "int4"}, "unknown hybridrt.quantization"),
+    ]
+    for t, md, match in cases:
+        save_file(t, str(bad / "model.safetensors"), metadata=md)
+        with pytest.raises(CheckpointError, match=match):
+            load_model(bad)
+
+
+def test_cli_quantize(ckpt, tmp_path):
+    out = tmp_path / "q"
+    res = CliRunner().invoke(app, ["quantize", str(ckpt), str(out)])
+    assert res.exit_code == 0, res.output
+    assert res.stderr.startswith(f"wrote {out}: ")
+    res = CliRunner().invoke(app, ["quantize", str(ckpt), str(out)])
+    assert res.exit_code == 2
+    assert res.stderr.strip() == f"error: {out} exists and is not an empty directory"
+    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "nowhere"), str(tmp_path / "x")])
+    assert res.exit_code == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert res.stderr.startswith("error: ") and not (tmp_path / "x").exists()
