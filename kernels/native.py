@@ -302,10 +302,11 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 _FUSED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
-# the AVX-512 loops of gdn_fused (conv, output norm: 16 channels a step) and attn_decode (dot
-# products, value sums, gate: 16 dims a step) where the build has them; HYBRIDRT_FUSED_SIMD=0
-# runs their plain C loops instead (the tests run both)
-FUSED_SIMD = os.environ.get("HYBRIDRT_FUSED_SIMD", "1") not in ("0", "false", "no", "off")
+# the vector loops of gdn_fused (conv, output norm) and attn_decode (dot products, value sums,
+# gate): 2 = AVX-512 (16 lanes) where the build has it, else AVX2 (8 lanes); 1 = AVX2 at most;
+# 0 = their plain C loops. HYBRIDRT_FUSED_SIMD=avx2 or 0 chooses (the tests run each).
+FUSED_SIMD = {"0": 0, "off": 0, "no": 0, "false": 0, "avx2": 1}.get(
+    os.environ.get("HYBRIDRT_FUSED_SIMD", "").lower(), 2)
 
 
 def fused_dtype_code(dtype: torch.dtype) -> int | None:

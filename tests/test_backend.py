@@ -362,13 +362,14 @@ def _layer(cls, dtype, **cfg):
                          ids=["grouped", "equal", "dv128"])
 @pytest.mark.parametrize("L,verify", [(1, False), (3, True), (2, False)],
                          ids=["decode", "verify3", "two-in-place"])
-@pytest.mark.parametrize("simd", [True, False], ids=["simd", "plain"])
+@pytest.mark.parametrize("simd", [2, 1, 0], ids=["avx512", "avx2", "plain"])
 def test_fused_gdn_layer_matches_reference(dtype, heads, L, verify, simd, monkeypatch):
     """One GDN layer's recurrent group in one compiled call: the gated-normed output, the conv
     and recurrent states of every slot (sources kept when verifying into per-token slots,
     unnamed slots untouched) as the reference ops leave them. Conv kernel 3, K < 4 taps;
-    value heads of 128 (Qwen3.5's) take the register-resident read of the state; the AVX-512
-    loops (16 channels, 16 values of a head: the "dv128" case) and the plain C ones."""
+    value heads of 128 (Qwen3.5's) take the register-resident read of the state; the vector
+    loops (AVX-512: 16 channels, 16 values of a head; AVX2: 8; the "equal" case's 78 channels
+    leave a tail of each width) where the build has them, and the plain C ones."""
     monkeypatch.setattr(native, "FUSED_SIMD", simd)
     from hybridrt.kernels.backend import RecurrentGroup
     from hybridrt.kernels.delta_rule import slot_runs
@@ -418,15 +419,16 @@ def _decode_batch(computed, tables, block_size, L=1):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gqa", [1, 3])
 @pytest.mark.parametrize("L", [1, 3])
-@pytest.mark.parametrize("D,simd", [(12, True), (32, True), (32, False)],
-                         ids=["d12", "d32-simd", "d32-plain"])
+@pytest.mark.parametrize("D,simd", [(12, 2), (24, 2), (32, 2), (32, 1), (32, 0)],
+                         ids=["d12", "d24-avx2", "d32-avx512", "d32-avx2", "d32-plain"])
 def test_fused_decode_attention_matches_reference(dtype, gqa, L, D, simd, monkeypatch):
     """A step of L new tokens per sequence (decode, verification) of a gated attention layer
     in one compiled call: 3 sequences with 4, 44 and 0 tokens before (more than one
     32-position block of the online softmax; a fresh prompt when L > 1) over scattered blocks;
     q/k norms, partial RoPE, the KV writes, causal attention and the gate as the reference ops
     compute them; other cache slots untouched. Heads of 32 take the AVX-512 loops (16 dims a
-    step) where built, or the plain C ones; heads of 12 the plain ones."""
+    step), the AVX2 ones (8) or the plain C ones as asked where built; heads of 24 the AVX2
+    ones, of 12 the plain ones."""
     from hybridrt.model import GatedAttention
 
     monkeypatch.setattr(native, "FUSED_SIMD", simd)

@@ -52,11 +52,10 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
                  int64_t L, int64_t H, int64_t HKV, int64_t D, int bf, int simd,
                  int num_threads)
 {
-#if defined(__AVX512F__)
-    simd = simd && D % 16 == 0;  /* the AVX-512 loops: 16 dims of a head a step */
-#else
-    simd = 0;
-#endif
+    /* the vector loops take a head 16 (AVX-512) or 8 (AVX2) dims a step */
+    simd = simd < SIMD_MAX ? simd : SIMD_MAX;
+    if (simd == 2 && D % 16) simd = 1;
+    if (simd == 1 && D % 8) simd = 0;
     const int64_t es = bf ? 2 : 4, row = HKV * D;  /* cache elements per slot */
     #pragma omp parallel num_threads(num_threads)
     {
@@ -90,12 +89,20 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
                     const char *kp = (const char *)k_cache + (slot * row + hk * D) * es;
                     float dot = 0.0f;
 #if defined(__AVX512F__)
-                    if (simd) {
+                    if (simd == 2) {
                         __m512 d16 = _mm512_setzero_ps();
                         for (int64_t i = 0; i < D; i += 16)
                             d16 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i),
                                                   act_ld16(kp, i, bf, 0xFFFF), d16);
                         dot = _mm512_reduce_add_ps(d16);
+                    } else
+#endif
+#if SIMD_MAX >= 1
+                    if (simd == 1) {
+                        __m256 d8 = _mm256_setzero_ps();
+                        for (int64_t i = 0; i < D; i += 8)
+                            d8 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), act_ld8(kp, i, bf), d8);
+                        dot = hsum8(d8);
                     } else
 #endif
                     if (bf)
@@ -117,11 +124,19 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
                     const float w = expf(s[j] - m);
                     l += w;
 #if defined(__AVX512F__)
-                    if (simd) {
+                    if (simd == 2) {
                         const __m512 w16 = _mm512_set1_ps(w);
                         for (int64_t i = 0; i < D; i += 16)
                             _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(
                                 w16, act_ld16(vp, i, bf, 0xFFFF), _mm512_loadu_ps(acc + i)));
+                    } else
+#endif
+#if SIMD_MAX >= 1
+                    if (simd == 1) {
+                        const __m256 w8 = _mm256_set1_ps(w);
+                        for (int64_t i = 0; i < D; i += 8)
+                            _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(
+                                w8, act_ld8(vp, i, bf), _mm256_loadu_ps(acc + i)));
                     } else
 #endif
                     if (bf)
@@ -133,13 +148,23 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
             const int64_t g0 = r * ld_qg + h * 2 * D + D;
             int64_t i0 = 0;
 #if defined(__AVX512F__)
-            for (; simd && i0 < D; i0 += 16) {
+            for (; simd == 2 && i0 < D; i0 += 16) {
                 const __m512 o = act_round16(_mm512_div_ps(_mm512_loadu_ps(acc + i0),
                                                            _mm512_set1_ps(l)), bf);
                 const __m512 x = act_ld16(qg, g0 + i0, bf, 0xFFFF);
                 const __m512 g = act_round16(_mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(
                     _mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))), bf);
                 act_st16(out, r * H * D + h * D + i0, _mm512_mul_ps(o, g), bf, 0xFFFF);
+            }
+#endif
+#if SIMD_MAX >= 1
+            for (; simd == 1 && i0 < D; i0 += 8) {
+                const __m256 o = act_round8(_mm256_div_ps(_mm256_loadu_ps(acc + i0),
+                                                          _mm256_set1_ps(l)), bf);
+                const __m256 x = act_ld8(qg, g0 + i0, bf);
+                const __m256 g = act_round8(_mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(
+                    _mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)))), bf);
+                act_st8(out, r * H * D + h * D + i0, _mm256_mul_ps(o, g), bf);
             }
 #endif
             for (int64_t i = i0; i < D; ++i) {

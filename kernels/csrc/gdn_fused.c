@@ -94,9 +94,7 @@ void gdn_fused(const void *mixed, int64_t ld_mixed, const void *z, int64_t ld_z,
                void *out, int64_t B, int64_t L, int64_t K, int64_t HK, int64_t HV, int64_t DK,
                int64_t DV, int bf, int simd, int num_threads)
 {
-#if !defined(__AVX512F__)
-    simd = 0;
-#endif
+    simd = simd < SIMD_MAX ? simd : SIMD_MAX;
     const int64_t C = 2 * HK * DK + HV * DV, W = K - 1, N = B * L;
     float *m = malloc(sizeof(float) * (size_t)(N * C));  /* conv outputs, rounded */
     if (m == NULL) return;
@@ -116,7 +114,7 @@ void gdn_fused(const void *mixed, int64_t ld_mixed, const void *z, int64_t ld_z,
 #if defined(__AVX512F__)
                     /* 16 channels at a time: the same products and sums (no fused multiply-add),
                      * silu with exp16 */
-                    for (; simd && c + 16 <= c1; c += 16) {
+                    for (; simd == 2 && c + 16 <= c1; c += 16) {
                         __m512 win[16];
                         for (int64_t j = 0; j < W; ++j) win[j] = act_ld16(src, j * C + c, bf, 0xFFFF);
                         win[W] = act_ld16(mixed, row * ld_mixed + c, bf, 0xFFFF);
@@ -126,6 +124,19 @@ void gdn_fused(const void *mixed, int64_t ld_mixed, const void *z, int64_t ld_z,
                                 win[j], _mm512_loadu_ps(conv_taps + j * C + c)));
                         _mm512_storeu_ps(m + row * C + c, act_round16(silu16(y), bf));
                         for (int64_t j = 0; j < W; ++j) act_st16(dst, j * C + c, win[j + 1], bf, 0xFFFF);
+                    }
+#endif
+#if SIMD_MAX >= 1
+                    for (; simd >= 1 && c + 8 <= c1; c += 8) {  /* the same, 8 channels (AVX2) */
+                        __m256 win[16];
+                        for (int64_t j = 0; j < W; ++j) win[j] = act_ld8(src, j * C + c, bf);
+                        win[W] = act_ld8(mixed, row * ld_mixed + c, bf);
+                        __m256 y = _mm256_mul_ps(win[0], _mm256_loadu_ps(conv_taps + c));
+                        for (int64_t j = 1; j < K; ++j)
+                            y = _mm256_add_ps(y, _mm256_mul_ps(
+                                win[j], _mm256_loadu_ps(conv_taps + j * C + c)));
+                        _mm256_storeu_ps(m + row * C + c, act_round8(silu8(y), bf));
+                        for (int64_t j = 0; j < W; ++j) act_st8(dst, j * C + c, win[j + 1], bf);
                     }
 #endif
                     for (; c < c1; ++c) {
@@ -189,7 +200,7 @@ void gdn_fused(const void *mixed, int64_t ld_mixed, const void *z, int64_t ld_z,
                 const float inv = 1.0f / sqrtf(ss / (float)DV + eps);
                 int64_t j0 = 0;
 #if defined(__AVX512F__)
-                for (; simd && j0 + 16 <= DV; j0 += 16) {
+                for (; simd == 2 && j0 + 16 <= DV; j0 += 16) {
                     const __m512 on = act_round16(_mm512_mul_ps(_mm512_loadu_ps(o + j0),
                                                                 _mm512_set1_ps(inv)), bf);
                     const __m512 y = act_round16(_mm512_mul_ps(act_ld16(norm_w, j0, bf, 0xFFFF),
@@ -197,6 +208,15 @@ void gdn_fused(const void *mixed, int64_t ld_mixed, const void *z, int64_t ld_z,
                     const __m512 zz = act_ld16(z, row * ld_z + h * DV + j0, bf, 0xFFFF);
                     act_st16(out, row * HV * DV + h * DV + j0, _mm512_mul_ps(y, silu16(zz)), bf,
                              0xFFFF);
+                }
+#endif
+#if SIMD_MAX >= 1
+                for (; simd >= 1 && j0 + 8 <= DV; j0 += 8) {
+                    const __m256 on = act_round8(_mm256_mul_ps(_mm256_loadu_ps(o + j0),
+                                                               _mm256_set1_ps(inv)), bf);
+                    const __m256 y = act_round8(_mm256_mul_ps(act_ld8(norm_w, j0, bf), on), bf);
+                    const __m256 zz = act_ld8(z, row * ld_z + h * DV + j0, bf);
+                    act_st8(out, row * HV * DV + h * DV + j0, _mm256_mul_ps(y, silu8(zz)), bf);
                 }
 #endif
                 for (int64_t j = j0; j < DV; ++j) {
