@@ -193,6 +193,9 @@ def save_quantized(model: str | os.PathLike, out: str | os.PathLike) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"),
               metadata={"format": "pt", QUANT_METADATA: "int8"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out / "model.safetensors", 0o666 & ~umask)  # safetensors writes it owner-only
     for f in path.iterdir():  # config, tokenizer, generation config, chat template ...
         if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json",
                                                 ".bin", ".pt", ".pth")):
