@@ -361,6 +361,7 @@ class CPUBackend(ReferenceBackend):
         self.native = native.load() is not None
         self.half_simd = native.half_gemm_available()  # decided once, not per call
         self.int8_isa = quant.select_isa()  # likewise (None: no compiled kernels)
+        native.fused_simd()  # the fused layers' vector loops (HYBRIDRT_FUSED_SIMD), checked
         self.num_slots: int | None = None
         self.kv_shape: tuple[int, int] | None = None  # (blocks, block size) of the KV caches
         self.groups: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}

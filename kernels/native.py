@@ -304,9 +304,21 @@ _FUSED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 # the vector loops of gdn_fused (conv, output norm) and attn_decode (dot products, value sums,
 # gate): 2 = AVX-512 (16 lanes) where the build has it, else AVX2 (8 lanes); 1 = AVX2 at most;
-# 0 = their plain C loops. HYBRIDRT_FUSED_SIMD=avx2 or 0 chooses (the tests run each).
-FUSED_SIMD = {"0": 0, "off": 0, "no": 0, "false": 0, "avx2": 1}.get(
-    os.environ.get("HYBRIDRT_FUSED_SIMD", "").lower(), 2)
+# 0 = their plain C loops. HYBRIDRT_FUSED_SIMD=avx2 or 0 chooses (the tests run each);
+# fused_simd() reads it (the CPU backend, at start-up).
+_SIMD_LEVELS = {"": 2, "avx512": 2, "avx2": 1, "0": 0, "off": 0, "none": 0}
+FUSED_SIMD = 2
+
+
+def fused_simd() -> int:
+    """``FUSED_SIMD`` from ``HYBRIDRT_FUSED_SIMD`` (ValueError naming it for other values)."""
+    global FUSED_SIMD
+    raw = os.environ.get("HYBRIDRT_FUSED_SIMD", "").strip().lower()
+    if raw not in _SIMD_LEVELS:
+        raise ValueError(f"HYBRIDRT_FUSED_SIMD={raw!r}: choose avx512 (the default: the widest "
+                         f"this CPU has), avx2 or 0")
+    FUSED_SIMD = _SIMD_LEVELS[raw]
+    return FUSED_SIMD
 
 
 def fused_dtype_code(dtype: torch.dtype) -> int | None:

@@ -370,7 +370,7 @@ def test_fused_gdn_layer_matches_reference(dtype, heads, L, verify, simd, monkey
     value heads of 128 (Qwen3.5's) take the register-resident read of the state; the vector
     loops (AVX-512: 16 channels, 16 values of a head; AVX2: 8; the "equal" case's 78 channels
     leave a tail of each width) where the build has them, and the plain C ones."""
-    monkeypatch.setattr(native, "FUSED_SIMD", simd)
+    monkeypatch.setenv("HYBRIDRT_FUSED_SIMD", {2: "avx512", 1: "avx2", 0: "0"}[simd])
     from hybridrt.kernels.backend import RecurrentGroup
     from hybridrt.kernels.delta_rule import slot_runs
     from hybridrt.model import GatedDeltaNet
@@ -431,7 +431,7 @@ def test_fused_decode_attention_matches_reference(dtype, gqa, L, D, simd, monkey
     ones, of 12 the plain ones."""
     from hybridrt.model import GatedAttention
 
-    monkeypatch.setattr(native, "FUSED_SIMD", simd)
+    monkeypatch.setenv("HYBRIDRT_FUSED_SIMD", {2: "avx512", 1: "avx2", 0: "0"}[simd])
     layer, config, net = _layer(GatedAttention, dtype, num_attention_heads=2 * gqa,
                                 num_key_value_heads=2, head_dim=D)
     bs, NB = 4, 24
@@ -478,6 +478,18 @@ def test_fused_decode_attention_checks_the_cache_indices(monkeypatch):
         cos, sin = net.rope(batch.positions, torch.bfloat16)
         with pytest.raises(IndexError, match=what):
             be.gated_attention(be.prepare(batch), batch, layer, qg, kv, kv, *caches, cos, sin)
+
+
+def test_fused_simd_switch(monkeypatch):
+    for raw, level in (("avx2", 1), ("0", 0), ("AVX512", 2), ("", 2)):
+        monkeypatch.setenv("HYBRIDRT_FUSED_SIMD", raw)
+        CPUBackend(None)
+        assert native.FUSED_SIMD == level, raw
+    monkeypatch.setenv("HYBRIDRT_FUSED_SIMD", "sse9")
+    with pytest.raises(ValueError, match="HYBRIDRT_FUSED_SIMD='sse9': choose avx512"):
+        CPUBackend(None)
+    monkeypatch.delenv("HYBRIDRT_FUSED_SIMD")
+    native.fused_simd()
 
 
 def test_fused_gdn_layer_checks_the_slots():
