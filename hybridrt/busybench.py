@@ -44,13 +44,12 @@ _SPIN = "while True: pass"
 def _die_with_parent() -> None:
     """In the spinner, before it runs: the kernel kills it when this benchmark dies, however it
     dies (Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)``), so a killed run leaves no core busy."""
+    import contextlib
     import ctypes
     import signal
 
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))
-    except (OSError, AttributeError):
-        pass
 
 
 def _spinner() -> subprocess.Popen:

@@ -38,10 +38,9 @@ def keep_freed_memory() -> bool:
     _done = False
     if not sys.platform.startswith("linux"):
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and other libcs have no mallopt
+    libc = _load_libc()
+    mallopt = getattr(libc, "mallopt", None) if libc else None
+    if mallopt is None:  # musl and other libcs have no mallopt
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int

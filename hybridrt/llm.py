@@ -71,6 +71,13 @@ def check_device(device: str | torch.device) -> torch.device:
     return device
 
 
+def _check_cpu_backend(what: str, device: torch.device, backend: str | None) -> None:
+    """int8 weights run on the CPU backends only: ValueError naming ``what`` otherwise."""
+    if device.type != "cpu" or backend not in (None, "cpu", "reference"):
+        raise ValueError(f"{what} runs on the CPU backends only, not device={str(device)!r} "
+                         f"backend={backend!r}")
+
+
 def default_model() -> str:
     """The embedded demo checkpoint, the default model of every entry point."""
     if not (DEMO_MODEL_DIR / "config.json").is_file():
@@ -149,10 +156,8 @@ class LLM:
             torch.set_num_threads(threads)
         self.device = check_device(device)
         self.quantization = check_quantization(quantization)
-        if self.quantization and (self.device.type != "cpu" or backend not in (None, "cpu",
-                                                                                "reference")):
-            raise ValueError(f"quantization={self.quantization!r} runs on the CPU backends "
-                             f"only, not device={str(self.device)!r} backend={backend!r}")
+        if self.quantization:
+            _check_cpu_backend(f"quantization={self.quantization!r}", self.device, backend)
         if self.device.type == "cpu":
             keep_freed_memory()
         if not (isinstance(dtype, str) and dtype.lower() == "auto"):
@@ -164,9 +169,7 @@ class LLM:
         )
         if self.quantization is None and quant.is_quantized(self.model):
             self.quantization = "int8"  # a checkpoint stored in int8 (hybridrt quantize)
-            if backend not in (None, "cpu", "reference"):
-                raise ValueError(f"{self.model_path} holds int8 weights, which run on the CPU "
-                                 f"backends only, not backend={backend!r}")
+            _check_cpu_backend(f"the int8 checkpoint {self.model_path}", self.device, backend)
         self.dtype = self.model.dtype
         if speculative_tokens > 0 and self.model.mtp is None:
             raise ValueError(

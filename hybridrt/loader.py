@@ -60,7 +60,7 @@ def checkpoint_dtype(path: Path, handles: dict, device: torch.device) -> torch.d
                     found = found or DTYPES[cfg[key].lower()]
     if found is None:
         for canon, (h, name) in handles.items():
-            if canon.endswith((".qs", ".scales")):
+            if canon.endswith(_INT8_PARTS):
                 continue  # int8 values and their fp16 scales (save_quantized)
             found = _SAFETENSORS_DTYPES.get(h.get_slice(name).get_dtype())
             if found is not None:
@@ -151,6 +151,7 @@ def _read(handles: dict, file_of: dict, name: str) -> torch.Tensor:
 
 
 QUANT_METADATA = "hybridrt.quantization"  # safetensors metadata key of save_quantized's files
+_INT8_PARTS = (".qs", ".scales")  # the two stored tensors of each int8 weight
 
 
 def _prequantized(opened: list, path: Path) -> str | None:
@@ -320,7 +321,7 @@ def load_model(
             shape = tuple(net.get_parameter(name).shape)
             quantized[name] = quant.QuantWeight(qs.to(device), scales.to(device), shape)
     for name in expected:
-        if prequantized and name.endswith((".qs", ".scales")):
+        if prequantized and name.endswith(_INT8_PARTS):
             continue
         t = _read(handles, file_of, name)
         if name in to_quantize:

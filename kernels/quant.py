@@ -77,9 +77,10 @@ def quantize(weight: torch.Tensor) -> QuantWeight:
         raise ValueError(f"quantize: expected a float matrix, got {weight.dtype} "
                          f"{list(weight.shape)}")
     N, K = weight.shape
-    P, G = -(-N // PANEL), -(-K // GROUP)
-    qs = torch.empty(P, G, 8, PANEL, 4, dtype=torch.int8, device=weight.device)
-    scales = torch.empty(P, G, PANEL, dtype=torch.float16, device=weight.device)
+    qs_shape, scales_shape = packed_shapes((N, K))
+    P, G = scales_shape[:2]
+    qs = torch.empty(qs_shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(scales_shape, dtype=torch.float16, device=weight.device)
     step = max(PANEL, _CHUNK_ROWS // PANEL * PANEL)
     for n0 in range(0, P * PANEL, step):  # chunks of whole panels
         w = weight[n0:n0 + step].to(torch.float32, copy=True)  # changed in place below

@@ -484,7 +484,7 @@ def test_fused_simd_switch(monkeypatch):
     for raw, level in (("avx2", 1), ("0", 0), ("AVX512", 2), ("", 2)):
         monkeypatch.setenv("HYBRIDRT_FUSED_SIMD", raw)
         CPUBackend(None)
-        assert native.FUSED_SIMD == level, raw
+        assert level == native.FUSED_SIMD, raw
     monkeypatch.setenv("HYBRIDRT_FUSED_SIMD", "sse9")
     with pytest.raises(ValueError, match="HYBRIDRT_FUSED_SIMD='sse9': choose avx512"):
         CPUBackend(None)

@@ -194,14 +194,6 @@ void half_gemm(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N
  * the rows beside it: a draft verification of up to 7 drafts computes its rows exactly as
  * decoding computes them one by one. Up to 8 rows this ran faster than half_gemm
  * (docs/performance.md). */
-static inline float hsum(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline __attribute__((always_inline)) void gemv_row(
     const float *x, const uint16_t *w, void *y, int64_t N, int64_t K, int mr, int is_fp16,
     int out_bf16)
@@ -236,7 +228,7 @@ static inline __attribute__((always_inline)) void gemv_row(
     #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
         if (r < mr) {
-            float t = hsum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
+            float t = hsum8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
                                          _mm256_add_ps(acc[r][2], acc[r][3])));
             for (int64_t k = K8; k < K; ++k) t += x[r * K + k] * half_to_float(w[k], is_fp16);
             act_st(y, r * N, t, out_bf16);

@@ -104,10 +104,7 @@ static inline __m512 load16(const void *x, int bf, int64_t k, int64_t K)
 {
     const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF
                         : K <= k ? (__mmask16)0 : (__mmask16)((1u << (K - k)) - 1);
-    if (bf)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-            _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k)), 16));
-    return _mm512_maskz_loadu_ps(m, (const float *)x + k);
+    return act_ld16(x, k, bf, m);  /* inputs k.. that lie before K, zeros past it */
 }
 
 static void quantize_row_simd(const void *x, int bf, int64_t K, int64_t Kp, int8_t *q, float *d,
