@@ -37,16 +37,52 @@ fla facts this relies on (fla-core 0.6.0):
   ``cu_seqlens`` tensor in place between calls; pass a new tensor. Passing the same tensors to
   ``conv_prefill`` and ``chunk_prefill`` of a layer (both use 64-token chunks) reuses the index.
 
+- fla's chunked kernels call ``tl.dot`` at Triton's default input precision, which for fp32
+  operands on a GPU is tf32 (10 mantissa bits): an fp32 model would prefill with ~1e-3
+  relative products. For fp32 inputs ``chunk_prefill`` sets ``TRITON_F32_DEFAULT=ieee`` for
+  the call (Triton reads it when compiling and keys its kernel caches on it), so fp32 means
+  fp32 products; bf16 is untouched. ``FP32_EXACT`` says whether this Triton has the setting.
+
 Prefill runs eagerly (its launch grid depends on the sequence lengths), not in a CUDA graph.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import torch
 from fla.modules.causal_conv1d import causal_conv1d
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
 from ..conv import _check_conv
+
+
+def _has_fp32_default() -> bool:
+    try:
+        from triton import knobs
+    except ImportError:  # older Triton: no such setting
+        return False
+    return hasattr(knobs, "language") and hasattr(knobs.language, "fp32_default")
+
+
+FP32_EXACT = _has_fp32_default()
+
+
+@contextlib.contextmanager
+def fp32_products(dtype: torch.dtype):
+    """Within: ``tl.dot`` on fp32 operands at the default precision multiplies in fp32 (not
+    tf32) when ``dtype`` is fp32; nothing changes otherwise or when the user set
+    ``TRITON_F32_DEFAULT`` themselves."""
+    key = "TRITON_F32_DEFAULT"
+    if dtype != torch.float32 or key in os.environ:
+        yield
+        return
+    os.environ[key] = "ieee"
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
 
 
 def _long(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -92,24 +128,25 @@ def chunk_prefill(
 
     h0 = ssm_states.index_select(0, state_slots)  # [N, HV, DK, DV], a fresh copy
     h0.masked_fill_(~has_initial_state.view(N, 1, 1, 1), 0.0)  # NaN-safe zeros
-    o, ht = chunk_gated_delta_rule(
-        q=q.unsqueeze(0),
-        k=k.unsqueeze(0),
-        v=v.unsqueeze(0),
-        g=a.unsqueeze(0),
-        beta=b.unsqueeze(0),
-        scale=DK**-0.5,
-        initial_state=h0,
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        use_beta_sigmoid_in_kernel=True,
-        state_v_first=False,
-        cu_seqlens=_long(cu_seqlens),
-        cu_seqlens_cpu=_long(cu_seqlens_cpu),
-    )
+    with fp32_products(q.dtype):
+        o, ht = chunk_gated_delta_rule(
+            q=q.unsqueeze(0),
+            k=k.unsqueeze(0),
+            v=v.unsqueeze(0),
+            g=a.unsqueeze(0),
+            beta=b.unsqueeze(0),
+            scale=DK**-0.5,
+            initial_state=h0,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            use_beta_sigmoid_in_kernel=True,
+            state_v_first=False,
+            cu_seqlens=_long(cu_seqlens),
+            cu_seqlens_cpu=_long(cu_seqlens_cpu),
+        )
     ssm_states.index_copy_(0, state_slots, ht)
     return o[0].to(v.dtype)
 

@@ -2,7 +2,8 @@
 
 Import this module before the first fla kernel runs (test files only, never library code). It
 does nothing unless ``TRITON_INTERPRET=1``. Four problems, all in how kernels meet the
-interpreter, not in the kernels (3 and 4 concern any kernel with bf16 data, not only fla's):
+interpreter, not in the kernels (3 and 4 concern any kernel with bf16 data, not only fla's),
+and one opt-in emulation (5):
 
 1. fla autotunes most kernels over several configs; the interpreter has no GPU driver to time
    them with (``RuntimeError: 0 active drivers``). The autotuner is cut to its first config
@@ -25,6 +26,12 @@ interpreter, not in the kernels (3 and 4 concern any kernel with bf16 data, not 
    output error against an fp32 reference came out ~30x its fp16 error (0.018 vs 0.0006 rmse
    ratio) instead of ~8x. fp32 -> bf16 now rounds to nearest even (through torch), except
    where a kernel asks for round-toward-zero.
+5. ``HYBRIDRT_INTERPRET_TF32=1``: ``tl.dot`` on fp32 operands at the default (or an explicit
+   "tf32") input precision rounds both operands to tf32 (10 mantissa bits, to nearest) before
+   the fp32 product, as a GPU's tensor cores do; the interpreter otherwise multiplies in full
+   fp32. fla's chunked delta rule uses the default precision, so this shows on CPU what its
+   fp32 prefill computes on a GPU (tests/gpu/test_backend.py's fp32 test then applies its GPU
+   rule).
 """
 
 from __future__ import annotations
@@ -33,6 +40,19 @@ import ast
 import os
 
 ACTIVE = os.environ.get("TRITON_INTERPRET") == "1"
+TF32 = ACTIVE and os.environ.get("HYBRIDRT_INTERPRET_TF32") == "1"
+
+
+def round_to_tf32(x):
+    """fp32 numpy array -> the same values rounded to tf32 (10 mantissa bits, ties to even),
+    still fp32. Inf and NaN pass through."""
+    import numpy as np
+
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    finite = (bits & 0x7F800000) != 0x7F800000
+    lsb = (bits >> 13) & 1
+    rounded = ((bits + np.uint32(0xFFF) + lsb) & np.uint32(0xFFFFE000)).astype(np.uint32)
+    return np.where(finite, rounded, bits).view(np.float32)
 
 
 def _calls_to(var: str, body: list[ast.stmt]) -> bool:
@@ -77,6 +97,10 @@ def _apply() -> None:
         def wide(x):
             return self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
 
+        if (TF32 and input_precision == interpreter._ir.INPUT_PRECISION.TF32
+                and a.dtype.scalar == tl.float32 and b.dtype.scalar == tl.float32):
+            a = interpreter.TensorHandle(round_to_tf32(a.data), a.dtype.scalar)
+            b = interpreter.TensorHandle(round_to_tf32(b.data), b.dtype.scalar)
         if d.dtype.scalar == tl.bfloat16:
             out = dot(self, wide(a), wide(b), wide(d), input_precision, max_num_imprecise_acc)
             return self.cast_impl(out, tl.bfloat16)
