@@ -10,9 +10,18 @@ The Qwen3.5-0.8B shape with random bf16 weights (written to a temporary director
   its first token), prefill tok/s of one prompt of each ``--prefill`` length (time to first
   token);
 - ``transformers``: the same figures for ``Qwen3_5ForCausalLM.generate`` (fla kernels when
-  fla is installed), decode from the difference of an n-token and a 1-token generate.
+  fla is installed), decode from the difference of an n-token and a 1-token generate;
+- ``phases``: where a decode step's time goes at each of ``--phase-batches``: the engine's
+  step cut into schedule / prepare / forward / logits / sample / update, the device
+  synchronised at every cut, so each phase holds its own device work (microseconds per step;
+  ``sum`` against ``step``, the same steps unsynchronised, shows how much the cuts cost);
+- ``profile``: ``torch.profiler`` over ``--profile-steps`` decode steps at batch 1 and one
+  prefill of the first ``--prefill`` length: kernel launches and device / host time per step,
+  and the ops with the most device time (host time on CPU).
 
 ``python -m hybridrt.cudabench --json out.json`` (``--help`` for the options).
+``--device cpu --tiny`` runs every part on a tiny random model on the CPU: a dry run of the
+benchmark's code (tests/test_cudabench.py), not a measurement.
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ import torch
 
 
 def _sync() -> None:
-    torch.cuda.synchronize()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -36,9 +46,9 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def copy_bandwidth(nbytes: int = 4 << 30, repeats: int = 10) -> float:
+def copy_bandwidth(nbytes: int = 4 << 30, repeats: int = 10, device: str = "cuda") -> float:
     """Device-to-device copy, bytes read + written per second (median of ``repeats``)."""
-    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    x = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=device)
     y = torch.empty_like(x)
     y.copy_(x)
     times = []
@@ -89,15 +99,129 @@ def prefill_rate(engine, prompt, repeats: int = 3) -> float:
     return len(prompt) / statistics.median(times)
 
 
+PHASES = (("scheduler", "schedule"), ("runner", "prepare"), ("runner", "forward"),
+          ("runner", "logits"), ("engine", "_sample"), ("engine", "_update"))
+
+
+def step_phases(engine, prompts, steps: int) -> dict:
+    """Microseconds per decode step in each phase of ``engine.step`` (device synchronised at
+    every phase boundary) for ``prompts`` decoding together; ``step``: the same number of
+    steps unsynchronised, ``sum``: the phases' total."""
+    from hybridrt.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    reqs = [engine.get_request(i) for i in ids]
+    while any(r.num_output_tokens < 4 for r in reqs):
+        engine.step()
+    _sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync()
+    plain = (time.perf_counter() - t) / steps
+    owners = {"scheduler": engine.scheduler, "runner": engine.runner, "engine": engine}
+    spent = {name.strip("_"): 0.0 for _, name in PHASES}
+    for owner, name in PHASES:
+        obj, fn, key = owners[owner], getattr(owners[owner], name), name.strip("_")
+
+        def timed(*a, _fn=fn, _key=key, **kw):
+            _sync()
+            t0 = time.perf_counter()
+            out = _fn(*a, **kw)
+            _sync()
+            spent[_key] += time.perf_counter() - t0
+            return out
+
+        setattr(obj, name, timed)
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        for owner, name in PHASES:
+            delattr(owners[owner], name)  # the class's method again
+    assert all(r.num_output_tokens == 4 + 2 * steps for r in reqs), "requests ended early"
+    for i in ids:
+        engine.abort_request(i)
+        engine.pop_request(i)
+    res = {k: v / steps * 1e6 for k, v in spent.items()}
+    res["sum"] = sum(spent.values()) / steps * 1e6
+    res["step"] = plain * 1e6
+    return res
+
+
+def profile_summary(fn, steps: int, top: int = 15) -> dict:
+    """``torch.profiler`` over ``fn()`` (``steps`` engine steps): per step, kernel launches and
+    device / host time; the ``top`` ops by device time (by host time where there is no
+    device)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU]
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        acts.append(ProfilerActivity.CUDA)
+    _sync()
+    with profile(activities=acts) as prof:
+        fn()
+        _sync()
+    events = prof.key_averages()
+
+    def dev(e):
+        return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+
+    kernels = [e for e in prof.events() if getattr(e, "device_type", None) is not None
+               and str(e.device_type).endswith("CUDA")]
+    rows = sorted(events, key=lambda e: (dev(e), e.self_cpu_time_total), reverse=True)[:top]
+    return {
+        "steps": steps,
+        "kernels_per_step": len(kernels) / steps,
+        "device_us_per_step": sum(dev(e) for e in events) / steps,
+        "host_us_per_step": sum(e.self_cpu_time_total for e in events) / steps,
+        "top": [{"name": e.key[:80], "calls": e.count, "device_us": dev(e),
+                 "host_us": e.self_cpu_time_total} for e in rows],
+    }
+
+
+def profile_ours(engine, args, vocab: int) -> dict:
+    from hybridrt.sampling_params import SamplingParams
+
+    steps = args.profile_steps
+    sp = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    rid = engine.add_request(_prompts(1, args.prompt_len, vocab, 7)[0], sp)
+    while engine.get_request(rid).num_output_tokens < 2:
+        engine.step()
+
+    def decode():
+        for _ in range(steps):
+            engine.step()
+
+    res = {"decode_b1": profile_summary(decode, steps)}
+    engine.abort_request(rid)
+    engine.pop_request(rid)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    n = args.prefill[0]
+    prompt = _prompts(1, n, vocab, 8)[0]
+
+    def prefill():
+        rid = engine.add_request(prompt, one)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.pop_request(rid)
+
+    res[f"prefill_{n}"] = profile_summary(prefill, 1)
+    return res
+
+
 def bench_ours(model_dir, args) -> dict:
     from hybridrt.llm import LLM
     from hybridrt.sampling_params import SamplingParams
 
     max_len = max(max(args.prefill), args.prompt_len + args.decode_tokens) + 16
     t = time.perf_counter()
-    llm = LLM(model_dir, dtype="bfloat16", device="cuda", max_model_len=max_len,
-              max_num_seqs=max(args.batches), max_num_batched_tokens=max(args.prefill),
-              cache_memory=0.5, tokenizer=None)
+    llm = LLM(model_dir, dtype=args.dtype, device=args.device, backend=args.backend,
+              max_model_len=max_len, max_num_seqs=max(args.batches),
+              max_num_batched_tokens=max(args.prefill), cache_memory=args.cache_memory,
+              tokenizer=None)
     _sync()
     res: dict = {"load_s": time.perf_counter() - t, "backend": llm.engine.runner.backend.name}
     eng = llm.engine
@@ -116,19 +240,26 @@ def bench_ours(model_dir, args) -> dict:
         res[f"decode_b{b}_tok_s"] = statistics.median(rates)
     for n in args.prefill:
         res[f"prefill_{n}_tok_s"] = prefill_rate(eng, _prompts(1, n, vocab, 3)[0])
+    res["phases"] = {
+        f"b{b}": step_phases(eng, _prompts(b, args.prompt_len, vocab, 5), args.phase_steps)
+        for b in args.phase_batches}
+    if args.profile_steps:
+        res["profile"] = profile_ours(eng, args, vocab)
     res["num_graphs"] = len(getattr(eng.runner.backend, "graphs", {}))
     weights = sum(p.numel() * p.element_size() for n, p in llm.model.named_parameters()
                   if not n.startswith("mtp."))
     res["weight_bytes"] = weights
     del llm, eng
-    torch.cuda.empty_cache()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     return res
 
 
 def bench_transformers(text_config, state_dict, args) -> dict:
     from hybridrt.testing import hf_reference_model
 
-    ref = hf_reference_model(text_config, state_dict, torch.bfloat16).cuda()
+    dtype = getattr(torch, args.dtype)
+    ref = hf_reference_model(text_config, state_dict, dtype).to(args.device)
     vocab = text_config["vocab_size"]
     res: dict = {}
     try:
@@ -139,7 +270,7 @@ def bench_transformers(text_config, state_dict, args) -> dict:
         res["fla"] = False
 
     def run(ids, n):
-        x = torch.tensor(ids, device="cuda")
+        x = torch.tensor(ids, device=args.device)
         _sync()
         t = time.perf_counter()
         with torch.inference_mode():
@@ -161,7 +292,8 @@ def bench_transformers(text_config, state_dict, args) -> dict:
         run(p, 1)
         res[f"prefill_{n}_tok_s"] = n / statistics.median(run(p, 1) for _ in range(3))
     ref = None  # free the model before the next section
-    torch.cuda.empty_cache()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     return res
 
 
@@ -175,22 +307,41 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--transformers-max-batch", type=int, default=256)
+    ap.add_argument("--phase-batches", default="1,32",
+                    help="batch sizes of the per-phase step breakdown ('' for none)")
+    ap.add_argument("--phase-steps", type=int, default=20)
+    ap.add_argument("--profile-steps", type=int, default=10,
+                    help="decode steps under torch.profiler (0: no profile)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--backend", default=None, help="kernel backend (default: the device's)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--cache-memory", default="0.5",
+                    help="KV + state cache budget (LLM's cache_memory: a fraction or bytes)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a tiny random model instead of the 0.8B shape (a dry run)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     args.batches = [int(x) for x in args.batches.split(",")]
     args.prefill = [int(x) for x in args.prefill.split(",")]
-    if not torch.cuda.is_available():
+    args.phase_batches = [int(x) for x in args.phase_batches.split(",") if x]
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("cudabench: CUDA is not available in this PyTorch build / machine")
 
     from hybridrt.config import ModelConfig
-    from hybridrt.testing import QWEN35_08B_TEXT_CONFIG, random_state_dict, write_random_checkpoint
+    from hybridrt.testing import (
+        QWEN35_08B_TEXT_CONFIG,
+        random_state_dict,
+        tiny_text_config,
+        write_random_checkpoint,
+    )
 
-    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "args": {k: v for k, v in vars(args).items()}}
-    bw = copy_bandwidth()
+    cuda = args.device == "cuda"
+    report: dict = {"device": torch.cuda.get_device_name() if cuda else args.device,
+                    "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()}}
+    bw = copy_bandwidth(4 << 30 if cuda else 64 << 20, device=args.device)
     t = time.perf_counter()
-    text = QWEN35_08B_TEXT_CONFIG
-    sd = random_state_dict(ModelConfig.from_dict(text), seed=0, dtype=torch.bfloat16)
+    text = tiny_text_config() if args.tiny else QWEN35_08B_TEXT_CONFIG
+    sd = random_state_dict(ModelConfig.from_dict(text), seed=0, dtype=getattr(torch, args.dtype))
     with tempfile.TemporaryDirectory() as d:
         write_random_checkpoint(Path(d), text, state_dict=sd)
         report["checkpoint_s"] = time.perf_counter() - t
