@@ -7,12 +7,14 @@ The Qwen3.5-0.8B shape with random bf16 weights (written to a temporary director
   ceiling it implies, bandwidth / bytes of weights read per step;
 - ``ours``: decode tok/s at each batch size (every request decodes ``--decode-tokens`` tokens
   after a ``--prompt-len`` prompt; prefill excluded: the clock starts once every request has
-  its first token), prefill tok/s of one prompt of each ``--prefill`` length (time to first
-  token);
+  its first token), with ``async_scheduling`` as the engine has it (on for CUDA) and, at the
+  ``--phase-batches`` sizes, without it (``decode_b1_sync_tok_s``); prefill tok/s of one
+  prompt of each ``--prefill`` length (time to first token);
 - ``transformers``: the same figures for ``Qwen3_5ForCausalLM.generate`` (fla kernels when
   fla is installed), decode from the difference of an n-token and a 1-token generate;
 - ``phases``: where a decode step's time goes at each of ``--phase-batches``: the engine's
-  step cut into schedule / prepare / forward / logits / sample / update, the device
+  step cut into schedule / prepare / forward / logits / sample_launch (sampling on the
+  device) / sample_collect (the tokens to the host) / update, the device
   synchronised at every cut, so each phase holds its own device work (microseconds per step;
   ``sum`` against ``step``, the same steps unsynchronised, shows how much the cuts cost);
 - ``profile``: ``torch.profiler`` over ``--profile-steps`` decode steps at batch 1 and one
@@ -100,7 +102,8 @@ def prefill_rate(engine, prompt, repeats: int = 3) -> float:
 
 
 PHASES = (("scheduler", "schedule"), ("runner", "prepare"), ("runner", "forward"),
-          ("runner", "logits"), ("engine", "_sample"), ("engine", "_update"))
+          ("runner", "logits"), ("engine", "_sample_launch"), ("engine", "_sample_collect"),
+          ("engine", "_update"))
 
 
 def step_phases(engine, prompts, steps: int) -> dict:
@@ -221,7 +224,8 @@ def bench_ours(model_dir, args) -> dict:
     llm = LLM(model_dir, dtype=args.dtype, device=args.device, backend=args.backend,
               max_model_len=max_len, max_num_seqs=max(args.batches),
               max_num_batched_tokens=max(args.prefill), cache_memory=args.cache_memory,
-              tokenizer=None)
+              tokenizer=None, async_scheduling={"on": True, "off": False, None: None}[
+                  args.async_scheduling])
     _sync()
     res: dict = {"load_s": time.perf_counter() - t, "backend": llm.engine.runner.backend.name}
     eng = llm.engine
@@ -238,6 +242,14 @@ def bench_ours(model_dir, args) -> dict:
         rates = [decode_rate(eng, _prompts(b, args.prompt_len, vocab, 10 + r), sp)
                  for r in range(args.repeats if b <= 32 else 1)]
         res[f"decode_b{b}_tok_s"] = statistics.median(rates)
+    res["async_scheduling"] = eng.async_scheduling
+    if eng.async_scheduling:  # the same without it, at the phase breakdown's batch sizes
+        eng.async_scheduling = False
+        for b in args.phase_batches:
+            res[f"decode_b{b}_sync_tok_s"] = statistics.median(
+                decode_rate(eng, _prompts(b, args.prompt_len, vocab, 10 + r), sp)
+                for r in range(args.repeats if b <= 32 else 1))
+        eng.async_scheduling = True
     for n in args.prefill:
         res[f"prefill_{n}_tok_s"] = prefill_rate(eng, _prompts(1, n, vocab, 3)[0])
     res["phases"] = {
@@ -246,6 +258,7 @@ def bench_ours(model_dir, args) -> dict:
     if args.profile_steps:
         res["profile"] = profile_ours(eng, args, vocab)
     res["num_graphs"] = len(getattr(eng.runner.backend, "graphs", {}))
+    res["num_chained_steps"] = eng.stats["num_chained_steps"]
     weights = sum(p.numel() * p.element_size() for n, p in llm.model.named_parameters()
                   if not n.startswith("mtp."))
     res["weight_bytes"] = weights
@@ -315,6 +328,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default=None, help="kernel backend (default: the device's)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--async-scheduling", choices=["on", "off"], default=None,
+                    help="LLM's async_scheduling (default: the device's, on for CUDA)")
     ap.add_argument("--cache-memory", default="0.5",
                     help="KV + state cache budget (LLM's cache_memory: a fraction or bytes)")
     ap.add_argument("--tiny", action="store_true",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from hybridrt.request import Request
 from hybridrt.runner import ModelRunner
 from hybridrt.sampler import Sampler, make_generator
 from hybridrt.sampling_params import SamplingParams
-from hybridrt.scheduler import Scheduler, StepPlan
+from hybridrt.scheduler import ScheduledSeq, Scheduler, StepPlan
 from hybridrt.session import Session, common_prefix
 from hybridrt.specdec.mtp import MTPProposer
 from hybridrt.specdec.stats import SpecStats, StepCosts
@@ -30,6 +30,42 @@ class Emitted:
     token_ids: list[int]
     logprobs: list | None  # RowLogprobs per token, when asked for
     num_accepted: int | None  # drafts accepted (verify steps only)
+
+
+@dataclass(slots=True)
+class _Sampled:
+    """A step's sampled tokens: the plain rows' (``normal``: their sequence indices) as a
+    device tensor being copied to the host, the verified drafts' already on the host."""
+
+    num_seqs: int
+    normal: list[int]
+    tokens: torch.Tensor | None = None
+    logprobs: list | None = None
+    verified: list = field(default_factory=list)
+    _host: torch.Tensor | None = None
+    _event: Any = None
+
+    def start_copy(self) -> None:
+        if self.tokens.device.type == "cuda":
+            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype,
+                                     pin_memory=True)
+            self._host.copy_(self.tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def host_tokens(self) -> list[int]:
+        if self._event is None:
+            return self.tokens.tolist()
+        self._event.synchronize()  # this copy only, not the work queued after it
+        return self._host.tolist()
+
+
+@dataclass(slots=True)
+class _Launched:
+    plan: StepPlan
+    batch: Any
+    hidden: torch.Tensor
+    sampled: _Sampled
 
 
 @dataclass(slots=True)
@@ -51,7 +87,7 @@ class LLMEngine:
                  engine_config: EngineConfig, tokenizer: Any = None, seed: int | None = 0,
                  device: torch.device | str = "cpu", speculative_tokens: int = 0,
                  backend: str | None = None, draft_vocab: list[int] | None = None,
-                 thread_governor=None):
+                 thread_governor=None, async_scheduling: bool | None = None):
         self.model = model
         self.config = config
         self.cache = cache
@@ -75,7 +111,13 @@ class LLMEngine:
         self.sessions: dict[str, Session] = {}  # open sessions, least recently used first
         self._ids = itertools.count()
         self.stats = {"num_steps": 0, "num_preemptions": 0, "num_prefill_tokens": 0,
-                      "num_decode_tokens": 0, "num_session_evictions": 0}
+                      "num_decode_tokens": 0, "num_session_evictions": 0,
+                      "num_chained_steps": 0}
+        # decode steps launched before the previous step's tokens are read (GPU: the host
+        # prepares step n+1 while the device runs step n); default: on for CUDA
+        self.async_scheduling = (torch.device(device).type == "cuda" if async_scheduling is None
+                                 else bool(async_scheduling))
+        self._inflight: _Launched | None = None
         self.step_costs = StepCosts()  # seconds in prefill, decode, verify steps and drafting
 
     # Requests ------------------------------------------------------------------------------
@@ -279,8 +321,17 @@ class LLMEngine:
 
     # Step ----------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """One engine step -> the requests that made progress (new tokens or finished)."""
+        """One engine step -> the requests that made progress (new tokens or finished).
+
+        With ``async_scheduling`` a decode step can be launched before the previous one's
+        tokens reach the host (``_chain``): the call that launches it returns the previous
+        step's results and the next call returns its own."""
         t0 = self.step_costs.clock()
+        launched, self._inflight = self._inflight, None
+        if launched is not None and any(not s.request.is_finished for s in launched.plan.seqs):
+            done = self._complete(launched)
+            self.step_costs.record("decode", self.step_costs.clock() - t0)
+            return done
         plan = self.scheduler.schedule()
         self.stats["num_preemptions"] += len(plan.preempted)
         for req in plan.failed:
@@ -294,21 +345,85 @@ class LLMEngine:
         for s in plan.seqs:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
-        batch = self.runner.prepare(plan)
+        launched = self._launch(plan, self.runner.prepare(plan))
+        done = self._complete(launched, t0)
+        return plan.failed + done
+
+    def _launch(self, plan: StepPlan, batch, rows: list | None = None) -> _Launched:
+        """Run the model on ``batch`` and sample, leaving the sampled tokens on the device."""
         hidden = self.runner.forward(batch)
         logits = self.runner.logits(hidden, batch)
-        emitted = self._sample(plan, logits)
+        return _Launched(plan, batch, hidden, self._sample_launch(plan, logits, rows))
+
+    def _complete(self, launched: _Launched, t0: float | None = None) -> list[Request]:
+        """Chain the next decode step when allowed, then read ``launched``'s tokens and apply
+        them -> the requests that made progress."""
+        plan = launched.plan
+        nxt = self._chain(launched) if self._can_chain(plan) else None
+        emitted = self._sample_collect(launched.sampled)
         settled = self._update(plan, emitted)
         t1 = self.step_costs.clock()
-        self.step_costs.record(_step_kind(plan), t1 - t0)
+        if t0 is not None:  # (a chained step's time is recorded by the call completing it)
+            self.step_costs.record(_step_kind(plan), t1 - t0)
         if self.proposer is not None and any(s.request.spec_k for s in plan.seqs):
-            self.proposer.propose(plan, batch.query_starts, hidden, settled)
+            self.proposer.propose(plan, launched.batch.query_starts, launched.hidden, settled)
             self.step_costs.record("draft", self.step_costs.clock() - t1)
         self.stats["num_steps"] += 1
-        return plan.failed + [s.request for s in plan.seqs if s.sample or s.num_drafts]
+        if nxt is not None and any(not s.request.is_finished for s in nxt.plan.seqs):
+            self._inflight = nxt  # else every request of it finished: nothing to wait for
+        return [s.request for s in plan.seqs if s.sample or s.num_drafts]
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[Emitted | None]:
-        """Per scheduled sequence: the tokens it emits this step (None: mid-prompt chunk)."""
+    def _can_chain(self, plan: StepPlan) -> bool:
+        """Whether the step after ``plan`` is known before its tokens are: every running
+        request decodes one token and then another, whatever the token (no waiting request,
+        no drafts, sessions, logprobs or penalties, no request at its length limit)."""
+        if not self.async_scheduling or self.scheduler.waiting:
+            return False
+        if len(plan.seqs) != len(self.scheduler.running):
+            return False
+        limit = self.engine_config.max_model_len
+        for s in plan.seqs:
+            r, p = s.request, s.request.params
+            if (s.num_new_tokens != 1 or not s.sample or s.num_drafts or r.spec_k
+                    or r.session is not None or r.is_finished or p.logprobs is not None
+                    or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                    or p.presence_penalty != 0.0):
+                return False
+            if (p.max_tokens is not None and r.num_output_tokens + 1 >= p.max_tokens) or (
+                    len(r.token_ids) + 1 >= limit):
+                return False
+        return True
+
+    def _chain(self, launched: _Launched) -> _Launched | None:
+        """Launch the decode step after ``launched`` while its tokens are still on the
+        device: each request's next input is its sampled token, copied on the device. The
+        requests' host state is advanced by a placeholder token while the batch and the
+        sampling rows are built, and restored before ``launched`` is applied. None when some
+        request's KV blocks cannot grow (the next step is then scheduled as usual)."""
+        reqs = [s.request for s in launched.plan.seqs]
+        for r in reqs:
+            if not self.cache.allocate_blocks(r.request_id, r.num_computed_tokens + 2):
+                return None
+        for r in reqs:
+            r.token_ids.append(0)
+            r.num_computed_tokens += 1
+        try:
+            plan = StepPlan([ScheduledSeq(r, 1, True, 0, r.num_computed_tokens) for r in reqs])
+            batch = self.runner.prepare(plan)
+            rows = [r.sampling_row() for r in reqs]
+        finally:
+            for r in reqs:
+                r.token_ids.pop()
+                r.num_computed_tokens -= 1
+        batch.input_ids.copy_(launched.sampled.tokens, non_blocking=True)
+        self.stats["num_chained_steps"] += 1
+        return self._launch(plan, batch, rows)
+
+    def _sample_launch(self, plan: StepPlan, logits: torch.Tensor,
+                       rows: list | None = None) -> _Sampled:
+        """Sample every sequence's tokens; the plain rows' stay on the device (their copy to
+        the host is started), drafts are verified at once. ``rows``: the sampling rows of the
+        plain rows, when the requests' state is not theirs now (a chained step)."""
         normal, verify = [], []
         r = 0
         for b, s in enumerate(plan.seqs):
@@ -318,22 +433,33 @@ class LLMEngine:
             elif s.sample:
                 normal.append((b, r))
                 r += 1
-        emitted: list[Emitted | None] = [None] * len(plan.seqs)
+        out = _Sampled(len(plan.seqs), [b for b, _ in normal])
         if normal:
-            rows = logits
+            sel = logits
             if len(normal) < logits.shape[0]:  # verify rows follow: pick the sampling rows
-                rows = logits[torch.tensor([r for _, r in normal], device=logits.device)]
-            out = self.sampler.sample(rows, [plan.seqs[b].request.sampling_row()
-                                             for b, _ in normal])
-            toks = out.token_ids.tolist()
-            for n, (b, _) in enumerate(normal):
-                lp = None if out.logprobs is None else [out.logprobs[n]]
-                emitted[b] = Emitted([toks[n]], lp, None)
+                sel = logits[torch.tensor([r for _, r in normal], device=logits.device)]
+            if rows is None:
+                rows = [plan.seqs[b].request.sampling_row() for b, _ in normal]
+            res = self.sampler.sample(sel, rows)
+            out.tokens, out.logprobs = res.token_ids, res.logprobs
+            out.start_copy()
         if verify:
             entries = [(plan.seqs[b].request, plan.seqs[b].num_drafts, r0) for b, r0 in verify]
-            for (b, _), (toks, lp, a) in zip(verify, verify_requests(self.sampler, logits,
-                                                                       entries)):
-                emitted[b] = Emitted(toks, lp, a)
+            out.verified = list(zip([b for b, _ in verify],
+                                    verify_requests(self.sampler, logits, entries)))
+        return out
+
+    @staticmethod
+    def _sample_collect(sampled: _Sampled) -> list[Emitted | None]:
+        """Per scheduled sequence: the tokens it emits this step (None: mid-prompt chunk)."""
+        emitted: list[Emitted | None] = [None] * sampled.num_seqs
+        if sampled.normal:
+            toks = sampled.host_tokens()
+            for n, b in enumerate(sampled.normal):
+                lp = None if sampled.logprobs is None else [sampled.logprobs[n]]
+                emitted[b] = Emitted([toks[n]], lp, None)
+        for b, (toks, lp, a) in sampled.verified:
+            emitted[b] = Emitted(toks, lp, a)
         return emitted
 
     def _update(self, plan: StepPlan, emitted: list[Emitted | None]) -> list[int]:
@@ -342,6 +468,9 @@ class LLMEngine:
         settled = []
         for s, em in zip(plan.seqs, emitted):
             req = s.request
+            if req.is_finished:  # a chained step's request that finished (or was aborted)
+                settled.append(0)  # meanwhile: its last token is dropped
+                continue
             if s.start < req.num_prompt_tokens:
                 computed_prompt = min(s.num_new_tokens, req.num_prompt_tokens - s.start)
                 req.metrics.num_computed_prompt_tokens += computed_prompt

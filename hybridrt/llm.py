@@ -109,6 +109,10 @@ class LLM:
     quantization: None (default) or "int8": every linear weight, the tied embedding / LM head
     and the MTP weights quantized at load time to int8 with one scale per 32 inputs (about half
     the memory of bfloat16, faster decoding on CPU; activations stay in ``dtype``). CPU only.
+    async_scheduling: launch a decode step before the previous step's tokens reach the host,
+    so that the host prepares it while the device runs (the same tokens; a request that stops
+    has one extra token computed and dropped). Default: on for CUDA, off on CPU (where the
+    host and the kernels share the cores, it gains nothing).
     """
 
     def __init__(
@@ -130,6 +134,7 @@ class LLM:
         threads: int | None = None,
         draft_vocab_size: int | None = None,
         quantization: str | None = None,
+        async_scheduling: bool | None = None,
     ):
         if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or (
             speculative_tokens < 0
@@ -213,7 +218,8 @@ class LLM:
         self.engine = LLMEngine(self.model, self.config, cache, engine_config, self.tokenizer,
                                 seed=seed, device=self.device,
                                 speculative_tokens=speculative_tokens, backend=backend,
-                                draft_vocab=draft_vocab, thread_governor=governor)
+                                draft_vocab=draft_vocab, thread_governor=governor,
+                                async_scheduling=async_scheduling)
 
     # Set-up ------------------------------------------------------------------------------
     def _load_tokenizer(self, tokenizer: Any):

@@ -29,6 +29,7 @@ from itertools import chain
 
 import torch
 
+from hybridrt.kernels.meta import to_device
 from hybridrt.sampling_params import SamplingParams
 
 __all__ = [
@@ -97,13 +98,13 @@ class Sampler:
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         logprobs = None
         if wanted:
-            index = torch.tensor(wanted, device=logits.device)
+            index = _tensor(wanted, logits.device)
             logprobs = torch.log_softmax(penalised[index], dim=-1)
         processed = self._filter(penalised, rows)
         token_ids = argmax_rows(processed)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
-            index = torch.tensor(random_rows, device=logits.device)
+            index = _tensor(random_rows, logits.device)
             probs = torch.softmax(processed[index], dim=-1)
             u = self.uniform([rows[i] for i in random_rows], 1, logits.device)
             token_ids[index] = _inverse_cdf(probs, u[:, 0])
@@ -118,7 +119,7 @@ class Sampler:
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if not wanted:
             return None
-        index = torch.tensor(wanted, device=logits.device)
+        index = _tensor(wanted, logits.device)
         lp = torch.log_softmax(self._penalise(logits[index], [rows[i] for i in wanted]), dim=-1)
         return _gather_logprobs(lp, token_ids, rows, wanted)
 
@@ -157,10 +158,10 @@ class Sampler:
         if shared:
             generator = self._shared_generator(device)
             drawn = torch.rand(len(shared), num, generator=generator, device=device)
-            out = out.to(device)
-            out[torch.tensor(shared, device=device)] = drawn
+            out = to_device(out, device)
+            out[_tensor(shared, device)] = drawn
             return out
-        return out.to(device)
+        return to_device(out, device)
 
     def sample_from_probs(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """One token per row from ``probs`` ``[N, V]`` (need not be normalised, e.g. the
@@ -190,17 +191,13 @@ class Sampler:
                     [r.prompt_token_ids if a else [] for r, a in zip(rows, rep)], vocab, device
                 ) > 0
                 seen |= output_counts > 0
-                penalty = torch.tensor(
-                    [r.params.repetition_penalty for r in rows], dtype=torch.float32,
-                    device=device,
-                ).unsqueeze(1).expand(num_rows, vocab)
+                penalty = _tensor([r.params.repetition_penalty for r in rows], device,
+                                  torch.float32).unsqueeze(1).expand(num_rows, vocab)
                 penalty = torch.where(seen, penalty, torch.ones_like(penalty))
                 logits = torch.where(logits > 0, logits / penalty, logits * penalty)
             if any(additive):
-                freq = torch.tensor([r.params.frequency_penalty for r in rows],
-                                    dtype=torch.float32, device=device)
-                presence = torch.tensor([r.params.presence_penalty for r in rows],
-                                        dtype=torch.float32, device=device)
+                freq = _tensor([r.params.frequency_penalty for r in rows], device, torch.float32)
+                presence = _tensor([r.params.presence_penalty for r in rows], device, torch.float32)
                 logits -= freq.unsqueeze(1) * output_counts
                 logits -= presence.unsqueeze(1) * (output_counts > 0)
 
@@ -211,8 +208,8 @@ class Sampler:
                 masked_rows.extend([i] * len(ids))
                 masked_ids.extend(ids)
         if masked_ids:
-            logits[torch.tensor(masked_rows, device=device),
-                   torch.tensor(masked_ids, device=device)] = float("-inf")
+            logits[_tensor(masked_rows, device),
+                   _tensor(masked_ids, device)] = float("-inf")
         return logits
 
     def _filter(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -224,20 +221,18 @@ class Sampler:
         vocab = logits.shape[1]
         params = [rows[i].params for i in random_rows]
         if any(p.temperature != 1.0 for p in params):
-            temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32,
-                                       device=device)
-            index = torch.tensor(random_rows, device=device)
+            temperature = _tensor([p.temperature for p in params], device, torch.float32)
+            index = _tensor(random_rows, device)
             logits[index] = logits[index] / temperature.unsqueeze(1)
 
         filtered = [(i, p) for i, p in zip(random_rows, params)
                     if 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0]
         if not filtered:
             return logits
-        index = torch.tensor([i for i, _ in filtered], device=device)
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for _, p in filtered],
-                             device=device)
-        top_p = torch.tensor([p.top_p for _, p in filtered], dtype=torch.float32, device=device)
-        min_p = torch.tensor([p.min_p for _, p in filtered], dtype=torch.float32, device=device)
+        index = _tensor([i for i, _ in filtered], device)
+        top_k = _tensor([p.top_k if 0 < p.top_k < vocab else vocab for _, p in filtered], device)
+        top_p = _tensor([p.top_p for _, p in filtered], device, torch.float32)
+        min_p = _tensor([p.min_p for _, p in filtered], device, torch.float32)
 
         # Ascending sort: the most likely token is the last column and is never removed.
         # A stable sort makes tie-breaking depend on the row alone, not on the batch.
@@ -270,6 +265,13 @@ class Sampler:
 
 
 # Helpers -------------------------------------------------------------------------------------
+def _tensor(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.tensor(values, dtype)`` on ``device``; on CUDA without waiting for the work
+    queued on the device (kernels/meta.py's ``to_device``)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if t.device == device else to_device(t, device)
+
+
 def _check_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
@@ -280,15 +282,15 @@ def _check_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def _greedy_mask(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
-    return torch.tensor([r.params.greedy for r in rows], dtype=torch.bool, device=device)
+    return _tensor([r.params.greedy for r in rows], device, torch.bool)
 
 
 def _bin_counts(token_ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """``[N, vocab]`` fp32 count of each token id in each row's list (one flat scatter_add)."""
     num_rows = len(token_ids)
     counts = torch.zeros(num_rows * vocab, dtype=torch.float32, device=device)
-    lengths = torch.tensor([len(t) for t in token_ids], device=device)
-    flat = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.long, device=device)
+    lengths = _tensor([len(t) for t in token_ids], device)
+    flat = _tensor(list(chain.from_iterable(token_ids)), device, torch.long)
     if flat.numel():
         if int(flat.min()) < 0 or int(flat.max()) >= vocab:
             raise ValueError(f"token ids must be in [0, {vocab}) for penalties")
@@ -312,7 +314,7 @@ def _gather_logprobs(
     lp: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow], wanted: list[int]
 ) -> list[RowLogprobs | None]:
     """``lp``: log_softmax of the penalised logits of the ``wanted`` rows, ``[len(wanted), V]``."""
-    sampled = token_ids[torch.tensor(wanted, device=lp.device)]
+    sampled = token_ids[_tensor(wanted, lp.device)]
     sampled_lp = lp.gather(1, sampled.unsqueeze(1))
     rank = (lp > sampled_lp).sum(dim=-1) + 1
     num_top = min(max(rows[i].params.logprobs for i in wanted), lp.shape[1])

@@ -63,7 +63,7 @@ class FreshArrays:
 
     def tensor(self, a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
-        return t if self.device.type == "cpu" else t.to(self.device)
+        return t if self.device.type == "cpu" else to_device(t, self.device)
 
 
 class StepBuffers(FreshArrays):
@@ -105,6 +105,15 @@ class StepBuffers(FreshArrays):
             return True
         p = t.data_ptr()
         return any(b.ctypes.data <= p < b.ctypes.data + b.nbytes for b in (self._long, self._bool))
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device: on CUDA through a pinned
+    copy and an asynchronous transfer (a plain ``.to`` from pageable memory synchronises with
+    the stream, so the host would wait for the work already queued, e.g. a step in flight)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def arrays_for(where) -> FreshArrays:

@@ -16,16 +16,20 @@ def test_cpu_dry_run_writes_every_section(tmp_path):
         "--device", "cpu", "--tiny", "--dtype", "float32", "--cache-memory", "64MiB",
         "--batches", "1,2", "--prefill", "24,40", "--prompt-len", "8", "--decode-tokens", "6",
         "--repeats", "1", "--phase-batches", "1,2", "--phase-steps", "3", "--profile-steps", "3",
-        "--json", str(out)])
+        "--async-scheduling", "on", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     ours = report["ours"]
     for key in ("decode_b1_tok_s", "decode_b2_tok_s", "prefill_24_tok_s", "prefill_40_tok_s"):
         assert ours[key] > 0, key
     assert ours["backend"] == "cpu"
+    assert ours["async_scheduling"] and ours["num_chained_steps"] > 0
+    assert ours["decode_b1_sync_tok_s"] > 0 and ours["decode_b2_sync_tok_s"] > 0
     for b in ("b1", "b2"):
         phases = ours["phases"][b]
-        parts = ("schedule", "prepare", "forward", "logits", "sample", "update")
-        assert all(phases[p] > 0 for p in parts), phases
+        parts = ("schedule", "prepare", "forward", "logits", "sample_launch", "sample_collect",
+                 "update")
+        # chained steps (async scheduling) skip the scheduler
+        assert all(phases[p] > 0 for p in parts[1:]) and phases["schedule"] >= 0, phases
         assert phases["sum"] == pytest.approx(sum(phases[p] for p in parts))
         assert phases["forward"] > phases["update"]
     prof = ours["profile"]

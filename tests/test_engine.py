@@ -242,3 +242,90 @@ def test_metrics_are_reported(ckpt, prompts):
     assert m["num_prompt_tokens"] == len(prompts[2])
     assert m["num_generated_tokens"] == MAX_TOKENS
     assert m["time_to_first_token"] > 0 and m["decode_tokens_per_s"] > 0
+
+
+# Async scheduling: a decode step launched before the previous step's tokens are read (on by
+# default on CUDA; forced on here). The outputs must be those of the synchronous engine.
+def _chained(llm) -> int:
+    return llm.engine.stats["num_chained_steps"]
+
+
+def test_async_scheduling_keeps_outputs(ckpt, prompts, dense_greedy):
+    assert not make_llm(ckpt).engine.async_scheduling  # off on CPU by default
+    llm = make_llm(ckpt, async_scheduling=True)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    # every step after the prompts, but the last few where requests reach max_tokens, chains
+    assert _chained(llm) >= MAX_TOKENS - 3
+    assert llm.engine.stats["num_decode_tokens"] == len(prompts) * MAX_TOKENS
+    assert llm.engine.cache.all_free() and llm.engine._inflight is None
+
+
+def test_async_scheduling_stops_where_the_sync_engine_does(ckpt, prompts, dense_greedy):
+    """Requests stopping on tokens the host learns one step late (stop ids, min_tokens),
+    and at different max_tokens: the same tokens and reasons; the step launched for a
+    request that has just stopped is dropped."""
+    params = []
+    for i, toks in enumerate(dense_greedy):
+        stop = [] if i % 3 == 0 else [toks[2 + i % 5]]
+        params.append(SamplingParams(temperature=0, max_tokens=4 + 2 * i, stop_token_ids=stop,
+                                     min_tokens=i % 4))
+    sync = make_llm(ckpt).generate(prompts, params, use_tqdm=False)
+    llm = make_llm(ckpt, async_scheduling=True)
+    eng = llm.engine  # stepped by hand: the requests are read after the last step
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while eng.has_unfinished_requests():
+        eng.step()
+    outs = [eng.make_output(eng.pop_request(i)) for i in ids]
+    for a, b, toks in zip(outs, sync, dense_greedy):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert (a.outputs[0].finish_reason, a.outputs[0].stop_reason) == (
+            b.outputs[0].finish_reason, b.outputs[0].stop_reason)
+        assert a.outputs[0].token_ids == toks[:len(a.outputs[0].token_ids)]
+    assert eng.stats["num_decode_tokens"] == sum(len(o.outputs[0].token_ids) for o in outs)
+    assert {o.outputs[0].finish_reason for o in outs} == {"stop", "length"}
+    assert _chained(llm) > 0 and llm.engine.cache.all_free()
+
+
+def test_async_scheduling_with_preemption(ckpt, prompts, dense_greedy):
+    probe = make_llm(ckpt, max_model_len=96)
+    budget = _budget(probe, num_blocks=7, num_slots=10)
+    llm = make_llm(ckpt, max_model_len=96, cache_memory=budget, max_num_batched_tokens=16,
+                   async_scheduling=True)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy
+    assert llm.engine.stats["num_preemptions"] > 0 and _chained(llm) > 0
+    assert llm.engine.cache.all_free()
+
+
+def test_async_scheduling_abort_and_arrival_mid_flight(ckpt, prompts, dense_greedy):
+    """Abort a request while a step holding it is in flight, and add one: the others go on
+    with their own tokens, nothing leaks."""
+    llm = make_llm(ckpt, async_scheduling=True)
+    eng = llm.engine
+    ids = [eng.add_request(p, GREEDY) for p in prompts[:3]]
+    while not (eng._inflight is not None and _chained(llm) >= 2):
+        eng.step()
+    eng.abort_request(ids[1])  # it is in the step in flight
+    late = eng.add_request(prompts[3], GREEDY)
+    while eng.has_unfinished_requests():
+        eng.step()
+    req = {i: eng.pop_request(i) for i in ids + [late]}
+    assert req[ids[1]].finish_reason == "abort"
+    assert len(req[ids[1]].output_token_ids) < MAX_TOKENS
+    assert req[ids[1]].output_token_ids == dense_greedy[1][:len(req[ids[1]].output_token_ids)]
+    for i, k in ((ids[0], 0), (ids[2], 2), (late, 3)):
+        assert req[i].output_token_ids == dense_greedy[k]
+    assert eng.cache.all_free() and eng._inflight is None
+
+
+def test_async_scheduling_seeded_sampling(ckpt, prompts):
+    """Sampling with per-request seeds: the same tokens as the synchronous engine."""
+    params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=20, seed=100 + i,
+                             max_tokens=MAX_TOKENS, ignore_eos=True) for i in range(4)]
+    sync = make_llm(ckpt).generate(prompts[:4], params, use_tqdm=False)
+    llm = make_llm(ckpt, async_scheduling=True)
+    outs = llm.generate(prompts[:4], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in sync]
+    assert _chained(llm) > 0

@@ -86,7 +86,7 @@ class CudaBackend(ReferenceBackend):
     # Per step -----------------------------------------------------------------------------
     def prepare(self, batch) -> StepMeta:
         dev = batch.input_ids.device
-        gdn = gdn_split(batch, dev, False, 0)
+        gdn = gdn_split(batch, batch.arrays if batch.arrays is not None else dev, False, 0)
         if (len(gdn.groups) == 1 and gdn.chunked is None and gdn.groups[0].rows is None
                 and self.triton_attention):
             L = gdn.groups[0].num_tokens_per_seq

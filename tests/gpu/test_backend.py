@@ -146,3 +146,22 @@ def test_chunked_prefill_mixed_with_decodes(ckpt, prompts):
     tight = run(ckpt, prompts, "float32", BACKEND, max_num_batched_tokens=24)
     for i, (b, t) in enumerate(zip(base, tight)):
         assert t.token_ids == b.token_ids, f"prompt {i}"
+
+
+def test_async_scheduling_same_tokens(ckpt, prompts):
+    """Decode steps launched before the previous step's tokens reach the host (async
+    scheduling: on by default on CUDA, where the sampled tokens feed the next step on the
+    device) give the synchronous engine's tokens on this backend, stop tokens seen one step
+    late included (without logprobs, which keep a step synchronous)."""
+    ref = cached_run(ckpt, prompts, "float32", BACKEND)  # logprobs: never chained
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             stop_token_ids=[r.token_ids[3]] if i % 2 else [])
+              for i, r in enumerate(ref)]
+    llm = LLM(ckpt, dtype="float32", device="cuda" if ON_GPU else "cpu", backend=BACKEND,
+              max_model_len=128, max_num_seqs=8, cache_memory=64 << 20, tokenizer=None,
+              async_scheduling=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.stats["num_chained_steps"] > 0 and llm.engine.cache.all_free()
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        n = r.token_ids.index(r.token_ids[3]) + 1 if i % 2 else MAX_TOKENS
+        assert o.outputs[0].token_ids == r.token_ids[:n], f"prompt {i}"
