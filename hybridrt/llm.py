@@ -87,6 +87,13 @@ def default_model() -> str:
     return str(DEMO_MODEL_DIR)
 
 
+def default_batched_tokens(device: torch.device, block_size: int, max_model_len: int) -> int:
+    """The default token budget of a step: 8192 on CUDA (a long prompt in a few steps, like
+    vLLM's GPU defaults), 512 on CPU; at least a block, at most the context length."""
+    per_step = 8192 if device.type == "cuda" else 512
+    return min(max(per_step, block_size), max_model_len)
+
+
 class LLM:
     """Offline batch generation over the hybridrt engine.
 
@@ -100,6 +107,8 @@ class LLM:
     other processes keep cores busy, re-decided every half second (``hybridrt/threads.py``).
     cache_memory: the KV + state budget: bytes, a fraction of free memory, or '2GiB'
     (default 0.3 of free memory, capped at what max_num_seqs x max_model_len needs).
+    max_num_batched_tokens: the token budget of one engine step (longer prompts are prefilled
+    in chunks). Default: 8192 on CUDA, 512 on CPU, at most max_model_len.
     max_num_sessions: sessions that can be open at once (each has a GDN state slot of its own
     in the budget, for rollbacks).
     draft_vocab_size: with speculative_tokens, the MTP drafts from the N most frequent tokens
@@ -191,7 +200,8 @@ class LLM:
                 f"{self.config.max_position_embeddings}"
             )
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = min(max(512, block_size), max_model_len)
+            max_num_batched_tokens = default_batched_tokens(self.device, block_size,
+                                                            max_model_len)
         engine_config = EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens,
                                      block_size)
         mem_bytes, mem_fraction = parse_memory(cache_memory)

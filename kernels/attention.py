@@ -49,17 +49,14 @@ class AttentionPlan:
     decode_tables: torch.Tensor | None  # [b, M] their block tables
     decode_len: int  # the longest of their contexts
     decode_valid: torch.Tensor | None  # [b, decode_len] bool, None when all lengths are equal
-    prefill: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]  # (start, n, ctx, table
-    # [1, M], causal mask [n, ctx]) per longer sequence
-    fresh: list[tuple[int, int]]  # (start, n) of prompts with no cached prefix, when set apart
+    prefill: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]  # (start, n, ctx,
+    # table [1, M], causal mask [n, ctx] or None for a prompt with no cached prefix) per
+    # longer sequence
 
 
 def attention_plan(query_lens: list[int], context_lens: list[int], block_tables: torch.Tensor,
-                   device, fresh_apart: bool = False) -> AttentionPlan:
-    """``device``: a device, or the step's arrays (kernels/meta.py) that index tensors go into.
-    ``fresh_apart``: list the sequences with no cached prefix (ctx == n > 1) in ``fresh``,
-    without a mask, for a caller that attends over their own K/V (``paged_attention`` does not
-    compute them then)."""
+                   device) -> AttentionPlan:
+    """``device``: a device, or the step's arrays (kernels/meta.py) that index tensors go into."""
     arr = arrays_for(device)
     device = block_tables.device
     starts = _starts(query_lens)
@@ -75,18 +72,17 @@ def attention_plan(query_lens: list[int], context_lens: list[int], block_tables:
         if min(lens) < n_max:
             valid = torch.arange(n_max, device=device)[None, :] < arr.tensor(
                 arr.put(lens))[:, None]
-    prefill, fresh = [], []
+    prefill = []
     for b, n in enumerate(query_lens):
         if n <= 1:
             continue
         c = context_lens[b]
-        if fresh_apart and c == n:
-            fresh.append((starts[b], n))
-            continue
-        qpos = torch.arange(c - n, c, device=device)
-        mask = torch.arange(c, device=device)[None, :] <= qpos[:, None]  # [n, c]
+        mask = None  # ctx == n: SDPA's own (top-left) causal mask is this one
+        if c != n:
+            qpos = torch.arange(c - n, c, device=device)
+            mask = torch.arange(c, device=device)[None, :] <= qpos[:, None]  # [n, c]
         prefill.append((starts[b], n, c, block_tables[b:b + 1], mask))
-    return AttentionPlan(rows, tables, n_max, valid, prefill, fresh)
+    return AttentionPlan(rows, tables, n_max, valid, prefill)
 
 
 def paged_attention(
@@ -139,13 +135,15 @@ def paged_attention(
         out[rows] = o[:, :, 0, :].to(out.dtype)
 
     for start, n, c, table, mask in plan.prefill:
-        k = _gather(key_cache, table, c)[0].float().transpose(0, 1)  # [HKV, c, D]
-        v = _gather(value_cache, table, c)[0].float().transpose(0, 1)
-        q = query[start:start + n].float().transpose(0, 1)  # [H, n, D]
+        # 4-D [1, H, n, D]: SDPA's fused (flash) kernels take only 4-D inputs; 3-D ones fall
+        # back to the math path, which materialises the [H, n, c] scores
+        k = _gather(key_cache, table, c).float().transpose(1, 2)  # [1, HKV, c, D]
+        v = _gather(value_cache, table, c).float().transpose(1, 2)
+        q = query[start:start + n].float().transpose(0, 1)[None]  # [1, H, n, D]
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != HKV,
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=H != HKV,
         )
-        out[start:start + n] = o.transpose(0, 1).to(out.dtype)
+        out[start:start + n] = o[0].transpose(0, 1).to(out.dtype)
     return out
 
 
@@ -165,10 +163,10 @@ def varlen_causal_attention(
         if e == s:
             continue
         o = F.scaled_dot_product_attention(
-            query[s:e].transpose(0, 1), key[s:e].transpose(0, 1), value[s:e].transpose(0, 1),
-            is_causal=True, scale=scale, enable_gqa=H != HKV,
+            query[s:e].transpose(0, 1)[None], key[s:e].transpose(0, 1)[None],
+            value[s:e].transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=H != HKV,
         )
-        out[s:e] = o.transpose(0, 1)
+        out[s:e] = o[0].transpose(0, 1)
     return out
 
 

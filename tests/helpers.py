@@ -10,7 +10,8 @@ KV) so that a sequence reading anything it does not own shows up as a wrong or N
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from hybridrt.config import ModelConfig
 from hybridrt.forward_batch import ForwardBatch
 from hybridrt.model import Qwen35ForCausalLM
+from hybridrt.runner import build_batch
 from hybridrt.statecache import CacheTensors
 from hybridrt.testing import hf_reference_model, random_state_dict
 
@@ -65,6 +67,54 @@ def build_model(
         net = Qwen35ForCausalLM(config, with_mtp=with_mtp)
     net.load_state_dict(sd, assign=True, strict=True)
     return net.eval().requires_grad_(False), config, sd
+
+
+def mixed_batches(device: str = "cpu"):
+    """Step 1: two prompts (one whole, one chunk); step 2: a decode, a continued chunk and a
+    verification of 3 drafts (per-token verify slots); step 3: decodes only; step 4:
+    verifications of 2 drafts only (the CPU backend's loop, the CUDA backend's uniform steps).
+    Block size 8, state slots 1-3 (verify slots up to 11)."""
+    tables = [[0], [1, 2, 4], [3, 5]]
+    first = build_batch([list(range(3, 8)), list(range(10, 21)), list(range(4, 9))], [0, 0, 0],
+                        tables, 8, [1, 2, 3], ["all", "all", "all"], device=device)
+    second = build_batch([[7], list(range(30, 36)), [9, 10, 11, 12]], [5, 11, 5],
+                         tables, 8, [1, 2, 3], ["all", "all", "all"],
+                         verify_slots=[None, None, [4, 5, 6, 3]], device=device)
+    third = build_batch([[3], [4], [5]], [6, 17, 9], tables, 8, [1, 2, 3],
+                        ["all", "all", "all"], device=device)
+    fourth = build_batch([[6, 7, 8], [9, 10, 11], [12, 13, 14]], [7, 18, 10],
+                         [[0, 6], [1, 2, 4], [3, 5]], 8, [1, 2, 3], ["all", "all", "all"],
+                         verify_slots=[[4, 5, 6], [7, 8, 9], [10, 11, 3]], device=device)
+    return first, second, third, fourth
+
+
+def run_mixed_steps(make_backend: Callable, text_config: dict[str, Any], dtype: torch.dtype,
+                    device: str = "cpu"):
+    """The ``mixed_batches`` steps through a model with random weights (seed 4) on the backend
+    ``make_backend(config)``, attached to a cache of 8 blocks of 8 tokens and 12 state slots
+    as the engine attaches it. -> (hidden states per step, the cache, per step whether the
+    backend's own ``forward`` ran it)."""
+    net, config, _ = build_model(text_config, seed=4, dtype=dtype)
+    net = net.to(device)
+    be = make_backend(config)
+    net.set_backend(be)
+    cache = CacheTensors.allocate(config, 8, 12, 8, dtype, device=device)
+    be.attach(SimpleNamespace(tensors=cache, slots_per_request=1, sizing=SimpleNamespace(
+        max_model_len=64, max_num_seqs=3)))
+    whole_step = be.forward
+    looped = []
+
+    def recorded(*args):
+        out = whole_step(*args)
+        looped.append(out is not None)
+        return out
+
+    be.forward = recorded
+    hidden = []
+    with torch.inference_mode():
+        for batch in mixed_batches(device):
+            hidden.append(net(batch, cache))
+    return hidden, cache, looped
 
 
 def build_pair(text_config: dict[str, Any], seed: int = 0):

@@ -1,8 +1,10 @@
 """The public API with text: tokenizer round trip, stop strings, streaming, chat."""
 
 import pytest
+import torch
 
 from hybridrt import LLM, SamplingParams
+from hybridrt.llm import default_batched_tokens
 from hybridrt.testing import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -201,3 +203,13 @@ def test_no_transformers_warning_about_long_prompts(capfd):
     (out,) = demo.generate("hello world " * 3000, use_tqdm=False)  # 18000 tokens > 4096
     assert "max_model_len is 64" in str(out.error)
     assert "Token indices sequence length" not in capfd.readouterr().err
+
+
+def test_default_step_budget_by_device(llm):
+    """max_num_batched_tokens by default: 512 on CPU, 8192 on CUDA, within [block, context]."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert llm.engine.scheduler.max_num_batched_tokens == 256  # its max_model_len
+    assert default_batched_tokens(cpu, 16, 4096) == 512
+    assert default_batched_tokens(cuda, 16, 32768) == 8192
+    assert default_batched_tokens(cuda, 16, 4096) == 4096
+    assert default_batched_tokens(cpu, 1024, 4096) == 1024

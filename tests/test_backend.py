@@ -4,18 +4,17 @@ inside a model step (the metadata is built once per step from the runner's host 
 from __future__ import annotations
 
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import assert_rel_close, build_model
+from helpers import assert_rel_close, build_model, run_mixed_steps
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybridrt.kernels import native
 from hybridrt.kernels.backend import CPUBackend, ReferenceBackend, select_backend
 from hybridrt.llm import LLM
 from hybridrt.runner import build_batch
 from hybridrt.sampling_params import SamplingParams
-from hybridrt.statecache import CacheTensors
 from hybridrt.testing import tiny_text_config, write_random_checkpoint
 
 CONVERSIONS = ("tolist", "item", "__int__", "__bool__", "__float__", "__index__")
@@ -102,21 +101,17 @@ def test_no_host_round_trips_inside_a_model_step(tmp_path, monkeypatch):
     assert small["engine_mixed"] == large["engine_mixed"] <= 4, (small, large)
 
 
-def _mixed_batches(config):
-    """Step 1: two prompts (one whole, one chunk); step 2: a decode, a continued chunk and a
-    verification of 3 drafts (per-token verify slots)."""
-    first = build_batch([list(range(3, 8)), list(range(10, 21)), list(range(4, 9))], [0, 0, 0],
-                        [[0], [1, 2, 4], [3, 5]], 8, [1, 2, 3], ["all", "all", "all"])
-    second = build_batch([[7], list(range(30, 36)), [9, 10, 11, 12]], [5, 11, 5],
-                         [[0], [1, 2, 4], [3, 5]], 8, [1, 2, 3], ["all", "all", "all"],
-                         verify_slots=[None, None, [4, 5, 6, 3]])
-    # step 3: decodes only; step 4: verifications of 2 drafts only (the CPU backend's loop)
-    third = build_batch([[3], [4], [5]], [6, 17, 9], [[0], [1, 2, 4], [3, 5]], 8, [1, 2, 3],
-                        ["all", "all", "all"])
-    fourth = build_batch([[6, 7, 8], [9, 10, 11], [12, 13, 14]], [7, 18, 10],
-                         [[0, 6], [1, 2, 4], [3, 5]], 8, [1, 2, 3], ["all", "all", "all"],
-                         verify_slots=[[4, 5, 6], [7, 8, 9], [10, 11, 3]])
-    return first, second, third, fourth
+def test_attention_runs_sdpa_fused_kernel():
+    """Every attention SDPA call of the mixed steps (fresh prompts, a continued chunk, a
+    verification, decodes) takes the fused flash kernel: with only that kernel allowed, none
+    fails for want of one (3-D inputs, for one, fall back to the math path, which builds the
+    whole [H, n, ctx] score matrix), and the results are the unrestricted ones."""
+    cfg = tiny_text_config()
+    free, _, _ = run_mixed_steps(ReferenceBackend, cfg, torch.float32)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        fused, _, _ = run_mixed_steps(ReferenceBackend, cfg, torch.float32)
+    for i, (a, b) in enumerate(zip(fused, free)):
+        assert_rel_close(a, b, 1e-6, f"step {i} hidden")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -126,32 +121,12 @@ def test_cpu_backend_matches_reference(dtype, heads):
     decodes alone, then verifications alone) on the CPU backend against the reference
     backend: hidden states, conv and recurrent states of every slot, KV caches."""
     cfg = tiny_text_config(linear_num_key_heads=heads[0], linear_num_value_heads=heads[1])
-    results = []
-    for backend in (ReferenceBackend, CPUBackend):
-        net, config, _ = build_model(cfg, seed=4, dtype=dtype)
-        be = backend(config)
-        net.set_backend(be)
-        cache = CacheTensors.allocate(config, 8, 12, 8, dtype)
-        be.attach(SimpleNamespace(tensors=cache))  # as the engine does
-        whole_step = be.forward
-        looped = []  # per step: whether the backend ran it (CPU: its decode loop)
-
-        def recorded(*args, _f=whole_step, _log=looped):
-            out = _f(*args)
-            _log.append(out is not None)
-            return out
-
-        be.forward = recorded
-        hidden = []
-        with torch.inference_mode():
-            for batch in _mixed_batches(config):
-                hidden.append(net(batch, cache))
-        results.append((hidden, cache))
+    h_ref, c_ref, _ = run_mixed_steps(ReferenceBackend, cfg, dtype)
+    h_cpu, c_cpu, looped = run_mixed_steps(CPUBackend, cfg, dtype)
     # bf16 with the compiled kernels: the decodes-only and verifications-only steps ran the
     # CPU backend's loop
     fast = dtype == torch.bfloat16 and native.half_gemm_available()
     assert looped == [False, False, fast, fast]
-    (h_ref, c_ref), (h_cpu, c_cpu) = results
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for i, (a, b) in enumerate(zip(h_cpu, h_ref)):
         assert_rel_close(a, b, tol, f"step {i} hidden")

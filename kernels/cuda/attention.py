@@ -15,6 +15,11 @@ token's flat slot is ``block * block_size + offset``.
   t``. GQA: query head h reads kv head ``h // (H // HKV)``. Rows with ``seq_lens[b] <= 0`` are
   padding: their output is zero and nothing of theirs is read. Nothing past a sequence's length
   is ever read (block-table padding and foreign blocks may hold garbage).
+* ``paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+  tile_seq, tile_q0, scale, tokens_per_tile, out=None)``: the same attention for sequences with
+  any number of new tokens (a step with prompt chunks), sequence b's at rows
+  ``cu_seqlens_q[b] ..``; one program per tile of ``tokens_per_tile`` new tokens of one
+  sequence (``varlen_tiles`` lists them on the host), no split-KV, only tiled rows written.
 
 Design: one program per (sequence, kv head, KV partition) processes all ``L * H/HKV`` query rows
 of that kv head at once (a query tile padded to >= 16 rows for ``tl.dot``), so every K/V block
@@ -23,7 +28,9 @@ sequence is cut into ``P`` partitions (P chosen on the host from B, HKV and a ma
 *hint*, never from tensor values, so the call is CUDA-graph capturable; each program computes
 its share from the actual ``seq_len``, so any length is correct whatever the hint), and a small
 second kernel merges the partial (max, sum, acc) triples. With P == 1 the first kernel writes
-the output directly.
+the output directly. The varlen form is the same kernel (``VARLEN``): a program reads its
+sequence and first token from the tile list and its queries' rows from ``cu_seqlens_q``, and
+stops at the keys its last query sees.
 """
 
 from __future__ import annotations
@@ -112,7 +119,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _paged_attn_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, tile_seq_ptr, tile_q0_ptr,
     out_ptr, part_acc_ptr, part_ml_ptr,
     qk_scale,  # scale * log2(e)
     stride_qt, stride_qh,
@@ -124,39 +131,55 @@ def _paged_attn_kernel(
     NUM_PARTS,  # runtime: a new partition count does not recompile
     L: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    # A program's queries: n_q (<= L) consecutive new tokens of sequence b, from its q0-th;
+    # the sequence has qlen new tokens, the first at query row row0.
+    if VARLEN:  # a tile of the host's list: (sequence, first token) per program
+        tile = tl.program_id(0)
+        b = tl.load(tile_seq_ptr + tile).to(tl.int32)
+        q0 = tl.load(tile_q0_ptr + tile).to(tl.int32)
+        row0 = tl.load(cu_q_ptr + b).to(tl.int32)
+        qlen = tl.load(cu_q_ptr + b + 1).to(tl.int32) - row0
+        n_q = tl.minimum(qlen - q0, L)
+    else:  # every sequence has exactly L new tokens, rows b * L ...
+        b = tl.program_id(0)
+        q0 = 0
+        row0 = b * L
+        qlen = L
+        n_q = L
     kvh = tl.program_id(1)
     part = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     seq_len = tl.maximum(seq_len, 0)
 
-    # Rows of the query tile: r = t * G + g -> query t of this sequence, head kvh * G + g.
+    # Rows of the query tile: r = t * G + g -> query q0 + t of this sequence, head kvh * G + g.
     offs_m = tl.arange(0, BLOCK_M)
-    row_t = offs_m // G
+    row_t = q0 + offs_m // G
     row_h = kvh * G + offs_m % G
-    row_valid = offs_m < L * G
-    q_row = b * L + row_t  # global query row
-    q_pos = seq_len - L + row_t  # causal limit (inclusive)
+    row_valid = offs_m < n_q * G
+    q_row = row0 + row_t  # global query row
+    q_pos = seq_len - qlen + row_t  # causal limit (inclusive)
     offs_d = tl.arange(0, D)
 
     q_ptrs = (q_ptr + q_row.to(tl.int64)[:, None] * stride_qt
               + row_h[:, None] * stride_qh + offs_d[None, :])
     # (a padding sequence reads no query; written as a bound, not `vector & scalar`, which the
     # Triton interpreter rejects)
-    q_live = offs_m < tl.where(seq_len > 0, L * G, 0)
+    q_live = offs_m < tl.where(seq_len > 0, n_q * G, 0)
     q = tl.load(q_ptrs, mask=q_live[:, None], other=0.0)
     q = q.to(kc_ptr.dtype.element_ty)
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
-    # This partition's share of the context, in whole BLOCK_N tiles.
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    # The keys the program's last query sees, and this partition's share of them, in whole
+    # BLOCK_N tiles.
+    kv_len = tl.maximum(tl.minimum(seq_len - qlen + q0 + n_q, seq_len), 0)
+    n_tiles = tl.cdiv(kv_len, BLOCK_N)
     tiles_per_part = tl.cdiv(n_tiles, NUM_PARTS)
     start = part * tiles_per_part * BLOCK_N
-    end = tl.minimum(start + tiles_per_part * BLOCK_N, seq_len)
+    end = tl.minimum(start + tiles_per_part * BLOCK_N, kv_len)
 
     # The running max starts at a finite -1e30 (not -inf) so rows / partitions that see no key
     # stay NaN-free: exp2(-1e30 - -1e30) = 1 multiplies a zero sum, exp2(-inf - -1e30) = 0.
@@ -233,6 +256,15 @@ def _paged_attn_reduce_kernel(
              o.to(out_ptr.dtype.element_ty))
 
 
+def _dot_mode(query: torch.Tensor, key_cache: torch.Tensor) -> tuple[str | None, bool]:
+    """(input precision, upcast) of the kernel's dot products. The Triton interpreter (CPU
+    tensors) multiplies bf16/fp16 tiles as raw uint16 bits: there, dot operands are upcast to
+    fp32 (on GPU the dots run in the cache dtype); fp32 must not silently drop to tf32."""
+    fp32 = key_cache.dtype == torch.float32
+    upcast = query.device.type == "cpu" and not fp32
+    return ("ieee" if fp32 or upcast else None), upcast
+
+
 def _decode_config(L: int, G: int, D: int, batch: int, hkv: int, max_seq_len: int) -> dict:
     """Launch parameters from shapes and the max-context hint (never tensor values).
 
@@ -289,11 +321,7 @@ def paged_attention_decode(
     hint = max_seq_len if max_seq_len is not None else block_tables.shape[1] * BS
     cfg = _decode_config(L, G, D, B, HKV, int(hint))
     P = cfg["num_partitions"] if num_partitions is None else max(1, int(num_partitions))
-    fp32 = key_cache.dtype == torch.float32
-    # The Triton interpreter (CPU tensors) multiplies bf16/fp16 tiles as raw uint16 bits:
-    # there, dot operands are upcast to fp32 (on GPU the dots run in the cache dtype).
-    upcast_dot = query.device.type == "cpu" and not fp32
-    dot_prec = "ieee" if fp32 or upcast_dot else None  # fp32 must not silently drop to tf32
+    dot_prec, upcast_dot = _dot_mode(query, key_cache)
 
     if P > 1:
         part_acc = torch.empty((T, H, P, D), dtype=torch.float32, device=query.device)
@@ -301,7 +329,7 @@ def paged_attention_decode(
     else:
         part_acc = part_ml = out  # unused
     _paged_attn_kernel[(B, HKV, P)](
-        query, key_cache, value_cache, block_tables, seq_lens,
+        query, key_cache, value_cache, block_tables, seq_lens, seq_lens, seq_lens, seq_lens,
         out, part_acc, part_ml,
         float(scale) * _LOG2E,
         query.stride(0), query.stride(1),
@@ -313,7 +341,7 @@ def paged_attention_decode(
         P,
         L=L, G=G, D=D, BLOCK_SIZE=BS,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT=P > 1,
-        DOT_PREC=dot_prec, UPCAST_DOT=upcast_dot,
+        DOT_PREC=dot_prec, UPCAST_DOT=upcast_dot, VARLEN=False,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if P > 1:
@@ -325,4 +353,87 @@ def paged_attention_decode(
             D=D, BLOCK_P=triton.next_power_of_2(P),
             num_warps=4 if D >= 128 else 1,
         )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# paged attention (any mix of new-token counts: prompt chunks with decodes and verifications)
+
+
+def varlen_tokens_per_tile(H: int, HKV: int) -> int:
+    """New tokens per program of ``paged_attention_varlen``: a query tile of ~64 rows
+    (tokens x the H / HKV query heads of a kv head), a power of two."""
+    return 1 << max(0, (64 // (H // HKV)).bit_length() - 1)
+
+
+def varlen_tiles(query_lens: list[int], seqs, tokens_per_tile: int) -> tuple[list, list]:
+    """Host-side tile list for ``paged_attention_varlen``: (sequence, first new token) of each
+    program covering the new tokens of the sequences ``seqs`` (indices into ``query_lens``)."""
+    tile_seq, tile_q0 = [], []
+    for b in seqs:
+        for q0 in range(0, query_lens[b], tokens_per_tile):
+            tile_seq.append(b)
+            tile_q0.append(q0)
+    return tile_seq, tile_q0
+
+
+def paged_attention_varlen(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    tile_seq: torch.Tensor,
+    tile_q0: torch.Tensor,
+    scale: float,
+    tokens_per_tile: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Paged causal attention for sequences with any number of new tokens.
+
+    query: [T, H, D] (strided view ok, last dim contiguous), sequence b's new tokens at rows
+    ``cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1``; seq_lens [B]: context length including them
+    (their K/V already in the cache), so new token t sits at position
+    ``seq_lens[b] - n_b + t`` and attends causally up to it; block_tables [B, M]. The programs
+    are the tiles ``(tile_seq[i], tile_q0[i])`` (``varlen_tiles``): ``tokens_per_tile`` new
+    tokens of one sequence each. Only the rows of tiled tokens are written (into ``out`` when
+    given, else a new [T, H, D] tensor in query's dtype); others are left as they are.
+    """
+    T, H, D = query.shape
+    NB, BS, HKV, Dk = key_cache.shape
+    B = seq_lens.shape[0]
+    n_tiles = tile_seq.shape[0]
+    assert Dk == D and value_cache.shape == key_cache.shape
+    assert D >= 16 and D & (D - 1) == 0, f"head dim must be a power of two >= 16, got {D}"
+    assert H % HKV == 0, (H, HKV)
+    assert cu_seqlens_q.shape == (B + 1,) and tile_q0.shape == (n_tiles,)
+    assert block_tables.shape[0] == B and block_tables.stride(-1) == 1
+    assert query.stride(-1) == 1 and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    L = int(tokens_per_tile)
+    assert L >= 1 and L & (L - 1) == 0, f"tokens_per_tile must be a power of two, got {L}"
+    G = H // HKV
+    if out is None:
+        out = torch.empty((T, H, D), dtype=query.dtype, device=query.device)
+    assert out.shape == (T, H, D) and out.stride(-1) == 1
+    if n_tiles == 0:
+        return out
+    block_m = max(16, triton.next_power_of_2(L * G))
+    dot_prec, upcast_dot = _dot_mode(query, key_cache)
+    _paged_attn_kernel[(n_tiles, HKV, 1)](
+        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, tile_seq, tile_q0,
+        out, out, out,
+        float(scale) * _LOG2E,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        H,
+        1,
+        L=L, G=G, D=D, BLOCK_SIZE=BS,
+        BLOCK_M=block_m, BLOCK_N=32 if D >= 256 else 64, SPLIT=False,
+        DOT_PREC=dot_prec, UPCAST_DOT=upcast_dot, VARLEN=True,
+        num_warps=4 if block_m * D <= 16 * 256 else 8, num_stages=2,
+    )
     return out

@@ -6,8 +6,8 @@ CUDA graphs for decode and verify steps.
 - norms, silu x up, q/k norm + partial RoPE: ``fused.py``, one launch each, the reference's
   rounding;
 - attention: KV write + ``paged_attention_decode`` (``attention.py``) for decode and verify;
-  for prompt chunks SDPA (flash on a fresh prompt's own K/V, else the reference over the
-  gathered blocks);
+  in a step with prompt chunks, SDPA's flash kernel on each fresh prompt's own K/V and
+  ``paged_attention_varlen`` for every other sequence (continued chunks, decodes, verifies);
 - GDN: ``conv_update`` + ``gdn_recurrent`` (``gdn.py``) in place over the slot pool for
   decode and verify; ``conv_prefill`` + ``chunk_prefill`` (fla, ``prefill.py``) for prompt
   chunks.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..attention import attention_plan, paged_attention
+from ..attention import attention_plan
 from ..backend import (
     ChunkedSeqs,
     GDNMeta,
@@ -38,6 +38,7 @@ from ..backend import (
     gdn_split,
     merge_projections,
 )
+from ..meta import arrays_for
 from . import attention as attn_k
 from . import fused, prefill
 from . import gdn as gdn_k
@@ -52,6 +53,18 @@ class UniformAttention:
     num_queries_per_seq: int
     seq_lens: torch.Tensor  # [B]
     max_seq_len: int  # sizing hint for the split-KV partition count
+
+
+@dataclass(slots=True)
+class VarlenAttention:
+    """Any other step (prompt chunks, possibly beside decodes and verifications): prompts with
+    no cached prefix by SDPA's flash kernel over their own K/V, every other sequence by
+    ``paged_attention_varlen`` over the paged cache."""
+
+    tile_seq: torch.Tensor | None  # [n_tiles] sequence of each program; None: no tiles
+    tile_q0: torch.Tensor | None  # [n_tiles] its first new token
+    tokens_per_tile: int
+    fresh: list[tuple[int, int]]  # (start, n) of the fresh prompts
 
 
 class CudaBackend(ReferenceBackend):
@@ -69,6 +82,8 @@ class CudaBackend(ReferenceBackend):
         self.mempool = None
         D = config.head_dim if config is not None else 256
         self.triton_attention = D >= 16 and D & (D - 1) == 0
+        self.tokens_per_tile = attn_k.varlen_tokens_per_tile(
+            config.num_attention_heads, config.num_key_value_heads) if config is not None else 16
 
     # Binding ------------------------------------------------------------------------------
     def bind(self, model) -> None:
@@ -91,12 +106,23 @@ class CudaBackend(ReferenceBackend):
                 and self.triton_attention):
             L = gdn.groups[0].num_tokens_per_seq
             attn = UniformAttention(L, batch.seq_lens, max(batch.context_lens))
+        elif self.triton_attention:
+            attn = self._varlen_plan(batch)
         else:
-            # with the Triton attention, fresh prompts (no cached prefix) take flash attention
-            # on their own K/V: no mask or gather is built for them
-            attn = attention_plan(batch.query_lens, batch.context_lens, batch.block_tables, dev,
-                                  fresh_apart=self.triton_attention)
+            attn = attention_plan(batch.query_lens, batch.context_lens, batch.block_tables, dev)
         return StepMeta(attn, gdn, batch.num_tokens)
+
+    def _varlen_plan(self, batch) -> VarlenAttention:
+        ql, cl = batch.query_lens, batch.context_lens
+        fresh = [b for b in range(len(ql)) if 1 < ql[b] == cl[b]]  # no cached prefix
+        rest = [b for b in range(len(ql)) if not 1 < ql[b] == cl[b]]
+        tile_seq, tile_q0 = attn_k.varlen_tiles(ql, rest, self.tokens_per_tile)
+        ts = tq = None
+        if tile_seq:
+            arr = arrays_for(batch.arrays if batch.arrays is not None else batch.input_ids.device)
+            ts, tq = arr.tensor(arr.put([tile_seq, tile_q0])).unbind(0)
+        return VarlenAttention(ts, tq, self.tokens_per_tile,
+                               [(batch.query_starts[b], ql[b]) for b in fresh])
 
     # Linear layers and elementwise ops ----------------------------------------------------
     def project(self, x, modules):
@@ -133,15 +159,19 @@ class CudaBackend(ReferenceBackend):
             return attn_k.paged_attention_decode(
                 q, key_cache, value_cache, batch.block_tables, a.seq_lens, scale,
                 num_queries_per_seq=a.num_queries_per_seq, max_seq_len=a.max_seq_len)
-        out = paged_attention(q, key_cache, value_cache, batch.cu_seqlens, batch.seq_lens,
-                              batch.block_tables, scale, plan=a)
+        out = q.new_empty(q.shape)
+        if a.tile_seq is not None:
+            attn_k.paged_attention_varlen(q, key_cache, value_cache, batch.block_tables,
+                                          batch.seq_lens, batch.cu_seqlens, a.tile_seq,
+                                          a.tile_q0, scale, a.tokens_per_tile, out=out)
         H, HKV = q.shape[1], k.shape[1]
         for start, n in a.fresh:
+            # 4-D: SDPA's flash kernel takes only 4-D inputs (3-D falls back to the math path)
             o = F.scaled_dot_product_attention(
-                q[start:start + n].transpose(0, 1), k[start:start + n].transpose(0, 1),
-                v[start:start + n].transpose(0, 1), is_causal=True, scale=scale,
+                q[None, start:start + n].transpose(1, 2), k[None, start:start + n].transpose(1, 2),
+                v[None, start:start + n].transpose(1, 2), is_causal=True, scale=scale,
                 enable_gqa=H != HKV)
-            out[start:start + n] = o.transpose(0, 1)
+            out[start:start + n] = o[0].transpose(0, 1)
         return out
 
     def gdn_recurrent(self, layer, grp: RecurrentGroup, mixed, a, b, conv_states, ssm_states):

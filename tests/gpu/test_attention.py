@@ -5,13 +5,20 @@ import torch
 
 from hybridrt.kernels.attention import paged_attention as ref_paged_attention
 from hybridrt.kernels.attention import write_kv as ref_write_kv
-from hybridrt.kernels.cuda.attention import paged_attention_decode, write_kv
+from hybridrt.kernels.cuda.attention import (
+    paged_attention_decode,
+    paged_attention_varlen,
+    varlen_tiles,
+    varlen_tokens_per_tile,
+    write_kv,
+)
 
 GARBAGE_BLOCK_IDS = (-5, 10**6, 2**31 - 1, -(2**31))
 
 
-def _make_case(device, dtype, *, bs, H, HKV, D, lens, L, seed=0):
-    """Random paged KV for sequences of the given lengths, NaN everywhere a sequence does not own.
+def _make_case(device, dtype, *, bs, H, HKV, D, lens, L=1, seed=0, qlens=None):
+    """Random paged KV for sequences of the given lengths, NaN everywhere a sequence does not own;
+    ``L`` new tokens' queries per sequence (or ``qlens[b]`` for sequence b).
 
     Returns (query, key_cache, value_cache, bt_kernel, bt_ref, seq_lens): ``bt_kernel`` has
     garbage (out-of-range) padded entries, ``bt_ref`` points them at an all-NaN block instead
@@ -40,10 +47,12 @@ def _make_case(device, dtype, *, bs, H, HKV, D, lens, L, seed=0):
             [GARBAGE_BLOCK_IDS[(b + j) % len(GARBAGE_BLOCK_IDS)] for j in range(M)])
         bt_k[b, :nblk[b]] = blocks
     # A strided query view (like the q half of a fused q/gate projection).
-    qg = torch.randn((len(lens) * L, H, 2 * D), generator=g).to(dtype)
+    qlens = [L] * len(lens) if qlens is None else qlens
+    qg = torch.randn((sum(qlens), H, 2 * D), generator=g).to(dtype)
     for b, n in enumerate(lens):
         if n <= 0:
-            qg[b * L:(b + 1) * L] = float("nan")
+            start = sum(qlens[:b])
+            qg[start:start + qlens[b]] = float("nan")
     query = qg.to(device)[..., :D]
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     return (query, kc.to(device), vc.to(device), bt_k.to(device), bt_r.to(device),
@@ -130,6 +139,79 @@ def test_paged_attention_auto_partitions(device):
     for hint in (8192, 1):
         out = paged_attention_decode(q, kc, vc, bt_k, sl, 0.25, max_seq_len=hint)
         _check(out, ref, torch.float32)
+
+
+def _varlen(device, q, kc, vc, bt, sl, qlens, scale, tokens, seqs=None, out=None):
+    seqs = range(len(qlens)) if seqs is None else seqs
+    ts, tq = varlen_tiles(qlens, seqs, tokens)
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], device=device)
+    return paged_attention_varlen(q, kc, vc, bt, sl, cu, torch.tensor(ts, device=device),
+                                  torch.tensor(tq, device=device), scale, tokens, out=out)
+
+
+# (context, new tokens): decodes, a verification, continued chunks that end inside and on a
+# KV block, a fresh prompt, a chunk longer than two tiles
+VARLEN_SEQS = [(9, 1), (30, 4), (70, 20), (17, 17), (40, 8), (1, 1), (45, 37)]
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+@pytest.mark.parametrize("bs", [4, 16])
+@pytest.mark.parametrize("heads", [(4, 2), (3, 1), (2, 2)])
+def test_paged_attention_varlen_fp32(device, tokens, bs, heads):
+    """Any mix of new-token counts (a step with prompt chunks) against the reference, with
+    tiles of 1, 4 and 16 tokens (a sequence over several tiles, a tile half full)."""
+    H, HKV = heads
+    lens, qlens = zip(*VARLEN_SEQS)
+    q, kc, vc, bt_k, bt_r, sl = _make_case(device, torch.float32, bs=bs, H=H, HKV=HKV, D=16,
+                                           lens=list(lens), qlens=list(qlens), seed=bs + tokens)
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    ref = ref_paged_attention(q.cpu(), kc.cpu(), vc.cpu(), cu, sl.cpu(), bt_r.cpu(), 0.25)
+    out = _varlen(device, q, kc, vc, bt_k, sl, list(qlens), 0.25, tokens)
+    _check(out, ref, torch.float32)
+
+
+def test_paged_attention_varlen_bf16_realistic(device):
+    """Qwen3.5-0.8B head shape (H=8, HKV=2, D=256, block 16), bf16, the tile size the backend
+    picks for it."""
+    tokens = varlen_tokens_per_tile(8, 2)
+    assert tokens == 16
+    lens, qlens = (100, 37, 3, 64), (1, 20, 3, 33)
+    q, kc, vc, bt_k, bt_r, sl = _make_case(device, torch.bfloat16, bs=16, H=8, HKV=2, D=256,
+                                           lens=list(lens), qlens=list(qlens), seed=9)
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    scale = 256 ** -0.5
+    ref = ref_paged_attention(q.cpu(), kc.cpu(), vc.cpu(), cu, sl.cpu(), bt_r.cpu(), scale)
+    _check(_varlen(device, q, kc, vc, bt_k, sl, list(qlens), scale, tokens), ref,
+           torch.bfloat16)
+
+
+def test_paged_attention_varlen_writes_only_tiled_rows(device):
+    """Only the tiled sequences' rows are written into ``out`` (the backend fills fresh
+    prompts' rows by SDPA); a step with no tiles writes nothing."""
+    lens, qlens = zip(*VARLEN_SEQS)
+    q, kc, vc, bt_k, bt_r, sl = _make_case(device, torch.float32, bs=4, H=4, HKV=2, D=16,
+                                           lens=list(lens), qlens=list(qlens), seed=2)
+    cu = [0, *torch.tensor(qlens).cumsum(0).tolist()]
+    ref = ref_paged_attention(q.cpu(), kc.cpu(), vc.cpu(), torch.tensor(cu), sl.cpu(),
+                              bt_r.cpu(), 0.25)
+    seqs = [0, 2, 6]
+    out = torch.full(q.shape, 7.0, device=device)
+    _varlen(device, q, kc, vc, bt_k, sl, list(qlens), 0.25, 4, seqs=seqs, out=out)
+    for b in range(len(qlens)):
+        got, want = out[cu[b]:cu[b + 1]].cpu(), ref[cu[b]:cu[b + 1]]
+        if b in seqs:
+            _check(got, want, torch.float32)
+        else:
+            assert (got == 7.0).all(), f"sequence {b} written"
+    none = torch.full(q.shape, 7.0, device=device)
+    _varlen(device, q, kc, vc, bt_k, sl, list(qlens), 0.25, 4, seqs=[], out=none)
+    assert (none == 7.0).all()
+
+
+def test_varlen_tiles():
+    assert varlen_tiles([3, 1, 9], [0, 2], 4) == ([0, 2, 2, 2], [0, 0, 4, 8])
+    assert varlen_tiles([3], [], 4) == ([], [])
+    assert [varlen_tokens_per_tile(h, 2) for h in (2, 4, 6, 8, 16, 32)] == [64, 32, 16, 16, 8, 4]
 
 
 def test_paged_attention_all_padding(device):
