@@ -542,21 +542,63 @@ class CPUBackend(ReferenceBackend):
     def gdn_recurrent_out(self, layer, grp, mixed, z, a, b, conv_states, ssm_states):
         """The group in one compiled call (csrc/gdn_fused.c) where it runs for these tensors:
         fp32 or bf16 activations throughout, contiguous pools, unit column strides."""
+        params = self._fused_params(layer, mixed, z, a, b, conv_states, ssm_states,
+                                    (grp.slots, grp.slots_out))
+        if params is None:
+            return super().gdn_recurrent_out(layer, grp, mixed, z, a, b, conv_states, ssm_states)
+        taps, neg_exp_a, dt_bias, norm_w = params
+        return native.gdn_fused(mixed, z, a, b, taps, conv_states, ssm_states, grp.slots,
+                                grp.slots_out, neg_exp_a, dt_bias, norm_w, layer.norm.eps,
+                                grp.num_tokens_per_seq, layer.num_k_heads, layer.head_k_dim)
+
+    def gdn_chunked_out(self, layer, c, mixed, z, a, b, conv_states, ssm_states):
+        """Prompt chunks through the same compiled call, token after token, one call per
+        sequence (its state in place): the recurrence itself rather than the chunked form, the
+        state kept in cache from one token to the next. A sequence with no initial state
+        starts from zeros."""
+        params = self._fused_params(layer, mixed, z, a, b, conv_states, ssm_states, (c.slots,))
+        if params is None:
+            return super().gdn_chunked_out(layer, c, mixed, z, a, b, conv_states, ssm_states)
+        taps, neg_exp_a, dt_bias, norm_w = params
+        init = c.has_initial_state
+        conv_states.index_copy_(0, c.slots, torch.where(
+            init.view(-1, 1, 1), conv_states.index_select(0, c.slots), 0))
+        ssm_states.index_copy_(0, c.slots, torch.where(
+            init.view(-1, 1, 1, 1), ssm_states.index_select(0, c.slots), 0))
+        # (sequence, first row, end row) of each call: a long chunk in pieces, one after the
+        # other over the state in place (the same result), to bound the call's scratch memory
+        pieces, end = [], 0
+        for i, n in enumerate(c.lens):
+            pieces += [(i, s, min(s + GDN_FUSED_MAX_ROWS, end + n))
+                       for s in range(end, end + n, GDN_FUSED_MAX_ROWS)]
+            end += n
+        out = None if len(pieces) == 1 else mixed.new_empty(end, layer.value_dim)
+        for i, s, e in pieces:
+            o = native.gdn_fused(
+                mixed[s:e], z[s:e], a[s:e], b[s:e], taps, conv_states, ssm_states,
+                c.slots[i:i + 1], None, neg_exp_a, dt_bias, norm_w, layer.norm.eps, e - s,
+                layer.num_k_heads, layer.head_k_dim)
+            if out is None:
+                return o
+            out[s:e] = o
+        return out
+
+    def _fused_params(self, layer, mixed, z, a, b, conv_states, ssm_states, slot_tensors):
+        """``_gdn_params`` where the compiled GDN call runs for these tensors (fp32 or bf16
+        activations throughout, contiguous pools, unit column strides), else None; slot ranges
+        checked here when no engine checks them per step."""
         params = self._gdn_params(layer, mixed, conv_states)
         if params is None or not (ssm_states.dtype == torch.float32
                                   and ssm_states.is_contiguous() and all(
                                       t.stride(-1) == 1 and t.dtype == mixed.dtype
                                       for t in (z, a, b))):
-            return super().gdn_recurrent_out(layer, grp, mixed, z, a, b, conv_states, ssm_states)
+            return None
         if self.num_slots is None:  # not attached to an engine: no per-step check was made
-            for t in (grp.slots, grp.slots_out):
+            for t in slot_tensors:
                 if t is not None and t.numel() and not (
                         0 <= int(t.min()) <= int(t.max()) < ssm_states.shape[0]):
                     raise IndexError(f"state slots out of range [0, {ssm_states.shape[0]})")
-        taps, neg_exp_a, dt_bias, norm_w = params
-        return native.gdn_fused(mixed, z, a, b, taps, conv_states, ssm_states, grp.slots,
-                                grp.slots_out, neg_exp_a, dt_bias, norm_w, layer.norm.eps,
-                                grp.num_tokens_per_seq, layer.num_k_heads, layer.head_k_dim)
+        return params
 
     def _gdn_params(self, layer, mixed, conv_states):
         """fp32 conv taps [K, C], -exp(A_log), dt_bias and the norm weight in the
@@ -673,6 +715,7 @@ def _weight_of(module):
     return w if w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous() else None
 
 
+GDN_FUSED_MAX_ROWS = 1024  # prompt tokens per compiled GDN call (its fp32 scratch: ~25 MB at 0.8B)
 FUSED_MAX_TOKENS = 8  # new tokens per sequence up to which csrc/attn_decode.c runs a step
 
 

@@ -123,7 +123,7 @@ def load() -> ctypes.CDLL | None:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.gdn_fused.restype = None
+    lib.gdn_fused.restype = ctypes.c_int  # 0, or -1 where its scratch could not be allocated
     lib.gdn_fused.argtypes = [P, I64] * 4 + [P] * 8 + [ctypes.c_float, P] + [I64] * 7 + [INT] * 3
     lib.attn_decode.restype = None
     lib.attn_decode.argtypes = ([P, I64] * 3 + [P, P, ctypes.c_float, P, P, I64, P, P, P, P, I64,
@@ -341,13 +341,15 @@ def gdn_fused(mixed, z, a, b, conv_taps, conv_states, ssm, slots, slots_out, neg
     DV = norm_w.shape[0]
     K = conv_taps.shape[0]
     out = torch.empty(N, HV * DV, dtype=mixed.dtype)
-    _lib.gdn_fused(
+    failed = _lib.gdn_fused(
         mixed.data_ptr(), mixed.stride(0), z.data_ptr(), z.stride(0), a.data_ptr(), a.stride(0),
         b.data_ptr(), b.stride(0), conv_taps.data_ptr(), conv_states.data_ptr(), ssm.data_ptr(),
         slots.data_ptr(), None if slots_out is None else slots_out.data_ptr(),
         neg_exp_a.data_ptr(), dt_bias.data_ptr(), norm_w.data_ptr(), eps, out.data_ptr(),
         N // L, L, K, HK, HV, DK, DV, _FUSED_DTYPES[mixed.dtype], int(FUSED_SIMD),
         torch.get_num_threads())
+    if failed:
+        raise MemoryError(f"gdn_fused: no memory for the conv outputs of {N} tokens")
     return out
 
 

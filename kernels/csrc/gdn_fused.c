@@ -86,7 +86,7 @@ static int read_state_128(const float *S, const float *k, const float *q, int64_
 }
 #endif
 
-void gdn_fused(const void *mixed, int64_t ld_mixed, const void *z, int64_t ld_z,
+int gdn_fused(const void *mixed, int64_t ld_mixed, const void *z, int64_t ld_z,
                const void *a, int64_t ld_a, const void *bv, int64_t ld_b,
                const float *conv_taps, void *conv_states, float *ssm,
                const int64_t *slots, const int64_t *slots_out,
@@ -97,7 +97,7 @@ void gdn_fused(const void *mixed, int64_t ld_mixed, const void *z, int64_t ld_z,
     simd = simd < SIMD_MAX ? simd : SIMD_MAX;
     const int64_t C = 2 * HK * DK + HV * DV, W = K - 1, N = B * L;
     float *m = malloc(sizeof(float) * (size_t)(N * C));  /* conv outputs, rounded */
-    if (m == NULL) return;
+    if (m == NULL) return -1;  /* the caller raises MemoryError */
     const int64_t cs = W * C * (bf ? 2 : 4);  /* bytes per conv state slot */
     #pragma omp parallel num_threads(num_threads)
     {
@@ -228,4 +228,5 @@ void gdn_fused(const void *mixed, int64_t ld_mixed, const void *z, int64_t ld_z,
         }
     }
     free(m);
+    return 0;
 }
