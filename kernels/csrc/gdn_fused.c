@@ -1,5 +1,7 @@
 /* A GDN layer's recurrent tokens in one call: from the in-projections' outputs to the input of
- * out_proj, for B sequences of L tokens each (decode: L = 1; draft verification: L = 1 + k).
+ * out_proj, for B sequences of L tokens each (decode: L = 1; draft verification: L = 1 + k;
+ * a prompt chunk: one sequence, its tokens in place, as the recurrence rather than the chunked
+ * form). Returns 0, or -1 where the conv outputs' scratch (N x C floats) cannot be allocated.
  *
  * Per token, as the reference ops compute it (kernels/backend.py gdn_recurrent, kernels/norm.py):
  *   conv:   m = silu(sum_j w[j] window[j]) over the K-1 state rows and the token, rounded to
@@ -87,12 +89,12 @@ static int read_state_128(const float *S, const float *k, const float *q, int64_
 #endif
 
 int gdn_fused(const void *mixed, int64_t ld_mixed, const void *z, int64_t ld_z,
-               const void *a, int64_t ld_a, const void *bv, int64_t ld_b,
-               const float *conv_taps, void *conv_states, float *ssm,
-               const int64_t *slots, const int64_t *slots_out,
-               const float *neg_exp_a, const float *dt_bias, const void *norm_w, float eps,
-               void *out, int64_t B, int64_t L, int64_t K, int64_t HK, int64_t HV, int64_t DK,
-               int64_t DV, int bf, int simd, int num_threads)
+              const void *a, int64_t ld_a, const void *bv, int64_t ld_b,
+              const float *conv_taps, void *conv_states, float *ssm,
+              const int64_t *slots, const int64_t *slots_out,
+              const float *neg_exp_a, const float *dt_bias, const void *norm_w, float eps,
+              void *out, int64_t B, int64_t L, int64_t K, int64_t HK, int64_t HV, int64_t DK,
+              int64_t DV, int bf, int simd, int num_threads)
 {
     simd = simd < SIMD_MAX ? simd : SIMD_MAX;
     const int64_t C = 2 * HK * DK + HV * DV, W = K - 1, N = B * L;
