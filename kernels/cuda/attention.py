@@ -328,22 +328,12 @@ def paged_attention_decode(
         part_ml = torch.empty((T, H, P, 2), dtype=torch.float32, device=query.device)
     else:
         part_acc = part_ml = out  # unused
-    _paged_attn_kernel[(B, HKV, P)](
-        query, key_cache, value_cache, block_tables, seq_lens, seq_lens, seq_lens, seq_lens,
-        out, part_acc, part_ml,
-        float(scale) * _LOG2E,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        H,
-        P,
-        L=L, G=G, D=D, BLOCK_SIZE=BS,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT=P > 1,
-        DOT_PREC=dot_prec, UPCAST_DOT=upcast_dot, VARLEN=False,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    _launch((B, HKV, P), query, key_cache, value_cache, block_tables, seq_lens, None,
+            out, part_acc, part_ml, scale, P,
+            L=L, G=G, D=D, BLOCK_SIZE=BS,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT=P > 1,
+            DOT_PREC=dot_prec, UPCAST_DOT=upcast_dot,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if P > 1:
         _paged_attn_reduce_kernel[(T, H)](
             part_acc, part_ml, out,
@@ -420,20 +410,30 @@ def paged_attention_varlen(
         return out
     block_m = max(16, triton.next_power_of_2(L * G))
     dot_prec, upcast_dot = _dot_mode(query, key_cache)
-    _paged_attn_kernel[(n_tiles, HKV, 1)](
-        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, tile_seq, tile_q0,
-        out, out, out,
+    _launch((n_tiles, HKV, 1), query, key_cache, value_cache, block_tables, seq_lens,
+            (cu_seqlens_q, tile_seq, tile_q0), out, out, out, scale, 1,
+            L=L, G=G, D=D, BLOCK_SIZE=BS,
+            BLOCK_M=block_m, BLOCK_N=32 if D >= 256 else 64, SPLIT=False,
+            DOT_PREC=dot_prec, UPCAST_DOT=upcast_dot,
+            num_warps=4 if block_m * D <= 16 * 256 else 8, num_stages=2)
+    return out
+
+
+def _launch(grid, query, key_cache, value_cache, block_tables, seq_lens, varlen, out,
+            part_acc, part_ml, scale, num_parts, **meta):
+    """One launch of ``_paged_attn_kernel`` over these tensors (their strides); ``varlen``:
+    (cu_seqlens_q, tile_seq, tile_q0) for the tiled form, None for the uniform one."""
+    cu, tile_seq, tile_q0 = varlen if varlen is not None else (seq_lens,) * 3  # unread
+    _paged_attn_kernel[grid](
+        query, key_cache, value_cache, block_tables, seq_lens, cu, tile_seq, tile_q0,
+        out, part_acc, part_ml,
         float(scale) * _LOG2E,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        H,
-        1,
-        L=L, G=G, D=D, BLOCK_SIZE=BS,
-        BLOCK_M=block_m, BLOCK_N=32 if D >= 256 else 64, SPLIT=False,
-        DOT_PREC=dot_prec, UPCAST_DOT=upcast_dot, VARLEN=True,
-        num_warps=4 if block_m * D <= 16 * 256 else 8, num_stages=2,
+        query.shape[1],
+        num_parts,
+        VARLEN=varlen is not None, **meta,
     )
-    return out
