@@ -70,10 +70,10 @@ def build_model(
 
 
 def mixed_batches(device: str = "cpu"):
-    """Step 1: two prompts (one whole, one chunk); step 2: a decode, a continued chunk and a
-    verification of 3 drafts (per-token verify slots); step 3: decodes only; step 4:
-    verifications of 2 drafts only (the CPU backend's loop, the CUDA backend's uniform steps).
-    Block size 8, state slots 1-3 (verify slots up to 11)."""
+    """Step 1: three prompts (the second the first chunk of a longer one); step 2: a decode,
+    that prompt's next chunk and a verification of 3 drafts (per-token verify slots); step 3:
+    decodes only; step 4: verifications of 2 drafts only (the CPU backend's loop, the CUDA
+    backend's uniform steps). Block size 8, state slots 1-3 (verify slots up to 11)."""
     tables = [[0], [1, 2, 4], [3, 5]]
     first = build_batch([list(range(3, 8)), list(range(10, 21)), list(range(4, 9))], [0, 0, 0],
                         tables, 8, [1, 2, 3], ["all", "all", "all"], device=device)
