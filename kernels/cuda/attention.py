@@ -308,11 +308,7 @@ def paged_attention_decode(
     NB, BS, HKV, Dk = key_cache.shape
     B = seq_lens.shape[0]
     assert L >= 1 and T == B * L, (T, B, L)
-    assert Dk == D and value_cache.shape == key_cache.shape
-    assert D >= 16 and D & (D - 1) == 0, f"head dim must be a power of two >= 16, got {D}"
-    assert H % HKV == 0, (H, HKV)
-    assert block_tables.shape[0] == B and block_tables.stride(-1) == 1
-    assert query.stride(-1) == 1 and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    _check_paged(query, key_cache, value_cache, block_tables, B)
     G = H // HKV
     out = torch.empty((T, H, D), dtype=query.dtype, device=query.device)
     if T == 0:
@@ -394,12 +390,8 @@ def paged_attention_varlen(
     NB, BS, HKV, Dk = key_cache.shape
     B = seq_lens.shape[0]
     n_tiles = tile_seq.shape[0]
-    assert Dk == D and value_cache.shape == key_cache.shape
-    assert D >= 16 and D & (D - 1) == 0, f"head dim must be a power of two >= 16, got {D}"
-    assert H % HKV == 0, (H, HKV)
+    _check_paged(query, key_cache, value_cache, block_tables, B)
     assert cu_seqlens_q.shape == (B + 1,) and tile_q0.shape == (n_tiles,)
-    assert block_tables.shape[0] == B and block_tables.stride(-1) == 1
-    assert query.stride(-1) == 1 and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
     L = int(tokens_per_tile)
     assert L >= 1 and L & (L - 1) == 0, f"tokens_per_tile must be a power of two, got {L}"
     G = H // HKV
@@ -417,6 +409,16 @@ def paged_attention_varlen(
             DOT_PREC=dot_prec, UPCAST_DOT=upcast_dot,
             num_warps=4 if block_m * D <= 16 * 256 else 8, num_stages=2)
     return out
+
+
+def _check_paged(query, key_cache, value_cache, block_tables, B: int) -> None:
+    """The shapes and strides both paged-attention forms take."""
+    D, (_, _, HKV, Dk) = query.shape[-1], key_cache.shape
+    assert Dk == D and value_cache.shape == key_cache.shape
+    assert D >= 16 and D & (D - 1) == 0, f"head dim must be a power of two >= 16, got {D}"
+    assert query.shape[1] % HKV == 0, (query.shape[1], HKV)
+    assert block_tables.shape[0] == B and block_tables.stride(-1) == 1
+    assert query.stride(-1) == 1 and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
 
 
 def _launch(grid, query, key_cache, value_cache, block_tables, seq_lens, varlen, out,
