@@ -1,5 +1,5 @@
 """``hybridrt serve``: the OpenAI-compatible server (``hybridrt.server``), and ``hybridrt
-bench serve``: a bounded load test of it over loopback (``hybridrt.servebench``)."""
+bench serve``: a bounded load test of it over loopback (``hybridrt.bench.serve``)."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def bench_serve(
     """Loopback load test of `hybridrt serve`: multi-turn chat clients streaming at once,
     with and without prefix reuse: requests/s, TTFT and inter-token latency percentiles."""
     _check_deps("hybridrt bench serve")
-    from hybridrt import servebench
+    from hybridrt.bench import serve as servebench
 
     servebench.run(model=model, conversations=conversations, turns=turns,
                    max_tokens=max_tokens, time_limit=time_limit, threads=threads,

@@ -1,4 +1,4 @@
-"""``python -m hybridrt.cudabench`` dry-run on the CPU (``--device cpu --tiny``): every part of
+"""``python -m hybridrt.bench.cuda`` dry-run on the CPU (``--device cpu --tiny``): every part of
 the GPU benchmark's code runs and writes its report (the figures mean nothing here)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hybridrt import cudabench
+from hybridrt.bench import cuda as cudabench
 
 
 def test_cpu_dry_run_writes_every_section(tmp_path):

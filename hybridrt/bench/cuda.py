@@ -21,7 +21,7 @@ The Qwen3.5-0.8B shape with random bf16 weights (written to a temporary director
   prefill of the first ``--prefill`` length: kernel launches and device / host time per step,
   and the ops with the most device time (host time on CPU).
 
-``python -m hybridrt.cudabench --json out.json`` (``--help`` for the options).
+``python -m hybridrt.bench.cuda --json out.json`` (``--help`` for the options).
 ``--device cpu --tiny`` runs every part on a tiny random model on the CPU: a dry run of the
 benchmark's code (tests/test_cudabench.py), not a measurement.
 """
@@ -269,7 +269,7 @@ def bench_ours(model_dir, args) -> dict:
 
 
 def bench_transformers(text_config, state_dict, args) -> dict:
-    from hybridrt.testing import hf_reference_model
+    from hybridrt.bench.fixtures import hf_reference_model
 
     dtype = getattr(torch, args.dtype)
     ref = hf_reference_model(text_config, state_dict, dtype).to(args.device)
@@ -311,7 +311,7 @@ def bench_transformers(text_config, state_dict, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m hybridrt.cudabench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m hybridrt.bench.cuda", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,32,256")
     ap.add_argument("--prefill", default="512,8192")
@@ -342,13 +342,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("cudabench: CUDA is not available in this PyTorch build / machine")
 
-    from hybridrt.config import ModelConfig
-    from hybridrt.testing import (
+    from hybridrt.bench.fixtures import (
         QWEN35_08B_TEXT_CONFIG,
         random_state_dict,
         tiny_text_config,
         write_random_checkpoint,
     )
+    from hybridrt.config import ModelConfig
 
     cuda = args.device == "cuda"
     report: dict = {"device": torch.cuda.get_device_name() if cuda else args.device,

@@ -11,9 +11,9 @@ length and new tokens per request that were actually run. Timings on shared mach
 read the ratios, measured side by side in the same process.
 
 With ``against_llamacpp`` (a GGUF of the same model), llama.cpp's own benchmarks run the same
-work with the same threads (hybridrt.llamacpp), in rounds alternated with hybridrt's, and the
+work with the same threads (hybridrt.bench.llamacpp), in rounds alternated with hybridrt's, and the
 report adds its figures and hybridrt's ratios to them. Every run also measures what the machine
-allows (hybridrt.ceilings): the read bandwidth, an fp32 matmul rate, and the batch-1 decode
+allows (hybridrt.bench.ceilings): the read bandwidth, an fp32 matmul rate, and the batch-1 decode
 ceiling, bandwidth over the bytes of weights a decode step reads.
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from hybridrt.llamacpp import DEFAULT_ORDER, ENGINES, check_order
+from hybridrt.bench.llamacpp import DEFAULT_ORDER, ENGINES, check_order
 from hybridrt.sampling_params import SamplingParams
 
 
@@ -55,7 +55,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def make_random_08b(directory: str | Path, seed: int = 0) -> Path:
-    from hybridrt.testing import QWEN35_08B_TEXT_CONFIG, write_random_checkpoint
+    from hybridrt.bench.fixtures import QWEN35_08B_TEXT_CONFIG, write_random_checkpoint
 
     return write_random_checkpoint(directory, QWEN35_08B_TEXT_CONFIG, seed=seed,
                                    dtype=torch.bfloat16)
@@ -142,7 +142,7 @@ def bench_ours(llm, prefill_len: int, decode_tokens: int, concurrency: list[int]
 def bench_transformers(state_dict: dict, text_config: dict, dtype: torch.dtype, prefill_len: int,
                        decode_tokens: int, concurrency: list[int], prompt_len: int,
                        repeats: int, vocab: int) -> tuple[dict, dict]:
-    from hybridrt.testing import hf_reference_model
+    from hybridrt.bench.fixtures import hf_reference_model
 
     ref = hf_reference_model(text_config, state_dict, dtype=dtype)
     gen = {"do_sample": False, "pad_token_id": 0}
@@ -210,7 +210,7 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
     figure is the median over its rounds. The read bandwidth (``stream_bytes`` streamed) and
     an fp32 matmul rate are measured in the same run, with the same threads.
     ``quantization``: hybridrt's weights in int8; transformers (unquantized) is left out."""
-    from hybridrt import ceilings, llamacpp
+    from hybridrt.bench import ceilings, llamacpp
 
     bins = llamacpp.check(against_llamacpp, llamacpp_bin) if against_llamacpp else None
     order = check_order(order) if bins is not None else ["hybridrt"]
