@@ -1,7 +1,7 @@
-"""``hybridrt bench throughput`` / ``gemm`` / ``spec`` / ``quality`` / ``startup`` / ``busy``:
-the commands over ``hybridrt.bench`` (throughput, spec, quality, startup, busy); each prints a
-table and, with ``--json`` / ``--plot``, writes the report and a chart. The benchmark modules
-are imported inside the commands, so that ``hybridrt chat`` never loads them."""
+"""``hybridrt bench throughput`` / ``gemm`` / ``spec`` / ``quality`` / ``startup`` / ``busy`` /
+``serve``: the commands over ``hybridrt.bench``; each prints a table and, with ``--json`` /
+``--plot``, writes the report and a chart. The benchmark modules are imported inside the
+commands, so that ``hybridrt chat`` never loads them (tests/test_bench_layout.py)."""
 
 from __future__ import annotations
 
@@ -374,3 +374,32 @@ def busy(
     from hybridrt.bench.busy import run_busy_bench
 
     run_busy_bench(model, tokens=tokens, rounds=rounds, json_path=json_path)
+
+
+# serve ---------------------------------------------------------------------------------------
+@bench_app.command("serve")
+def bench_serve(
+    model: ModelArg = None,
+    conversations: Annotated[int, typer.Option(
+        "--conversations", min=1, help="Concurrent clients, one conversation each.")] = 8,
+    turns: Annotated[int, typer.Option("--turns", min=1, help="Turns per conversation.")] = 4,
+    max_tokens: Annotated[int, typer.Option(
+        "--max-tokens", min=1, help="Tokens generated per turn (EOS ignored).")] = 32,
+    time_limit: Annotated[float, typer.Option(
+        "--time-limit", min=1, help="Seconds per run; turns not started by then are "
+        "skipped and reported.")] = 300.0,
+    threads: ThreadsOpt = None,
+    json_path: Annotated[Path | None, typer.Option(
+        "--json", help="Also write the report to this file (default: none).",
+        show_default=False)] = None,
+) -> None:
+    """Loopback load test of `hybridrt serve`: multi-turn chat clients streaming at once,
+    with and without prefix reuse: requests/s, TTFT and inter-token latency percentiles."""
+    from hybridrt.cli.serve import _check_deps
+
+    _check_deps("hybridrt bench serve")
+    from hybridrt.bench import serve as servebench
+
+    servebench.run(model=model, conversations=conversations, turns=turns,
+                   max_tokens=max_tokens, time_limit=time_limit, threads=threads,
+                   json_path=json_path)
