@@ -7,7 +7,8 @@ process), startup, quality (int8 against bf16), ceilings (what the machine allow
 (tiny and 0.8B-shaped configs, random checkpoints, a character tokenizer, the transformers
 reference model).
 
-The product (the rest of hybridrt, kernels, statecache, specdec, cli except cli/bench.py and
-the ``bench serve`` command) imports nothing from here: tests/test_bench_layout.py checks it.
-Import the submodules themselves; this file imports none of them.
+The product (the rest of hybridrt, kernels, statecache, specdec, and cli but for cli/bench.py,
+whose commands import these modules when they run) imports nothing from here:
+tests/test_bench_layout.py checks it. Import the submodules themselves; this file imports none
+of them.
 """
