@@ -105,8 +105,8 @@ def bench_ours(llm, prefill_len: int, decode_tokens: int, concurrency: list[int]
 
     sp = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
     rates = []
-    # batch 1 is the denominator of the batching ratios and a few seconds a run: at least five
-    # runs, so one noisy stretch of this shared machine does not move the median
+    # batch 1 is the denominator of the batching ratios and a short run: at least five runs,
+    # so that one noisy stretch of a shared machine does not move the median
     for r in range(max(repeats, 5)):
         (out,) = llm.generate(_prompts(1, prompt_len, vocab, 200 + r), sp, use_tqdm=False)
         rates.append(out.metrics["decode_tokens_per_s"])
@@ -126,7 +126,7 @@ def bench_ours(llm, prefill_len: int, decode_tokens: int, concurrency: list[int]
             c, prompt_len, [len(o.outputs[0].token_ids) for o in outs])
     if concurrency and interleave:
         # the batching ratio again from batch-1 and largest-batch runs alternated, so that drift
-        # in this shared machine's speed between the measurements above does not enter it
+        # in a shared machine's speed between the measurements above does not enter it
         c = max(concurrency)
         alone, batched = [], []
         for r in range(3):
