@@ -1,6 +1,7 @@
-"""``hybridrt bench throughput`` / ``gemm`` / ``startup`` (hybridrt.bench, hybridrt.startup),
-``hybridrt bench spec`` (hybridrt.specbench) and ``hybridrt bench quality`` (hybridrt.quality):
-each prints a table and, with ``--json`` / ``--plot``, writes the report and a chart."""
+"""``hybridrt bench throughput`` / ``gemm`` / ``spec`` / ``quality`` / ``startup`` / ``busy`` /
+``serve``: the commands over ``hybridrt.bench``; each prints a table and, with ``--json`` /
+``--plot``, writes the report and a chart. The benchmark modules are imported inside the
+commands, so that ``hybridrt chat`` never loads them (tests/test_bench_layout.py)."""
 
 from __future__ import annotations
 
@@ -125,7 +126,7 @@ def throughput(
     _check_dtype(dtype)
     quantization = _check_quantization(quantization)
     sizes = _int_list("--concurrency", concurrency, 1)
-    from hybridrt import llamacpp
+    from hybridrt.bench import llamacpp
 
     rounds = [e.strip() for e in order.split(",") if e.strip()]
     try:
@@ -134,7 +135,7 @@ def throughput(
             llamacpp.check(against_llamacpp, llamacpp_bin)
     except (ValueError, llamacpp.LlamaCppError) as e:
         raise CliError(str(e), 2) from None
-    from hybridrt import bench
+    from hybridrt.bench import throughput as bench
 
     report = bench.throughput(
         model=model, dtype=dtype, threads=threads or _default_threads(),
@@ -158,7 +159,7 @@ def gemm(
 ) -> None:
     """ms per weight of the CPU half-weight GEMM paths at the 0.8B shapes (kernels/linear.py),
     and of the int8 kernels (kernels/quant.py)."""
-    from hybridrt import bench
+    from hybridrt.bench import throughput as bench
 
     bench.gemm(_int_list("--rows", rows, 1), threads=threads, rounds=rounds)
 
@@ -264,8 +265,8 @@ def spec(
             raise CliError(f"--prompts {prompts_file}: {e.strerror or e}") from None
         if not prompts:
             raise CliError(f"--prompts {prompts_file} has no prompts", 2)
+    from hybridrt.bench.spec import run_spec_bench
     from hybridrt.llm import default_model
-    from hybridrt.specbench import run_spec_bench
 
     report = run_spec_bench(default_model() if model is None else model, ks=tuple(k_list),
                             batch_sizes=tuple(b_list), prompts=prompts or None,
@@ -331,7 +332,7 @@ def quality(
 ) -> None:
     """int8 against bf16 weights: perplexity and greedy agreement of the demo model on held-out
     text; logits error and top-1 agreement at the 0.8B shape (random weights)."""
-    from hybridrt.quality import run_quality
+    from hybridrt.bench.quality import run_quality
 
     run_quality(model_08b, skip_08b=skip_08b, threads=threads or _default_threads(),
                 max_docs=max_docs, json_path=json_path)
@@ -352,7 +353,7 @@ def startup(
     Each figure comes from a fresh interpreter; the one that matters is the load and first
     token beyond importing torch (target 1.5 s on the demo model).
     """
-    from hybridrt.startup import run_startup_bench
+    from hybridrt.bench.startup import run_startup_bench
 
     run_startup_bench(model, runs=runs, threads=threads, json_path=json_path)
 
@@ -370,6 +371,35 @@ def busy(
 ) -> None:
     """Batch-1 decode with the default threads against each explicit --threads, on the
     machine as it is and beside one busy process (each run a fresh interpreter)."""
-    from hybridrt.busybench import run_busy_bench
+    from hybridrt.bench.busy import run_busy_bench
 
     run_busy_bench(model, tokens=tokens, rounds=rounds, json_path=json_path)
+
+
+# serve ---------------------------------------------------------------------------------------
+@bench_app.command("serve")
+def bench_serve(
+    model: ModelArg = None,
+    conversations: Annotated[int, typer.Option(
+        "--conversations", min=1, help="Concurrent clients, one conversation each.")] = 8,
+    turns: Annotated[int, typer.Option("--turns", min=1, help="Turns per conversation.")] = 4,
+    max_tokens: Annotated[int, typer.Option(
+        "--max-tokens", min=1, help="Tokens generated per turn (EOS ignored).")] = 32,
+    time_limit: Annotated[float, typer.Option(
+        "--time-limit", min=1, help="Seconds per run; turns not started by then are "
+        "skipped and reported.")] = 300.0,
+    threads: ThreadsOpt = None,
+    json_path: Annotated[Path | None, typer.Option(
+        "--json", help="Also write the report to this file (default: none).",
+        show_default=False)] = None,
+) -> None:
+    """Loopback load test of `hybridrt serve`: multi-turn chat clients streaming at once,
+    with and without prefix reuse: requests/s, TTFT and inter-token latency percentiles."""
+    from hybridrt.cli.serve import _check_deps
+
+    _check_deps("hybridrt bench serve")
+    from hybridrt.bench import serve as servebench
+
+    servebench.run(model=model, conversations=conversations, turns=turns,
+                   max_tokens=max_tokens, time_limit=time_limit, threads=threads,
+                   json_path=json_path)

@@ -18,7 +18,7 @@ from hybridrt.cli.common import OneLineErrorGroup
 from hybridrt.cli.draft_vocab import draft_vocab
 from hybridrt.cli.generate import generate
 from hybridrt.cli.quantize import quantize
-from hybridrt.cli.serve import bench_serve, serve
+from hybridrt.cli.serve import serve
 
 app = typer.Typer(
     name="hybridrt",
@@ -33,7 +33,6 @@ app = typer.Typer(
 app.command("chat")(chat)
 app.command("generate")(generate)
 app.command("serve")(serve)
-bench_app.command("serve")(bench_serve)
 app.add_typer(bench_app, name="bench")
 app.command("draft-vocab")(draft_vocab)
 app.command("quantize")(quantize)

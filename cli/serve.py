@@ -1,9 +1,8 @@
-"""``hybridrt serve``: the OpenAI-compatible server (``hybridrt.server``), and ``hybridrt
-bench serve``: a bounded load test of it over loopback (``hybridrt.servebench``)."""
+"""``hybridrt serve``: the OpenAI-compatible server (``hybridrt.server``); ``hybridrt bench
+serve``, a load test of it, is in cli/bench.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -80,28 +79,3 @@ def serve(
         typer.echo(f"warning: listening on {host} without --api-key: anyone who can reach "
                    f"this port can use the model", err=True)
     run(llm, name, host, port, max_cached_prefixes, api_key, log_level)
-
-
-def bench_serve(
-    model: ModelArg = None,
-    conversations: Annotated[int, typer.Option(
-        "--conversations", min=1, help="Concurrent clients, one conversation each.")] = 8,
-    turns: Annotated[int, typer.Option("--turns", min=1, help="Turns per conversation.")] = 4,
-    max_tokens: Annotated[int, typer.Option(
-        "--max-tokens", min=1, help="Tokens generated per turn (EOS ignored).")] = 32,
-    time_limit: Annotated[float, typer.Option(
-        "--time-limit", min=1, help="Seconds per run; turns not started by then are "
-        "skipped and reported.")] = 300.0,
-    threads: ThreadsOpt = None,
-    json_path: Annotated[Path | None, typer.Option(
-        "--json", help="Also write the report to this file (default: none).",
-        show_default=False)] = None,
-) -> None:
-    """Loopback load test of `hybridrt serve`: multi-turn chat clients streaming at once,
-    with and without prefix reuse: requests/s, TTFT and inter-token latency percentiles."""
-    _check_deps("hybridrt bench serve")
-    from hybridrt import servebench
-
-    servebench.run(model=model, conversations=conversations, turns=turns,
-                   max_tokens=max_tokens, time_limit=time_limit, threads=threads,
-                   json_path=json_path)

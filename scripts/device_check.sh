@@ -3,7 +3,7 @@
 # fla-core wheel travels in .whl (pip download --no-deps fla-core==0.6.0 -d .whl here) and
 # hybridrt is put on the path as a symlinked package tree. Writes under $OUT: gpu.txt (versions),
 # tests.log (tests/gpu/test_attention.py and test_backend.py on the GPU: the attention kernels,
-# the CUDA backend's steps and engine runs vs the reference, lossless speculation), bench.json (python -m hybridrt.cudabench: figures, the decode step's phases, a
+# the CUDA backend's steps and engine runs vs the reference, lossless speculation), bench.json (python -m hybridrt.bench.cuda: figures, the decode step's phases, a
 # profile). Usage: OUT=dir bash scripts/device_check.sh
 # DRY_RUN=1 runs the same steps on a machine without a GPU: the tests under TRITON_INTERPRET=1
 # and the benchmark on a tiny model on the CPU (python3 must have torch and triton; the bench's
@@ -27,9 +27,9 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
     TESTS=${TESTS:-$REPO/tests/gpu/test_prefill.py}
     # fla's kernels need the tests' interpreter patches (tests/gpu/fla_interpret.py)
     BENCH=(python3 -c "import sys; sys.path.insert(0, '$REPO/tests/gpu'); import fla_interpret, \
-runpy; runpy.run_module('hybridrt.cudabench', run_name='__main__')")
+runpy; runpy.run_module('hybridrt.bench.cuda', run_name='__main__')")
 else
-    BENCH=(python3 -m hybridrt.cudabench)
+    BENCH=(python3 -m hybridrt.bench.cuda)
 fi
 { [ "${DRY_RUN:-0}" = 1 ] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, triton, fla, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__, 'transformers', transformers.__version__)"

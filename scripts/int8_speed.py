@@ -18,7 +18,7 @@ import time
 import torch
 
 from hybridrt import LLM, SamplingParams
-from hybridrt.bench import _prompts, make_random_08b
+from hybridrt.bench.throughput import _prompts, make_random_08b
 from hybridrt.kernels import quant
 
 

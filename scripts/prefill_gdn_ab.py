@@ -16,7 +16,7 @@ import tempfile
 import time
 
 from hybridrt import LLM, SamplingParams
-from hybridrt.bench import _prompts, make_random_08b
+from hybridrt.bench.throughput import _prompts, make_random_08b
 from hybridrt.kernels.backend import CPUBackend, ReferenceBackend
 
 

@@ -16,9 +16,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import build_model  # noqa: E402
 
+from hybridrt.bench.fixtures import tiny_text_config  # noqa: E402
 from hybridrt.kernels.backend import CPUBackend  # noqa: E402
 from hybridrt.runner import build_batch  # noqa: E402
-from hybridrt.testing import tiny_text_config  # noqa: E402
 
 _, config, _ = build_model(tiny_text_config(), seed=0, dtype=torch.float32)
 backend = CPUBackend(config)

@@ -10,9 +10,12 @@ With a draft vocabulary (``draft_vocab``: token ids, see ``specdec.draft_vocab``
 logits are computed over those ids only, from a copy of the LM head's rows made once; every
 other token gets -inf, so the draft distribution is zero there. Verification is unchanged.
 
-``draft_override(request, j, token) -> token``, when set, replaces draft j of a request after
-the MTP picked it (the MTP passes still run, and the next one reads the replaced token). Only
-``hybridrt bench spec --simulate-acceptance`` sets it, for greedy requests.
+The one extension point, ``draft_filter`` (a constructor argument, None in the engine):
+``draft_filter(request, j, token) -> token`` replaces draft j of a request after the MTP picked
+it; the MTP passes still run, and the next one reads the returned token. Meant for greedy
+requests (a sampled request's draft probabilities stay the MTP's). ``hybridrt bench spec
+--simulate-acceptance`` (``hybridrt.bench.spec``) builds a proposer with one to control the
+acceptance while every draft pass keeps its real cost.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from hybridrt.model import Qwen35ForCausalLM
+from hybridrt.request import Request
 from hybridrt.runner import build_batch
 from hybridrt.sampler import Sampler
 from hybridrt.scheduler import StepPlan
@@ -31,7 +35,8 @@ from hybridrt.statecache import HybridCacheManager
 class MTPProposer:
     def __init__(self, model: Qwen35ForCausalLM, cache: HybridCacheManager, sampler: Sampler,
                  max_model_len: int, device: torch.device | str = "cpu",
-                 draft_vocab: list[int] | None = None):
+                 draft_vocab: list[int] | None = None,
+                 draft_filter: Callable[[Request, int, int], int] | None = None):
         if model.mtp is None:
             raise ValueError("speculative decoding needs the checkpoint's mtp.* weights")
         if len(model.mtp.layers) != 1:
@@ -45,7 +50,7 @@ class MTPProposer:
         self.max_model_len = max_model_len
         self.device = torch.device(device)
         self.draft_head = None if draft_vocab is None else DraftHead(model, draft_vocab)
-        self.draft_override: Callable | None = None
+        self.draft_filter = draft_filter  # (the module's docstring)
 
     def num_drafts_for(self, req) -> int:
         """k, capped so that verification stays inside max_model_len and max_tokens."""
@@ -113,8 +118,8 @@ class MTPProposer:
                     probs[active[n]].append(p[m])
             for n, i in enumerate(active):
                 tok = int(picked[n])
-                if self.draft_override is not None:
-                    tok = self.draft_override(reqs[i], j, tok)
+                if self.draft_filter is not None:
+                    tok = self.draft_filter(reqs[i], j, tok)
                 drafts[i].append(tok)
             keep = [n for n, i in enumerate(active) if budget[i] > j + 1]
             if not keep:

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
+from hybridrt.bench.fixtures import hf_reference_model, random_state_dict
 from hybridrt.config import ModelConfig
 from hybridrt.forward_batch import ForwardBatch
 from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.runner import build_batch
 from hybridrt.statecache import CacheTensors
-from hybridrt.testing import hf_reference_model, random_state_dict
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:

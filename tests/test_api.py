@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hybridrt import LLM, SamplingParams
+from hybridrt.bench.fixtures import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 from hybridrt.llm import default_batched_tokens
-from hybridrt.testing import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

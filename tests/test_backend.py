@@ -10,12 +10,12 @@ import torch
 from helpers import assert_rel_close, build_model, run_mixed_steps
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hybridrt.bench.fixtures import tiny_text_config, write_random_checkpoint
 from hybridrt.kernels import native
 from hybridrt.kernels.backend import CPUBackend, ReferenceBackend, select_backend
 from hybridrt.llm import LLM
 from hybridrt.runner import build_batch
 from hybridrt.sampling_params import SamplingParams
-from hybridrt.testing import tiny_text_config, write_random_checkpoint
 
 CONVERSIONS = ("tolist", "item", "__int__", "__bool__", "__float__", "__index__")
 

@@ -15,9 +15,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from hybridrt import bench, ceilings, llamacpp
+from hybridrt.bench import ceilings, llamacpp
+from hybridrt.bench import throughput as bench
+from hybridrt.bench.fixtures import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 from hybridrt.cli.main import app
-from hybridrt.testing import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 
 DATA = Path(__file__).parent / "data"
 # llama-bench -m r08b-bf16.gguf -t 2 -p 64 -n 4 -r 1 -o jsonl (the 0.8B shape, bf16)
@@ -283,9 +284,9 @@ def test_weight_bytes_per_token_counts_layers_and_lm_head_once(tied):
 def test_weight_bytes_per_token_of_an_int8_model(tied, tmp_path):
     """int8 weights count as their int8 values and scales: all of the model's weight bytes
     (``quant.weight_bytes``; no MTP loaded) but an untied embedding, and fewer than bf16's."""
+    from hybridrt.bench.fixtures import write_random_checkpoint
     from hybridrt.kernels import quant
     from hybridrt.llm import LLM
-    from hybridrt.testing import write_random_checkpoint
 
     d = write_random_checkpoint(tmp_path / "m", tiny_text_config(tie_word_embeddings=tied),
                                 seed=1, dtype=torch.bfloat16)

@@ -15,11 +15,11 @@ import torch
 from typer.testing import CliRunner
 
 from hybridrt import LLM, SamplingParams
+from hybridrt.bench.fixtures import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 from hybridrt.cli import bench as cli_bench
 from hybridrt.cli import chat as cli_chat
 from hybridrt.cli.chat import Conversation, Renderer
 from hybridrt.cli.main import app
-from hybridrt.testing import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "hybridrt" / "demo_model"

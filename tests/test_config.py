@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from hybridrt.bench.fixtures import QWEN35_08B_TEXT_CONFIG, published_config, tiny_text_config
 from hybridrt.config import ConfigError, ModelConfig
 from hybridrt.loader import load_config
-from hybridrt.testing import QWEN35_08B_TEXT_CONFIG, published_config, tiny_text_config
 
 LIN, FULL = "linear_attention", "full_attention"
 

@@ -15,17 +15,17 @@ import random
 import pytest
 import torch
 
-from hybridrt.llm import LLM
-from hybridrt.sampling_params import SamplingParams
-from hybridrt.specbench import (
+from hybridrt.bench.fixtures import tiny_text_config, write_char_tokenizer, write_random_checkpoint
+from hybridrt.bench.spec import (
     SimulatedDrafts,
     break_even_alpha,
     expected_acceptance_length,
     format_table,
     run_spec_bench,
 )
+from hybridrt.llm import LLM
+from hybridrt.sampling_params import SamplingParams
 from hybridrt.specdec.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab, rank_tokens
-from hybridrt.testing import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 
 TEXT_CONFIG = tiny_text_config()
 VOCAB = TEXT_CONFIG["vocab_size"]
@@ -113,7 +113,7 @@ def test_draft_logits_are_the_full_heads_on_the_draft_vocabulary(ckpt):
 
 
 def test_demo_model_greedy_with_a_draft_vocabulary_equals_k0():
-    from hybridrt.specbench import DEFAULT_QUESTIONS
+    from hybridrt.bench.spec import DEFAULT_QUESTIONS
 
     llm = LLM(dtype="float32", speculative_tokens=3, max_model_len=256, max_num_seqs=4,
               cache_memory=64 << 20, draft_vocab_size=1500)

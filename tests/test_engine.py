@@ -4,10 +4,10 @@ unchanged, and nothing leaks."""
 import pytest
 import torch
 
+from hybridrt.bench.fixtures import hf_reference_model, tiny_text_config, write_random_checkpoint
 from hybridrt.llm import LLM
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.statecache import CacheCapacityError, CacheTensors
-from hybridrt.testing import hf_reference_model, tiny_text_config, write_random_checkpoint
 
 MAX_TOKENS = 10
 TEXT_CONFIG = tiny_text_config()

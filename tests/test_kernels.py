@@ -681,7 +681,7 @@ def _hf_rotary(text_config):
 @pytest.mark.parametrize("shape", ["tiny-R6-D12", "0.8B-R64-D256"])
 def test_rope_cos_sin_matches_transformers_mrope_for_text(shape):
     """Text-only input: the three M-RoPE rows are equal, so interleaved M-RoPE == 1-D RoPE."""
-    from hybridrt.testing import QWEN35_08B_TEXT_CONFIG, tiny_text_config
+    from hybridrt.bench.fixtures import QWEN35_08B_TEXT_CONFIG, tiny_text_config
 
     text = tiny_text_config() if shape.startswith("tiny") else QWEN35_08B_TEXT_CONFIG
     rope = text["rope_parameters"]

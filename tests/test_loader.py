@@ -12,14 +12,14 @@ from helpers import assert_rel_close, hf_prefill_decode, run_packed
 from safetensors.torch import load_file, save_file
 
 from hybridrt import CheckpointError, ConfigError, ModelNotFoundError, load_model
-from hybridrt.config import ModelConfig
-from hybridrt.loader import parse_dtype
-from hybridrt.testing import (
+from hybridrt.bench.fixtures import (
     hf_reference_model,
     random_state_dict,
     tiny_text_config,
     write_random_checkpoint,
 )
+from hybridrt.config import ModelConfig
+from hybridrt.loader import parse_dtype
 
 TEXT = tiny_text_config()
 CONFIG = ModelConfig.from_dict(TEXT)

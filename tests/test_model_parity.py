@@ -21,10 +21,10 @@ from helpers import (
     run_packed,
 )
 
+from hybridrt.bench.fixtures import QWEN35_08B_TEXT_CONFIG, random_state_dict, tiny_text_config
 from hybridrt.config import ModelConfig
 from hybridrt.kernels.backend import CPUBackend
 from hybridrt.model import Qwen35ForCausalLM
-from hybridrt.testing import QWEN35_08B_TEXT_CONFIG, random_state_dict, tiny_text_config
 
 TOL = 1e-4
 DECODE_STEPS = 20

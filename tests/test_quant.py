@@ -13,11 +13,11 @@ from helpers import PackedRunner, assert_rel_close
 from typer.testing import CliRunner
 
 from hybridrt import LLM, SamplingParams
+from hybridrt.bench.fixtures import tiny_text_config, write_random_checkpoint
 from hybridrt.cli.main import app
 from hybridrt.kernels import quant
 from hybridrt.kernels.backend import CPUBackend, ReferenceBackend
 from hybridrt.loader import load_model, save_quantized
-from hybridrt.testing import tiny_text_config, write_random_checkpoint
 
 ISAS = quant.available_isas()
 needs_kernels = pytest.mark.skipif(not ISAS, reason="compiled kernels unavailable")

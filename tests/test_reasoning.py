@@ -3,8 +3,8 @@
 import pytest
 
 from hybridrt import LLM, SamplingParams
+from hybridrt.bench.fixtures import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 from hybridrt.reasoning import ReasoningDelta, ReasoningSplitter, split_reasoning
-from hybridrt.testing import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 
 CASES = [
     # (output text, prompt leaves <think> open) -> (reasoning_text, text)

@@ -166,7 +166,7 @@ def demo_spec_llm(request):
 
 
 def test_top_k_sampling_with_drafts_emits_only_the_targets_top_k(demo_spec_llm, monkeypatch):
-    from hybridrt.specbench import DEFAULT_QUESTIONS
+    from hybridrt.bench.spec import DEFAULT_QUESTIONS
     from hybridrt.specdec import verify as engine_verify
 
     llm = demo_spec_llm

@@ -303,7 +303,7 @@ def test_client_disconnect_aborts_and_frees(srv, ref):
 
 
 def test_bench_serve_runs_the_real_command_with_and_without_reuse(tmp_path):
-    from hybridrt import servebench
+    from hybridrt.bench import serve as servebench
 
     report = servebench.run(conversations=2, turns=2, max_tokens=4, time_limit=60, threads=1,
                             json_path=tmp_path / "serve.json")

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hybridrt import LLM, SamplingParams
+from hybridrt.bench.fixtures import tiny_text_config, write_random_checkpoint
 from hybridrt.statecache import CacheTensors
-from hybridrt.testing import tiny_text_config, write_random_checkpoint
 
 SP = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 from helpers import chi2_pvalue
 
+from hybridrt.bench.fixtures import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 from hybridrt.llm import LLM
 from hybridrt.runner import build_batch
 from hybridrt.sampler import Sampler, SamplingRow
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.specdec.stats import SpecStats
 from hybridrt.statecache import CacheTensors
-from hybridrt.testing import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 
 MAX_TOKENS = 16
 TEXT_CONFIG = tiny_text_config()
@@ -683,7 +683,7 @@ def test_spec_stats_are_consistent(ckpt, prompts, reference, rounds):
 def test_specbench_reports_what_it_ran(ckpt, tmp_path, capsys, monkeypatch):
     import json
 
-    from hybridrt.specbench import run_spec_bench
+    from hybridrt.bench.spec import run_spec_bench
     from hybridrt.specdec import verify as engine_verify
 
     out = tmp_path / "spec.json"

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from hybridrt import busybench
 from hybridrt import threads as threads_mod
+from hybridrt.bench import busy as busybench
 from hybridrt.threads import ThreadGovernor
 
 
@@ -42,7 +42,7 @@ def test_busy_bench_report(monkeypatch):
 def test_busy_bench_spinner_dies_with_the_benchmark():
     """A benchmark killed outright (no cleanup runs) takes its busy process with it."""
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import time; from hybridrt import busybench; "
+        [sys.executable, "-c", "import time; from hybridrt.bench import busy as busybench; "
          "print(busybench._spinner().pid, flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     pid = int(parent.stdout.readline())

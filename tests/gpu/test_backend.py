@@ -16,12 +16,12 @@ import torch
 from helpers import assert_rel_close, run_mixed_steps
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hybridrt.bench.fixtures import tiny_text_config, write_random_checkpoint
 from hybridrt.kernels.backend import ReferenceBackend
 from hybridrt.kernels.cuda.backend import CudaBackend, UniformAttention, VarlenAttention
 from hybridrt.kernels.cuda.prefill import FP32_EXACT
 from hybridrt.llm import LLM
 from hybridrt.sampling_params import SamplingParams
-from hybridrt.testing import tiny_text_config, write_random_checkpoint
 
 ON_GPU = torch.cuda.is_available()
 # fla's fp32 products in tf32 (on a GPU, or emulated by the interpreter) unless chunk_prefill

@@ -13,15 +13,15 @@ The Qwen3.5-0.8B shape with random bf16 weights (written to a temporary director
 - ``transformers``: the same figures for ``Qwen3_5ForCausalLM.generate`` (fla kernels when
   fla is installed), decode from the difference of an n-token and a 1-token generate;
 - ``phases``: where a decode step's time goes at each of ``--phase-batches``: the engine's
-  step cut into schedule / prepare / forward / logits / sample_launch (sampling on the
-  device) / sample_collect (the tokens to the host) / update, the device
-  synchronised at every cut, so each phase holds its own device work (microseconds per step;
-  ``sum`` against ``step``, the same steps unsynchronised, shows how much the cuts cost);
+  step cut into the phases it reports to its observer (``LLMEngine.observer``: schedule /
+  prepare / forward / logits / sample / update), the device synchronised at every cut
+  (``PhaseTimer``), so each phase holds its own device work (microseconds per step; ``sum``
+  against ``step``, the same steps unsynchronised, shows how much the cuts cost);
 - ``profile``: ``torch.profiler`` over ``--profile-steps`` decode steps at batch 1 and one
   prefill of the first ``--prefill`` length: kernel launches and device / host time per step,
   and the ops with the most device time (host time on CPU).
 
-``python -m hybridrt.cudabench --json out.json`` (``--help`` for the options).
+``python -m hybridrt.bench.cuda --json out.json`` (``--help`` for the options).
 ``--device cpu --tiny`` runs every part on a tiny random model on the CPU: a dry run of the
 benchmark's code (tests/test_cudabench.py), not a measurement.
 """
@@ -29,6 +29,7 @@ benchmark's code (tests/test_cudabench.py), not a measurement.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -101,15 +102,31 @@ def prefill_rate(engine, prompt, repeats: int = 3) -> float:
     return len(prompt) / statistics.median(times)
 
 
-PHASES = (("scheduler", "schedule"), ("runner", "prepare"), ("runner", "forward"),
-          ("runner", "logits"), ("engine", "_sample_launch"), ("engine", "_sample_collect"),
-          ("engine", "_update"))
+PHASES = ("schedule", "prepare", "forward", "logits", "sample", "update")
+
+
+class PhaseTimer:
+    """An engine observer (``LLMEngine.observer``): ``phase(name)`` synchronises the device
+    before and after the phase, so that the phase's own device work lands in it, and adds
+    the time between to ``spent[name]`` (seconds; the engine's phases, ``PHASES``, from 0)."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        _sync()
+        t0 = time.perf_counter()
+        yield
+        _sync()
+        self.spent[name] = self.spent.get(name, 0.0) + time.perf_counter() - t0
 
 
 def step_phases(engine, prompts, steps: int) -> dict:
-    """Microseconds per decode step in each phase of ``engine.step`` (device synchronised at
-    every phase boundary) for ``prompts`` decoding together; ``step``: the same number of
-    steps unsynchronised, ``sum``: the phases' total."""
+    """Microseconds per decode step in each phase of ``engine.step`` (a ``PhaseTimer`` as the
+    engine's observer: the device synchronised at every phase boundary) for ``prompts``
+    decoding together; ``step``: the same number of steps unsynchronised, ``sum``: the
+    phases' total."""
     from hybridrt.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)
@@ -123,26 +140,14 @@ def step_phases(engine, prompts, steps: int) -> dict:
         engine.step()
     _sync()
     plain = (time.perf_counter() - t) / steps
-    owners = {"scheduler": engine.scheduler, "runner": engine.runner, "engine": engine}
-    spent = {name.strip("_"): 0.0 for _, name in PHASES}
-    for owner, name in PHASES:
-        obj, fn, key = owners[owner], getattr(owners[owner], name), name.strip("_")
-
-        def timed(*a, _fn=fn, _key=key, **kw):
-            _sync()
-            t0 = time.perf_counter()
-            out = _fn(*a, **kw)
-            _sync()
-            spent[_key] += time.perf_counter() - t0
-            return out
-
-        setattr(obj, name, timed)
+    timer, before = PhaseTimer(), getattr(engine, "observer", None)
+    engine.observer = timer
     try:
         for _ in range(steps):
             engine.step()
     finally:
-        for owner, name in PHASES:
-            delattr(owners[owner], name)  # the class's method again
+        engine.observer = before
+    spent = timer.spent
     assert all(r.num_output_tokens == 4 + 2 * steps for r in reqs), "requests ended early"
     for i in ids:
         engine.abort_request(i)
@@ -269,7 +274,7 @@ def bench_ours(model_dir, args) -> dict:
 
 
 def bench_transformers(text_config, state_dict, args) -> dict:
-    from hybridrt.testing import hf_reference_model
+    from hybridrt.bench.fixtures import hf_reference_model
 
     dtype = getattr(torch, args.dtype)
     ref = hf_reference_model(text_config, state_dict, dtype).to(args.device)
@@ -311,7 +316,7 @@ def bench_transformers(text_config, state_dict, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m hybridrt.cudabench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m hybridrt.bench.cuda", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,32,256")
     ap.add_argument("--prefill", default="512,8192")
@@ -342,13 +347,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("cudabench: CUDA is not available in this PyTorch build / machine")
 
-    from hybridrt.config import ModelConfig
-    from hybridrt.testing import (
+    from hybridrt.bench.fixtures import (
         QWEN35_08B_TEXT_CONFIG,
         random_state_dict,
         tiny_text_config,
         write_random_checkpoint,
     )
+    from hybridrt.config import ModelConfig
 
     cuda = args.device == "cuda"
     report: dict = {"device": torch.cuda.get_device_name() if cuda else args.device,

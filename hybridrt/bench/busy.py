@@ -5,7 +5,7 @@
 For each condition (the machine as it is; and with one extra CPU-bound process started by the
 benchmark, a pure-Python loop) batch-1 decode runs in fresh interpreters, alternated:
 hybridrt's default (threads fitted to the free cores), each explicit ``--threads`` from 1 to
-the number of cores, the default of before (all cores, ``HYBRIDRT_ADAPTIVE_THREADS=0``) and the
+the number of cores, all cores without the fitting (``HYBRIDRT_ADAPTIVE_THREADS=0``) and the
 same with idle OpenMP workers sleeping (``OMP_WAIT_POLICY=PASSIVE``; hybridrt/threads.py).
 Reports the median tok/s of each and the default's ratio to the
 best explicit choice. The model defaults to the demo model; the 0.8B figures in

@@ -23,6 +23,7 @@ pass, one verify step, and the break-even alpha at which k drafts pay for them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import statistics
@@ -93,7 +94,7 @@ def _spec_summary(outs, k: int) -> dict:
 
 
 class SimulatedDrafts:
-    """A ``draft_override`` (``specdec.mtp``): draft j of a request becomes the reference
+    """A ``draft_filter`` (``specdec.mtp``): draft j of a request becomes the reference
     continuation's token at that position with probability ``alpha``, else a token that
     differs from it. ``refs``: prompt ids -> prompt + a greedy output. Where the request has
     left its reference (or run past its end) the MTP's own token stays; ``coverage`` is the
@@ -144,13 +145,34 @@ def _reference_run(llm, prompts, params, b: int, k: int, k0_refs) -> dict[tuple,
     run at k whose drafts are all wrong. In half precision a verify step's numerics differ
     from a 1-token step's, so near-tied greedy choices can differ from k = 0's; every step of
     this run verifies k + 1 rows per request as the simulated runs do, so theirs match it."""
-    proposer = llm.engine.proposer
-    proposer.draft_override = SimulatedDrafts(k0_refs, 0.0, llm.config.vocab_size)
     outs = []
-    for i in range(0, len(prompts), b):
-        outs += llm.generate(prompts[i:i + b], params, use_tqdm=False, speculative_tokens=k)
-    proposer.draft_override = None
+    with _drafts_through(llm, SimulatedDrafts(k0_refs, 0.0, llm.config.vocab_size)):
+        for i in range(0, len(prompts), b):
+            outs += llm.generate(prompts[i:i + b], params, use_tqdm=False,
+                                 speculative_tokens=k)
     return _sequences(outs)
+
+
+@contextlib.contextmanager
+def _drafts_through(llm, draft_filter: SimulatedDrafts | None):
+    """For the ``with`` block, the engine's proposer replaced by one whose drafts pass through
+    ``draft_filter`` (``specdec.mtp``'s extension point), with the same model, cache, sampler
+    and draft head; nothing changes when it is None or the engine does not speculate."""
+    engine = llm.engine
+    own = engine.proposer
+    if draft_filter is None or own is None:
+        yield
+        return
+    from hybridrt.specdec.mtp import MTPProposer
+
+    filtered = MTPProposer(own.model, own.cache, own.sampler, own.max_model_len, own.device,
+                           draft_filter=draft_filter)
+    filtered.draft_head = own.draft_head
+    engine.proposer = filtered
+    try:
+        yield
+    finally:
+        engine.proposer = own
 
 
 def expected_acceptance_length(alpha: float, k: int) -> float:
@@ -316,8 +338,8 @@ def run_spec_bench(
                         proposer.draft_head = heads[n]
                         if alpha is not None:
                             sim = SimulatedDrafts(refs[k], alpha, llm.config.vocab_size)
-                        proposer.draft_override = sim
-                    outs, seconds, costs = run(b, k)
+                    with _drafts_through(llm, sim):
+                        outs, seconds, costs = run(b, k)
                     refs.setdefault(0, _sequences(outs))
                     runs[(n, alpha, k)].append((outs, seconds, costs, sim))
                     if verbose:
@@ -352,7 +374,7 @@ def run_spec_bench(
                     else None,
                 })
         if proposer is not None:
-            proposer.draft_head, proposer.draft_override = heads[reduced or 0], None
+            proposer.draft_head = heads[reduced or 0]
         report = {
             "model": str(model),
             "dtype": str(dtype),

@@ -11,9 +11,9 @@ length and new tokens per request that were actually run. Timings on shared mach
 read the ratios, measured side by side in the same process.
 
 With ``against_llamacpp`` (a GGUF of the same model), llama.cpp's own benchmarks run the same
-work with the same threads (hybridrt.llamacpp), in rounds alternated with hybridrt's, and the
+work with the same threads (hybridrt.bench.llamacpp), in rounds alternated with hybridrt's, and the
 report adds its figures and hybridrt's ratios to them. Every run also measures what the machine
-allows (hybridrt.ceilings): the read bandwidth, an fp32 matmul rate, and the batch-1 decode
+allows (hybridrt.bench.ceilings): the read bandwidth, an fp32 matmul rate, and the batch-1 decode
 ceiling, bandwidth over the bytes of weights a decode step reads.
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from hybridrt.llamacpp import DEFAULT_ORDER, ENGINES, check_order
+from hybridrt.bench.llamacpp import DEFAULT_ORDER, ENGINES, check_order
 from hybridrt.sampling_params import SamplingParams
 
 
@@ -55,7 +55,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def make_random_08b(directory: str | Path, seed: int = 0) -> Path:
-    from hybridrt.testing import QWEN35_08B_TEXT_CONFIG, write_random_checkpoint
+    from hybridrt.bench.fixtures import QWEN35_08B_TEXT_CONFIG, write_random_checkpoint
 
     return write_random_checkpoint(directory, QWEN35_08B_TEXT_CONFIG, seed=seed,
                                    dtype=torch.bfloat16)
@@ -105,8 +105,8 @@ def bench_ours(llm, prefill_len: int, decode_tokens: int, concurrency: list[int]
 
     sp = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
     rates = []
-    # batch 1 is the denominator of the batching ratios and a few seconds a run: at least five
-    # runs, so one noisy stretch of this shared machine does not move the median
+    # batch 1 is the denominator of the batching ratios and a short run: at least five runs,
+    # so that one noisy stretch of a shared machine does not move the median
     for r in range(max(repeats, 5)):
         (out,) = llm.generate(_prompts(1, prompt_len, vocab, 200 + r), sp, use_tqdm=False)
         rates.append(out.metrics["decode_tokens_per_s"])
@@ -126,7 +126,7 @@ def bench_ours(llm, prefill_len: int, decode_tokens: int, concurrency: list[int]
             c, prompt_len, [len(o.outputs[0].token_ids) for o in outs])
     if concurrency and interleave:
         # the batching ratio again from batch-1 and largest-batch runs alternated, so that drift
-        # in this shared machine's speed between the measurements above does not enter it
+        # in a shared machine's speed between the measurements above does not enter it
         c = max(concurrency)
         alone, batched = [], []
         for r in range(3):
@@ -142,7 +142,7 @@ def bench_ours(llm, prefill_len: int, decode_tokens: int, concurrency: list[int]
 def bench_transformers(state_dict: dict, text_config: dict, dtype: torch.dtype, prefill_len: int,
                        decode_tokens: int, concurrency: list[int], prompt_len: int,
                        repeats: int, vocab: int) -> tuple[dict, dict]:
-    from hybridrt.testing import hf_reference_model
+    from hybridrt.bench.fixtures import hf_reference_model
 
     ref = hf_reference_model(text_config, state_dict, dtype=dtype)
     gen = {"do_sample": False, "pad_token_id": 0}
@@ -210,7 +210,7 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
     figure is the median over its rounds. The read bandwidth (``stream_bytes`` streamed) and
     an fp32 matmul rate are measured in the same run, with the same threads.
     ``quantization``: hybridrt's weights in int8; transformers (unquantized) is left out."""
-    from hybridrt import ceilings, llamacpp
+    from hybridrt.bench import ceilings, llamacpp
 
     bins = llamacpp.check(against_llamacpp, llamacpp_bin) if against_llamacpp else None
     order = check_order(order) if bins is not None else ["hybridrt"]

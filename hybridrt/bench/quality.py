@@ -29,7 +29,7 @@ _ROWS = 32  # positions whose logits are computed at a time (0.8B: 248k-wide row
 def held_out_texts(max_docs: int | None = None) -> list:
     """The demo corpus' test split (a repository checkout has scripts/demo/make_corpus.py):
     plain-text strings and chat message lists."""
-    here = Path(__file__).resolve().parent.parent / "scripts" / "demo"
+    here = Path(__file__).resolve().parents[2] / "scripts" / "demo"
     if not (here / "make_corpus.py").is_file():
         raise FileNotFoundError(f"the held-out corpus is built by {here / 'make_corpus.py'}, "
                                 f"which is in the repository, not in the installed package")
@@ -154,7 +154,7 @@ def run_quality(model_08b: str | None = None, skip_08b: bool = False, threads: i
         if not skip_08b:
             tmp = None
             if model_08b is None:
-                from hybridrt.bench import make_random_08b
+                from hybridrt.bench.throughput import make_random_08b
 
                 tmp = tempfile.TemporaryDirectory(prefix="hybridrt-08b-")
                 print("writing a random-weight Qwen3.5-0.8B-shaped checkpoint (bf16) ...",
