@@ -16,6 +16,7 @@ from hybridrt.forward_batch import ForwardBatch
 from hybridrt.kernels import rope_cos_sin
 from hybridrt.kernels.backend import ReferenceBackend, StepMeta
 from hybridrt.statecache import CacheTensors
+from hybridrt.weights import place_weights
 
 
 class Linear(nn.Linear):
@@ -226,12 +227,28 @@ class Qwen35ForCausalLM(nn.Module):
         self.backend = ReferenceBackend(config)
 
     def set_backend(self, backend) -> None:
-        """Route every layer's kernels through ``backend`` (see hybridrt.kernels.backend)."""
+        """Route every layer's kernels through ``backend`` (see hybridrt.kernels.backend), the
+        weights laid out as it asks (hybridrt/weights.py)."""
         self.backend = backend
         for m in self.modules():
             if "backend" in m.__dict__:
                 m.backend = backend
-        backend.bind(self)
+        groups = place_weights(self, backend.merges_projections, backend.huge_pages)
+        backend.bind(self, groups)
+
+    def projection_groups(self) -> list[tuple[Linear, ...]]:
+        """The projections of each group that read the same input (a GDN layer's four,
+        attention's q/k/v, the MLP's gate/up), in output order: what a backend may run as one
+        product (``hybridrt.weights.merge_projections``)."""
+        groups = []
+        for m in self.modules():
+            if isinstance(m, GatedDeltaNet):
+                groups.append((m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a))
+            elif isinstance(m, GatedAttention):
+                groups.append((m.q_proj, m.k_proj, m.v_proj))
+            elif isinstance(m, MLP):
+                groups.append((m.gate_proj, m.up_proj))
+        return groups
 
     def prepare(self, batch: ForwardBatch) -> StepMeta:
         """The step's metadata, built by the backend once per batch."""

@@ -26,8 +26,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hybridrt.cpu_alloc import HugeArena, huge_pages_enabled, release_pages
-
 from . import native, quant
 from .attention import attention_plan, paged_attention, write_kv
 from .conv import ConvPlan, causal_conv1d_update, causal_conv1d_varlen, conv_plan
@@ -40,6 +38,7 @@ from .delta_rule import (
 )
 from .linear import linear as cpu_linear
 from .linear import pack_weight, use_fp32_gemm
+from .memory import huge_pages_enabled
 from .meta import arrays_for
 from .norm import gated_rms_norm, rms_norm
 from .rope import apply_partial_rope
@@ -144,71 +143,22 @@ def gdn_split(batch, device, with_plans: bool, kernel_size: int) -> GDNMeta:
     return GDNMeta(rec, chunked)
 
 
-def merge_projections(model, release: bool = False, alloc=None
-                      ) -> dict[tuple[int, ...], tuple[torch.Tensor, list[int]]]:
-    """Concatenate the weights of projections that read the same input (a GDN layer's four,
-    attention's q/k/v, the MLP's gate/up) -> {module ids: (weight, output sizes)}; each
-    module's weight becomes a view into its group's, so no memory is added and one product
-    serves the group (int8 weights, ``quant.QuantWeight``, likewise, when every output size is
-    a whole number of panels).
-    Groups whose weights differ in dtype or are not plain tensors are left.
-    ``release``: give the replaced weights' pages back to the OS at once (CPU, for a model that
-    is the only owner of its weights, as the loader's is: its tensors share a file mapping
-    that the other weights keep alive, so they would stay resident). ``alloc(shape, dtype)``:
-    where the merged weights go (default: ``torch.empty`` on the weights' device; the CPU
-    backend's ``HugeArena``)."""
-    from hybridrt.model import MLP, GatedAttention, GatedDeltaNet
-
-    groups = {}
-    for m in model.modules():
-        if isinstance(m, GatedDeltaNet):
-            mods = (m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a)
-        elif isinstance(m, GatedAttention):
-            mods = (m.q_proj, m.k_proj, m.v_proj)
-        elif isinstance(m, MLP):
-            mods = (m.gate_proj, m.up_proj)
-        else:
-            continue
-        qs = [getattr(x, "qweight", None) for x in mods]
-        if all(q is not None and q.shape[0] % quant.PANEL == 0 for q in qs):
-            merged, parts = quant.concat(qs, release, alloc)
-            for x, part in zip(mods, parts):
-                x.qweight = part
-            groups[tuple(id(x) for x in mods)] = (merged, [q.shape[0] for q in qs])
-            continue
-        ws = [getattr(x, "weight", None) for x in mods]
-        if any(w is None or w.dtype != ws[0].dtype or w.dim() != 2 for w in ws):
-            continue
-        shape = (sum(x.shape[0] for x in ws), ws[0].shape[1])
-        w = (alloc(shape, ws[0].dtype) if alloc is not None
-             else torch.empty(shape, dtype=ws[0].dtype, device=ws[0].device))
-        torch.cat([x.detach() for x in ws], out=w)
-        sizes, off = [], 0
-        for x in mods:
-            n = x.weight.shape[0]
-            x.weight = torch.nn.Parameter(w[off:off + n], requires_grad=False)
-            sizes.append(n)
-            off += n
-        if release:  # the sources' pages leave memory now, not when the file mapping does
-            for old in ws:
-                release_pages(old)
-        groups[tuple(id(x) for x in mods)] = (w, sizes)
-    return groups
-
-
 class ReferenceBackend:
     """Plain torch everywhere: the definition of correct that other backends are tested
     against. Runs on any device torch runs on."""
 
     name = "reference"
+    merges_projections = False  # wants the model's projection groups merged (bind's groups)
+    huge_pages = False  # wants the streamed weights in transparent-huge-page memory
 
     def __init__(self, config=None, device: torch.device | str = "cpu"):
         self.config = config
         self.device = torch.device(device)
 
     # Binding ------------------------------------------------------------------------------
-    def bind(self, model: torch.nn.Module) -> None:
-        """Called once by ``set_backend``: prepare weights for this backend's kernels."""
+    def bind(self, model: torch.nn.Module, groups: dict) -> None:
+        """Called once by ``set_backend``, the weights laid out as ``merges_projections`` and
+        ``huge_pages`` ask: ``groups`` {ids of the modules: (merged weight, output sizes)}."""
 
     def attach(self, cache) -> None:
         """Called once by the runner with the engine's cache manager (sizes, pools)."""
@@ -362,33 +312,18 @@ class CPUBackend(ReferenceBackend):
         self.half_simd = native.half_gemm_available()  # decided once, not per call
         self.int8_isa = quant.select_isa()  # likewise (None: no compiled kernels)
         native.fused_simd()  # the fused layers' vector loops (HYBRIDRT_FUSED_SIMD), checked
+        # without the compiled half kernels a half weight's products need an fp32 copy, kept
+        # per module (``_packed``): the projections stay apart there
+        self.merges_projections = self.half_simd
+        self.huge_pages = huge_pages_enabled()
         self.num_slots: int | None = None
         self.kv_shape: tuple[int, int] | None = None  # (blocks, block size) of the KV caches
         self.groups: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
         self.gdn_params: dict[int, tuple[torch.Tensor, ...]] = {}  # _gdn_params, per layer
         self.fast: list[_FastLayer] | None = None  # forward's decode loop (bind, attach)
 
-    def bind(self, model) -> None:
-        # without the compiled half kernels a half weight's products need an fp32 copy, kept
-        # per module (``_packed``): the projections stay apart there
-        owns = getattr(model, "owns_weights", False)
-        mats, quants = _streamed_weights(model) if owns and huge_pages_enabled() else ([], [])
-        arena = None
-        if mats or quants:
-            arena = HugeArena(HugeArena.size_for(
-                [w for _, w in mats] + [t for _, q in quants for t in (q.qs, q.scales)]))
-        if self.half_simd:
-            self.groups = merge_projections(model, release=owns,
-                                            alloc=arena.empty if arena else None)
-        for m, w in mats:  # the rest (merged ones now lie in the arena)
-            if m.weight is w:
-                m.weight = torch.nn.Parameter(arena.copy(w.detach()), requires_grad=False)
-                release_pages(w.detach())
-        for m, q in quants:
-            if m.qweight is q:
-                m.qweight = quant.QuantWeight(arena.copy(q.qs), arena.copy(q.scales), q.shape)
-                release_pages(q.qs)
-                release_pages(q.scales)
+    def bind(self, model, groups) -> None:
+        self.groups = groups
         self.fast = self._fast_layers(model)
 
     def attach(self, cache) -> None:
@@ -663,27 +598,6 @@ class CPUBackend(ReferenceBackend):
         if not self.native:
             return None
         return _checked_step if self.num_slots is not None else native.gdn_decode_step
-
-
-def _streamed_weights(model) -> tuple[list, list]:
-    """What a decode step streams, moved by ``CPUBackend.bind`` into a ``HugeArena`` (4-5%
-    faster batch-1 decode, docs/performance.md): (module, weight) for every Linear and Embedding
-    whose weight is a whole CPU half-precision matrix, and (module, QuantWeight) for every int8
-    one (a Linear's, or the quantized embedding, the tied LM head)."""
-    mats, quants = [], []
-    for m in model.modules():
-        q = getattr(m, "qweight", None)
-        if isinstance(q, quant.QuantWeight) and q.qs.device.type == "cpu":
-            quants.append((m, q))
-            continue
-        if not isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
-            continue
-        w = m.weight
-        if (w is not None and w.dtype in (torch.bfloat16, torch.float16) and w.dim() == 2
-                and w.device.type == "cpu" and w.is_contiguous()
-                and w.untyped_storage().nbytes() == w.numel() * w.element_size()):
-            mats.append((m, w))
-    return mats, quants
 
 
 class _FastLayer:

@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridrt.options import check_quantization  # noqa: F401 (re-exported)
-
 from . import native
+from .memory import release_pages
 
 GROUP = 32  # inputs per scale
 PANEL = 16  # output columns per panel
@@ -158,8 +157,6 @@ def concat(qws: list[QuantWeight], release: bool = False, alloc=None
     give the inputs' pages back to the OS (their owner replaces them by the views).
     ``alloc(shape, dtype)``: where the stack goes (default ``torch.empty`` on the inputs'
     device)."""
-    from hybridrt.cpu_alloc import release_pages
-
     K = qws[0].shape[1]
     if any(q.shape[1] != K or q.shape[0] % PANEL for q in qws):
         raise ValueError("concat: weights need the same K and whole panels of rows")

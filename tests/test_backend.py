@@ -266,7 +266,7 @@ def test_cpu_backend_merges_projections_into_views():
 
 
 def test_release_pages_gives_memory_back():
-    from hybridrt.cpu_alloc import release_pages
+    from hybridrt.kernels.memory import release_pages
 
     def rss() -> int:
         with open("/proc/self/statm") as f:
@@ -587,9 +587,9 @@ def test_loaded_weights_live_in_huge_pages(tmp_path, monkeypatch, quantization):
     groups and the rest, the tied LM head too; int8 values and scales) in mappings advised for
     transparent huge pages (smaps VmFlags "hg"); with ``HYBRIDRT_HUGE_PAGES=0`` none is, and
     the tokens are the same."""
-    from hybridrt import cpu_alloc
+    from hybridrt.kernels import memory
 
-    if not cpu_alloc.huge_pages_enabled():
+    if not memory.huge_pages_enabled():
         pytest.skip("transparent huge pages are off here (or not Linux)")
     # MLP widths of whole 16-row panels: int8 gate/up merge too
     d = write_random_checkpoint(tmp_path / "m", tiny_text_config(intermediate_size=64), seed=3)
@@ -619,8 +619,8 @@ def test_merged_projections_stay_on_the_weights_device():
     """``merge_projections`` builds each group where its weights are (the meta device here,
     standing in for a GPU: a host-side default would move the CUDA backend's weights off it)."""
     from hybridrt.config import ModelConfig
-    from hybridrt.kernels.backend import merge_projections
     from hybridrt.model import Qwen35ForCausalLM
+    from hybridrt.weights import merge_projections
 
     with torch.device("meta"):
         net = Qwen35ForCausalLM(ModelConfig.from_dict(tiny_text_config()))

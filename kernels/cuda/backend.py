@@ -22,6 +22,7 @@ also runs on CPU tensors under ``TRITON_INTERPRET=1`` (the tests).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,6 @@ from ..backend import (
     StepMeta,
     _conv_weight,
     gdn_split,
-    merge_projections,
 )
 from ..meta import arrays_for
 from . import attention as attn_k
@@ -69,6 +69,7 @@ class VarlenAttention:
 
 class CudaBackend(ReferenceBackend):
     name = "cuda"
+    merges_projections = True
 
     def __init__(self, config=None, device: torch.device | str = "cuda", graphs: bool = True):
         super().__init__(config, device)
@@ -86,10 +87,10 @@ class CudaBackend(ReferenceBackend):
             config.num_attention_heads, config.num_key_value_heads) if config is not None else 16
 
     # Binding ------------------------------------------------------------------------------
-    def bind(self, model) -> None:
-        """Concatenate the weights of projections that read the same input (each module's
-        weight becomes a view into its group's: no extra memory)."""
-        self.groups = merge_projections(model)
+    def bind(self, model, groups) -> None:
+        """``groups``: the weights of projections that read the same input, concatenated (each
+        module's weight a view into its group's: no extra memory)."""
+        self.groups = groups
 
     def attach(self, cache) -> None:
         """Engine limits for the CUDA graphs' buffers (called by the runner)."""
@@ -209,7 +210,7 @@ class CudaBackend(ReferenceBackend):
         if graph is None:
             if self.mempool is None:
                 self.mempool = torch.cuda.graph_pool_handle()
-            graph = _Graph(model, cache, self, bs, L)
+            graph = _Graph(model, batch, cache, self, bs, L)
             self.graphs[(bs, L)] = graph
         return graph.run(batch)
 
@@ -217,9 +218,7 @@ class CudaBackend(ReferenceBackend):
 class _Graph:
     """One captured model step for ``bs`` sequences of ``L`` tokens each."""
 
-    def __init__(self, model, cache, backend: CudaBackend, bs: int, L: int):
-        from hybridrt.forward_batch import ForwardBatch
-
+    def __init__(self, model, batch, cache, backend: CudaBackend, bs: int, L: int):
         dev = backend.device
         block_size = cache.block_size
         width = -(-(backend.max_model_len + backend.max_drafts) // block_size) + 1
@@ -233,14 +232,16 @@ class _Graph:
         self.state_slots = torch.full((bs,), -1, dtype=torch.long, device=dev)
         self.slots_out = torch.full((bs, L), -1, dtype=torch.long, device=dev) if L > 1 else None
         cu = torch.arange(0, T + 1, L, device=dev)
-        self.batch = ForwardBatch(
-            input_ids=self.input_ids, positions=self.positions, cu_seqlens=cu,
+        # the step's batch with persistent buffers in its place (of the runner's batch type)
+        self.batch = dataclasses.replace(
+            batch, input_ids=self.input_ids, positions=self.positions, cu_seqlens=cu,
             seq_lens=self.seq_lens, slot_mapping=self.slot_mapping,
             block_tables=self.block_tables, state_slots=self.state_slots,
             has_initial_state=torch.ones(bs, dtype=torch.bool, device=dev),
             logits_indices=torch.arange(T, device=dev),
             query_lens=[L] * bs, context_lens=[L] * bs, state_slot_list=[-1] * bs,
-            initial_list=[True] * bs,
+            initial_list=[True] * bs, query_starts=[], verify_slots=None, meta=None,
+            arrays=None,
         )
         self.batch.meta = StepMeta(
             UniformAttention(L, self.seq_lens, backend.max_model_len + backend.max_drafts),
