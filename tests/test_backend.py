@@ -401,7 +401,7 @@ def test_fused_gdn_prompt_chunks_match_reference(dtype, heads, lens, init, simd,
     gated-normed output and every named slot's conv and recurrent states as the reference's
     chunked form leaves them; a sequence without an initial state starts from zeros whatever
     its slot holds (NaN here), one with it from its slot; unnamed slots untouched."""
-    import hybridrt.kernels.backend as kb
+    import hybridrt.kernels.backend.cpu as kb
 
     monkeypatch.setenv("HYBRIDRT_FUSED_SIMD", {2: "avx512", 1: "avx2", 0: "0"}[simd])
     from hybridrt.kernels.backend import ChunkedSeqs

@@ -42,3 +42,29 @@ def test_kernels_import_nothing_from_hybridrt_outside_kernels():
     assert len(files) > 10
     offenders = {str(f.relative_to(KERNELS)): upward_imports(f) for f in files}
     assert {f: names for f, names in offenders.items() if names} == {}
+
+
+def _kernel_imports(path: Path) -> set[str]:
+    """The ``hybridrt.kernels`` modules ``path`` imports, as dotted names under kernels/."""
+    pkg = ["hybridrt", "kernels", *path.relative_to(KERNELS).parts[:-1]]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            base = (pkg[:len(pkg) - node.level + 1] if node.level else [])
+            mod = ".".join(base + ([node.module] if node.module else []))
+            out |= {mod} | {f"{mod}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return {m.removeprefix("hybridrt.") for m in out if m.startswith("hybridrt.kernels")}
+
+
+def test_only_select_backend_imports_the_cuda_backend_and_it_imports_no_select():
+    """No circle: ``kernels/cuda/backend.py`` builds on the plan and reference modules, and
+    only ``select_backend`` (lazily) imports it."""
+    importers = sorted(str(f.relative_to(KERNELS)) for f in KERNELS.rglob("*.py")
+                       if "kernels.cuda.backend" in _kernel_imports(f))
+    assert importers == ["backend/select.py"]
+    cuda = _kernel_imports(KERNELS / "cuda" / "backend.py")
+    assert {"kernels.backend.plan", "kernels.backend.reference"} <= cuda
+    assert not {m for m in cuda if m.startswith("kernels.backend.select")
+                or m.startswith("kernels.backend.cpu") or m == "kernels.backend"}

@@ -29,15 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import attention_plan
-from ..backend import (
-    ChunkedSeqs,
-    GDNMeta,
-    RecurrentGroup,
-    ReferenceBackend,
-    StepMeta,
-    _conv_weight,
-    gdn_split,
-)
+from ..backend.plan import ChunkedSeqs, GDNMeta, RecurrentGroup, StepMeta, gdn_split
+from ..backend.reference import ReferenceBackend, conv_weight
 from ..meta import arrays_for
 from . import attention as attn_k
 from . import fused, prefill
@@ -177,7 +170,7 @@ class CudaBackend(ReferenceBackend):
 
     def gdn_recurrent(self, layer, grp: RecurrentGroup, mixed, a, b, conv_states, ssm_states):
         n, L = grp.num_seqs, grp.num_tokens_per_seq
-        m = gdn_k.conv_update(mixed.view(n, L, -1), _conv_weight(layer), conv_states, grp.slots,
+        m = gdn_k.conv_update(mixed.view(n, L, -1), conv_weight(layer), conv_states, grp.slots,
                               grp.slots_out)
         q, k, v = layer.split(m.view(n * L, -1))
         return gdn_k.gdn_recurrent(
@@ -187,7 +180,7 @@ class CudaBackend(ReferenceBackend):
         ).view(n * L, *v.shape[1:])
 
     def gdn_chunked(self, layer, c: ChunkedSeqs, mixed, a, b, conv_states, ssm_states):
-        m = prefill.conv_prefill(mixed, _conv_weight(layer), c.cu_seqlens, conv_states, c.slots,
+        m = prefill.conv_prefill(mixed, conv_weight(layer), c.cu_seqlens, conv_states, c.slots,
                                  c.has_initial_state, cu_seqlens_cpu=c.cu_seqlens_cpu)
         q, k, v = layer.split(m)
         return prefill.chunk_prefill(q, k, v, a, b, layer.A_log, layer.dt_bias, c.cu_seqlens,
