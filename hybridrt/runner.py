@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hybridrt import env
 from hybridrt.forward_batch import ForwardBatch
 from hybridrt.kernels.backend import select_backend
 from hybridrt.kernels.meta import FreshArrays, StepBuffers
@@ -92,7 +93,7 @@ class ModelRunner:
                  device: torch.device | str = "cpu", backend: str | None = None,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None):
-        self.backend = select_backend(model.config, device, backend)
+        self.backend = select_backend(model.config, device, backend, env.kernel_options())
         model.set_backend(self.backend)
         self.backend.attach(cache)
         self.model = model

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+from hybridrt import env
+
 
 class ThreadGovernor:
     """Fits torch's thread count to the cores other processes leave free, re-decided at most
@@ -84,5 +86,4 @@ def _cpu_times() -> tuple[float, float] | None:
 
 
 def adaptive_threads_enabled() -> bool:
-    return os.environ.get("HYBRIDRT_ADAPTIVE_THREADS", "1").lower() not in ("0", "false", "no",
-                                                                               "off")
+    return env.adaptive_threads()

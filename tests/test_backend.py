@@ -10,8 +10,10 @@ import torch
 from helpers import assert_rel_close, build_model, run_mixed_steps
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hybridrt.env import kernel_options
 from hybridrt.kernels import native
 from hybridrt.kernels.backend import CPUBackend, ReferenceBackend, select_backend
+from hybridrt.kernels.options import KernelOptions
 from hybridrt.llm import LLM
 from hybridrt.runner import build_batch
 from hybridrt.sampling_params import SamplingParams
@@ -347,7 +349,6 @@ def test_fused_gdn_layer_matches_reference(dtype, heads, L, verify, simd, monkey
     value heads of 128 (Qwen3.5's) take the register-resident read of the state; the vector
     loops (AVX-512: 16 channels, 16 values of a head; AVX2: 8; the "equal" case's 78 channels
     leave a tail of each width) where the build has them, and the plain C ones."""
-    monkeypatch.setenv("HYBRIDRT_FUSED_SIMD", {2: "avx512", 1: "avx2", 0: "0"}[simd])
     from hybridrt.kernels.backend import RecurrentGroup
     from hybridrt.kernels.delta_rule import slot_runs
     from hybridrt.model import GatedDeltaNet
@@ -370,7 +371,8 @@ def test_fused_gdn_layer_matches_reference(dtype, heads, L, verify, simd, monkey
     grp = RecurrentGroup(None, B, L, torch.tensor(slots), slots_out, slot_runs(slots))
     calls = _count_calls(monkeypatch, "gdn_fused")
     results = []
-    for be in (ReferenceBackend(config), CPUBackend(config)):
+    cpu = CPUBackend(config, options=KernelOptions(fused_simd=simd))
+    for be in (ReferenceBackend(config), cpu):
         conv, ssm = conv0.clone(), ssm0.clone()
         out = be.gdn_recurrent_out(layer, grp, mixed, z, a, b, conv, ssm)
         results.append((out, conv, ssm))
@@ -402,8 +404,6 @@ def test_fused_gdn_prompt_chunks_match_reference(dtype, heads, lens, init, simd,
     chunked form leaves them; a sequence without an initial state starts from zeros whatever
     its slot holds (NaN here), one with it from its slot; unnamed slots untouched."""
     import hybridrt.kernels.backend.cpu as kb
-
-    monkeypatch.setenv("HYBRIDRT_FUSED_SIMD", {2: "avx512", 1: "avx2", 0: "0"}[simd])
     from hybridrt.kernels.backend import ChunkedSeqs
     from hybridrt.kernels.conv import conv_plan
     from hybridrt.kernels.delta_rule import chunk_plan
@@ -427,8 +427,9 @@ def test_fused_gdn_prompt_chunks_match_reference(dtype, heads, lens, init, simd,
                     conv_plan(lens, layer.kernel_size, "cpu"), chunk_plan(lens, slots, init, "cpu"))
     calls = _count_calls(monkeypatch, "gdn_fused")
     results = []
-    for be, rows in ((ReferenceBackend(config), None), (CPUBackend(config), max_rows),
-                     (CPUBackend(config), 1024)):
+    opts = KernelOptions(fused_simd=simd)
+    for be, rows in ((ReferenceBackend(config), None), (CPUBackend(config, options=opts), max_rows),
+                     (CPUBackend(config, options=opts), 1024)):
         monkeypatch.setattr(kb, "GDN_FUSED_MAX_ROWS", rows or 1024)
         conv, ssm = conv0.clone(), ssm0.clone()
         out = be.gdn_chunked_out(layer, c, mixed, z, a, b, conv, ssm)
@@ -465,7 +466,6 @@ def test_fused_decode_attention_matches_reference(dtype, gqa, L, D, simd, monkey
     ones, of 12 the plain ones."""
     from hybridrt.model import GatedAttention
 
-    monkeypatch.setenv("HYBRIDRT_FUSED_SIMD", {2: "avx512", 1: "avx2", 0: "0"}[simd])
     layer, config, net = _layer(GatedAttention, dtype, num_attention_heads=2 * gqa,
                                 num_key_value_heads=2, head_dim=D)
     bs, NB = 4, 24
@@ -480,7 +480,8 @@ def test_fused_decode_attention_matches_reference(dtype, gqa, L, D, simd, monkey
     cos, sin = net.rope(batch.positions, dtype)
     calls = _count_calls(monkeypatch, "attn_decode")
     results = []
-    for be in (ReferenceBackend(config), CPUBackend(config)):
+    cpu = CPUBackend(config, options=KernelOptions(fused_simd=simd))
+    for be in (ReferenceBackend(config), cpu):
         kc, vc = kc0.clone(), vc0.clone()
         out = be.gated_attention(be.prepare(batch), batch, layer, qg, k, v, kc, vc, cos, sin)
         results.append((out, kc, vc))
@@ -514,16 +515,15 @@ def test_fused_decode_attention_checks_the_cache_indices(monkeypatch):
             be.gated_attention(be.prepare(batch), batch, layer, qg, kv, kv, *caches, cos, sin)
 
 
-def test_fused_simd_switch(monkeypatch):
+def test_fused_simd_switch():
+    """HYBRIDRT_FUSED_SIMD -> the CPU backend's vector level for the fused layers (one
+    environment read, by hybridrt/env.py; no module global)."""
     for raw, level in (("avx2", 1), ("0", 0), ("AVX512", 2), ("", 2)):
-        monkeypatch.setenv("HYBRIDRT_FUSED_SIMD", raw)
-        CPUBackend(None)
-        assert level == native.FUSED_SIMD, raw
-    monkeypatch.setenv("HYBRIDRT_FUSED_SIMD", "sse9")
+        be = CPUBackend(None, options=kernel_options({"HYBRIDRT_FUSED_SIMD": raw}))
+        assert level == be.fused_simd, raw
     with pytest.raises(ValueError, match="HYBRIDRT_FUSED_SIMD='sse9': choose avx512"):
-        CPUBackend(None)
-    monkeypatch.delenv("HYBRIDRT_FUSED_SIMD")
-    native.fused_simd()
+        CPUBackend(None, options=kernel_options({"HYBRIDRT_FUSED_SIMD": "sse9"}))
+    assert CPUBackend(None).fused_simd == 2
 
 
 def test_fused_gdn_layer_checks_the_slots():
@@ -589,7 +589,7 @@ def test_loaded_weights_live_in_huge_pages(tmp_path, monkeypatch, quantization):
     the tokens are the same."""
     from hybridrt.kernels import memory
 
-    if not memory.huge_pages_enabled():
+    if not memory.huge_pages_available():
         pytest.skip("transparent huge pages are off here (or not Linux)")
     # MLP widths of whole 16-row panels: int8 gate/up merge too
     d = write_random_checkpoint(tmp_path / "m", tiny_text_config(intermediate_size=64), seed=3)

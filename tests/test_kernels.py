@@ -199,13 +199,13 @@ def test_slot_runs():
 
 
 def _require_native() -> None:
-    """Skip where the compiled kernels cannot load (``HYBRIDRT_NATIVE=0``, no C compiler,
-    Windows); fail where they should have built and did not."""
+    """Skip where the compiled kernels cannot load (no C compiler, Windows); fail where they
+    should have built and did not."""
     if native.load() is not None:
         return
-    can_build = native.enabled() and native._compiler() is not None and sys.platform != "win32"
+    can_build = native._compiler() is not None and sys.platform != "win32"
     assert not can_build, "a C compiler is here but the native kernels failed to build"
-    pytest.skip("native kernels unavailable here (disabled or no C compiler)")
+    pytest.skip("native kernels unavailable here (no C compiler)")
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -416,9 +416,9 @@ def test_conv_rejects_bad_shapes():
 
 
 @pytest.fixture(params=["native", "onednn"])
-def half_gemm_impl(request, monkeypatch):
-    """Run a test with the compiled half-weight GEMM and with the fp32 copy it replaces."""
-    monkeypatch.setenv("HYBRIDRT_NATIVE", "1" if request.param == "native" else "0")
+def half_gemm_impl(request):
+    """Run a test with the compiled half-weight GEMM and with the fp32 copy it replaces (the
+    ``simd`` flag the CPU backend passes: False as with ``HYBRIDRT_NATIVE=0``)."""
     if request.param == "native":
         _require_half_kernels()
     return request.param
@@ -457,15 +457,15 @@ def test_linear_half_weights_match_fp32_product(rows, half_gemm_impl):
     w = (torch.randn(67, 45, generator=gen) / 7).bfloat16()
     x = torch.randn(rows, 45, generator=gen).bfloat16()
     native_ = half_gemm_impl == "native"
-    assert use_half_gemv(x, w) == (native_ and rows <= 8)
-    assert use_fp32_gemm(x, w) == (rows >= CPU_HALF_GEMM_MIN_ROWS and not native_)
-    packed = pack_weight(w) if use_fp32_gemm(x, w) else None
+    assert use_half_gemv(x, w, native_) == (native_ and rows <= 8)
+    assert use_fp32_gemm(x, w, native_) == (rows >= CPU_HALF_GEMM_MIN_ROWS and not native_)
+    packed = pack_weight(w) if use_fp32_gemm(x, w, native_) else None
     expect = (x.float() @ w.float().t()).bfloat16().float()
-    got = linear(x, w, packed)
+    got = linear(x, w, packed, native_)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 67)
     torch.testing.assert_close(got.float(), expect, rtol=8e-3, atol=1e-6)
     x3 = x.view(1, rows, 45)  # leading dims pass through
-    assert torch.equal(linear(x3, w, packed).view(rows, 67), got)
+    assert torch.equal(linear(x3, w, packed, native_).view(rows, 67), got)
 
 
 def test_packed_weight_layouts_compute_the_same_product(monkeypatch):
@@ -482,13 +482,11 @@ def test_packed_weight_layouts_compute_the_same_product(monkeypatch):
     expect = x @ w.float().t()
     if native.half_gemm_available():
         assert_rel_close(linear(x, w).float(), expect, 8e-3, "half_gemm")
-    monkeypatch.setenv("HYBRIDRT_NATIVE", "0")
     layouts["onednn"] = pack_weight(w)
     assert layouts["onednn"].is_mkldnn == torch.backends.mkldnn.is_available()
     monkeypatch.setattr(lin, "_onednn_available", lambda: False)
     layouts["plain"] = pack_weight(w)
     assert not layouts["plain"].is_mkldnn and layouts["plain"].dtype == torch.float32
-    monkeypatch.setenv("HYBRIDRT_NATIVE", "1")
     for name, p in layouts.items():
         assert_rel_close(linear_fp32(x, w, p), expect, TOL, name)
 
@@ -529,26 +527,26 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-def test_half_paths_follow_the_cpu(monkeypatch):
+def test_half_paths_follow_the_cpu():
     """Every half path this CPU can run is built (bf16dot exactly where the CPU has
     AVX512-BF16), the default is the fastest, and HYBRIDRT_HALF_PATH picks or refuses."""
+    from hybridrt.env import kernel_options
+
     _require_half_kernels()
-    monkeypatch.delenv("HYBRIDRT_HALF_PATH", raising=False)  # the default, whatever the caller set
     flags = _cpu_flags()
     paths = native.half_paths()
     assert paths[0] == "fma"
     if flags:
         assert ("bf16dot" in paths) == ("avx512_bf16" in flags and "avx512f" in flags)
-    assert native.half_path() == paths[-1]
-    monkeypatch.setenv("HYBRIDRT_HALF_PATH", "fma")
-    assert native.half_path() == "fma"
-    monkeypatch.setenv("HYBRIDRT_HALF_PATH", "vnni")
+    assert native.half_path(kernel_options({}).half_path) == paths[-1]
+    assert native.half_path(kernel_options({"HYBRIDRT_HALF_PATH": "fma"}).half_path) == "fma"
     with pytest.raises(ValueError, match="HYBRIDRT_HALF_PATH='vnni': use auto, fma or bf16dot"):
-        native.half_path()
+        kernel_options({"HYBRIDRT_HALF_PATH": "vnni"})
+    with pytest.raises(ValueError, match="HYBRIDRT_HALF_PATH='vnni': use auto, fma or bf16dot"):
+        native.half_path("vnni")
     if "bf16dot" not in paths:
-        monkeypatch.setenv("HYBRIDRT_HALF_PATH", "bf16dot")
         with pytest.raises(ValueError, match="not built for this CPU"):
-            native.half_path()
+            native.half_path(kernel_options({"HYBRIDRT_HALF_PATH": "bf16dot"}).half_path)
 
 
 _BUILT_HALF_PATHS = native.half_paths()  # (builds the kernels once, at collection)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from .. import native, quant
 from ..linear import linear as cpu_linear
 from ..linear import pack_weight, use_fp32_gemm
-from ..memory import huge_pages_enabled
+from ..memory import huge_pages_available
+from ..options import KernelOptions
 from .plan import StepMeta
 from .reference import ReferenceBackend, conv_weight
 
@@ -23,16 +24,20 @@ class CPUBackend(ReferenceBackend):
 
     name = "cpu"
 
-    def __init__(self, config=None, device: torch.device | str = "cpu"):
-        super().__init__(config, device)
-        self.native = native.load() is not None
-        self.half_simd = native.half_gemm_available()  # decided once, not per call
-        self.int8_isa = quant.select_isa()  # likewise (None: no compiled kernels)
-        native.fused_simd()  # the fused layers' vector loops (HYBRIDRT_FUSED_SIMD), checked
+    def __init__(self, config=None, device: torch.device | str = "cpu",
+                 options: KernelOptions | None = None):
+        super().__init__(config, device, options)
+        opts = self.options
+        # every kernel choice decided once, here, from the options (not per call)
+        self.native = opts.native and native.load(opts.cache_dir) is not None
+        self.half_simd = self.native and native.half_gemm_available()
+        self.half_path = native.half_path(opts.half_path) if self.native else None
+        self.int8_isa = quant.select_isa(opts.int8_isa, self.native)  # None: no compiled ones
+        self.fused_simd = opts.fused_simd  # the fused layers' vector loops
         # without the compiled half kernels a half weight's products need an fp32 copy, kept
         # per module (``_packed``): the projections stay apart there
         self.merges_projections = self.half_simd
-        self.huge_pages = huge_pages_enabled()
+        self.huge_pages = opts.huge_pages and huge_pages_available()
         self.num_slots: int | None = None
         self.kv_shape: tuple[int, int] | None = None  # (blocks, block size) of the KV caches
         self.groups: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
@@ -92,8 +97,8 @@ class CPUBackend(ReferenceBackend):
         if isinstance(w, quant.QuantWeight):
             return quant.linear(x, w, self.int8_isa)
         if self._decode_gemv(x, w):
-            return native.gemv_bf16(x, w)
-        return cpu_linear(x, w, None, self.half_simd)
+            return native.gemv_bf16(x, w, self.half_path)
+        return cpu_linear(x, w, None, self.half_simd, self.half_path)
 
     def forward(self, model, batch, cache):
         """Steps of only decodes (one new token per sequence from its state), or only
@@ -108,7 +113,7 @@ class CPUBackend(ReferenceBackend):
         cos, sin = model.rope(batch.positions, h.dtype)
         grp = meta.gdn.groups[0]
         L = meta.uniform_tokens
-        product, norm = self._product, native.rms_norm
+        product, norm, simd = self._product, native.rms_norm, self.fused_simd
         residual = None
         for f in fast:
             if residual is None:
@@ -123,14 +128,14 @@ class CPUBackend(ReferenceBackend):
                 y = native.gdn_fused(mixed, z, a, b, taps, cache.conv_states[m.state_index],
                                      cache.ssm_states[m.state_index], grp.slots, grp.slots_out,
                                      neg_exp_a, dt_bias, norm_w, m.norm.eps, L, m.num_k_heads,
-                                     m.head_k_dim)
+                                     m.head_k_dim, simd)
             else:
                 qg, k, v = parts
                 y = native.attn_decode(qg, k, v, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps,
                                        cos, sin, cache.key_caches[m.cache_index],
                                        cache.value_caches[m.cache_index], batch.slot_mapping,
                                        batch.block_tables, batch.seq_lens, m.scale, L,
-                                       m.num_heads, m.num_kv_heads, m.head_dim)
+                                       m.num_heads, m.num_kv_heads, m.head_dim, simd)
             x, residual = norm(product(y, f.mixer_out), f.post_norm, f.eps, residual)
             gate, up = product(x, f.mlp_in).split(f.mlp_sizes, dim=-1)
             h = product(F.silu(gate) * up, f.mlp_out)
@@ -160,7 +165,7 @@ class CPUBackend(ReferenceBackend):
                                   layer.q_norm.eps, cos, sin, key_cache, value_cache,
                                   batch.slot_mapping, batch.block_tables, batch.seq_lens,
                                   layer.scale, L, layer.num_heads, layer.num_kv_heads,
-                                  layer.head_dim)
+                                  layer.head_dim, self.fused_simd)
 
     def project(self, x, modules):
         """One product for the group (``merge_projections``), split into its outputs."""
@@ -171,8 +176,8 @@ class CPUBackend(ReferenceBackend):
         if isinstance(w, quant.QuantWeight):
             return quant.linear(x, w, self.int8_isa).split(sizes, dim=-1)
         if self._decode_gemv(x, w):
-            return native.gemv_bf16(x, w).split(sizes, dim=-1)
-        return cpu_linear(x, w, None, self.half_simd).split(sizes, dim=-1)
+            return native.gemv_bf16(x, w, self.half_path).split(sizes, dim=-1)
+        return cpu_linear(x, w, None, self.half_simd, self.half_path).split(sizes, dim=-1)
 
     def _decode_gemv(self, x, w) -> bool:
         """Whether x W^T is a bf16 product of a few rows for ``native.gemv_bf16`` (decode and
@@ -201,7 +206,8 @@ class CPUBackend(ReferenceBackend):
         taps, neg_exp_a, dt_bias, norm_w = params
         return native.gdn_fused(mixed, z, a, b, taps, conv_states, ssm_states, grp.slots,
                                 grp.slots_out, neg_exp_a, dt_bias, norm_w, layer.norm.eps,
-                                grp.num_tokens_per_seq, layer.num_k_heads, layer.head_k_dim)
+                                grp.num_tokens_per_seq, layer.num_k_heads, layer.head_k_dim,
+                                self.fused_simd)
 
     def gdn_chunked_out(self, layer, c, mixed, z, a, b, conv_states, ssm_states):
         """Prompt chunks through the same compiled call, token after token, one call per
@@ -229,7 +235,7 @@ class CPUBackend(ReferenceBackend):
             o = native.gdn_fused(
                 mixed[s:e], z[s:e], a[s:e], b[s:e], taps, conv_states, ssm_states,
                 c.slots[i:i + 1], None, neg_exp_a, dt_bias, norm_w, layer.norm.eps, e - s,
-                layer.num_k_heads, layer.head_k_dim)
+                layer.num_k_heads, layer.head_k_dim, self.fused_simd)
             if out is None:
                 return o
             out[s:e] = o
@@ -296,8 +302,8 @@ class CPUBackend(ReferenceBackend):
             return quant.linear(x, qweight, self.int8_isa)
         w = module.weight
         if self._decode_gemv(x, w):
-            return native.gemv_bf16(x, w)
-        return cpu_linear(x, w, self._packed(module, x), self.half_simd)
+            return native.gemv_bf16(x, w, self.half_path)
+        return cpu_linear(x, w, self._packed(module, x), self.half_simd, self.half_path)
 
     def _packed(self, module, x: torch.Tensor):
         """The weight's fp32 copy for the batched CPU GEMM where the compiled half kernels do not

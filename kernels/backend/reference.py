@@ -13,6 +13,7 @@ from ..attention import attention_plan, paged_attention, write_kv
 from ..conv import causal_conv1d_update, causal_conv1d_varlen
 from ..delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from ..norm import gated_rms_norm, rms_norm
+from ..options import KernelOptions
 from ..rope import apply_partial_rope
 from .plan import ChunkedSeqs, GDNMeta, RecurrentGroup, StepMeta, gdn_split
 
@@ -25,9 +26,11 @@ class ReferenceBackend:
     merges_projections = False  # wants the model's projection groups merged (bind's groups)
     huge_pages = False  # wants the streamed weights in transparent-huge-page memory
 
-    def __init__(self, config=None, device: torch.device | str = "cpu"):
+    def __init__(self, config=None, device: torch.device | str = "cpu",
+                 options: KernelOptions | None = None):
         self.config = config
         self.device = torch.device(device)
+        self.options = options if options is not None else KernelOptions()
 
     # Binding ------------------------------------------------------------------------------
     def bind(self, model: torch.nn.Module, groups: dict) -> None:

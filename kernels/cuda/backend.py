@@ -64,8 +64,9 @@ class CudaBackend(ReferenceBackend):
     name = "cuda"
     merges_projections = True
 
-    def __init__(self, config=None, device: torch.device | str = "cuda", graphs: bool = True):
-        super().__init__(config, device)
+    def __init__(self, config=None, device: torch.device | str = "cuda", graphs: bool = True,
+                 options=None):
+        super().__init__(config, device, options)
         self.use_graphs = graphs and self.device.type == "cuda"
         self.groups: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
         self.graphs: dict[tuple[int, int], _Graph] = {}
