@@ -250,10 +250,10 @@ class Qwen35ForCausalLM(nn.Module):
                 groups.append((m.gate_proj, m.up_proj))
         return groups
 
-    def prepare(self, batch: ForwardBatch) -> StepMeta:
-        """The step's metadata, built by the backend once per batch."""
+    def plan_step(self, batch: ForwardBatch) -> StepMeta:
+        """The step's metadata, built by the backend once per batch (``batch.meta``)."""
         if batch.meta is None:
-            batch.meta = self.backend.prepare(batch)
+            batch.meta = self.backend.plan_step(batch)
         return batch.meta
 
     @property
@@ -272,7 +272,7 @@ class Qwen35ForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         """-> final-normed hidden states [T, hidden] for every token of the batch."""
-        self.prepare(batch)
+        self.plan_step(batch)
         out = self.backend.forward(self, batch, cache)
         if out is not None:
             return out
@@ -295,7 +295,7 @@ class Qwen35ForCausalLM(nn.Module):
         if self.mtp is None:
             raise RuntimeError("this model was loaded without its MTP head")
         m = self.mtp
-        self.prepare(batch)
+        self.plan_step(batch)
         e = m.pre_fc_norm_embedding(self.model.embed_tokens(input_ids))
         x = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden)], dim=-1))
         cos, sin = self.rope(batch.positions, x.dtype)

@@ -236,7 +236,7 @@ def test_step_buffers_hold_the_largest_steps(seed):
                             ["all"] * n_seqs if i == 0 else
                             [rng.choice(["all", "last", "none"]) for _ in lens],
                             verify if any(verify) else None, arrays=bufs)
-        batch.meta = backend.prepare(batch)
+        batch.meta = backend.plan_step(batch)
         assert bufs.overflows == 0, (lens, starts, verify)
         assert [k for k, t in _index_tensors(batch).items() if not bufs.holds(t)] == []
     assert bufs.overflows == 0
@@ -374,7 +374,7 @@ def test_fused_gdn_layer_matches_reference(dtype, heads, L, verify, simd, monkey
     cpu = CPUBackend(config, options=KernelOptions(fused_simd=simd))
     for be in (ReferenceBackend(config), cpu):
         conv, ssm = conv0.clone(), ssm0.clone()
-        out = be.gdn_recurrent_out(layer, grp, mixed, z, a, b, conv, ssm)
+        out = be.gdn_group(layer, grp, mixed, z, a, b, conv, ssm)
         results.append((out, conv, ssm))
     assert calls[0] == 1
     (o_ref, c_ref, s_ref), (o, c, s) = results
@@ -399,11 +399,10 @@ def test_fused_gdn_layer_matches_reference(dtype, heads, L, verify, simd, monkey
 def test_fused_gdn_prompt_chunks_match_reference(dtype, heads, lens, init, simd, max_rows,
                                                  monkeypatch):
     """Prompt chunks of a GDN layer through the compiled call, token after token, a call per
-    sequence (or per piece of ``GDN_FUSED_MAX_ROWS`` tokens of it, bit for bit the same): the
+    sequence (or per piece of ``fused_max_rows`` tokens of it, bit for bit the same): the
     gated-normed output and every named slot's conv and recurrent states as the reference's
     chunked form leaves them; a sequence without an initial state starts from zeros whatever
     its slot holds (NaN here), one with it from its slot; unnamed slots untouched."""
-    import hybridrt.kernels.backend.cpu as kb
     from hybridrt.kernels.backend import ChunkedSeqs
     from hybridrt.kernels.conv import conv_plan
     from hybridrt.kernels.delta_rule import chunk_plan
@@ -430,9 +429,9 @@ def test_fused_gdn_prompt_chunks_match_reference(dtype, heads, lens, init, simd,
     opts = KernelOptions(fused_simd=simd)
     for be, rows in ((ReferenceBackend(config), None), (CPUBackend(config, options=opts), max_rows),
                      (CPUBackend(config, options=opts), 1024)):
-        monkeypatch.setattr(kb, "GDN_FUSED_MAX_ROWS", rows or 1024)
+        be.fused_max_rows = rows or 1024
         conv, ssm = conv0.clone(), ssm0.clone()
-        out = be.gdn_chunked_out(layer, c, mixed, z, a, b, conv, ssm)
+        out = be.gdn_prompts(layer, c, mixed, z, a, b, conv, ssm)
         results.append((out, conv, ssm))
     assert calls[0] == sum(-(-n // max_rows) for n in lens) + len(lens)
     (o_ref, c_ref, s_ref), (o, cv, sm), whole = results
@@ -483,7 +482,7 @@ def test_fused_decode_attention_matches_reference(dtype, gqa, L, D, simd, monkey
     cpu = CPUBackend(config, options=KernelOptions(fused_simd=simd))
     for be in (ReferenceBackend(config), cpu):
         kc, vc = kc0.clone(), vc0.clone()
-        out = be.gated_attention(be.prepare(batch), batch, layer, qg, k, v, kc, vc, cos, sin)
+        out = be.gated_attention(be.plan_step(batch), batch, layer, qg, k, v, kc, vc, cos, sin)
         results.append((out, kc, vc))
     assert calls[0] == 1
     (o_ref, k_ref, v_ref), (o, kc, vc) = results
@@ -512,7 +511,7 @@ def test_fused_decode_attention_checks_the_cache_indices(monkeypatch):
         kv = torch.randn(2, HKV * D).bfloat16()
         cos, sin = net.rope(batch.positions, torch.bfloat16)
         with pytest.raises(IndexError, match=what):
-            be.gated_attention(be.prepare(batch), batch, layer, qg, kv, kv, *caches, cos, sin)
+            be.gated_attention(be.plan_step(batch), batch, layer, qg, kv, kv, *caches, cos, sin)
 
 
 def test_fused_simd_switch():
@@ -541,7 +540,7 @@ def test_fused_gdn_layer_checks_the_slots():
         grp = RecurrentGroup(None, 2, 1, torch.tensor(slots),
                              None if out is None else torch.tensor(out), [])
         with pytest.raises(IndexError, match="state slots out of range"):
-            CPUBackend(config).gdn_recurrent_out(layer, grp, mixed, z, a, b, conv, ssm)
+            CPUBackend(config).gdn_group(layer, grp, mixed, z, a, b, conv, ssm)
 
 
 @pytest.mark.parametrize("shape,residual,strided", [

@@ -1,7 +1,7 @@
 """Kernel backends: the one place that decides which kernel runs.
 
 A backend is chosen once, when the engine starts (``select_backend``), and bound to the model
-(``Qwen35ForCausalLM.set_backend``). Each step the model asks it to ``prepare`` the batch:
+(``Qwen35ForCausalLM.set_backend``). Each step the model asks it to plan the batch (``plan_step``):
 every piece of per-step metadata (decode rows, prefill chunk groups, slot indices, per-position
 verify slots, block tables, sequence lengths) is built there, once, from the host-side lists
 the runner already has. The layers then call the backend with that metadata and only index

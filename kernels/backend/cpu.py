@@ -23,6 +23,7 @@ class CPUBackend(ReferenceBackend):
     where they built; the reference ops otherwise."""
 
     name = "cpu"
+    fused_max_rows = 1024  # prompt tokens per compiled GDN call (bounds its fp32 scratch)
 
     def __init__(self, config=None, device: torch.device | str = "cpu",
                  options: KernelOptions | None = None):
@@ -34,6 +35,7 @@ class CPUBackend(ReferenceBackend):
         self.half_path = native.half_path(opts.half_path) if self.native else None
         self.int8_isa = quant.select_isa(opts.int8_isa, self.native)  # None: no compiled ones
         self.fused_simd = opts.fused_simd  # the fused layers' vector loops
+        self.gdn_step = native.gdn_decode_step if self.native else None
         # without the compiled half kernels a half weight's products need an fp32 copy, kept
         # per module (``_packed``): the projections stay apart there
         self.merges_projections = self.half_simd
@@ -41,7 +43,7 @@ class CPUBackend(ReferenceBackend):
         self.num_slots: int | None = None
         self.kv_shape: tuple[int, int] | None = None  # (blocks, block size) of the KV caches
         self.groups: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
-        self.gdn_params: dict[int, tuple[torch.Tensor, ...]] = {}  # _gdn_params, per layer
+        self.gdn_params: dict[int, tuple[torch.Tensor, ...]] = {}  # _gdn_weights, per layer
         self.fast: list[_FastLayer] | None = None  # forward's decode loop (bind, attach)
 
     def bind(self, model, groups) -> None:
@@ -51,6 +53,8 @@ class CPUBackend(ReferenceBackend):
     def attach(self, cache) -> None:
         t = cache.tensors
         self.num_slots = t.num_slots
+        if self.native:  # plan_step checks the slots once per step: the step need not
+            self.gdn_step = _checked_step
         if t.key_caches:
             self.kv_shape = tuple(t.key_caches[0].shape[:2])
         pools = [*t.key_caches, *t.value_caches, *t.conv_states]
@@ -168,7 +172,7 @@ class CPUBackend(ReferenceBackend):
                                   layer.head_dim, self.fused_simd)
 
     def project(self, x, modules):
-        """One product for the group (``merge_projections``), split into its outputs."""
+        """One product for the group (merged at bind time), split into its outputs."""
         group = self.groups.get(tuple(id(m) for m in modules))
         if group is None:
             return [self.linear(m, x) for m in modules]
@@ -196,27 +200,27 @@ class CPUBackend(ReferenceBackend):
             return super().rms_norm(x, weight, eps, residual)
         return native.rms_norm(x, weight, eps, residual)
 
-    def gdn_recurrent_out(self, layer, grp, mixed, z, a, b, conv_states, ssm_states):
+    def gdn_group(self, layer, grp, mixed, z, a, b, conv_states, ssm_states):
         """The group in one compiled call (csrc/gdn_fused.c) where it runs for these tensors:
         fp32 or bf16 activations throughout, contiguous pools, unit column strides."""
         params = self._fused_params(layer, mixed, z, a, b, conv_states, ssm_states,
                                     (grp.slots, grp.slots_out))
         if params is None:
-            return super().gdn_recurrent_out(layer, grp, mixed, z, a, b, conv_states, ssm_states)
+            return super().gdn_group(layer, grp, mixed, z, a, b, conv_states, ssm_states)
         taps, neg_exp_a, dt_bias, norm_w = params
         return native.gdn_fused(mixed, z, a, b, taps, conv_states, ssm_states, grp.slots,
                                 grp.slots_out, neg_exp_a, dt_bias, norm_w, layer.norm.eps,
                                 grp.num_tokens_per_seq, layer.num_k_heads, layer.head_k_dim,
                                 self.fused_simd)
 
-    def gdn_chunked_out(self, layer, c, mixed, z, a, b, conv_states, ssm_states):
-        """Prompt chunks through the same compiled call, token after token, one call per
-        sequence (its state in place): the recurrence itself rather than the chunked form, the
-        state kept in cache from one token to the next. A sequence with no initial state
-        starts from zeros."""
+    def gdn_prompts(self, layer, c, mixed, z, a, b, conv_states, ssm_states):
+        """Prompt chunks through the same compiled call as a recurrent group, token after
+        token, one call per sequence (its state in place): the recurrence itself rather than
+        the chunked form, the state kept in cache from one token to the next. A sequence with
+        no initial state starts from zeros."""
         params = self._fused_params(layer, mixed, z, a, b, conv_states, ssm_states, (c.slots,))
         if params is None:
-            return super().gdn_chunked_out(layer, c, mixed, z, a, b, conv_states, ssm_states)
+            return super().gdn_prompts(layer, c, mixed, z, a, b, conv_states, ssm_states)
         taps, neg_exp_a, dt_bias, norm_w = params
         init = c.has_initial_state
         conv_states.index_copy_(0, c.slots, torch.where(
@@ -225,10 +229,9 @@ class CPUBackend(ReferenceBackend):
             init.view(-1, 1, 1, 1), ssm_states.index_select(0, c.slots), 0))
         # (sequence, first row, end row) of each call: a long chunk in pieces, one after the
         # other over the state in place (the same result), to bound the call's scratch memory
-        pieces, end = [], 0
+        pieces, end, most = [], 0, self.fused_max_rows
         for i, n in enumerate(c.lens):
-            pieces += [(i, s, min(s + GDN_FUSED_MAX_ROWS, end + n))
-                       for s in range(end, end + n, GDN_FUSED_MAX_ROWS)]
+            pieces += [(i, s, min(s + most, end + n)) for s in range(end, end + n, most)]
             end += n
         out = None if len(pieces) == 1 else mixed.new_empty(end, layer.value_dim)
         for i, s, e in pieces:
@@ -242,36 +245,27 @@ class CPUBackend(ReferenceBackend):
         return out
 
     def _fused_params(self, layer, mixed, z, a, b, conv_states, ssm_states, slot_tensors):
-        """``_gdn_params`` where the compiled GDN call runs for these tensors (fp32 or bf16
-        activations throughout, contiguous pools, unit column strides), else None; slot ranges
-        checked here when no engine checks them per step."""
-        params = self._gdn_params(layer, mixed, conv_states)
-        if params is None or not (ssm_states.dtype == torch.float32
-                                  and ssm_states.is_contiguous() and all(
-                                      t.stride(-1) == 1 and t.dtype == mixed.dtype
-                                      for t in (z, a, b))):
+        """``_gdn_weights`` where the compiled GDN call runs for these tensors (CPU, fp32 or
+        bf16 activations throughout, contiguous pools, unit column strides, a conv window of
+        at most 16), else None; slot ranges checked here when no engine checks them per
+        step."""
+        dtype = mixed.dtype
+        if not (self.native and mixed.device.type == "cpu"
+                and native.fused_dtype_code(dtype) is not None and conv_states.dtype == dtype
+                and conv_states.is_contiguous() and layer.kernel_size <= 16
+                and ssm_states.dtype == torch.float32 and ssm_states.is_contiguous()
+                and all(t.stride(-1) == 1 and t.dtype == dtype for t in (z, a, b))):
             return None
         if self.num_slots is None:  # not attached to an engine: no per-step check was made
             for t in slot_tensors:
                 if t is not None and t.numel() and not (
                         0 <= int(t.min()) <= int(t.max()) < ssm_states.shape[0]):
                     raise IndexError(f"state slots out of range [0, {ssm_states.shape[0]})")
-        return params
-
-    def _gdn_params(self, layer, mixed, conv_states):
-        """fp32 conv taps [K, C], -exp(A_log), dt_bias and the norm weight in the
-        activations' dtype for ``native.gdn_fused``, made at the layer's first call; None where
-        the fused call does not run."""
-        if not self.native or mixed.device.type != "cpu":
-            return None
-        dtype = mixed.dtype
-        if (native.fused_dtype_code(dtype) is None or conv_states.dtype != dtype
-                or not conv_states.is_contiguous() or layer.kernel_size > 16):
-            return None
         return self._gdn_weights(layer, dtype)
 
     def _gdn_weights(self, layer, dtype):
-        """``_gdn_params``' tensors, without the checks (kept per layer)."""
+        """fp32 conv taps [K, C], -exp(A_log), dt_bias and the norm weight in the
+        activations' dtype for ``native.gdn_fused``, made at the layer's first call and kept."""
         params = self.gdn_params.get(id(layer))
         if params is None or params[3].dtype != dtype:
             params = (
@@ -283,8 +277,8 @@ class CPUBackend(ReferenceBackend):
             self.gdn_params[id(layer)] = params
         return params
 
-    def prepare(self, batch) -> StepMeta:
-        meta = super().prepare(batch)
+    def plan_step(self, batch) -> StepMeta:
+        meta = super().plan_step(batch)
         if self.num_slots is not None:  # the compiled step indexes the pool unchecked
             slots = [s for v in (batch.verify_slots or ()) if v for s in v]
             slots += batch.state_slot_list
@@ -317,15 +311,10 @@ class CPUBackend(ReferenceBackend):
             module.weight_packed = cached
         return cached
 
-    def _decode_step(self):
-        if not self.native:
-            return None
-        return _checked_step if self.num_slots is not None else native.gdn_decode_step
-
 
 class _FastLayer:
     """One decoder layer as ``CPUBackend.forward``'s decode loop runs it: its mixer, norms, the
-    weights of its four products (merged where ``merge_projections`` merged them) and, for a
+    weights of its four products (its merged groups) and, for a
     GDN layer, ``gdn``: the tensors ``native.gdn_fused`` takes besides the activations (None
     for an attention layer)."""
 
@@ -352,7 +341,6 @@ def _weight_of(module):
     return w if w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous() else None
 
 
-GDN_FUSED_MAX_ROWS = 1024  # prompt tokens per compiled GDN call (its fp32 scratch: ~25 MB at 0.8B)
 FUSED_MAX_TOKENS = 8  # new tokens per sequence up to which csrc/attn_decode.c runs a step
 
 
@@ -364,7 +352,7 @@ def _uniform_len(query_lens: list[int]) -> int:
 
 def _recurrent_only(meta) -> bool:
     """A step of one recurrent group over the whole batch (decodes, or verifications of the
-    same number of drafts), its KV indices checked (``CPUBackend.prepare``)."""
+    same number of drafts), its KV indices checked (``CPUBackend.plan_step``)."""
     if meta is None or not meta.uniform_tokens:
         return False
     gm = meta.gdn

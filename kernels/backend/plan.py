@@ -1,4 +1,4 @@
-"""A step's metadata, built once by the backend's ``prepare`` from the runner's host lists:
+"""A step's metadata, built once by the backend's ``plan_step`` from the runner's host lists:
 ``StepMeta`` (attention plan, GDN routing, token count) and the GDN routing itself
 (``gdn_split``: recurrent groups of sequences continuing from a state, and the prompt chunks).
 Layers only index into it."""
@@ -13,7 +13,7 @@ import torch
 
 from ..conv import ConvPlan, conv_plan
 from ..delta_rule import ChunkGroup, chunk_plan, slot_runs
-from ..meta import arrays_for
+from ..meta import StepArrays, as_arrays
 
 
 @dataclass(slots=True)
@@ -51,7 +51,8 @@ class GDNMeta:
 
 @dataclass(slots=True)
 class StepMeta:
-    """Everything a model step's layers need beyond the tensors of the batch."""
+    """Everything a model step's layers need beyond the tensors of the batch (the backend's
+    ``plan_step``)."""
 
     attention: Any
     gdn: GDNMeta
@@ -61,11 +62,17 @@ class StepMeta:
     # (csrc/attn_decode.c indexes them unchecked); 0 otherwise
 
 
-def gdn_split(batch, device, with_plans: bool, kernel_size: int) -> GDNMeta:
+def step_arrays(batch) -> StepArrays:
+    """Where ``batch``'s plans go: its ``arrays`` (the engine's buffers), else new arrays on
+    its device."""
+    return as_arrays(batch.arrays if batch.arrays is not None else batch.input_ids.device)
+
+
+def gdn_split(batch, arrays: StepArrays, with_plans: bool, kernel_size: int) -> GDNMeta:
     """Route each sequence of ``batch`` (its host lists) to the recurrent kernel (one new token
     from a state, or draft verification, grouped by length) or the chunked one (prompts).
-    ``device``: a device, or the step's arrays (kernels/meta.py) the index tensors go into."""
-    arr = arrays_for(device)
+    ``arrays``: the step's arrays (kernels/meta.py) the index tensors go into."""
+    arr = arrays
     B = batch.num_seqs
     starts = batch.query_starts
     verify = batch.verify_slots or [None] * B

@@ -15,7 +15,7 @@ from ..delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from ..norm import gated_rms_norm, rms_norm
 from ..options import KernelOptions
 from ..rope import apply_partial_rope
-from .plan import ChunkedSeqs, GDNMeta, RecurrentGroup, StepMeta, gdn_split
+from .plan import ChunkedSeqs, GDNMeta, RecurrentGroup, StepMeta, gdn_split, step_arrays
 
 
 class ReferenceBackend:
@@ -31,6 +31,7 @@ class ReferenceBackend:
         self.config = config
         self.device = torch.device(device)
         self.options = options if options is not None else KernelOptions()
+        self.gdn_step = None  # the in-place decode step recurrent_gated_delta_rule runs (torch's)
 
     # Binding ------------------------------------------------------------------------------
     def bind(self, model: torch.nn.Module, groups: dict) -> None:
@@ -41,8 +42,9 @@ class ReferenceBackend:
         """Called once by the runner with the engine's cache manager (sizes, pools)."""
 
     # Per step -----------------------------------------------------------------------------
-    def prepare(self, batch) -> StepMeta:
-        arr = batch.arrays if batch.arrays is not None else batch.input_ids.device
+    def plan_step(self, batch) -> StepMeta:
+        """The step's metadata (plan.py), built once from ``batch``'s host lists."""
+        arr = step_arrays(batch)
         K = self.config.linear_conv_kernel_dim if self.config is not None else 4
         attn = attention_plan(batch.query_lens, batch.context_lens, batch.block_tables, arr)
         return StepMeta(attn, gdn_split(batch, arr, True, K), batch.num_tokens)
@@ -107,15 +109,15 @@ class ReferenceBackend:
         input: conv, gated delta rule, gated output norm.
 
         mixed: [T, conv_dim] (q | k | v channels), z: [T, HV * DV], a, b: [T, HV] raw
-        projections -> [T, HV * DV]. Each recurrent group and the prompt chunks get their own
-        rows of the inputs (no copy when they are the whole batch) from ``gdn_recurrent_out``
-        / ``gdn_chunked_out``."""
+        projections -> [T, HV * DV]. Each recurrent group (``gdn_group``) and the prompt chunks
+        (``gdn_prompts``) get their own rows of the inputs (no copy when they are the whole
+        batch)."""
         T = mixed.shape[0]
         out = None
         gm: GDNMeta = meta.gdn
-        parts = [(g.rows, self.gdn_recurrent_out, g) for g in gm.groups]
+        parts = [(g.rows, self.gdn_group, g) for g in gm.groups]
         if gm.chunked is not None:
-            parts.append((gm.chunked.rows, self.gdn_chunked_out, gm.chunked))
+            parts.append((gm.chunked.rows, self.gdn_prompts, gm.chunked))
         for rows, kernel, part in parts:
             x = [t if rows is None else t[rows] for t in (mixed, z, a, b)]
             o = kernel(layer, part, *x, conv_states, ssm_states)
@@ -127,16 +129,17 @@ class ReferenceBackend:
                 out[rows] = o
         return out
 
-    def gdn_recurrent_out(self, layer, grp: RecurrentGroup, mixed, z, a, b, conv_states,
-                          ssm_states):
-        """A recurrent group's rows -> the gated-normed output [n * L, HV * DV]."""
+    def gdn_group(self, layer, grp: RecurrentGroup, mixed, z, a, b, conv_states, ssm_states):
+        """A recurrent group's rows (sequences continuing from a state) -> the gated-normed
+        output [n * L, HV * DV]: ``gdn_recurrent``, then the norm."""
         core = self.gdn_recurrent(layer, grp, mixed, a, b, conv_states, ssm_states)
         return self._gdn_norm(layer, core, z)
 
-    def gdn_chunked_out(self, layer, c: ChunkedSeqs, mixed, z, a, b, conv_states, ssm_states):
-        """The prompt chunks' rows -> the gated-normed output [t, HV * DV]."""
-        return self._gdn_norm(layer, self.gdn_chunked(layer, c, mixed, a, b, conv_states,
-                                                      ssm_states), z)
+    def gdn_prompts(self, layer, c: ChunkedSeqs, mixed, z, a, b, conv_states, ssm_states):
+        """The prompt chunks' rows -> the gated-normed output [t, HV * DV]: here the chunked
+        form (``gdn_chunked``), then the norm."""
+        core = self.gdn_chunked(layer, c, mixed, a, b, conv_states, ssm_states)
+        return self._gdn_norm(layer, core, z)
 
     def _gdn_norm(self, layer, core, z):
         n = core.shape[0]
@@ -154,7 +157,7 @@ class ReferenceBackend:
         return recurrent_gated_delta_rule(
             q.view(n, L, *q.shape[1:]), k.view(n, L, *k.shape[1:]), v.view(n, L, *v.shape[1:]),
             g.view(n, L, -1), beta.view(n, L, -1), ssm_states, grp.slots,
-            state_slots_out=grp.slots_out, runs=grp.runs, step=self._decode_step(),
+            state_slots_out=grp.slots_out, runs=grp.runs, step=self.gdn_step,
         ).reshape(n * L, *v.shape[1:])
 
     def gdn_chunked(self, layer, c: ChunkedSeqs, mixed, a, b, conv_states, ssm_states):
@@ -165,9 +168,6 @@ class ReferenceBackend:
         q, k, v = layer.split(m)
         return chunk_gated_delta_rule(q, k, v, g, beta, c.cu_seqlens, ssm_states, c.slots,
                                       c.has_initial_state, plan=c.delta)
-
-    def _decode_step(self):
-        return None
 
     # Whole steps (CUDA graphs) ------------------------------------------------------------
     def forward(self, model, batch, cache) -> torch.Tensor | None:

@@ -29,9 +29,15 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import attention_plan
-from ..backend.plan import ChunkedSeqs, GDNMeta, RecurrentGroup, StepMeta, gdn_split
+from ..backend.plan import (
+    ChunkedSeqs,
+    GDNMeta,
+    RecurrentGroup,
+    StepMeta,
+    gdn_split,
+    step_arrays,
+)
 from ..backend.reference import ReferenceBackend, conv_weight
-from ..meta import arrays_for
 from . import attention as attn_k
 from . import fused, prefill
 from . import gdn as gdn_k
@@ -94,9 +100,9 @@ class CudaBackend(ReferenceBackend):
         self.max_drafts = cache.slots_per_request - 1
 
     # Per step -----------------------------------------------------------------------------
-    def prepare(self, batch) -> StepMeta:
+    def plan_step(self, batch) -> StepMeta:
         dev = batch.input_ids.device
-        gdn = gdn_split(batch, batch.arrays if batch.arrays is not None else dev, False, 0)
+        gdn = gdn_split(batch, step_arrays(batch), False, 0)
         if (len(gdn.groups) == 1 and gdn.chunked is None and gdn.groups[0].rows is None
                 and self.triton_attention):
             L = gdn.groups[0].num_tokens_per_seq
@@ -114,7 +120,7 @@ class CudaBackend(ReferenceBackend):
         tile_seq, tile_q0 = attn_k.varlen_tiles(ql, rest, self.tokens_per_tile)
         ts = tq = None
         if tile_seq:
-            arr = arrays_for(batch.arrays if batch.arrays is not None else batch.input_ids.device)
+            arr = step_arrays(batch)
             ts, tq = arr.tensor(arr.put([tile_seq, tile_q0])).unbind(0)
         return VarlenAttention(ts, tq, self.tokens_per_tile,
                                [(batch.query_starts[b], ql[b]) for b in fresh])
