@@ -8,7 +8,7 @@ import torch
 from hybridrt import env
 from hybridrt.forward_batch import ForwardBatch
 from hybridrt.kernels.backend import select_backend
-from hybridrt.kernels.meta import FreshArrays, StepBuffers
+from hybridrt.kernels.meta import FreshArrays, StepArrays, StepBuffers
 from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.scheduler import StepPlan
 from hybridrt.statecache import HybridCacheManager
@@ -23,7 +23,7 @@ def build_batch(
     logits_rows: list[str] | None = None,
     verify_slots: list[list[int] | None] | None = None,
     device: torch.device | str = "cpu",
-    arrays: FreshArrays | None = None,
+    arrays: StepArrays | None = None,
 ) -> ForwardBatch:
     """Flat batch for sequences whose new tokens ``token_lists[b]`` sit at positions
     ``starts[b]..``. Per-token quantities (positions, KV slots) are computed with array ops,
