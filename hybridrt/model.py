@@ -179,7 +179,7 @@ class TextModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         # _weight skips the random init: its normal_ on the meta device imports torch._dynamo
-        # (2-4 s of start-up), and the loader replaces the weight anyway
+        # (seconds of start-up), and the loader replaces the weight anyway
         self.embed_tokens = nn.Embedding(
             config.vocab_size, config.hidden_size,
             _weight=torch.empty(config.vocab_size, config.hidden_size))
