@@ -14,7 +14,7 @@ from torch import nn
 from hybridrt.config import ModelConfig
 from hybridrt.forward_batch import ForwardBatch
 from hybridrt.kernels import rope_cos_sin
-from hybridrt.kernels.backend import ReferenceBackend, StepMeta
+from hybridrt.kernels.backend import AttentionLayer, GDNLayer, ReferenceBackend, StepMeta
 from hybridrt.statecache import CacheTensors
 from hybridrt.weights import place_weights
 
@@ -81,11 +81,21 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(D, config.rms_norm_eps)
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
         self.backend = _REFERENCE
+        self._spec = None
+
+    @property
+    def spec(self) -> AttentionLayer:
+        """What the backend reads of this layer besides its projections (built once)."""
+        if self._spec is None:
+            self._spec = AttentionLayer(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                        self.num_heads, self.num_kv_heads, self.head_dim,
+                                        self.cache_index)
+        return self._spec
 
     def forward(self, x, batch: ForwardBatch, cache: CacheTensors, cos, sin):
         be = self.backend
         qg, k, v = be.project(x, (self.q_proj, self.k_proj, self.v_proj))
-        o = be.gated_attention(batch.meta, batch, self, qg, k, v,
+        o = be.gated_attention(batch.meta, batch, self.spec, qg, k, v,
                                cache.key_caches[self.cache_index],
                                cache.value_caches[self.cache_index], cos, sin)
         return self.o_proj(o)
@@ -115,24 +125,24 @@ class GatedDeltaNet(nn.Module):
         self.norm = _GatedNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, hidden)
         self.backend = _REFERENCE
+        self._spec = None
+
+    @property
+    def spec(self) -> GDNLayer:
+        """What the backend reads of this layer besides its projections (built once)."""
+        if self._spec is None:
+            self._spec = GDNLayer(self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight,
+                                  self.norm.eps, self.num_k_heads, self.head_k_dim,
+                                  self.num_v_heads, self.head_v_dim, self.state_index)
+        return self._spec
 
     def forward(self, x, batch: ForwardBatch, cache: CacheTensors, cos=None, sin=None):
         be = self.backend
         mixed, z, b, a = be.project(x, (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
                                         self.in_proj_a))
-        y = be.gdn(batch.meta, self, mixed, z, a, b, cache.conv_states[self.state_index],
+        y = be.gdn(batch.meta, self.spec, mixed, z, a, b, cache.conv_states[self.state_index],
                    cache.ssm_states[self.state_index])
         return self.out_proj(y)
-
-    def split(self, mixed: torch.Tensor):
-        """[n, conv_dim] conv output -> q, k [n, HK, DK], v [n, HV, DV] (views)."""
-        n = mixed.shape[0]
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        return (
-            q.reshape(n, self.num_k_heads, self.head_k_dim),
-            k.reshape(n, self.num_k_heads, self.head_k_dim),
-            v.reshape(n, self.num_v_heads, self.head_v_dim),
-        )
 
 
 class _GatedNorm(nn.Module):
@@ -225,11 +235,13 @@ class Qwen35ForCausalLM(nn.Module):
         if with_mtp and config.mtp_num_hidden_layers > 0:
             self.mtp = MTPHead(config, len(config.full_attention_layers))
         self.backend = ReferenceBackend(config)
+        self.register_load_state_dict_post_hook(_forget_specs)
 
     def set_backend(self, backend) -> None:
         """Route every layer's kernels through ``backend`` (see hybridrt.kernels.backend), the
         weights laid out as it asks (hybridrt/weights.py)."""
         self.backend = backend
+        _forget_specs(self)
         for m in self.modules():
             if "backend" in m.__dict__:
                 m.backend = backend
@@ -306,3 +318,11 @@ class Qwen35ForCausalLM(nn.Module):
         """hidden: [N, hidden] (only the rows to sample) -> fp32 logits [N, vocab], rounded to
         the model's dtype first (what a half-precision LM head returns)."""
         return self.backend.logits(self, hidden)
+
+
+def _forget_specs(model: nn.Module, incompatible_keys=None) -> None:
+    """Drop the layers' backend records, built again from the current parameters at the next
+    use (a ``load_state_dict(assign=True)`` puts new parameter objects in place)."""
+    for m in model.modules():
+        if "_spec" in m.__dict__:
+            m._spec = None

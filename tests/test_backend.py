@@ -374,7 +374,7 @@ def test_fused_gdn_layer_matches_reference(dtype, heads, L, verify, simd, monkey
     cpu = CPUBackend(config, options=KernelOptions(fused_simd=simd))
     for be in (ReferenceBackend(config), cpu):
         conv, ssm = conv0.clone(), ssm0.clone()
-        out = be.gdn_group(layer, grp, mixed, z, a, b, conv, ssm)
+        out = be.gdn_group(layer.spec, grp, mixed, z, a, b, conv, ssm)
         results.append((out, conv, ssm))
     assert calls[0] == 1
     (o_ref, c_ref, s_ref), (o, c, s) = results
@@ -431,7 +431,7 @@ def test_fused_gdn_prompt_chunks_match_reference(dtype, heads, lens, init, simd,
                      (CPUBackend(config, options=opts), 1024)):
         be.fused_max_rows = rows or 1024
         conv, ssm = conv0.clone(), ssm0.clone()
-        out = be.gdn_prompts(layer, c, mixed, z, a, b, conv, ssm)
+        out = be.gdn_prompts(layer.spec, c, mixed, z, a, b, conv, ssm)
         results.append((out, conv, ssm))
     assert calls[0] == sum(-(-n // max_rows) for n in lens) + len(lens)
     (o_ref, c_ref, s_ref), (o, cv, sm), whole = results
@@ -482,7 +482,7 @@ def test_fused_decode_attention_matches_reference(dtype, gqa, L, D, simd, monkey
     cpu = CPUBackend(config, options=KernelOptions(fused_simd=simd))
     for be in (ReferenceBackend(config), cpu):
         kc, vc = kc0.clone(), vc0.clone()
-        out = be.gated_attention(be.plan_step(batch), batch, layer, qg, k, v, kc, vc, cos, sin)
+        out = be.gated_attention(be.plan_step(batch), batch, layer.spec, qg, k, v, kc, vc, cos, sin)
         results.append((out, kc, vc))
     assert calls[0] == 1
     (o_ref, k_ref, v_ref), (o, kc, vc) = results
@@ -511,7 +511,8 @@ def test_fused_decode_attention_checks_the_cache_indices(monkeypatch):
         kv = torch.randn(2, HKV * D).bfloat16()
         cos, sin = net.rope(batch.positions, torch.bfloat16)
         with pytest.raises(IndexError, match=what):
-            be.gated_attention(be.plan_step(batch), batch, layer, qg, kv, kv, *caches, cos, sin)
+            be.gated_attention(be.plan_step(batch), batch, layer.spec, qg, kv, kv, *caches, cos,
+                               sin)
 
 
 def test_fused_simd_switch():
@@ -540,7 +541,7 @@ def test_fused_gdn_layer_checks_the_slots():
         grp = RecurrentGroup(None, 2, 1, torch.tensor(slots),
                              None if out is None else torch.tensor(out), [])
         with pytest.raises(IndexError, match="state slots out of range"):
-            CPUBackend(config).gdn_group(layer, grp, mixed, z, a, b, conv, ssm)
+            CPUBackend(config).gdn_group(layer.spec, grp, mixed, z, a, b, conv, ssm)
 
 
 @pytest.mark.parametrize("shape,residual,strided", [
@@ -625,3 +626,20 @@ def test_merged_projections_stay_on_the_weights_device():
         net = Qwen35ForCausalLM(ModelConfig.from_dict(tiny_text_config()))
     groups = merge_projections(net)
     assert groups and all(w.device.type == "meta" for w, _ in groups.values())
+
+
+def test_layer_records_follow_the_parameters():
+    """The records a layer hands the backend (``spec``: tensors and sizes, no module) hold the
+    layer's own parameters, and are built again after a ``load_state_dict(assign=True)``
+    replaces them."""
+    from hybridrt.model import GatedAttention, GatedDeltaNet
+
+    net, config, sd = build_model(tiny_text_config(), seed=4)
+    gdn = next(m for m in net.modules() if isinstance(m, GatedDeltaNet))
+    attn = next(m for m in net.modules() if isinstance(m, GatedAttention))
+    assert gdn.spec is gdn.spec and gdn.spec.A_log is gdn.A_log
+    assert gdn.spec.conv_weight.shape == (config.conv_dim, gdn.kernel_size)
+    assert (gdn.spec.key_dim, gdn.spec.value_dim) == (gdn.key_dim, gdn.value_dim)
+    assert attn.spec.q_norm_weight is attn.q_norm.weight and attn.spec.scale == attn.scale
+    net.load_state_dict({n: t.clone() for n, t in sd.items()}, assign=True)
+    assert gdn.spec.A_log is gdn.A_log and attn.spec.k_norm_weight is attn.k_norm.weight

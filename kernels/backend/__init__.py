@@ -19,6 +19,7 @@ into it: no layer converts a tensor to Python or decides on a kernel.
 Files:
 
 - ``plan.py``: the step metadata and GDN routing every backend builds per step;
+- ``layers.py``: what a backend reads of one mixer layer (tensors and sizes, no modules);
 - ``reference.py``: ``ReferenceBackend``;
 - ``cpu.py``: ``CPUBackend`` and its fused-layer decode loop;
 - ``select.py``: ``select_backend``; ``kernels/cuda/backend.py``: ``CudaBackend``, imported by
@@ -27,13 +28,16 @@ Files:
 """
 
 from .cpu import CPUBackend
+from .layers import AttentionLayer, GDNLayer
 from .plan import ChunkedSeqs, GDNMeta, RecurrentGroup, StepMeta, gdn_split
 from .reference import ReferenceBackend
 from .select import select_backend
 
 __all__ = [
+    "AttentionLayer",
     "CPUBackend",
     "ChunkedSeqs",
+    "GDNLayer",
     "GDNMeta",
     "RecurrentGroup",
     "ReferenceBackend",

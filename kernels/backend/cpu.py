@@ -14,7 +14,7 @@ from ..linear import pack_weight, use_fp32_gemm
 from ..memory import huge_pages_available
 from ..options import KernelOptions
 from .plan import StepMeta
-from .reference import ReferenceBackend, conv_weight
+from .reference import ReferenceBackend
 
 
 class CPUBackend(ReferenceBackend):
@@ -43,7 +43,7 @@ class CPUBackend(ReferenceBackend):
         self.num_slots: int | None = None
         self.kv_shape: tuple[int, int] | None = None  # (blocks, block size) of the KV caches
         self.groups: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
-        self.gdn_params: dict[int, tuple[torch.Tensor, ...]] = {}  # _gdn_weights, per layer
+        self.gdn_params: dict[int, tuple] = {}  # _gdn_weights, per layer: (layer, tensors)
         self.fast: list[_FastLayer] | None = None  # forward's decode loop (bind, attach)
 
     def bind(self, model, groups) -> None:
@@ -91,8 +91,8 @@ class CPUBackend(ReferenceBackend):
             if dl.layer_type == "linear_attention":
                 if m.kernel_size > 16:  # csrc/gdn_fused.c's window
                     return None
-                gdn = self._gdn_weights(m, torch.bfloat16)
-            layers.append(_FastLayer(dl, m, mixer_in, outs[0], mlp_in, outs[1], gdn))
+                gdn = self._gdn_weights(m.spec, torch.bfloat16)
+            layers.append(_FastLayer(dl, m.spec, mixer_in, outs[0], mlp_in, outs[1], gdn))
         if model.model.norm.weight.dtype != torch.bfloat16:
             return None
         return layers
@@ -131,11 +131,11 @@ class CPUBackend(ReferenceBackend):
                 taps, neg_exp_a, dt_bias, norm_w = f.gdn
                 y = native.gdn_fused(mixed, z, a, b, taps, cache.conv_states[m.state_index],
                                      cache.ssm_states[m.state_index], grp.slots, grp.slots_out,
-                                     neg_exp_a, dt_bias, norm_w, m.norm.eps, L, m.num_k_heads,
+                                     neg_exp_a, dt_bias, norm_w, m.eps, L, m.num_k_heads,
                                      m.head_k_dim, simd)
             else:
                 qg, k, v = parts
-                y = native.attn_decode(qg, k, v, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps,
+                y = native.attn_decode(qg, k, v, m.q_norm_weight, m.k_norm_weight, m.eps,
                                        cos, sin, cache.key_caches[m.cache_index],
                                        cache.value_caches[m.cache_index], batch.slot_mapping,
                                        batch.block_tables, batch.seq_lens, m.scale, L,
@@ -158,15 +158,15 @@ class CPUBackend(ReferenceBackend):
                 _check_kv(batch, tuple(key_cache.shape[:2]))
         if not (self.native and L and native.fused_dtype_code(dtype) is not None
                 and key_cache.dtype == value_cache.dtype == cos.dtype == dtype
-                and k.dtype == v.dtype == layer.q_norm.weight.dtype == dtype
+                and k.dtype == v.dtype == layer.q_norm_weight.dtype == dtype
                 and key_cache.is_contiguous() and value_cache.is_contiguous()
                 and qg.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and cos.is_contiguous()
                 and sin.is_contiguous() and batch.slot_mapping.dtype == batch.seq_lens.dtype
                 == batch.block_tables.dtype == torch.int64):
             return super().gated_attention(meta, batch, layer, qg, k, v, key_cache,
                                            value_cache, cos, sin)
-        return native.attn_decode(qg, k, v, layer.q_norm.weight, layer.k_norm.weight,
-                                  layer.q_norm.eps, cos, sin, key_cache, value_cache,
+        return native.attn_decode(qg, k, v, layer.q_norm_weight, layer.k_norm_weight,
+                                  layer.eps, cos, sin, key_cache, value_cache,
                                   batch.slot_mapping, batch.block_tables, batch.seq_lens,
                                   layer.scale, L, layer.num_heads, layer.num_kv_heads,
                                   layer.head_dim, self.fused_simd)
@@ -209,7 +209,7 @@ class CPUBackend(ReferenceBackend):
             return super().gdn_group(layer, grp, mixed, z, a, b, conv_states, ssm_states)
         taps, neg_exp_a, dt_bias, norm_w = params
         return native.gdn_fused(mixed, z, a, b, taps, conv_states, ssm_states, grp.slots,
-                                grp.slots_out, neg_exp_a, dt_bias, norm_w, layer.norm.eps,
+                                grp.slots_out, neg_exp_a, dt_bias, norm_w, layer.eps,
                                 grp.num_tokens_per_seq, layer.num_k_heads, layer.head_k_dim,
                                 self.fused_simd)
 
@@ -237,7 +237,7 @@ class CPUBackend(ReferenceBackend):
         for i, s, e in pieces:
             o = native.gdn_fused(
                 mixed[s:e], z[s:e], a[s:e], b[s:e], taps, conv_states, ssm_states,
-                c.slots[i:i + 1], None, neg_exp_a, dt_bias, norm_w, layer.norm.eps, e - s,
+                c.slots[i:i + 1], None, neg_exp_a, dt_bias, norm_w, layer.eps, e - s,
                 layer.num_k_heads, layer.head_k_dim, self.fused_simd)
             if out is None:
                 return o
@@ -266,15 +266,16 @@ class CPUBackend(ReferenceBackend):
     def _gdn_weights(self, layer, dtype):
         """fp32 conv taps [K, C], -exp(A_log), dt_bias and the norm weight in the
         activations' dtype for ``native.gdn_fused``, made at the layer's first call and kept."""
-        params = self.gdn_params.get(id(layer))
+        kept = self.gdn_params.get(id(layer))
+        params = kept[1] if kept is not None and kept[0] is layer else None
         if params is None or params[3].dtype != dtype:
             params = (
-                conv_weight(layer).float().t().contiguous(),
+                layer.conv_weight.float().t().contiguous(),
                 -layer.A_log.detach().float().exp(),
                 layer.dt_bias.detach().float().contiguous(),
-                layer.norm.weight.detach().to(dtype).contiguous(),
+                layer.norm_weight.detach().to(dtype).contiguous(),
             )
-            self.gdn_params[id(layer)] = params
+            self.gdn_params[id(layer)] = (layer, params)
         return params
 
     def plan_step(self, batch) -> StepMeta:
@@ -313,10 +314,10 @@ class CPUBackend(ReferenceBackend):
 
 
 class _FastLayer:
-    """One decoder layer as ``CPUBackend.forward``'s decode loop runs it: its mixer, norms, the
-    weights of its four products (its merged groups) and, for a
-    GDN layer, ``gdn``: the tensors ``native.gdn_fused`` takes besides the activations (None
-    for an attention layer)."""
+    """One decoder layer as ``CPUBackend.forward``'s decode loop runs it: its mixer's record
+    (``AttentionLayer`` / ``GDNLayer``), norms, the weights of its four products (its merged
+    groups) and, for a GDN layer, ``gdn``: the tensors ``native.gdn_fused`` takes besides the
+    activations (None for an attention layer)."""
 
     __slots__ = ("gdn", "mixer", "in_norm", "post_norm", "eps", "mixer_in", "mixer_sizes",
                  "mixer_out", "mlp_in", "mlp_sizes", "mlp_out")

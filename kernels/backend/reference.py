@@ -15,6 +15,7 @@ from ..delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from ..norm import gated_rms_norm, rms_norm
 from ..options import KernelOptions
 from ..rope import apply_partial_rope
+from .layers import AttentionLayer, GDNLayer
 from .plan import ChunkedSeqs, GDNMeta, RecurrentGroup, StepMeta, gdn_split, step_arrays
 
 
@@ -82,8 +83,8 @@ class ReferenceBackend:
                 apply_partial_rope(rms_norm(k, k_weight, eps), cos, sin))
 
     # Mixers -------------------------------------------------------------------------------
-    def gated_attention(self, meta: StepMeta, batch, layer, qg, k, v, key_cache, value_cache,
-                        cos, sin):
+    def gated_attention(self, meta: StepMeta, batch, layer: AttentionLayer, qg, k, v, key_cache,
+                        value_cache, cos, sin):
         """A gated attention layer from its projections' outputs to o_proj's input: q/k norms
         and partial RoPE, this step's K/V into the paged cache, attention, the sigmoid gate.
         qg: [T, H * 2D] (per head D query then D gate values), k, v: [T, HKV * D] ->
@@ -91,8 +92,8 @@ class ReferenceBackend:
         T = qg.shape[0]
         H, HKV, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
         q, gate = qg.view(T, H, 2 * D).chunk(2, dim=-1)
-        q, k = self.qk_norm_rope(q, k.view(T, HKV, D), layer.q_norm.weight,
-                                 layer.k_norm.weight, layer.q_norm.eps, cos, sin)
+        q, k = self.qk_norm_rope(q, k.view(T, HKV, D), layer.q_norm_weight,
+                                 layer.k_norm_weight, layer.eps, cos, sin)
         o = self.attention(meta, batch, q, k, v.view(T, HKV, D), key_cache, value_cache,
                            layer.scale)
         return o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
@@ -104,7 +105,7 @@ class ReferenceBackend:
         return paged_attention(q, key_cache, value_cache, batch.cu_seqlens, batch.seq_lens,
                                batch.block_tables, scale, plan=meta.attention)
 
-    def gdn(self, meta: StepMeta, layer, mixed, z, a, b, conv_states, ssm_states):
+    def gdn(self, meta: StepMeta, layer: GDNLayer, mixed, z, a, b, conv_states, ssm_states):
         """One GDN layer over its state slots, from the in-projections' outputs to out_proj's
         input: conv, gated delta rule, gated output norm.
 
@@ -129,13 +130,14 @@ class ReferenceBackend:
                 out[rows] = o
         return out
 
-    def gdn_group(self, layer, grp: RecurrentGroup, mixed, z, a, b, conv_states, ssm_states):
+    def gdn_group(self, layer: GDNLayer, grp: RecurrentGroup, mixed, z, a, b, conv_states,
+                  ssm_states):
         """A recurrent group's rows (sequences continuing from a state) -> the gated-normed
         output [n * L, HV * DV]: ``gdn_recurrent``, then the norm."""
         core = self.gdn_recurrent(layer, grp, mixed, a, b, conv_states, ssm_states)
         return self._gdn_norm(layer, core, z)
 
-    def gdn_prompts(self, layer, c: ChunkedSeqs, mixed, z, a, b, conv_states, ssm_states):
+    def gdn_prompts(self, layer: GDNLayer, c: ChunkedSeqs, mixed, z, a, b, conv_states, ssm_states):
         """The prompt chunks' rows -> the gated-normed output [t, HV * DV]: here the chunked
         form (``gdn_chunked``), then the norm."""
         core = self.gdn_chunked(layer, c, mixed, a, b, conv_states, ssm_states)
@@ -144,14 +146,15 @@ class ReferenceBackend:
     def _gdn_norm(self, layer, core, z):
         n = core.shape[0]
         y = self.gated_rms_norm(core, z.reshape(n, layer.num_v_heads, layer.head_v_dim),
-                                layer.norm.weight, layer.norm.eps)
+                                layer.norm_weight, layer.eps)
         return y.reshape(n, layer.value_dim)
 
-    def gdn_recurrent(self, layer, grp: RecurrentGroup, mixed, a, b, conv_states, ssm_states):
+    def gdn_recurrent(self, layer: GDNLayer, grp: RecurrentGroup, mixed, a, b, conv_states,
+                      ssm_states):
         """The group's n sequences of L tokens each (rows in order) -> core [n * L, HV, DV]."""
         n, L = grp.num_seqs, grp.num_tokens_per_seq
         g, beta = gates(layer, a, b)
-        m = causal_conv1d_update(mixed.view(n, L, -1), conv_weight(layer), conv_states,
+        m = causal_conv1d_update(mixed.view(n, L, -1), layer.conv_weight, conv_states,
                                  grp.slots, state_slots_out=grp.slots_out)
         q, k, v = layer.split(m.reshape(n * L, -1))
         return recurrent_gated_delta_rule(
@@ -160,10 +163,10 @@ class ReferenceBackend:
             state_slots_out=grp.slots_out, runs=grp.runs, step=self.gdn_step,
         ).reshape(n * L, *v.shape[1:])
 
-    def gdn_chunked(self, layer, c: ChunkedSeqs, mixed, a, b, conv_states, ssm_states):
+    def gdn_chunked(self, layer: GDNLayer, c: ChunkedSeqs, mixed, a, b, conv_states, ssm_states):
         """The prompt chunks' tokens (packed as ``c.cu_seqlens``) -> core [t, HV, DV]."""
         g, beta = gates(layer, a, b)
-        m = causal_conv1d_varlen(mixed, conv_weight(layer), c.cu_seqlens, conv_states, c.slots,
+        m = causal_conv1d_varlen(mixed, layer.conv_weight, c.cu_seqlens, conv_states, c.slots,
                                  c.has_initial_state, plan=c.conv)
         q, k, v = layer.split(m)
         return chunk_gated_delta_rule(q, k, v, g, beta, c.cu_seqlens, ssm_states, c.slots,
@@ -176,12 +179,8 @@ class ReferenceBackend:
         return None
 
 
-def gates(layer, a, b):
+def gates(layer: GDNLayer, a, b):
     """GDN decay (log space) and write strength from the raw projections, in fp32."""
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
     return g, torch.sigmoid(b).float()
-
-
-def conv_weight(layer) -> torch.Tensor:
-    return layer.conv1d.weight[:, 0, :]  # [C, K]
 

@@ -37,7 +37,7 @@ from ..backend.plan import (
     gdn_split,
     step_arrays,
 )
-from ..backend.reference import ReferenceBackend, conv_weight
+from ..backend.reference import ReferenceBackend
 from . import attention as attn_k
 from . import fused, prefill
 from . import gdn as gdn_k
@@ -177,7 +177,7 @@ class CudaBackend(ReferenceBackend):
 
     def gdn_recurrent(self, layer, grp: RecurrentGroup, mixed, a, b, conv_states, ssm_states):
         n, L = grp.num_seqs, grp.num_tokens_per_seq
-        m = gdn_k.conv_update(mixed.view(n, L, -1), conv_weight(layer), conv_states, grp.slots,
+        m = gdn_k.conv_update(mixed.view(n, L, -1), layer.conv_weight, conv_states, grp.slots,
                               grp.slots_out)
         q, k, v = layer.split(m.view(n * L, -1))
         return gdn_k.gdn_recurrent(
@@ -187,7 +187,7 @@ class CudaBackend(ReferenceBackend):
         ).view(n * L, *v.shape[1:])
 
     def gdn_chunked(self, layer, c: ChunkedSeqs, mixed, a, b, conv_states, ssm_states):
-        m = prefill.conv_prefill(mixed, conv_weight(layer), c.cu_seqlens, conv_states, c.slots,
+        m = prefill.conv_prefill(mixed, layer.conv_weight, c.cu_seqlens, conv_states, c.slots,
                                  c.has_initial_state, cu_seqlens_cpu=c.cu_seqlens_cpu)
         q, k, v = layer.split(m)
         return prefill.chunk_prefill(q, k, v, a, b, layer.A_log, layer.dt_bias, c.cu_seqlens,
