@@ -10,6 +10,8 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
+from hybridrt import env
+
 try:  # typer >= 0.20 vendors click; older releases use click itself
     from typer.exceptions import TyperException as _ClickException
 except ImportError:  # pragma: no cover
@@ -225,7 +227,7 @@ class OneLineErrorGroup(TyperGroup):
             typer.echo("", err=True)
             sys.exit(130)
         except Exception as e:
-            if os.environ.get("HYBRIDRT_DEBUG") == "1":
+            if env.debug():
                 raise
             if isinstance(e, user_errors()):
                 error_line(e)

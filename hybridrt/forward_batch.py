@@ -30,7 +30,7 @@ class ForwardBatch:
 
     Host-side copies (``query_lens``, ``context_lens``, ``state_slot_list``, ``initial_list``)
     come from the runner, which has them as lists (derived here, once, for a batch built
-    from tensors alone): the backend's ``prepare`` builds the step's metadata from them, so
+    from tensors alone): the backend's ``plan_step`` builds the step's metadata from them, so
     that no layer reads a device tensor back. ``meta`` is that metadata, set by the model;
     ``arrays`` the buffers it goes into (the engine's ``StepBuffers``, kernels/meta.py).
     """

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from hybridrt.cpu_alloc import keep_freed_memory
 from hybridrt.engine import EngineConfig, LLMEngine
 from hybridrt.kernels import quant
+from hybridrt.kernels.memory import keep_freed_memory
 from hybridrt.loader import load_model, parse_dtype
 from hybridrt.options import check_device_name, check_quantization, parse_memory
 from hybridrt.outputs import CompletionOutput, RequestOutput

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from hybridrt.config import ConfigError, ModelConfig
-from hybridrt.cpu_alloc import release_pages
 from hybridrt.kernels import quant
+from hybridrt.kernels.memory import release_pages
 from hybridrt.model import Qwen35ForCausalLM
-from hybridrt.options import DTYPE_NAMES
+from hybridrt.options import DTYPE_NAMES, check_quantization
 
 DTYPES = {name: getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -247,7 +247,7 @@ def load_model(
     """
     from safetensors import safe_open
 
-    quantization = quant.check_quantization(quantization)
+    quantization = check_quantization(quantization)
     auto = isinstance(dtype, str) and dtype.lower() == "auto"
     if not auto:
         dtype = parse_dtype(dtype)

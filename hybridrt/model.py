@@ -14,8 +14,9 @@ from torch import nn
 from hybridrt.config import ModelConfig
 from hybridrt.forward_batch import ForwardBatch
 from hybridrt.kernels import rope_cos_sin
-from hybridrt.kernels.backend import ReferenceBackend, StepMeta
+from hybridrt.kernels.backend import AttentionLayer, GDNLayer, ReferenceBackend, StepMeta
 from hybridrt.statecache import CacheTensors
+from hybridrt.weights import place_weights
 
 
 class Linear(nn.Linear):
@@ -80,11 +81,21 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(D, config.rms_norm_eps)
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
         self.backend = _REFERENCE
+        self._spec = None
+
+    @property
+    def spec(self) -> AttentionLayer:
+        """What the backend reads of this layer besides its projections (built once)."""
+        if self._spec is None:
+            self._spec = AttentionLayer(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                        self.num_heads, self.num_kv_heads, self.head_dim,
+                                        self.cache_index)
+        return self._spec
 
     def forward(self, x, batch: ForwardBatch, cache: CacheTensors, cos, sin):
         be = self.backend
         qg, k, v = be.project(x, (self.q_proj, self.k_proj, self.v_proj))
-        o = be.gated_attention(batch.meta, batch, self, qg, k, v,
+        o = be.gated_attention(batch.meta, batch, self.spec, qg, k, v,
                                cache.key_caches[self.cache_index],
                                cache.value_caches[self.cache_index], cos, sin)
         return self.o_proj(o)
@@ -114,24 +125,24 @@ class GatedDeltaNet(nn.Module):
         self.norm = _GatedNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, hidden)
         self.backend = _REFERENCE
+        self._spec = None
+
+    @property
+    def spec(self) -> GDNLayer:
+        """What the backend reads of this layer besides its projections (built once)."""
+        if self._spec is None:
+            self._spec = GDNLayer(self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight,
+                                  self.norm.eps, self.num_k_heads, self.head_k_dim,
+                                  self.num_v_heads, self.head_v_dim, self.state_index)
+        return self._spec
 
     def forward(self, x, batch: ForwardBatch, cache: CacheTensors, cos=None, sin=None):
         be = self.backend
         mixed, z, b, a = be.project(x, (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
                                         self.in_proj_a))
-        y = be.gdn(batch.meta, self, mixed, z, a, b, cache.conv_states[self.state_index],
+        y = be.gdn(batch.meta, self.spec, mixed, z, a, b, cache.conv_states[self.state_index],
                    cache.ssm_states[self.state_index])
         return self.out_proj(y)
-
-    def split(self, mixed: torch.Tensor):
-        """[n, conv_dim] conv output -> q, k [n, HK, DK], v [n, HV, DV] (views)."""
-        n = mixed.shape[0]
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        return (
-            q.reshape(n, self.num_k_heads, self.head_k_dim),
-            k.reshape(n, self.num_k_heads, self.head_k_dim),
-            v.reshape(n, self.num_v_heads, self.head_v_dim),
-        )
 
 
 class _GatedNorm(nn.Module):
@@ -178,7 +189,7 @@ class TextModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         # _weight skips the random init: its normal_ on the meta device imports torch._dynamo
-        # (2-4 s of start-up), and the loader replaces the weight anyway
+        # (seconds of start-up), and the loader replaces the weight anyway
         self.embed_tokens = nn.Embedding(
             config.vocab_size, config.hidden_size,
             _weight=torch.empty(config.vocab_size, config.hidden_size))
@@ -224,19 +235,37 @@ class Qwen35ForCausalLM(nn.Module):
         if with_mtp and config.mtp_num_hidden_layers > 0:
             self.mtp = MTPHead(config, len(config.full_attention_layers))
         self.backend = ReferenceBackend(config)
+        self.register_load_state_dict_post_hook(_forget_specs)
 
     def set_backend(self, backend) -> None:
-        """Route every layer's kernels through ``backend`` (see hybridrt.kernels.backend)."""
+        """Route every layer's kernels through ``backend`` (see hybridrt.kernels.backend), the
+        weights laid out as it asks (hybridrt/weights.py)."""
         self.backend = backend
+        _forget_specs(self)
         for m in self.modules():
             if "backend" in m.__dict__:
                 m.backend = backend
-        backend.bind(self)
+        groups = place_weights(self, backend.merges_projections, backend.huge_pages)
+        backend.bind(self, groups)
 
-    def prepare(self, batch: ForwardBatch) -> StepMeta:
-        """The step's metadata, built by the backend once per batch."""
+    def projection_groups(self) -> list[tuple[Linear, ...]]:
+        """The projections of each group that read the same input (a GDN layer's four,
+        attention's q/k/v, the MLP's gate/up), in output order: what a backend may run as one
+        product (``hybridrt.weights.merge_projections``)."""
+        groups = []
+        for m in self.modules():
+            if isinstance(m, GatedDeltaNet):
+                groups.append((m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a))
+            elif isinstance(m, GatedAttention):
+                groups.append((m.q_proj, m.k_proj, m.v_proj))
+            elif isinstance(m, MLP):
+                groups.append((m.gate_proj, m.up_proj))
+        return groups
+
+    def plan_step(self, batch: ForwardBatch) -> StepMeta:
+        """The step's metadata, built by the backend once per batch (``batch.meta``)."""
         if batch.meta is None:
-            batch.meta = self.backend.prepare(batch)
+            batch.meta = self.backend.plan_step(batch)
         return batch.meta
 
     @property
@@ -255,7 +284,7 @@ class Qwen35ForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         """-> final-normed hidden states [T, hidden] for every token of the batch."""
-        self.prepare(batch)
+        self.plan_step(batch)
         out = self.backend.forward(self, batch, cache)
         if out is not None:
             return out
@@ -278,7 +307,7 @@ class Qwen35ForCausalLM(nn.Module):
         if self.mtp is None:
             raise RuntimeError("this model was loaded without its MTP head")
         m = self.mtp
-        self.prepare(batch)
+        self.plan_step(batch)
         e = m.pre_fc_norm_embedding(self.model.embed_tokens(input_ids))
         x = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden)], dim=-1))
         cos, sin = self.rope(batch.positions, x.dtype)
@@ -289,3 +318,11 @@ class Qwen35ForCausalLM(nn.Module):
         """hidden: [N, hidden] (only the rows to sample) -> fp32 logits [N, vocab], rounded to
         the model's dtype first (what a half-precision LM head returns)."""
         return self.backend.logits(self, hidden)
+
+
+def _forget_specs(model: nn.Module, incompatible_keys=None) -> None:
+    """Drop the layers' backend records, built again from the current parameters at the next
+    use (a ``load_state_dict(assign=True)`` puts new parameter objects in place)."""
+    for m in model.modules():
+        if "_spec" in m.__dict__:
+            m._spec = None

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hybridrt import env
 from hybridrt.forward_batch import ForwardBatch
 from hybridrt.kernels.backend import select_backend
-from hybridrt.kernels.meta import FreshArrays, StepBuffers
+from hybridrt.kernels.meta import FreshArrays, StepArrays, StepBuffers
 from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.scheduler import StepPlan
 from hybridrt.statecache import HybridCacheManager
@@ -22,7 +23,7 @@ def build_batch(
     logits_rows: list[str] | None = None,
     verify_slots: list[list[int] | None] | None = None,
     device: torch.device | str = "cpu",
-    arrays: FreshArrays | None = None,
+    arrays: StepArrays | None = None,
 ) -> ForwardBatch:
     """Flat batch for sequences whose new tokens ``token_lists[b]`` sit at positions
     ``starts[b]..``. Per-token quantities (positions, KV slots) are computed with array ops,
@@ -92,7 +93,7 @@ class ModelRunner:
                  device: torch.device | str = "cpu", backend: str | None = None,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None):
-        self.backend = select_backend(model.config, device, backend)
+        self.backend = select_backend(model.config, device, backend, env.kernel_options())
         model.set_backend(self.backend)
         self.backend.attach(cache)
         self.model = model

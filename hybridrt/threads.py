@@ -5,13 +5,15 @@ a 0.8B decode step runs some 200) ends when every worker has done its share; a w
 core another process holds gets it back only at that process's next time slice, milliseconds
 later. Beside one busy process the default two threads on two cores decoded several times
 slower than one thread (docs/performance.md); making idle workers sleep instead of spin
-(``OMP_WAIT_POLICY=PASSIVE``) recovers much of that but costs about 14% on an idle machine.
+(``OMP_WAIT_POLICY=PASSIVE``) recovers much of that but costs speed on an idle machine.
 So the engine fits the thread count to the free cores instead (``ThreadGovernor``).
 """
 
 from __future__ import annotations
 
 import os
+
+from hybridrt import env
 
 
 class ThreadGovernor:
@@ -84,5 +86,4 @@ def _cpu_times() -> tuple[float, float] | None:
 
 
 def adaptive_threads_enabled() -> bool:
-    return os.environ.get("HYBRIDRT_ADAPTIVE_THREADS", "1").lower() not in ("0", "false", "no",
-                                                                               "off")
+    return env.adaptive_threads()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .meta import arrays_for
+from .meta import as_arrays
 
 
 def write_kv(
@@ -55,9 +55,10 @@ class AttentionPlan:
 
 
 def attention_plan(query_lens: list[int], context_lens: list[int], block_tables: torch.Tensor,
-                   device) -> AttentionPlan:
-    """``device``: a device, or the step's arrays (kernels/meta.py) that index tensors go into."""
-    arr = arrays_for(device)
+                   arrays) -> AttentionPlan:
+    """``arrays``: the step's arrays (kernels/meta.py) that index tensors go into, or a device
+    (new arrays there)."""
+    arr = as_arrays(arrays)
     device = block_tables.device
     starts = _starts(query_lens)
     single = [b for b, n in enumerate(query_lens) if n == 1]

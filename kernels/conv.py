@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .meta import arrays_for
+from .meta import as_arrays
 
 
 def causal_conv1d_varlen(
@@ -33,7 +33,7 @@ def causal_conv1d_varlen(
     state_slots: [B] rows of ``conv_states`` owned by each sequence; has_initial_state: [B]
     bool (False: start from zeros). Returns [T, C]. The last K-1 inputs of each sequence
     (including older state when the sequence is shorter than K-1) are written back to its slot;
-    slots not named are untouched. ``plan``: ``conv_plan(lens, K, device)`` when the caller has
+    slots not named are untouched. ``plan``: ``conv_plan(lens, K, arrays)`` when the caller has
     it (one per step, shared by every layer).
     """
     _check_conv(x, weight, conv_states)
@@ -72,8 +72,8 @@ class ConvPlan:
     state_rows: torch.Tensor  # [B, K-1] window rows that become each sequence's new state
 
 
-def conv_plan(lens: list[int], K: int, device) -> ConvPlan:
-    """``device``: a device, or the step's arrays (kernels/meta.py)."""
+def conv_plan(lens: list[int], K: int, arrays) -> ConvPlan:
+    """``arrays``: the step's arrays (kernels/meta.py), or a device (new arrays there)."""
     # every sequence's window is its K-1 history rows, then its tokens, back to back: output
     # row r of the K passes belongs to the token at window row r + K-1, so packed token i of
     # sequence b is row i + b (K-1); a window's last K-1 rows are the new state
@@ -82,7 +82,7 @@ def conv_plan(lens: list[int], K: int, device) -> ConvPlan:
         out_rows.extend(range(end, end + n))
         end += n + K - 1
         state_rows.append(list(range(end - (K - 1), end)))
-    arr = arrays_for(device)
+    arr = as_arrays(arrays)
     rows = arr.tensor(arr.put(state_rows)).view(len(lens), K - 1)
     return ConvPlan(lens, arr.tensor(arr.put(out_rows)), rows)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .meta import arrays_for
+from .meta import as_arrays
 from .norm import l2_norm
 
 
@@ -168,11 +168,11 @@ class ChunkGroup:
 
 
 def chunk_plan(lens: list[int], state_slots: list[int], has_initial_state: list[bool],
-               device: torch.device | str, chunk_size: int = 64) -> list[ChunkGroup]:
+               arrays, chunk_size: int = 64) -> list[ChunkGroup]:
     """Group the sequences of a packed batch (host lists, one entry per sequence) for
     ``chunk_gated_delta_rule``: built once per step and shared by every GDN layer.
-    ``device``: a device, or the step's arrays (kernels/meta.py)."""
-    arr = arrays_for(device)
+    ``arrays``: the step's arrays (kernels/meta.py), or a device (new arrays there)."""
+    arr = as_arrays(arrays)
     groups: dict[tuple[int, int], list[int]] = {}
     for b, n in enumerate(lens):
         if n:

@@ -46,10 +46,10 @@ def _half_cpu_path(x: torch.Tensor, weight: torch.Tensor,
     return "packed" if x.numel() >= CPU_HALF_GEMM_MIN_ROWS * k else None
 
 
-def use_half_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def use_half_gemv(x: torch.Tensor, weight: torch.Tensor, simd: bool | None = None) -> bool:
     """Few rows times half weights on a CPU where the compiled kernels run: ``native.half_gemv``
     on the weight as it is (no copy)."""
-    return _half_cpu_path(x, weight) == "gemv"
+    return _half_cpu_path(x, weight, simd) == "gemv"
 
 
 def use_fp32_gemm(x: torch.Tensor, weight: torch.Tensor, simd: bool | None = None) -> bool:
@@ -78,18 +78,19 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None,
-           simd: bool | None = None) -> torch.Tensor:
+           simd: bool | None = None, half_path: str | None = None) -> torch.Tensor:
     """x: [..., in], weight: [out, in] -> [..., out] in x's dtype. ``packed``: the
     ``pack_weight(weight)`` copy for the CPU batched path (made on the fly when not given).
     ``simd``: whether the compiled half kernels run here, as the CPU backend decided at
-    start-up (asked of ``native`` on every call when not given)."""
+    start-up (asked of ``native`` on every call when not given); ``half_path``: theirs for
+    bf16 x bf16 (``native.half_path``; the fastest built when not given)."""
     path = _half_cpu_path(x, weight, simd)
     if path == "gemv" and x.dtype == torch.bfloat16:  # rounded to bf16 by the kernel
-        y = native.half_gemv(x.reshape(-1, x.shape[-1]), weight, out_dtype=x.dtype)
+        y = native.half_gemv(x.reshape(-1, x.shape[-1]), weight, half_path, out_dtype=x.dtype)
         return y.view(*x.shape[:-1], weight.shape[0])
     if path in ("gemv", "gemm"):
         gemm = native.half_gemv if path == "gemv" else native.half_gemm
-        y = gemm(x.reshape(-1, x.shape[-1]), weight)
+        y = gemm(x.reshape(-1, x.shape[-1]), weight, half_path)
         return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
     if path == "packed":
         return linear_fp32(x, weight, packed).to(x.dtype)

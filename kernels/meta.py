@@ -5,9 +5,10 @@ The runner's batch (token ids, positions, KV slots, block tables, ...) and the b
 step from host lists. ``StepBuffers`` holds them all in two flat host arrays (int64 and bool)
 allocated once, when the engine starts, for its ``max_num_seqs`` / ``max_num_batched_tokens`` /
 context length: each step starts over at offset 0 (``begin``) and hands out views, so a step
-allocates no index tensors. ``FreshArrays`` has the same interface and allocates new arrays
-(one-off batches: tests, the MTP drafter, a device other than the CPU, whose kernels run
-asynchronously and would read a host buffer the next step is already rewriting).
+allocates no index tensors. ``FreshArrays`` allocates new arrays instead (one-off batches:
+tests, the MTP drafter, a device other than the CPU, whose kernels run asynchronously and would
+read a host buffer the next step is already rewriting). Both are ``StepArrays``, the interface
+the plans are written against.
 
 Both are filled through numpy views (``longs``, ``bools``, ``put``) and turned into torch
 tensors by ``tensor`` (a view of the same memory on the CPU). A step larger than the buffers
@@ -37,8 +38,9 @@ def capacity(max_seqs: int, max_tokens: int, max_blocks: int, conv_kernel: int =
     return longs, bools
 
 
-class FreshArrays:
-    """New numpy arrays for every request; ``tensor`` copies them to ``device``."""
+class StepArrays:
+    """Where a step's index arrays come from: ``longs`` / ``bools`` hand out int64 / bool
+    arrays, ``put`` fills one from values, ``tensor`` turns one into a tensor on ``device``."""
 
     overflows = 0
 
@@ -46,13 +48,13 @@ class FreshArrays:
         self.device = torch.device(device)
 
     def begin(self) -> None:
-        pass
+        """Start a step."""
 
     def longs(self, n: int) -> np.ndarray:
-        return np.empty(n, dtype=np.int64)
+        raise NotImplementedError
 
     def bools(self, n: int) -> np.ndarray:
-        return np.empty(n, dtype=np.bool_)
+        raise NotImplementedError
 
     def put(self, values, dtype=np.int64) -> np.ndarray:
         """``values`` (a list, nested lists of equal length, or an array) as an array."""
@@ -66,7 +68,17 @@ class FreshArrays:
         return t if self.device.type == "cpu" else to_device(t, self.device)
 
 
-class StepBuffers(FreshArrays):
+class FreshArrays(StepArrays):
+    """New numpy arrays for every request; ``tensor`` copies them to ``device``."""
+
+    def longs(self, n: int) -> np.ndarray:
+        return np.empty(n, dtype=np.int64)
+
+    def bools(self, n: int) -> np.ndarray:
+        return np.empty(n, dtype=np.bool_)
+
+
+class StepBuffers(StepArrays):
     """Two flat host arrays, allocated once, handed out in slices for one step at a time."""
 
     def __init__(self, num_longs: int, num_bools: int):
@@ -116,6 +128,9 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def arrays_for(where) -> FreshArrays:
-    """``where``: a ``FreshArrays``/``StepBuffers`` (returned as is) or a device."""
-    return where if isinstance(where, FreshArrays) else FreshArrays(where)
+def as_arrays(arrays_or_device) -> StepArrays:
+    """``StepArrays`` (a ``FreshArrays``/``StepBuffers``, returned as is), or new arrays for a
+    device."""
+    if isinstance(arrays_or_device, StepArrays):
+        return arrays_or_device
+    return FreshArrays(arrays_or_device)

@@ -19,12 +19,16 @@
 - ``csrc/stream.c``: a streaming read loop, the bandwidth ceiling of ``hybridrt bench
   throughput``.
 
-All are built into one library with ``cc -O3 -march=native -fopenmp`` into
-``$HYBRIDRT_CACHE`` (default ``~/.cache/hybridrt``), keyed by a hash of the source, the flags
-and this CPU's model and feature flags (a ``-march=native`` build must not be reused on another
-CPU), and loaded with ctypes. Without a C compiler that builds it (with OpenMP), on Windows, or
-with ``HYBRIDRT_NATIVE=0``, ``load()`` returns None and callers keep the torch path (same math,
-tested against each other).
+All are built into one library with ``cc -O3 -march=native -fopenmp`` into the options'
+``cache_dir`` (``HYBRIDRT_CACHE``; default ``~/.cache/hybridrt``), keyed by a hash of the
+source, the flags and this CPU's model and feature flags (a ``-march=native`` build must not be
+reused on another CPU), and loaded with ctypes, once per process. Without a C compiler that
+builds it (with OpenMP), or on Windows, ``load()`` returns None and callers keep the torch path
+(same math, tested against each other); so does the CPU backend with ``native=False``
+(``HYBRIDRT_NATIVE=0``).
+
+The paths and vector widths a caller picks (``half_path``, ``simd``) are arguments, decided
+once by the backend from its ``KernelOptions``; nothing here reads the environment for them.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from .options import SIMD_AVX512
+
 _SRCS = [Path(__file__).parent / "csrc" / name
          for name in ("gdn_decode.c", "gdn_fused.c", "attn_decode.c", "norm.c", "half_gemm.c",
                       "int8_gemm.c", "stream.c")]
@@ -51,16 +57,10 @@ _lib: ctypes.CDLL | None = None
 _simd = False  # half_gemm / half_gemv built with AVX2 + FMA + F16C (asked once, at load)
 _bf16dot = False  # ... and the bf16 dot-product versions (AVX512-BF16) built too
 _tried = False
-_path: str | None = None  # the half path chosen at load (half_path())
 HALF_PATHS = ("fma", "bf16dot")  # HYBRIDRT_HALF_PATH: "auto" (default) or one of these
 
 
-def enabled() -> bool:
-    return os.environ.get("HYBRIDRT_NATIVE", "1") not in ("0", "false", "no", "off")
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("HYBRIDRT_CACHE")
+def _cache_dir(root: str | None) -> Path:
     return Path(root) if root else Path.home() / ".cache" / "hybridrt"
 
 
@@ -80,10 +80,10 @@ def _cpu_id() -> str:
     return platform.machine() + "".join(sorted({ln for ln in lines if ln.startswith(keep)}))
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, cache_dir: str | None) -> Path:
     src = b"".join(f.read_bytes() for f in _SRCS + _HEADERS)
     key = hashlib.sha256(src + " ".join([cc, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"hybridrt-cpu-{key}.so"
+    out = _cache_dir(cache_dir) / f"hybridrt-cpu-{key}.so"
     if out.is_file():
         return out
     try:
@@ -103,17 +103,18 @@ def _build(cc: str) -> Path:
     return out
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (torch fallback). Builds at most once per process."""
-    global _lib, _simd, _bf16dot, _tried, _path
-    if _tried or not enabled():
-        return _lib if enabled() else None
+def load(cache_dir: str | None = None) -> ctypes.CDLL | None:
+    """The compiled kernels, or None (torch fallback). Builds at most once per process, into
+    ``cache_dir`` (default ``~/.cache/hybridrt``) at the first call."""
+    global _lib, _simd, _bf16dot, _tried
+    if _tried:
+        return _lib
     _tried = True
     cc = _compiler()
     if cc is None or sys.platform == "win32":
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        lib = ctypes.CDLL(str(_build(cc, cache_dir)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         warnings.warn(f"hybridrt: native CPU kernels unavailable, using torch ops ({detail})",
@@ -149,7 +150,6 @@ def load() -> ctypes.CDLL | None:
     _simd = bool(lib.half_gemm_simd())
     _bf16dot = _simd and bool(lib.half_gemm_bf16dot())
     _lib = lib
-    _path = half_path()
     return _lib
 
 
@@ -205,11 +205,10 @@ def half_paths() -> list[str]:
     return ["fma", "bf16dot"] if _bf16dot else ["fma"]
 
 
-def half_path() -> str | None:
-    """The path ``half_gemm`` / ``half_gemv`` take for bf16 x bf16: the fastest built, or the
-    one ``HYBRIDRT_HALF_PATH`` names (an unknown or unbuilt name is an error)."""
+def half_path(want: str = "auto") -> str | None:
+    """The path ``half_gemm`` / ``half_gemv`` take for bf16 x bf16: the fastest built
+    ("auto"), or ``want`` (``HYBRIDRT_HALF_PATH``; an unknown or unbuilt name is an error)."""
     paths = half_paths()
-    want = os.environ.get("HYBRIDRT_HALF_PATH", "auto").lower()
     if want == "auto":
         return paths[-1] if paths else None
     if want not in HALF_PATHS:
@@ -231,7 +230,7 @@ def half_gemm(x: torch.Tensor, weight: torch.Tensor, path: str | None = None) ->
     weight, even K; otherwise "fma" runs), default ``half_path()``. Callers check
     ``half_gemm_available``."""
     _check_half_weight("half_gemm", x, weight)
-    lib = _lib or load()  # callers checked availability: no environment read per call
+    lib = _lib or load()
     if lib is None:
         raise RuntimeError("half_gemm: native CPU kernels unavailable")
     N, K = weight.shape
@@ -240,7 +239,7 @@ def half_gemm(x: torch.Tensor, weight: torch.Tensor, path: str | None = None) ->
         return y.zero_()
     if not (x.shape[0] and N):
         return y
-    if _bf16_operands(x, weight, path or _path):
+    if _bf16_operands(x, weight, path or half_path()):
         x = x.contiguous()
         lib.half_gemm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], N, K,
                            torch.get_num_threads())
@@ -269,7 +268,7 @@ def half_gemv(x: torch.Tensor, weight: torch.Tensor, path: str | None = None,
         raise RuntimeError("half_gemv: native CPU kernels unavailable")
     y = torch.empty(x.shape[0], N, dtype=out_dtype)
     if x.shape[0] and N:
-        _gemv(x, weight, y, path or _path)
+        _gemv(x, weight, y, path or half_path())
     return y
 
 
@@ -288,37 +287,24 @@ def _gemv(x, weight, y, path) -> None:
                    int(weight.dtype == torch.float16), out_bf16, torch.get_num_threads())
 
 
-def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, path: str | None) -> torch.Tensor:
     """``half_gemv`` for the CPU backend's decode products, without its checks: x [M <= 8, K]
     bf16 contiguous, weight a contiguous bf16 [N, K] (the backend checked it once) -> [M, N]
-    bf16."""
+    bf16; ``path`` the backend's ``half_path``."""
     M, K = x.shape
     if M > HALF_GEMV_MAX_ROWS or weight.shape[1] != K:
         raise ValueError(f"gemv_bf16: x {list(x.shape)} for a weight {list(weight.shape)}")
     y = torch.empty(M, weight.shape[0], dtype=torch.bfloat16)
-    _gemv(x, weight, y, _path)
+    _gemv(x, weight, y, path)
     return y
 
 
 _FUSED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
-# the vector loops of gdn_fused (conv, output norm) and attn_decode (dot products, value sums,
-# gate): 2 = AVX-512 (16 lanes) where the build has it, else AVX2 (8 lanes); 1 = AVX2 at most;
-# 0 = their plain C loops. HYBRIDRT_FUSED_SIMD=avx2 or 0 chooses (the tests run each);
-# fused_simd() reads it (the CPU backend, at start-up).
-_SIMD_LEVELS = {"": 2, "avx512": 2, "avx2": 1, "0": 0, "off": 0, "none": 0}
-FUSED_SIMD = 2
-
-
-def fused_simd() -> int:
-    """``FUSED_SIMD`` from ``HYBRIDRT_FUSED_SIMD`` (ValueError naming it for other values)."""
-    global FUSED_SIMD
-    raw = os.environ.get("HYBRIDRT_FUSED_SIMD", "").strip().lower()
-    if raw not in _SIMD_LEVELS:
-        raise ValueError(f"HYBRIDRT_FUSED_SIMD={raw!r}: choose avx512 (the default: the widest "
-                         f"this CPU has), avx2 or 0")
-    FUSED_SIMD = _SIMD_LEVELS[raw]
-    return FUSED_SIMD
+# ``simd``, the vector loops of gdn_fused (conv, output norm) and attn_decode (dot products,
+# value sums, gate): 2 = AVX-512 (16 lanes) where the build has it, else AVX2 (8 lanes);
+# 1 = AVX2 at most; 0 = their plain C loops (KernelOptions.fused_simd, HYBRIDRT_FUSED_SIMD;
+# the tests run each)
 
 
 def fused_dtype_code(dtype: torch.dtype) -> int | None:
@@ -327,7 +313,8 @@ def fused_dtype_code(dtype: torch.dtype) -> int | None:
 
 
 def gdn_fused(mixed, z, a, b, conv_taps, conv_states, ssm, slots, slots_out, neg_exp_a,
-              dt_bias, norm_w, eps: float, L: int, HK: int, DK: int) -> torch.Tensor:
+              dt_bias, norm_w, eps: float, L: int, HK: int, DK: int,
+              simd: int = SIMD_AVX512) -> torch.Tensor:
     """A GDN layer's recurrent tokens (csrc/gdn_fused.c) -> out [B * L, HV * DV] in the
     activations' dtype, the gated-normed input of out_proj; conv and recurrent states updated
     in their pools (in place, or into ``slots_out`` [B, L]).
@@ -336,7 +323,7 @@ def gdn_fused(mixed, z, a, b, conv_taps, conv_states, ssm, slots, slots_out, neg
     one projection output are fine), all fp32 or all bf16 as ``conv_states`` [S, K-1, C] and
     ``norm_w`` [DV]; conv_taps [K, C], neg_exp_a (-exp(A_log)), dt_bias [HV] fp32; ssm
     [S, HV, DK, DV] fp32; slots [B] int64. Callers check shapes and slot ranges (the CPU
-    backend does, once per step) and ``load()``."""
+    backend does, once per step) and ``load()``. ``simd``: the vector loops (above)."""
     N, HV = a.shape
     DV = norm_w.shape[0]
     K = conv_taps.shape[0]
@@ -346,7 +333,7 @@ def gdn_fused(mixed, z, a, b, conv_taps, conv_states, ssm, slots, slots_out, neg
         b.data_ptr(), b.stride(0), conv_taps.data_ptr(), conv_states.data_ptr(), ssm.data_ptr(),
         slots.data_ptr(), None if slots_out is None else slots_out.data_ptr(),
         neg_exp_a.data_ptr(), dt_bias.data_ptr(), norm_w.data_ptr(), eps, out.data_ptr(),
-        N // L, L, K, HK, HV, DK, DV, _FUSED_DTYPES[mixed.dtype], int(FUSED_SIMD),
+        N // L, L, K, HK, HV, DK, DV, _FUSED_DTYPES[mixed.dtype], int(simd),
         torch.get_num_threads())
     if failed:
         raise MemoryError(f"gdn_fused: no memory for the conv outputs of {N} tokens")
@@ -372,7 +359,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def attn_decode(qg, k, v, q_w, k_w, eps: float, cos, sin, key_cache, value_cache,
                 slot_mapping, block_tables, seq_lens, scale: float, L: int, H: int, HKV: int,
-                D: int) -> torch.Tensor:
+                D: int, simd: int = SIMD_AVX512) -> torch.Tensor:
     """Decode or verification tokens of a gated attention layer (csrc/attn_decode.c), L per
     sequence (rows sequence after sequence) -> out [B L, H * D] in the activations' dtype, the
     gated input of o_proj; each token's k and v written to its KV slot. qg [B L, H * 2D],
@@ -388,6 +375,6 @@ def attn_decode(qg, k, v, q_w, k_w, eps: float, cos, sin, key_cache, value_cache
         q_w.data_ptr(), k_w.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), cos.shape[-1],
         key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
         tables.data_ptr(), tables.shape[-1], seq_lens.data_ptr(), key_cache.shape[1], scale,
-        out.data_ptr(), N // L, L, H, HKV, D, _FUSED_DTYPES[qg.dtype], int(FUSED_SIMD),
+        out.data_ptr(), N // L, L, H, HKV, D, _FUSED_DTYPES[qg.dtype], int(simd),
         torch.get_num_threads())
     return out

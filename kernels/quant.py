@@ -9,23 +9,21 @@ groups of 32 inputs (see csrc/int8_gemm.c); ``dequantize`` and ``rows`` give the
 ``linear`` multiplies on the CPU with the kernels: each row of x is quantized to int8 per group
 of 32 as well, the group dot products are exact integers and the scales are applied in fp32
 (``emulate`` does the same in torch). The kernels have paths for AVX-512 VNNI, AVX2 and plain C;
-``select_isa`` picks the best this build has, or the one ``HYBRIDRT_INT8_ISA`` (vnni, avx2,
-ref) names. Without the compiled kernels ``linear`` multiplies the dequantized weight
-(``reference_linear``, which is also what the reference backend runs).
+``select_isa`` picks the best this build has, or the one asked for (``KernelOptions.int8_isa``,
+``HYBRIDRT_INT8_ISA``: vnni, avx2, ref). Without the compiled kernels ``linear`` multiplies the
+dequantized weight (``reference_linear``, which is also what the reference backend runs).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridrt.options import check_quantization  # noqa: F401 (re-exported)
-
 from . import native
+from .memory import release_pages
 
 GROUP = 32  # inputs per scale
 PANEL = 16  # output columns per panel
@@ -158,8 +156,6 @@ def concat(qws: list[QuantWeight], release: bool = False, alloc=None
     give the inputs' pages back to the OS (their owner replaces them by the views).
     ``alloc(shape, dtype)``: where the stack goes (default ``torch.empty`` on the inputs'
     device)."""
-    from hybridrt.cpu_alloc import release_pages
-
     K = qws[0].shape[1]
     if any(q.shape[1] != K or q.shape[0] % PANEL for q in qws):
         raise ValueError("concat: weights need the same K and whole panels of rows")
@@ -215,11 +211,11 @@ def available_isas() -> list[str]:
     return [] if lib is None else [n for n, f in ISAS.items() if lib.int8_isas() & f]
 
 
-def select_isa() -> str | None:
-    """The path ``linear`` takes: ``HYBRIDRT_INT8_ISA`` when set (ValueError if this build lacks
-    it), else the best one available; None without the compiled kernels."""
-    have = available_isas()
-    forced = os.environ.get("HYBRIDRT_INT8_ISA", "").strip().lower()
+def select_isa(forced: str | None = None, native: bool = True) -> str | None:
+    """The path ``linear`` takes: ``forced`` when given (``HYBRIDRT_INT8_ISA``; ValueError if
+    this build lacks it), else the best one available; None without the compiled kernels
+    (``native`` False: as if they had not built)."""
+    have = available_isas() if native else []
     if forced:
         if forced not in ISAS:
             raise ValueError(f"HYBRIDRT_INT8_ISA={forced!r}: choose one of {', '.join(ISAS)}")

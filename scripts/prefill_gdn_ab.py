@@ -1,5 +1,5 @@
 """CPU prefill with the GDN prompt chunks through the compiled layer call (the CPU backend's
-``gdn_chunked_out``) against the torch chunked form (the reference backend's), alternated in one
+``gdn_prompts``) against the torch chunked form (the reference backend's), alternated in one
 process over one engine: prefill tok/s of one prompt per length, medians of ``--rounds``
 rounds, and the first token and its logprob under each.
 
@@ -34,8 +34,8 @@ def main() -> None:
         args.model = str(make_random_08b(tmp.name))
     llm = LLM(args.model, dtype="bfloat16", max_model_len=max(lens) + 8, max_num_seqs=1,
               threads=args.threads, max_num_batched_tokens=max(lens), tokenizer=None)
-    compiled = CPUBackend.gdn_chunked_out
-    paths = {"chunked torch": ReferenceBackend.gdn_chunked_out, "compiled": compiled}
+    compiled = CPUBackend.gdn_prompts
+    paths = {"chunked torch": ReferenceBackend.gdn_prompts, "compiled": compiled}
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=1)
     try:
         for n in lens:
@@ -44,7 +44,7 @@ def main() -> None:
             first = {}
             for r in range(args.rounds + 1):  # round 0 warms up
                 for name, fn in paths.items():
-                    CPUBackend.gdn_chunked_out = fn
+                    CPUBackend.gdn_prompts = fn
                     t = time.perf_counter()
                     out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
                     if r:
@@ -54,7 +54,7 @@ def main() -> None:
             print(f"prefill {n}: chunked torch {old:.1f} tok/s, compiled {new:.1f} tok/s, "
                   f"ratio {new / old:.3f}; first token (id, logprob) {first}", flush=True)
     finally:
-        CPUBackend.gdn_chunked_out = compiled
+        CPUBackend.gdn_prompts = compiled
         if tmp is not None:
             tmp.cleanup()
 

@@ -44,6 +44,6 @@ for name, (tokens, starts) in cases.items():
                 bufs.begin()
                 kw["arrays"] = bufs
             batch = build_batch(tokens, starts, tables, 16, list(range(len(tokens))), **kw)
-            batch.meta = backend.prepare(batch)
+            batch.meta = backend.plan_step(batch)
         rounds.append((time.perf_counter() - t0) / 200 * 1e6)
     print(f"{name}: {min(rounds):.1f} us")

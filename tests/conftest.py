@@ -16,13 +16,3 @@ def one_thread_module():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(autouse=True)
-def _fused_simd_from_environment():
-    """After each test, the fused kernels' vector level as the environment sets it again (a
-    test that picks a level through HYBRIDRT_FUSED_SIMD leaves it in the module global)."""
-    yield
-    from hybridrt.kernels import native
-
-    native.fused_simd()

@@ -11,8 +11,10 @@ from helpers import assert_rel_close, build_model, run_mixed_steps
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybridrt.bench.fixtures import tiny_text_config, write_random_checkpoint
+from hybridrt.env import kernel_options
 from hybridrt.kernels import native
 from hybridrt.kernels.backend import CPUBackend, ReferenceBackend, select_backend
+from hybridrt.kernels.options import KernelOptions
 from hybridrt.llm import LLM
 from hybridrt.runner import build_batch
 from hybridrt.sampling_params import SamplingParams
@@ -234,7 +236,7 @@ def test_step_buffers_hold_the_largest_steps(seed):
                             ["all"] * n_seqs if i == 0 else
                             [rng.choice(["all", "last", "none"]) for _ in lens],
                             verify if any(verify) else None, arrays=bufs)
-        batch.meta = backend.prepare(batch)
+        batch.meta = backend.plan_step(batch)
         assert bufs.overflows == 0, (lens, starts, verify)
         assert [k for k, t in _index_tensors(batch).items() if not bufs.holds(t)] == []
     assert bufs.overflows == 0
@@ -266,7 +268,7 @@ def test_cpu_backend_merges_projections_into_views():
 
 
 def test_release_pages_gives_memory_back():
-    from hybridrt.cpu_alloc import release_pages
+    from hybridrt.kernels.memory import release_pages
 
     def rss() -> int:
         with open("/proc/self/statm") as f:
@@ -347,7 +349,6 @@ def test_fused_gdn_layer_matches_reference(dtype, heads, L, verify, simd, monkey
     value heads of 128 (Qwen3.5's) take the register-resident read of the state; the vector
     loops (AVX-512: 16 channels, 16 values of a head; AVX2: 8; the "equal" case's 78 channels
     leave a tail of each width) where the build has them, and the plain C ones."""
-    monkeypatch.setenv("HYBRIDRT_FUSED_SIMD", {2: "avx512", 1: "avx2", 0: "0"}[simd])
     from hybridrt.kernels.backend import RecurrentGroup
     from hybridrt.kernels.delta_rule import slot_runs
     from hybridrt.model import GatedDeltaNet
@@ -370,9 +371,10 @@ def test_fused_gdn_layer_matches_reference(dtype, heads, L, verify, simd, monkey
     grp = RecurrentGroup(None, B, L, torch.tensor(slots), slots_out, slot_runs(slots))
     calls = _count_calls(monkeypatch, "gdn_fused")
     results = []
-    for be in (ReferenceBackend(config), CPUBackend(config)):
+    cpu = CPUBackend(config, options=KernelOptions(fused_simd=simd))
+    for be in (ReferenceBackend(config), cpu):
         conv, ssm = conv0.clone(), ssm0.clone()
-        out = be.gdn_recurrent_out(layer, grp, mixed, z, a, b, conv, ssm)
+        out = be.gdn_group(layer.spec, grp, mixed, z, a, b, conv, ssm)
         results.append((out, conv, ssm))
     assert calls[0] == 1
     (o_ref, c_ref, s_ref), (o, c, s) = results
@@ -397,13 +399,10 @@ def test_fused_gdn_layer_matches_reference(dtype, heads, L, verify, simd, monkey
 def test_fused_gdn_prompt_chunks_match_reference(dtype, heads, lens, init, simd, max_rows,
                                                  monkeypatch):
     """Prompt chunks of a GDN layer through the compiled call, token after token, a call per
-    sequence (or per piece of ``GDN_FUSED_MAX_ROWS`` tokens of it, bit for bit the same): the
+    sequence (or per piece of ``fused_max_rows`` tokens of it, bit for bit the same): the
     gated-normed output and every named slot's conv and recurrent states as the reference's
     chunked form leaves them; a sequence without an initial state starts from zeros whatever
     its slot holds (NaN here), one with it from its slot; unnamed slots untouched."""
-    import hybridrt.kernels.backend as kb
-
-    monkeypatch.setenv("HYBRIDRT_FUSED_SIMD", {2: "avx512", 1: "avx2", 0: "0"}[simd])
     from hybridrt.kernels.backend import ChunkedSeqs
     from hybridrt.kernels.conv import conv_plan
     from hybridrt.kernels.delta_rule import chunk_plan
@@ -427,11 +426,12 @@ def test_fused_gdn_prompt_chunks_match_reference(dtype, heads, lens, init, simd,
                     conv_plan(lens, layer.kernel_size, "cpu"), chunk_plan(lens, slots, init, "cpu"))
     calls = _count_calls(monkeypatch, "gdn_fused")
     results = []
-    for be, rows in ((ReferenceBackend(config), None), (CPUBackend(config), max_rows),
-                     (CPUBackend(config), 1024)):
-        monkeypatch.setattr(kb, "GDN_FUSED_MAX_ROWS", rows or 1024)
+    opts = KernelOptions(fused_simd=simd)
+    for be, rows in ((ReferenceBackend(config), None), (CPUBackend(config, options=opts), max_rows),
+                     (CPUBackend(config, options=opts), 1024)):
+        be.fused_max_rows = rows or 1024
         conv, ssm = conv0.clone(), ssm0.clone()
-        out = be.gdn_chunked_out(layer, c, mixed, z, a, b, conv, ssm)
+        out = be.gdn_prompts(layer.spec, c, mixed, z, a, b, conv, ssm)
         results.append((out, conv, ssm))
     assert calls[0] == sum(-(-n // max_rows) for n in lens) + len(lens)
     (o_ref, c_ref, s_ref), (o, cv, sm), whole = results
@@ -465,7 +465,6 @@ def test_fused_decode_attention_matches_reference(dtype, gqa, L, D, simd, monkey
     ones, of 12 the plain ones."""
     from hybridrt.model import GatedAttention
 
-    monkeypatch.setenv("HYBRIDRT_FUSED_SIMD", {2: "avx512", 1: "avx2", 0: "0"}[simd])
     layer, config, net = _layer(GatedAttention, dtype, num_attention_heads=2 * gqa,
                                 num_key_value_heads=2, head_dim=D)
     bs, NB = 4, 24
@@ -480,9 +479,10 @@ def test_fused_decode_attention_matches_reference(dtype, gqa, L, D, simd, monkey
     cos, sin = net.rope(batch.positions, dtype)
     calls = _count_calls(monkeypatch, "attn_decode")
     results = []
-    for be in (ReferenceBackend(config), CPUBackend(config)):
+    cpu = CPUBackend(config, options=KernelOptions(fused_simd=simd))
+    for be in (ReferenceBackend(config), cpu):
         kc, vc = kc0.clone(), vc0.clone()
-        out = be.gated_attention(be.prepare(batch), batch, layer, qg, k, v, kc, vc, cos, sin)
+        out = be.gated_attention(be.plan_step(batch), batch, layer.spec, qg, k, v, kc, vc, cos, sin)
         results.append((out, kc, vc))
     assert calls[0] == 1
     (o_ref, k_ref, v_ref), (o, kc, vc) = results
@@ -511,19 +511,19 @@ def test_fused_decode_attention_checks_the_cache_indices(monkeypatch):
         kv = torch.randn(2, HKV * D).bfloat16()
         cos, sin = net.rope(batch.positions, torch.bfloat16)
         with pytest.raises(IndexError, match=what):
-            be.gated_attention(be.prepare(batch), batch, layer, qg, kv, kv, *caches, cos, sin)
+            be.gated_attention(be.plan_step(batch), batch, layer.spec, qg, kv, kv, *caches, cos,
+                               sin)
 
 
-def test_fused_simd_switch(monkeypatch):
+def test_fused_simd_switch():
+    """HYBRIDRT_FUSED_SIMD -> the CPU backend's vector level for the fused layers (one
+    environment read, by hybridrt/env.py; no module global)."""
     for raw, level in (("avx2", 1), ("0", 0), ("AVX512", 2), ("", 2)):
-        monkeypatch.setenv("HYBRIDRT_FUSED_SIMD", raw)
-        CPUBackend(None)
-        assert level == native.FUSED_SIMD, raw
-    monkeypatch.setenv("HYBRIDRT_FUSED_SIMD", "sse9")
+        be = CPUBackend(None, options=kernel_options({"HYBRIDRT_FUSED_SIMD": raw}))
+        assert level == be.fused_simd, raw
     with pytest.raises(ValueError, match="HYBRIDRT_FUSED_SIMD='sse9': choose avx512"):
-        CPUBackend(None)
-    monkeypatch.delenv("HYBRIDRT_FUSED_SIMD")
-    native.fused_simd()
+        CPUBackend(None, options=kernel_options({"HYBRIDRT_FUSED_SIMD": "sse9"}))
+    assert CPUBackend(None).fused_simd == 2
 
 
 def test_fused_gdn_layer_checks_the_slots():
@@ -541,7 +541,7 @@ def test_fused_gdn_layer_checks_the_slots():
         grp = RecurrentGroup(None, 2, 1, torch.tensor(slots),
                              None if out is None else torch.tensor(out), [])
         with pytest.raises(IndexError, match="state slots out of range"):
-            CPUBackend(config).gdn_recurrent_out(layer, grp, mixed, z, a, b, conv, ssm)
+            CPUBackend(config).gdn_group(layer.spec, grp, mixed, z, a, b, conv, ssm)
 
 
 @pytest.mark.parametrize("shape,residual,strided", [
@@ -587,9 +587,9 @@ def test_loaded_weights_live_in_huge_pages(tmp_path, monkeypatch, quantization):
     groups and the rest, the tied LM head too; int8 values and scales) in mappings advised for
     transparent huge pages (smaps VmFlags "hg"); with ``HYBRIDRT_HUGE_PAGES=0`` none is, and
     the tokens are the same."""
-    from hybridrt import cpu_alloc
+    from hybridrt.kernels import memory
 
-    if not cpu_alloc.huge_pages_enabled():
+    if not memory.huge_pages_available():
         pytest.skip("transparent huge pages are off here (or not Linux)")
     # MLP widths of whole 16-row panels: int8 gate/up merge too
     d = write_random_checkpoint(tmp_path / "m", tiny_text_config(intermediate_size=64), seed=3)
@@ -619,10 +619,27 @@ def test_merged_projections_stay_on_the_weights_device():
     """``merge_projections`` builds each group where its weights are (the meta device here,
     standing in for a GPU: a host-side default would move the CUDA backend's weights off it)."""
     from hybridrt.config import ModelConfig
-    from hybridrt.kernels.backend import merge_projections
     from hybridrt.model import Qwen35ForCausalLM
+    from hybridrt.weights import merge_projections
 
     with torch.device("meta"):
         net = Qwen35ForCausalLM(ModelConfig.from_dict(tiny_text_config()))
     groups = merge_projections(net)
     assert groups and all(w.device.type == "meta" for w, _ in groups.values())
+
+
+def test_layer_records_follow_the_parameters():
+    """The records a layer hands the backend (``spec``: tensors and sizes, no module) hold the
+    layer's own parameters, and are built again after a ``load_state_dict(assign=True)``
+    replaces them."""
+    from hybridrt.model import GatedAttention, GatedDeltaNet
+
+    net, config, sd = build_model(tiny_text_config(), seed=4)
+    gdn = next(m for m in net.modules() if isinstance(m, GatedDeltaNet))
+    attn = next(m for m in net.modules() if isinstance(m, GatedAttention))
+    assert gdn.spec is gdn.spec and gdn.spec.A_log is gdn.A_log
+    assert gdn.spec.conv_weight.shape == (config.conv_dim, gdn.kernel_size)
+    assert (gdn.spec.key_dim, gdn.spec.value_dim) == (gdn.key_dim, gdn.value_dim)
+    assert attn.spec.q_norm_weight is attn.q_norm.weight and attn.spec.scale == attn.scale
+    net.load_state_dict({n: t.clone() for n, t in sd.items()}, assign=True)
+    assert gdn.spec.A_log is gdn.A_log and attn.spec.k_norm_weight is attn.k_norm.weight

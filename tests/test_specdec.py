@@ -149,7 +149,7 @@ def test_mixed_batch_mixed_k_chunked_prefill(ckpt, prompts, reference, rounds):
 
     def spy(plan):
         batch = prepare(plan)
-        gdn = eng.model.prepare(batch).gdn
+        gdn = eng.model.plan_step(batch).gdn
         kinds.append({"verify" if g.slots_out is not None else "decode" for g in gdn.groups}
                      | ({"chunk"} if gdn.chunked is not None else set()))
         return batch

@@ -54,8 +54,8 @@ static void read_state(const float *S, const float *k, const float *q, int64_t D
 }
 
 /* The same for DV = 128 (Qwen3.5's heads) with AVX-512: the 2 x 128 sums in 16 registers
- * instead of going through memory every row (fused multiply-adds, in the same order): 1.6 vs
- * 2.0 ms for 32 sequences of the 0.8B shape (docs/performance.md). 0 where not built. */
+ * instead of going through memory every row (fused multiply-adds, in the same order), which
+ * saves the loads and stores of every row (docs/performance.md). 0 where not built. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 static int read_state_128(const float *S, const float *k, const float *q, int64_t DK,

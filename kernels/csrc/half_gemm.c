@@ -32,8 +32,7 @@ static inline __m256 widen8(const uint16_t *src, int is_fp16)
 /* Prefetch (into L2) the next panel's block of KC inputs at k0, while this panel's tiles run:
  * widen_rows / pair_rows read 16 rows 2 KiB or more apart, streams the hardware prefetcher
  * follows badly once the weights come from memory; a panel ahead leaves the loads time to land
- * (the 248k-row LM head at 32 rows, bf16dot: 39-40 -> 36 ms; the next block alone: no change;
- * docs/performance.md). */
+ * (prefetching only the next block did not help; docs/performance.md). */
 static inline void prefetch_next_panel(const uint16_t *w, int64_t N, int64_t K, int64_t n0,
                                        int64_t k0, int64_t kc)
 {
@@ -99,7 +98,7 @@ static inline __attribute__((always_inline)) void tile(
 
 /* rows of the next tile: the rows left split evenly over the fewest tiles of at most 6 (32 rows:
  * 6 6 5 5 5 5, not 6 6 6 6 6 2: a small tile has too few accumulators to hide the FMA latency;
- * measured 8-17% faster at 20 and 32 rows than 6 6 6 6 4 4) */
+ * docs/performance.md compares the splits) */
 static inline int tile_rows(int64_t rows)
 {
     const int64_t tiles = (rows + MR - 1) / MR;

@@ -269,9 +269,7 @@ def _decode_config(L: int, G: int, D: int, batch: int, hkv: int, max_seq_len: in
     """Launch parameters from shapes and the max-context hint (never tensor values).
 
     Split-KV: aim for ~512 programs (B * HKV * P; ~4 per SM of an H200), each partition at
-    least 2 tiles of context, at most 64 partitions. Measured on an H200 (H=8, HKV=2, D=256,
-    bf16, block 16, L=1; CUDA-graph replay): B=1: 3.5 us at ctx 16, ~8 us at 2k, ~12 us at 8k;
-    B=16 ctx 8k ~72 us (~3.7 TB/s of KV); B=256 ctx 2k/8k 250/980 us (~4.3 TB/s).
+    least 2 tiles of context, at most 64 partitions (timings in docs/performance.md).
     """
     block_m = max(16, triton.next_power_of_2(L * G))
     block_n = 32 if D >= 256 else 64

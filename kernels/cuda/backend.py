@@ -22,23 +22,22 @@ also runs on CPU tensors under ``TRITON_INTERPRET=1`` (the tests).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..attention import attention_plan
-from ..backend import (
+from ..backend.plan import (
     ChunkedSeqs,
     GDNMeta,
     RecurrentGroup,
-    ReferenceBackend,
     StepMeta,
-    _conv_weight,
     gdn_split,
-    merge_projections,
+    step_arrays,
 )
-from ..meta import arrays_for
+from ..backend.reference import ReferenceBackend
 from . import attention as attn_k
 from . import fused, prefill
 from . import gdn as gdn_k
@@ -69,9 +68,11 @@ class VarlenAttention:
 
 class CudaBackend(ReferenceBackend):
     name = "cuda"
+    merges_projections = True
 
-    def __init__(self, config=None, device: torch.device | str = "cuda", graphs: bool = True):
-        super().__init__(config, device)
+    def __init__(self, config=None, device: torch.device | str = "cuda", graphs: bool = True,
+                 options=None):
+        super().__init__(config, device, options)
         self.use_graphs = graphs and self.device.type == "cuda"
         self.groups: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
         self.graphs: dict[tuple[int, int], _Graph] = {}
@@ -86,10 +87,10 @@ class CudaBackend(ReferenceBackend):
             config.num_attention_heads, config.num_key_value_heads) if config is not None else 16
 
     # Binding ------------------------------------------------------------------------------
-    def bind(self, model) -> None:
-        """Concatenate the weights of projections that read the same input (each module's
-        weight becomes a view into its group's: no extra memory)."""
-        self.groups = merge_projections(model)
+    def bind(self, model, groups) -> None:
+        """``groups``: the weights of projections that read the same input, concatenated (each
+        module's weight a view into its group's: no extra memory)."""
+        self.groups = groups
 
     def attach(self, cache) -> None:
         """Engine limits for the CUDA graphs' buffers (called by the runner)."""
@@ -99,9 +100,9 @@ class CudaBackend(ReferenceBackend):
         self.max_drafts = cache.slots_per_request - 1
 
     # Per step -----------------------------------------------------------------------------
-    def prepare(self, batch) -> StepMeta:
+    def plan_step(self, batch) -> StepMeta:
         dev = batch.input_ids.device
-        gdn = gdn_split(batch, batch.arrays if batch.arrays is not None else dev, False, 0)
+        gdn = gdn_split(batch, step_arrays(batch), False, 0)
         if (len(gdn.groups) == 1 and gdn.chunked is None and gdn.groups[0].rows is None
                 and self.triton_attention):
             L = gdn.groups[0].num_tokens_per_seq
@@ -119,7 +120,7 @@ class CudaBackend(ReferenceBackend):
         tile_seq, tile_q0 = attn_k.varlen_tiles(ql, rest, self.tokens_per_tile)
         ts = tq = None
         if tile_seq:
-            arr = arrays_for(batch.arrays if batch.arrays is not None else batch.input_ids.device)
+            arr = step_arrays(batch)
             ts, tq = arr.tensor(arr.put([tile_seq, tile_q0])).unbind(0)
         return VarlenAttention(ts, tq, self.tokens_per_tile,
                                [(batch.query_starts[b], ql[b]) for b in fresh])
@@ -176,7 +177,7 @@ class CudaBackend(ReferenceBackend):
 
     def gdn_recurrent(self, layer, grp: RecurrentGroup, mixed, a, b, conv_states, ssm_states):
         n, L = grp.num_seqs, grp.num_tokens_per_seq
-        m = gdn_k.conv_update(mixed.view(n, L, -1), _conv_weight(layer), conv_states, grp.slots,
+        m = gdn_k.conv_update(mixed.view(n, L, -1), layer.conv_weight, conv_states, grp.slots,
                               grp.slots_out)
         q, k, v = layer.split(m.view(n * L, -1))
         return gdn_k.gdn_recurrent(
@@ -186,7 +187,7 @@ class CudaBackend(ReferenceBackend):
         ).view(n * L, *v.shape[1:])
 
     def gdn_chunked(self, layer, c: ChunkedSeqs, mixed, a, b, conv_states, ssm_states):
-        m = prefill.conv_prefill(mixed, _conv_weight(layer), c.cu_seqlens, conv_states, c.slots,
+        m = prefill.conv_prefill(mixed, layer.conv_weight, c.cu_seqlens, conv_states, c.slots,
                                  c.has_initial_state, cu_seqlens_cpu=c.cu_seqlens_cpu)
         q, k, v = layer.split(m)
         return prefill.chunk_prefill(q, k, v, a, b, layer.A_log, layer.dt_bias, c.cu_seqlens,
@@ -209,7 +210,7 @@ class CudaBackend(ReferenceBackend):
         if graph is None:
             if self.mempool is None:
                 self.mempool = torch.cuda.graph_pool_handle()
-            graph = _Graph(model, cache, self, bs, L)
+            graph = _Graph(model, batch, cache, self, bs, L)
             self.graphs[(bs, L)] = graph
         return graph.run(batch)
 
@@ -217,9 +218,7 @@ class CudaBackend(ReferenceBackend):
 class _Graph:
     """One captured model step for ``bs`` sequences of ``L`` tokens each."""
 
-    def __init__(self, model, cache, backend: CudaBackend, bs: int, L: int):
-        from hybridrt.forward_batch import ForwardBatch
-
+    def __init__(self, model, batch, cache, backend: CudaBackend, bs: int, L: int):
         dev = backend.device
         block_size = cache.block_size
         width = -(-(backend.max_model_len + backend.max_drafts) // block_size) + 1
@@ -233,14 +232,16 @@ class _Graph:
         self.state_slots = torch.full((bs,), -1, dtype=torch.long, device=dev)
         self.slots_out = torch.full((bs, L), -1, dtype=torch.long, device=dev) if L > 1 else None
         cu = torch.arange(0, T + 1, L, device=dev)
-        self.batch = ForwardBatch(
-            input_ids=self.input_ids, positions=self.positions, cu_seqlens=cu,
+        # the step's batch with persistent buffers in its place (of the runner's batch type)
+        self.batch = dataclasses.replace(
+            batch, input_ids=self.input_ids, positions=self.positions, cu_seqlens=cu,
             seq_lens=self.seq_lens, slot_mapping=self.slot_mapping,
             block_tables=self.block_tables, state_slots=self.state_slots,
             has_initial_state=torch.ones(bs, dtype=torch.bool, device=dev),
             logits_indices=torch.arange(T, device=dev),
             query_lens=[L] * bs, context_lens=[L] * bs, state_slot_list=[-1] * bs,
-            initial_list=[True] * bs,
+            initial_list=[True] * bs, query_starts=[], verify_slots=None, meta=None,
+            arrays=None,
         )
         self.batch.meta = StepMeta(
             UniformAttention(L, self.seq_lens, backend.max_model_len + backend.max_drafts),

@@ -24,9 +24,8 @@ Exactness. Three things in the reference are not reproducible bit for bit from T
 order of the fp32 sum in ``mean(x^2)`` (torch's reduction tree vs ``tl.sum``), (2) fp32 ``exp``
 (Triton's GPU ``tl.exp`` is ``ex2.approx``; torch uses an accurate ``expf``), (3) on the GPU,
 ``rsqrt`` approximations may differ by an ulp. These change fp32 intermediates by an ulp or so,
-which flips a bf16 rounding only rarely (measured on an H200, torch 2.11 + triton 3.6: about
-5 in 10^6 elements for rms_norm and qk_norm_rope, none in 10^7 for silu_mul / gated_rms_norm;
-none under the CPU interpreter in the test shapes); the tests therefore
+which flips a bf16 rounding only rarely (docs/performance.md has the counts); the tests
+therefore
 allow a few elements off by one bf16 ulp and require everything else to be equal. Everything
 else (the residual add, the rounding points, the multiply order, no FMA contraction on the
 GPU) is replicated exactly; the residual output is always bit-exact. The mean uses a division

@@ -142,10 +142,8 @@ def _check_slots(state_slots, state_slots_out, B, L):
 
 def _gdn_config(B: int, HV: int, BK: int, DV: int) -> tuple[int, int]:
     """(BV, num_warps): a [BK, BV] fp32 state block in registers, at most 4096 elements
-    (16 KB) per program; narrower blocks at small batch so more SMs stream the state.
-    Measured on the H200 at HV=16, DK=DV=128 (CUDA graph, per call): decode B=1 2.6 us,
-    B=32 15.6 us (4.3 TB/s of state traffic), B=128 78 us (3.4 TB/s); verify L=3 B=32 53 us;
-    within ~5% of the best of BV 16/32/64 x 2/4/8 warps everywhere."""
+    (16 KB) per program; narrower blocks at small batch so more SMs stream the state (chosen
+    against a sweep of BV and warp counts, docs/performance.md)."""
     BV = min(triton.next_power_of_2(DV), max(8, 4096 // BK), 32)
     if B * HV * triton.cdiv(DV, BV) < 256 and BV > 16 and BK >= 64:
         BV //= 2
@@ -275,8 +273,8 @@ def _conv_update_kernel(
 
 
 def _conv_config(B: int, C: int) -> tuple[int, int]:
-    """(BC, num_warps). Measured on the H200 (C=6144, bf16, an earlier version of this kernel):
-    128 channels on one warp was fastest at every batch (B=1: 2.0 us, B=128: 7.6 us)."""
+    """(BC, num_warps): 128 channels on one warp, which was the fastest at every batch size
+    (docs/performance.md)."""
     return min(128, triton.next_power_of_2(C)), 1
 
 

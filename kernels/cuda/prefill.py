@@ -40,22 +40,20 @@ fla facts this relies on (fla-core 0.6.0):
 - fla's chunked kernels call ``tl.dot`` at Triton's default input precision, which for fp32
   operands on a GPU is tf32 (10 mantissa bits): an fp32 model would prefill with ~1e-3
   relative products. For fp32 inputs ``chunk_prefill`` sets ``TRITON_F32_DEFAULT=ieee`` for
-  the call (Triton reads it when compiling and keys its kernel caches on it), so fp32 means
-  fp32 products; bf16 is untouched. ``FP32_EXACT`` says whether this Triton has the setting.
+  the call only (``precision.fp32_products``: the environment is left as it was), so fp32
+  means fp32 products; bf16 is untouched. ``FP32_EXACT`` says whether this Triton has the setting.
 
 Prefill runs eagerly (its launch grid depends on the sequence lengths), not in a CUDA graph.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 from fla.modules.causal_conv1d import causal_conv1d
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
 from ..conv import _check_conv
+from .precision import fp32_products
 
 
 def _has_fp32_default() -> bool:
@@ -67,22 +65,6 @@ def _has_fp32_default() -> bool:
 
 
 FP32_EXACT = _has_fp32_default()
-
-
-@contextlib.contextmanager
-def fp32_products(dtype: torch.dtype):
-    """Within: ``tl.dot`` on fp32 operands at the default precision multiplies in fp32 (not
-    tf32) when ``dtype`` is fp32; nothing changes otherwise or when the user set
-    ``TRITON_F32_DEFAULT`` themselves."""
-    key = "TRITON_F32_DEFAULT"
-    if dtype != torch.float32 or key in os.environ:
-        yield
-        return
-    os.environ[key] = "ieee"
-    try:
-        yield
-    finally:
-        os.environ.pop(key, None)
 
 
 def _long(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -191,14 +191,14 @@ def test_backend_steps_match_reference(device, heads):
 
     def cuda_backend(config):
         be = CudaBackend(config, device, graphs=ON_GPU)
-        prepare = be.prepare
+        plan_step = be.plan_step
 
         def recorded(batch):
-            meta = prepare(batch)
+            meta = plan_step(batch)
             plans.append(meta.attention)
             return meta
 
-        be.prepare = recorded
+        be.plan_step = recorded
         return be
 
     h_ref, c_ref, _ = run_mixed_steps(lambda c: ReferenceBackend(c, device), cfg, dtype, device)

@@ -17,7 +17,6 @@ import ctypes
 import ctypes.util
 import math
 import mmap
-import os
 import sys
 from pathlib import Path
 
@@ -88,11 +87,9 @@ _MADV_HUGEPAGE = 14
 _HUGE = 2 << 20
 
 
-def huge_pages_enabled() -> bool:
-    """Whether the CPU backend moves weights into a ``HugeArena``: Linux with transparent huge
-    pages not "never", and ``HYBRIDRT_HUGE_PAGES`` not 0."""
-    if os.environ.get("HYBRIDRT_HUGE_PAGES", "1") in ("0", "false", "no", "off"):
-        return False
+def huge_pages_available() -> bool:
+    """Whether a ``HugeArena`` gets huge pages here: Linux with transparent huge pages not
+    "never" (the CPU backend asks for one where this holds and its options allow it)."""
     try:
         mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:

@@ -1,0 +1,99 @@
+"""Every ``HYBRIDRT_*`` environment variable, declared once and read here only.
+
+| variable | values | default | what it does |
+| --- | --- | --- | --- |
+| HYBRIDRT_NATIVE | 0/false/no/off, else on | on | off: no compiled CPU kernels (torch ops) |
+| HYBRIDRT_CACHE | a directory | ~/.cache/hybridrt | where the compiled CPU kernels are built |
+| HYBRIDRT_HALF_PATH | auto, fma, bf16dot | auto | the bf16 x bf16 GEMV/GEMM path |
+| HYBRIDRT_FUSED_SIMD | avx512, avx2, 0 (off, none) | avx512 | the fused layers' vector loops |
+| HYBRIDRT_INT8_ISA | vnni, avx2, ref | the best built | the int8 GEMV/GEMM path |
+| HYBRIDRT_HUGE_PAGES | 0/false/no/off, else on | on | off: weights stay in ordinary pages |
+| HYBRIDRT_ADAPTIVE_THREADS | 0/false/no/off, else on | on | off: all cores, no thread governor |
+| HYBRIDRT_DEBUG | 1, else off | off | the CLI prints tracebacks of unexpected errors |
+
+Values are matched case-insensitively, surrounding blanks ignored. ``kernel_options`` parses
+the kernels' switches into the ``KernelOptions`` the backends get (the engine calls it once, at
+start-up); an unknown value is a ``ValueError`` of one line naming the variable. This module
+imports no torch (the CLI reads ``HYBRIDRT_DEBUG`` before the slow imports).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+OFF = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    default: str
+    choices: tuple[str, ...] | None  # None: any value (a flag: OFF or on; a path)
+    help: str
+
+
+HALF_PATHS = ("fma", "bf16dot")  # kernels/native.py's HALF_PATHS
+INT8_ISAS = ("ref", "avx2", "vnni")  # kernels/quant.py's ISAS, best last
+FUSED_SIMD_LEVELS = {"": 2, "avx512": 2, "avx2": 1, "0": 0, "off": 0, "none": 0}
+
+VARIABLES = {v.name: v for v in (
+    Variable("HYBRIDRT_NATIVE", "1", None, "0 keeps the torch ops (no compiled CPU kernels)"),
+    Variable("HYBRIDRT_CACHE", "", None, "where the compiled CPU kernels are built"),
+    Variable("HYBRIDRT_HALF_PATH", "auto", ("auto", *HALF_PATHS), "bf16 x bf16 product path"),
+    Variable("HYBRIDRT_FUSED_SIMD", "", tuple(FUSED_SIMD_LEVELS), "fused layers' vector loops"),
+    Variable("HYBRIDRT_INT8_ISA", "", ("", *INT8_ISAS), "int8 product path"),
+    Variable("HYBRIDRT_HUGE_PAGES", "1", None, "0: weights in ordinary pages"),
+    Variable("HYBRIDRT_ADAPTIVE_THREADS", "1", None, "0: all cores, no thread governor"),
+    Variable("HYBRIDRT_DEBUG", "0", None, "1: the CLI shows tracebacks"),
+)}
+
+
+def read(name: str, environ: Mapping[str, str] | None = None) -> str:
+    """The variable's value (its default when unset), stripped and lower-cased (a path as
+    given); ValueError naming it for a value outside its choices."""
+    var = VARIABLES[name]
+    raw = (os.environ if environ is None else environ).get(name, var.default)
+    if name == "HYBRIDRT_CACHE":
+        return raw
+    value = raw.strip().lower()
+    if var.choices is not None and value not in var.choices:
+        raise ValueError(_choices_error(name, raw))
+    return value
+
+
+def _choices_error(name: str, raw: str) -> str:
+    if name == "HYBRIDRT_FUSED_SIMD":
+        return (f"{name}={raw.strip().lower()!r}: choose avx512 (the default: the widest this "
+                f"CPU has), avx2 or 0")
+    if name == "HYBRIDRT_HALF_PATH":
+        return f"{name}={raw.strip().lower()!r}: use auto, {' or '.join(HALF_PATHS)}"
+    return f"{name}={raw.strip().lower()!r}: choose one of {', '.join(INT8_ISAS)}"
+
+
+def flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """An on/off variable: off for 0, false, no, off; on for anything else."""
+    return read(name, environ) not in OFF
+
+
+def kernel_options(environ: Mapping[str, str] | None = None):
+    """The kernels' switches -> ``hybridrt.kernels.options.KernelOptions``."""
+    from hybridrt.kernels.options import KernelOptions
+
+    return KernelOptions(
+        native=flag("HYBRIDRT_NATIVE", environ),
+        cache_dir=read("HYBRIDRT_CACHE", environ) or None,
+        half_path=read("HYBRIDRT_HALF_PATH", environ),
+        fused_simd=FUSED_SIMD_LEVELS[read("HYBRIDRT_FUSED_SIMD", environ)],
+        int8_isa=read("HYBRIDRT_INT8_ISA", environ) or None,
+        huge_pages=flag("HYBRIDRT_HUGE_PAGES", environ),
+    )
+
+
+def adaptive_threads(environ: Mapping[str, str] | None = None) -> bool:
+    return flag("HYBRIDRT_ADAPTIVE_THREADS", environ)
+
+
+def debug(environ: Mapping[str, str] | None = None) -> bool:
+    return read("HYBRIDRT_DEBUG", environ) == "1"

@@ -1,0 +1,382 @@
+"""The CPU backend: the compiled kernels of ``kernels/csrc`` (GDN layer, attention decode,
+norms, half-precision and int8 GEMV/GEMM) where they built and run for the tensors at hand,
+the reference ops otherwise; and ``forward``'s loop over whole decode steps without the
+modules (``_FastLayer``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import native, quant
+from ..linear import linear as cpu_linear
+from ..linear import pack_weight, use_fp32_gemm
+from ..memory import huge_pages_available
+from ..options import KernelOptions
+from .plan import StepMeta
+from .reference import ReferenceBackend
+
+
+class CPUBackend(ReferenceBackend):
+    """The CPU path: the compiled GDN decode step and half-precision GEMV/GEMM
+    (``kernels/csrc``, built at first use for this CPU's features, see ``kernels/native.py``)
+    where they built; the reference ops otherwise."""
+
+    name = "cpu"
+    fused_max_rows = 1024  # prompt tokens per compiled GDN call (bounds its fp32 scratch)
+
+    def __init__(self, config=None, device: torch.device | str = "cpu",
+                 options: KernelOptions | None = None):
+        super().__init__(config, device, options)
+        opts = self.options
+        # every kernel choice decided once, here, from the options (not per call)
+        self.native = opts.native and native.load(opts.cache_dir) is not None
+        self.half_simd = self.native and native.half_gemm_available()
+        self.half_path = native.half_path(opts.half_path) if self.native else None
+        self.int8_isa = quant.select_isa(opts.int8_isa, self.native)  # None: no compiled ones
+        self.fused_simd = opts.fused_simd  # the fused layers' vector loops
+        self.gdn_step = native.gdn_decode_step if self.native else None
+        # without the compiled half kernels a half weight's products need an fp32 copy, kept
+        # per module (``_packed``): the projections stay apart there
+        self.merges_projections = self.half_simd
+        self.huge_pages = opts.huge_pages and huge_pages_available()
+        self.num_slots: int | None = None
+        self.kv_shape: tuple[int, int] | None = None  # (blocks, block size) of the KV caches
+        self.groups: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
+        self.gdn_params: dict[int, tuple] = {}  # _gdn_weights, per layer: (layer, tensors)
+        self.fast: list[_FastLayer] | None = None  # forward's decode loop (bind, attach)
+
+    def bind(self, model, groups) -> None:
+        self.groups = groups
+        self.fast = self._fast_layers(model)
+
+    def attach(self, cache) -> None:
+        t = cache.tensors
+        self.num_slots = t.num_slots
+        if self.native:  # plan_step checks the slots once per step: the step need not
+            self.gdn_step = _checked_step
+        if t.key_caches:
+            self.kv_shape = tuple(t.key_caches[0].shape[:2])
+        pools = [*t.key_caches, *t.value_caches, *t.conv_states]
+        if not (all(p.dtype == torch.bfloat16 and p.is_contiguous() for p in pools)
+                and t.ssm_states.dtype == torch.float32 and t.ssm_states.is_contiguous()):
+            self.fast = None
+
+    # Decode steps without the modules ------------------------------------------------------
+    def _fast_layers(self, model) -> list[_FastLayer] | None:
+        """Per decoder layer what ``forward``'s decode loop calls, or None where some layer's
+        weights do not suit it (it needs a bf16 model, the compiled kernels, and every
+        layer's projections merged: bf16 weights on the half kernels, or int8 ones)."""
+        if not (self.native and self.half_simd and model.dtype == torch.bfloat16):
+            return None
+        layers = []
+        for dl in model.model.layers:
+            m = dl.mixer
+            mods = ((m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a)
+                    if dl.layer_type == "linear_attention" else (m.q_proj, m.k_proj, m.v_proj))
+            mixer_in = self.groups.get(tuple(id(x) for x in mods))
+            mlp_in = self.groups.get((id(dl.mlp.gate_proj), id(dl.mlp.up_proj)))
+            outs = [_weight_of(x) for x in (m.out_proj if dl.layer_type == "linear_attention"
+                                            else m.o_proj, dl.mlp.down_proj)]
+            if mixer_in is None or mlp_in is None or None in outs:
+                return None
+            if isinstance(mixer_in[0], quant.QuantWeight) and self.int8_isa is None:
+                return None
+            norms = [dl.input_layernorm.weight, dl.post_attention_layernorm.weight]
+            if dl.layer_type == "full_attention":
+                norms += [m.q_norm.weight, m.k_norm.weight]
+            if any(w.dtype != torch.bfloat16 for w in norms):
+                return None
+            gdn = None
+            if dl.layer_type == "linear_attention":
+                if m.kernel_size > 16:  # csrc/gdn_fused.c's window
+                    return None
+                gdn = self._gdn_weights(m.spec, torch.bfloat16)
+            layers.append(_FastLayer(dl, m.spec, mixer_in, outs[0], mlp_in, outs[1], gdn))
+        if model.model.norm.weight.dtype != torch.bfloat16:
+            return None
+        return layers
+
+    def _product(self, x, w):
+        if isinstance(w, quant.QuantWeight):
+            return quant.linear(x, w, self.int8_isa)
+        if self._decode_gemv(x, w):
+            return native.gemv_bf16(x, w, self.half_path)
+        return cpu_linear(x, w, None, self.half_simd, self.half_path)
+
+    def forward(self, model, batch, cache):
+        """Steps of only decodes (one new token per sequence from its state), or only
+        verifications of the same number of drafts, in a loop over ``_FastLayer``s: the same
+        compiled calls as the model's layers make for them, without the modules and backend
+        dispatch around each (a model step of the 0.8B shape makes some 250 module calls).
+        Other steps: None, the model's own loop."""
+        meta, fast = batch.meta, self.fast
+        if fast is None or not _recurrent_only(meta):
+            return None
+        h = model.model.embed_tokens(batch.input_ids)
+        cos, sin = model.rope(batch.positions, h.dtype)
+        grp = meta.gdn.groups[0]
+        L = meta.uniform_tokens
+        product, norm, simd = self._product, native.rms_norm, self.fused_simd
+        residual = None
+        for f in fast:
+            if residual is None:
+                x, residual = norm(h, f.in_norm, f.eps), h
+            else:
+                x, residual = norm(h, f.in_norm, f.eps, residual)
+            parts = product(x, f.mixer_in).split(f.mixer_sizes, dim=-1)
+            m = f.mixer
+            if f.gdn is not None:
+                mixed, z, b, a = parts
+                taps, neg_exp_a, dt_bias, norm_w = f.gdn
+                y = native.gdn_fused(mixed, z, a, b, taps, cache.conv_states[m.state_index],
+                                     cache.ssm_states[m.state_index], grp.slots, grp.slots_out,
+                                     neg_exp_a, dt_bias, norm_w, m.eps, L, m.num_k_heads,
+                                     m.head_k_dim, simd)
+            else:
+                qg, k, v = parts
+                y = native.attn_decode(qg, k, v, m.q_norm_weight, m.k_norm_weight, m.eps,
+                                       cos, sin, cache.key_caches[m.cache_index],
+                                       cache.value_caches[m.cache_index], batch.slot_mapping,
+                                       batch.block_tables, batch.seq_lens, m.scale, L,
+                                       m.num_heads, m.num_kv_heads, m.head_dim, simd)
+            x, residual = norm(product(y, f.mixer_out), f.post_norm, f.eps, residual)
+            gate, up = product(x, f.mlp_in).split(f.mlp_sizes, dim=-1)
+            h = product(F.silu(gate) * up, f.mlp_out)
+        final = model.model.norm
+        return norm(h, final.weight, final.eps, residual)[0]
+
+    def gated_attention(self, meta, batch, layer, qg, k, v, key_cache, value_cache, cos, sin):
+        """Steps where every sequence has the same few new tokens (decode, verification) in
+        one compiled call per layer (csrc/attn_decode.c) where it runs for these tensors: fp32
+        or bf16 throughout, contiguous caches, unit column strides."""
+        dtype = qg.dtype
+        L = meta.uniform_tokens
+        if not L and self.kv_shape is None:  # not attached to an engine: no per-step check
+            L = _uniform_len(batch.query_lens)
+            if L and self.native:
+                _check_kv(batch, tuple(key_cache.shape[:2]))
+        if not (self.native and L and native.fused_dtype_code(dtype) is not None
+                and key_cache.dtype == value_cache.dtype == cos.dtype == dtype
+                and k.dtype == v.dtype == layer.q_norm_weight.dtype == dtype
+                and key_cache.is_contiguous() and value_cache.is_contiguous()
+                and qg.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and cos.is_contiguous()
+                and sin.is_contiguous() and batch.slot_mapping.dtype == batch.seq_lens.dtype
+                == batch.block_tables.dtype == torch.int64):
+            return super().gated_attention(meta, batch, layer, qg, k, v, key_cache,
+                                           value_cache, cos, sin)
+        return native.attn_decode(qg, k, v, layer.q_norm_weight, layer.k_norm_weight,
+                                  layer.eps, cos, sin, key_cache, value_cache,
+                                  batch.slot_mapping, batch.block_tables, batch.seq_lens,
+                                  layer.scale, L, layer.num_heads, layer.num_kv_heads,
+                                  layer.head_dim, self.fused_simd)
+
+    def project(self, x, modules):
+        """One product for the group (merged at bind time), split into its outputs."""
+        group = self.groups.get(tuple(id(m) for m in modules))
+        if group is None:
+            return [self.linear(m, x) for m in modules]
+        w, sizes = group
+        if isinstance(w, quant.QuantWeight):
+            return quant.linear(x, w, self.int8_isa).split(sizes, dim=-1)
+        if self._decode_gemv(x, w):
+            return native.gemv_bf16(x, w, self.half_path).split(sizes, dim=-1)
+        return cpu_linear(x, w, None, self.half_simd, self.half_path).split(sizes, dim=-1)
+
+    def _decode_gemv(self, x, w) -> bool:
+        """Whether x W^T is a bf16 product of a few rows for ``native.gemv_bf16`` (decode and
+        verification steps: the common case, without ``cpu_linear``'s path choice)."""
+        return (self.half_simd and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+                and x.dim() == 2 and 0 < x.shape[0] <= native.HALF_GEMV_MAX_ROWS
+                and x.is_contiguous() and w.is_contiguous())
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if (not self.native or x.dtype != torch.bfloat16 or weight.dtype != x.dtype
+                or x.device.type != "cpu" or x.stride(-1) != 1
+                or not (x.dim() == 2 or x.is_contiguous()) or not weight.is_contiguous()
+                or (residual is not None and (residual.dtype != x.dtype
+                                              or residual.shape != x.shape
+                                              or not residual.is_contiguous()))):
+            return super().rms_norm(x, weight, eps, residual)
+        return native.rms_norm(x, weight, eps, residual)
+
+    def gdn_group(self, layer, grp, mixed, z, a, b, conv_states, ssm_states):
+        """The group in one compiled call (csrc/gdn_fused.c) where it runs for these tensors:
+        fp32 or bf16 activations throughout, contiguous pools, unit column strides."""
+        params = self._fused_params(layer, mixed, z, a, b, conv_states, ssm_states,
+                                    (grp.slots, grp.slots_out))
+        if params is None:
+            return super().gdn_group(layer, grp, mixed, z, a, b, conv_states, ssm_states)
+        taps, neg_exp_a, dt_bias, norm_w = params
+        return native.gdn_fused(mixed, z, a, b, taps, conv_states, ssm_states, grp.slots,
+                                grp.slots_out, neg_exp_a, dt_bias, norm_w, layer.eps,
+                                grp.num_tokens_per_seq, layer.num_k_heads, layer.head_k_dim,
+                                self.fused_simd)
+
+    def gdn_prompts(self, layer, c, mixed, z, a, b, conv_states, ssm_states):
+        """Prompt chunks through the same compiled call as a recurrent group, token after
+        token, one call per sequence (its state in place): the recurrence itself rather than
+        the chunked form, the state kept in cache from one token to the next. A sequence with
+        no initial state starts from zeros."""
+        params = self._fused_params(layer, mixed, z, a, b, conv_states, ssm_states, (c.slots,))
+        if params is None:
+            return super().gdn_prompts(layer, c, mixed, z, a, b, conv_states, ssm_states)
+        taps, neg_exp_a, dt_bias, norm_w = params
+        init = c.has_initial_state
+        conv_states.index_copy_(0, c.slots, torch.where(
+            init.view(-1, 1, 1), conv_states.index_select(0, c.slots), 0))
+        ssm_states.index_copy_(0, c.slots, torch.where(
+            init.view(-1, 1, 1, 1), ssm_states.index_select(0, c.slots), 0))
+        # (sequence, first row, end row) of each call: a long chunk in pieces, one after the
+        # other over the state in place (the same result), to bound the call's scratch memory
+        pieces, end, most = [], 0, self.fused_max_rows
+        for i, n in enumerate(c.lens):
+            pieces += [(i, s, min(s + most, end + n)) for s in range(end, end + n, most)]
+            end += n
+        out = None if len(pieces) == 1 else mixed.new_empty(end, layer.value_dim)
+        for i, s, e in pieces:
+            o = native.gdn_fused(
+                mixed[s:e], z[s:e], a[s:e], b[s:e], taps, conv_states, ssm_states,
+                c.slots[i:i + 1], None, neg_exp_a, dt_bias, norm_w, layer.eps, e - s,
+                layer.num_k_heads, layer.head_k_dim, self.fused_simd)
+            if out is None:
+                return o
+            out[s:e] = o
+        return out
+
+    def _fused_params(self, layer, mixed, z, a, b, conv_states, ssm_states, slot_tensors):
+        """``_gdn_weights`` where the compiled GDN call runs for these tensors (CPU, fp32 or
+        bf16 activations throughout, contiguous pools, unit column strides, a conv window of
+        at most 16), else None; slot ranges checked here when no engine checks them per
+        step."""
+        dtype = mixed.dtype
+        if not (self.native and mixed.device.type == "cpu"
+                and native.fused_dtype_code(dtype) is not None and conv_states.dtype == dtype
+                and conv_states.is_contiguous() and layer.kernel_size <= 16
+                and ssm_states.dtype == torch.float32 and ssm_states.is_contiguous()
+                and all(t.stride(-1) == 1 and t.dtype == dtype for t in (z, a, b))):
+            return None
+        if self.num_slots is None:  # not attached to an engine: no per-step check was made
+            for t in slot_tensors:
+                if t is not None and t.numel() and not (
+                        0 <= int(t.min()) <= int(t.max()) < ssm_states.shape[0]):
+                    raise IndexError(f"state slots out of range [0, {ssm_states.shape[0]})")
+        return self._gdn_weights(layer, dtype)
+
+    def _gdn_weights(self, layer, dtype):
+        """fp32 conv taps [K, C], -exp(A_log), dt_bias and the norm weight in the
+        activations' dtype for ``native.gdn_fused``, made at the layer's first call and kept."""
+        kept = self.gdn_params.get(id(layer))
+        params = kept[1] if kept is not None and kept[0] is layer else None
+        if params is None or params[3].dtype != dtype:
+            params = (
+                layer.conv_weight.float().t().contiguous(),
+                -layer.A_log.detach().float().exp(),
+                layer.dt_bias.detach().float().contiguous(),
+                layer.norm_weight.detach().to(dtype).contiguous(),
+            )
+            self.gdn_params[id(layer)] = (layer, params)
+        return params
+
+    def plan_step(self, batch) -> StepMeta:
+        meta = super().plan_step(batch)
+        if self.num_slots is not None:  # the compiled step indexes the pool unchecked
+            slots = [s for v in (batch.verify_slots or ()) if v for s in v]
+            slots += batch.state_slot_list
+            if slots and not 0 <= min(slots) <= max(slots) < self.num_slots:
+                raise IndexError(f"state slots out of range [0, {self.num_slots})")
+            L = _uniform_len(batch.query_lens) if self.kv_shape is not None else 0
+            if L:
+                _check_kv(batch, self.kv_shape)
+                meta.uniform_tokens = L
+        return meta
+
+    def linear(self, module, x: torch.Tensor) -> torch.Tensor:
+        qweight = getattr(module, "qweight", None)
+        if qweight is not None:
+            return quant.linear(x, qweight, self.int8_isa)
+        w = module.weight
+        if self._decode_gemv(x, w):
+            return native.gemv_bf16(x, w, self.half_path)
+        return cpu_linear(x, w, self._packed(module, x), self.half_simd, self.half_path)
+
+    def _packed(self, module, x: torch.Tensor):
+        """The weight's fp32 copy for the batched CPU GEMM where the compiled half kernels do not
+        run (kernels/linear.py), made at first use and kept on the module."""
+        weight = module.weight
+        if not use_fp32_gemm(x, weight, self.half_simd):
+            return None
+        cached = getattr(module, "weight_packed", None)
+        if cached is None or cached.shape != weight.shape:
+            cached = pack_weight(weight)
+            module.weight_packed = cached
+        return cached
+
+
+class _FastLayer:
+    """One decoder layer as ``CPUBackend.forward``'s decode loop runs it: its mixer's record
+    (``AttentionLayer`` / ``GDNLayer``), norms, the weights of its four products (its merged
+    groups) and, for a GDN layer, ``gdn``: the tensors ``native.gdn_fused`` takes besides the
+    activations (None for an attention layer)."""
+
+    __slots__ = ("gdn", "mixer", "in_norm", "post_norm", "eps", "mixer_in", "mixer_sizes",
+                 "mixer_out", "mlp_in", "mlp_sizes", "mlp_out")
+
+    def __init__(self, layer, mixer, mixer_in, mixer_out, mlp_in, mlp_out, gdn):
+        self.gdn = gdn
+        self.mixer = mixer
+        self.in_norm = layer.input_layernorm.weight
+        self.post_norm = layer.post_attention_layernorm.weight
+        self.eps = layer.input_layernorm.eps
+        self.mixer_in, self.mixer_sizes = mixer_in
+        self.mixer_out = mixer_out
+        self.mlp_in, self.mlp_sizes = mlp_in
+        self.mlp_out = mlp_out
+
+
+def _weight_of(module):
+    """A Linear's int8 or bf16 weight for ``CPUBackend._product``, or None."""
+    if module.qweight is not None:
+        return module.qweight
+    w = module.weight
+    return w if w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous() else None
+
+
+FUSED_MAX_TOKENS = 8  # new tokens per sequence up to which csrc/attn_decode.c runs a step
+
+
+def _uniform_len(query_lens: list[int]) -> int:
+    """L when every sequence has L new tokens, 1 <= L <= FUSED_MAX_TOKENS; 0 otherwise."""
+    L = query_lens[0] if query_lens else 0
+    return L if 0 < L <= FUSED_MAX_TOKENS and query_lens.count(L) == len(query_lens) else 0
+
+
+def _recurrent_only(meta) -> bool:
+    """A step of one recurrent group over the whole batch (decodes, or verifications of the
+    same number of drafts), its KV indices checked (``CPUBackend.plan_step``)."""
+    if meta is None or not meta.uniform_tokens:
+        return False
+    gm = meta.gdn
+    if gm.chunked is not None or len(gm.groups) != 1:
+        return False
+    g = gm.groups[0]
+    return g.rows is None and g.num_tokens_per_seq == meta.uniform_tokens
+
+
+def _check_kv(batch, kv_shape: tuple[int, int]) -> None:
+    """Every KV slot, block table entry and context length of ``batch`` inside caches of
+    ``kv_shape`` (blocks, block size), or IndexError."""
+    blocks, bs = kv_shape
+    tables, slots = batch.block_tables.numpy(), batch.slot_mapping.numpy()  # host memory
+    if slots.size and not 0 <= slots.min() <= slots.max() < blocks * bs:
+        raise IndexError(f"KV slots out of range [0, {blocks * bs})")
+    if tables.size and not 0 <= tables.min() <= tables.max() < blocks:
+        raise IndexError(f"block table entries out of range [0, {blocks})")
+    if batch.context_lens and not 0 < min(batch.context_lens) <= max(
+            batch.context_lens) <= tables.shape[-1] * bs:
+        raise IndexError(f"context lengths out of range [1, {tables.shape[-1] * bs}]")
+
+
+def _checked_step(*args):
+    return native.gdn_decode_step(*args, checked=True)
+

@@ -1,0 +1,186 @@
+"""The reference backend: plain torch everywhere, the definition of correct that the other
+backends are tested against. The math of one gated attention layer (``gated_attention``) and
+of one GDN layer (``gdn``: conv, gated delta rule, gated output norm) reads top to bottom here;
+the CPU and CUDA backends override single steps of it with compiled or Triton kernels."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import quant
+from ..attention import attention_plan, paged_attention, write_kv
+from ..conv import causal_conv1d_update, causal_conv1d_varlen
+from ..delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from ..norm import gated_rms_norm, rms_norm
+from ..options import KernelOptions
+from ..rope import apply_partial_rope
+from .layers import AttentionLayer, GDNLayer
+from .plan import ChunkedSeqs, GDNMeta, RecurrentGroup, StepMeta, gdn_split, step_arrays
+
+
+class ReferenceBackend:
+    """Plain torch everywhere: the definition of correct that other backends are tested
+    against. Runs on any device torch runs on."""
+
+    name = "reference"
+    merges_projections = False  # wants the model's projection groups merged (bind's groups)
+    huge_pages = False  # wants the streamed weights in transparent-huge-page memory
+
+    def __init__(self, config=None, device: torch.device | str = "cpu",
+                 options: KernelOptions | None = None):
+        self.config = config
+        self.device = torch.device(device)
+        self.options = options if options is not None else KernelOptions()
+        self.gdn_step = None  # the in-place decode step recurrent_gated_delta_rule runs (torch's)
+
+    # Binding ------------------------------------------------------------------------------
+    def bind(self, model: torch.nn.Module, groups: dict) -> None:
+        """Called once by ``set_backend``, the weights laid out as ``merges_projections`` and
+        ``huge_pages`` ask: ``groups`` {ids of the modules: (merged weight, output sizes)}."""
+
+    def attach(self, cache) -> None:
+        """Called once by the runner with the engine's cache manager (sizes, pools)."""
+
+    # Per step -----------------------------------------------------------------------------
+    def plan_step(self, batch) -> StepMeta:
+        """The step's metadata (plan.py), built once from ``batch``'s host lists."""
+        arr = step_arrays(batch)
+        K = self.config.linear_conv_kernel_dim if self.config is not None else 4
+        attn = attention_plan(batch.query_lens, batch.context_lens, batch.block_tables, arr)
+        return StepMeta(attn, gdn_split(batch, arr, True, K), batch.num_tokens)
+
+    # Linear layers and elementwise ops ----------------------------------------------------
+    def linear(self, module, x: torch.Tensor) -> torch.Tensor:
+        qweight = getattr(module, "qweight", None)  # int8 weights (kernels/quant.py)
+        if qweight is not None:
+            return quant.reference_linear(x, qweight)
+        return F.linear(x, module.weight)
+
+    def project(self, x: torch.Tensor, modules) -> list[torch.Tensor]:
+        """Several projections of the same input (a backend may run them as one GEMM)."""
+        return [self.linear(m, x) for m in modules]
+
+    def logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
+        return self.linear(head, hidden).float()
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        """Zero-centred RMSNorm; with ``residual``: (norm(residual + x), residual + x)."""
+        if residual is None:
+            return rms_norm(x, weight, eps)
+        r = residual + x
+        return rms_norm(r, weight, eps), r
+
+    def gated_rms_norm(self, x, z, weight, eps):
+        return gated_rms_norm(x, z, weight, eps)
+
+    def silu_mul(self, gate, up):
+        return F.silu(gate) * up
+
+    def qk_norm_rope(self, q, k, q_weight, k_weight, eps, cos, sin):
+        return (apply_partial_rope(rms_norm(q, q_weight, eps), cos, sin),
+                apply_partial_rope(rms_norm(k, k_weight, eps), cos, sin))
+
+    # Mixers -------------------------------------------------------------------------------
+    def gated_attention(self, meta: StepMeta, batch, layer: AttentionLayer, qg, k, v, key_cache,
+                        value_cache, cos, sin):
+        """A gated attention layer from its projections' outputs to o_proj's input: q/k norms
+        and partial RoPE, this step's K/V into the paged cache, attention, the sigmoid gate.
+        qg: [T, H * 2D] (per head D query then D gate values), k, v: [T, HKV * D] ->
+        [T, H * D]."""
+        T = qg.shape[0]
+        H, HKV, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        q, gate = qg.view(T, H, 2 * D).chunk(2, dim=-1)
+        q, k = self.qk_norm_rope(q, k.view(T, HKV, D), layer.q_norm_weight,
+                                 layer.k_norm_weight, layer.eps, cos, sin)
+        o = self.attention(meta, batch, q, k, v.view(T, HKV, D), key_cache, value_cache,
+                           layer.scale)
+        return o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+
+    def attention(self, meta: StepMeta, batch, q, k, v, key_cache, value_cache, scale):
+        """Write this step's K/V into the paged cache, then causal attention of ``q`` over
+        each sequence's blocks -> [T, H, D]."""
+        write_kv(k, v, key_cache, value_cache, batch.slot_mapping)
+        return paged_attention(q, key_cache, value_cache, batch.cu_seqlens, batch.seq_lens,
+                               batch.block_tables, scale, plan=meta.attention)
+
+    def gdn(self, meta: StepMeta, layer: GDNLayer, mixed, z, a, b, conv_states, ssm_states):
+        """One GDN layer over its state slots, from the in-projections' outputs to out_proj's
+        input: conv, gated delta rule, gated output norm.
+
+        mixed: [T, conv_dim] (q | k | v channels), z: [T, HV * DV], a, b: [T, HV] raw
+        projections -> [T, HV * DV]. Each recurrent group (``gdn_group``) and the prompt chunks
+        (``gdn_prompts``) get their own rows of the inputs (no copy when they are the whole
+        batch)."""
+        T = mixed.shape[0]
+        out = None
+        gm: GDNMeta = meta.gdn
+        parts = [(g.rows, self.gdn_group, g) for g in gm.groups]
+        if gm.chunked is not None:
+            parts.append((gm.chunked.rows, self.gdn_prompts, gm.chunked))
+        for rows, kernel, part in parts:
+            x = [t if rows is None else t[rows] for t in (mixed, z, a, b)]
+            o = kernel(layer, part, *x, conv_states, ssm_states)
+            if rows is None:
+                out = o
+            else:
+                if out is None:
+                    out = o.new_empty(T, *o.shape[1:])
+                out[rows] = o
+        return out
+
+    def gdn_group(self, layer: GDNLayer, grp: RecurrentGroup, mixed, z, a, b, conv_states,
+                  ssm_states):
+        """A recurrent group's rows (sequences continuing from a state) -> the gated-normed
+        output [n * L, HV * DV]: ``gdn_recurrent``, then the norm."""
+        core = self.gdn_recurrent(layer, grp, mixed, a, b, conv_states, ssm_states)
+        return self._gdn_norm(layer, core, z)
+
+    def gdn_prompts(self, layer: GDNLayer, c: ChunkedSeqs, mixed, z, a, b, conv_states, ssm_states):
+        """The prompt chunks' rows -> the gated-normed output [t, HV * DV]: here the chunked
+        form (``gdn_chunked``), then the norm."""
+        core = self.gdn_chunked(layer, c, mixed, a, b, conv_states, ssm_states)
+        return self._gdn_norm(layer, core, z)
+
+    def _gdn_norm(self, layer, core, z):
+        n = core.shape[0]
+        y = self.gated_rms_norm(core, z.reshape(n, layer.num_v_heads, layer.head_v_dim),
+                                layer.norm_weight, layer.eps)
+        return y.reshape(n, layer.value_dim)
+
+    def gdn_recurrent(self, layer: GDNLayer, grp: RecurrentGroup, mixed, a, b, conv_states,
+                      ssm_states):
+        """The group's n sequences of L tokens each (rows in order) -> core [n * L, HV, DV]."""
+        n, L = grp.num_seqs, grp.num_tokens_per_seq
+        g, beta = gates(layer, a, b)
+        m = causal_conv1d_update(mixed.view(n, L, -1), layer.conv_weight, conv_states,
+                                 grp.slots, state_slots_out=grp.slots_out)
+        q, k, v = layer.split(m.reshape(n * L, -1))
+        return recurrent_gated_delta_rule(
+            q.view(n, L, *q.shape[1:]), k.view(n, L, *k.shape[1:]), v.view(n, L, *v.shape[1:]),
+            g.view(n, L, -1), beta.view(n, L, -1), ssm_states, grp.slots,
+            state_slots_out=grp.slots_out, runs=grp.runs, step=self.gdn_step,
+        ).reshape(n * L, *v.shape[1:])
+
+    def gdn_chunked(self, layer: GDNLayer, c: ChunkedSeqs, mixed, a, b, conv_states, ssm_states):
+        """The prompt chunks' tokens (packed as ``c.cu_seqlens``) -> core [t, HV, DV]."""
+        g, beta = gates(layer, a, b)
+        m = causal_conv1d_varlen(mixed, layer.conv_weight, c.cu_seqlens, conv_states, c.slots,
+                                 c.has_initial_state, plan=c.conv)
+        q, k, v = layer.split(m)
+        return chunk_gated_delta_rule(q, k, v, g, beta, c.cu_seqlens, ssm_states, c.slots,
+                                      c.has_initial_state, plan=c.delta)
+
+    # Whole steps (CUDA graphs) ------------------------------------------------------------
+    def forward(self, model, batch, cache) -> torch.Tensor | None:
+        """Run a whole model step another way (a captured graph) -> hidden, or None to let
+        the model run eagerly."""
+        return None
+
+
+def gates(layer: GDNLayer, a, b):
+    """GDN decay (log space) and write strength from the raw projections, in fp32."""
+    g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
+    return g, torch.sigmoid(b).float()
+

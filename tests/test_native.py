@@ -1,0 +1,172 @@
+"""kernels/native.py: the compiled CPU kernels called directly: the GDN decode step against
+the torch ops it replaces, the half-precision GEMM / GEMV against fp64 products on every path
+this CPU builds, and their shape checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_rel_close
+from kernel_helpers import (
+    TOL,
+    gdn_inputs,
+    generator,
+    require_half_kernels,
+    require_native,
+    state_pool,
+)
+
+from hybridrt.kernels import l2_norm, native
+from hybridrt.kernels.delta_rule import _step_in_place
+
+DK, DV = 15, 9  # odd head sizes
+
+
+def test_native_decode_step_equals_torch_ops():
+    require_native()
+    B, H = 5, 3
+    q, k, v, g, beta = gdn_inputs(B, H, H, DK, DV, seed=18)
+    q, k = l2_norm(q) * DK**-0.5, l2_norm(k)
+    pool = state_pool(9, H, DK, DV, seed=19)
+    slots = [7, 1, 2, 5, 8]
+    a, b = pool.clone(), pool.clone()
+    o_native = native.gdn_decode_step(a, torch.tensor(slots), q, k, v, g.exp(), beta)
+    views = [(slice(i * H, (i + 1) * H), b[s:s + 1].view(H, DK, DV)) for i, s in enumerate(slots)]
+    o_torch = _step_in_place(q, k, v, g, beta, views)
+    assert_rel_close(o_native, o_torch, 1e-6, "output")
+    assert_rel_close(a, b, 1e-6, "states")
+    assert torch.equal(a[[0, 3, 4, 6]], pool[[0, 3, 4, 6]])
+    with pytest.raises(IndexError, match="out of range"):
+        native.gdn_decode_step(a, torch.tensor([9, 1, 2, 5, 8]), q, k, v, g.exp(), beta)
+
+
+def _half_operands(M: int, N: int, K: int, dtype: torch.dtype, seed: int):
+    """w [N, K] in ``dtype``, x [M, K] fp32, and their fp64 product x w^T."""
+    gen = generator(seed)
+    w = torch.randn(N, K, generator=gen).to(dtype)
+    x = torch.randn(M, K, generator=gen)
+    return w, x, x.double() @ w.double().t()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("M,N,K", [(1, 16, 8), (2, 17, 9), (5, 33, 300), (7, 48, 257),
+                                   (13, 100, 45), (33, 31, 64), (70, 40, 4100), (9, 5, 19)],
+                         ids=lambda v: str(v))
+def test_native_half_gemm_against_fp64(M, N, K, dtype):
+    """Every tile shape (1-6 rows: 7 = 4 + 3, 13 = 5 + 4 + 4, 33 = 6 6 6 5 5 5), a partial last
+    panel (N % 16, and N < 8: the second half of a panel empty), K past a 256-input block and K
+    off a multiple of 8 (the transposing widen's tail), rows past one 1 MiB block of x (K=4100:
+    60 rows a block)."""
+    require_half_kernels()
+    w, x, ref = _half_operands(M, N, K, dtype, seed=M * 1000 + N)
+    y = native.half_gemm(x, w)
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    assert_rel_close(y.double(), ref, TOL, f"M={M} N={N} K={K}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("N,K", [(1, 8), (7, 45), (34, 300), (64, 1024)], ids=lambda v: str(v))
+def test_native_half_gemv_against_fp64(M, N, K, dtype):
+    """Every row count, weight-row blocks of 4 and 2 with a tail, K with and without a tail
+    past its multiple of 8."""
+    require_half_kernels()
+    w, x, ref = _half_operands(M, N, K, dtype, seed=M * 100 + N)
+    y = native.half_gemv(x, w)
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    assert_rel_close(y.double(), ref, TOL, f"M={M} N={N} K={K}")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+def test_half_paths_follow_the_cpu():
+    """Every half path this CPU can run is built (bf16dot exactly where the CPU has
+    AVX512-BF16), the default is the fastest, and HYBRIDRT_HALF_PATH picks or refuses."""
+    from hybridrt.env import kernel_options
+
+    require_half_kernels()
+    flags = _cpu_flags()
+    paths = native.half_paths()
+    assert paths[0] == "fma"
+    if flags:
+        assert ("bf16dot" in paths) == ("avx512_bf16" in flags and "avx512f" in flags)
+    assert native.half_path(kernel_options({}).half_path) == paths[-1]
+    assert native.half_path(kernel_options({"HYBRIDRT_HALF_PATH": "fma"}).half_path) == "fma"
+    with pytest.raises(ValueError, match="HYBRIDRT_HALF_PATH='vnni': use auto, fma or bf16dot"):
+        kernel_options({"HYBRIDRT_HALF_PATH": "vnni"})
+    with pytest.raises(ValueError, match="HYBRIDRT_HALF_PATH='vnni': use auto, fma or bf16dot"):
+        native.half_path("vnni")
+    if "bf16dot" not in paths:
+        with pytest.raises(ValueError, match="not built for this CPU"):
+            native.half_path(kernel_options({"HYBRIDRT_HALF_PATH": "bf16dot"}).half_path)
+
+
+_BUILT_HALF_PATHS = native.half_paths()  # (builds the kernels once, at collection)
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.skipif(
+    p not in _BUILT_HALF_PATHS, reason=f"half path {p} not built for this CPU"))
+    for p in native.HALF_PATHS])
+@pytest.mark.parametrize("M,N,K", [(1, 16, 8), (3, 17, 34), (4, 7, 66), (2, 9, 200), (5, 33, 300),
+                                   (13, 100, 46), (25, 31, 64), (30, 40, 4100), (9, 5, 18),
+                                   (7, 9, 45)],
+                         ids=lambda v: str(v))
+def test_half_paths_on_bf16_activations(M, N, K, path):
+    """bf16 activations times bf16 weights in ``half_gemm`` (and ``half_gemv`` up to 4 rows) on
+    each path built here: every tile
+    size of either path (up to 12 rows: 25 = 9 8 8, 30 = 10 10 10), a partial last panel (and
+    N < 8), K past a 256-input block and off a multiple of 8 pairs, odd K (which bf16dot leaves
+    to fma) -> the fp64 product of the same bf16 values."""
+    w, x, _ = _half_operands(M, N, K, torch.bfloat16, seed=M * 31 + N)
+    x = x.bfloat16()
+    ref = x.double() @ w.double().t()
+    y = native.half_gemm(x, w, path=path)
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    assert_rel_close(y.double(), ref, TOL, f"{path} M={M} N={N} K={K}")
+    if M <= native.HALF_GEMV_MAX_ROWS:  # and the GEMV (bf16dot: 64 inputs a step, tails masked)
+        y = native.half_gemv(x, w, path=path)
+        assert_rel_close(y.double(), ref, TOL, f"gemv {path}")
+        # bf16 outputs: the same sums rounded to nearest even, as .to(bf16) rounds them
+        assert torch.equal(native.half_gemv(x, w, path=path, out_dtype=torch.bfloat16),
+                           y.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.skipif(
+    p not in _BUILT_HALF_PATHS, reason=f"half path {p} not built for this CPU"))
+    for p in native.HALF_PATHS])
+@pytest.mark.parametrize("K", [100, 1024])
+def test_half_gemv_rows_do_not_depend_on_the_rows_beside_them(K, path):
+    """Each of up to 8 rows comes out bit for bit as it does alone, on every path (what makes
+    a verification of up to 7 drafts reproduce decoding exactly): the row groups of 4 and the
+    second pass over each weight row for rows 5-8."""
+    w, x, _ = _half_operands(8, 37, K, torch.bfloat16, seed=K)
+    x = x.bfloat16()
+    alone = torch.cat([native.half_gemv(x[i:i + 1], w, path=path) for i in range(8)])
+    for M in range(1, 9):
+        for i in range(0, 8 - M + 1, 3):
+            assert torch.equal(native.half_gemv(x[i:i + M], w, path=path), alone[i:i + M]), (M, i)
+
+
+def test_native_half_gemm_rejects_bad_shapes():
+    require_half_kernels()
+    w = torch.randn(40, 24).bfloat16()
+    with pytest.raises(ValueError, match=r"x must be \[M, 24\]"):
+        native.half_gemm(torch.randn(2, 23), w)
+    with pytest.raises(ValueError, match="contiguous CPU bf16/fp16"):
+        native.half_gemm(torch.randn(2, 24), w.float())
+    with pytest.raises(ValueError, match="contiguous CPU bf16/fp16"):
+        native.half_gemm(torch.randn(2, 40), w.t())
+    assert native.half_gemm(torch.randn(0, 24), w).shape == (0, 40)
+    with pytest.raises(ValueError, match=r"x must be \[M <= 8, 24\]"):
+        native.half_gemv(torch.randn(9, 24), w)
+    with pytest.raises(ValueError, match="contiguous CPU bf16/fp16"):
+        native.half_gemv(torch.randn(2, 40), w.t())
+    empty = torch.randn(40, 0).bfloat16()
+    assert torch.equal(native.half_gemm(torch.randn(2, 0), empty), torch.zeros(2, 40))
