@@ -184,11 +184,11 @@ class LLMEngine:
     # Sessions ------------------------------------------------------------------------------
     def open_session(self) -> Session:
         """A conversation whose cache outlives its requests (see hybridrt.session)."""
-        free = self.cache.free_snapshot_slots
-        if not free:
+        slot = self.cache.take_snapshot_slot()
+        if slot is None:
             raise RuntimeError(f"all {self.cache.sizing.num_snapshot_slots} session slots are in "
                                f"use: close a session or raise max_num_sessions")
-        session = Session(f"s{next(self._ids)}", free.pop())
+        session = Session(f"s{next(self._ids)}", slot)
         self.sessions[session.session_id] = session
         return session
 
@@ -198,7 +198,7 @@ class LLMEngine:
         if session.busy:
             raise ValueError("close_session: the session has a running request")
         self.cache.free(session.cache_key)
-        self.cache.free_snapshot_slots.append(session.snapshot_slot)
+        self.cache.release_snapshot_slot(session.snapshot_slot)
         del self.sessions[session.session_id]
         session.closed = True
 
@@ -217,7 +217,7 @@ class LLMEngine:
         ids = req.prompt_token_ids
         reuse = self.reusable_tokens(session, ids, req.spec_k)
         if 0 < reuse < len(session.token_ids):  # the GDN state at the snapshot
-            cache.copy_state(session.snapshot_slot, cache.state_slots[key][session.slot_cursor])
+            cache.copy_state(session.snapshot_slot, cache.state_slot(key, session.slot_cursor))
         if reuse == 0:
             cache.free(key)
             session.slot_cursor, session.snapshot_len = 0, None
@@ -243,8 +243,8 @@ class LLMEngine:
         divergence, else none."""
         reuse = min(common_prefix(prompt_token_ids, session.token_ids),
                     len(prompt_token_ids) - 1)
-        slots = self.cache.state_slots.get(session.cache_key)
-        if slots is not None and len(slots) != 1 + spec_k:
+        slots = self.cache.state_slots(session.cache_key)
+        if slots and len(slots) != 1 + spec_k:
             return 0  # slot layout changed with speculative_tokens: start over
         if 0 < reuse < len(session.token_ids):
             snap = session.snapshot_len
@@ -291,8 +291,8 @@ class LLMEngine:
 
     def _maybe_snapshot(self, req: Request) -> None:
         if req.snapshot_at is not None and req.num_computed_tokens == req.snapshot_at:
-            own = self.cache.state_slots[req.request_id]
-            self.cache.copy_state(own[req.slot_cursor], req.session.snapshot_slot)
+            own = self.cache.state_slot(req.request_id, req.slot_cursor)
+            self.cache.copy_state(own, req.session.snapshot_slot)
             req.session.snapshot_len = req.snapshot_at
             req.snapshot_at = None
 

@@ -120,8 +120,8 @@ class ModelRunner:
             real = s.num_new_tokens - s.num_drafts
             tokens.append(req.token_ids[c:c + real] + req.draft_token_ids[:s.num_drafts])
             starts.append(c)
-            tables.append(self.cache.block_tables[req.request_id])
-            own = self.cache.state_slots[req.request_id]
+            tables.append(self.cache.block_table(req.request_id))
+            own = self.cache.state_slots(req.request_id)
             slots.append(own[req.slot_cursor])
             modes.append("all" if s.num_drafts else ("last" if s.sample else "none"))
             verify.append(own[:s.num_drafts + 1] if s.num_drafts else None)

@@ -212,12 +212,13 @@ class EngineLoop:
         """Numbers for /metrics, replaced as a whole so the HTTP side reads a consistent
         set."""
         e, cache = self.engine, self.engine.cache
-        prefix_blocks = sum(len(cache.block_tables.get(s.cache_key, ())) for s in self.sessions)
+        prefix_blocks = sum(len(cache.block_table(s.cache_key)) for s in self.sessions)
+        usage = cache.usage()
         spec = e.spec_stats
         self.gauges = {
             "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
-            "blocks_total": cache.blocks.num_blocks,
-            "blocks_used": cache.blocks.num_blocks - cache.blocks.num_free,
+            "blocks_total": usage.num_blocks,
+            "blocks_used": usage.num_used_blocks,
             "blocks_prefix": prefix_blocks,
             "prefixes_held": sum(cache.holds(s.cache_key) for s in self.sessions),
             "prefilled_tokens": e.stats["num_prefill_tokens"],

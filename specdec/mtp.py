@@ -69,7 +69,7 @@ class MTPProposer:
             n = settled[b]
             tokens.append(req.token_ids[s.start + 1:s.start + 1 + n])
             starts.append(s.start)
-            tables.append(self.cache.block_tables[req.request_id])
+            tables.append(self.cache.block_table(req.request_id))
             rows.append(torch.arange(row_starts[b], row_starts[b] + n))
             drafting = (s.sample or s.num_drafts > 0) and self.num_drafts_for(req) > 0
             modes.append("last" if drafting else "none")
@@ -124,7 +124,7 @@ class MTPProposer:
             mb = build_batch(
                 [[drafts[i][-1]] for i in active],
                 [len(reqs[i].token_ids) - 1 + j for i in active],
-                [self.cache.block_tables[reqs[i].request_id] for i in active],
+                [self.cache.block_table(reqs[i].request_id) for i in active],
                 self.cache.block_size, None, None, device=self.device,
             )
             h = self.model.mtp_forward(mb.input_ids, h[sel], mb, self.cache.tensors)

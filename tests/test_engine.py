@@ -92,8 +92,9 @@ def test_preemption_keeps_outputs_and_leaks_nothing(ckpt, prompts, dense_greedy)
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
     cache = llm.engine.cache
     assert cache.all_free()
-    assert cache.blocks.num_free == 7 and cache.slots.num_free == cache.slots.capacity
-    assert not cache.block_tables and not cache.state_slots
+    usage = cache.usage()
+    assert usage.num_free_blocks == 7 and usage.num_free_slots == usage.num_slots
+    assert not cache.owners()
 
 
 def test_slot_pool_bounds_concurrency(ckpt, prompts, dense_greedy):

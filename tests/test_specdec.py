@@ -288,7 +288,7 @@ def _state_after(ref_llm, token_ids_):
     eng.step()
     req = eng.requests[rid]
     assert req.num_computed_tokens == len(token_ids_)
-    slot = eng.cache.state_slots[rid][req.slot_cursor]
+    slot = eng.cache.state_slot(rid, req.slot_cursor)
     t = eng.cache.tensors
     state = t.conv_states[:, slot].clone(), t.ssm_states[:, slot].clone()
     eng.abort_request(rid)
@@ -307,7 +307,7 @@ def _poison_stale_kv(eng, req, gen) -> int:
     the logits."""
     t = eng.cache.tensors
     bs = eng.cache.block_size
-    table = eng.cache.block_tables[req.request_id]
+    table = eng.cache.block_table(req.request_id)
     first = req.num_computed_tokens
     pos = torch.arange(first, len(table) * bs)
     if pos.numel() == 0:
@@ -346,7 +346,7 @@ def test_gdn_state_rollback_and_stale_kv_never_read(ckpt, prompts, reference, ro
         for req in progressed:
             if req.is_finished or req.num_computed_tokens != len(req.token_ids) - 1:
                 continue
-            slot = eng.cache.state_slots[req.request_id][req.slot_cursor]
+            slot = eng.cache.state_slot(req.request_id, req.slot_cursor)
             conv = eng.cache.tensors.conv_states[:, slot]
             ssm = eng.cache.tensors.ssm_states[:, slot]
             ref_conv, ref_ssm = _state_after(ref_llm, req.token_ids[:req.num_computed_tokens])
@@ -533,7 +533,7 @@ def test_preemption_during_speculation(ckpt, prompts, reference, oracle):
     assert llm.engine.stats["num_preemptions"] > 0
     assert not oracle or max(checked) > 0  # drafts checked after a preemption
     cache = llm.engine.cache
-    assert cache.all_free() and not cache.block_tables and not cache.state_slots
+    assert cache.all_free() and not cache.owners()
 
 
 def test_abort_mid_draft_frees_everything(ckpt, prompts, reference):
@@ -549,7 +549,7 @@ def test_abort_mid_draft_frees_everything(ckpt, prompts, reference):
                 aborted = drafting[len(drafting) // 2]
                 eng.abort_request(aborted.request_id)
                 assert not aborted.draft_token_ids and aborted.draft_probs is None
-                assert aborted.request_id not in eng.cache.state_slots
+                assert aborted.request_id not in eng.cache.owners()
     assert aborted is not None
     for rid, p in zip(ids, prompts):
         out = eng.make_output(eng.pop_request(rid))
