@@ -12,24 +12,17 @@ import torch
 
 from hybridrt.config import ModelConfig
 from hybridrt.model import Qwen35ForCausalLM
-from hybridrt.output_processor import OutputProcessor
+from hybridrt.output_processor import Emitted, OutputProcessor
 from hybridrt.request import Request
 from hybridrt.runner import ModelRunner
 from hybridrt.sampler import Sampler, make_generator
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.scheduler import ScheduledSeq, Scheduler, StepPlan
-from hybridrt.session import Session, common_prefix
+from hybridrt.session import Session, SessionManager
 from hybridrt.specdec.mtp import MTPProposer
 from hybridrt.specdec.stats import SpecStats, StepCosts
-from hybridrt.specdec.verify import settle_verified, verify_requests
+from hybridrt.specdec.verify import verify_requests
 from hybridrt.statecache import HybridCacheManager
-
-
-@dataclass(slots=True)
-class Emitted:
-    token_ids: list[int]
-    logprobs: list | None  # RowLogprobs per token, when asked for
-    num_accepted: int | None  # drafts accepted (verify steps only)
 
 
 @dataclass(slots=True)
@@ -93,12 +86,15 @@ class LLMEngine:
         self.cache = cache
         self.engine_config = engine_config
         self.tokenizer = tokenizer
-        self.output = OutputProcessor(tokenizer, engine_config.max_model_len)
+        self.session_manager = SessionManager(cache)
+        self.output = OutputProcessor(tokenizer, engine_config.max_model_len,
+                                      self.session_manager)
         self.runner = ModelRunner(model, cache, device, backend, engine_config.max_num_seqs,
                                   engine_config.max_num_batched_tokens,
                                   engine_config.max_model_len)
         self.scheduler = Scheduler(cache, engine_config.max_num_seqs,
-                                   engine_config.max_num_batched_tokens, sessions=self)
+                                   engine_config.max_num_batched_tokens,
+                                   sessions=self.session_manager)
         self.sampler = Sampler(seed=seed)  # shared generator for requests without a seed
         self.speculative_tokens = speculative_tokens
         self.governor = thread_governor  # hybridrt/threads.py: CPU threads fitted each step
@@ -108,7 +104,6 @@ class LLMEngine:
                                         device, draft_vocab=draft_vocab)
         self.spec_stats = SpecStats(speculative_tokens)
         self.requests: dict[str, Request] = {}
-        self.sessions: dict[str, Session] = {}  # open sessions, least recently used first
         self._ids = itertools.count()
         self.stats = {"num_steps": 0, "num_preemptions": 0, "num_prefill_tokens": 0,
                       "num_decode_tokens": 0, "num_session_evictions": 0,
@@ -168,140 +163,43 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        if session is not None and session.closed:
-            raise ValueError("session is closed")
-        if session is not None and session.busy:
-            raise ValueError("session already has a running request")
-        req = Request(rid, prompt, ids, params, self._stop_ids(params), spec_k=k)
-        req.generator = make_generator(params)
         if session is not None:
-            req.session, req.session_snapshot_at = session, snapshot_at
-            session.busy = True
+            self.session_manager.claim(session)
+        req = Request(rid, prompt, ids, params, self._stop_ids(params), spec_k=k,
+                      generator=make_generator(params), session=session,
+                      session_snapshot_at=snapshot_at)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
 
-    # Sessions ------------------------------------------------------------------------------
+    # Sessions (hybridrt.session) -----------------------------------------------------------
+    @property
+    def sessions(self) -> dict[str, Session]:
+        """The open sessions, least recently used first."""
+        return self.session_manager.sessions
+
     def open_session(self) -> Session:
         """A conversation whose cache outlives its requests (see hybridrt.session)."""
-        slot = self.cache.take_snapshot_slot()
-        if slot is None:
-            raise RuntimeError(f"all {self.cache.sizing.num_snapshot_slots} session slots are in "
-                               f"use: close a session or raise max_num_sessions")
-        session = Session(f"s{next(self._ids)}", slot)
-        self.sessions[session.session_id] = session
-        return session
+        return self.session_manager.open(f"s{next(self._ids)}")
 
     def close_session(self, session: Session) -> None:
-        if session.closed:
-            return
-        if session.busy:
-            raise ValueError("close_session: the session has a running request")
-        self.cache.free(session.cache_key)
-        self.cache.release_snapshot_slot(session.snapshot_slot)
-        del self.sessions[session.session_id]
-        session.closed = True
+        self.session_manager.close(session)
 
     def reset_session(self, session: Session) -> None:
         """Forget the cached conversation (``/clear``); the session stays usable."""
-        if session.busy:
-            raise ValueError("reset_session: the session has a running request")
-        self.cache.free(session.cache_key)
-        session.token_ids, session.slot_cursor, session.snapshot_len = [], 0, None
-
-    def attach_session(self, req: Request) -> None:
-        """Give a session request, as it is admitted, the session's cache for the longest
-        reusable prompt prefix (the scheduler calls this)."""
-        session, snapshot_at = req.session, req.session_snapshot_at
-        cache, key = self.cache, session.cache_key
-        ids = req.prompt_token_ids
-        reuse = self.reusable_tokens(session, ids, req.spec_k)
-        if 0 < reuse < len(session.token_ids):  # the GDN state at the snapshot
-            cache.copy_state(session.snapshot_slot, cache.state_slot(key, session.slot_cursor))
-        if reuse == 0:
-            cache.free(key)
-            session.slot_cursor, session.snapshot_len = 0, None
-        else:
-            cache.truncate(key, reuse)
-            if session.snapshot_len is not None and session.snapshot_len > reuse:
-                session.snapshot_len = None
-        cache.transfer(key, req.request_id)
-        req.num_computed_tokens = reuse
-        req.slot_cursor = session.slot_cursor if reuse else 0
-        req.session = session
-        at = len(ids) - 1 if snapshot_at is None else min(snapshot_at, len(ids) - 1)
-        req.snapshot_at = at if at > reuse else None
-        req.session_attached = True
-        req.metrics.session_cache_evicted, session.evicted = session.evicted, False
-        session.last_reused_tokens = req.metrics.num_reused_prompt_tokens = reuse
+        self.session_manager.reset(session)
 
     def reusable_tokens(self, session: Session, prompt_token_ids: list[int],
                         spec_k: int = 0) -> int:
         """How many leading prompt tokens a request on ``session`` would take from its cache
-        now: the common prefix with the session's tokens (at most all but the last prompt
-        token); where the prompt diverges inside them, the snapshot if it lies before the
-        divergence, else none."""
-        reuse = min(common_prefix(prompt_token_ids, session.token_ids),
-                    len(prompt_token_ids) - 1)
-        slots = self.cache.state_slots(session.cache_key)
-        if slots and len(slots) != 1 + spec_k:
-            return 0  # slot layout changed with speculative_tokens: start over
-        if 0 < reuse < len(session.token_ids):
-            snap = session.snapshot_len
-            return snap if snap is not None and snap <= reuse else 0
-        return reuse
-
-    def detach_session(self, req: Request) -> None:
-        """Undo ``attach_session`` for a request that could not be admitted after all: the
-        session holds the reused prefix again and the request waits holding nothing."""
-        session = req.session
-        self.cache.transfer(req.request_id, session.cache_key)
-        session.token_ids = req.token_ids[:req.num_computed_tokens]
-        session.slot_cursor = req.slot_cursor
-        req.num_computed_tokens, req.slot_cursor, req.session_attached = 0, 0, False
-        req.metrics.num_reused_prompt_tokens = 0
-
-    def evict_idle_session(self) -> bool:
-        """Free the cache of the least recently used session that holds one while no request
-        of it is running, one without a waiting request first; its next turn prefills from
-        scratch -> whether anything was freed."""
-        order = sorted(self.sessions.values(), key=lambda s: s.busy)  # stable: LRU within
-        for session in order:
-            if self.cache.holds(session.cache_key):
-                self.cache.free(session.cache_key)
-                session.token_ids, session.slot_cursor, session.snapshot_len = [], 0, None
-                session.evicted = True
-                self.stats["num_session_evictions"] += 1
-                return True
-        return False
-
-    def _release_session(self, req: Request) -> None:
-        """A finished (or aborted) session request hands its cache back to the session."""
-        session = req.session
-        session.busy = False
-        req.session = None
-        self.sessions[session.session_id] = self.sessions.pop(session.session_id)  # most recent
-        if not req.session_attached:  # never admitted: the session kept its cache
-            return
-        self.cache.transfer(req.request_id, session.cache_key)
-        session.token_ids = req.token_ids[:req.num_computed_tokens]
-        session.slot_cursor = req.slot_cursor
-        if session.snapshot_len is not None and session.snapshot_len > len(session.token_ids):
-            session.snapshot_len = None
-
-    def _maybe_snapshot(self, req: Request) -> None:
-        if req.snapshot_at is not None and req.num_computed_tokens == req.snapshot_at:
-            own = self.cache.state_slot(req.request_id, req.slot_cursor)
-            self.cache.copy_state(own, req.session.snapshot_slot)
-            req.session.snapshot_len = req.snapshot_at
-            req.snapshot_at = None
+        now (``SessionManager.reusable_tokens``)."""
+        return self.session_manager.reusable_tokens(session, prompt_token_ids, spec_k)
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return
-        req.finish_reason = "abort"
-        self._finish(req)
+        self._finish(req, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -334,17 +232,13 @@ class LLMEngine:
             return done
         plan = self.scheduler.schedule()
         self.stats["num_preemptions"] += len(plan.preempted)
+        self.stats["num_session_evictions"] = self.session_manager.num_evictions
         for req in plan.failed:
-            req.finish_reason = "error"
-            self._finish(req)
+            self._finish(req, "error")
         if not plan.seqs:
             return plan.failed
         if self.governor is not None:
             self.governor.update()
-        now = time.perf_counter()
-        for s in plan.seqs:
-            if s.request.metrics.first_scheduled_time is None:
-                s.request.metrics.first_scheduled_time = now
         launched = self._launch(plan, self.runner.prepare(plan))
         done = self._complete(launched, t0)
         return plan.failed + done
@@ -361,12 +255,17 @@ class LLMEngine:
         plan = launched.plan
         nxt = self._chain(launched) if self._can_chain(plan) else None
         emitted = self._sample_collect(launched.sampled)
-        settled = self._update(plan, emitted)
+        up = self.output.update(plan, emitted, time.perf_counter())
+        self.stats["num_prefill_tokens"] += up.num_prompt_tokens
+        self.stats["num_decode_tokens"] += up.num_output_tokens
+        for req in up.finished:
+            self._finish(req)
         t1 = self.step_costs.clock()
         if t0 is not None:  # (a chained step's time is recorded by the call completing it)
             self.step_costs.record(_step_kind(plan), t1 - t0)
         if self.proposer is not None and any(s.request.spec_k for s in plan.seqs):
-            self.proposer.propose(plan, launched.batch.query_starts, launched.hidden, settled)
+            self.output.apply_drafts(self.proposer.propose(
+                plan, launched.batch.query_starts, launched.hidden, up.settled))
             self.step_costs.record("draft", self.step_costs.clock() - t1)
         self.stats["num_steps"] += 1
         if nxt is not None and any(not s.request.is_finished for s in nxt.plan.seqs):
@@ -458,54 +357,12 @@ class LLMEngine:
             for n, b in enumerate(sampled.normal):
                 lp = None if sampled.logprobs is None else [sampled.logprobs[n]]
                 emitted[b] = Emitted([toks[n]], lp, None)
-        for b, (toks, lp, a) in sampled.verified:
-            emitted[b] = Emitted(toks, lp, a)
+        for b, v in sampled.verified:
+            emitted[b] = Emitted(v.token_ids, v.logprobs, v)
         return emitted
 
-    def _update(self, plan: StepPlan, emitted: list[Emitted | None]) -> list[int]:
-        """Apply a step's results -> per sequence the number of positions now settled."""
-        now = time.perf_counter()
-        settled = []
-        for s, em in zip(plan.seqs, emitted):
-            req = s.request
-            if req.is_finished:  # a chained step's request that finished (or was aborted)
-                settled.append(0)  # meanwhile: its last token is dropped
-                continue
-            if s.start < req.num_prompt_tokens:
-                computed_prompt = min(s.num_new_tokens, req.num_prompt_tokens - s.start)
-                req.metrics.num_computed_prompt_tokens += computed_prompt
-                self.stats["num_prefill_tokens"] += computed_prompt
-            n = s.num_new_tokens
-            if s.num_drafts:
-                n = s.num_new_tokens - s.num_drafts + settle_verified(req, s.num_drafts,
-                                                                      em.num_accepted)
-            req.num_computed_tokens += n
-            settled.append(n)
-            if req.session is not None:
-                self._maybe_snapshot(req)
-            req.draft_token_ids, req.draft_probs = [], None
-            if em is None:
-                continue
-            for i, tok in enumerate(em.token_ids):
-                lp = em.logprobs[i] if em.logprobs is not None else None
-                if lp is not None and req.logprobs is not None:
-                    req.logprobs.append({**dict(lp.top), lp.token_id: lp.logprob})
-                self._append_token(req, tok, now)
-                if req.is_finished:
-                    break
-        return settled
-
-    def _append_token(self, req: Request, tok: int, now: float) -> None:
-        self.stats["num_decode_tokens"] += 1
-        if self.output.append(req, tok, now):
-            self._finish(req)
-
-    def _finish(self, req: Request) -> None:
-        if req.session is not None:
-            self._release_session(req)
-        self.scheduler.finish(req)
-        req.reset_speculation()
-        req.metrics.finished_time = time.perf_counter()
+    def _finish(self, req: Request, reason: str | None = None) -> None:
+        self.scheduler.finish(req, reason)
         if req.spec_stats is not None:
             self.spec_stats.merge(req.spec_stats)
 

@@ -18,6 +18,7 @@ the MTP picked it (the MTP passes still run, and the next one reads the replaced
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +27,16 @@ from hybridrt.runner import build_batch
 from hybridrt.sampler import Sampler
 from hybridrt.scheduler import StepPlan
 from hybridrt.statecache import HybridCacheManager
+
+
+@dataclass(slots=True)
+class Drafts:
+    """A request's next drafts, as the proposer picked them; the engine's update step hands
+    them to the request (the proposer writes no request field)."""
+
+    request: object  # hybridrt.request.Request
+    token_ids: list[int]
+    probs: torch.Tensor | None  # [len(token_ids), V] they were sampled from (None: greedy)
 
 
 class MTPProposer:
@@ -56,11 +67,10 @@ class MTPProposer:
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan, row_starts: list[int], hidden: torch.Tensor,
-                settled: list[int]) -> None:
+                settled: list[int]) -> list[Drafts]:
         """``row_starts[b]``: the first row of plan.seqs[b] in ``hidden``; ``settled[b]``:
-        positions of plan.seqs[b] the target settled this step (its accepted
-        inputs); drafts for every unfinished request that sampled land in
-        ``request.draft_token_ids``."""
+        positions of plan.seqs[b] the target settled this step (its accepted inputs)
+        -> the drafts of every unfinished request that sampled and may draft."""
         tokens, starts, tables, rows, modes, reqs = [], [], [], [], [], []
         for b, s in enumerate(plan.seqs):
             req = s.request
@@ -76,13 +86,12 @@ class MTPProposer:
             if drafting:
                 reqs.append(req)
         if not tokens:
-            return
+            return []
         mb = build_batch(tokens, starts, tables, self.cache.block_size, None, modes,
                          device=self.device)
         out = self.model.mtp_forward(mb.input_ids, hidden[torch.cat(rows).to(hidden.device)],
                                      mb, self.cache.tensors)
-        if reqs:
-            self._draft(reqs, out[mb.logits_indices])
+        return self._draft(reqs, out[mb.logits_indices]) if reqs else []
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The drafts' fp32 logits [n, vocab]: the full LM head, or the draft vocabulary's rows
@@ -94,7 +103,7 @@ class MTPProposer:
         full = small.new_full((small.shape[0], self.model.config.vocab_size), float("-inf"))
         return full.index_copy_(1, head.token_ids, small)
 
-    def _draft(self, reqs: list, h: torch.Tensor) -> None:
+    def _draft(self, reqs: list, h: torch.Tensor) -> list[Drafts]:
         budget = [self.num_drafts_for(r) for r in reqs]
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
@@ -128,9 +137,8 @@ class MTPProposer:
                 self.cache.block_size, None, None, device=self.device,
             )
             h = self.model.mtp_forward(mb.input_ids, h[sel], mb, self.cache.tensors)
-        for i, r in enumerate(reqs):
-            r.draft_token_ids = drafts[i]
-            r.draft_probs = torch.stack(probs[i]) if probs[i] else None
+        return [Drafts(r, drafts[i], torch.stack(probs[i]) if probs[i] else None)
+                for i, r in enumerate(reqs)]
 
 
 class DraftHead:

@@ -88,20 +88,20 @@ class OracleProposer:
         self.inner = inner
         self.refs = refs
         self.corrupt = corrupt or (lambda k: k)
-        self.check = check  # called with each drafting request before its drafts are replaced
+        self.check = check  # check(request, mtp_drafts) before the drafts are replaced
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def propose(self, plan, cu_seqlens, hidden, settled):
-        self.inner.propose(plan, cu_seqlens, hidden, settled)
-        for s in plan.seqs:
-            req = s.request
-            n = len(req.draft_token_ids)
+        proposed = self.inner.propose(plan, cu_seqlens, hidden, settled)
+        for drafts in proposed:
+            req = drafts.request
+            n = len(drafts.token_ids)
             if not n or req.is_finished:
                 continue
             if self.check is not None:
-                self.check(req)
+                self.check(req, list(drafts.token_ids))
             ref = self.refs[tuple(req.prompt_token_ids)]
             o = req.num_output_tokens
             assert req.output_token_ids == ref[:o], "output diverged from the reference"
@@ -110,8 +110,9 @@ class OracleProposer:
             j = self.corrupt(n)
             if j < n:
                 d[j] = (d[j] + 1) % VOCAB
-            req.draft_token_ids = d
-            req.draft_probs = None
+            drafts.token_ids = d
+            drafts.probs = None
+        return proposed
 
 
 def install_oracle(llm, refs, corrupt=None, check=None) -> OracleProposer:
@@ -395,10 +396,10 @@ def test_mtp_drafts_match_a_from_scratch_computation(ckpt, prompts, reference):
     rng = random.Random(4)
     seen = []
 
-    def check(req):
-        want = _mtp_drafts_from_scratch(llm.model, req.token_ids, len(req.draft_token_ids))
-        assert req.draft_token_ids == want, (req.request_id, len(req.token_ids))
-        seen.append(len(req.draft_token_ids))
+    def check(req, drafts):
+        want = _mtp_drafts_from_scratch(llm.model, req.token_ids, len(drafts))
+        assert drafts == want, (req.request_id, len(req.token_ids))
+        seen.append(len(drafts))
 
     install_oracle(llm, reference, corrupt=lambda n: rng.randint(0, n), check=check)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -521,9 +522,9 @@ def test_preemption_during_speculation(ckpt, prompts, reference, oracle):
     if oracle:  # also: after recompute the MTP KV is right again (drafts as from scratch)
         rng = random.Random(1)
 
-        def check(req):
-            want = _mtp_drafts_from_scratch(llm.model, req.token_ids, len(req.draft_token_ids))
-            assert req.draft_token_ids == want
+        def check(req, drafts):
+            want = _mtp_drafts_from_scratch(llm.model, req.token_ids, len(drafts))
+            assert drafts == want
             checked.append(req.metrics.num_preemptions)
 
         install_oracle(llm, reference, corrupt=lambda n: rng.randint(0, n), check=check)
