@@ -5,60 +5,31 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hybridrt.async_chain import (
+    LaunchedStep,
+    SampledTokens,
+    can_chain,
+    chained_plan,
+    lookahead_rows,
+)
 from hybridrt.config import ModelConfig
 from hybridrt.model import Qwen35ForCausalLM
-from hybridrt.output_processor import Emitted, OutputProcessor
+from hybridrt.output_processor import OutputProcessor
 from hybridrt.request import Request
 from hybridrt.runner import ModelRunner
 from hybridrt.sampler import Sampler, make_generator
 from hybridrt.sampling_params import SamplingParams
-from hybridrt.scheduler import ScheduledSeq, Scheduler, StepPlan
+from hybridrt.scheduler import Scheduler, StepPlan
 from hybridrt.session import Session, SessionManager
 from hybridrt.specdec.mtp import MTPProposer
 from hybridrt.specdec.stats import SpecStats, StepCosts
 from hybridrt.specdec.verify import verify_requests
 from hybridrt.statecache import HybridCacheManager
-
-
-@dataclass(slots=True)
-class _Sampled:
-    """A step's sampled tokens: the plain rows' (``normal``: their sequence indices) as a
-    device tensor being copied to the host, the verified drafts' already on the host."""
-
-    num_seqs: int
-    normal: list[int]
-    tokens: torch.Tensor | None = None
-    logprobs: list | None = None
-    verified: list = field(default_factory=list)
-    _host: torch.Tensor | None = None
-    _event: Any = None
-
-    def start_copy(self) -> None:
-        if self.tokens.device.type == "cuda":
-            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype,
-                                     pin_memory=True)
-            self._host.copy_(self.tokens, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def host_tokens(self) -> list[int]:
-        if self._event is None:
-            return self.tokens.tolist()
-        self._event.synchronize()  # this copy only, not the work queued after it
-        return self._host.tolist()
-
-
-@dataclass(slots=True)
-class _Launched:
-    plan: StepPlan
-    batch: Any
-    hidden: torch.Tensor
-    sampled: _Sampled
 
 
 @dataclass(slots=True)
@@ -112,7 +83,7 @@ class LLMEngine:
         # prepares step n+1 while the device runs step n); default: on for CUDA
         self.async_scheduling = (torch.device(device).type == "cuda" if async_scheduling is None
                                  else bool(async_scheduling))
-        self._inflight: _Launched | None = None
+        self._inflight: LaunchedStep | None = None
         self.step_costs = StepCosts()  # seconds in prefill, decode, verify steps and drafting
 
     # Requests ------------------------------------------------------------------------------
@@ -243,18 +214,21 @@ class LLMEngine:
         done = self._complete(launched, t0)
         return plan.failed + done
 
-    def _launch(self, plan: StepPlan, batch, rows: list | None = None) -> _Launched:
+    def _launch(self, plan: StepPlan, batch, rows: list | None = None) -> LaunchedStep:
         """Run the model on ``batch`` and sample, leaving the sampled tokens on the device."""
         hidden = self.runner.forward(batch)
         logits = self.runner.logits(hidden, batch)
-        return _Launched(plan, batch, hidden, self._sample_launch(plan, logits, rows))
+        return LaunchedStep(plan, batch, hidden, self._sample_launch(plan, logits, rows))
 
-    def _complete(self, launched: _Launched, t0: float | None = None) -> list[Request]:
+    def _complete(self, launched: LaunchedStep, t0: float | None = None) -> list[Request]:
         """Chain the next decode step when allowed, then read ``launched``'s tokens and apply
         them -> the requests that made progress."""
         plan = launched.plan
-        nxt = self._chain(launched) if self._can_chain(plan) else None
-        emitted = self._sample_collect(launched.sampled)
+        nxt = None
+        if self.async_scheduling and can_chain(plan, self.scheduler,
+                                               self.engine_config.max_model_len):
+            nxt = self._chain(launched)
+        emitted = launched.sampled.emitted()
         up = self.output.update(plan, emitted, time.perf_counter())
         self.stats["num_prefill_tokens"] += up.num_prompt_tokens
         self.stats["num_decode_tokens"] += up.num_output_tokens
@@ -272,54 +246,19 @@ class LLMEngine:
             self._inflight = nxt  # else every request of it finished: nothing to wait for
         return [s.request for s in plan.seqs if s.sample or s.num_drafts]
 
-    def _can_chain(self, plan: StepPlan) -> bool:
-        """Whether the step after ``plan`` is known before its tokens are: every running
-        request decodes one token and then another, whatever the token (no waiting request,
-        no drafts, sessions, logprobs or penalties, no request at its length limit)."""
-        if not self.async_scheduling or self.scheduler.waiting:
-            return False
-        if len(plan.seqs) != len(self.scheduler.running):
-            return False
-        limit = self.engine_config.max_model_len
-        for s in plan.seqs:
-            r, p = s.request, s.request.params
-            if (s.num_new_tokens != 1 or not s.sample or s.num_drafts or r.spec_k
-                    or r.session is not None or r.is_finished or p.logprobs is not None
-                    or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-                    or p.presence_penalty != 0.0):
-                return False
-            if (p.max_tokens is not None and r.num_output_tokens + 1 >= p.max_tokens) or (
-                    len(r.token_ids) + 1 >= limit):
-                return False
-        return True
-
-    def _chain(self, launched: _Launched) -> _Launched | None:
-        """Launch the decode step after ``launched`` while its tokens are still on the
-        device: each request's next input is its sampled token, copied on the device. The
-        requests' host state is advanced by a placeholder token while the batch and the
-        sampling rows are built, and restored before ``launched`` is applied. None when some
-        request's KV blocks cannot grow (the next step is then scheduled as usual)."""
-        reqs = [s.request for s in launched.plan.seqs]
-        for r in reqs:
-            if not self.cache.allocate_blocks(r.request_id, r.num_computed_tokens + 2):
-                return None
-        for r in reqs:
-            r.token_ids.append(0)
-            r.num_computed_tokens += 1
-        try:
-            plan = StepPlan([ScheduledSeq(r, 1, True, 0, r.num_computed_tokens) for r in reqs])
-            batch = self.runner.prepare(plan)
-            rows = [r.sampling_row() for r in reqs]
-        finally:
-            for r in reqs:
-                r.token_ids.pop()
-                r.num_computed_tokens -= 1
+    def _chain(self, launched: LaunchedStep) -> LaunchedStep | None:
+        """Launch the decode step after ``launched`` while its tokens are still on the device
+        (hybridrt.async_chain) -> it, or None when it cannot be planned."""
+        plan = chained_plan(launched.plan, self.cache)
+        if plan is None:
+            return None
+        batch = self.runner.prepare(plan)
         batch.input_ids.copy_(launched.sampled.tokens, non_blocking=True)
         self.stats["num_chained_steps"] += 1
-        return self._launch(plan, batch, rows)
+        return self._launch(plan, batch, lookahead_rows(plan))
 
     def _sample_launch(self, plan: StepPlan, logits: torch.Tensor,
-                       rows: list | None = None) -> _Sampled:
+                       rows: list | None = None) -> SampledTokens:
         """Sample every sequence's tokens; the plain rows' stay on the device (their copy to
         the host is started), drafts are verified at once. ``rows``: the sampling rows of the
         plain rows, when the requests' state is not theirs now (a chained step)."""
@@ -332,7 +271,7 @@ class LLMEngine:
             elif s.sample:
                 normal.append((b, r))
                 r += 1
-        out = _Sampled(len(plan.seqs), [b for b, _ in normal])
+        out = SampledTokens(len(plan.seqs), [b for b, _ in normal])
         if normal:
             sel = logits
             if len(normal) < logits.shape[0]:  # verify rows follow: pick the sampling rows
@@ -347,19 +286,6 @@ class LLMEngine:
             out.verified = list(zip([b for b, _ in verify],
                                     verify_requests(self.sampler, logits, entries)))
         return out
-
-    @staticmethod
-    def _sample_collect(sampled: _Sampled) -> list[Emitted | None]:
-        """Per scheduled sequence: the tokens it emits this step (None: mid-prompt chunk)."""
-        emitted: list[Emitted | None] = [None] * sampled.num_seqs
-        if sampled.normal:
-            toks = sampled.host_tokens()
-            for n, b in enumerate(sampled.normal):
-                lp = None if sampled.logprobs is None else [sampled.logprobs[n]]
-                emitted[b] = Emitted([toks[n]], lp, None)
-        for b, v in sampled.verified:
-            emitted[b] = Emitted(v.token_ids, v.logprobs, v)
-        return emitted
 
     def _finish(self, req: Request, reason: str | None = None) -> None:
         self.scheduler.finish(req, reason)

@@ -116,9 +116,12 @@ class ModelRunner:
         tokens, starts, tables, slots, modes, verify = [], [], [], [], [], []
         for s in plan.seqs:
             req = s.request
-            c = req.num_computed_tokens
+            c = s.start
             real = s.num_new_tokens - s.num_drafts
-            tokens.append(req.token_ids[c:c + real] + req.draft_token_ids[:s.num_drafts])
+            if s.chained:  # a placeholder: the sampled token is copied over it on the device
+                tokens.append([0])
+            else:
+                tokens.append(req.token_ids[c:c + real] + req.draft_token_ids[:s.num_drafts])
             starts.append(c)
             tables.append(self.cache.block_table(req.request_id))
             own = self.cache.state_slots(req.request_id)

@@ -37,7 +37,10 @@ class ScheduledSeq:
     num_new_tokens: int  # tokens fed this step, drafts included
     sample: bool  # this step reaches the end of the known tokens: a new token is sampled
     num_drafts: int = 0  # > 0: verify this many of the request's drafts
-    start: int = 0  # num_computed_tokens before the step
+    start: int = 0  # the first position fed (num_computed_tokens before the step)
+    # a chained step's (hybridrt.async_chain): its one input is the previous step's sampled
+    # token, still on the device, at the position after the request's known tokens
+    chained: bool = False
 
 
 @dataclass(slots=True)
