@@ -1,5 +1,9 @@
 """Async scheduling: decode step n + 1 launched while step n's tokens are still on the device.
 
+``sample_step`` samples a step and leaves the plain rows' tokens on the device (their copy to
+the host started); ``SampledTokens.emitted`` reads them when the step is applied. Every step
+goes through these two, chained or not.
+
 Without it the host waits for step n's sampled tokens, applies them, and only then builds and
 launches step n + 1, so on a GPU the device idles while the host works. When step n + 1 is
 known before its tokens are (``can_chain``: every running request decodes one token and then
@@ -24,8 +28,9 @@ from typing import Any
 import torch
 
 from hybridrt.output_processor import Emitted
-from hybridrt.sampler import SamplingRow
+from hybridrt.sampler import Sampler, SamplingRow
 from hybridrt.scheduler import ScheduledSeq, Scheduler, StepPlan
+from hybridrt.specdec.verify import verify_requests
 from hybridrt.statecache import HybridCacheManager
 
 # the token a chained step's sampling rows see in place of the one still on the device: only
@@ -72,6 +77,37 @@ class SampledTokens:
         for b, v in self.verified:
             out[b] = Emitted(v.token_ids, v.logprobs, v)
         return out
+
+
+def sample_step(sampler: Sampler, plan: StepPlan, logits: torch.Tensor,
+                rows: list[SamplingRow] | None = None) -> SampledTokens:
+    """Sample every sequence's tokens; the plain rows' stay on the device (their copy to the
+    host is started), drafts are verified at once. ``rows``: the sampling rows of the plain
+    rows, when the requests' state is not theirs now (a chained step)."""
+    normal, verify = [], []
+    r = 0
+    for b, s in enumerate(plan.seqs):
+        if s.num_drafts:
+            verify.append((b, r))
+            r += s.num_new_tokens
+        elif s.sample:
+            normal.append((b, r))
+            r += 1
+    out = SampledTokens(len(plan.seqs), [b for b, _ in normal])
+    if normal:
+        sel = logits
+        if len(normal) < logits.shape[0]:  # verify rows follow: pick the sampling rows
+            sel = logits[torch.tensor([r for _, r in normal], device=logits.device)]
+        if rows is None:
+            rows = [plan.seqs[b].request.sampling_row() for b, _ in normal]
+        res = sampler.sample(sel, rows)
+        out.tokens, out.logprobs = res.token_ids, res.logprobs
+        out.start_copy()
+    if verify:
+        entries = [(plan.seqs[b].request, plan.seqs[b].num_drafts, r0) for b, r0 in verify]
+        out.verified = list(zip([b for b, _ in verify],
+                                verify_requests(sampler, logits, entries)))
+    return out
 
 
 @dataclass(slots=True)

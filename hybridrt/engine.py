@@ -1,7 +1,28 @@
-"""The engine: ``step()`` = schedule -> prepare -> run -> sample -> update."""
+"""The engine: ``step()`` = schedule -> prepare the batch -> run -> sample / verify -> update
+-> draft.
+
+| piece | owns | file |
+| --- | --- | --- |
+| Scheduler | waiting / running queues; admission, preemption, finish | scheduler.py |
+| ModelRunner | the step's ForwardBatch; forward and logits | runner.py |
+| sample_step | sampling and draft verification; tokens left on the device | async_chain.py |
+| OutputProcessor | the update step: request progress, stops, text | output_processor.py |
+| MTPProposer | the next drafts | specdec/mtp.py |
+| SessionManager | open sessions and their cache between turns | session.py |
+| HybridCacheManager | KV blocks and state slots per owner | statecache/manager.py |
+
+Extension point: ``LLMEngine.observer`` (default None). When set, an object whose
+``phase(name)`` returns a context manager; ``step`` runs each phase inside it, in this order:
+"schedule", "prepare", "forward", "logits", "sample", "update" (drafting follows "update",
+outside the phases). A decode step that async scheduling chains (``async_chain``) is seen as
+"prepare", "forward", "logits", "sample" inside the step that launches it, between that step's
+"sample" and "update", and its own "update" in the next call. A benchmark uses it to time the
+phases (``hybridrt bench cuda``); with None the cost is one attribute check per phase.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Sequence
@@ -12,15 +33,15 @@ import torch
 
 from hybridrt.async_chain import (
     LaunchedStep,
-    SampledTokens,
     can_chain,
     chained_plan,
     lookahead_rows,
+    sample_step,
 )
 from hybridrt.config import ModelConfig
 from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.output_processor import OutputProcessor
-from hybridrt.request import Request
+from hybridrt.request import Request, stop_token_ids, validate_prompt
 from hybridrt.runner import ModelRunner
 from hybridrt.sampler import Sampler, make_generator
 from hybridrt.sampling_params import SamplingParams
@@ -28,7 +49,6 @@ from hybridrt.scheduler import Scheduler, StepPlan
 from hybridrt.session import Session, SessionManager
 from hybridrt.specdec.mtp import MTPProposer
 from hybridrt.specdec.stats import SpecStats, StepCosts
-from hybridrt.specdec.verify import verify_requests
 from hybridrt.statecache import HybridCacheManager
 
 
@@ -85,26 +105,13 @@ class LLMEngine:
                                  else bool(async_scheduling))
         self._inflight: LaunchedStep | None = None
         self.step_costs = StepCosts()  # seconds in prefill, decode, verify steps and drafting
+        self.observer = None  # sees the phases of every step: see the module docstring
 
     # Requests ------------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids must be a list of ints")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt has token ids outside [0, {self.config.vocab_size}): {bad[:5]}"
-            )
-        limit = self.engine_config.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but max_model_len is {limit}: it must be "
-                f"shorter than max_model_len to leave room for at least one generated token"
-            )
-        return ids
+        """The prompt as a list of ids; ValueError if it cannot be a request's prompt."""
+        return validate_prompt(prompt_token_ids, self.config.vocab_size,
+                               self.engine_config.max_model_len)
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                     prompt: str | None = None, request_id: str | None = None,
@@ -136,7 +143,8 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         if session is not None:
             self.session_manager.claim(session)
-        req = Request(rid, prompt, ids, params, self._stop_ids(params), spec_k=k,
+        stop_ids = stop_token_ids(params, self.config.eos_token_ids)
+        req = Request(rid, prompt, ids, params, stop_ids, spec_k=k,
                       generator=make_generator(params), session=session,
                       session_snapshot_at=snapshot_at)
         self.requests[rid] = req
@@ -192,115 +200,87 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """One engine step -> the requests that made progress (new tokens or finished).
 
-        With ``async_scheduling`` a decode step can be launched before the previous one's
-        tokens reach the host (``_chain``): the call that launches it returns the previous
-        step's results and the next call returns its own."""
+        schedule -> prepare the batch -> forward -> logits -> sample / verify -> update ->
+        draft. With ``async_scheduling`` a decode step can be launched before the previous
+        one's tokens reach the host (``_chain``): the call that launches it returns the
+        previous step's results and the next call applies it (update and draft only)."""
         t0 = self.step_costs.clock()
-        launched, self._inflight = self._inflight, None
-        if launched is not None and any(not s.request.is_finished for s in launched.plan.seqs):
-            done = self._complete(launched)
-            self.step_costs.record("decode", self.step_costs.clock() - t0)
-            return done
-        plan = self.scheduler.schedule()
-        self.stats["num_preemptions"] += len(plan.preempted)
-        self.stats["num_session_evictions"] = self.session_manager.num_evictions
-        for req in plan.failed:
-            self._finish(req, "error")
-        if not plan.seqs:
-            return plan.failed
-        if self.governor is not None:
-            self.governor.update()
-        launched = self._launch(plan, self.runner.prepare(plan))
-        done = self._complete(launched, t0)
-        return plan.failed + done
-
-    def _launch(self, plan: StepPlan, batch, rows: list | None = None) -> LaunchedStep:
-        """Run the model on ``batch`` and sample, leaving the sampled tokens on the device."""
-        hidden = self.runner.forward(batch)
-        logits = self.runner.logits(hidden, batch)
-        return LaunchedStep(plan, batch, hidden, self._sample_launch(plan, logits, rows))
-
-    def _complete(self, launched: LaunchedStep, t0: float | None = None) -> list[Request]:
-        """Chain the next decode step when allowed, then read ``launched``'s tokens and apply
-        them -> the requests that made progress."""
+        launched, self._inflight, failed = self._inflight, None, []
+        if launched is None or all(s.request.is_finished for s in launched.plan.seqs):
+            with self._phase("schedule"):
+                plan = self.scheduler.schedule()
+                self.stats["num_preemptions"] += len(plan.preempted)
+                self.stats["num_session_evictions"] = self.session_manager.num_evictions
+                failed = plan.failed
+                for req in failed:
+                    self._finish(req, "error")
+            if not plan.seqs:
+                return failed
+            if self.governor is not None:
+                self.governor.update()
+            with self._phase("prepare"):
+                batch = self.runner.prepare(plan)
+            launched, kind = self._launch(plan, batch), _step_kind(plan)
+        else:
+            kind = "decode"  # a chained step, launched by the previous call
         plan = launched.plan
-        nxt = None
-        if self.async_scheduling and can_chain(plan, self.scheduler,
-                                               self.engine_config.max_model_len):
-            nxt = self._chain(launched)
-        emitted = launched.sampled.emitted()
-        up = self.output.update(plan, emitted, time.perf_counter())
-        self.stats["num_prefill_tokens"] += up.num_prompt_tokens
-        self.stats["num_decode_tokens"] += up.num_output_tokens
-        for req in up.finished:
-            self._finish(req)
+        chained = self._chain(launched)
+        with self._phase("update"):
+            up = self.output.update(plan, launched.sampled.emitted(), time.perf_counter())
+            self.stats["num_prefill_tokens"] += up.num_prompt_tokens
+            self.stats["num_decode_tokens"] += up.num_output_tokens
+            for req in up.finished:
+                self._finish(req)
         t1 = self.step_costs.clock()
-        if t0 is not None:  # (a chained step's time is recorded by the call completing it)
-            self.step_costs.record(_step_kind(plan), t1 - t0)
+        self.step_costs.record(kind, t1 - t0)
         if self.proposer is not None and any(s.request.spec_k for s in plan.seqs):
             self.output.apply_drafts(self.proposer.propose(
                 plan, launched.batch.query_starts, launched.hidden, up.settled))
             self.step_costs.record("draft", self.step_costs.clock() - t1)
         self.stats["num_steps"] += 1
-        if nxt is not None and any(not s.request.is_finished for s in nxt.plan.seqs):
-            self._inflight = nxt  # else every request of it finished: nothing to wait for
-        return [s.request for s in plan.seqs if s.sample or s.num_drafts]
+        if chained is not None and any(not s.request.is_finished for s in chained.plan.seqs):
+            self._inflight = chained  # else every request of it finished: nothing to wait for
+        return failed + [s.request for s in plan.seqs if s.sample or s.num_drafts]
+
+    def _phase(self, name: str):
+        """The observer's context for one phase of ``step`` (see ``LLMEngine``)."""
+        return _NO_PHASE if self.observer is None else self.observer.phase(name)
+
+    def _launch(self, plan: StepPlan, batch, rows: list | None = None) -> LaunchedStep:
+        """Run the model on ``batch`` and sample, leaving the sampled tokens on the device."""
+        with self._phase("forward"):
+            hidden = self.runner.forward(batch)
+        with self._phase("logits"):
+            logits = self.runner.logits(hidden, batch)
+        with self._phase("sample"):
+            sampled = sample_step(self.sampler, plan, logits, rows)
+        return LaunchedStep(plan, batch, hidden, sampled)
 
     def _chain(self, launched: LaunchedStep) -> LaunchedStep | None:
-        """Launch the decode step after ``launched`` while its tokens are still on the device
-        (hybridrt.async_chain) -> it, or None when it cannot be planned."""
+        """With async scheduling, launch the decode step after ``launched`` while its tokens
+        are still on the device (hybridrt.async_chain) -> it, or None."""
+        if not (self.async_scheduling and can_chain(launched.plan, self.scheduler,
+                                                    self.engine_config.max_model_len)):
+            return None
         plan = chained_plan(launched.plan, self.cache)
         if plan is None:
             return None
-        batch = self.runner.prepare(plan)
-        batch.input_ids.copy_(launched.sampled.tokens, non_blocking=True)
+        with self._phase("prepare"):
+            batch = self.runner.prepare(plan)
+            batch.input_ids.copy_(launched.sampled.tokens, non_blocking=True)
         self.stats["num_chained_steps"] += 1
         return self._launch(plan, batch, lookahead_rows(plan))
-
-    def _sample_launch(self, plan: StepPlan, logits: torch.Tensor,
-                       rows: list | None = None) -> SampledTokens:
-        """Sample every sequence's tokens; the plain rows' stay on the device (their copy to
-        the host is started), drafts are verified at once. ``rows``: the sampling rows of the
-        plain rows, when the requests' state is not theirs now (a chained step)."""
-        normal, verify = [], []
-        r = 0
-        for b, s in enumerate(plan.seqs):
-            if s.num_drafts:
-                verify.append((b, r))
-                r += s.num_new_tokens
-            elif s.sample:
-                normal.append((b, r))
-                r += 1
-        out = SampledTokens(len(plan.seqs), [b for b, _ in normal])
-        if normal:
-            sel = logits
-            if len(normal) < logits.shape[0]:  # verify rows follow: pick the sampling rows
-                sel = logits[torch.tensor([r for _, r in normal], device=logits.device)]
-            if rows is None:
-                rows = [plan.seqs[b].request.sampling_row() for b, _ in normal]
-            res = self.sampler.sample(sel, rows)
-            out.tokens, out.logprobs = res.token_ids, res.logprobs
-            out.start_copy()
-        if verify:
-            entries = [(plan.seqs[b].request, plan.seqs[b].num_drafts, r0) for b, r0 in verify]
-            out.verified = list(zip([b for b, _ in verify],
-                                    verify_requests(self.sampler, logits, entries)))
-        return out
 
     def _finish(self, req: Request, reason: str | None = None) -> None:
         self.scheduler.finish(req, reason)
         if req.spec_stats is not None:
             self.spec_stats.merge(req.spec_stats)
 
-    def _stop_ids(self, params: SamplingParams) -> list[int]:
-        ids = [] if params.ignore_eos else list(self.config.eos_token_ids)
-        for t in params.stop_token_ids or []:
-            if t not in ids:
-                ids.append(t)
-        return ids
-
     # Outputs -------------------------------------------------------------------------------
     make_output = staticmethod(OutputProcessor.make_output)
+
+
+_NO_PHASE = contextlib.nullcontext()
 
 
 def _step_kind(plan: StepPlan) -> str:
