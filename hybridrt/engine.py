@@ -78,8 +78,8 @@ class LLMEngine:
         self.engine_config = engine_config
         self.tokenizer = tokenizer
         self.session_manager = SessionManager(cache)
-        self.output = OutputProcessor(tokenizer, engine_config.max_model_len,
-                                      self.session_manager)
+        self.output_processor = OutputProcessor(tokenizer, engine_config.max_model_len,
+                                                self.session_manager)
         self.runner = ModelRunner(model, cache, device, backend, engine_config.max_num_seqs,
                                   engine_config.max_num_batched_tokens,
                                   engine_config.max_model_len)
@@ -146,7 +146,7 @@ class LLMEngine:
         stop_ids = stop_token_ids(params, self.config.eos_token_ids)
         req = Request(rid, prompt, ids, params, stop_ids, spec_k=k,
                       generator=make_generator(params), session=session,
-                      session_snapshot_at=snapshot_at)
+                      requested_snapshot_at=snapshot_at)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -219,14 +219,15 @@ class LLMEngine:
             if self.governor is not None:
                 self.governor.update()
             with self._phase("prepare"):
-                batch = self.runner.prepare(plan)
+                batch = self.runner.build_step_batch(plan)
             launched, kind = self._launch(plan, batch), _step_kind(plan)
         else:
             kind = "decode"  # a chained step, launched by the previous call
         plan = launched.plan
         chained = self._chain(launched)
         with self._phase("update"):
-            up = self.output.update(plan, launched.sampled.emitted(), time.perf_counter())
+            emitted = launched.sampled.emitted()  # waits for the tokens to reach the host
+            up = self.output_processor.update(plan, emitted, time.perf_counter())
             self.stats["num_prefill_tokens"] += up.num_prompt_tokens
             self.stats["num_decode_tokens"] += up.num_output_tokens
             for req in up.finished:
@@ -234,7 +235,7 @@ class LLMEngine:
         t1 = self.step_costs.clock()
         self.step_costs.record(kind, t1 - t0)
         if self.proposer is not None and any(s.request.spec_k for s in plan.seqs):
-            self.output.apply_drafts(self.proposer.propose(
+            self.output_processor.apply_drafts(self.proposer.propose(
                 plan, launched.batch.query_starts, launched.hidden, up.settled))
             self.step_costs.record("draft", self.step_costs.clock() - t1)
         self.stats["num_steps"] += 1
@@ -266,7 +267,7 @@ class LLMEngine:
         if plan is None:
             return None
         with self._phase("prepare"):
-            batch = self.runner.prepare(plan)
+            batch = self.runner.build_step_batch(plan)
             batch.input_ids.copy_(launched.sampled.tokens, non_blocking=True)
         self.stats["num_chained_steps"] += 1
         return self._launch(plan, batch, lookahead_rows(plan))

@@ -5,7 +5,7 @@ returns.
 scheduled sequence it advances ``num_computed_tokens`` (for a verify step: by the accepted
 drafts, choosing the state slot verification settled on), saves a session snapshot at its
 point, drops the verified drafts and appends the emitted tokens; ``apply_drafts`` then hands
-the proposer's next drafts to their requests. ``append`` records one token, checks the stop
+the proposer's next drafts to their requests. ``append_token`` records one token, checks the stop
 conditions (stop tokens after ``min_tokens``, ``max_tokens``, the context length), grows the
 text by the token's piece (``hybridrt.detokenizer``) and cuts it at a stop string.
 ``make_output`` turns a request into its ``RequestOutput``.
@@ -76,7 +76,7 @@ class OutputProcessor:
             req.num_computed_tokens += n
             up.settled.append(n)
             if req.session is not None and self.sessions.save_snapshot(req):
-                req.snapshot_at = None
+                req.pending_snapshot_at = None
             req.draft_token_ids, req.draft_probs = [], None
             if em is None:
                 continue
@@ -85,7 +85,7 @@ class OutputProcessor:
                 if lp is not None and req.logprobs is not None:
                     req.logprobs.append({**dict(lp.top), lp.token_id: lp.logprob})
                 up.num_output_tokens += 1
-                if self.append(req, tok, now):
+                if self.append_token(req, tok, now):
                     up.finished.append(req)
                     break
         return up
@@ -96,7 +96,7 @@ class OutputProcessor:
         for d in drafts:
             d.request.draft_token_ids, d.request.draft_probs = d.token_ids, d.probs
 
-    def append(self, req: Request, tok: int, now: float) -> bool:
+    def append_token(self, req: Request, tok: int, now: float) -> bool:
         """Record ``tok`` as the request's next output token -> whether the request finished
         (``finish_reason`` / ``stop_reason`` are set then)."""
         req.token_ids.append(tok)

@@ -100,8 +100,8 @@ class Request:
     # GDN state at, and the one still to be saved (just before the last prompt token by default).
     session: Session | None = None
     session_attached: bool = False
-    session_snapshot_at: int | None = None
-    snapshot_at: int | None = None
+    requested_snapshot_at: int | None = None
+    pending_snapshot_at: int | None = None
 
     def __post_init__(self) -> None:
         if self.spec_k > 0 and self.spec_stats is None:

@@ -109,7 +109,7 @@ class ModelRunner:
                 max_num_seqs, max_num_batched_tokens, -(-max_model_len // self.block_size),
                 model.config.linear_conv_kernel_dim)
 
-    def prepare(self, plan: StepPlan) -> ForwardBatch:
+    def build_step_batch(self, plan: StepPlan) -> ForwardBatch:
         """The step's batch: each request's uncomputed tokens (plus its drafts when verifying)
         from its state slot; logits rows: the last token of sampling requests, every token
         of verifying ones."""

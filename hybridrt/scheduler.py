@@ -90,7 +90,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                plan.seqs.append(self._entry(req, n, max(0, n - pending)))
+                plan.seqs.append(self._scheduled(req, n, max(0, n - pending)))
                 budget -= n
                 i += 1
 
@@ -116,7 +116,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            plan.seqs.append(self._entry(req, n, 0))
+            plan.seqs.append(self._scheduled(req, n, 0))
             budget -= n
         return plan
 
@@ -142,7 +142,7 @@ class Scheduler:
         """A session request being admitted takes over its session's cache."""
         got = self.sessions.attach(req)
         req.num_computed_tokens, req.slot_cursor = got.num_computed_tokens, got.slot_cursor
-        req.snapshot_at = got.snapshot_at
+        req.pending_snapshot_at = got.pending_snapshot_at
         req.session_attached = True
         req.metrics.session_cache_evicted = got.cache_evicted
         req.metrics.num_reused_prompt_tokens = got.num_computed_tokens
@@ -179,11 +179,12 @@ class Scheduler:
     @staticmethod
     def _stop_at_snapshot(req: Request, n: int) -> int:
         """A session request's prefill stops where its GDN state is to be saved."""
-        if req.snapshot_at is not None and req.num_computed_tokens < req.snapshot_at:
-            return min(n, req.snapshot_at - req.num_computed_tokens)
+        at = req.pending_snapshot_at
+        if at is not None and req.num_computed_tokens < at:
+            return min(n, at - req.num_computed_tokens)
         return n
 
-    def _entry(self, req: Request, n: int, num_drafts: int) -> ScheduledSeq:
+    def _scheduled(self, req: Request, n: int, num_drafts: int) -> ScheduledSeq:
         if req.metrics.first_scheduled_time is None:
             req.metrics.first_scheduled_time = time.perf_counter()
         sample = req.num_computed_tokens + n - num_drafts == len(req.token_ids)

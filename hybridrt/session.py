@@ -54,7 +54,7 @@ class Attached:
 
     num_computed_tokens: int  # prompt tokens reused from the session's cache
     slot_cursor: int  # which of the request's state slots holds the GDN state
-    snapshot_at: int | None  # the prompt length to save the GDN state at (None: no snapshot)
+    pending_snapshot_at: int | None  # the prompt length to save the GDN state at (None: none)
     cache_evicted: bool  # the session's cache was evicted since its last turn
 
 
@@ -134,8 +134,8 @@ class SessionManager:
             if session.snapshot_len is not None and session.snapshot_len > reuse:
                 session.snapshot_len = None
         cache.transfer(key, req.request_id)
-        snapshot_at = req.session_snapshot_at
-        at = len(ids) - 1 if snapshot_at is None else min(snapshot_at, len(ids) - 1)
+        asked = req.requested_snapshot_at
+        at = len(ids) - 1 if asked is None else min(asked, len(ids) - 1)
         attached = Attached(reuse, session.slot_cursor if reuse else 0,
                             at if at > reuse else None, session.evicted)
         session.evicted = False
@@ -160,12 +160,12 @@ class SessionManager:
 
     def save_snapshot(self, req: Request) -> bool:
         """At the request's snapshot point, save its GDN state into the session's snapshot
-        slot -> whether it did (the request's ``snapshot_at`` is then spent)."""
-        if req.snapshot_at is None or req.num_computed_tokens != req.snapshot_at:
+        slot -> whether it did (the request's ``pending_snapshot_at`` is then spent)."""
+        if req.pending_snapshot_at is None or req.num_computed_tokens != req.pending_snapshot_at:
             return False
         own = self.cache.state_slot(req.request_id, req.slot_cursor)
         self.cache.copy_state(own, req.session.snapshot_slot)
-        req.session.snapshot_len = req.snapshot_at
+        req.session.snapshot_len = req.pending_snapshot_at
         return True
 
     def evict_idle(self) -> bool:

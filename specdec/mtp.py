@@ -111,7 +111,7 @@ class MTPProposer:
         for j in range(max(budget)):
             logits = self._logits(h)
             rows = [reqs[i].sampling_row(drafts[i]) for i in active]
-            prepared = self.sampler.prepare(logits, rows)
+            prepared = self.sampler.processed_logits(logits, rows)
             picked = prepared.argmax(dim=-1)
             rand = [n for n, r in enumerate(rows) if not r.params.greedy]
             if rand:

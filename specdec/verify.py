@@ -34,7 +34,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, items: list[VerifyItem
     """logits: [sum(k_i + 1), V] target rows, item after item -> per item (emitted tokens,
     number of drafts accepted); emitted = accepted drafts + one target token."""
     rows = [r for it in items for r in it.rows]
-    prepared = sampler.prepare(logits, rows)
+    prepared = sampler.processed_logits(logits, rows)
     random_items = [i for i, it in enumerate(items) if not it.rows[0].params.greedy]
     probs = sampler.probs(prepared, rows) if random_items else None
     out: list[tuple[list[int], int]] = []

@@ -280,7 +280,8 @@ class HybridCacheManager:
         del table[keep:]
 
     # Release -----------------------------------------------------------------------------
-    def free(self, request_id: str) -> None:
-        """Return everything a request holds (finish, abort or preemption). Idempotent."""
-        self._blocks.free(self._block_tables.pop(request_id, []))
-        self._slots.free(self._state_slots.pop(request_id, []))
+    def free(self, owner: str) -> None:
+        """Return everything a request (finish, abort or preemption) or a session (eviction,
+        reset, close) holds. Idempotent."""
+        self._blocks.free(self._block_tables.pop(owner, []))
+        self._slots.free(self._state_slots.pop(owner, []))

@@ -146,7 +146,7 @@ def test_mixed_batch_mixed_k_chunked_prefill(ckpt, prompts, reference, rounds):
     llm = make_llm(ckpt, 4, max_num_batched_tokens=24)
     eng = llm.engine
     kinds = []
-    prepare = eng.runner.prepare
+    prepare = eng.runner.build_step_batch
 
     def spy(plan):
         batch = prepare(plan)
@@ -155,7 +155,7 @@ def test_mixed_batch_mixed_k_chunked_prefill(ckpt, prompts, reference, rounds):
                      | ({"chunk"} if gdn.chunked is not None else set()))
         return batch
 
-    eng.runner.prepare = spy
+    eng.runner.build_step_batch = spy
     ids = [eng.add_request(p, GREEDY, speculative_tokens=i % 5) for i, p in enumerate(prompts)]
     while eng.has_unfinished_requests():
         eng.step()
@@ -442,7 +442,7 @@ def _exact_marginals(small_ckpt, params: SamplingParams) -> list[torch.Tensor]:
     logits = torch.tensor([[o.outputs[0].logprobs[0][t] for t in range(V)] for o in outs])
     sampler = Sampler()
     rows = [SamplingRow(params) for _ in ctx]
-    probs = sampler.probs(sampler.prepare(logits, rows), rows).double()
+    probs = sampler.probs(sampler.processed_logits(logits, rows), rows).double()
     p1, p2, p3 = probs[0], probs[1:1 + V], probs[1 + V:].view(V, V, V)
     m2 = p1 @ p2
     m3 = torch.einsum("a,ab,abc->c", p1, p2, p3)
