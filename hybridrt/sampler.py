@@ -348,8 +348,8 @@ def find_stop(text: str, stop: list[str], start: int) -> int | None:
 def argmax_rows(x: torch.Tensor, block: int = 2048) -> torch.Tensor:
     """``x.argmax(-1)`` for a 2-D tensor, same result (first maximum; NaN counts as maximal):
     the per-block maxima pick each row's first block holding its maximum, then one argmax over
-    that block. ATen's CPU argmax does not vectorise and ``amax`` does, so on a [32, vocab]
-    logits tensor this is several times faster (docs/performance.md)."""
+    that block. ATen's CPU argmax does not vectorise and ``amax`` does, so the two passes cost
+    less than one argmax over a wide logits tensor (docs/performance.md)."""
     n, V = x.shape
     full = V // block * block
     if x.device.type != "cpu" or full == 0 or not x.is_contiguous():
