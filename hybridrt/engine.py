@@ -244,7 +244,7 @@ class LLMEngine:
         return failed + [s.request for s in plan.seqs if s.sample or s.num_drafts]
 
     def _phase(self, name: str):
-        """The observer's context for one phase of ``step`` (see ``LLMEngine``)."""
+        """The observer's context for one phase of ``step`` (see the module docstring)."""
         return _NO_PHASE if self.observer is None else self.observer.phase(name)
 
     def _launch(self, plan: StepPlan, batch, rows: list | None = None) -> LaunchedStep:

@@ -70,6 +70,10 @@ class Request:
     | token_ids | prompt followed by every generated token |
     | num_computed_tokens | tokens whose KV / GDN state are in the cache (<= len(token_ids)) |
     | text | detokenised output so far (stop strings already cut) |
+
+    Its progress has two writers: the scheduler (admission, preemption, finish) and the
+    update step (``OutputProcessor.update`` / ``apply_drafts``); speculation and sessions
+    return what they settled instead of writing here.
     """
 
     request_id: str
