@@ -1,28 +1,102 @@
-"""From sampled tokens to what a request returns: stop conditions, text, outputs.
+"""The update step: a step's sampled tokens written into its requests, and what a request
+returns.
 
-The engine hands each new token of a request to ``OutputProcessor.append``, which records it,
-checks the stop conditions (stop tokens after ``min_tokens``, ``max_tokens``, the context
-length), grows the text by the token's piece (``hybridrt.detokenizer``) and cuts it at a stop
-string; it says whether the request is done. ``make_output`` turns a request into its
-``RequestOutput``.
+``OutputProcessor.update`` is where a step's progress lands (nano-vllm's ``postprocess``): per
+scheduled sequence it advances ``num_computed_tokens`` (for a verify step: by the accepted
+drafts, choosing the state slot verification settled on), saves a session snapshot at its
+point, drops the verified drafts and appends the emitted tokens; ``apply_drafts`` then hands
+the proposer's next drafts to their requests. ``append_token`` records one token, checks the stop
+conditions (stop tokens after ``min_tokens``, ``max_tokens``, the context length), grows the
+text by the token's piece (``hybridrt.detokenizer``) and cuts it at a stop string.
+``make_output`` turns a request into its ``RequestOutput``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from hybridrt.detokenizer import IncrementalDetokenizer
 from hybridrt.outputs import CompletionOutput, RequestOutput
 from hybridrt.request import Request
 from hybridrt.sampler import find_stop
+from hybridrt.scheduler import StepPlan
+from hybridrt.session import SessionManager
+
+if TYPE_CHECKING:
+    from hybridrt.specdec.mtp import Drafts
+    from hybridrt.specdec.verify import Settled
+
+
+@dataclass(slots=True)
+class Emitted:
+    """What one scheduled sequence emits in a step."""
+
+    token_ids: list[int]
+    logprobs: list | None  # RowLogprobs per token, when asked for
+    verified: Settled | None = None  # what verifying its drafts settled (verify steps only)
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What ``OutputProcessor.update`` did."""
+
+    settled: list[int] = field(default_factory=list)  # per sequence: positions now computed
+    finished: list[Request] = field(default_factory=list)  # hit a stop: for the scheduler
+    num_prompt_tokens: int = 0  # prompt tokens computed
+    num_output_tokens: int = 0  # tokens appended
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, max_model_len: int):
+    def __init__(self, tokenizer: Any, max_model_len: int,
+                 sessions: SessionManager | None = None):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.sessions = sessions  # saves session snapshots
 
-    def append(self, req: Request, tok: int, now: float) -> bool:
+    def update(self, plan: StepPlan, emitted: list[Emitted | None], now: float) -> StepUpdate:
+        """Apply a step's results (``emitted[b]``: sequence b's tokens, None for a mid-prompt
+        chunk) to its requests."""
+        up = StepUpdate()
+        for s, em in zip(plan.seqs, emitted):
+            req = s.request
+            if req.is_finished:  # a chained step's request that finished (or was aborted)
+                up.settled.append(0)  # meanwhile: its last token is dropped
+                continue
+            if s.start < req.num_prompt_tokens:
+                computed_prompt = min(s.num_new_tokens, req.num_prompt_tokens - s.start)
+                req.metrics.num_computed_prompt_tokens += computed_prompt
+                up.num_prompt_tokens += computed_prompt
+            n = s.num_new_tokens
+            if s.num_drafts:
+                v = em.verified
+                n = s.num_new_tokens - s.num_drafts + v.num_computed_drafts
+                req.slot_cursor = v.slot_cursor
+                req.spec_stats.record(v.num_drafts, v.num_accepted)
+            req.num_computed_tokens += n
+            up.settled.append(n)
+            if req.session is not None and self.sessions.save_snapshot(req):
+                req.pending_snapshot_at = None
+            req.draft_token_ids, req.draft_probs = [], None
+            if em is None:
+                continue
+            for i, tok in enumerate(em.token_ids):
+                lp = em.logprobs[i] if em.logprobs is not None else None
+                if lp is not None and req.logprobs is not None:
+                    req.logprobs.append({**dict(lp.top), lp.token_id: lp.logprob})
+                up.num_output_tokens += 1
+                if self.append_token(req, tok, now):
+                    up.finished.append(req)
+                    break
+        return up
+
+    @staticmethod
+    def apply_drafts(drafts: list[Drafts]) -> None:
+        """Each request's next drafts, verified by its next step."""
+        for d in drafts:
+            d.request.draft_token_ids, d.request.draft_probs = d.token_ids, d.probs
+
+    def append_token(self, req: Request, tok: int, now: float) -> bool:
         """Record ``tok`` as the request's next output token -> whether the request finished
         (``finish_reason`` / ``stop_reason`` are set then)."""
         req.token_ids.append(tok)

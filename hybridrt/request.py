@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,10 @@ class Request:
     | token_ids | prompt followed by every generated token |
     | num_computed_tokens | tokens whose KV / GDN state are in the cache (<= len(token_ids)) |
     | text | detokenised output so far (stop strings already cut) |
+
+    Its progress has two writers: the scheduler (admission, preemption, finish) and the
+    update step (``OutputProcessor.update`` / ``apply_drafts``); speculation and sessions
+    return what they settled instead of writing here.
     """
 
     request_id: str
@@ -99,8 +104,8 @@ class Request:
     # GDN state at, and the one still to be saved (just before the last prompt token by default).
     session: Session | None = None
     session_attached: bool = False
-    session_snapshot_at: int | None = None
-    snapshot_at: int | None = None
+    requested_snapshot_at: int | None = None
+    pending_snapshot_at: int | None = None
 
     def __post_init__(self) -> None:
         if self.spec_k > 0 and self.spec_stats is None:
@@ -137,3 +142,33 @@ class Request:
         self.draft_token_ids = []
         self.draft_probs = None
         self.slot_cursor = 0
+
+
+def validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int,
+                    max_model_len: int) -> list[int]:
+    """The prompt as a list of ids; ValueError if it is empty, not ints, outside the
+    vocabulary, or leaves no room for a generated token."""
+    ids = list(prompt_token_ids)
+    if not ids:
+        raise ValueError("prompt is empty: it must contain at least one token")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError("prompt_token_ids must be a list of ints")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt has token ids outside [0, {vocab_size}): {bad[:5]}")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt has {len(ids)} tokens but max_model_len is {max_model_len}: it must be "
+            f"shorter than max_model_len to leave room for at least one generated token"
+        )
+    return ids
+
+
+def stop_token_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:
+    """The tokens that end a request: the model's eos ids (unless ``ignore_eos``), then
+    ``params.stop_token_ids``."""
+    ids = [] if params.ignore_eos else list(eos_token_ids)
+    for t in params.stop_token_ids or []:
+        if t not in ids:
+            ids.append(t)
+    return ids

@@ -110,19 +110,22 @@ class ModelRunner:
                 max_num_seqs, max_num_batched_tokens, -(-max_model_len // self.block_size),
                 model.config.linear_conv_kernel_dim)
 
-    def prepare(self, plan: StepPlan) -> ForwardBatch:
+    def build_step_batch(self, plan: StepPlan) -> ForwardBatch:
         """The step's batch: each request's uncomputed tokens (plus its drafts when verifying)
         from its state slot; logits rows: the last token of sampling requests, every token
         of verifying ones."""
         tokens, starts, tables, slots, modes, verify = [], [], [], [], [], []
         for s in plan.seqs:
             req = s.request
-            c = req.num_computed_tokens
+            c = s.start
             real = s.num_new_tokens - s.num_drafts
-            tokens.append(req.token_ids[c:c + real] + req.draft_token_ids[:s.num_drafts])
+            if s.chained:  # a placeholder: the sampled token is copied over it on the device
+                tokens.append([0])
+            else:
+                tokens.append(req.token_ids[c:c + real] + req.draft_token_ids[:s.num_drafts])
             starts.append(c)
-            tables.append(self.cache.block_tables[req.request_id])
-            own = self.cache.state_slots[req.request_id]
+            tables.append(self.cache.block_table(req.request_id))
+            own = self.cache.state_slots(req.request_id)
             slots.append(own[req.slot_cursor])
             modes.append("all" if s.num_drafts else ("last" if s.sample else "none"))
             verify.append(own[:s.num_drafts + 1] if s.num_drafts else None)

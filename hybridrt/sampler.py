@@ -18,7 +18,7 @@ used for nothing else, so its tokens do not depend on what else is in the batch;
 rows share one generator (the sampler's, or torch's global one). Each random row consumes
 exactly one uniform per token; greedy rows consume none.
 
-For rejection sampling, ``prepare`` + ``probs`` give the target/draft distributions and
+For rejection sampling, ``processed_logits`` + ``probs`` give the target/draft distributions and
 ``uniform`` / ``sample_from_probs`` draw from the same per-row generators.
 """
 
@@ -123,7 +123,7 @@ class Sampler:
         lp = torch.log_softmax(self._penalise(logits[index], [rows[i] for i in wanted]), dim=-1)
         return _gather_logprobs(lp, token_ids, rows, wanted)
 
-    def prepare(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def processed_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Processed logits ``[N, V]`` fp32 (a new tensor; ``logits`` is left alone).
 
         Every row gets penalties and the min_tokens mask; random rows are then divided by
@@ -133,7 +133,7 @@ class Sampler:
         return self._filter(self._penalise(logits, rows), rows)
 
     def probs(self, processed: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Probabilities ``[N, V]`` of ``prepare``'s output: softmax, or for greedy rows a
+        """Probabilities ``[N, V]`` of ``processed_logits``' output: softmax, or for greedy rows a
         one-hot of the argmax (the distribution greedy decoding actually samples from)."""
         _check_logits(processed, rows)
         probs = torch.softmax(processed, dim=-1)
@@ -348,8 +348,8 @@ def find_stop(text: str, stop: list[str], start: int) -> int | None:
 def argmax_rows(x: torch.Tensor, block: int = 2048) -> torch.Tensor:
     """``x.argmax(-1)`` for a 2-D tensor, same result (first maximum; NaN counts as maximal):
     the per-block maxima pick each row's first block holding its maximum, then one argmax over
-    that block. ATen's CPU argmax does not vectorise and ``amax`` does, so on a [32, vocab]
-    logits tensor this is several times faster (docs/performance.md)."""
+    that block. ATen's CPU argmax does not vectorise and ``amax`` does, so the two passes cost
+    less than one argmax over a wide logits tensor (docs/performance.md)."""
     n, V = x.shape
     full = V // block * block
     if x.device.type != "cpu" or full == 0 or not x.is_contiguous():

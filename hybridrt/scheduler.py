@@ -13,16 +13,21 @@ never run: it fails (``StepPlan.failed``) instead of waiting forever.
 | running | holds KV blocks covering num_computed_tokens (+ this step's) and its state slots |
 | waiting | holds no cache resources; num_computed_tokens == 0 |
 | preempted | goes back to the front of waiting, oldest first |
-| session request | takes over its session's cache when admitted (``sessions.attach_session``) |
+| session request | takes over its session's cache when admitted (``SessionManager.attach``) |
+
+Request progress has two writers: the scheduler (admission, preemption, finish: status,
+``num_computed_tokens`` reset or reused, speculation reset, finish reason) and the update step
+(``OutputProcessor.update``: tokens, ``num_computed_tokens``, drafts, stop).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from hybridrt.request import Request, RequestStatus
+from hybridrt.session import SessionManager
 from hybridrt.statecache import CacheCapacityError, HybridCacheManager
 
 
@@ -32,7 +37,10 @@ class ScheduledSeq:
     num_new_tokens: int  # tokens fed this step, drafts included
     sample: bool  # this step reaches the end of the known tokens: a new token is sampled
     num_drafts: int = 0  # > 0: verify this many of the request's drafts
-    start: int = 0  # num_computed_tokens before the step
+    start: int = 0  # the first position fed (num_computed_tokens before the step)
+    # a chained step's (hybridrt.async_chain): its one input is the previous step's sampled
+    # token, still on the device, at the position after the request's known tokens
+    chained: bool = False
 
 
 @dataclass(slots=True)
@@ -44,7 +52,7 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, cache: HybridCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, sessions: Any = None):
+                 max_num_batched_tokens: int, sessions: SessionManager | None = None):
         if max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}"
@@ -52,9 +60,7 @@ class Scheduler:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # the engine's session hooks: attach_session(req), detach_session(req) and
-        # evict_idle_session() -> bool (None: no sessions)
-        self.sessions = sessions
+        self.sessions = sessions  # None: no sessions
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -84,7 +90,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                plan.seqs.append(self._entry(req, n, max(0, n - pending)))
+                plan.seqs.append(self._scheduled(req, n, max(0, n - pending)))
                 budget -= n
                 i += 1
 
@@ -93,13 +99,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.session is not None and not req.session_attached:
-                self.sessions.attach_session(req)
+                self._attach(req)
             n = self._stop_at_snapshot(req, min(len(req.token_ids) - req.num_computed_tokens,
                                                 budget))
             need = req.num_computed_tokens + n + req.spec_k
             if not self._allocate(req, need):
                 if req.session_attached and req.num_computed_tokens:
-                    self.sessions.detach_session(req)  # the session keeps its cache meanwhile
+                    self._detach(req)  # the session keeps its cache meanwhile
                 else:
                     self.cache.free(req.request_id)
                     req.num_computed_tokens = 0
@@ -110,18 +116,42 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            plan.seqs.append(self._entry(req, n, 0))
+            plan.seqs.append(self._scheduled(req, n, 0))
             budget -= n
         return plan
 
-    def finish(self, request: Request) -> None:
-        """Release a running or waiting request (finished or aborted)."""
+    def finish(self, request: Request, reason: str | None = None) -> None:
+        """Release a running or waiting request (finished, aborted or failed): a session
+        request's cache goes back to its session, the rest is freed. ``reason``: the finish
+        reason, unless the update step has set it (stop, length)."""
+        if reason is not None:
+            request.finish_reason = reason
+        if request.session is not None:
+            self.sessions.release(request)
+            request.session = None
         self.cache.free(request.request_id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
+        request.reset_speculation()
+        request.metrics.finished_time = time.perf_counter()
+
+    def _attach(self, req: Request) -> None:
+        """A session request being admitted takes over its session's cache."""
+        got = self.sessions.attach(req)
+        req.num_computed_tokens, req.slot_cursor = got.num_computed_tokens, got.slot_cursor
+        req.pending_snapshot_at = got.pending_snapshot_at
+        req.session_attached = True
+        req.metrics.session_cache_evicted = got.cache_evicted
+        req.metrics.num_reused_prompt_tokens = got.num_computed_tokens
+
+    def _detach(self, req: Request) -> None:
+        """Undo ``_attach``: the request waits holding nothing."""
+        self.sessions.detach(req)
+        req.num_computed_tokens, req.slot_cursor, req.session_attached = 0, 0, False
+        req.metrics.num_reused_prompt_tokens = 0
 
     def _allocate(self, req: Request, num_tokens: int) -> bool:
         """State slots and KV blocks for ``num_tokens`` tokens of a request being admitted,
@@ -133,7 +163,7 @@ class Scheduler:
         return True
 
     def _evict_idle_session(self) -> bool:
-        return self.sessions is not None and self.sessions.evict_idle_session()
+        return self.sessions is not None and self.sessions.evict_idle()
 
     def _fail(self, req: Request, need: int, plan: StepPlan) -> None:
         s = self.cache.sizing
@@ -149,11 +179,14 @@ class Scheduler:
     @staticmethod
     def _stop_at_snapshot(req: Request, n: int) -> int:
         """A session request's prefill stops where its GDN state is to be saved."""
-        if req.snapshot_at is not None and req.num_computed_tokens < req.snapshot_at:
-            return min(n, req.snapshot_at - req.num_computed_tokens)
+        at = req.pending_snapshot_at
+        if at is not None and req.num_computed_tokens < at:
+            return min(n, at - req.num_computed_tokens)
         return n
 
-    def _entry(self, req: Request, n: int, num_drafts: int) -> ScheduledSeq:
+    def _scheduled(self, req: Request, n: int, num_drafts: int) -> ScheduledSeq:
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.perf_counter()
         sample = req.num_computed_tokens + n - num_drafts == len(req.token_ids)
         return ScheduledSeq(req, n, sample, num_drafts, req.num_computed_tokens)
 

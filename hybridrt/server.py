@@ -179,11 +179,12 @@ class EngineLoop:
             self._count(self.engine.pop_request(req.request_id))
         handle.post(item)
 
-    def _count(self, req) -> None:
+    def _count(self, req, reason: str | None = None) -> None:
+        """Count a finished request under ``reason`` (default: its finish reason)."""
         if req is None:
             return
         c = self.counters
-        reason = req.finish_reason or "abort"
+        reason = reason or req.finish_reason or "abort"
         c["requests"][reason] = c["requests"].get(reason, 0) + 1
         c["prompt_tokens"] += req.num_prompt_tokens
         c["generation_tokens"] += req.num_output_tokens
@@ -199,9 +200,7 @@ class EngineLoop:
             except Exception:
                 traceback.print_exc()
             req = self.engine.pop_request(rid)
-            if req is not None:
-                req.finish_reason = "error"
-                self._count(req)
+            self._count(req, "error")
             handle.post(Progress([], None, "", "error", RuntimeError(f"engine error: {error}")))
         self.active.clear()
         for s in self.sessions:  # a half-done step may have written into their state
@@ -212,12 +211,13 @@ class EngineLoop:
         """Numbers for /metrics, replaced as a whole so the HTTP side reads a consistent
         set."""
         e, cache = self.engine, self.engine.cache
-        prefix_blocks = sum(len(cache.block_tables.get(s.cache_key, ())) for s in self.sessions)
+        prefix_blocks = sum(len(cache.block_table(s.cache_key)) for s in self.sessions)
+        usage = cache.usage()
         spec = e.spec_stats
         self.gauges = {
             "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
-            "blocks_total": cache.blocks.num_blocks,
-            "blocks_used": cache.blocks.num_blocks - cache.blocks.num_free,
+            "blocks_total": usage.num_blocks,
+            "blocks_used": usage.num_used_blocks,
             "blocks_prefix": prefix_blocks,
             "prefixes_held": sum(cache.holds(s.cache_key) for s in self.sessions),
             "prefilled_tokens": e.stats["num_prefill_tokens"],

@@ -21,6 +21,7 @@ acceptance while every draft pass keeps its real cost.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +31,16 @@ from hybridrt.runner import build_batch
 from hybridrt.sampler import Sampler
 from hybridrt.scheduler import StepPlan
 from hybridrt.statecache import HybridCacheManager
+
+
+@dataclass(slots=True)
+class Drafts:
+    """A request's next drafts, as the proposer picked them; the engine's update step hands
+    them to the request (the proposer writes no request field)."""
+
+    request: object  # hybridrt.request.Request
+    token_ids: list[int]
+    probs: torch.Tensor | None  # [len(token_ids), V] they were sampled from (None: greedy)
 
 
 class MTPProposer:
@@ -61,11 +72,10 @@ class MTPProposer:
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan, row_starts: list[int], hidden: torch.Tensor,
-                settled: list[int]) -> None:
+                settled: list[int]) -> list[Drafts]:
         """``row_starts[b]``: the first row of plan.seqs[b] in ``hidden``; ``settled[b]``:
-        positions of plan.seqs[b] the target settled this step (its accepted
-        inputs); drafts for every unfinished request that sampled land in
-        ``request.draft_token_ids``."""
+        positions of plan.seqs[b] the target settled this step (its accepted inputs)
+        -> the drafts of every unfinished request that sampled and may draft."""
         tokens, starts, tables, rows, modes, reqs = [], [], [], [], [], []
         for b, s in enumerate(plan.seqs):
             req = s.request
@@ -74,20 +84,19 @@ class MTPProposer:
             n = settled[b]
             tokens.append(req.token_ids[s.start + 1:s.start + 1 + n])
             starts.append(s.start)
-            tables.append(self.cache.block_tables[req.request_id])
+            tables.append(self.cache.block_table(req.request_id))
             rows.append(torch.arange(row_starts[b], row_starts[b] + n))
             drafting = (s.sample or s.num_drafts > 0) and self.num_drafts_for(req) > 0
             modes.append("last" if drafting else "none")
             if drafting:
                 reqs.append(req)
         if not tokens:
-            return
+            return []
         mb = build_batch(tokens, starts, tables, self.cache.block_size, None, modes,
                          device=self.device)
         out = self.model.mtp_forward(mb.input_ids, hidden[torch.cat(rows).to(hidden.device)],
                                      mb, self.cache.tensors)
-        if reqs:
-            self._draft(reqs, out[mb.logits_indices])
+        return self._draft(reqs, out[mb.logits_indices]) if reqs else []
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The drafts' fp32 logits [n, vocab]: the full LM head, or the draft vocabulary's rows
@@ -99,7 +108,7 @@ class MTPProposer:
         full = small.new_full((small.shape[0], self.model.config.vocab_size), float("-inf"))
         return full.index_copy_(1, head.token_ids, small)
 
-    def _draft(self, reqs: list, h: torch.Tensor) -> None:
+    def _draft(self, reqs: list, h: torch.Tensor) -> list[Drafts]:
         budget = [self.num_drafts_for(r) for r in reqs]
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
@@ -107,7 +116,7 @@ class MTPProposer:
         for j in range(max(budget)):
             logits = self._logits(h)
             rows = [reqs[i].sampling_row(drafts[i]) for i in active]
-            prepared = self.sampler.prepare(logits, rows)
+            prepared = self.sampler.processed_logits(logits, rows)
             picked = prepared.argmax(dim=-1)
             rand = [n for n, r in enumerate(rows) if not r.params.greedy]
             if rand:
@@ -129,13 +138,12 @@ class MTPProposer:
             mb = build_batch(
                 [[drafts[i][-1]] for i in active],
                 [len(reqs[i].token_ids) - 1 + j for i in active],
-                [self.cache.block_tables[reqs[i].request_id] for i in active],
+                [self.cache.block_table(reqs[i].request_id) for i in active],
                 self.cache.block_size, None, None, device=self.device,
             )
             h = self.model.mtp_forward(mb.input_ids, h[sel], mb, self.cache.tensors)
-        for i, r in enumerate(reqs):
-            r.draft_token_ids = drafts[i]
-            r.draft_probs = torch.stack(probs[i]) if probs[i] else None
+        return [Drafts(r, drafts[i], torch.stack(probs[i]) if probs[i] else None)
+                for i, r in enumerate(reqs)]
 
 
 class DraftHead:

@@ -34,7 +34,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, items: list[VerifyItem
     """logits: [sum(k_i + 1), V] target rows, item after item -> per item (emitted tokens,
     number of drafts accepted); emitted = accepted drafts + one target token."""
     rows = [r for it in items for r in it.rows]
-    prepared = sampler.prepare(logits, rows)
+    prepared = sampler.processed_logits(logits, rows)
     random_items = [i for i, it in enumerate(items) if not it.rows[0].params.greedy]
     probs = sampler.probs(prepared, rows) if random_items else None
     out: list[tuple[list[int], int]] = []
@@ -72,10 +72,35 @@ def _rejection_sample(sampler: Sampler, p: torch.Tensor, it: VerifyItem) -> tupl
     return it.drafts[:a] + [int(x[0])], a
 
 
-def verify_requests(sampler: Sampler, logits: torch.Tensor, entries) -> list[tuple]:
+@dataclass(slots=True)
+class Settled:
+    """What verifying one request's drafts settled; the engine's update step applies it to the
+    request (this module writes no request field).
+
+    The GDN state after the last accepted draft is already in the request's state slot number
+    ``num_accepted`` (verification wrote one per position), so rolling back the rejected
+    drafts is the choice of that slot alone (``slot_cursor``); attention KV needs no rollback
+    (stale positions are overwritten later)."""
+
+    token_ids: list[int]  # emitted: the accepted drafts, then one target token
+    logprobs: list | None  # per emitted token, when the request asks for them
+    num_drafts: int
+    num_accepted: int
+
+    @property
+    def slot_cursor(self) -> int:
+        """The request's state slot holding its GDN state from now on."""
+        return self.num_accepted
+
+    @property
+    def num_computed_drafts(self) -> int:
+        """The drafts that count as computed (their KV and GDN state stay)."""
+        return self.num_accepted
+
+
+def verify_requests(sampler: Sampler, logits: torch.Tensor, entries) -> list[Settled]:
     """One engine step's verifications. ``entries``: (request, k drafts verified, row of its
-    first logits row in ``logits``); its k + 1 rows follow. -> per entry (emitted tokens,
-    their logprobs when the request asks for them, else None, drafts accepted)."""
+    first logits row in ``logits``); its k + 1 rows follow. -> per entry what it settled."""
     items, idx = [], []
     for req, k, r0 in entries:
         d = req.draft_token_ids[:k]
@@ -89,16 +114,6 @@ def verify_requests(sampler: Sampler, logits: torch.Tensor, entries) -> list[tup
         if it.rows[0].params.logprobs is not None:
             lp = sampler.logprobs(vlogits[off:off + a + 1], it.rows[:a + 1],
                                   torch.tensor(toks, device=logits.device))
-        out.append((toks, lp, a))
+        out.append(Settled(toks, lp, len(it.drafts), a))
         off += len(it.rows)
     return out
-
-
-def settle_verified(req, num_drafts: int, num_accepted: int) -> int:
-    """Roll a verified request to its last accepted draft -> the drafts that count as
-    computed. The GDN state after that token is already in the request's slot
-    ``num_accepted`` (verification wrote one per position), so rollback is the cursor alone;
-    attention KV needs none (stale positions are overwritten later)."""
-    req.slot_cursor = num_accepted
-    req.spec_stats.record(num_drafts, num_accepted)
-    return num_accepted

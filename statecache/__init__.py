@@ -4,6 +4,7 @@ slots (conv + recurrent) for GDN layers, owned by one manager with one memory bu
 from .manager import (
     CacheCapacityError,
     CacheSizing,
+    CacheUsage,
     HybridCacheManager,
     available_memory,
     plan_cache,
@@ -15,6 +16,7 @@ __all__ = [
     "BlockPool",
     "CacheCapacityError",
     "CacheSizing",
+    "CacheUsage",
     "CacheTensors",
     "HybridCacheManager",
     "SlotPool",

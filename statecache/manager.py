@@ -14,6 +14,7 @@ request needs the room. Snapshot slots are a separate, fixed pool, planned like 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,22 @@ class CacheSizing:
             f"session snapshot slots ({self.num_slots * self.bytes_per_slot / 2**20:.1f} MiB); "
             f"max concurrency at max_model_len={self.max_model_len}: {self.max_concurrency:.2f}"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheUsage:
+    """How much of each store is taken, at one moment (``HybridCacheManager.usage``)."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_slots: int  # request slots (the null slot and the snapshot slots not counted)
+    num_free_slots: int
+    num_snapshot_slots: int
+    num_free_snapshot_slots: int
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
 
 
 def available_memory(device: torch.device | str = "cpu") -> int:
@@ -137,9 +154,11 @@ def plan_cache(
 class HybridCacheManager:
     """Owns the KV block pool, the state-slot pool and the tensors behind them.
 
-    Per request it keeps a block table (list of block ids) and its state slots. A request's
-    KV needs ``ceil(num_tokens / block_size)`` blocks; ``allocate_blocks`` grows the table or
-    returns False without taking anything, which the scheduler answers with preemption.
+    Per owner (a request, or a session between its turns) it keeps a block table (list of
+    block ids) and its state slots; callers read them through ``block_table`` /
+    ``state_slots`` and change them only through the methods below. A request's KV needs
+    ``ceil(num_tokens / block_size)`` blocks; ``allocate_blocks`` grows the table or returns
+    False without taking anything, which the scheduler answers with preemption.
     """
 
     def __init__(self, config: ModelConfig, sizing: CacheSizing, dtype: torch.dtype,
@@ -153,16 +172,50 @@ class HybridCacheManager:
             config, sizing.num_blocks, sizing.num_slots, sizing.block_size, dtype, device,
             num_extra_attention_layers,
         )
-        self.blocks = BlockPool(sizing.num_blocks)
+        self._blocks = BlockPool(sizing.num_blocks)
         first_snapshot = sizing.num_slots - sizing.num_snapshot_slots
-        self.slots = SlotPool(first_snapshot)
-        self.free_snapshot_slots = list(range(first_snapshot, sizing.num_slots))
-        self.block_tables: dict[str, list[int]] = {}
-        self.state_slots: dict[str, list[int]] = {}
+        self._slots = SlotPool(first_snapshot)
+        self._free_snapshot_slots = list(range(first_snapshot, sizing.num_slots))
+        self._block_tables: dict[str, list[int]] = {}
+        self._state_slots: dict[str, list[int]] = {}
+
+    # Reading -----------------------------------------------------------------------------
+    def block_table(self, owner: str) -> Sequence[int]:
+        """The KV block ids ``owner`` holds, in position order (empty if none). Read-only: the
+        manager's own list, not a copy."""
+        return self._block_tables.get(owner, ())
+
+    def state_slots(self, owner: str) -> Sequence[int]:
+        """The GDN state slots ``owner`` holds (empty if none). Read-only, as above."""
+        return self._state_slots.get(owner, ())
+
+    def state_slot(self, owner: str, index: int = 0) -> int:
+        """``owner``'s state slot number ``index`` (a request's current state is in the one
+        its ``slot_cursor`` names)."""
+        return self._state_slots[owner][index]
+
+    def owners(self) -> set[str]:
+        """Every request or session that holds a block table or state slots."""
+        return set(self._block_tables) | set(self._state_slots)
+
+    def holds(self, owner: str) -> bool:
+        """Whether ``owner`` (a request or a session) holds any blocks or slots."""
+        return bool(self._block_tables.get(owner) or self._state_slots.get(owner))
+
+    def usage(self) -> CacheUsage:
+        s = self.sizing
+        return CacheUsage(self._blocks.num_blocks, self._blocks.num_free, self._slots.capacity,
+                          self._slots.num_free, s.num_snapshot_slots,
+                          len(self._free_snapshot_slots))
+
+    def all_free(self) -> bool:
+        return (self._blocks.num_free == self._blocks.num_blocks
+                and self._slots.num_free == self._slots.capacity
+                and len(self._free_snapshot_slots) == self.sizing.num_snapshot_slots)
 
     # KV blocks ---------------------------------------------------------------------------
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        have = len(self.block_tables.get(request_id, ()))
+        have = len(self._block_tables.get(request_id, ()))
         return max(0, -(-num_tokens // self.block_size) - have)
 
     def allocate_blocks(self, request_id: str, num_tokens: int) -> bool:
@@ -170,51 +223,28 @@ class HybridCacheManager:
         pool is short."""
         need = self.blocks_needed(request_id, num_tokens)
         if need == 0:
-            self.block_tables.setdefault(request_id, [])
+            self._block_tables.setdefault(request_id, [])
             return True
-        got = self.blocks.allocate(need)
+        got = self._blocks.allocate(need)
         if got is None:
             return False
-        self.block_tables.setdefault(request_id, []).extend(got)
+        self._block_tables.setdefault(request_id, []).extend(got)
         return True
 
     # State slots -------------------------------------------------------------------------
     def allocate_state(self, request_id: str, num_slots: int = 1) -> bool:
         """Take ``num_slots`` slots (1, or 1 + k to verify k drafts) for a request being
         admitted; False (nothing taken) if too few are free."""
-        if request_id in self.state_slots:
+        if request_id in self._state_slots:
             return True
         if num_slots > self.slots_per_request:
             raise ValueError(f"{num_slots} state slots asked for, at most "
                              f"{self.slots_per_request} per request")
-        got = self.slots.allocate(num_slots)
+        got = self._slots.allocate(num_slots)
         if got is None:
             return False
-        self.state_slots[request_id] = got
+        self._state_slots[request_id] = got
         return True
-
-    def holds(self, owner: str) -> bool:
-        """Whether ``owner`` (a request or a session) holds any blocks or slots."""
-        return bool(self.block_tables.get(owner) or self.state_slots.get(owner))
-
-    # Ownership moves (session reuse) ----------------------------------------------------------
-    def transfer(self, src: str, dst: str) -> None:
-        """Hand everything ``src`` holds to ``dst`` (which must hold nothing)."""
-        if dst in self.block_tables or dst in self.state_slots:
-            raise ValueError(f"{dst!r} already holds cache resources")
-        if src in self.block_tables:
-            self.block_tables[dst] = self.block_tables.pop(src)
-        if src in self.state_slots:
-            self.state_slots[dst] = self.state_slots.pop(src)
-
-    def truncate(self, owner: str, num_tokens: int) -> None:
-        """Keep only the blocks covering the first ``num_tokens`` positions (KV rollback)."""
-        table = self.block_tables.get(owner)
-        if table is None:
-            return
-        keep = -(-num_tokens // self.block_size)
-        self.blocks.free(table[keep:])
-        del table[keep:]
 
     def copy_state(self, src_slot: int, dst_slot: int) -> None:
         """Copy the conv + recurrent state of every GDN layer from one slot to another."""
@@ -222,13 +252,36 @@ class HybridCacheManager:
         t.conv_states[:, dst_slot] = t.conv_states[:, src_slot]
         t.ssm_states[:, dst_slot] = t.ssm_states[:, src_slot]
 
-    # Release -----------------------------------------------------------------------------
-    def free(self, request_id: str) -> None:
-        """Return everything a request holds (finish, abort or preemption). Idempotent."""
-        self.blocks.free(self.block_tables.pop(request_id, []))
-        self.slots.free(self.state_slots.pop(request_id, []))
+    # Session snapshot slots --------------------------------------------------------------------
+    def take_snapshot_slot(self) -> int | None:
+        """A free session snapshot slot, or None when every one is taken."""
+        return self._free_snapshot_slots.pop() if self._free_snapshot_slots else None
 
-    def all_free(self) -> bool:
-        return (self.blocks.num_free == self.blocks.num_blocks
-                and self.slots.num_free == self.slots.capacity
-                and len(self.free_snapshot_slots) == self.sizing.num_snapshot_slots)
+    def release_snapshot_slot(self, slot: int) -> None:
+        self._free_snapshot_slots.append(slot)
+
+    # Ownership moves (session reuse) ----------------------------------------------------------
+    def transfer(self, src: str, dst: str) -> None:
+        """Hand everything ``src`` holds to ``dst`` (which must hold nothing)."""
+        if dst in self._block_tables or dst in self._state_slots:
+            raise ValueError(f"{dst!r} already holds cache resources")
+        if src in self._block_tables:
+            self._block_tables[dst] = self._block_tables.pop(src)
+        if src in self._state_slots:
+            self._state_slots[dst] = self._state_slots.pop(src)
+
+    def truncate(self, owner: str, num_tokens: int) -> None:
+        """Keep only the blocks covering the first ``num_tokens`` positions (KV rollback)."""
+        table = self._block_tables.get(owner)
+        if table is None:
+            return
+        keep = -(-num_tokens // self.block_size)
+        self._blocks.free(table[keep:])
+        del table[keep:]
+
+    # Release -----------------------------------------------------------------------------
+    def free(self, owner: str) -> None:
+        """Return everything a request (finish, abort or preemption) or a session (eviction,
+        reset, close) holds. Idempotent."""
+        self._blocks.free(self._block_tables.pop(owner, []))
+        self._slots.free(self._state_slots.pop(owner, []))

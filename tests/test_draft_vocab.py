@@ -60,9 +60,9 @@ def spy_drafts(llm) -> list[list[int]]:
     inner = proposer.propose
 
     def propose(plan, *args):
-        inner(plan, *args)
-        seen.extend(list(s.request.draft_token_ids) for s in plan.seqs
-                    if s.request.draft_token_ids)
+        proposed = inner(plan, *args)
+        seen.extend(list(d.token_ids) for d in proposed if d.token_ids)
+        return proposed
 
     proposer.propose = propose
     return seen

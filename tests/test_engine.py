@@ -1,6 +1,8 @@
 """Engine behaviour: continuous batching, chunked prefill and preemption leave greedy outputs
 unchanged, and nothing leaks."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -92,8 +94,9 @@ def test_preemption_keeps_outputs_and_leaks_nothing(ckpt, prompts, dense_greedy)
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
     cache = llm.engine.cache
     assert cache.all_free()
-    assert cache.blocks.num_free == 7 and cache.slots.num_free == cache.slots.capacity
-    assert not cache.block_tables and not cache.state_slots
+    usage = cache.usage()
+    assert usage.num_free_blocks == 7 and usage.num_free_slots == usage.num_slots
+    assert not cache.owners()
 
 
 def test_slot_pool_bounds_concurrency(ckpt, prompts, dense_greedy):
@@ -329,3 +332,54 @@ def test_async_scheduling_seeded_sampling(ckpt, prompts):
     outs = llm.generate(prompts[:4], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in sync]
     assert _chained(llm) > 0
+
+
+# The observer: LLMEngine's extension point for timing the phases of a step ------------------
+class PhaseLog:
+    def __init__(self):
+        self.names: list[str] = []
+        self.open = 0  # phases entered and not left: they must not nest
+
+    @contextlib.contextmanager
+    def phase(self, name):
+        assert self.open == 0, f"{name} inside another phase"
+        self.names.append(name)
+        self.open += 1
+        try:
+            yield
+        finally:
+            self.open -= 1
+
+
+PHASES = ["schedule", "prepare", "forward", "logits", "sample", "update"]
+
+
+def test_observer_sees_the_six_phases_of_a_decode_step_in_order(ckpt, prompts, dense_greedy):
+    llm = make_llm(ckpt)
+    eng = llm.engine
+    assert eng.observer is None
+    rid = eng.add_request(prompts[0], GREEDY)
+    eng.step()  # the prefill
+    eng.observer = log = PhaseLog()
+    eng.step()  # a decode step
+    assert log.names == PHASES and log.open == 0
+    eng.observer = None
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert log.names == PHASES  # detached: seen no more
+    assert eng.pop_request(rid).output_token_ids == dense_greedy[0]
+
+
+def test_observer_sees_a_chained_step_inside_the_step_launching_it(ckpt, prompts):
+    llm = make_llm(ckpt, async_scheduling=True)
+    eng = llm.engine
+    eng.add_request(prompts[0], GREEDY)
+    eng.step()  # the prefill (a prompt chunk: nothing chained)
+    eng.observer = log = PhaseLog()
+    eng.step()  # the first decode step: it chains the second before its update
+    launched = ["prepare", "forward", "logits", "sample"]
+    assert log.names == ["schedule", *launched, *launched, "update"]
+    log.names.clear()
+    eng.step()  # applies the chained step, chaining the next one
+    assert log.names == [*launched, "update"]
+    assert eng.stats["num_chained_steps"] == 2

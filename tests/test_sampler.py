@@ -123,7 +123,7 @@ def test_greedy_rows_untouched_by_prepare():
     torch.manual_seed(1)
     logits = torch.randn(2, 30)
     rows = rows_of(SamplingParams(temperature=0.0, top_k=3, top_p=0.2, min_p=0.5), 2)
-    assert torch.equal(Sampler().prepare(logits, rows), logits)
+    assert torch.equal(Sampler().processed_logits(logits, rows), logits)
 
 
 # Filtering ------------------------------------------------------------------------------------
@@ -162,7 +162,7 @@ def test_prepare_marks_filtered_tokens_minus_inf():
     logits = crafted_logits(2)
     rows = [SamplingRow(SamplingParams(temperature=0.5, top_k=3)),
             SamplingRow(SamplingParams(top_p=0.75))]
-    processed = Sampler().prepare(logits, rows)
+    processed = Sampler().processed_logits(logits, rows)
     assert torch.equal(processed[0, :3], logits[0, :3] / 0.5)
     assert torch.isneginf(processed[0, 3:]).all()
     assert torch.equal(processed[1, :2], logits[1, :2])
@@ -172,7 +172,7 @@ def test_prepare_marks_filtered_tokens_minus_inf():
 def test_top_k_larger_than_vocab_is_a_no_op():
     logits = crafted_logits(1)
     rows = [SamplingRow(SamplingParams(top_k=1000))]
-    assert torch.equal(Sampler().prepare(logits, rows), logits)
+    assert torch.equal(Sampler().processed_logits(logits, rows), logits)
 
 
 # Penalties ------------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def test_penalties_match_hand_computed_values():
         SamplingRow(SamplingParams(temperature=0.0), [0, 1], [2, 2, 3]),
         SamplingRow(SamplingParams(presence_penalty=-1.0), [5], [5, 4, 4]),
     ]
-    processed = Sampler().prepare(logits, rows)
+    processed = Sampler().processed_logits(logits, rows)
     # repetition over prompt+output {0,1,2,3}: 2/2, -1*2, 0.5/2, -0.5*2; then output counts
     # {2: 2, 3: 1} cost 0.5 each (frequency) and 0.25 once (presence); prompt tokens only get
     # the repetition penalty.
@@ -200,7 +200,8 @@ def test_penalties_match_hand_computed_values():
 def test_repetition_penalty_below_one_rewards_seen_tokens():
     logits = torch.tensor([[2.0, -1.0, 0.5]])
     rows = [SamplingRow(SamplingParams(temperature=0, repetition_penalty=0.5), [1], [0])]
-    torch.testing.assert_close(Sampler().prepare(logits, rows), torch.tensor([[4.0, -0.5, 0.5]]))
+    torch.testing.assert_close(Sampler().processed_logits(logits, rows),
+                               torch.tensor([[4.0, -0.5, 0.5]]))
 
 
 def test_penalties_change_greedy_choice():
@@ -213,7 +214,7 @@ def test_penalties_change_greedy_choice():
 def test_out_of_range_token_ids_are_rejected():
     rows = [SamplingRow(SamplingParams(repetition_penalty=1.1), [0, 99], [])]
     with pytest.raises(ValueError, match=r"\[0, 8\)"):
-        Sampler().prepare(crafted_logits(1), rows)
+        Sampler().processed_logits(crafted_logits(1), rows)
 
 
 def test_bad_logits_shape():
@@ -231,7 +232,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     sampler = Sampler()
     for produced in range(3):
         row = SamplingRow(params, [0], [3] * produced, eos_token_ids=[4])
-        processed = sampler.prepare(logits, [row, other])
+        processed = sampler.processed_logits(logits, [row, other])
         assert torch.isneginf(processed[0, [1, 4]]).all()
         assert torch.isfinite(processed[0, [0, 2, 3]]).all()
         assert sampler.sample(logits, [row, other]).token_ids.tolist() == [3, 4]
@@ -301,7 +302,7 @@ def test_probs_sum_to_one_and_greedy_rows_are_one_hot():
             SamplingRow(SamplingParams(temperature=0.3, top_p=0.5)),
             SamplingRow(SamplingParams(top_k=1))]
     sampler = Sampler()
-    processed = sampler.prepare(logits, rows)
+    processed = sampler.processed_logits(logits, rows)
     probs = sampler.probs(processed, rows)
     torch.testing.assert_close(probs.sum(-1), torch.ones(4))
     for i in (0, 3):

@@ -74,7 +74,7 @@ def test_clear_and_abort_keep_the_session_consistent(llm):
     p = _ids(20, 6)
     list(llm.stream_tokens(p, SP, session=s))
     llm.reset_session(s)
-    assert s.token_ids == [] and not llm.engine.cache.block_tables.get(s.cache_key)
+    assert s.token_ids == [] and not llm.engine.cache.block_table(s.cache_key)
     it = llm.stream_tokens(p, SP, session=s)
     got = [next(it), next(it)]
     it.close()  # Ctrl-C in the chat: the partial answer stays cached

@@ -88,20 +88,20 @@ class OracleProposer:
         self.inner = inner
         self.refs = refs
         self.corrupt = corrupt or (lambda k: k)
-        self.check = check  # called with each drafting request before its drafts are replaced
+        self.check = check  # check(request, mtp_drafts) before the drafts are replaced
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def propose(self, plan, cu_seqlens, hidden, settled):
-        self.inner.propose(plan, cu_seqlens, hidden, settled)
-        for s in plan.seqs:
-            req = s.request
-            n = len(req.draft_token_ids)
+        proposed = self.inner.propose(plan, cu_seqlens, hidden, settled)
+        for drafts in proposed:
+            req = drafts.request
+            n = len(drafts.token_ids)
             if not n or req.is_finished:
                 continue
             if self.check is not None:
-                self.check(req)
+                self.check(req, list(drafts.token_ids))
             ref = self.refs[tuple(req.prompt_token_ids)]
             o = req.num_output_tokens
             assert req.output_token_ids == ref[:o], "output diverged from the reference"
@@ -110,8 +110,9 @@ class OracleProposer:
             j = self.corrupt(n)
             if j < n:
                 d[j] = (d[j] + 1) % VOCAB
-            req.draft_token_ids = d
-            req.draft_probs = None
+            drafts.token_ids = d
+            drafts.probs = None
+        return proposed
 
 
 def install_oracle(llm, refs, corrupt=None, check=None) -> OracleProposer:
@@ -145,7 +146,7 @@ def test_mixed_batch_mixed_k_chunked_prefill(ckpt, prompts, reference, rounds):
     llm = make_llm(ckpt, 4, max_num_batched_tokens=24)
     eng = llm.engine
     kinds = []
-    prepare = eng.runner.prepare
+    prepare = eng.runner.build_step_batch
 
     def spy(plan):
         batch = prepare(plan)
@@ -154,7 +155,7 @@ def test_mixed_batch_mixed_k_chunked_prefill(ckpt, prompts, reference, rounds):
                      | ({"chunk"} if gdn.chunked is not None else set()))
         return batch
 
-    eng.runner.prepare = spy
+    eng.runner.build_step_batch = spy
     ids = [eng.add_request(p, GREEDY, speculative_tokens=i % 5) for i, p in enumerate(prompts)]
     while eng.has_unfinished_requests():
         eng.step()
@@ -288,7 +289,7 @@ def _state_after(ref_llm, token_ids_):
     eng.step()
     req = eng.requests[rid]
     assert req.num_computed_tokens == len(token_ids_)
-    slot = eng.cache.state_slots[rid][req.slot_cursor]
+    slot = eng.cache.state_slot(rid, req.slot_cursor)
     t = eng.cache.tensors
     state = t.conv_states[:, slot].clone(), t.ssm_states[:, slot].clone()
     eng.abort_request(rid)
@@ -307,7 +308,7 @@ def _poison_stale_kv(eng, req, gen) -> int:
     the logits."""
     t = eng.cache.tensors
     bs = eng.cache.block_size
-    table = eng.cache.block_tables[req.request_id]
+    table = eng.cache.block_table(req.request_id)
     first = req.num_computed_tokens
     pos = torch.arange(first, len(table) * bs)
     if pos.numel() == 0:
@@ -346,7 +347,7 @@ def test_gdn_state_rollback_and_stale_kv_never_read(ckpt, prompts, reference, ro
         for req in progressed:
             if req.is_finished or req.num_computed_tokens != len(req.token_ids) - 1:
                 continue
-            slot = eng.cache.state_slots[req.request_id][req.slot_cursor]
+            slot = eng.cache.state_slot(req.request_id, req.slot_cursor)
             conv = eng.cache.tensors.conv_states[:, slot]
             ssm = eng.cache.tensors.ssm_states[:, slot]
             ref_conv, ref_ssm = _state_after(ref_llm, req.token_ids[:req.num_computed_tokens])
@@ -395,10 +396,10 @@ def test_mtp_drafts_match_a_from_scratch_computation(ckpt, prompts, reference):
     rng = random.Random(4)
     seen = []
 
-    def check(req):
-        want = _mtp_drafts_from_scratch(llm.model, req.token_ids, len(req.draft_token_ids))
-        assert req.draft_token_ids == want, (req.request_id, len(req.token_ids))
-        seen.append(len(req.draft_token_ids))
+    def check(req, drafts):
+        want = _mtp_drafts_from_scratch(llm.model, req.token_ids, len(drafts))
+        assert drafts == want, (req.request_id, len(req.token_ids))
+        seen.append(len(drafts))
 
     install_oracle(llm, reference, corrupt=lambda n: rng.randint(0, n), check=check)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -441,7 +442,7 @@ def _exact_marginals(small_ckpt, params: SamplingParams) -> list[torch.Tensor]:
     logits = torch.tensor([[o.outputs[0].logprobs[0][t] for t in range(V)] for o in outs])
     sampler = Sampler()
     rows = [SamplingRow(params) for _ in ctx]
-    probs = sampler.probs(sampler.prepare(logits, rows), rows).double()
+    probs = sampler.probs(sampler.processed_logits(logits, rows), rows).double()
     p1, p2, p3 = probs[0], probs[1:1 + V], probs[1 + V:].view(V, V, V)
     m2 = p1 @ p2
     m3 = torch.einsum("a,ab,abc->c", p1, p2, p3)
@@ -521,9 +522,9 @@ def test_preemption_during_speculation(ckpt, prompts, reference, oracle):
     if oracle:  # also: after recompute the MTP KV is right again (drafts as from scratch)
         rng = random.Random(1)
 
-        def check(req):
-            want = _mtp_drafts_from_scratch(llm.model, req.token_ids, len(req.draft_token_ids))
-            assert req.draft_token_ids == want
+        def check(req, drafts):
+            want = _mtp_drafts_from_scratch(llm.model, req.token_ids, len(drafts))
+            assert drafts == want
             checked.append(req.metrics.num_preemptions)
 
         install_oracle(llm, reference, corrupt=lambda n: rng.randint(0, n), check=check)
@@ -533,7 +534,7 @@ def test_preemption_during_speculation(ckpt, prompts, reference, oracle):
     assert llm.engine.stats["num_preemptions"] > 0
     assert not oracle or max(checked) > 0  # drafts checked after a preemption
     cache = llm.engine.cache
-    assert cache.all_free() and not cache.block_tables and not cache.state_slots
+    assert cache.all_free() and not cache.owners()
 
 
 def test_abort_mid_draft_frees_everything(ckpt, prompts, reference):
@@ -549,7 +550,7 @@ def test_abort_mid_draft_frees_everything(ckpt, prompts, reference):
                 aborted = drafting[len(drafting) // 2]
                 eng.abort_request(aborted.request_id)
                 assert not aborted.draft_token_ids and aborted.draft_probs is None
-                assert aborted.request_id not in eng.cache.state_slots
+                assert aborted.request_id not in eng.cache.owners()
     assert aborted is not None
     for rid, p in zip(ids, prompts):
         out = eng.make_output(eng.pop_request(rid))
