@@ -3,32 +3,15 @@ the GPU benchmark's code runs and writes its report (the figures mean nothing he
 
 from __future__ import annotations
 
-import functools
 import json
-import tempfile
 import time
 
 import pytest
 
 from hybridrt.bench import cuda as cudabench
-from hybridrt.bench.fixtures import tiny_text_config, write_random_checkpoint
 
 
-@functools.cache
-def _engine_has_observer() -> bool:
-    """Whether the engine reports its step's phases to ``LLMEngine.observer``, the extension
-    point the phase breakdown times through (added to the engine in a parallel branch)."""
-    from hybridrt.llm import LLM
-
-    with tempfile.TemporaryDirectory() as d:
-        write_random_checkpoint(d, tiny_text_config(), seed=0)
-        return hasattr(LLM(d, tokenizer=None).engine, "observer")
-
-
-def test_cpu_dry_run_writes_every_section(tmp_path, request):
-    if not _engine_has_observer():
-        request.applymarker(pytest.mark.xfail(strict=False, reason="needs engine observer "
-                                              "(merge)"))
+def test_cpu_dry_run_writes_every_section(tmp_path):
     out = tmp_path / "bench.json"
     report = cudabench.main([
         "--device", "cpu", "--tiny", "--dtype", "float32", "--cache-memory", "64MiB",

@@ -33,12 +33,13 @@ def cpu_info(cpuinfo: str | None = None) -> dict:
 def stream_sum(x: torch.Tensor, threads: int) -> float:
     """The sum of a contiguous fp32 CPU tensor, read by the C streaming loop with ``threads``
     threads (fp32 within blocks of 64 Ki floats, fp64 across them: exact for small integers)."""
+    from hybridrt import env
     from hybridrt.kernels import native
 
     if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
         raise ValueError(f"stream_sum: x must be a contiguous CPU float32 tensor, got "
                          f"{x.dtype} on {x.device}")
-    lib = native.load()
+    lib = native.load(env.kernel_options().cache_dir)
     if lib is None:
         raise RuntimeError("stream_sum: native CPU kernels unavailable")
     return lib.stream_sum(x.data_ptr(), x.numel(), threads)
@@ -49,10 +50,11 @@ def stream_read(threads: int, size_bytes: int = 1 << 30, passes: int = 5) -> dic
     streaming loop with ``threads`` threads, best of ``passes`` -> {"gb_s", "method",
     "vector_bits", "bytes", "threads", "passes"}. Without the native library, a torch sum
     (method "torch sum", slower than the loop)."""
+    from hybridrt import env
     from hybridrt.kernels import native
 
     buf = torch.ones(size_bytes // 4)  # written here: its pages are mapped before timing
-    lib = native.load()
+    lib = native.load(env.kernel_options().cache_dir)
     if lib is not None:
         method, bits = "C read loop", lib.stream_vector_bytes() * 8
 

@@ -69,11 +69,12 @@ def score(model, sequences: list[list[int]], block_size: int = 16):
 
 
 def _load(path, quantization, dtype="bfloat16"):
+    from hybridrt import env
     from hybridrt.kernels.backend import CPUBackend
     from hybridrt.loader import load_model
 
     model, config, _ = load_model(path, dtype, with_mtp=False, quantization=quantization)
-    model.set_backend(CPUBackend(config))
+    model.set_backend(CPUBackend(config, options=env.kernel_options()))
     return model
 
 

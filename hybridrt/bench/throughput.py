@@ -392,6 +392,7 @@ def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9
     median of interleaved rounds."""
     import torch.nn.functional as F
 
+    from hybridrt import env
     from hybridrt.kernels import native, quant
     from hybridrt.kernels.linear import _cpu_gemm, _onednn_available
 
@@ -405,7 +406,7 @@ def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9
         if _onednn_available():
             od = [torch.ops.mkldnn._reorder_linear_weight(w.float().contiguous(), 32) for w in ws]
             paths["onednn_fp32"] = lambda x, od=od: [_cpu_gemm(x, p) for p in od]
-        isa = quant.select_isa()
+        isa = quant.select_isa(env.kernel_options().int8_isa)
         if isa is not None:
             qs = [quant.quantize(w) for w in ws]
             paths[f"int8_{isa}"] = lambda x, qs=qs, isa=isa: [quant.int8_gemm(x, q, isa)
