@@ -112,6 +112,39 @@ def test_draft_logits_are_the_full_heads_on_the_draft_vocabulary(ckpt):
     assert torch.isneginf(got[:, outside]).all()
 
 
+@pytest.mark.parametrize("untie", [False, True])
+def test_int8_draft_vocabulary_head_is_the_dequantized_rows(ckpt, prompts, untie, tmp_path):
+    """An int8 model's draft head: the rows of its quantized head (the tied embedding, or an
+    untied lm_head), dequantized; greedy output equal to its own k=0."""
+    src = ckpt
+    if untie:
+        src = tmp_path / "untied"
+        src.mkdir()
+        for f in ckpt.iterdir():
+            (src / f.name).write_bytes(f.read_bytes())
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["tie_word_embeddings"] = False
+        (src / "config.json").write_text(json.dumps(cfg))
+        from safetensors.torch import load_file, save_file
+
+        sd = load_file(src / "model.safetensors")
+        emb = next(k for k in sd if k.endswith("embed_tokens.weight"))
+        sd["lm_head.weight"] = torch.randn_like(sd[emb])
+        save_file(sd, src / "model.safetensors")
+    llm = make_llm(src, 2, draft_vocab_size=7, quantization="int8")
+    model = llm.model
+    head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
+    assert (model.lm_head is not None) == untie
+    ids = torch.tensor([2, 0, 5, 1])
+    want = head.qweight.rows(torch.arange(7), model.dtype)
+    dh = llm.engine.proposer.draft_head
+    assert torch.equal(dh.weight, want) and dh.token_ids.tolist() == list(range(7))
+    assert not torch.equal(want[ids], want[ids.flip(0)])  # distinct rows: order is checked
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    base = llm.generate(prompts, GREEDY, use_tqdm=False, speculative_tokens=0)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+
+
 def test_demo_model_greedy_with_a_draft_vocabulary_equals_k0():
     from hybridrt.bench.spec import DEFAULT_QUESTIONS
 
