@@ -8,7 +8,7 @@
 | sample_step | sampling and draft verification; tokens left on the device | async_chain.py |
 | OutputProcessor | the update step: request progress, stops, text | output_processor.py |
 | MTPProposer | the next drafts | specdec/mtp.py |
-| SessionManager | open sessions and their cache between turns | session.py |
+| SessionManager | open sessions and their cache between turns | session_manager.py |
 | HybridCacheManager | KV blocks and state slots per owner | statecache/manager.py |
 
 Extension point: ``LLMEngine.observer`` (default None). When set, an object whose
@@ -17,7 +17,7 @@ Extension point: ``LLMEngine.observer`` (default None). When set, an object whos
 outside the phases). A decode step that async scheduling chains (``async_chain``) is seen as
 "prepare", "forward", "logits", "sample" inside the step that launches it, between that step's
 "sample" and "update", and its own "update" in the next call. A benchmark uses it to time the
-phases (``hybridrt bench cuda``); with None the cost is one attribute check per phase.
+phases (``python -m hybridrt.bench.cuda``); with None the cost is one attribute check per phase.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from hybridrt.runner import ModelRunner
 from hybridrt.sampler import Sampler, make_generator
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.scheduler import Scheduler, StepPlan
-from hybridrt.session import Session, SessionManager
+from hybridrt.session import Session
+from hybridrt.session_manager import SessionManager
 from hybridrt.specdec.mtp import MTPProposer
 from hybridrt.specdec.stats import SpecStats, StepCosts
 from hybridrt.statecache import HybridCacheManager

@@ -21,7 +21,7 @@ from hybridrt.outputs import CompletionOutput, RequestOutput
 from hybridrt.request import Request
 from hybridrt.sampler import find_stop
 from hybridrt.scheduler import StepPlan
-from hybridrt.session import SessionManager
+from hybridrt.session_manager import SessionManager
 
 if TYPE_CHECKING:
     from hybridrt.specdec.mtp import Drafts

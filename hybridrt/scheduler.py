@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hybridrt.request import Request, RequestStatus
-from hybridrt.session import SessionManager
+from hybridrt.session_manager import SessionManager
 from hybridrt.statecache import CacheCapacityError, HybridCacheManager
 
 
