@@ -30,8 +30,8 @@ and one opt-in emulation (5):
    "tf32") input precision rounds both operands to tf32 (10 mantissa bits, to nearest) before
    the fp32 product, as a GPU's tensor cores do; the interpreter otherwise multiplies in full
    fp32. fla's chunked delta rule uses the default precision, so this shows on CPU what its
-   fp32 prefill computes on a GPU (tests/gpu/test_backend.py's fp32 test then applies its GPU
-   rule).
+   fp32 prefill computes on a GPU (tests/gpu/test_cuda_backend.py's fp32 test then applies
+   its GPU rule).
 """
 
 from __future__ import annotations
