@@ -177,7 +177,7 @@ def resolve_model(model: str | None) -> str | None:
         return snapshot_download(model, allow_patterns=_HUB_PATTERNS)
     except (RepositoryNotFoundError, GatedRepoError):
         why = "the Hugging Face Hub has no such model (or it is private or gated)"
-    except Exception as e:  # noqa: BLE001 - offline, DNS, proxy, HF_HUB_OFFLINE=1 ...
+    except Exception as e:  # noqa: BLE001 - offline, DNS, a proxy ...
         why = f"the Hugging Face Hub cannot be reached ({_root_cause(e)})"
     raise CliError(f"model {model!r} is not a local directory nor in the Hugging Face cache, "
                    f"and {why}")
