@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from hybridrt.cli.common import CliError
+from hybridrt.cli.common import CliError, resolve_model
 
 
 def draft_vocab(
@@ -26,7 +26,8 @@ def draft_vocab(
     With the table in the model directory, --draft-vocab N (chat, generate, bench spec) and
     LLM(draft_vocab_size=N) draft from its first N ids.
     """
-    from hybridrt.loader import load_config, resolve_model_path
+    path = Path(resolve_model(model))
+    from hybridrt.loader import load_config
     from hybridrt.specdec.draft_vocab import (
         DRAFT_VOCAB_FILE,
         count_tokens,
@@ -34,7 +35,6 @@ def draft_vocab(
         write_draft_vocab,
     )
 
-    path = Path(resolve_model_path(model))
     vocab_size = load_config(path).vocab_size
     if size is not None and size > vocab_size:
         raise CliError(f"--size {size} is larger than the model's vocab_size {vocab_size}", 2)

@@ -206,20 +206,28 @@ def run_items(llm, items: list[Item], defaults: dict, chat_kwargs: dict,
         yield where[n], rec
 
 
-def write_in_order(results: Iterator[tuple[int, dict]], out: TextIO) -> tuple[int, int]:
+@dataclasses.dataclass
+class Tally:
+    written: int = 0
+    failed: int = 0
+
+
+def write_in_order(results: Iterator[tuple[int, dict]], out: TextIO,
+                   tally: Tally | None = None) -> tuple[int, int]:
     """Write records in input order as soon as each one and all before it are done (flushed
-    line by line, so an interrupted run keeps every line written) -> (written, failed)."""
+    line by line, so an interrupted run keeps every line written) -> (written, failed), also
+    kept in ``tally`` as they change (what an interrupted run had written)."""
     done: dict[int, dict] = {}
-    written = failed = 0
+    tally = Tally() if tally is None else tally
     for i, rec in results:
         done[i] = rec
-        while written in done:
-            r = done.pop(written)
+        while tally.written in done:
+            r = done.pop(tally.written)
             out.write(json.dumps(r, ensure_ascii=False, default=str) + "\n")
             out.flush()
-            written += 1
-            failed += "error" in r
-    return written, failed
+            tally.written += 1
+            tally.failed += "error" in r
+    return tally.written, tally.failed
 
 
 def open_output(output: Path | None) -> TextIO:
@@ -285,8 +293,10 @@ def generate(
     position in the output.
 
     Exit status: 0 when every prompt succeeded; 1 when any failed (each failed prompt still
-    has its {"id", "error"} line, and the others their results) or the run stopped; 2 for a
-    usage error (bad option or value, no prompts), reported before the model loads.
+    has its {"id", "error"} line, and the others their results), the model cannot be found
+    or the run failed; 2 for a usage error (bad option or value, no prompts, an empty
+    --prompt), reported before the model loads; 130 when interrupted (Ctrl-C): every line
+    finished by then is written.
     """
     from hybridrt.sampling_params import SamplingParams
 
@@ -303,7 +313,11 @@ def generate(
         SamplingParams(**flags, max_tokens=max_tokens)
     except ValueError as e:
         raise CliError(f"invalid sampling option: {e}", 2) from None
+    for i, text in enumerate(prompt or [], 1):
+        if text == "":
+            raise CliError(f"--prompt {i} is empty", 2)
     out = open_output(output)
+    tally = Tally()
     try:
         items = read_items(prompt or [], input_file)
         if not items:
@@ -318,7 +332,11 @@ def generate(
                        draft_vocab_size=draft_vocab, quantization=quantization)
         defaults = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
         results = run_items(llm, items, defaults, template_kwargs(think), progress, None)
-        written, failed = write_in_order(results, out)
+        written, failed = write_in_order(results, out, tally)
+    except KeyboardInterrupt:
+        n = tally.written
+        typer.echo(f"\ninterrupted: wrote {n} line{'' if n == 1 else 's'}", err=True)
+        raise typer.Exit(130) from None
     finally:
         if out is not sys.stdout:
             out.close()

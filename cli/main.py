@@ -1,24 +1,31 @@
 """The ``hybridrt`` command line: ``chat``, ``generate``, ``serve``,
 ``bench throughput|spec|gemm|serve``, ``draft-vocab``, ``quantize``.
 
-Every failure is one ``error: ...`` line on stderr and a non-zero exit code (2 for bad
-options, 1 otherwise); HYBRIDRT_DEBUG=1 shows tracebacks of unexpected errors. Bare
-``hybridrt`` prints the help and exits 0.
+Every failure is one ``error: ...`` line on stderr and a non-zero exit code (see EXIT_STATUS);
+what can be checked before the model loads (options, MODEL, --device, the server's port, the
+output directory) is checked first. HYBRIDRT_DEBUG=1 shows tracebacks of unexpected errors.
+Bare ``hybridrt`` prints the help and exits 0.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
 
 from hybridrt.cli.bench import bench_app
 from hybridrt.cli.chat import chat
-from hybridrt.cli.common import OneLineErrorGroup
+from hybridrt.cli.common import OneLineErrorGroup, error_line
 from hybridrt.cli.draft_vocab import draft_vocab
 from hybridrt.cli.generate import generate
 from hybridrt.cli.quantize import quantize
 from hybridrt.cli.serve import serve
+
+EXIT_STATUS = ("Exit status: 0 on success; 1 when something failed (a model not found, a "
+               "prompt that failed, an error while running); 2 for a usage error (a bad option "
+               "or value, --device cuda without a GPU, a port in use), reported before the "
+               "model loads; 130 when interrupted (Ctrl-C).")
 
 app = typer.Typer(
     name="hybridrt",
@@ -29,6 +36,7 @@ app = typer.Typer(
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
     help="hybridrt: inference for hybrid Gated-DeltaNet + attention models (Qwen3.5).",
+    epilog=EXIT_STATUS,
 )
 app.command("chat")(chat)
 app.command("generate")(generate)
@@ -55,7 +63,24 @@ def _root(
     """hybridrt: inference for hybrid Gated-DeltaNet + attention models (Qwen3.5)."""
 
 
+def shadowing_folder() -> str | None:
+    """A folder named ``hybridrt`` without an ``__init__.py`` (in the current directory, for
+    ``python -m hybridrt``) that Python imported as ``hybridrt`` instead of this package: with
+    an editable install the subpackages still resolve, so the commands would start and then
+    fail on the first name hybridrt's ``__init__`` defines. -> its path, else None."""
+    import hybridrt
+
+    if getattr(hybridrt, "__file__", None) is not None:
+        return None
+    return next(iter(getattr(hybridrt, "__path__", [])), "hybridrt")
+
+
 def main() -> None:
+    folder = shadowing_folder()
+    if folder is not None:
+        error_line(f"the folder {folder} hides the hybridrt package (Python imports it as "
+                   f"'hybridrt'): run from another directory, or use the hybridrt command")
+        sys.exit(1)
     app(prog_name="hybridrt")
 
 

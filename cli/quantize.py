@@ -7,12 +7,13 @@ from typing import Annotated
 
 import typer
 
-from hybridrt.cli.common import CliError
+from hybridrt.cli.common import CliError, resolve_model
 
 
 def quantize(
     model: Annotated[str, typer.Argument(metavar="IN", help="Checkpoint dir or hub id.")],
-    out: Annotated[Path, typer.Argument(metavar="OUT", help="New directory to write.")],
+    out: Annotated[Path, typer.Argument(
+        metavar="OUT", help="New (or empty) directory to write.")],
 ) -> None:
     """Write IN with its weights quantized to int8 (as --quantization int8 does at load time)
     into OUT, with IN's config and tokenizer files.
@@ -20,10 +21,13 @@ def quantize(
     OUT loads like any checkpoint (chat, generate, serve, LLM(OUT)) and runs int8 without
     quantizing at start-up; it computes exactly what --quantization int8 computes on IN.
     """
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CliError(f"{out} exists and is not an empty directory", 2)
+    path = resolve_model(model)
     from hybridrt.loader import save_quantized
 
     try:
-        info = save_quantized(model, out)
+        info = save_quantized(path, out)
     except FileExistsError as e:
         raise CliError(str(e), 2) from None
     typer.echo(f"wrote {info['path']}: {info['tensors']} tensors, "

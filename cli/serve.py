@@ -16,7 +16,10 @@ from hybridrt.cli.common import (
     ModelArg,
     SpecOpt,
     ThreadsOpt,
+    check_device_available,
     check_model_options,
+    check_port,
+    resolve_model,
 )
 
 NEEDS = "needs starlette, uvicorn and httpx: pip install 'hybridrt[serve]'"
@@ -58,18 +61,21 @@ def serve(
     ] = "info",
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health,
-    /metrics), reusing cached conversation prefixes across requests."""
+    /metrics), reusing cached conversation prefixes across requests.
+
+    The address is tried before the model loads: a port in use is one error line (exit 2).
+    """
     _check_deps("hybridrt serve")
     dtype = check_model_options(dtype=dtype, max_model_len=max_model_len,
                                 cache_memory=cache_memory, device=device)
-    from hybridrt.llm import LLM, check_device
+    if port != 0:
+        check_port(host, port)
+    path = resolve_model(model)
+    check_device_available(device)
+    from hybridrt.llm import LLM
     from hybridrt.server import serve as run
 
-    try:
-        check_device(device)
-    except ValueError as e:
-        raise CliError(f"--device {device}: {e}", 2) from None
-    llm = LLM(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
+    llm = LLM(path, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
               device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
               threads=threads, max_num_sessions=max_cached_prefixes)
     name = served_model_name or (model if model is not None else "hybridrt-demo")

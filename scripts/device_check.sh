@@ -2,7 +2,7 @@
 # The prepared run for a lent GPU machine (docs/gpu.md): nothing can be downloaded there, so the
 # fla-core wheel travels in .whl (pip download --no-deps fla-core==0.6.0 -d .whl here) and
 # hybridrt is put on the path as a symlinked package tree. Writes under $OUT: gpu.txt (versions),
-# tests.log (tests/gpu/test_attention.py and test_backend.py on the GPU: the attention kernels,
+# tests.log (tests/gpu/test_attention.py and test_cuda_backend.py on the GPU: the attention kernels,
 # the CUDA backend's steps and engine runs vs the reference, lossless speculation), bench.json (python -m hybridrt.bench.cuda: figures, the decode step's phases, a
 # profile). Usage: OUT=dir bash scripts/device_check.sh
 # DRY_RUN=1 runs the same steps on a machine without a GPU: the tests under TRITON_INTERPRET=1
@@ -35,7 +35,7 @@ fi
   python3 -c "import torch, triton, fla, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/gpu.txt"
 timeout "${TESTS_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider \
-    ${TESTS:-$REPO/tests/gpu/test_attention.py $REPO/tests/gpu/test_backend.py} \
+    ${TESTS:-$REPO/tests/gpu/test_attention.py $REPO/tests/gpu/test_cuda_backend.py} \
     2>&1 | tee "$OUT/tests.log" | tail -15
 timeout "${BENCH_TIMEOUT:-240}" "${BENCH[@]}" --json "$OUT/bench.json" \
     --transformers-max-batch 32 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -70

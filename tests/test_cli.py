@@ -448,7 +448,8 @@ def test_generate_writes_each_line_when_done_and_keeps_them_when_interrupted(tin
     monkeypatch.setattr(LLMEngine, "step", step_then_ctrl_c)
     res = invoke("generate", tiny, *MODEL_FLAGS, "--temperature", "0", "--no-progress",
                  "--input", src, "--output", dst)
-    assert res.exit_code == 130, res.output
+    assert res.exit_code == 130, res.output  # as its help says
+    assert res.stderr.strip() == "interrupted: wrote 1 line"
     recs = [json.loads(ln) for ln in dst.read_text().splitlines()]
     assert [(r["id"], len(r["token_ids"])) for r in recs] == [(0, 1)]  # "c" waits for "b"
 
@@ -505,6 +506,128 @@ def test_usage_errors_print_before_torch_is_imported(args):
                           stdin=subprocess.DEVNULL)
     assert proc.stdout.split() == ["2", "False"], (proc.stdout, proc.stderr)
     one_error_line(proc.stderr)
+
+
+def _probe(*args, cwd=None, env=None) -> tuple[int, bool, str]:
+    """The CLI in a fresh interpreter -> (exit code, whether torch was imported, stderr)."""
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH_PROBE, *map(str, args)],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          stdin=subprocess.DEVNULL, cwd=cwd,
+                          env=None if env is None else {**os.environ, **env})
+    code, torch_loaded = proc.stdout.split()
+    return int(code), torch_loaded == "True", proc.stderr
+
+
+@pytest.mark.parametrize("command, model, needle", [
+    (["generate", "MODEL", "-p", "x"], "no-such-model", "no-such-model"),
+    (["chat", "MODEL"], "", "the model path is empty"),
+    (["serve", "MODEL", "--port", "0"], "empty", "has no config.json"),
+    (["quantize", "MODEL", "OUT"], "no-such-model", "no-such-model"),
+    (["draft-vocab", "MODEL", "corpus.txt"], "empty", "has no config.json"),
+], ids=["generate", "chat-empty", "serve-no-config", "quantize", "draft-vocab"])
+def test_model_not_found_is_one_line_before_torch_is_imported(tmp_path, command, model, needle):
+    """A MODEL that is neither a checkpoint directory nor a hub id, an empty one, a directory
+    without config.json: exit 1 at once, torch never imported."""
+    (tmp_path / "empty").mkdir()
+    where = {"MODEL": str(tmp_path / model) if model else "", "OUT": str(tmp_path / "q")}
+    code, torch_loaded, err = _probe(*[where.get(a, a) for a in command], cwd=tmp_path)
+    assert (code, torch_loaded) == (1, False), err
+    assert needle in one_error_line(err)
+
+
+def test_offline_hub_id_is_one_line_naming_it(monkeypatch):
+    """A hub id neither cached nor reachable: one line with the id and why, not the hub's
+    exception chain; with HF_HUB_OFFLINE=1 before torch is imported."""
+    code, torch_loaded, err = _probe("generate", "nobody-here/no-such-model", "-p", "x",
+                                     env={"HF_HUB_OFFLINE": "1"})
+    assert (code, torch_loaded) == (1, False), err
+    line = one_error_line(err)
+    assert "'nobody-here/no-such-model' is not a local directory nor in the Hugging Face " \
+           "cache" in line and "HF_HUB_OFFLINE" in line
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    def unreachable(repo_id, local_files_only=False, **kw):
+        try:
+            raise OSError(-2, "Name or service not known")
+        except OSError as e:
+            raise RuntimeError("LocalEntryNotFoundError: a long hub story\nline two") from e
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    res = invoke("generate", "nobody-here/no-such-model", "-p", "x")
+    assert res.exit_code == 1
+    assert one_error_line(res.stderr) == (
+        "error: model 'nobody-here/no-such-model' is not a local directory nor in the Hugging "
+        "Face cache, and the Hugging Face Hub cannot be reached (Name or service not known)")
+
+
+def test_empty_prompt_flag_is_a_usage_error_before_torch_is_imported():
+    code, torch_loaded, err = _probe("generate", "-p", "hi", "-p", "")
+    assert (code, torch_loaded) == (2, False), err
+    assert one_error_line(err) == "error: --prompt 2 is empty"
+
+
+def test_quantize_into_a_non_empty_directory_is_refused_before_torch_is_imported(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    (tmp_path / "file").write_text("mine")
+    for out in (tmp_path / "out", tmp_path / "file"):
+        code, torch_loaded, err = _probe("quantize", DEMO, out)
+        assert (code, torch_loaded) == (2, False), err
+        assert "exists and is not an empty directory" in one_error_line(err)
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def test_serve_on_a_port_in_use_is_one_line_before_torch_is_imported():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, torch_loaded, err = _probe("serve", "--port", port)
+    assert (code, torch_loaded) == (2, False), err
+    assert one_error_line(err) == f"error: cannot listen on 127.0.0.1:{port}: already in use"
+    code, torch_loaded, err = _probe("serve", "--host", "no-such-host.invalid")
+    assert (code, torch_loaded) == (2, False), err
+    assert "--host no-such-host.invalid" in one_error_line(err)
+
+
+def test_cuda_without_a_gpu_is_refused_before_the_model_loads(tiny, monkeypatch):
+    import hybridrt.llm
+
+    def no_load(*a, **kw):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(hybridrt.llm.LLM, "__init__", no_load)
+    for args in (["generate", tiny, "-p", "x"], ["serve", tiny, "--port", "0"]):
+        res = invoke(*args, "--device", "cuda")
+        assert res.exit_code == 2, res.output
+        assert "--device cuda: CUDA is not available" in one_error_line(res.stderr)
+
+
+def test_a_hybridrt_folder_in_the_current_directory_is_named(tmp_path):
+    """``python -m hybridrt`` in a directory with a ``hybridrt`` folder (no __init__.py) that
+    Python takes for the package: one line naming the folder."""
+    (tmp_path / "hybridrt").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "hybridrt", "--version"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, check=False)
+    if proc.returncode == 0:  # a regular (not editable) install: the package wins
+        assert proc.stdout.startswith("hybridrt ")
+        return
+    assert proc.returncode == 1
+    assert str(tmp_path / "hybridrt") in one_error_line(proc.stderr)
+
+
+def test_exit_statuses_are_documented_in_the_help():
+    text = " ".join(invoke("--help").stdout.split())
+    for status in ("0 on success", "1 when something failed", "2 for a usage error",
+                   "130 when interrupted"):
+        assert status in text
+    gen = " ".join(invoke("generate", "--help").stdout.split())
+    assert "130 when interrupted (Ctrl-C)" in gen
 
 
 def test_cuda_on_a_cpu_only_torch_is_one_error_line_exit_2(tiny, monkeypatch):

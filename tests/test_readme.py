@@ -27,3 +27,21 @@ def _run_python_api_examples(capsys):
     out = capsys.readouterr().out
     assert "error: prompt is empty" in out  # the example shows a refused request
     assert namespace["llm"].engine.cache.all_free()
+
+
+def test_ci_installs_torch_as_the_readme_says():
+    """The README's torch command (the CPU index) is the one CI tries first, with the same pin
+    in both CI environments, and the GPU tests' fla-core pin is the gpu extra's."""
+    root = README.parent
+    text = README.read_text()
+    m = re.search(r"pip install torch==(\S+) --index-url (\S+)", text)
+    assert m, "the README's torch install command"
+    version, index = m.groups()
+    pip_torch = (root / ".ci" / "pip-torch").read_text()
+    assert f"torch=torch=={version}\n" in pip_torch and f"index={index}\n" in pip_torch
+    assert '--index-url "$index"' in pip_torch
+    triton_tests = (root / ".ci" / "triton-tests").read_text()
+    assert "bash .ci/pip-torch" in triton_tests and f"torch=={version} " in triton_tests
+    assert "bash .ci/pip-torch" in (root / ".ci" / "run").read_text()
+    fla = re.search(r"fla-core==(\S+)\"", (root / "pyproject.toml").read_text()).group(1)
+    assert f"fla-core=={fla} " in triton_tests

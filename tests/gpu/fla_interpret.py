@@ -3,7 +3,7 @@
 Import this module before the first fla kernel runs (test files only, never library code). It
 does nothing unless ``TRITON_INTERPRET=1``. Four problems, all in how kernels meet the
 interpreter, not in the kernels (3 and 4 concern any kernel with bf16 data, not only fla's),
-and one opt-in emulation (5):
+one shortcut (5) and one opt-in emulation (6):
 
 1. fla autotunes most kernels over several configs; the interpreter has no GPU driver to time
    them with (``RuntimeError: 0 active drivers``). The autotuner is cut to its first config
@@ -22,21 +22,30 @@ and one opt-in emulation (5):
    what the GPU's bf16 MMA with fp32 accumulation computes.
 4. The interpreter's fp32 -> bf16 conversion (``x.to(tl.bfloat16)``) truncates (rounds toward
    zero) where the GPU rounds to nearest even, and its explicit round-to-nearest path drops the
-   carry into the exponent. Truncation biases every bf16 intermediate towards zero: fla's bf16
-   output error against an fp32 reference came out ~30x its fp16 error (0.018 vs 0.0006 rmse
-   ratio) instead of ~8x. fp32 -> bf16 now rounds to nearest even (through torch), except
-   where a kernel asks for round-toward-zero.
-5. ``HYBRIDRT_INTERPRET_TF32=1``: ``tl.dot`` on fp32 operands at the default (or an explicit
+   carry into the exponent. Truncation biases every bf16 intermediate towards zero, which
+   inflates fla's bf16 output error against an fp32 reference far beyond the ratio of bf16's
+   to fp16's precision. fp32 -> bf16 now rounds to nearest even (through torch), except where
+   a kernel asks for round-toward-zero.
+5. Speed only: a ``@triton.jit`` function called from inside a kernel (``tl.sum``,
+   ``tl.zeros`` and the rest of ``triton.language.standard``, or a kernel's own helpers)
+   re-patches ``triton.language`` on every call (``InterpretedFunction.__call__`` walks the
+   members of ``tl``, ``tl.tensor``, ``tl.math`` with ``inspect.getmembers``): a fifth of the
+   interpreter's time in the engine tests. The modules are patched already while a kernel
+   runs (those the kernel's module sees), or for good (what a helper's call patched in other
+   modules is never undone): a helper whose language modules are all patched is called
+   straight away. The patched functions are the same, so nothing computed changes.
+6. ``HYBRIDRT_INTERPRET_TF32=1``: ``tl.dot`` on fp32 operands at the default (or an explicit
    "tf32") input precision rounds both operands to tf32 (10 mantissa bits, to nearest) before
    the fp32 product, as a GPU's tensor cores do; the interpreter otherwise multiplies in full
    fp32. fla's chunked delta rule uses the default precision, so this shows on CPU what its
-   fp32 prefill computes on a GPU (tests/gpu/test_backend.py's fp32 test then applies its GPU
-   rule).
+   fp32 prefill computes on a GPU (tests/gpu/test_cuda_backend.py's fp32 test then applies
+   its GPU rule).
 """
 
 from __future__ import annotations
 
 import ast
+import inspect
 import os
 
 ACTIVE = os.environ.get("TRITON_INTERPRET") == "1"
@@ -133,6 +142,49 @@ def _apply() -> None:
     builder.cast_impl = cast_impl
     builder.create_fp_to_fp = create_fp_to_fp
     # the lambdas (create_fp_trunc etc.) call self.cast_impl: they pick up the patched one
+
+    _skip_repatching_in_kernels(interpreter)
+
+
+def _skip_repatching_in_kernels(interpreter) -> None:
+    import triton.language as tl
+
+    langs: dict[int, frozenset] = {}  # id(function) -> ids of the language modules it sees
+
+    def seen(fn) -> frozenset:
+        key = id(fn)
+        if key not in langs:
+            langs[key] = frozenset(id(v) for v in list(fn.__globals__.values())
+                                   if inspect.ismodule(v) and v in (tl, tl.core))
+        return langs[key]
+
+    running: list[frozenset] = []  # the language modules each running kernel patched
+    # and those a helper's call patched for good: the interpreter never undoes that, except
+    # where the running kernel's own patching (which it undoes at its end) covered the module
+    for_good: set[int] = set()
+    launch = interpreter.GridExecutor.__call__
+    device_call = interpreter.InterpretedFunction.__call__
+
+    def launch_kernel(self, *args, **kwargs):
+        running.append(seen(self.fn))
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            running.pop()
+
+    def call_helper(self, *args, **kwargs):
+        mods = seen(self.fn)
+        if not running or not mods <= running[-1] | for_good:
+            for_good.update(mods - running[-1] if running else mods)
+            return device_call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    interpreter.GridExecutor.__call__ = launch_kernel
+    interpreter.InterpretedFunction.__call__ = call_helper
 
 
 def _bf16():

@@ -3,8 +3,8 @@
 fp32: tight tolerance. bf16: bit-exact, except that a few elements may be one bf16 ulp off
 where the reference's fp32 intermediates cannot be reproduced exactly (the order of the fp32
 sum in mean(x^2), fp32 exp / rsqrt implementations; see the module docstring): such a
-difference flips a bf16 rounding about 5 times in 10^6 elements (H200), so at most
-``_ALLOWED_OFF`` elements per tensor may differ, and by one ulp only. The residual output of
+difference flips a bf16 rounding only rarely (a few elements per million on a GPU), so at
+most ``_ALLOWED_OFF`` elements per tensor may differ, and by one ulp only. The residual output of
 ``rms_norm(..., residual=)`` has no such intermediate and must always be exact.
 """
 

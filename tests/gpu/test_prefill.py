@@ -36,8 +36,8 @@ def _close(name, ref, out, dtype):
         tol = 1e-4 if ON_GPU else 1e-5  # other summation orders on a GPU
         torch.testing.assert_close(out, ref, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
     else:  # tf32 on a GPU, or bf16 inputs: fla's test criterion (0.005 for fp16). With bf16
-        # inputs fla keeps its intermediates (normalised q/k, w, u, chunk states) in bf16:
-        # ~0.0045 measured under the interpreter (with fla_interpret's rounding fix)
+        # inputs fla keeps its intermediates (normalised q/k, w, u, chunk states) in bf16,
+        # which the fp16 criterion does not allow for: twice it
         ratio = 0.005 if dtype == torch.float32 else 0.01
         err = _err_ratio(ref, out)
         assert err < ratio, f"{name}: error ratio {err:.2e} >= {ratio}"
