@@ -379,14 +379,19 @@ class Server:
     async def _generate(self, request, chat: bool):
         if (denied := self._auth(request)) is not None:
             return denied
+        big = False
         try:
             raw = await self._read_body(request)
+            big = len(raw) > 1 << 20
             async with self.pool_slots:
                 job = await asyncio.get_running_loop().run_in_executor(
                     self.pool, self._parse_and_prepare, raw, chat)
         except api.ApiError as e:
-            return _error(e)
-        del raw  # the body may be megabytes: hold only the job while it runs
+            return _error(e.with_traceback(None))
+        finally:
+            raw = None  # hold only the job while the request runs
+            if big:  # hand a large body's memory back to the system, refused or not
+                self.pool.submit(_release_memory)
         handle = Handle(asyncio.get_running_loop())
         self.loop.submit(handle, job["ids"], job["params"], job["prompt"], job["snapshot_at"])
         if job["stream"]:
@@ -428,15 +433,15 @@ class Server:
         return b"".join(chunks)
 
     def _parse_and_prepare(self, raw: bytes, chat: bool) -> dict:
-        """In a pool thread: the body -> the job (``_prepare``); a large body's memory is
-        handed back to the system afterwards, refused or not."""
+        """In a pool thread: the body -> the job (``_prepare``). A refusal is raised without
+        the traceback of where it was found: those frames hold the parsed body and the
+        prompt's encoding, which must be freed before ``_generate`` trims the heap."""
         try:
-            body = api.parse_body(raw, self.limits.max_json_depth)
-            return self._prepare(body, chat)
-        finally:
-            if len(raw) > 1 << 20:
-                body = None
-                _release_memory()
+            return self._prepare(api.parse_body(raw, self.limits.max_json_depth), chat)
+        except api.ApiError as e:
+            error = e.with_traceback(None)
+        del raw
+        raise error
 
     def _prepare(self, body: Any, chat: bool) -> dict:
         """Validate a request body -> prompt ids, text, params and the snapshot point."""
@@ -456,9 +461,9 @@ class Server:
             except Exception as e:
                 raise api.bad(f"the chat template failed on these messages: {e}",
                               "messages") from None
-            ids = self._encode(text)
+            ids = self._encode(text, body, "messages")
             if base is not None:
-                base_ids = self._encode(base)
+                base_ids = self._encode(base, body, "messages")
                 if 0 < len(base_ids) < len(ids) and ids[:len(base_ids)] == base_ids:
                     snapshot_at = len(base_ids)
         else:
@@ -466,7 +471,7 @@ class Server:
             if isinstance(prompt, str):
                 if self.tokenizer is None:
                     raise api.bad("this model has no tokenizer: send token ids", "prompt")
-                text, ids = prompt, self._encode(prompt)
+                text, ids = prompt, self._encode(prompt, body, "prompt")
             else:
                 text, ids = None, prompt
         where, num_ids = "messages" if chat else "prompt", len(ids)
@@ -497,9 +502,7 @@ class Server:
             keep = truncate if truncate > 0 else n - (params.max_tokens or 1)
             ids = ids[-max(1, min(keep, cap)):]
         if len(ids) > cap:
-            raise api.bad(f"the prompt has {len(ids)} tokens, over this server's limit of {cap} "
-                          f"(max_model_len is {n}; --max-prompt-tokens; or send "
-                          f"truncate_prompt_tokens)", where)
+            raise _too_many_tokens(len(ids), cap, n, where)
         room = n - len(ids)
         if params.max_tokens is not None and params.max_tokens > room:
             if explicit:
@@ -511,8 +514,20 @@ class Server:
                                   min_tokens=min(params.min_tokens, max(1, room)))
         return ids, params
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def _encode(self, text: str, body: dict, where: str) -> list[int]:
+        """The text's ids. A fast tokenizer's encoding is measured before its ids become a
+        Python list: a prompt over the token limit (and not to be truncated) is refused
+        without making a few hundred thousand int objects, whose memory would stay with the
+        process."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        encoding = backend.encode(text, add_special_tokens=False)
+        if len(encoding) > self.limits.max_prompt_tokens and \
+                body.get("truncate_prompt_tokens") is None:
+            raise _too_many_tokens(len(encoding), self.limits.max_prompt_tokens,
+                                   self.max_model_len, where)
+        return encoding.ids
 
     def _piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -644,6 +659,12 @@ def _guarded(handler):
             return _error(api.ApiError(500, "internal server error (the server's log has the "
                                             "details)", kind="server_error"))
     return run
+
+
+def _too_many_tokens(num: int, cap: int, max_model_len: int, where: str) -> api.ApiError:
+    return api.bad(f"the prompt has {num} tokens, over this server's limit of {cap} "
+                   f"(max_model_len is {max_model_len}; --max-prompt-tokens; or send "
+                   f"truncate_prompt_tokens)", where)
 
 
 def _too_large(limit: int) -> api.ApiError:
