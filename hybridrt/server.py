@@ -419,6 +419,8 @@ class Server:
                 raise api.bad("Content-Length must be a number of bytes")
             if int(length) > limit:
                 raise _too_large(limit)
+        from starlette.requests import ClientDisconnect
+
         chunks, size = [], 0
         try:
             async with asyncio.timeout(self.body_timeout):
@@ -430,6 +432,8 @@ class Server:
         except TimeoutError:
             raise api.ApiError(408, f"the request body did not arrive within "
                                     f"{self.body_timeout:g} s") from None
+        except ClientDisconnect:
+            raise api.bad("the client closed the connection before the end of its body") from None
         return b"".join(chunks)
 
     def _parse_and_prepare(self, raw: bytes, chat: bool) -> dict:
@@ -626,6 +630,9 @@ class Server:
                 item = await handle.queue.get()
             finished = True
             yield "data: [DONE]\n\n"
+        except Exception:  # a bug: end the stream with an error event, not a reset connection
+            log.exception("unexpected error in a stream")
+            yield _sse(_internal_error().body())
         finally:
             if not finished:
                 self.loop.abort(handle)
@@ -656,9 +663,13 @@ def _guarded(handler):
             return await handler(request)
         except Exception:
             log.exception("unexpected error in %s %s", request.method, request.url.path)
-            return _error(api.ApiError(500, "internal server error (the server's log has the "
-                                            "details)", kind="server_error"))
+            return _error(_internal_error())
     return run
+
+
+def _internal_error() -> api.ApiError:
+    return api.ApiError(500, "internal server error (the server's log has the details)",
+                        kind="server_error")
 
 
 def _too_many_tokens(num: int, cap: int, max_model_len: int, where: str) -> api.ApiError:
