@@ -82,7 +82,7 @@ def mutate(rng: random.Random) -> tuple[str, bytes, str]:
     """-> (path, body bytes, how to send it)."""
     path, body = valid_request(rng)
     for _ in range(rng.randrange(1, 4)):
-        op = rng.randrange(4)
+        op = rng.randrange(5)
         if op == 0:  # a field's value of another type or size
             body[rng.choice(list(body))] = random_value(rng)
         elif op == 1:  # a field added
@@ -91,6 +91,12 @@ def mutate(rng: random.Random) -> tuple[str, bytes, str]:
             body["messages"] = body["messages"] * rng.choice([2, 100, 600])
         elif op == 3:
             body.pop(rng.choice(list(body)), None)
+        elif op == 4:  # the text itself: odd characters in an otherwise valid request
+            text = rng.choice(["\ud800", "\udfff x", "a\x00b", "é\u200b" * 30, "\U0001f600"])
+            if isinstance(body.get("messages"), list):
+                body["messages"] = user(text)
+            elif "prompt" in body:
+                body["prompt"] = text
     if rng.random() < 0.15:
         body = random_value(rng)  # not even an object
     data = json.dumps(body, ensure_ascii=rng.random() < 0.5).encode("utf-8", "surrogatepass")

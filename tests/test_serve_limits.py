@@ -186,10 +186,10 @@ def test_large_prompt_refused_without_stalling_others(srv):
 
 
 def test_tokenizing_a_megabyte_prompt_leaves_the_loop_free(wide):
-    """A 1.2 MB prompt goes through the tokenizer (seconds of work on this machine) and is
+    """A 3.5 MB prompt goes through the tokenizer (seconds of work on this machine) and is
     refused by the token limit; meanwhile /health never takes a second: the tokenizer ran in
     the pool, not on the event loop."""
-    prompt = "the quick brown fox jumps over the lazy dog. " * 26_000
+    prompt = "the quick brown fox jumps over the lazy dog. " * 78_000
     with HealthWatch(wide.base) as watch:
         t = time.perf_counter()
         r = httpx.post(f"{wide.base}/v1/completions", timeout=120,
@@ -197,7 +197,8 @@ def test_tokenizing_a_megabyte_prompt_leaves_the_loop_free(wide):
         took = time.perf_counter() - t
     assert r.status_code == 400 and "tokens, over this server's limit" in r.json()["error"][
         "message"]
-    assert took > 0.3  # the tokenizer did real work while /health was being asked
+    assert took > 1.5  # the tokenizer did seconds of work while /health was being asked
+    print("worst", watch.worst, "took", took, watch.count)
     assert watch.count > 3 and watch.worst < 1.0, (watch.worst, took)
 
 
