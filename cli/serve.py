@@ -41,10 +41,12 @@ def serve(
         "--api-key-file, else $HYBRIDRT_API_KEY, else none; a key given here shows in ps).",
         show_default=False)] = None,
     api_key_file: Annotated[str | None, typer.Option(
-        "--api-key-file", help="Read the API key from this file (surrounding blanks dropped).",
+        "--api-key-file", help="Read the API key from this file, surrounding blanks dropped "
+        "(default: none).",
         show_default=False)] = None,
     metrics_public: Annotated[bool, typer.Option(
-        "--metrics-public", help="Serve /metrics without the API key.")] = False,
+        "--metrics-public", help="Serve /metrics without the API key (default: behind it "
+        "when there is one).")] = False,
     max_body_bytes: Annotated[int, typer.Option(
         "--max-body-bytes", min=1, help="Largest request body; larger: 413.")] = 4 << 20,
     max_prompt_chars: Annotated[int | None, typer.Option(

@@ -522,11 +522,12 @@ class Server:
         """The text's ids. A fast tokenizer's encoding is measured before its ids become a
         Python list: a prompt over the token limit (and not to be truncated) is refused
         without making a few hundred thousand int objects, whose memory would stay with the
-        process."""
+        process. ``encode_batch``, not ``encode``: only the batch call releases the GIL (a
+        3.5 MB prompt held it 3.1 s with ``encode``, stalling the event loop from the pool)."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None:
             return self.tokenizer.encode(text, add_special_tokens=False)
-        encoding = backend.encode(text, add_special_tokens=False)
+        (encoding,) = backend.encode_batch([text], add_special_tokens=False)
         if len(encoding) > self.limits.max_prompt_tokens and \
                 body.get("truncate_prompt_tokens") is None:
             raise _too_many_tokens(len(encoding), self.limits.max_prompt_tokens,
