@@ -10,6 +10,7 @@
 | HYBRIDRT_HUGE_PAGES | 0/false/no/off, else on | on | off: weights stay in ordinary pages |
 | HYBRIDRT_ADAPTIVE_THREADS | 0/false/no/off, else on | on | off: all cores, no thread governor |
 | HYBRIDRT_DEBUG | 1, else off | off | the CLI prints tracebacks of unexpected errors |
+| HYBRIDRT_API_KEY | any string | none | ``hybridrt serve``'s API key (docs/server.md) |
 
 Values are matched case-insensitively, surrounding blanks ignored. ``kernel_options`` parses
 the kernels' switches into the ``KernelOptions`` the backends get (the engine calls it once, at
@@ -47,7 +48,9 @@ VARIABLES = {v.name: v for v in (
     Variable("HYBRIDRT_HUGE_PAGES", "1", None, "0: weights in ordinary pages"),
     Variable("HYBRIDRT_ADAPTIVE_THREADS", "1", None, "0: all cores, no thread governor"),
     Variable("HYBRIDRT_DEBUG", "0", None, "1: the CLI shows tracebacks"),
+    Variable("HYBRIDRT_API_KEY", "", None, "hybridrt serve's API key (kept out of ps)"),
 )}
+RAW = ("HYBRIDRT_CACHE", "HYBRIDRT_API_KEY")  # read as given: a path, a secret
 
 
 def read(name: str, environ: Mapping[str, str] | None = None) -> str:
@@ -55,7 +58,7 @@ def read(name: str, environ: Mapping[str, str] | None = None) -> str:
     given); ValueError naming it for a value outside its choices."""
     var = VARIABLES[name]
     raw = (os.environ if environ is None else environ).get(name, var.default)
-    if name == "HYBRIDRT_CACHE":
+    if name in RAW:
         return raw
     value = raw.strip().lower()
     if var.choices is not None and value not in var.choices:

@@ -8,13 +8,20 @@ include_stop_str_in_output, max_tokens / max_completion_tokens, logprobs / top_l
 chat_template_kwargs (and enable_thinking as a shorthand for it), add_generation_prompt.
 Fields left unset take the checkpoint's generation_config.json, as vLLM does. Other fields
 are ignored, except the ones whose effect this server cannot give (tools, n > 1, echo, ...):
-those are refused with a 400 naming the field.
+those are refused with a 400 naming the field. ``truncate_prompt_tokens`` (vLLM's) keeps the
+last k prompt tokens (-1: as many as fit beside max_tokens).
+
+Parsing is strict (``parse_body``): UTF-8 only, no NaN / Infinity, no lone surrogates, nesting
+at most ``Limits.max_json_depth`` deep. ``Limits`` bounds what one request may cost before any
+model work: see docs/server.md.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from hybridrt.sampling_params import SamplingParams
@@ -27,6 +34,30 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
 UNSUPPORTED = {"tools": "tools / function calling", "functions": "function calling",
                "echo": "echo", "suffix": "suffix", "logit_bias": "logit_bias",
                "audio": "audio output"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_SEED = 2 ** 63 - 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for; every field a ``hybridrt serve`` flag (docs/server.md).
+    None: derived from the engine's max_model_len (``resolved``)."""
+
+    max_body_bytes: int = 4 << 20  # --max-body-bytes: 413 beyond
+    max_prompt_chars: int | None = None  # --max-prompt-chars; None: 32 x max_model_len
+    max_prompt_tokens: int | None = None  # --max-prompt-tokens; None: max_model_len - 1
+    max_messages: int = 512  # --max-messages
+    max_stop: int = 16  # --max-stop: stop strings, and stop_token_ids
+    max_stop_chars: int = 256  # --max-stop-chars: the longest stop string
+    max_json_depth: int = 32  # --max-json-depth: nesting of the request body
+
+    def resolved(self, max_model_len: int) -> Limits:
+        from dataclasses import replace
+
+        return replace(self, max_prompt_chars=32 * max_model_len if self.max_prompt_chars is None
+                       else self.max_prompt_chars,
+                       max_prompt_tokens=max_model_len - 1 if self.max_prompt_tokens is None
+                       else min(self.max_prompt_tokens, max_model_len - 1))
 
 
 class ApiError(Exception):
@@ -46,11 +77,108 @@ def bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param)
 
 
+def too_large(message: str, param: str | None = None) -> ApiError:
+    return ApiError(413, message, param)
+
+
+def parse_body(raw: bytes, max_depth: int) -> Any:
+    """A request body -> its JSON value; 400 for anything but strict UTF-8 JSON nested at
+    most ``max_depth`` deep, with no NaN / Infinity and no lone surrogates in any string."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise bad(f"the request body is nested more than {max_depth} deep") from None
+    except (json.JSONDecodeError, ValueError) as e:
+        raise bad(f"the request body is not valid JSON: {e}") from None
+    _check_tree(body, max_depth)
+    return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_tree(body: Any, max_depth: int) -> None:
+    """Depth and strings of a parsed body, walked without recursion; the error's param is
+    the top-level field the bad value is under."""
+    stack = [(body, 1, None)]
+    while stack:
+        value, depth, top = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > max_depth:
+                raise bad(f"the request body is nested more than {max_depth} deep", top)
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    _check_string(k, top or k)
+                    stack.append((v, depth + 1, top or k))
+            else:
+                stack.extend((v, depth + 1, top) for v in value)
+        elif isinstance(value, str):
+            _check_string(value, top)
+
+
+def _check_string(s: str, param: str | None) -> None:
+    if not s.isascii():
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise bad(f"{param or 'the body'}: a string holds a lone surrogate "
+                      f"({s[e.start]!r}), not valid Unicode", param) from None
+
+
+def check_limits(body: dict, limits: Limits) -> None:
+    """The request's sizes against ``limits`` (resolved), before any tokenizing."""
+    messages = body.get("messages")
+    if isinstance(messages, list) and len(messages) > limits.max_messages:
+        raise bad(f"messages has {len(messages)} entries, over this server's limit of "
+                  f"{limits.max_messages} (--max-messages)", "messages")
+    for name in ("stop", "stop_token_ids"):
+        value = body.get(name)
+        if isinstance(value, list) and len(value) > limits.max_stop:
+            raise bad(f"{name} has {len(value)} entries, over this server's limit of "
+                      f"{limits.max_stop} (--max-stop)", name)
+    stop = body.get("stop")
+    for s in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []:
+        if isinstance(s, str) and len(s) > limits.max_stop_chars:
+            raise bad(f"a stop string has {len(s)} characters, over this server's limit of "
+                      f"{limits.max_stop_chars} (--max-stop-chars)", "stop")
+    chars, param = _prompt_chars(body)
+    if chars > limits.max_prompt_chars:
+        raise bad(f"the prompt has {chars} characters, over this server's limit of "
+                  f"{limits.max_prompt_chars} (--max-prompt-chars)", param)
+
+
+def _prompt_chars(body: dict) -> tuple[int, str]:
+    if "messages" in body:
+        n = 0
+        for m in body["messages"] if isinstance(body["messages"], list) else []:
+            if not isinstance(m, dict):
+                continue
+            for key in ("content", "reasoning_content"):
+                c = m.get(key)
+                if isinstance(c, str):
+                    n += len(c)
+                elif isinstance(c, list):
+                    n += sum(len(p["text"]) for p in c
+                             if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return n, "messages"
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    return (len(p) if isinstance(p, str) else 0), "prompt"
+
+
 # Requests ------------------------------------------------------------------------------------
 def check_common(body: Any, served_model: str) -> None:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad(f"model must be a string, got {type(model).__name__}", "model")
     if model is not None and model != served_model:
         raise ApiError(404, f"model {model!r} does not exist: this server serves "
                             f"{served_model!r}", "model", "not_found_error")
@@ -68,8 +196,29 @@ def check_common(body: Any, served_model: str) -> None:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options must be an object", "stream_options")
-    if not isinstance(body.get("stream", False), bool):
-        raise bad(f"stream must be a boolean, got {body['stream']!r}", "stream")
+    for name in ("stream", "add_generation_prompt", "enable_thinking"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise bad(f"{name} must be a boolean, got {_short(body[name])}", name)
+    if opts is not None and opts.get("include_usage") is not None and \
+            not isinstance(opts["include_usage"], bool):
+        raise bad("stream_options.include_usage must be a boolean", "stream_options")
+    seed = body.get("seed")
+    if seed is not None and not (_is_int(seed) and 0 <= seed <= MAX_SEED):
+        raise bad(f"seed must be an integer in [0, 2**63 - 1], got {_short(seed)}", "seed")
+    truncate = body.get("truncate_prompt_tokens")
+    if truncate is not None and not (_is_int(truncate) and (truncate >= 1 or truncate == -1)):
+        raise bad(f"truncate_prompt_tokens must be an integer >= 1 or -1, got "
+                  f"{_short(truncate)}", "truncate_prompt_tokens")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    """A value for an error message, cut to 40 characters (it may be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def sampling_params(body: dict, defaults: dict, chat: bool) -> SamplingParams:
@@ -86,6 +235,10 @@ def sampling_params(body: dict, defaults: dict, chat: bool) -> SamplingParams:
             break
     if chat:
         top = body.get("top_logprobs")
+        if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
+            raise bad(f"logprobs must be a boolean, got {_short(body['logprobs'])}", "logprobs")
+        if top is not None and not _is_int(top):
+            raise bad(f"top_logprobs must be an integer, got {_short(top)}", "top_logprobs")
         if body.get("logprobs"):
             fields["logprobs"] = 0 if top is None else top
         elif top:
@@ -96,6 +249,8 @@ def sampling_params(body: dict, defaults: dict, chat: bool) -> SamplingParams:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as e:
         msg = str(e)
+        if len(msg) > 300:  # it may quote a megabyte of the value
+            msg = msg[:297] + "..."
         param = next((n for n in (*SAMPLING_FIELDS, "max_tokens", "logprobs")
                       if msg.startswith(n)), None)
         raise bad(msg, param) from None
@@ -111,6 +266,9 @@ def chat_messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
+        if m["role"] not in ROLES:
+            raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
+                      f"{_short(m['role'])}", "messages")
         content = m.get("content")
         if isinstance(content, list):
             parts = []

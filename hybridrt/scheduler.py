@@ -8,11 +8,19 @@ running request is preempted: its blocks and state slots are freed and it is rec
 tokens later. A waiting request that does not fit even when nothing else holds any cache can
 never run: it fails (``StepPlan.failed``) instead of waiting forever.
 
+Admission control (``_room_for``), so that preemption makes progress: a preempted GDN request
+loses all of its state (there is no prefix of it to keep), so a request admitted only to be
+preempted a few steps later costs its whole recompute. While others run, a waiting request is
+admitted only when the cache holds all the known tokens of the running requests and of it,
+plus one block of growth each (not only this step's chunk), and not at all between a
+preemption and the next finish. The issue-29 workload (7 requests, 12 MiB, docs/server.md)
+went from 127 preemptions to a handful.
+
 | invariant | |
 | --- | --- |
 | running | holds KV blocks covering num_computed_tokens (+ this step's) and its state slots |
 | waiting | holds no cache resources; num_computed_tokens == 0 |
-| preempted | goes back to the front of waiting, oldest first |
+| preempted | goes back to the front of waiting, oldest first; no admission until a finish |
 | session request | takes over its session's cache when admitted (``SessionManager.attach``) |
 
 Request progress has two writers: the scheduler (admission, preemption, finish: status,
@@ -63,6 +71,10 @@ class Scheduler:
         self.sessions = sessions  # None: no sessions
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.under_pressure = False  # a preemption since the last finish: admit nothing
+        # False: admit whatever this step's chunk fits (the rule before issue 29, vLLM's);
+        # tests of the preemption path set it to make preemptions happen
+        self.admission_control = True
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -103,7 +115,7 @@ class Scheduler:
             n = self._stop_at_snapshot(req, min(len(req.token_ids) - req.num_computed_tokens,
                                                 budget))
             need = req.num_computed_tokens + n + req.spec_k
-            if not self._allocate(req, need):
+            if not (self._room_for(req) and self._allocate(req, need)):
                 if req.session_attached and req.num_computed_tokens:
                     self._detach(req)  # the session keeps its cache meanwhile
                 else:
@@ -135,6 +147,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
+        self.under_pressure = False
         request.reset_speculation()
         request.metrics.finished_time = time.perf_counter()
 
@@ -158,6 +171,23 @@ class Scheduler:
         evicting idle sessions' caches while that helps -> whether it got them."""
         while not (self.cache.allocate_state(req.request_id, 1 + req.spec_k)
                    and self.cache.allocate_blocks(req.request_id, num_tokens)):
+            if not self._evict_idle_session():
+                return False
+        return True
+
+    def _room_for(self, req: Request) -> bool:
+        """Whether ``req`` may be admitted beside the running requests: the cache (idle
+        sessions' evicted while that helps) holds all their known tokens and its, with a
+        block of growth each; never between a preemption and the next finish. With nothing
+        running it may always try (a request too large for the cache fails then)."""
+        if not (self.running and self.admission_control):
+            return True
+        if self.under_pressure:
+            return False
+        grow = self.cache.block_size
+        short = sum(self.cache.blocks_needed(r.request_id, len(r.token_ids) + r.spec_k + grow)
+                    for r in (*self.running, req))
+        while short > self.cache.usage().num_free_blocks:
             if not self._evict_idle_session():
                 return False
         return True
@@ -197,5 +227,6 @@ class Scheduler:
         req.reset_speculation()
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
+        self.under_pressure = True
         self.waiting.appendleft(req)
         plan.preempted.append(req)

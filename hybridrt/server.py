@@ -16,23 +16,38 @@ request saves its GDN state where its generation prompt starts (``snapshot_at``)
 that re-renders or re-tokenizes the answer diverges after that point and still reuses
 everything before it. Under memory pressure the engine frees idle sessions' caches, least
 recently used first, before it preempts a running request.
+
+Hostile and careless clients (docs/server.md): the body is read with a size limit (413 from
+Content-Length before reading, or as soon as the bytes read pass it) and a deadline (408);
+parsing, validation, chat templating and tokenizing run in a small thread pool
+(``Server.workers`` threads, one request each at a time) so the event loop keeps answering
+/health and other clients while a large request is parsed; every size a request may ask for
+is bounded (``openai_protocol.Limits``). An unexpected exception in a handler is logged and
+answered with a JSON 500 that names nothing internal; the connection stays usable. The API
+key is compared in constant time (``hmac.compare_digest``) and guards /v1/* and /metrics
+(unless ``metrics_public``); /health is always open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
+import logging
 import queue
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from hybridrt import openai_protocol as api
 from hybridrt.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
 from hybridrt.sampling_params import SamplingParams
+
+log = logging.getLogger("hybridrt.server")
 
 
 @dataclass(slots=True)
@@ -277,15 +292,23 @@ def metrics_text(loop: EngineLoop) -> str:
 
 # HTTP ----------------------------------------------------------------------------------------
 class Server:
-    """The OpenAI endpoints over an ``EngineLoop``."""
+    """The OpenAI endpoints over an ``EngineLoop``. ``limits``: what one request may ask for
+    (default ``openai_protocol.Limits()``); ``workers``: threads that parse and tokenize;
+    ``body_timeout``: seconds a client may take to send its body."""
 
     def __init__(self, llm, model_name: str, num_prefixes: int = 16,
-                 api_key: str | None = None):
+                 api_key: str | None = None, limits: api.Limits | None = None,
+                 metrics_public: bool = False, workers: int = 2, body_timeout: float = 60.0):
         from hybridrt.llm import generation_defaults
 
         self.llm, self.tokenizer, self.model_name = llm, llm.tokenizer, model_name
-        self.api_key = api_key
+        self.api_key, self.metrics_public = api_key, metrics_public
+        self.max_model_len = llm.engine.engine_config.max_model_len
+        self.limits = (limits or api.Limits()).resolved(self.max_model_len)
+        self.body_timeout = body_timeout
         self.defaults = generation_defaults(llm.model_path)
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hybridrt-parse")
+        self.pool_slots = asyncio.Semaphore(workers)  # queue in the loop, not in the pool
         self.loop = EngineLoop(llm, num_prefixes)
         self.app = self._build_app()
 
@@ -293,11 +316,11 @@ class Server:
         from starlette.applications import Starlette
         from starlette.routing import Route
 
-        routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                  Route("/v1/completions", self.completions, methods=["POST"]),
-                  Route("/v1/models", self.models, methods=["GET"]),
-                  Route("/health", self.health, methods=["GET"]),
-                  Route("/metrics", self.metrics, methods=["GET"])]
+        routes = [Route("/v1/chat/completions", _guarded(self.chat), methods=["POST"]),
+                  Route("/v1/completions", _guarded(self.completions), methods=["POST"]),
+                  Route("/v1/models", _guarded(self.models), methods=["GET"]),
+                  Route("/health", _guarded(self.health), methods=["GET"]),
+                  Route("/metrics", _guarded(self.metrics), methods=["GET"])]
         return Starlette(routes=routes, lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
@@ -307,6 +330,7 @@ class Server:
             yield
         finally:
             self.loop.stop()
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
     # Plain endpoints ----------------------------------------------------------------------
     async def models(self, request):
@@ -329,12 +353,18 @@ class Server:
     async def metrics(self, request):
         from starlette.responses import PlainTextResponse
 
+        if not self.metrics_public and (denied := self._auth(request)) is not None:
+            return denied
         return PlainTextResponse(metrics_text(self.loop),
                                  media_type="text/plain; version=0.0.4")
 
     def _auth(self, request):
-        if self.api_key is None or \
-                request.headers.get("authorization") == f"Bearer {self.api_key}":
+        """None when the request may go on, else the 401 to answer. The key is compared as
+        bytes in constant time: how long the check takes tells nothing about the key."""
+        if self.api_key is None:
+            return None
+        sent = next((v for k, v in request.scope["headers"] if k == b"authorization"), b"")
+        if hmac.compare_digest(sent, b"Bearer " + self.api_key.encode()):
             return None
         return _error(api.ApiError(401, "invalid or missing API key (send Authorization: "
                                         "Bearer <key>)", kind="authentication_error"))
@@ -349,17 +379,22 @@ class Server:
     async def _generate(self, request, chat: bool):
         if (denied := self._auth(request)) is not None:
             return denied
+        big = False
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(api.bad("the request body is not valid JSON"))
-        try:
-            job = self._prepare(body, chat)
+            raw = await self._read_body(request)
+            big = len(raw) > 1 << 20
+            async with self.pool_slots:
+                job = await asyncio.get_running_loop().run_in_executor(
+                    self.pool, self._parse_and_prepare, raw, chat)
         except api.ApiError as e:
-            return _error(e)
+            return _error(e.with_traceback(None))
+        finally:
+            raw = None  # hold only the job while the request runs
+            if big:  # hand a large body's memory back to the system, refused or not
+                self.pool.submit(_release_memory)
         handle = Handle(asyncio.get_running_loop())
         self.loop.submit(handle, job["ids"], job["params"], job["prompt"], job["snapshot_at"])
-        if body.get("stream"):
+        if job["stream"]:
             try:
                 first = await handle.queue.get()  # refusals still get a status code
             except asyncio.CancelledError:
@@ -369,13 +404,53 @@ class Server:
                 return _error(_as_api_error(first.error))
             from starlette.responses import StreamingResponse
 
-            return StreamingResponse(self._events(handle, first, job, body, chat),
+            return StreamingResponse(self._events(handle, first, job, chat),
                                      media_type="text/event-stream")
         return await self._collect(request, handle, job, chat)
+
+    async def _read_body(self, request) -> bytes:
+        """The body, refused with 413 as soon as it is known to pass the limit (from
+        Content-Length, before reading; else while reading) and 408 if it takes longer than
+        ``body_timeout`` to arrive."""
+        limit = self.limits.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise api.bad("Content-Length must be a number of bytes")
+            if int(length) > limit:
+                raise _too_large(limit)
+        from starlette.requests import ClientDisconnect
+
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise _too_large(limit)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise api.ApiError(408, f"the request body did not arrive within "
+                                    f"{self.body_timeout:g} s") from None
+        except ClientDisconnect:
+            raise api.bad("the client closed the connection before the end of its body") from None
+        return b"".join(chunks)
+
+    def _parse_and_prepare(self, raw: bytes, chat: bool) -> dict:
+        """In a pool thread: the body -> the job (``_prepare``). A refusal is raised without
+        the traceback of where it was found: those frames hold the parsed body and the
+        prompt's encoding, which must be freed before ``_generate`` trims the heap."""
+        try:
+            return self._prepare(api.parse_body(raw, self.limits.max_json_depth), chat)
+        except api.ApiError as e:
+            error = e.with_traceback(None)
+        del raw
+        raise error
 
     def _prepare(self, body: Any, chat: bool) -> dict:
         """Validate a request body -> prompt ids, text, params and the snapshot point."""
         api.check_common(body, self.model_name)
+        api.check_limits(body, self.limits)
         params = api.sampling_params(body, self.defaults, chat)
         snapshot_at = None
         if chat:
@@ -390,9 +465,9 @@ class Server:
             except Exception as e:
                 raise api.bad(f"the chat template failed on these messages: {e}",
                               "messages") from None
-            ids = self._encode(text)
+            ids = self._encode(text, body, "messages")
             if base is not None:
-                base_ids = self._encode(base)
+                base_ids = self._encode(base, body, "messages")
                 if 0 < len(base_ids) < len(ids) and ids[:len(base_ids)] == base_ids:
                     snapshot_at = len(base_ids)
         else:
@@ -400,21 +475,64 @@ class Server:
             if isinstance(prompt, str):
                 if self.tokenizer is None:
                     raise api.bad("this model has no tokenizer: send token ids", "prompt")
-                text, ids = prompt, self._encode(prompt)
+                text, ids = prompt, self._encode(prompt, body, "prompt")
             else:
                 text, ids = None, prompt
+        where, num_ids = "messages" if chat else "prompt", len(ids)
+        ids, params = self._fit(ids, params, body, where)
+        if len(ids) != num_ids:
+            snapshot_at = None  # truncated: the rendered prefix is no longer at the start
         try:
             ids = self.llm.engine.validate_prompt(ids)
         except ValueError as e:
-            raise api.bad(str(e), "messages" if chat else "prompt") from None
+            raise api.bad(str(e), where) from None
         thinks = chat and text is not None and opens_thinking(text)
+        opts = body.get("stream_options") or {}
         return {"ids": ids, "params": params, "prompt": text, "snapshot_at": snapshot_at,
                 "thinks": thinks, "id": api.new_id("chatcmpl" if chat else "cmpl"),
-                "created": api.now(),
-                "top": params.logprobs or 0}
+                "created": api.now(), "top": params.logprobs or 0,
+                "stream": bool(body.get("stream")), "usage": bool(opts.get("include_usage"))}
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def _fit(self, ids: list[int], params: SamplingParams, body: dict,
+             where: str) -> tuple[list[int], SamplingParams]:
+        """The prompt and max_tokens within max_model_len: a prompt cut to its last
+        ``truncate_prompt_tokens`` tokens (-1: as many as fit); a prompt over the token limit,
+        or whose client-given max_tokens cannot fit beside it, refused; a default max_tokens
+        lowered to the room left."""
+        n, cap = self.max_model_len, self.limits.max_prompt_tokens
+        explicit = any(body.get(k) is not None for k in ("max_tokens", "max_completion_tokens"))
+        truncate = body.get("truncate_prompt_tokens")
+        if truncate is not None:
+            keep = truncate if truncate > 0 else n - (params.max_tokens or 1)
+            ids = ids[-max(1, min(keep, cap)):]
+        if len(ids) > cap:
+            raise _too_many_tokens(len(ids), cap, n, where)
+        room = n - len(ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            if explicit:
+                raise api.bad(f"the prompt has {len(ids)} tokens and max_tokens is "
+                              f"{params.max_tokens}: together over max_model_len {n} (at most "
+                              f"{room} for this prompt; or send truncate_prompt_tokens)",
+                              "max_tokens")
+            params = params.clone(max_tokens=max(1, room),
+                                  min_tokens=min(params.min_tokens, max(1, room)))
+        return ids, params
+
+    def _encode(self, text: str, body: dict, where: str) -> list[int]:
+        """The text's ids. A fast tokenizer's encoding is measured before its ids become a
+        Python list: a prompt over the token limit (and not to be truncated) is refused
+        without making a few hundred thousand int objects, whose memory would stay with the
+        process. ``encode_batch``, not ``encode``: only the batch call releases the GIL (a
+        3.5 MB prompt held it 3.1 s with ``encode``, stalling the event loop from the pool)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        (encoding,) = backend.encode_batch([text], add_special_tokens=False)
+        if len(encoding) > self.limits.max_prompt_tokens and \
+                body.get("truncate_prompt_tokens") is None:
+            raise _too_many_tokens(len(encoding), self.limits.max_prompt_tokens,
+                                   self.max_model_len, where)
+        return encoding.ids
 
     def _piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -469,7 +587,7 @@ class Server:
         return JSONResponse({"id": job["id"], "object": obj, "created": job["created"],
                              "model": self.model_name, "choices": [choice], "usage": use})
 
-    async def _events(self, handle: Handle, item: Progress, job: dict, body: dict, chat: bool):
+    async def _events(self, handle: Handle, item: Progress, job: dict, chat: bool):
         """Server-sent events of one streaming request; closing it (a client that went away)
         aborts the request."""
         rid, created, model = job["id"], job["created"], self.model_name
@@ -505,7 +623,7 @@ class Server:
                     yield _sse(api.completion_chunk(rid, model, created, text,
                                                     item.finish_reason if done else None, lps))
                 if done:
-                    if (body.get("stream_options") or {}).get("include_usage"):
+                    if job["usage"]:
                         obj = "chat.completion.chunk" if chat else "text_completion"
                         yield _sse(api.usage_chunk(rid, model, created, obj, api.usage(
                             item.num_prompt_tokens, num_tokens, item.num_reused_tokens)))
@@ -513,6 +631,9 @@ class Server:
                 item = await handle.queue.get()
             finished = True
             yield "data: [DONE]\n\n"
+        except Exception:  # a bug: end the stream with an error event, not a reset connection
+            log.exception("unexpected error in a stream")
+            yield _sse(_internal_error().body())
         finally:
             if not finished:
                 self.loop.abort(handle)
@@ -535,6 +656,45 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _guarded(handler):
+    """``handler`` with every unexpected exception logged and answered by a JSON 500 that
+    names nothing internal; returning it (not raising) keeps the connection open."""
+    async def run(request):
+        try:
+            return await handler(request)
+        except Exception:
+            log.exception("unexpected error in %s %s", request.method, request.url.path)
+            return _error(_internal_error())
+    return run
+
+
+def _internal_error() -> api.ApiError:
+    return api.ApiError(500, "internal server error (the server's log has the details)",
+                        kind="server_error")
+
+
+def _too_many_tokens(num: int, cap: int, max_model_len: int, where: str) -> api.ApiError:
+    return api.bad(f"the prompt has {num} tokens, over this server's limit of {cap} "
+                   f"(max_model_len is {max_model_len}; --max-prompt-tokens; or send "
+                   f"truncate_prompt_tokens)", where)
+
+
+def _too_large(limit: int) -> api.ApiError:
+    return api.too_large(f"the request body is over this server's limit of {limit} bytes "
+                         f"(--max-body-bytes)")
+
+
+def _release_memory() -> None:
+    """Give freed heap back to the system: glibc keeps large freed blocks in the process
+    otherwise (its mmap threshold grows with the largest block freed), so a refused 4 MB
+    request would leave its parsed copies' pages resident."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+
+
 def _as_api_error(e: Exception) -> api.ApiError:
     """A request's own error (bad input, can never fit: ValueError) is a 400; the rest 500."""
     if isinstance(e, ValueError):
@@ -545,13 +705,39 @@ def _as_api_error(e: Exception) -> api.ApiError:
 def _error(e: api.ApiError):
     from starlette.responses import JSONResponse
 
-    return JSONResponse(e.body(), status_code=e.status)
+    # 413 / 408: the body was not read whole, so this connection cannot carry another request
+    close = {"connection": "close"} if e.status in (408, 413) else None
+    return JSONResponse(e.body(), status_code=e.status, headers=close)
 
 
 def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          num_prefixes: int = 16, api_key: str | None = None, log_level: str = "info") -> None:
-    """Run the server until interrupted."""
+          num_prefixes: int = 16, api_key: str | None = None, log_level: str = "info",
+          **options) -> None:
+    """Run the server until interrupted; ``options``: ``Server``'s (limits, metrics_public,
+    workers, body_timeout)."""
     import uvicorn
 
-    server = Server(llm, model_name, num_prefixes, api_key)
+    server = Server(llm, model_name, num_prefixes, api_key, **options)
     uvicorn.run(server.app, host=host, port=port, log_level=log_level)
+
+
+def resolve_api_key(api_key: str | None, api_key_file: str | None,
+                    environ=None) -> str | None:
+    """The key from --api-key, else the file --api-key-file names, else HYBRIDRT_API_KEY;
+    None: no key. Surrounding blanks (a file's newline) are dropped; an empty key is an
+    error (it would let anyone in). ValueError for a file that cannot be read."""
+    from hybridrt import env
+
+    if api_key is None and api_key_file is not None:
+        try:
+            with open(api_key_file, encoding="utf-8") as f:
+                api_key = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {api_key_file}: {e}") from None
+    if api_key is None:
+        api_key = env.read("HYBRIDRT_API_KEY", environ) or None
+    if api_key is not None:
+        api_key = api_key.strip()
+        if not api_key:
+            raise ValueError("the API key is empty")
+    return api_key

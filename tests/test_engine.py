@@ -88,6 +88,7 @@ def test_preemption_keeps_outputs_and_leaks_nothing(ckpt, prompts, dense_greedy)
     budget = _budget(probe, num_blocks=7, num_slots=10)  # null + 8 requests + 1 session snapshot
     llm = make_llm(ckpt, max_model_len=96, cache_memory=budget, max_num_batched_tokens=16)
     assert llm.cache_sizing.num_blocks == 7
+    llm.engine.scheduler.admission_control = False  # admission control would avoid them all
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == dense_greedy
     assert llm.engine.stats["num_preemptions"] > 0
@@ -296,6 +297,7 @@ def test_async_scheduling_with_preemption(ckpt, prompts, dense_greedy):
     budget = _budget(probe, num_blocks=7, num_slots=10)
     llm = make_llm(ckpt, max_model_len=96, cache_memory=budget, max_num_batched_tokens=16,
                    async_scheduling=True)
+    llm.engine.scheduler.admission_control = False  # admission control would avoid them all
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == dense_greedy
     assert llm.engine.stats["num_preemptions"] > 0 and _chained(llm) > 0

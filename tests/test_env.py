@@ -69,7 +69,7 @@ def test_only_env_reads_hybridrt_variables():
     declared = set(env.VARIABLES)
     assert {"HYBRIDRT_NATIVE", "HYBRIDRT_CACHE", "HYBRIDRT_HALF_PATH", "HYBRIDRT_FUSED_SIMD",
             "HYBRIDRT_INT8_ISA", "HYBRIDRT_HUGE_PAGES", "HYBRIDRT_ADAPTIVE_THREADS",
-            "HYBRIDRT_DEBUG"} == declared
+            "HYBRIDRT_DEBUG", "HYBRIDRT_API_KEY"} == declared
 
 
 def test_fp32_products_leave_an_unset_variable_unset(monkeypatch):

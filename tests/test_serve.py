@@ -33,8 +33,8 @@ def make_llm(**kw) -> LLM:
 class Running:
     """A Server under uvicorn in a thread, on a free loopback port."""
 
-    def __init__(self, llm: LLM, num_prefixes: int):
-        self.server = Server(llm, MODEL, num_prefixes)
+    def __init__(self, llm: LLM, num_prefixes: int, **server_options):
+        self.server = Server(llm, MODEL, num_prefixes, **server_options)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
