@@ -28,8 +28,15 @@ ON_GPU = torch.cuda.is_available()
 # can keep them in fp32 (kernels/cuda/prefill.py)
 TF32 = (ON_GPU or fla_interpret.TF32) and not FP32_EXACT
 
+# Two layers of each kind (each with its own KV cache or state slots): the steps and kernels
+# are the same for every layer, and under the interpreter every layer's prompt chunks cost.
 CONFIG = tiny_text_config(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
-                          num_hidden_layers=8)
+                          num_hidden_layers=4,
+                          layer_types=["linear_attention", "full_attention"] * 2)
+# The bf16 test's bound is the reference's own bf16 drift, which grows with depth: its model
+# keeps eight layers.
+CONFIG_BF16 = tiny_text_config(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                               num_hidden_layers=8)
 PROMPT_LENS = (1, 5, 17, 40, 70)
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
@@ -39,6 +46,11 @@ BACKEND = "cuda" if ON_GPU else "triton"
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return write_random_checkpoint(tmp_path_factory.mktemp("tiny_cuda"), CONFIG, seed=5)
+
+
+@pytest.fixture(scope="module")
+def ckpt_bf16(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny_cuda8"), CONFIG_BF16, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +77,7 @@ _RUNS: dict = {}
 
 
 def cached_run(ckpt, prompts, dtype, backend):
-    key = (dtype, backend)
+    key = (str(ckpt), dtype, backend)
     if key not in _RUNS:
         _RUNS[key] = run(ckpt, prompts, dtype, backend)
     return _RUNS[key]
@@ -98,7 +110,7 @@ def test_backend_matches_reference_fp32(ckpt, prompts):
             _check_drift(i, r, o, n, bound=2e-2)
 
 
-def test_backend_matches_reference_bf16(ckpt, prompts):
+def test_backend_matches_reference_bf16(ckpt_bf16, prompts):
     """bf16, bounded by the reference backend's own bf16 rounding drift. Teacher-forced (a
     random tiny model's greedy runs in bf16 part ways after a few tokens whatever computes
     them): the prompts extended by 0, 3 and 7 tokens of the fp32 reference's output are
@@ -106,10 +118,10 @@ def test_backend_matches_reference_bf16(ckpt, prompts):
     position our logprob of the fp32 choice stays within twice the largest error the
     reference's own bf16 run shows there, and our token equals the fp32 one unless the fp32
     top two were closer than that."""
-    ref = cached_run(ckpt, prompts, "float32", "reference")
+    ref = cached_run(ckpt_bf16, prompts, "float32", "reference")
     seqs = [p + r.token_ids[:j] for p, r in zip(prompts, ref) for j in (0, 3, 7)]
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=3)
-    ref32, ref16, ours = (run(ckpt, seqs, dt, be, params=one) for dt, be in (
+    ref32, ref16, ours = (run(ckpt_bf16, seqs, dt, be, params=one) for dt, be in (
         ("float32", "reference"), ("bfloat16", "reference"), ("bfloat16", BACKEND)))
 
     def err(out, want):
