@@ -13,8 +13,7 @@ loses all of its state (there is no prefix of it to keep), so a request admitted
 preempted a few steps later costs its whole recompute. While others run, a waiting request is
 admitted only when the cache holds all the known tokens of the running requests and of it,
 plus one block of growth each (not only this step's chunk), and not at all between a
-preemption and the next finish. The issue-29 workload (7 requests, 12 MiB, docs/server.md)
-went from 127 preemptions to a handful.
+preemption and the next finish (the workload behind this rule: docs/server.md).
 
 | invariant | |
 | --- | --- |
@@ -72,7 +71,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.under_pressure = False  # a preemption since the last finish: admit nothing
-        # False: admit whatever this step's chunk fits (the rule before issue 29, vLLM's);
+        # False: admit whatever this step's chunk fits (the earlier rule, and vLLM's);
         # tests of the preemption path set it to make preemptions happen
         self.admission_control = True
 
