@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import sys
 import time
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -138,60 +136,18 @@ def check_model_options(*, dtype: str, max_model_len: int | None, cache_memory: 
 
 
 # What can be checked before the model loads ---------------------------------------------------
-# These mirror hybridrt.loader.resolve_model_path, which imports torch: the command line runs
-# them first, so that a wrong MODEL is one line at once rather than after torch has loaded.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-_HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer*"]
-
-
 def resolve_model(model: str | None) -> str | None:
-    """MODEL -> a checkpoint directory (None: the embedded demo model), without importing torch.
-    A local directory must hold a config.json; anything else must be a Hugging Face id found in
-    the local cache or fetched from the Hub. Otherwise a CliError (exit 1) naming MODEL."""
+    """MODEL -> a checkpoint directory (None: the embedded demo model), by the loader's own
+    rules (``hybridrt.model_path``), without importing torch: a wrong MODEL is one line at
+    once rather than after torch has loaded. Otherwise a CliError (exit 1) naming MODEL."""
     if model is None:
         return None
-    if not str(model).strip():
-        raise CliError("the model path is empty: give a checkpoint directory or a Hugging Face "
-                       "id (or no model for the embedded demo)")
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise CliError(f"{path} has no config.json: not a model directory")
-        return str(path)
-    if path.exists():
-        raise CliError(f"{path} is a file, expected a model directory")
-    if not _HUB_ID.match(model) or model.startswith((".", "/", "~")):
-        raise CliError(f"model {model!r} not found: no such directory, and it is not a "
-                       f"Hugging Face id")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    from hybridrt.model_path import ModelNotFoundError, resolve_model_path
 
     try:
-        return snapshot_download(model, allow_patterns=_HUB_PATTERNS, local_files_only=True)
-    except Exception:  # noqa: BLE001 - not cached (or a broken cache entry): try the Hub
-        pass
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        raise CliError(f"model {model!r} is not a local directory nor in the Hugging Face "
-                       f"cache, and HF_HUB_OFFLINE is set (no Hub look-ups)")
-    try:
-        return snapshot_download(model, allow_patterns=_HUB_PATTERNS)
-    except (RepositoryNotFoundError, GatedRepoError):
-        why = "the Hugging Face Hub has no such model (or it is private or gated)"
-    except Exception as e:  # noqa: BLE001 - offline, DNS, a proxy ...
-        why = f"the Hugging Face Hub cannot be reached ({_root_cause(e)})"
-    raise CliError(f"model {model!r} is not a local directory nor in the Hugging Face cache, "
-                   f"and {why}")
-
-
-def _root_cause(e: BaseException) -> str:
-    """The innermost exception's first line: 'Name or service not known', not the chain."""
-    while e.__cause__ is not None or e.__context__ is not None:
-        e = e.__cause__ or e.__context__
-    lines = str(e).strip().splitlines()
-    text = lines[0] if lines else type(e).__name__
-    return re.sub(r"^\[Errno -?\d+\] ", "", text)[:160]
+        return str(resolve_model_path(model))
+    except ModelNotFoundError as e:
+        raise CliError(str(e)) from None
 
 
 def check_device_available(device: str) -> None:

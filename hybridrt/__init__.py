@@ -18,7 +18,7 @@ _EXPORTS = {
     "ConfigError": "hybridrt.config",
     "ForwardBatch": "hybridrt.forward_batch",
     "ModelConfig": "hybridrt.config",
-    "ModelNotFoundError": "hybridrt.loader",
+    "ModelNotFoundError": "hybridrt.model_path",
     "RequestOutput": "hybridrt.outputs",
     "SamplingParams": "hybridrt.sampling_params",
     "load_model": "hybridrt.loader",
@@ -41,7 +41,8 @@ if TYPE_CHECKING:
     from hybridrt.config import ConfigError, ModelConfig
     from hybridrt.forward_batch import ForwardBatch
     from hybridrt.llm import LLM
-    from hybridrt.loader import CheckpointError, ModelNotFoundError, load_model
+    from hybridrt.loader import CheckpointError, load_model
+    from hybridrt.model_path import ModelNotFoundError
     from hybridrt.outputs import CompletionOutput, RequestOutput
     from hybridrt.sampling_params import SamplingParams
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -13,17 +12,10 @@ from hybridrt.config import ConfigError, ModelConfig
 from hybridrt.kernels import quant
 from hybridrt.kernels.memory import release_pages
 from hybridrt.model import Qwen35ForCausalLM
+from hybridrt.model_path import ModelNotFoundError, resolve_model_path  # noqa: F401
 from hybridrt.options import DTYPE_NAMES, check_quantization
 
 DTYPES = {name: getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-_HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer*"]
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """The model path or hub id cannot be resolved to a checkpoint directory."""
-
-
 class CheckpointError(ValueError):
     """A checkpoint whose tensors do not fit the config (every offending name is listed)."""
 
@@ -69,42 +61,6 @@ def checkpoint_dtype(path: Path, handles: dict, device: torch.device) -> torch.d
     if device.type == "cuda" and found == torch.float32:
         return torch.bfloat16
     return found
-
-
-def resolve_model_path(model: str | os.PathLike) -> Path:
-    """A local checkpoint directory, or a Hugging Face id resolved through the local cache or
-    the hub. Raises ModelNotFoundError with the reason when neither works."""
-    if not str(model).strip():
-        raise ModelNotFoundError("the model path is empty: give a checkpoint directory or a "
-                                 "Hugging Face id (or no model for the embedded demo)")
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} has no config.json: not a model directory")
-        return path
-    text = str(model)
-    if path.exists():
-        raise ModelNotFoundError(f"{path} is a file, expected a model directory")
-    if not _HUB_ID.match(text) or text.startswith((".", "/", "~")):
-        raise ModelNotFoundError(
-            f"model {text!r} not found: no such directory, and it is not a Hugging Face id"
-        )
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError as e:  # pragma: no cover - huggingface_hub is a dependency
-        raise ModelNotFoundError(f"cannot resolve hub id {text!r}: {e}") from None
-    try:
-        return Path(snapshot_download(text, allow_patterns=_HUB_PATTERNS, local_files_only=True))
-    except Exception:
-        pass
-    try:
-        return Path(snapshot_download(text, allow_patterns=_HUB_PATTERNS))
-    except Exception as e:
-        raise ModelNotFoundError(
-            f"model {text!r} is not a local directory and could not be fetched from the "
-            f"Hugging Face Hub (offline, or no such repo?) and is not in the local cache: "
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        ) from None
 
 
 def load_config(path: Path) -> ModelConfig:
