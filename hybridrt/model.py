@@ -20,18 +20,30 @@ from hybridrt.weights import place_weights
 
 
 class Linear(nn.Linear):
-    """nn.Linear without bias, computed by the model's backend (which may keep a repacked
-    copy of the weight on the module, or run several projections as one GEMM). In an int8
+    """nn.Linear without bias, computed by the model's backend, which gets the weight the
+    product reads (``kernel_weight``) and may run several projections as one GEMM. In an int8
     model ``weight`` is None and ``qweight`` holds the int8 values (kernels/quant.py)."""
 
-    qweight = None  # a class attribute: backends look it up on every call
+    qweight = None  # a class attribute: looked up on every call
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
         self.backend = _REFERENCE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.linear(self, x)
+        return self.backend.linear(x, kernel_weight(self))
+
+
+def kernel_weight(module: nn.Module):
+    """The weight a product with ``module`` reads: its int8 ``qweight`` (a
+    ``quant.QuantWeight``) when it has one, else its ``weight`` tensor [out, in]. Backends
+    take these, never the modules."""
+    q = getattr(module, "qweight", None)
+    return q if q is not None else module.weight
+
+
+def _weights(modules) -> tuple:
+    return tuple(kernel_weight(m) for m in modules)
 
 
 _REFERENCE = ReferenceBackend()
@@ -60,7 +72,7 @@ class MLP(nn.Module):
         self.backend = _REFERENCE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.backend.project(x, (self.gate_proj, self.up_proj))
+        gate, up = self.backend.project(x, _weights((self.gate_proj, self.up_proj)))
         return self.down_proj(self.backend.silu_mul(gate, up))
 
 
@@ -94,7 +106,7 @@ class GatedAttention(nn.Module):
 
     def forward(self, x, batch: ForwardBatch, cache: CacheTensors, cos, sin):
         be = self.backend
-        qg, k, v = be.project(x, (self.q_proj, self.k_proj, self.v_proj))
+        qg, k, v = be.project(x, _weights((self.q_proj, self.k_proj, self.v_proj)))
         o = be.gated_attention(batch.meta, batch, self.spec, qg, k, v,
                                cache.key_caches[self.cache_index],
                                cache.value_caches[self.cache_index], cos, sin)
@@ -138,8 +150,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x, batch: ForwardBatch, cache: CacheTensors, cos=None, sin=None):
         be = self.backend
-        mixed, z, b, a = be.project(x, (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
-                                        self.in_proj_a))
+        mixed, z, b, a = be.project(x, _weights((self.in_proj_qkv, self.in_proj_z,
+                                                  self.in_proj_b, self.in_proj_a)))
         y = be.gdn(batch.meta, self.spec, mixed, z, a, b, cache.conv_states[self.state_index],
                    cache.ssm_states[self.state_index])
         return self.out_proj(y)
@@ -317,7 +329,8 @@ class Qwen35ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows to sample) -> fp32 logits [N, vocab], rounded to
         the model's dtype first (what a half-precision LM head returns)."""
-        return self.backend.logits(self, hidden)
+        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+        return self.backend.logits(hidden, kernel_weight(head))
 
 
 def _forget_specs(model: nn.Module, incompatible_keys=None) -> None:

@@ -44,7 +44,8 @@ def place_weights(model, merge: bool, huge_pages: bool) -> Groups:
 
 def merge_projections(model, release: bool = False, alloc=None) -> Groups:
     """Concatenate the weights of projections that read the same input (the model's
-    ``projection_groups()``) -> {module ids: (weight, output sizes)}; each module's weight
+    ``projection_groups()``) -> {ids of the modules' new weights (``model.kernel_weight``):
+    (weight, output sizes)}; each module's weight
     becomes a view into its group's, so no memory is added and one product serves the group
     (int8 weights, ``quant.QuantWeight``, likewise, when every output size is a whole number
     of panels).
@@ -61,7 +62,7 @@ def merge_projections(model, release: bool = False, alloc=None) -> Groups:
             merged, parts = quant.concat(qs, release, alloc)
             for x, part in zip(mods, parts):
                 x.qweight = part
-            groups[tuple(id(x) for x in mods)] = (merged, [q.shape[0] for q in qs])
+            groups[tuple(id(x.qweight) for x in mods)] = (merged, [q.shape[0] for q in qs])
             continue
         ws = [getattr(x, "weight", None) for x in mods]
         if any(w is None or w.dtype != ws[0].dtype or w.dim() != 2 for w in ws):
@@ -79,7 +80,7 @@ def merge_projections(model, release: bool = False, alloc=None) -> Groups:
         if release:  # the sources' pages leave memory now, not when the file mapping does
             for old in ws:
                 release_pages(old)
-        groups[tuple(id(x) for x in mods)] = (w, sizes)
+        groups[tuple(id(x.weight) for x in mods)] = (w, sizes)
     return groups
 
 

@@ -104,7 +104,7 @@ class MTPProposer:
         if self.draft_head is None:
             return self.model.compute_logits(h)
         head = self.draft_head
-        small = self.model.backend.linear(head, h).float()
+        small = self.model.backend.linear(h, head.weight).float()
         full = small.new_full((small.shape[0], self.model.config.vocab_size), float("-inf"))
         return full.index_copy_(1, head.token_ids, small)
 

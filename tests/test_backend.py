@@ -261,7 +261,7 @@ def test_cpu_backend_merges_projections_into_views():
         assert w.is_contiguous() and w.shape[0] == sum(sizes)
     mlp = next(m for m in net.modules() if isinstance(m, MLP))
     assert mlp.gate_proj.weight.data_ptr() == backend.groups[
-        (id(mlp.gate_proj), id(mlp.up_proj))][0].data_ptr()
+        (id(mlp.gate_proj.weight), id(mlp.up_proj.weight))][0].data_ptr()
     assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.gate_proj.weight.data_ptr()
     for n, p in net.named_parameters():  # same values
         assert torch.equal(p, before[n]), n

@@ -201,11 +201,10 @@ class _EmulatedBackend(ReferenceBackend):
     """The reference backend with the int8 kernels' math (``quant.emulate``) for quantized
     weights."""
 
-    def linear(self, module, x):
-        qw = getattr(module, "qweight", None)
-        if qw is None:
-            return super().linear(module, x)
-        return quant.emulate(x.reshape(-1, x.shape[-1]), qw).view(*x.shape[:-1], -1).to(x.dtype)
+    def linear(self, x, w):
+        if not isinstance(w, quant.QuantWeight):
+            return super().linear(x, w)
+        return quant.emulate(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1).to(x.dtype)
 
 
 def test_quantized_model_matches_dequantized_reference(ckpt):

@@ -43,6 +43,7 @@ class CPUBackend(ReferenceBackend):
         self.num_slots: int | None = None
         self.kv_shape: tuple[int, int] | None = None  # (blocks, block size) of the KV caches
         self.groups: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
+        self.fp32_copies: dict[int, tuple] = {}  # id(weight) -> (weight, its fp32 copy)
         self.gdn_params: dict[int, tuple] = {}  # _gdn_weights, per layer: (layer, tensors)
         self.fast: list[_FastLayer] | None = None  # forward's decode loop (bind, attach)
 
@@ -74,8 +75,9 @@ class CPUBackend(ReferenceBackend):
             m = dl.mixer
             mods = ((m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a)
                     if dl.layer_type == "linear_attention" else (m.q_proj, m.k_proj, m.v_proj))
-            mixer_in = self.groups.get(tuple(id(x) for x in mods))
-            mlp_in = self.groups.get((id(dl.mlp.gate_proj), id(dl.mlp.up_proj)))
+            mixer_in = self.groups.get(tuple(id(_kernel_weight(x)) for x in mods))
+            mlp_in = self.groups.get(tuple(id(_kernel_weight(x))
+                                           for x in (dl.mlp.gate_proj, dl.mlp.up_proj)))
             outs = [_weight_of(x) for x in (m.out_proj if dl.layer_type == "linear_attention"
                                             else m.o_proj, dl.mlp.down_proj)]
             if mixer_in is None or mlp_in is None or None in outs:
@@ -171,11 +173,11 @@ class CPUBackend(ReferenceBackend):
                                   layer.scale, L, layer.num_heads, layer.num_kv_heads,
                                   layer.head_dim, self.fused_simd)
 
-    def project(self, x, modules):
+    def project(self, x, weights):
         """One product for the group (merged at bind time), split into its outputs."""
-        group = self.groups.get(tuple(id(m) for m in modules))
+        group = self.groups.get(tuple(id(w) for w in weights))
         if group is None:
-            return [self.linear(m, x) for m in modules]
+            return [self.linear(x, w) for w in weights]
         w, sizes = group
         if isinstance(w, quant.QuantWeight):
             return quant.linear(x, w, self.int8_isa).split(sizes, dim=-1)
@@ -291,26 +293,23 @@ class CPUBackend(ReferenceBackend):
                 meta.uniform_tokens = L
         return meta
 
-    def linear(self, module, x: torch.Tensor) -> torch.Tensor:
-        qweight = getattr(module, "qweight", None)
-        if qweight is not None:
-            return quant.linear(x, qweight, self.int8_isa)
-        w = module.weight
+    def linear(self, x: torch.Tensor, w) -> torch.Tensor:
+        if isinstance(w, quant.QuantWeight):
+            return quant.linear(x, w, self.int8_isa)
         if self._decode_gemv(x, w):
             return native.gemv_bf16(x, w, self.half_path)
-        return cpu_linear(x, w, self._packed(module, x), self.half_simd, self.half_path)
+        return cpu_linear(x, w, self._packed(w, x), self.half_simd, self.half_path)
 
-    def _packed(self, module, x: torch.Tensor):
+    def _packed(self, weight: torch.Tensor, x: torch.Tensor):
         """The weight's fp32 copy for the batched CPU GEMM where the compiled half kernels do not
-        run (kernels/linear.py), made at first use and kept on the module."""
-        weight = module.weight
+        run (kernels/linear.py), made at first use and kept here, by the weight's identity."""
         if not use_fp32_gemm(x, weight, self.half_simd):
             return None
-        cached = getattr(module, "weight_packed", None)
-        if cached is None or cached.shape != weight.shape:
-            cached = pack_weight(weight)
-            module.weight_packed = cached
-        return cached
+        cached = self.fp32_copies.get(id(weight))
+        if cached is None or cached[0] is not weight:
+            cached = (weight, pack_weight(weight))
+            self.fp32_copies[id(weight)] = cached
+        return cached[1]
 
 
 class _FastLayer:
@@ -332,6 +331,12 @@ class _FastLayer:
         self.mixer_out = mixer_out
         self.mlp_in, self.mlp_sizes = mlp_in
         self.mlp_out = mlp_out
+
+
+def _kernel_weight(module):
+    """What the model hands ``linear`` for ``module`` (``hybridrt.model.kernel_weight``): the
+    key of its merged group."""
+    return module.qweight if module.qweight is not None else module.weight
 
 
 def _weight_of(module):

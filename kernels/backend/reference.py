@@ -51,19 +51,20 @@ class ReferenceBackend:
         return StepMeta(attn, gdn_split(batch, arr, True, K), batch.num_tokens)
 
     # Linear layers and elementwise ops ----------------------------------------------------
-    def linear(self, module, x: torch.Tensor) -> torch.Tensor:
-        qweight = getattr(module, "qweight", None)  # int8 weights (kernels/quant.py)
-        if qweight is not None:
-            return quant.reference_linear(x, qweight)
-        return F.linear(x, module.weight)
+    def linear(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x W^T; ``w``: a weight [out, in] or int8 weights (``quant.QuantWeight``)."""
+        if isinstance(w, quant.QuantWeight):
+            return quant.reference_linear(x, w)
+        return F.linear(x, w)
 
-    def project(self, x: torch.Tensor, modules) -> list[torch.Tensor]:
-        """Several projections of the same input (a backend may run them as one GEMM)."""
-        return [self.linear(m, x) for m in modules]
+    def project(self, x: torch.Tensor, weights) -> list[torch.Tensor]:
+        """Several projections of the same input (a backend may run them as one GEMM: the
+        groups it was bound with, keyed by the ids of their weights)."""
+        return [self.linear(x, w) for w in weights]
 
-    def logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
-        head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
-        return self.linear(head, hidden).float()
+    def logits(self, hidden: torch.Tensor, head) -> torch.Tensor:
+        """The LM head's product (``head``: its weight, as ``linear`` takes it) in fp32."""
+        return self.linear(hidden, head).float()
 
     def rms_norm(self, x, weight, eps, residual=None):
         """Zero-centred RMSNorm; with ``residual``: (norm(residual + x), residual + x)."""

@@ -126,10 +126,10 @@ class CudaBackend(ReferenceBackend):
                                [(batch.query_starts[b], ql[b]) for b in fresh])
 
     # Linear layers and elementwise ops ----------------------------------------------------
-    def project(self, x, modules):
-        group = self.groups.get(tuple(id(m) for m in modules))
+    def project(self, x, weights):
+        group = self.groups.get(tuple(id(w) for w in weights))
         if group is None:
-            return [self.linear(m, x) for m in modules]
+            return [self.linear(x, w) for w in weights]
         w, sizes = group
         return F.linear(x, w).split(sizes, dim=-1)
 
