@@ -15,13 +15,14 @@ from hybridrt.config import ModelConfig
 from hybridrt.forward_batch import ForwardBatch
 from hybridrt.kernels import rope_cos_sin
 from hybridrt.kernels.backend import AttentionLayer, GDNLayer, ReferenceBackend, StepMeta
+from hybridrt.kernels.quant import kernel_weight
 from hybridrt.statecache import CacheTensors
 from hybridrt.weights import place_weights
 
 
 class Linear(nn.Linear):
     """nn.Linear without bias, computed by the model's backend, which gets the weight the
-    product reads (``kernel_weight``) and may run several projections as one GEMM. In an int8
+    product reads (``quant.kernel_weight``) and may run several projections as one GEMM. In an int8
     model ``weight`` is None and ``qweight`` holds the int8 values (kernels/quant.py)."""
 
     qweight = None  # a class attribute: looked up on every call
@@ -32,14 +33,6 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.linear(x, kernel_weight(self))
-
-
-def kernel_weight(module: nn.Module):
-    """The weight a product with ``module`` reads: its int8 ``qweight`` (a
-    ``quant.QuantWeight``) when it has one, else its ``weight`` tensor [out, in]. Backends
-    take these, never the modules."""
-    q = getattr(module, "qweight", None)
-    return q if q is not None else module.weight
 
 
 def _weights(modules) -> tuple:

@@ -44,7 +44,7 @@ def place_weights(model, merge: bool, huge_pages: bool) -> Groups:
 
 def merge_projections(model, release: bool = False, alloc=None) -> Groups:
     """Concatenate the weights of projections that read the same input (the model's
-    ``projection_groups()``) -> {ids of the modules' new weights (``model.kernel_weight``):
+    ``projection_groups()``) -> {ids of the modules' new weights (``quant.kernel_weight``):
     (weight, output sizes)}; each module's weight
     becomes a view into its group's, so no memory is added and one product serves the group
     (int8 weights, ``quant.QuantWeight``, likewise, when every output size is a whole number

@@ -287,6 +287,14 @@ class QuantEmbedding(nn.Module):
         return self.qweight.rows(ids, self.dtype)
 
 
+def kernel_weight(module):
+    """The weight a product with ``module`` reads: its int8 ``qweight`` (a ``QuantWeight``)
+    when it has one, else its ``weight`` tensor [out, in]. The model hands backends these,
+    never the modules; merged groups are keyed by their ids."""
+    q = getattr(module, "qweight", None)
+    return q if q is not None else module.weight
+
+
 def quantized_names(model: nn.Module) -> set[str]:
     """Parameter names of ``model`` that ``quantization="int8"`` stores in int8: the weights of
     every bias-free nn.Linear (projections, MLP, MTP, an untied LM head) and the token

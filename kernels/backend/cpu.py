@@ -75,8 +75,8 @@ class CPUBackend(ReferenceBackend):
             m = dl.mixer
             mods = ((m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a)
                     if dl.layer_type == "linear_attention" else (m.q_proj, m.k_proj, m.v_proj))
-            mixer_in = self.groups.get(tuple(id(_kernel_weight(x)) for x in mods))
-            mlp_in = self.groups.get(tuple(id(_kernel_weight(x))
+            mixer_in = self.groups.get(tuple(id(quant.kernel_weight(x)) for x in mods))
+            mlp_in = self.groups.get(tuple(id(quant.kernel_weight(x))
                                            for x in (dl.mlp.gate_proj, dl.mlp.up_proj)))
             outs = [_weight_of(x) for x in (m.out_proj if dl.layer_type == "linear_attention"
                                             else m.o_proj, dl.mlp.down_proj)]
@@ -331,12 +331,6 @@ class _FastLayer:
         self.mixer_out = mixer_out
         self.mlp_in, self.mlp_sizes = mlp_in
         self.mlp_out = mlp_out
-
-
-def _kernel_weight(module):
-    """What the model hands ``linear`` for ``module`` (``hybridrt.model.kernel_weight``): the
-    key of its merged group."""
-    return module.qweight if module.qweight is not None else module.weight
 
 
 def _weight_of(module):
