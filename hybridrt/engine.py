@@ -8,8 +8,14 @@
 | sample_step | sampling and draft verification; tokens left on the device | async_chain.py |
 | OutputProcessor | the update step: request progress, stops, text | output_processor.py |
 | MTPProposer | the next drafts | specdec/mtp.py |
-| SessionManager | open sessions and their cache between turns | session_manager.py |
-| HybridCacheManager | KV blocks and state slots per owner | statecache/manager.py |
+| SessionManager | open sessions and what they pin between turns | session_manager.py |
+| HybridCacheManager | KV blocks, state slots, the prefix cache | statecache/manager.py |
+
+Prefix caching (statecache/prefix.py): a request is admitted from the longest cached prefix of
+its tokens; the GDN checkpoints its chunks reach are written during the forward
+(``ForwardBatch.gdn_checkpoints``) and indexed at the end of the step (``_commit``), with its
+newly final full blocks, after the MTP layer has written its KV for the step's positions; a
+request that finishes is released then too, its state kept as a checkpoint.
 
 Extension point: ``LLMEngine.observer`` (default None). When set, an object whose
 ``phase(name)`` returns a context manager; ``step`` runs each phase inside it, in this order:
@@ -51,6 +57,7 @@ from hybridrt.session_manager import SessionManager
 from hybridrt.specdec.mtp import MTPProposer
 from hybridrt.specdec.stats import SpecStats, StepCosts
 from hybridrt.statecache import HybridCacheManager
+from hybridrt.statecache.prefix import checkpoint_positions
 
 
 @dataclass(slots=True)
@@ -72,15 +79,26 @@ class LLMEngine:
                  engine_config: EngineConfig, tokenizer: Any = None, seed: int | None = 0,
                  device: torch.device | str = "cpu", speculative_tokens: int = 0,
                  backend: str | None = None, draft_vocab: list[int] | None = None,
-                 thread_governor=None, async_scheduling: bool | None = None):
+                 thread_governor=None, async_scheduling: bool | None = None,
+                 max_num_sessions: int | None = None,
+                 checkpoint_boundary_ids: Sequence[int] | None = None,
+                 checkpoint_interval: int = 0):
         self.model = model
         self.config = config
         self.cache = cache
         self.engine_config = engine_config
         self.tokenizer = tokenizer
-        self.session_manager = SessionManager(cache)
-        self.output_processor = OutputProcessor(tokenizer, engine_config.max_model_len,
-                                                self.session_manager)
+        self.session_manager = SessionManager(cache, max_num_sessions)
+        # where prompts' GDN states are saved (statecache.prefix.checkpoint_positions): before
+        # each of these tokens (a chat template's message start) and every ``interval`` tokens
+        if checkpoint_boundary_ids is None:
+            checkpoint_boundary_ids = _message_start_ids(tokenizer)
+        self.checkpoint_boundary_ids = frozenset(checkpoint_boundary_ids)
+        if not isinstance(checkpoint_interval, int) or checkpoint_interval < 0:
+            raise ValueError(f"checkpoint_interval must be an integer >= 0, got "
+                             f"{checkpoint_interval!r}")
+        self.checkpoint_interval = checkpoint_interval
+        self.output_processor = OutputProcessor(tokenizer, engine_config.max_model_len)
         self.runner = ModelRunner(model, cache, device, backend, engine_config.max_num_seqs,
                                   engine_config.max_num_batched_tokens,
                                   engine_config.max_model_len)
@@ -93,13 +111,14 @@ class LLMEngine:
         self.proposer = None
         if speculative_tokens > 0:
             self.proposer = MTPProposer(model, cache, self.sampler, engine_config.max_model_len,
-                                        device, draft_vocab=draft_vocab)
+                                        device, draft_vocab=draft_vocab,
+                                        keep_kv=cache.prefix_caching)
         self.spec_stats = SpecStats(speculative_tokens)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = {"num_steps": 0, "num_preemptions": 0, "num_prefill_tokens": 0,
                       "num_decode_tokens": 0, "num_session_evictions": 0,
-                      "num_chained_steps": 0}
+                      "num_chained_steps": 0, "num_cached_tokens": 0}
         # decode steps launched before the previous step's tokens are read (GPU: the host
         # prepares step n+1 while the device runs step n); default: on for CUDA
         self.async_scheduling = (torch.device(device).type == "cuda" if async_scheduling is None
@@ -121,10 +140,10 @@ class LLMEngine:
         """Validate and queue a request -> its id. Raises ValueError for bad input; nothing
         is queued then. ``speculative_tokens``: drafts per step for this request (default:
         the engine's; 0 turns speculation off for it). ``session``: continue a conversation,
-        reusing its cached prefix (see hybridrt.session). ``snapshot_at``: with a session,
-        the prompt length at which to save the GDN state for a later divergence (default: just
-        before the last prompt token; a chat passes where its generation prompt starts, the
-        point where a history-rewriting template makes the next turn diverge)."""
+        its cache pinned between requests (see hybridrt.session). ``snapshot_at``: a prompt
+        length at which to keep a GDN checkpoint besides the usual ones (a chat passes where its
+        generation prompt starts, the point where a history-rewriting template makes the next
+        turn diverge; a session pins it)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         k = self.speculative_tokens if speculative_tokens is None else speculative_tokens
@@ -135,10 +154,9 @@ class LLMEngine:
             )
         ids = self.validate_prompt(prompt_token_ids)
         if snapshot_at is not None and (
-            session is None or not isinstance(snapshot_at, int) or snapshot_at < 1
+            not isinstance(snapshot_at, int) or isinstance(snapshot_at, bool) or snapshot_at < 1
         ):
-            raise ValueError(f"snapshot_at must be a positive int and needs a session, got "
-                             f"{snapshot_at!r}")
+            raise ValueError(f"snapshot_at must be a positive int, got {snapshot_at!r}")
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -148,6 +166,11 @@ class LLMEngine:
         req = Request(rid, prompt, ids, params, stop_ids, spec_k=k,
                       generator=make_generator(params), session=session,
                       requested_snapshot_at=snapshot_at)
+        if self.cache.prefix_caching:
+            req.block_hashes = self.cache.block_hashes(mtp=k > 0)
+            req.checkpoint_at = checkpoint_positions(
+                ids, self.checkpoint_boundary_ids, self.checkpoint_interval,
+                () if snapshot_at is None else (snapshot_at,))
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -169,17 +192,28 @@ class LLMEngine:
         """Forget the cached conversation (``/clear``); the session stays usable."""
         self.session_manager.reset(session)
 
-    def reusable_tokens(self, session: Session, prompt_token_ids: list[int],
-                        spec_k: int = 0) -> int:
-        """How many leading prompt tokens a request on ``session`` would take from its cache
-        now (``SessionManager.reusable_tokens``)."""
-        return self.session_manager.reusable_tokens(session, prompt_token_ids, spec_k)
+    def cached_tokens(self, prompt_token_ids: Sequence[int],
+                      speculative_tokens: int | None = None) -> int:
+        """How many leading tokens of this prompt a request would take from the prefix cache
+        now (0 with caching off)."""
+        k = self.speculative_tokens if speculative_tokens is None else speculative_tokens
+        if not self.cache.prefix_caching:
+            return 0
+        hit = self.cache.peek(list(prompt_token_ids), self.cache.block_hashes(mtp=k > 0))
+        return 0 if hit is None else hit.num_tokens
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget what the prefix cache holds that no request or session pins -> whether
+        nothing is left (vLLM's ``reset_prefix_cache``)."""
+        return self.cache.clear_prefix_cache()
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return
-        self._finish(req, "abort")
+        inflight = self._inflight is not None and any(
+            s.request is req for s in self._inflight.plan.seqs)  # still writing its state
+        self._finish(req, "abort", keep_state=not inflight)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -219,11 +253,23 @@ class LLMEngine:
                 return failed
             if self.governor is not None:
                 self.governor.update()
-            with self._phase("prepare"):
-                batch = self.runner.build_step_batch(plan)
-            launched, kind = self._launch(plan, batch), _step_kind(plan)
+            try:
+                with self._phase("prepare"):
+                    batch = self.runner.build_step_batch(plan)
+                launched, kind = self._launch(plan, batch), _step_kind(plan)
+            except BaseException:
+                self._spoil(plan)
+                raise
         else:
             kind = "decode"  # a chained step, launched by the previous call
+        try:
+            return failed + self._apply(launched, kind, t0)
+        except BaseException:
+            self._spoil(launched.plan)
+            raise
+
+    def _apply(self, launched: LaunchedStep, kind: str, t0: float) -> list[Request]:
+        """The step's second half: update, drafts, the prefix cache's commit, finishes."""
         plan = launched.plan
         chained = self._chain(launched)
         with self._phase("update"):
@@ -231,18 +277,68 @@ class LLMEngine:
             up = self.output_processor.update(plan, emitted, time.perf_counter())
             self.stats["num_prefill_tokens"] += up.num_prompt_tokens
             self.stats["num_decode_tokens"] += up.num_output_tokens
-            for req in up.finished:
-                self._finish(req)
         t1 = self.step_costs.clock()
         self.step_costs.record(kind, t1 - t0)
         if self.proposer is not None and any(s.request.spec_k for s in plan.seqs):
             self.output_processor.apply_drafts(self.proposer.propose(
                 plan, launched.batch.query_starts, launched.hidden, up.settled))
             self.step_costs.record("draft", self.step_costs.clock() - t1)
+        self._commit(launched, up.settled)
+        ahead = set() if chained is None else {id(s.request) for s in chained.plan.seqs}
+        for req in up.finished:  # after the drafts: the MTP KV of their last positions is in
+            self._finish(req, keep_state=id(req) not in ahead)
         self.stats["num_steps"] += 1
         if chained is not None and any(not s.request.is_finished for s in chained.plan.seqs):
             self._inflight = chained  # else every request of it finished: nothing to wait for
-        return failed + [s.request for s in plan.seqs if s.sample or s.num_drafts]
+        return [s.request for s in plan.seqs if s.sample or s.num_drafts]
+
+    def _spoil(self, plan: StepPlan) -> None:
+        """A step failed midway: what it was writing is not kept by the prefix cache (its
+        requests' states, the checkpoints it reserved)."""
+        for s in plan.seqs:
+            s.request.cache_dirty = True
+            for ck in s.checkpoints:
+                self.cache.drop_pending(ck)
+            s.checkpoints = []
+
+    def _commit(self, launched: LaunchedStep, settled: list[int]) -> None:
+        """The prefix cache's part of the step's end: the GDN checkpoints this step wrote
+        indexed (with the target's hidden state before them, the MTP layer's input there), each
+        request's newly final full blocks indexed, the hidden state after its last computed
+        token kept for its release; the MTP carry of a cache hit spent."""
+        cache, plan = self.cache, launched.plan
+        if not cache.prefix_caching:
+            return
+        starts, hidden = launched.batch.query_starts, launched.hidden
+        rows, wants = [], []  # hidden rows to keep: (request, checkpoint or None)
+        for b, s in enumerate(plan.seqs):
+            req = s.request
+            req.mtp_carry = None
+            if req.block_hashes is None or req.cache_dirty or settled[b] == 0 and not (
+                    s.checkpoints):
+                continue
+            mtp = req.block_hashes.lookahead > 0
+            for ck in s.checkpoints:
+                if mtp:
+                    rows.append(starts[b] + ck.num_tokens - s.start - 1)
+                    wants.append((req, ck))
+                else:
+                    cache.save_checkpoint(ck, req.request_id, None)
+            if mtp and settled[b]:
+                rows.append(starts[b] + settled[b] - 1)
+                wants.append((req, None))
+        if rows:
+            kept = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+            for (req, ck), h in zip(wants, kept):
+                if ck is None:
+                    req.last_hidden = h
+                else:
+                    cache.save_checkpoint(ck, req.request_id, h)
+        for s in plan.seqs:
+            req = s.request
+            if req.block_hashes is not None and not req.cache_dirty:
+                cache.commit_blocks(req.request_id, req.token_ids, req.block_hashes,
+                                    req.num_computed_tokens)
 
     def _phase(self, name: str):
         """The observer's context for one phase of ``step`` (see the module docstring)."""
@@ -273,8 +369,9 @@ class LLMEngine:
         self.stats["num_chained_steps"] += 1
         return self._launch(plan, batch, lookahead_rows(plan))
 
-    def _finish(self, req: Request, reason: str | None = None) -> None:
-        self.scheduler.finish(req, reason)
+    def _finish(self, req: Request, reason: str | None = None, keep_state: bool = True) -> None:
+        self.scheduler.finish(req, reason, keep_state)
+        self.stats["num_cached_tokens"] += req.metrics.num_cached_tokens
         if req.spec_stats is not None:
             self.spec_stats.merge(req.spec_stats)
 
@@ -283,6 +380,19 @@ class LLMEngine:
 
 
 _NO_PHASE = contextlib.nullcontext()
+
+
+def _message_start_ids(tokenizer: Any) -> list[int]:
+    """The token a chat template starts each message with (ChatML's ``<|im_start|>``), if the
+    tokenizer has it: prefix-cache checkpoints go before each."""
+    if tokenizer is None:
+        return []
+    try:
+        tid = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    except Exception:  # a tokenizer without that method or token: no message boundaries
+        return []
+    unk = getattr(tokenizer, "unk_token_id", None)
+    return [tid] if isinstance(tid, int) and tid != unk else []
 
 
 def _step_kind(plan: StepPlan) -> str:

@@ -26,7 +26,11 @@ class ForwardBatch:
     | verify_slots | B lists or None | per-token state slots of verifying sequences (see below) |
 
     ``verify_slots``: for a verifying sequence, the slot receiving the state after each of its
-    tokens; None otherwise.
+    tokens; None otherwise. ``gdn_checkpoints``: per sequence, (offset, slot) pairs: the GDN
+    state after its first ``offset`` new tokens (0 < offset < its new tokens) is copied into
+    ``slot`` (prefix-cache checkpoints inside a prompt chunk); None: none in the step.
+    ``state_copies``: (src, dst) slots whose GDN states the runner copies after the step (the
+    checkpoints at the end of a sequence's new tokens).
 
     Host-side copies (``query_lens``, ``context_lens``, ``state_slot_list``, ``initial_list``)
     come from the runner, which has them as lists (derived here, once, for a batch built
@@ -45,6 +49,8 @@ class ForwardBatch:
     has_initial_state: torch.Tensor
     logits_indices: torch.Tensor
     verify_slots: list[list[int] | None] | None = None
+    gdn_checkpoints: list[list[tuple[int, int]]] | None = None
+    state_copies: list[tuple[int, int]] | None = None
     query_lens: list[int] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)
     state_slot_list: list[int] = field(default_factory=list)

@@ -109,8 +109,14 @@ class LLM:
     (default 0.3 of free memory, capped at what max_num_seqs x max_model_len needs).
     max_num_batched_tokens: the token budget of one engine step (longer prompts are prefilled
     in chunks). Default: 8192 on CUDA, 512 on CPU, at most max_model_len.
-    max_num_sessions: sessions that can be open at once (each has a GDN state slot of its own
-    in the budget, for rollbacks).
+    max_num_sessions: sessions that can be open at once (``open_session``; they pin what the
+    prefix cache holds of their conversation, and take no memory of their own).
+    enable_prefix_caching: every request resumes from the longest cached prefix of its prompt
+    (KV blocks shared by the hash of their tokens, GDN state checkpoints; the output is the one
+    a cold run gives). checkpoint_interval: save the GDN state every N prompt tokens too (0:
+    only before each chat message, before a prompt's last token and at a request's end).
+    checkpoint_share: the share of ``cache_memory`` for checkpoints beyond the requests' own
+    state slots (docs/prefix_cache.md has the policy and what it costs).
     draft_vocab_size: with speculative_tokens, the MTP drafts from the N most frequent tokens
     only (the model directory's ``draft_vocab.json``, else the first N ids; see
     ``hybridrt.specdec.draft_vocab``, and ``draft_vocab_source`` for which); verification
@@ -139,11 +145,14 @@ class LLM:
         device: str | torch.device = "cpu",
         speculative_tokens: int = 0,
         backend: str | None = None,
-        max_num_sessions: int = 1,
+        max_num_sessions: int = 64,
         threads: int | None = None,
         draft_vocab_size: int | None = None,
         quantization: str | None = None,
         async_scheduling: bool | None = None,
+        enable_prefix_caching: bool = True,
+        checkpoint_interval: int = 2048,
+        checkpoint_share: float = 0.25,
     ):
         if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or (
             speculative_tokens < 0
@@ -155,6 +164,19 @@ class LLM:
             max_num_sessions < 0
         ):
             raise ValueError(f"max_num_sessions must be an integer >= 0, got {max_num_sessions!r}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got "
+                             f"{enable_prefix_caching!r}")
+        if not isinstance(checkpoint_interval, int) or isinstance(checkpoint_interval, bool) or (
+            checkpoint_interval < 0
+        ):
+            raise ValueError(f"checkpoint_interval must be an integer >= 0, got "
+                             f"{checkpoint_interval!r}")
+        if not isinstance(checkpoint_share, (int, float)) or isinstance(checkpoint_share, bool) or (
+            not 0 <= checkpoint_share < 1
+        ):
+            raise ValueError(f"checkpoint_share must be a number in [0, 1), got "
+                             f"{checkpoint_share!r}")
         if draft_vocab_size is not None:
             if not isinstance(draft_vocab_size, int) or isinstance(draft_vocab_size, bool) or (
                 draft_vocab_size < 1
@@ -211,11 +233,13 @@ class LLM:
             memory_bytes=mem_bytes, memory_fraction=mem_fraction,
             slots_per_request=1 + speculative_tokens, num_extra_attention_layers=extra_layers,
             device=self.device, lookahead_tokens=speculative_tokens,
-            num_snapshot_slots=max_num_sessions,
+            checkpoint_share=checkpoint_share if enable_prefix_caching else 0.0,
         )
         cache = HybridCacheManager(
             self.config, sizing, self.dtype, self.device,
             slots_per_request=1 + speculative_tokens, num_extra_attention_layers=extra_layers,
+            prefix_caching=bool(enable_prefix_caching),
+            salt=f"{self.dtype}|{self.quantization}|{block_size}|{self.model_path}",
         )
         draft_vocab, self.draft_vocab_source = None, None
         if draft_vocab_size is not None:
@@ -229,7 +253,9 @@ class LLM:
                                 seed=seed, device=self.device,
                                 speculative_tokens=speculative_tokens, backend=backend,
                                 draft_vocab=draft_vocab, thread_governor=governor,
-                                async_scheduling=async_scheduling)
+                                async_scheduling=async_scheduling,
+                                max_num_sessions=max_num_sessions,
+                                checkpoint_interval=checkpoint_interval)
 
     # Set-up ------------------------------------------------------------------------------
     def _load_tokenizer(self, tokenizer: Any):
@@ -326,6 +352,11 @@ class LLM:
         """A conversation whose KV blocks and GDN state stay cached between requests: a
         request on it prefills only the tokens its prompt adds (``stream(..., session=)``)."""
         return self.engine.open_session()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix no session pins -> whether nothing is left (the next
+        requests run cold; vLLM's ``reset_prefix_cache``)."""
+        return self.engine.reset_prefix_cache()
 
     def close_session(self, session: Session) -> None:
         self.engine.close_session(session)

@@ -3,8 +3,8 @@ returns.
 
 ``OutputProcessor.update`` is where a step's progress lands (nano-vllm's ``postprocess``): per
 scheduled sequence it advances ``num_computed_tokens`` (for a verify step: by the accepted
-drafts, choosing the state slot verification settled on), saves a session snapshot at its
-point, drops the verified drafts and appends the emitted tokens; ``apply_drafts`` then hands
+drafts, choosing the state slot verification settled on), drops the verified drafts and
+appends the emitted tokens; ``apply_drafts`` then hands
 the proposer's next drafts to their requests. ``append_token`` records one token, checks the stop
 conditions (stop tokens after ``min_tokens``, ``max_tokens``, the context length), grows the
 text by the token's piece (``hybridrt.detokenizer``) and cuts it at a stop string.
@@ -21,7 +21,6 @@ from hybridrt.outputs import CompletionOutput, RequestOutput
 from hybridrt.request import Request
 from hybridrt.sampler import find_stop
 from hybridrt.scheduler import StepPlan
-from hybridrt.session_manager import SessionManager
 
 if TYPE_CHECKING:
     from hybridrt.specdec.mtp import Drafts
@@ -48,11 +47,9 @@ class StepUpdate:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, max_model_len: int,
-                 sessions: SessionManager | None = None):
+    def __init__(self, tokenizer: Any, max_model_len: int):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.sessions = sessions  # saves session snapshots
 
     def update(self, plan: StepPlan, emitted: list[Emitted | None], now: float) -> StepUpdate:
         """Apply a step's results (``emitted[b]``: sequence b's tokens, None for a mid-prompt
@@ -75,8 +72,6 @@ class OutputProcessor:
                 req.spec_stats.record(v.num_drafts, v.num_accepted)
             req.num_computed_tokens += n
             up.settled.append(n)
-            if req.session is not None and self.sessions.save_snapshot(req):
-                req.pending_snapshot_at = None
             req.draft_token_ids, req.draft_probs = [], None
             if em is None:
                 continue
@@ -147,4 +142,5 @@ class OutputProcessor:
             request_id=req.request_id, prompt=req.prompt,
             prompt_token_ids=list(req.prompt_token_ids), outputs=[out],
             finished=req.is_finished, metrics=metrics, error=req.error,
+            num_cached_tokens=req.metrics.num_cached_tokens,
         )

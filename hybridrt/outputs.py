@@ -32,3 +32,4 @@ class RequestOutput:
     finished: bool
     metrics: dict[str, Any] = field(default_factory=dict)
     error: Exception | None = None  # set (a ValueError) when the request was rejected
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (vLLM's field)

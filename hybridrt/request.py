@@ -14,6 +14,7 @@ from hybridrt.sampler import SamplingRow
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.session import Session
 from hybridrt.specdec.stats import SpecStats
+from hybridrt.statecache.prefix import BlockHashes
 
 
 class RequestStatus(enum.Enum):
@@ -31,9 +32,9 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_computed_prompt_tokens: int = 0  # prompt tokens actually prefilled (recompute counts)
-    num_reused_prompt_tokens: int = 0  # prompt tokens taken from a session's cache
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (last admission)
     num_preemptions: int = 0
-    session_cache_evicted: bool = False  # the session's cache was evicted since its last turn
+    session_cache_evicted: bool = False  # the session lost pinned cache since its last turn
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -58,7 +59,7 @@ class RequestMetrics:
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "num_preemptions": self.num_preemptions,
             "num_prefilled_tokens": self.num_computed_prompt_tokens,
-            "num_reused_tokens": self.num_reused_prompt_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
             "session_cache_evicted": self.session_cache_evicted,
         }
 
@@ -99,13 +100,20 @@ class Request:
     draft_probs: torch.Tensor | None = None  # [len(drafts), V] the drafts were sampled from
     slot_cursor: int = 0
     spec_stats: SpecStats | None = None
-    # Session reuse: the conversation this request continues (its cache is handed over when the
-    # request is admitted: ``session_attached``), the prompt length the caller asked to save the
-    # GDN state at, and the one still to be saved (just before the last prompt token by default).
+    # Prefix cache: the hash chain of its full blocks (None: caching off), the positions after
+    # which its GDN state is saved as a checkpoint (statecache/prefix.py ``checkpoint_positions``),
+    # the target's hidden state at the position before a cache hit (the MTP layer's input there,
+    # consumed by the first draft pass) and after its last computed token (kept with its state
+    # when it is released); ``cache_dirty``: a step failed midway, its cache is not kept.
+    block_hashes: BlockHashes | None = None
+    checkpoint_at: list[int] = field(default_factory=list)
+    mtp_carry: torch.Tensor | None = None
+    last_hidden: torch.Tensor | None = None
+    cache_dirty: bool = False
+    # Sessions: the conversation this request continues (hybridrt.session) and the prompt length
+    # the caller asked to keep a checkpoint at (where a chat's generation prompt starts).
     session: Session | None = None
-    session_attached: bool = False
     requested_snapshot_at: int | None = None
-    pending_snapshot_at: int | None = None
 
     def __post_init__(self) -> None:
         if self.spec_k > 0 and self.spec_stats is None:
@@ -142,6 +150,7 @@ class Request:
         self.draft_token_ids = []
         self.draft_probs = None
         self.slot_cursor = 0
+        self.last_hidden = None
 
 
 def validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int,

@@ -115,6 +115,7 @@ class ModelRunner:
         from its state slot; logits rows: the last token of sampling requests, every token
         of verifying ones."""
         tokens, starts, tables, slots, modes, verify = [], [], [], [], [], []
+        marks, copies = [], []  # GDN checkpoints inside the new tokens / at their end
         for s in plan.seqs:
             req = s.request
             c = s.start
@@ -129,15 +130,31 @@ class ModelRunner:
             slots.append(own[req.slot_cursor])
             modes.append("all" if s.num_drafts else ("last" if s.sample else "none"))
             verify.append(own[:s.num_drafts + 1] if s.num_drafts else None)
+            inside = []
+            for ck in s.checkpoints:
+                offset = ck.num_tokens - c
+                if offset < s.num_new_tokens:
+                    inside.append((offset, ck.slot))
+                else:
+                    copies.append((slots[-1], ck.slot))
+            marks.append(inside)
         self.arrays.begin()
-        return build_batch(tokens, starts, tables, self.block_size, slots, modes,
-                           verify if any(v is not None for v in verify) else None, self.device,
-                           self.arrays)
+        batch = build_batch(tokens, starts, tables, self.block_size, slots, modes,
+                            verify if any(v is not None for v in verify) else None, self.device,
+                            self.arrays)
+        if any(marks):
+            batch.gdn_checkpoints = marks
+        batch.state_copies = copies or None
+        return batch
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """-> final-normed hidden states [T, hidden]."""
-        return self.model(batch, self.cache.tensors)
+        """-> final-normed hidden states [T, hidden] (the states that end the step copied
+        where ``batch.state_copies`` says)."""
+        hidden = self.model(batch, self.cache.tensors)
+        for src, dst in batch.state_copies or ():
+            self.cache.copy_state(src, dst)
+        return hidden
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -2,11 +2,15 @@
 
 Each scheduled request advances ``num_computed_tokens`` towards ``len(token_ids)``: a decode
 is 1 token, a prompt is as many as the budget allows (long prompts are chunked across steps).
-Running requests go first, then waiting ones in arrival order. When KV blocks or state slots
-run out, idle sessions' caches are evicted first (least recently used first); then the newest
-running request is preempted: its blocks and state slots are freed and it is recomputed from its
-tokens later. A waiting request that does not fit even when nothing else holds any cache can
-never run: it fails (``StepPlan.failed``) instead of waiting forever.
+Running requests go first, then waiting ones in arrival order. A request being admitted starts
+from the longest prefix of its tokens the prefix cache holds (``HybridCacheManager.admit``),
+and each scheduled chunk saves the GDN checkpoints that fall inside it
+(``ScheduledSeq.checkpoints``). When KV blocks or state slots run out, cached blocks and
+checkpoints nobody holds are evicted first (inside the cache manager), then idle sessions' pins
+(least recently used first); then the newest running request is preempted: its blocks and state
+slots are released (its state kept as a checkpoint where there is room) and it is recomputed
+from its tokens later. A waiting request that does not fit even when nothing else holds any
+cache can never run: it fails (``StepPlan.failed``) instead of waiting forever.
 
 Admission control (``_room_for``), so that preemption makes progress: a preempted GDN request
 loses all of its state (there is no prefix of it to keep), so a request admitted only to be
@@ -20,7 +24,7 @@ preemption and the next finish (the workload behind this rule: docs/server.md).
 | running | holds KV blocks covering num_computed_tokens (+ this step's) and its state slots |
 | waiting | holds no cache resources; num_computed_tokens == 0 |
 | preempted | goes back to the front of waiting, oldest first; no admission until a finish |
-| session request | takes over its session's cache when admitted (``SessionManager.attach``) |
+| finished | released by ``finish`` after the step's drafts (its MTP KV is final then) |
 
 Request progress has two writers: the scheduler (admission, preemption, finish: status,
 ``num_computed_tokens`` reset or reused, speculation reset, finish reason) and the update step
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 from hybridrt.request import Request, RequestStatus
 from hybridrt.session_manager import SessionManager
 from hybridrt.statecache import CacheCapacityError, HybridCacheManager
+from hybridrt.statecache.manager import PendingCheckpoint
 
 
 @dataclass(slots=True)
@@ -48,6 +53,8 @@ class ScheduledSeq:
     # a chained step's (hybridrt.async_chain): its one input is the previous step's sampled
     # token, still on the device, at the position after the request's known tokens
     chained: bool = False
+    # prefix-cache checkpoints this step writes: the GDN state after ``num_tokens`` tokens
+    checkpoints: list[PendingCheckpoint] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -90,7 +97,7 @@ class Scheduler:
             req = self.running[i]
             pending = len(req.token_ids) - req.num_computed_tokens
             drafts = len(req.draft_token_ids) if pending == 1 else 0
-            n = self._stop_at_snapshot(req, min(pending + drafts, budget))
+            n = min(pending + drafts, budget)
             # KV for this step, plus room for the MTP layer to write its next drafts.
             need = req.num_computed_tokens + n + req.spec_k
             while not self.cache.allocate_blocks(req.request_id, need):
@@ -109,19 +116,10 @@ class Scheduler:
             return plan
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if req.session is not None and not req.session_attached:
-                self._attach(req)
-            n = self._stop_at_snapshot(req, min(len(req.token_ids) - req.num_computed_tokens,
-                                                budget))
-            need = req.num_computed_tokens + n + req.spec_k
-            if not (self._room_for(req) and self._allocate(req, need)):
-                if req.session_attached and req.num_computed_tokens:
-                    self._detach(req)  # the session keeps its cache meanwhile
-                else:
-                    self.cache.free(req.request_id)
-                    req.num_computed_tokens = 0
+            n = self._admit(req, budget)
+            if n is None:
                 if not self.running:  # nothing else holds any cache: it never fits
-                    self._fail(req, need, plan)
+                    self._fail(req, len(req.token_ids) + req.spec_k, plan)
                     continue
                 break
             self.waiting.popleft()
@@ -131,16 +129,18 @@ class Scheduler:
             budget -= n
         return plan
 
-    def finish(self, request: Request, reason: str | None = None) -> None:
-        """Release a running or waiting request (finished, aborted or failed): a session
-        request's cache goes back to its session, the rest is freed. ``reason``: the finish
-        reason, unless the update step has set it (stop, length)."""
+    def finish(self, request: Request, reason: str | None = None,
+               keep_state: bool = True) -> None:
+        """Release a running or waiting request (finished, aborted or failed): its final full
+        blocks stay cached and, with ``keep_state``, its GDN state becomes a checkpoint (a
+        session pins both); the rest is freed. ``reason``: the finish reason, unless the update
+        step has set it (stop, length)."""
         if reason is not None:
             request.finish_reason = reason
+        self._release(request, keep_state, finished=True)
         if request.session is not None:
             self.sessions.release(request)
             request.session = None
-        self.cache.free(request.request_id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -150,33 +150,48 @@ class Scheduler:
         request.reset_speculation()
         request.metrics.finished_time = time.perf_counter()
 
-    def _attach(self, req: Request) -> None:
-        """A session request being admitted takes over its session's cache."""
-        got = self.sessions.attach(req)
-        req.num_computed_tokens, req.slot_cursor = got.num_computed_tokens, got.slot_cursor
-        req.pending_snapshot_at = got.pending_snapshot_at
-        req.session_attached = True
-        req.metrics.session_cache_evicted = got.cache_evicted
-        req.metrics.num_reused_prompt_tokens = got.num_computed_tokens
+    def _release(self, req: Request, keep_state: bool, finished: bool = False) -> None:
+        """The request's cache back to the manager; what stays cached of a finished session
+        request is pinned by its session."""
+        keep = keep_state and not req.cache_dirty and self.cache.prefix_caching
+        session = req.session if finished and keep else None
+        self.cache.release(req.request_id, req.token_ids, req.block_hashes,
+                           0 if req.cache_dirty else req.num_computed_tokens,
+                           req.slot_cursor if keep else None, req.last_hidden)
+        if session is not None:
+            self.sessions.keep(req)
 
-    def _detach(self, req: Request) -> None:
-        """Undo ``_attach``: the request waits holding nothing."""
-        self.sessions.detach(req)
-        req.num_computed_tokens, req.slot_cursor, req.session_attached = 0, 0, False
-        req.metrics.num_reused_prompt_tokens = 0
+    def _admit(self, req: Request, budget: int) -> int | None:
+        """State slots and KV blocks for a waiting request, from the longest cached prefix of
+        its tokens (idle sessions' pins given up while that helps) -> the tokens it computes
+        this step, or None when it does not fit beside the running ones."""
+        if not self._room_for(req):
+            return None
 
-    def _allocate(self, req: Request, num_tokens: int) -> bool:
-        """State slots and KV blocks for ``num_tokens`` tokens of a request being admitted,
-        evicting idle sessions' caches while that helps -> whether it got them."""
-        while not (self.cache.allocate_state(req.request_id, 1 + req.spec_k)
-                   and self.cache.allocate_blocks(req.request_id, num_tokens)):
+        def cover(hit: int) -> int:
+            return hit + min(len(req.token_ids) - hit, budget) + req.spec_k
+
+        while True:
+            got = self.cache.admit(req.request_id, req.token_ids, req.block_hashes,
+                                   1 + req.spec_k, cover)
+            if got is not None:
+                break
             if not self._evict_idle_session():
-                return False
-        return True
+                return None
+        req.num_computed_tokens = got.num_tokens
+        if got.num_tokens:
+            self.cache.touch_checkpoints(req.token_ids, req.block_hashes,
+                                         [p for p in req.checkpoint_at if p < got.num_tokens])
+        req.mtp_carry = got.hidden if req.spec_k else None
+        req.cache_dirty = False
+        req.metrics.num_cached_tokens = got.num_tokens
+        if req.session is not None:
+            self.sessions.admitted(req)
+        return min(len(req.token_ids) - got.num_tokens, budget)
 
     def _room_for(self, req: Request) -> bool:
         """Whether ``req`` may be admitted beside the running requests: the cache (idle
-        sessions' evicted while that helps) holds all their known tokens and its, with a
+        sessions' pins given up while that helps) holds all their known tokens and its, with a
         block of growth each; never between a preemption and the next finish. With nothing
         running it may always try (a request too large for the cache fails then)."""
         if not (self.running and self.admission_control):
@@ -184,12 +199,16 @@ class Scheduler:
         if self.under_pressure:
             return False
         grow = self.cache.block_size
-        short = sum(self.cache.blocks_needed(r.request_id, len(r.token_ids) + r.spec_k + grow)
-                    for r in (*self.running, req))
-        while short > self.cache.usage().num_free_blocks:
+        while True:
+            short = sum(self.cache.blocks_needed(r.request_id,
+                                                 len(r.token_ids) + r.spec_k + grow)
+                        for r in self.running)
+            short += self.cache.blocks_to_admit(req.token_ids, req.block_hashes,
+                                                len(req.token_ids) + req.spec_k + grow)
+            if short <= self.cache.usage().num_free_blocks:
+                return True
             if not self._evict_idle_session():
                 return False
-        return True
 
     def _evict_idle_session(self) -> bool:
         return self.sessions is not None and self.sessions.evict_idle()
@@ -199,30 +218,31 @@ class Scheduler:
         req.error = CacheCapacityError(
             f"request {req.request_id} can never be scheduled: it needs "
             f"{-(-need // s.block_size)} KV blocks and {1 + req.spec_k} state slots, and the "
-            f"cache has {s.num_blocks} blocks and {s.num_slots - 1 - s.num_snapshot_slots} "
-            f"request slots in all"
+            f"cache has {s.num_blocks} blocks and {s.num_request_slots + s.num_checkpoint_slots} "
+            f"slots in all"
         )
         self.waiting.popleft()
         plan.failed.append(req)
-
-    @staticmethod
-    def _stop_at_snapshot(req: Request, n: int) -> int:
-        """A session request's prefill stops where its GDN state is to be saved."""
-        at = req.pending_snapshot_at
-        if at is not None and req.num_computed_tokens < at:
-            return min(n, at - req.num_computed_tokens)
-        return n
 
     def _scheduled(self, req: Request, n: int, num_drafts: int) -> ScheduledSeq:
         if req.metrics.first_scheduled_time is None:
             req.metrics.first_scheduled_time = time.perf_counter()
         sample = req.num_computed_tokens + n - num_drafts == len(req.token_ids)
-        return ScheduledSeq(req, n, sample, num_drafts, req.num_computed_tokens)
+        seq = ScheduledSeq(req, n, sample, num_drafts, req.num_computed_tokens)
+        c = req.num_computed_tokens
+        if req.checkpoint_at and self.cache.prefix_caching:
+            for p in req.checkpoint_at:
+                if c < p <= c + n - num_drafts:
+                    pending = self.cache.reserve_checkpoint(req.token_ids, req.block_hashes, p)
+                    if pending is not None:
+                        seq.checkpoints.append(pending)
+        return seq
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
-        self.cache.free(req.request_id)
+        self._release(req, keep_state=True)
         self.running.remove(req)
         req.num_computed_tokens = 0
+        req.mtp_carry = None
         req.reset_speculation()
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1

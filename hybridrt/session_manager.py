@@ -1,9 +1,8 @@
-"""The session manager: moves a conversation's cache between its session and the request that
-continues it (see ``hybridrt/session.py`` for what a session holds)."""
+"""The session manager: the pins a conversation keeps in the prefix cache between its requests
+(see ``hybridrt/session.py`` for what a session holds)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybridrt.session import Session
@@ -13,34 +12,23 @@ if TYPE_CHECKING:
     from hybridrt.statecache import HybridCacheManager
 
 
-@dataclass(slots=True)
-class Attached:
-    """What a session request takes over from its session as it is admitted; the scheduler
-    writes it into the request."""
-
-    num_computed_tokens: int  # prompt tokens reused from the session's cache
-    slot_cursor: int  # which of the request's state slots holds the GDN state
-    pending_snapshot_at: int | None  # the prompt length to save the GDN state at (None: none)
-    cache_evicted: bool  # the session's cache was evicted since its last turn
-
-
 class SessionManager:
-    """Owns the open sessions (least recently used first) and moves cache between a session and
-    its request: ``attach`` when the request is admitted, ``detach`` when it could not be after
-    all, ``release`` when it finishes, ``save_snapshot`` at its snapshot point. Writes session
-    fields only; what a request takes over it returns."""
+    """Owns the open sessions (least recently used first) and what they pin: ``keep`` when a
+    request on one finishes, ``evict_idle`` when a request needs room. Writes session fields
+    only."""
 
-    def __init__(self, cache: HybridCacheManager):
+    def __init__(self, cache: HybridCacheManager, max_num_sessions: int | None = None):
         self.cache = cache
+        self.max_num_sessions = max_num_sessions
         self.sessions: dict[str, Session] = {}
         self.num_evictions = 0
+        cache.on_checkpoint_evicted = self._checkpoint_evicted
 
     def open(self, session_id: str) -> Session:
-        slot = self.cache.take_snapshot_slot()
-        if slot is None:
-            raise RuntimeError(f"all {self.cache.sizing.num_snapshot_slots} session slots are in "
-                               f"use: close a session or raise max_num_sessions")
-        session = Session(session_id, slot)
+        if self.max_num_sessions is not None and len(self.sessions) >= self.max_num_sessions:
+            raise RuntimeError(f"all {self.max_num_sessions} sessions are open: close a session "
+                               f"or raise max_num_sessions")
+        session = Session(session_id)
         self.sessions[session_id] = session
         return session
 
@@ -49,16 +37,15 @@ class SessionManager:
             return
         if session.busy:
             raise ValueError("close_session: the session has a running request")
-        self.cache.free(session.cache_key)
-        self.cache.release_snapshot_slot(session.snapshot_slot)
+        self._unpin(session)
         del self.sessions[session.session_id]
         session.closed = True
 
     def reset(self, session: Session) -> None:
-        """Forget the cached conversation (``/clear``); the session stays usable."""
+        """Give up what the session pins (``/clear``); the session stays usable."""
         if session.busy:
             raise ValueError("reset_session: the session has a running request")
-        self._forget(session)
+        self._unpin(session)
 
     def claim(self, session: Session) -> None:
         """Mark ``session`` busy for a new request; ValueError if it cannot take one."""
@@ -68,99 +55,67 @@ class SessionManager:
             raise ValueError("session already has a running request")
         session.busy = True
 
-    def reusable_tokens(self, session: Session, prompt_token_ids: list[int],
-                        spec_k: int = 0) -> int:
-        """How many leading prompt tokens a request on ``session`` would take from its cache
-        now: the common prefix with the session's tokens (at most all but the last prompt
-        token); where the prompt diverges inside them, the snapshot if it lies before the
-        divergence, else none."""
-        reuse = min(common_prefix(prompt_token_ids, session.token_ids),
-                    len(prompt_token_ids) - 1)
-        slots = self.cache.state_slots(session.cache_key)
-        if slots and len(slots) != 1 + spec_k:
-            return 0  # slot layout changed with speculative_tokens: start over
-        if 0 < reuse < len(session.token_ids):
-            snap = session.snapshot_len
-            return snap if snap is not None and snap <= reuse else 0
-        return reuse
-
-    def attach(self, req: Request) -> Attached:
-        """Hand a session request, as it is admitted, the session's cache for the longest
-        reusable prompt prefix -> what the request takes over."""
-        session, cache, key = req.session, self.cache, req.session.cache_key
-        ids = req.prompt_token_ids
-        reuse = self.reusable_tokens(session, ids, req.spec_k)
-        if 0 < reuse < len(session.token_ids):  # the GDN state at the snapshot
-            cache.copy_state(session.snapshot_slot, cache.state_slot(key, session.slot_cursor))
-        if reuse == 0:
-            cache.free(key)
-            session.slot_cursor, session.snapshot_len = 0, None
-        else:
-            cache.truncate(key, reuse)
-            if session.snapshot_len is not None and session.snapshot_len > reuse:
-                session.snapshot_len = None
-        cache.transfer(key, req.request_id)
-        asked = req.requested_snapshot_at
-        at = len(ids) - 1 if asked is None else min(asked, len(ids) - 1)
-        attached = Attached(reuse, session.slot_cursor if reuse else 0,
-                            at if at > reuse else None, session.evicted)
+    def admitted(self, req: Request) -> None:
+        """A session request was admitted: what it reused, and whether the session lost
+        anything since its last turn."""
+        session = req.session
+        req.metrics.session_cache_evicted = session.evicted
         session.evicted = False
-        session.last_reused_tokens = reuse
-        return attached
-
-    def detach(self, req: Request) -> None:
-        """Undo ``attach`` for a request that could not be admitted after all: the session
-        holds the reused prefix again (the scheduler resets the request)."""
-        self._take_back(req)
+        session.last_reused_tokens = req.num_computed_tokens
 
     def release(self, req: Request) -> None:
-        """A finished (or aborted) session request hands its cache back to the session."""
+        """A finished (or aborted) session request: the session takes another."""
         session = req.session
         session.busy = False
         self.sessions[session.session_id] = self.sessions.pop(session.session_id)  # most recent
-        if not req.session_attached:  # never admitted: the session kept its cache
-            return
-        self._take_back(req)
-        if session.snapshot_len is not None and session.snapshot_len > len(session.token_ids):
-            session.snapshot_len = None
 
-    def save_snapshot(self, req: Request) -> bool:
-        """At the request's snapshot point, save its GDN state into the session's snapshot
-        slot -> whether it did (the request's ``pending_snapshot_at`` is then spent)."""
-        if req.pending_snapshot_at is None or req.num_computed_tokens != req.pending_snapshot_at:
-            return False
-        own = self.cache.state_slot(req.request_id, req.slot_cursor)
-        self.cache.copy_state(own, req.session.snapshot_slot)
-        req.session.snapshot_len = req.pending_snapshot_at
-        return True
+    def keep(self, req: Request) -> None:
+        """After a session request released its cache: pin the checkpoints it left (after its
+        last computed token, and at its ``snapshot_at``, else before its last prompt token) and
+        hold the blocks before the furthest of them, in place of the previous turn's."""
+        session, cache = req.session, self.cache
+        self._unpin(session)
+        if cache.prefix is None or req.block_hashes is None:
+            return
+        done = req.num_computed_tokens
+        tokens = req.token_ids[:done]
+        snap = req.requested_snapshot_at
+        wanted = {done, req.num_prompt_tokens - 1 if snap is None else snap}
+        for p in sorted(wanted):
+            if not 0 < p <= done:
+                continue
+            key, _, _ = cache.checkpoint_key(tokens, req.block_hashes, p)
+            ck = cache.prefix.checkpoints.get(key)
+            if ck is not None:
+                cache.pin(ck)
+                ck.sessions.append(session)
+                session.pins.append(ck)
+        hit = cache.prefix.lookup(tokens, req.block_hashes)
+        if hit is not None and hit.shared_blocks:
+            cache.hold(session.cache_key, hit.shared_blocks)
 
     def evict_idle(self) -> bool:
-        """Free the cache of the least recently used session that holds one while no request
-        of it is running, one without a waiting request first; its next turn prefills from
-        scratch -> whether anything was freed."""
+        """Give up the pins of the least recently used session that holds any while no request
+        of it is running, one without a waiting request first; what it pinned stays cached
+        until the room is needed -> whether anything was given up."""
         order = sorted(self.sessions.values(), key=lambda s: s.busy)  # stable: LRU within
         for session in order:
-            if self.cache.holds(session.cache_key):
-                self._forget(session)
+            if session.pins or self.cache.holds(session.cache_key):
+                self._unpin(session)
                 session.evicted = True
                 self.num_evictions += 1
                 return True
         return False
 
-    def _take_back(self, req: Request) -> None:
-        session = req.session
-        self.cache.transfer(req.request_id, session.cache_key)
-        session.token_ids = req.token_ids[:req.num_computed_tokens]
-        session.slot_cursor = req.slot_cursor
+    def _unpin(self, session: Session) -> None:
+        for ck in session.pins:
+            self.cache.unpin(ck)
+            ck.sessions.remove(session)
+        session.pins = []
+        self.cache.release(session.cache_key)
 
-    def _forget(self, session: Session) -> None:
-        self.cache.free(session.cache_key)
-        session.token_ids, session.slot_cursor, session.snapshot_len = [], 0, None
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    def _checkpoint_evicted(self, ck) -> None:
+        for session in ck.sessions:
+            session.pins.remove(ck)
+            session.evicted = True
+        ck.sessions.clear()

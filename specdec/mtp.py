@@ -47,7 +47,8 @@ class MTPProposer:
     def __init__(self, model: Qwen35ForCausalLM, cache: HybridCacheManager, sampler: Sampler,
                  max_model_len: int, device: torch.device | str = "cpu",
                  draft_vocab: list[int] | None = None,
-                 draft_filter: Callable[[Request, int, int], int] | None = None):
+                 draft_filter: Callable[[Request, int, int], int] | None = None,
+                 keep_kv: bool = False):
         if model.mtp is None:
             raise ValueError("speculative decoding needs the checkpoint's mtp.* weights")
         if len(model.mtp.layers) != 1:
@@ -62,6 +63,7 @@ class MTPProposer:
         self.device = torch.device(device)
         self.draft_head = None if draft_vocab is None else DraftHead(model, draft_vocab)
         self.draft_filter = draft_filter  # (the module's docstring)
+        self.keep_kv = keep_kv  # prefix caching: see ``propose``
 
     def num_drafts_for(self, req) -> int:
         """k, capped so that verification stays inside max_model_len and max_tokens."""
@@ -75,18 +77,35 @@ class MTPProposer:
                 settled: list[int]) -> list[Drafts]:
         """``row_starts[b]``: the first row of plan.seqs[b] in ``hidden``; ``settled[b]``:
         positions of plan.seqs[b] the target settled this step (its accepted inputs)
-        -> the drafts of every unfinished request that sampled and may draft."""
-        tokens, starts, tables, rows, modes, reqs = [], [], [], [], [], []
+        -> the drafts of every unfinished request that sampled and may draft.
+
+        With ``keep_kv`` (prefix caching) the MTP layer's KV is written for the settled positions
+        of requests that just finished too (their cached blocks hold it). A request admitted
+        from a cache hit (``mtp_carry``: the target's hidden state before its first position)
+        has the position before its first one rewritten as well: the cached KV there was
+        computed with another request's next token."""
+        tokens, starts, tables, parts, modes, reqs = [], [], [], [], [], []
         for b, s in enumerate(plan.seqs):
             req = s.request
             if req.spec_k == 0 or req.is_finished or settled[b] == 0:
                 continue
+            done = req.finish_reason is not None  # finished in this step's update
+            if done and not self.keep_kv:
+                continue
             n = settled[b]
-            tokens.append(req.token_ids[s.start + 1:s.start + 1 + n])
-            starts.append(s.start)
+            if done:  # a stop inside an accepted run: no next token past it
+                n = min(n, len(req.token_ids) - 1 - s.start)
+                if n <= 0:
+                    continue
+            first, rows = s.start, hidden[row_starts[b]:row_starts[b] + n]
+            if req.mtp_carry is not None and s.start > 0:
+                first, rows = s.start - 1, torch.cat([req.mtp_carry[None].to(rows.dtype), rows])
+            tokens.append(req.token_ids[first + 1:s.start + 1 + n])
+            starts.append(first)
             tables.append(self.cache.block_table(req.request_id))
-            rows.append(torch.arange(row_starts[b], row_starts[b] + n))
-            drafting = (s.sample or s.num_drafts > 0) and self.num_drafts_for(req) > 0
+            parts.append(rows)
+            drafting = (not done and (s.sample or s.num_drafts > 0)
+                        and self.num_drafts_for(req) > 0)
             modes.append("last" if drafting else "none")
             if drafting:
                 reqs.append(req)
@@ -94,8 +113,8 @@ class MTPProposer:
             return []
         mb = build_batch(tokens, starts, tables, self.cache.block_size, None, modes,
                          device=self.device)
-        out = self.model.mtp_forward(mb.input_ids, hidden[torch.cat(rows).to(hidden.device)],
-                                     mb, self.cache.tensors)
+        h = parts[0] if len(parts) == 1 else torch.cat(parts)
+        out = self.model.mtp_forward(mb.input_ids, h.to(hidden.device), mb, self.cache.tensors)
         return self._draft(reqs, out[mb.logits_indices]) if reqs else []
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

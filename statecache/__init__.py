@@ -2,6 +2,7 @@
 slots (conv + recurrent) for GDN layers, owned by one manager with one memory budget."""
 
 from .manager import (
+    Admitted,
     CacheCapacityError,
     CacheSizing,
     CacheUsage,
@@ -13,6 +14,7 @@ from .pools import BlockPool, SlotPool
 from .tensors import CacheTensors
 
 __all__ = [
+    "Admitted",
     "BlockPool",
     "CacheCapacityError",
     "CacheSizing",

@@ -1,20 +1,27 @@
-"""The hybrid cache manager: one object, one memory budget, both stores.
+"""The hybrid cache manager: one object, one memory budget, both stores, and the prefix cache
+over them.
 
-| store | unit | units per request |
+| store | unit | held by |
 | --- | --- | --- |
-| paged KV (attention + MTP layers) | block of ``block_size`` tokens | ceil(tokens / block_size) |
-| GDN conv + recurrent state | slot | ``slots_per_request`` (1, or 1 + k with speculation) |
-| session snapshot (GDN state saved for a rollback) | slot | none: one per open session |
+| paged KV (attention + MTP layers) | block of ``block_size`` tokens | requests, sessions |
+| GDN conv + recurrent state (+ KV tail) | slot | a request (1, or 1 + k), or a checkpoint |
 
-Both stores free a request's units at finish / abort / preemption. Between its turns a session
-holds its conversation's blocks and slots under its own key; the engine evicts them when a
-request needs the room. Snapshot slots are a separate, fixed pool, planned like the others.
+A request holds ceil(tokens / block_size) blocks; cached blocks no one holds wait to be evicted.
+
+With prefix caching (statecache/prefix.py) a request's full blocks are indexed by their
+tokens' hash as soon as their content is final, and its GDN state is saved at chosen positions
+(checkpoints); a new request resumes from the longest cached prefix that ends at a checkpoint
+(``admit``). Nothing cached is ever in the way of a running request: an allocation evicts
+unreferenced cached blocks (least recently released first) and checkpoints (never hit first,
+then least recently used; sessions' pinned ones last) before it fails, and only a failure
+leads the scheduler to preempt. The checkpoints beyond the requests' own slots take
+``checkpoint_share`` of the budget (``plan_cache``).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +29,7 @@ import torch
 from hybridrt.config import ModelConfig
 
 from .pools import BlockPool, SlotPool
+from .prefix import BlockHashes, Checkpoint, Hit, PrefixIndex, root_hash
 from .tensors import CacheTensors
 
 
@@ -38,7 +46,7 @@ class CacheSizing:
     bytes_per_slot: int
     max_num_seqs: int
     max_model_len: int
-    num_snapshot_slots: int = 0  # the last ones, reserved for session snapshots
+    num_checkpoint_slots: int = 0  # slots beyond the requests' (GDN state checkpoints)
 
     @property
     def max_tokens(self) -> int:
@@ -51,12 +59,16 @@ class CacheSizing:
         per_req = -(-self.max_model_len // self.block_size)
         return min(self.max_num_seqs, self.num_blocks / per_req)
 
+    @property
+    def num_request_slots(self) -> int:
+        return self.num_slots - 1 - self.num_checkpoint_slots
+
     def describe(self) -> str:
         return (
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.max_tokens} "
             f"tokens ({self.num_blocks * self.bytes_per_block / 2**20:.1f} MiB); GDN state: "
-            f"{self.num_slots - 1 - self.num_snapshot_slots} slots + {self.num_snapshot_slots} "
-            f"session snapshot slots ({self.num_slots * self.bytes_per_slot / 2**20:.1f} MiB); "
+            f"{self.num_request_slots} request slots + {self.num_checkpoint_slots} checkpoint "
+            f"slots ({self.num_slots * self.bytes_per_slot / 2**20:.1f} MiB); "
             f"max concurrency at max_model_len={self.max_model_len}: {self.max_concurrency:.2f}"
         )
 
@@ -66,15 +78,35 @@ class CacheUsage:
     """How much of each store is taken, at one moment (``HybridCacheManager.usage``)."""
 
     num_blocks: int
-    num_free_blocks: int
-    num_slots: int  # request slots (the null slot and the snapshot slots not counted)
-    num_free_slots: int
-    num_snapshot_slots: int
-    num_free_snapshot_slots: int
+    num_free_blocks: int  # free or cached unreferenced (an allocation may take them)
+    num_slots: int  # every slot but the null one
+    num_free_slots: int  # free or holding an evictable checkpoint
+    num_cached_blocks: int = 0  # indexed by the prefix cache (referenced or not)
+    num_checkpoints: int = 0
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
+
+
+@dataclass(slots=True)
+class Admitted:
+    """What ``admit`` gave a request: ``num_tokens`` prompt tokens from the cache (0: none) and,
+    with them, the target's hidden state at the last of them (the MTP layer's input there)."""
+
+    num_tokens: int
+    hidden: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class PendingCheckpoint:
+    """A checkpoint being written by this step (its slot reserved, not yet in the index)."""
+
+    key: tuple
+    num_tokens: int
+    num_shared: int
+    slot: int
+    has_tail: bool
 
 
 def available_memory(device: torch.device | str = "cpu") -> int:
@@ -104,21 +136,21 @@ def plan_cache(
     num_extra_attention_layers: int = 0,
     device: torch.device | str = "cpu",
     lookahead_tokens: int = 0,
-    num_snapshot_slots: int = 0,
+    checkpoint_share: float = 0.0,
 ) -> CacheSizing:
-    """Size both stores from one budget: state slots for ``max_num_seqs`` requests and
-    ``num_snapshot_slots`` session snapshots first, then as many KV blocks as the rest allows
+    """Size both stores from one budget: state slots for ``max_num_seqs`` requests, checkpoint
+    slots for ``checkpoint_share`` of the budget, then as many KV blocks as the rest allows
     (never more than every sequence at full length needs). ``lookahead_tokens``: KV positions a
     request may write past its length (draft tokens). Refuses budgets that cannot hold one
-    max-length request."""
+    max-length request; checkpoint slots give way first."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if max_num_seqs <= 0:
         raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
     if max_model_len <= 0:
         raise ValueError(f"max_model_len must be positive, got {max_model_len}")
-    if num_snapshot_slots < 0:
-        raise ValueError(f"num_snapshot_slots must be >= 0, got {num_snapshot_slots}")
+    if not 0.0 <= checkpoint_share < 1.0:
+        raise ValueError(f"checkpoint_share must be in [0, 1), got {checkpoint_share}")
     if memory_bytes is None:
         fraction = 0.3 if memory_fraction is None else memory_fraction
         if not 0.0 < fraction <= 1.0:
@@ -127,43 +159,47 @@ def plan_cache(
     if memory_bytes <= 0:
         raise ValueError(f"cache memory budget must be positive, got {memory_bytes}")
     per_block = CacheTensors.bytes_per_block(config, block_size, dtype, num_extra_attention_layers)
-    per_slot = CacheTensors.bytes_per_slot(config, dtype)
+    per_slot = CacheTensors.bytes_per_slot(config, dtype, block_size, num_extra_attention_layers)
     blocks_per_req = -(-(max_model_len + lookahead_tokens) // block_size)
-    fixed_slots = 1 + num_snapshot_slots  # the null slot and the session snapshots
-    one_request = blocks_per_req * per_block + (slots_per_request + fixed_slots) * per_slot
+    one_request = blocks_per_req * per_block + (slots_per_request + 1) * per_slot
     if memory_bytes < one_request:
         raise CacheCapacityError(
             f"cache budget {memory_bytes / 2**20:.1f} MiB cannot hold one request of "
             f"max_model_len={max_model_len} ({one_request / 2**20:.1f} MiB needed: "
-            f"{blocks_per_req} KV blocks + {slots_per_request} state slot(s) + "
-            f"{num_snapshot_slots} session snapshot slot(s)); raise the budget or lower "
-            f"max_model_len"
+            f"{blocks_per_req} KV blocks + {slots_per_request} state slot(s)); raise the budget "
+            f"or lower max_model_len"
         )
-    num_slots = fixed_slots + max_num_seqs * slots_per_request
-    while num_slots > fixed_slots + slots_per_request and (
+    num_slots = 1 + max_num_seqs * slots_per_request  # with the null slot
+    while num_slots > 1 + slots_per_request and (
         memory_bytes - num_slots * per_slot < blocks_per_req * per_block
     ):
         num_slots -= slots_per_request
-    seqs = (num_slots - fixed_slots) // slots_per_request
+    seqs = (num_slots - 1) // slots_per_request
+    room = memory_bytes - num_slots * per_slot - blocks_per_req * per_block
+    num_ckpt = max(0, min(int(checkpoint_share * memory_bytes), room) // per_slot)
+    num_slots += num_ckpt
     num_blocks = (memory_bytes - num_slots * per_slot) // per_block
     num_blocks = int(min(num_blocks, blocks_per_req * seqs))
     return CacheSizing(num_blocks, num_slots, block_size, per_block, per_slot, seqs, max_model_len,
-                       num_snapshot_slots)
+                       num_ckpt)
 
 
 class HybridCacheManager:
-    """Owns the KV block pool, the state-slot pool and the tensors behind them.
+    """Owns the KV block pool, the state-slot pool, the tensors behind them and the prefix
+    cache's index.
 
-    Per owner (a request, or a session between its turns) it keeps a block table (list of
-    block ids) and its state slots; callers read them through ``block_table`` /
-    ``state_slots`` and change them only through the methods below. A request's KV needs
-    ``ceil(num_tokens / block_size)`` blocks; ``allocate_blocks`` grows the table or returns
-    False without taking anything, which the scheduler answers with preemption.
+    Per owner (a request, or a session) it keeps a block table (list of block ids, shared
+    ones included) and its state slots; callers read them through ``block_table`` /
+    ``state_slots`` and change them only through the methods below. ``admit`` gives a request
+    being admitted its slots and blocks (from the cache where it can), ``grow`` more blocks,
+    ``release`` takes them back, keeping what the prefix cache wants of them; a False / None
+    return means nothing was taken, which the scheduler answers with preemption.
     """
 
     def __init__(self, config: ModelConfig, sizing: CacheSizing, dtype: torch.dtype,
                  device: torch.device | str = "cpu", slots_per_request: int = 1,
-                 num_extra_attention_layers: int = 0):
+                 num_extra_attention_layers: int = 0, prefix_caching: bool = False,
+                 salt: str = ""):
         self.config = config
         self.sizing = sizing
         self.block_size = sizing.block_size
@@ -173,11 +209,22 @@ class HybridCacheManager:
             num_extra_attention_layers,
         )
         self._blocks = BlockPool(sizing.num_blocks)
-        first_snapshot = sizing.num_slots - sizing.num_snapshot_slots
-        self._slots = SlotPool(first_snapshot)
-        self._free_snapshot_slots = list(range(first_snapshot, sizing.num_slots))
+        self._slots = SlotPool(sizing.num_slots)
         self._block_tables: dict[str, list[int]] = {}
         self._state_slots: dict[str, list[int]] = {}
+        self._registered: dict[str, int] = {}  # owner -> its leading blocks already indexed
+        self._pending: dict[int, PendingCheckpoint] = {}  # slot -> the checkpoint it receives
+        self.prefix: PrefixIndex | None = None
+        self._roots = {False: root_hash(f"{salt}|mtp=0"), True: root_hash(f"{salt}|mtp=1")}
+        if prefix_caching:
+            self.prefix = PrefixIndex(self.block_size)
+            self._blocks.is_cached = self.prefix.is_cached
+            self._blocks.on_evict = self.prefix.forget_block
+        self.on_checkpoint_evicted = None  # sessions: told which pinned checkpoint went
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.prefix is not None
 
     # Reading -----------------------------------------------------------------------------
     def block_table(self, owner: str) -> Sequence[int]:
@@ -203,48 +250,154 @@ class HybridCacheManager:
         return bool(self._block_tables.get(owner) or self._state_slots.get(owner))
 
     def usage(self) -> CacheUsage:
-        s = self.sizing
+        p = self.prefix
         return CacheUsage(self._blocks.num_blocks, self._blocks.num_free, self._slots.capacity,
-                          self._slots.num_free, s.num_snapshot_slots,
-                          len(self._free_snapshot_slots))
+                          self._slots.num_free + self._num_evictable_checkpoints(),
+                          len(p.hash_of) if p else 0, len(p.checkpoints) if p else 0)
 
     def all_free(self) -> bool:
-        return (self._blocks.num_free == self._blocks.num_blocks
-                and self._slots.num_free == self._slots.capacity
-                and len(self._free_snapshot_slots) == self.sizing.num_snapshot_slots)
+        """Nothing is held: no owner has blocks or slots, no block is referenced, no checkpoint
+        is pinned or pending (what the prefix cache keeps is evictable)."""
+        if self.owners() or self._pending or any(self._blocks.refs):
+            return False
+        ckpts = list(self.prefix.checkpoints.values()) if self.prefix is not None else []
+        return (not any(c.pins for c in ckpts)
+                and self._slots.num_free + len(ckpts) == self._slots.capacity)
+
+    def check(self) -> None:
+        """Every block's reference count equals its holders (requests' and sessions' tables), every
+        indexed block is held or evictable, every slot is free or has one owner; AssertionError
+        otherwise (the tests call it after every step)."""
+        refs = [0] * self._blocks.num_blocks
+        for table in self._block_tables.values():
+            for b in table:
+                refs[b] += 1
+        slots = [s for own in self._state_slots.values() for s in own] + list(self._pending)
+        if self.prefix is not None:
+            slots += [c.slot for c in self.prefix.checkpoints.values()]
+            for b in self.prefix.hash_of:
+                assert refs[b] or b in self._blocks._evictable, f"indexed block {b} is free"
+        assert refs == self._blocks.refs, "block reference counts disagree with their holders"
+        assert len(slots) == len(set(slots)), "a state slot has two owners"
+        assert not set(slots) & set(self._slots._free), "a held state slot is also free"
+        assert len(slots) + self._slots.num_free == self._slots.capacity, "a state slot is lost"
+
+    # Hashes ------------------------------------------------------------------------------
+    def block_hashes(self, mtp: bool) -> BlockHashes:
+        """A new request's hash chain: blocks that hold MTP KV (``mtp``) have their own."""
+        return BlockHashes(self._roots[mtp], self.block_size, 1 if mtp else 0)
+
+    # Admission ---------------------------------------------------------------------------
+    def peek(self, tokens: Sequence[int], hashes: BlockHashes) -> Hit | None:
+        """What ``admit`` would reuse for a request with these tokens now (no side effects)."""
+        if self.prefix is None or len(tokens) < 2:
+            return None
+        return self.prefix.lookup(tokens[:len(tokens) - 1], hashes)
+
+    def blocks_to_admit(self, tokens: Sequence[int], hashes: BlockHashes, num_tokens: int) -> int:
+        """Blocks ``admit`` would take from the free ones to cover ``num_tokens`` positions (the
+        cached blocks a hit shares count when nothing else holds them)."""
+        need = -(-num_tokens // self.block_size)
+        hit = self.peek(tokens, hashes)
+        if hit is None:
+            return need
+        idle = sum(1 for b in hit.shared_blocks if self._blocks.refs[b] == 0)
+        return need - len(hit.shared_blocks) + idle
+
+    def admit(self, owner: str, tokens: Sequence[int], hashes: BlockHashes | None,
+              num_slots: int, num_tokens: Callable[[int], int]) -> Admitted | None:
+        """State slots and KV blocks for a request being admitted, with its tokens' longest
+        cached prefix restored into them (``hashes`` None: no look-up) -> what it got, or None
+        (nothing taken, nothing evicted) when there is no room. ``num_tokens(hit)``: the
+        positions its blocks must cover when the first ``hit`` tokens come from the cache."""
+        if owner in self._state_slots or owner in self._block_tables:
+            raise ValueError(f"{owner!r} already holds cache resources")
+        if num_slots > self.slots_per_request:
+            raise ValueError(f"{num_slots} state slots asked for, at most "
+                             f"{self.slots_per_request} per request")
+        hit = self.peek(tokens, hashes) if hashes is not None else None
+        p = hit.num_tokens if hit is not None else 0
+        ck = hit.checkpoint if hit is not None else None
+        shared = hit.shared_blocks if hit is not None else []
+        need = -(-num_tokens(p) // self.block_size) - len(shared)
+        idle_shared = sum(1 for b in shared if self._blocks.refs[b] == 0)
+        if (num_slots > self._slots.num_free + self._num_evictable_checkpoints(ck)
+                or need + idle_shared > self._blocks.num_free):
+            return None
+        self._blocks.ref(shared)  # before allocating: the allocation must not evict them
+        slots = self._take_slots(num_slots, spare=ck)
+        own = self._blocks.allocate(need)
+        assert slots is not None and own is not None  # counted above
+        self._block_tables[owner] = list(shared) + own
+        self._state_slots[owner] = slots
+        self._registered[owner] = len(shared)
+        if ck is None:
+            if hashes is not None:
+                self._count_query(len(tokens), 0)
+            return Admitted(0)
+        self.copy_state(ck.slot, slots[0])
+        if ck.tail_len:
+            self._copy_tail(ck.slot, own[0], ck.tail_len, restore=True)
+        self.prefix.touch(ck, hit=True)
+        self._count_query(len(tokens), p)
+        return Admitted(p, ck.hidden)
+
+    def _count_query(self, num_tokens: int, hit: int) -> None:
+        st = self.prefix.stats
+        st["queries"] += 1
+        st["query_tokens"] += num_tokens
+        st["hits"] += hit > 0
+        st["hit_tokens"] += hit
 
     # KV blocks ---------------------------------------------------------------------------
-    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        have = len(self._block_tables.get(request_id, ()))
+    def blocks_needed(self, owner: str, num_tokens: int) -> int:
+        have = len(self._block_tables.get(owner, ()))
         return max(0, -(-num_tokens // self.block_size) - have)
 
-    def allocate_blocks(self, request_id: str, num_tokens: int) -> bool:
-        """Make the request's blocks cover ``num_tokens`` tokens; False (nothing taken) if the
-        pool is short."""
-        need = self.blocks_needed(request_id, num_tokens)
+    def allocate_blocks(self, owner: str, num_tokens: int) -> bool:
+        """Make the owner's blocks cover ``num_tokens`` positions; False (nothing taken) if
+        the pool is short."""
+        need = self.blocks_needed(owner, num_tokens)
         if need == 0:
-            self._block_tables.setdefault(request_id, [])
+            self._block_tables.setdefault(owner, [])
             return True
         got = self._blocks.allocate(need)
         if got is None:
             return False
-        self._block_tables.setdefault(request_id, []).extend(got)
+        self._block_tables.setdefault(owner, []).extend(got)
         return True
 
+    def commit_blocks(self, owner: str, tokens: Sequence[int], hashes: BlockHashes,
+                      num_final: int) -> None:
+        """Index the owner's full blocks whose content is final: those before position
+        ``num_final`` (the MTP layer's KV included, which the engine writes after the target's)."""
+        if self.prefix is None:
+            return
+        table = self._block_tables.get(owner)
+        if not table:
+            return
+        n = min(num_final // self.block_size, len(table), hashes.num_hashable(len(tokens)))
+        done = self._registered.get(owner, 0)
+        if n <= done:
+            return
+        for i, h in enumerate(hashes.upto(tokens, n)[done:], done):
+            self.prefix.register_block(h, table[i])
+        self._registered[owner] = n
+
     # State slots -------------------------------------------------------------------------
-    def allocate_state(self, request_id: str, num_slots: int = 1) -> bool:
-        """Take ``num_slots`` slots (1, or 1 + k to verify k drafts) for a request being
-        admitted; False (nothing taken) if too few are free."""
-        if request_id in self._state_slots:
-            return True
-        if num_slots > self.slots_per_request:
-            raise ValueError(f"{num_slots} state slots asked for, at most "
-                             f"{self.slots_per_request} per request")
-        got = self._slots.allocate(num_slots)
-        if got is None:
-            return False
-        self._state_slots[request_id] = got
-        return True
+    def _num_evictable_checkpoints(self, spare: Checkpoint | None = None) -> int:
+        if self.prefix is None:
+            return 0
+        return self.prefix.num_evictable - (spare is not None and not spare.pins)
+
+    def _take_slots(self, n: int, spare: Checkpoint | None = None) -> list[int] | None:
+        """``n`` free slots, evicting checkpoints (never ``spare`` nor pinned ones) for them;
+        None, with nothing evicted, when that is not enough."""
+        if n > self._slots.num_free + self._num_evictable_checkpoints(spare):
+            return None
+        while self._slots.num_free < n:
+            self.evict_checkpoint(self.prefix.victim(spare))
+        return self._slots.allocate(n)
 
     def copy_state(self, src_slot: int, dst_slot: int) -> None:
         """Copy the conv + recurrent state of every GDN layer from one slot to another."""
@@ -252,36 +405,132 @@ class HybridCacheManager:
         t.conv_states[:, dst_slot] = t.conv_states[:, src_slot]
         t.ssm_states[:, dst_slot] = t.ssm_states[:, src_slot]
 
-    # Session snapshot slots --------------------------------------------------------------------
-    def take_snapshot_slot(self) -> int | None:
-        """A free session snapshot slot, or None when every one is taken."""
-        return self._free_snapshot_slots.pop() if self._free_snapshot_slots else None
+    def _copy_tail(self, slot: int, block: int, n: int, restore: bool = False) -> None:
+        """The KV of a block's first ``n`` positions into the slot's tail (every attention
+        layer, the MTP layer's too), or back into the block (``restore``)."""
+        t = self.tensors
+        for cache, tail in zip((*t.key_caches, *t.value_caches),
+                               (*t.key_tails, *t.value_tails)):
+            if restore:
+                cache[block, :n] = tail[slot, :n]
+            else:
+                tail[slot, :n] = cache[block, :n]
 
-    def release_snapshot_slot(self, slot: int) -> None:
-        self._free_snapshot_slots.append(slot)
+    # Checkpoints -------------------------------------------------------------------------
+    def checkpoint_key(self, tokens: Sequence[int], hashes: BlockHashes,
+                       num_tokens: int) -> tuple[tuple, int, bool]:
+        """(index key, shared full blocks, whether a hit copies the block holding position
+        num_tokens - 1) of a checkpoint after ``num_tokens`` tokens."""
+        bs = self.block_size
+        has_tail = hashes.lookahead > 0 or num_tokens % bs != 0
+        num_shared = (num_tokens - 1) // bs if has_tail else num_tokens // bs
+        tail = tuple(tokens[num_shared * bs:num_tokens]) if has_tail else ()
+        return (hashes.anchor(tokens, num_shared), tail), num_shared, has_tail
 
-    # Ownership moves (session reuse) ----------------------------------------------------------
-    def transfer(self, src: str, dst: str) -> None:
-        """Hand everything ``src`` holds to ``dst`` (which must hold nothing)."""
-        if dst in self._block_tables or dst in self._state_slots:
-            raise ValueError(f"{dst!r} already holds cache resources")
-        if src in self._block_tables:
-            self._block_tables[dst] = self._block_tables.pop(src)
-        if src in self._state_slots:
-            self._state_slots[dst] = self._state_slots.pop(src)
-
-    def truncate(self, owner: str, num_tokens: int) -> None:
-        """Keep only the blocks covering the first ``num_tokens`` positions (KV rollback)."""
-        table = self._block_tables.get(owner)
-        if table is None:
+    def touch_checkpoints(self, tokens: Sequence[int], hashes: BlockHashes,
+                          positions: Sequence[int]) -> None:
+        """Count the cached checkpoints at ``positions`` as used: a request resumed from a
+        checkpoint past them, so they are on a path requests take (kept like hit ones)."""
+        if self.prefix is None:
             return
-        keep = -(-num_tokens // self.block_size)
-        self._blocks.free(table[keep:])
-        del table[keep:]
+        for p in positions:
+            ck = self.prefix.checkpoints.get(self.checkpoint_key(tokens, hashes, p)[0])
+            if ck is not None:
+                self.prefix.touch(ck, hit=True)
+
+    def reserve_checkpoint(self, tokens: Sequence[int], hashes: BlockHashes,
+                           num_tokens: int) -> PendingCheckpoint | None:
+        """A slot for the GDN state after ``num_tokens`` tokens, which this step writes; None
+        when the cache has it already, or has no slot to spare (only never-hit and least recently
+        used checkpoints give way to a new one, never a request)."""
+        if self.prefix is None or num_tokens < 1:
+            return None
+        key, num_shared, has_tail = self.checkpoint_key(tokens, hashes, num_tokens)
+        if key in self.prefix.checkpoints or any(p.key == key for p in self._pending.values()):
+            return None
+        slots = self._take_slots(1)
+        if slots is None:
+            return None
+        pending = PendingCheckpoint(key, num_tokens, num_shared, slots[0], has_tail)
+        self._pending[pending.slot] = pending
+        return pending
+
+    def save_checkpoint(self, pending: PendingCheckpoint, owner: str,
+                        hidden: torch.Tensor | None) -> Checkpoint:
+        """Index a checkpoint whose state the step wrote into its slot, with the KV of the
+        positions after its shared blocks copied from the owner's block into the slot's tail
+        (final now: the MTP layer's KV is written after the target's)."""
+        del self._pending[pending.slot]
+        tail = pending.num_tokens - pending.num_shared * self.block_size if (
+            pending.has_tail) else 0
+        if tail:
+            self._copy_tail(pending.slot, self._block_tables[owner][pending.num_shared], tail)
+        ck = Checkpoint(pending.key, pending.num_tokens, pending.num_shared, pending.slot, tail,
+                        hidden)
+        self.prefix.add_checkpoint(ck)
+        return ck
+
+    def drop_pending(self, pending: PendingCheckpoint) -> None:
+        """A reserved checkpoint the step did not write after all (its request was aborted)."""
+        if self._pending.pop(pending.slot, None) is not None:
+            self._slots.free([pending.slot])
+
+    def evict_checkpoint(self, ck: Checkpoint) -> None:
+        self.prefix.remove_checkpoint(ck)
+        self.prefix.stats["checkpoint_evictions"] += 1
+        self._slots.free([ck.slot])
+        if ck.pins and self.on_checkpoint_evicted is not None:
+            self.on_checkpoint_evicted(ck)
+
+    def pin(self, ck: Checkpoint) -> None:
+        self.prefix.pin(ck)
+
+    def unpin(self, ck: Checkpoint) -> None:
+        self.prefix.unpin(ck)
+
+    def hold(self, owner: str, blocks: Sequence[int]) -> None:
+        """``owner`` (a session) takes a reference to each of ``blocks``."""
+        self._blocks.ref(blocks)
+        self._block_tables.setdefault(owner, []).extend(blocks)
+
+    def clear_prefix_cache(self) -> bool:
+        """Forget every unpinned checkpoint and every cached block no one holds -> whether the
+        index is empty now (vLLM's ``reset_prefix_cache``)."""
+        if self.prefix is None:
+            return True
+        for ck in [c for c in self.prefix.checkpoints.values() if not c.pins]:
+            self.evict_checkpoint(ck)
+            self.prefix.stats["checkpoint_evictions"] -= 1
+        for b in list(self.prefix.hash_of):
+            if self._blocks.refs[b] == 0:
+                self.prefix.forget_block(b)
+                self.prefix.stats["block_evictions"] -= 1
+                self._blocks.uncache(b)
+        return not self.prefix.checkpoints and not self.prefix.hash_of
 
     # Release -----------------------------------------------------------------------------
-    def free(self, owner: str) -> None:
-        """Return everything a request (finish, abort or preemption) or a session (eviction,
-        reset, close) holds. Idempotent."""
+    def release(self, owner: str, tokens: Sequence[int] | None = None,
+                hashes: BlockHashes | None = None, num_final: int = 0,
+                keep_slot: int | None = None, hidden: torch.Tensor | None = None) -> None:
+        """Return everything a request (finish, abort or preemption) or a session holds.
+        With prefix caching and ``tokens``: its full blocks before ``num_final`` are indexed
+        first, and with ``keep_slot`` (the index of the slot holding its state after
+        ``num_final`` tokens) that state becomes a checkpoint, unless one is there already.
+        Idempotent."""
+        if self.prefix is not None and tokens is not None and hashes is not None:
+            self.commit_blocks(owner, tokens, hashes, num_final)
+            slots = self._state_slots.get(owner)
+            if keep_slot is not None and slots and 0 < num_final <= len(tokens) and (
+                    hidden is not None or hashes.lookahead == 0):
+                key, num_shared, has_tail = self.checkpoint_key(tokens, hashes, num_final)
+                if key not in self.prefix.checkpoints and (
+                        len(self._block_tables.get(owner, ())) > num_shared or not has_tail):
+                    slot = slots.pop(keep_slot)
+                    self._pending[slot] = PendingCheckpoint(key, num_final, num_shared, slot,
+                                                            has_tail)
+                    self.save_checkpoint(self._pending[slot], owner, hidden)
         self._blocks.free(self._block_tables.pop(owner, []))
         self._slots.free(self._state_slots.pop(owner, []))
+        self._registered.pop(owner, None)
+
+    free = release

@@ -16,10 +16,13 @@ class CacheTensors:
     | key_caches[i], value_caches[i] | [num_blocks, block_size, HKV, D] | model |
     | conv_states | [L_gdn, num_slots, K-1, conv_dim] | model |
     | ssm_states | [L_gdn, num_slots, HV, DK, DV] | float32 |
+    | key_tails[i], value_tails[i] | [num_slots, block_size, HKV, D] | model |
 
     ``key_caches[i]`` and ``value_caches[i]`` belong to attention layer i, the i-th
     ``full_attention`` entry of ``layer_types`` (the MTP layers follow the target's); GDN layer
-    j is the j-th ``linear_attention`` entry.
+    j is the j-th ``linear_attention`` entry. A slot that holds a prefix-cache checkpoint
+    also holds, in ``key_tails`` / ``value_tails``, the KV of the positions after the last full
+    block before it (a hit copies them into a block of its own).
     """
 
     key_caches: list[torch.Tensor]
@@ -27,6 +30,8 @@ class CacheTensors:
     conv_states: torch.Tensor
     ssm_states: torch.Tensor
     block_size: int
+    key_tails: list[torch.Tensor]
+    value_tails: list[torch.Tensor]
 
     @classmethod
     def allocate(
@@ -44,6 +49,7 @@ class CacheTensors:
         n_attn = len(config.full_attention_layers) + num_extra_attention_layers
         n_gdn = len(config.linear_attention_layers)
         kv_shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        tail_shape = (num_slots, block_size, config.num_key_value_heads, config.head_dim)
         return cls(
             key_caches=[torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(n_attn)],
             value_caches=[torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(n_attn)],
@@ -56,6 +62,9 @@ class CacheTensors:
                 config.linear_value_head_dim, dtype=torch.float32, device=device,
             ),
             block_size=block_size,
+            key_tails=[torch.zeros(tail_shape, dtype=dtype, device=device) for _ in range(n_attn)],
+            value_tails=[torch.zeros(tail_shape, dtype=dtype, device=device)
+                         for _ in range(n_attn)],
         )
 
     @property
@@ -74,10 +83,13 @@ class CacheTensors:
         return 2 * n_attn * block_size * config.num_key_value_heads * config.head_dim * elem
 
     @staticmethod
-    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype, block_size: int = 16,
+                       num_extra_attention_layers: int = 0) -> int:
+        """A slot's GDN state and its KV tail (``bytes_per_block`` of one block)."""
         n_gdn = len(config.linear_attention_layers)
         elem = torch.empty((), dtype=dtype).element_size()
         conv = config.conv_dim * (config.linear_conv_kernel_dim - 1) * elem
         ssm = (config.linear_num_value_heads * config.linear_key_head_dim
                * config.linear_value_head_dim * 4)
-        return n_gdn * (conv + ssm)
+        return n_gdn * (conv + ssm) + CacheTensors.bytes_per_block(
+            config, block_size, dtype, num_extra_attention_layers)

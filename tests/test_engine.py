@@ -79,7 +79,7 @@ def _budget(llm_probe, num_blocks, num_slots):
     cfg, dtype = llm_probe.config, llm_probe.dtype
     extra = llm_probe.model.num_attention_caches - len(cfg.full_attention_layers)
     return (num_blocks * CacheTensors.bytes_per_block(cfg, 16, dtype, extra)
-            + num_slots * CacheTensors.bytes_per_slot(cfg, dtype))
+            + num_slots * CacheTensors.bytes_per_slot(cfg, dtype, 16, extra))
 
 
 def test_preemption_keeps_outputs_and_leaks_nothing(ckpt, prompts, dense_greedy):

@@ -36,6 +36,7 @@ def workload(vocab: int, long: tuple[int, int], short: tuple[int, int], num_shor
 
 
 def run(llm: LLM, prompts, params) -> tuple[list[list[int]], int, float]:
+    llm.reset_prefix_cache()  # each run cold: nothing from the one before
     before = llm.engine.stats["num_preemptions"]
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -56,7 +57,8 @@ def test_memory_pressure_makes_progress_and_keeps_greedy_outputs(ckpt, monkeypat
     every output equal to the request run alone."""
     prompts, params = workload(97, (120, 40), (40, 16), 6)
     llm = LLM(ckpt, dtype="float32", max_model_len=192, max_num_seqs=8,
-              max_num_batched_tokens=32, cache_memory=_budget(ckpt, 24, 10))
+              max_num_batched_tokens=32, cache_memory=_budget(ckpt, 24, 9),
+              checkpoint_share=0.0)  # the budget is for the blocks and request slots only
     assert llm.cache_sizing.num_blocks == 24
     alone = [run(llm, [p], [sp])[0][0] for p, sp in zip(prompts, params)]
     got, preempted, _ = run(llm, prompts, params)
@@ -80,7 +82,7 @@ def _budget(ckpt, num_blocks: int, num_slots: int) -> int:
     cfg, dtype = probe.config, probe.dtype
     extra = probe.model.num_attention_caches - len(cfg.full_attention_layers)
     return (num_blocks * CacheTensors.bytes_per_block(cfg, 16, dtype, extra)
-            + num_slots * CacheTensors.bytes_per_slot(cfg, dtype))
+            + num_slots * CacheTensors.bytes_per_slot(cfg, dtype, 16, extra))
 
 
 @pytest.mark.skipif(os.environ.get("HYBRIDRT_TEST_WORKLOAD") != "1",

@@ -1,4 +1,6 @@
-"""Sessions: multi-turn reuse of KV blocks and GDN state, rollback for regenerate, cleanup."""
+"""Sessions: multi-turn reuse of KV blocks and GDN state through the prefix cache (pinned between
+turns), rollback for regenerate, cleanup. References come from a twin engine without prefix
+caching (``cold``)."""
 
 import pytest
 import torch
@@ -8,6 +10,9 @@ from hybridrt.bench.fixtures import tiny_text_config, write_random_checkpoint
 from hybridrt.statecache import CacheTensors
 
 SP = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+COLD = {}  # checkpoint directory -> an engine on it without prefix caching
 
 
 @pytest.fixture(scope="module", params=[0, 2], ids=["k0", "spec-k2"])
@@ -21,8 +26,14 @@ def _ids(n, seed):
     return torch.randint(3, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _fresh(llm, prompt):
-    return llm.generate([prompt], SP, use_tqdm=False)[0].outputs[0].token_ids
+def _fresh(llm, prompt, params=SP):
+    """What the prompt gives with nothing cached (the same checkpoint, k = 0: speculation is
+    lossless)."""
+    d = str(llm.model_path)
+    if d not in COLD:
+        COLD[d] = LLM(d, dtype="float32", max_model_len=512, max_num_seqs=4,
+                      cache_memory=32 << 20, enable_prefix_caching=False)
+    return COLD[d].generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_second_turn_prefills_only_new_tokens(llm):
@@ -51,8 +62,9 @@ def test_regenerate_restores_the_state_before_the_answer(llm):
     assert again == first == _fresh(llm, p)
     sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
     a = list(llm.stream_tokens(p, sampled, session=s))
-    b = llm.generate([p], sampled, use_tqdm=False)[0].outputs[0].token_ids
-    assert a == b
+    llm.reset_prefix_cache()  # pinned checkpoints stay: the session's request still hits
+    b = llm.generate([p], sampled, use_tqdm=False)[0]
+    assert a == b.outputs[0].token_ids and b.num_cached_tokens == len(p) - 1
     llm.close_session(s)
     assert llm.engine.cache.all_free()
 
@@ -74,12 +86,12 @@ def test_clear_and_abort_keep_the_session_consistent(llm):
     p = _ids(20, 6)
     list(llm.stream_tokens(p, SP, session=s))
     llm.reset_session(s)
-    assert s.token_ids == [] and not llm.engine.cache.block_table(s.cache_key)
+    assert not s.pins and not llm.engine.cache.block_table(s.cache_key)
     it = llm.stream_tokens(p, SP, session=s)
     got = [next(it), next(it)]
     it.close()  # Ctrl-C in the chat: the partial answer stays cached
-    assert not s.busy and len(s.token_ids) == len(p) + 1
     p3 = p + got + _ids(3, 7)
+    assert not s.busy and llm.engine.cached_tokens(p3) == len(p) + 1
     t3 = list(llm.stream_tokens(p3, SP, session=s))
     assert s.last_reused_tokens == len(p) + 1
     assert t3 == _fresh(llm, p3)
@@ -106,13 +118,14 @@ def test_snapshot_at_the_generation_prompt_serves_a_rewritten_history(llm):
     history, gen_prompt = _ids(40, 10), _ids(4, 11)
     p1 = history + gen_prompt
     t1 = list(llm.stream_tokens(p1, SP, session=s, snapshot_at=len(history)))
-    assert s.snapshot_len == len(history)
+    assert len(history) in [c.num_tokens for c in s.pins]
     p2 = history + t1[:5] + _ids(6, 12)  # history rewritten after the snapshot point
+    assert p2[len(history)] != p1[len(history)]
     t2 = list(llm.stream_tokens(p2, SP, session=s, snapshot_at=len(p2) - 3))
     assert s.last_reused_tokens == len(history)
     assert t2 == _fresh(llm, p2)
     with pytest.raises(ValueError, match="snapshot_at"):
-        llm.engine.add_request(p1, SP, snapshot_at=3)  # no session
+        llm.engine.add_request(p1, SP, snapshot_at=0)
     llm.close_session(s)
     assert llm.engine.cache.all_free()
 
@@ -141,26 +154,31 @@ def _tight_llm(d, k, **kw):
                 speculative_tokens=k)
     cfg, dtype = probe.config, probe.dtype
     extra = probe.model.num_attention_caches - len(cfg.full_attention_layers)
-    max_num_seqs, sessions = kw.get("max_num_seqs", 2), kw.get("max_num_sessions", 1)
-    slots = 1 + max_num_seqs * (1 + k) + sessions
+    kw.setdefault("max_num_seqs", 2)
+    max_num_seqs, sessions = kw["max_num_seqs"], kw.get("max_num_sessions", 1)
+    per_slot = CacheTensors.bytes_per_slot(cfg, dtype, 16, extra)
+    pinned = 2 * sessions * per_slot  # each session pins two checkpoints between its turns
     budget = (7 * CacheTensors.bytes_per_block(cfg, 16, dtype, extra)
-              + slots * CacheTensors.bytes_per_slot(cfg, dtype))
+              + (1 + max_num_seqs * (1 + k)) * per_slot + pinned)
     llm = LLM(d, dtype="float32", max_model_len=96, cache_memory=budget, speculative_tokens=k,
-              max_num_batched_tokens=32, **kw)
+              max_num_batched_tokens=32, checkpoint_share=(pinned + 1) / budget, **kw)
+    assert llm.cache_sizing.num_checkpoint_slots == 2 * sessions
     assert llm.cache_sizing.num_blocks == 7
     _bounded(llm)
     return llm
 
 
 @pytest.mark.parametrize("k", [0, 2])
-def test_snapshot_slots_are_planned(tmp_path_factory, k):
-    """A session's snapshot slot is its own, in the budget: with max_num_seqs=1 an open session
-    used to take the only request slot and generate() spun forever with zero steps."""
+def test_sessions_take_no_memory_of_their_own(tmp_path_factory, k):
+    """Sessions only pin what the prefix cache holds: the plan has no slots for them, and with
+    max_num_seqs=1 and open sessions a plain request still runs (it used to spin forever when a
+    session took the only request slot)."""
     d = _ckpt(tmp_path_factory)
+    plans = [LLM(d, dtype="float32", max_model_len=64, max_num_seqs=1, cache_memory=32 << 20,
+                 speculative_tokens=k, max_num_sessions=n).cache_sizing for n in (1, 8)]
+    assert plans[0] == plans[1]
     llm = LLM(d, dtype="float32", max_model_len=64, max_num_seqs=1, cache_memory=32 << 20,
               speculative_tokens=k, max_num_sessions=2)
-    assert llm.cache_sizing.num_slots == 1 + (1 + k) + 2
-    assert llm.cache_sizing.num_snapshot_slots == 2
     p = _ids(20, 20)
     want = _fresh(llm, p)
     s1, s2 = llm.open_session(), llm.open_session()
@@ -169,7 +187,7 @@ def test_snapshot_slots_are_planned(tmp_path_factory, k):
     _bounded(llm)
     assert _fresh(llm, p) == want
     assert list(llm.stream_tokens(p, SP, session=s1)) == want
-    assert _fresh(llm, p) == want  # s1 now holds a cache: evicted for this request
+    assert llm.generate([p], SP, use_tqdm=False)[0].outputs[0].token_ids == want
     llm.close_session(s1)
     llm.close_session(s2)
     assert llm.engine.cache.all_free()
@@ -184,20 +202,23 @@ def test_idle_session_is_evicted_and_its_next_turn_reprefills(tmp_path_factory, 
     want_big = _fresh(llm, big)
     s = llm.open_session()
     t1 = list(llm.stream_tokens(p1, SP, session=s))
-    assert llm.engine.cache.holds(s.cache_key)
-    # 80 + 12 tokens need all 7 blocks: the idle session's cache has to go
-    assert _fresh(llm, big) == want_big
-    assert llm.engine.stats["num_session_evictions"] == 1 and s.token_ids == []
+    assert llm.engine.cache.holds(s.cache_key) and s.pins
+    # 80 + 12 tokens need 6 of the 7 blocks: the idle session's pins have to go
+    out = llm.generate([big], SP, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want_big
+    assert llm.engine.stats["num_session_evictions"] == 1 and not s.pins
     p2 = p1 + t1 + _ids(5, 23)
+    left = llm.engine.cached_tokens(p2)  # what the big request's blocks did not evict
+    assert left < len(p1) + len(t1) - 1
     t2 = list(llm.stream_tokens(p2, SP, session=s))
     m = llm.last_stream_output.metrics
-    assert m["session_cache_evicted"] and m["num_prefilled_tokens"] == len(p2)
+    assert m["session_cache_evicted"] and m["num_prefilled_tokens"] == len(p2) - left
     p3 = p2 + t2 + _ids(4, 24)
     t3 = list(llm.stream_tokens(p3, SP, session=s))
     m = llm.last_stream_output.metrics
     assert not m["session_cache_evicted"] and m["num_prefilled_tokens"] == 5
     assert llm.engine.stats["num_session_evictions"] == 1
-    assert t2 == _fresh(llm, p2) and t3 == _fresh(llm, p3)  # these evict the session again
+    assert t2 == _fresh(llm, p2) and t3 == _fresh(llm, p3)
     llm.close_session(s)
     assert llm.engine.cache.all_free()
 
@@ -223,7 +244,7 @@ def test_sessions_and_requests_under_pressure_all_finish_correctly(tmp_path_fact
         eng.step()
     outs = [eng.make_output(eng.pop_request(r)) for r in rids]
     # the idle one went first; finished turns are idle too, and evictable
-    assert eng.stats["num_session_evictions"] >= 1 and sessions[2].token_ids == []
+    assert eng.stats["num_session_evictions"] >= 1 and not sessions[2].pins
     for o, p in zip(outs[:2], nexts):
         assert not o.metrics["session_cache_evicted"]
         assert o.metrics["num_prefilled_tokens"] < len(p)
@@ -249,7 +270,7 @@ def test_a_request_that_can_never_be_scheduled_fails_with_a_clear_error(tmp_path
     sizing = CacheSizing(num_blocks=3, num_slots=4, block_size=16,
                          bytes_per_block=CacheTensors.bytes_per_block(cfg, 16, dtype),
                          bytes_per_slot=CacheTensors.bytes_per_slot(cfg, dtype),
-                         max_num_seqs=2, max_model_len=128, num_snapshot_slots=1)
+                         max_num_seqs=2, max_model_len=128, num_checkpoint_slots=1)
     cache = HybridCacheManager(cfg, sizing, dtype)
     eng = LLMEngine(llm.model, cfg, cache, EngineConfig(128, 2, 512, 16))
     small, large = _ids(20, 60), _ids(70, 61)  # 20 + 12 tokens fit in 3 blocks, 70 do not
@@ -266,25 +287,29 @@ def test_a_request_that_can_never_be_scheduled_fails_with_a_clear_error(tmp_path
     assert cache.all_free()
 
 
-def test_reusable_tokens_predicts_what_a_request_reuses(llm):
-    """``LLMEngine.reusable_tokens`` (how the server picks a cached prefix) says what the
-    request will reuse, and ``num_reused_tokens`` reports it: a continuation reuses every
-    computed token, a divergence inside the answer the snapshot, one before it nothing."""
+def test_cached_tokens_predicts_what_a_request_reuses(llm):
+    """``LLMEngine.cached_tokens`` says what a request will take from the cache, and
+    ``num_cached_tokens`` reports it: a continuation reuses every computed token, a divergence
+    inside the answer resumes before the last prompt token, one inside the prompt at the
+    snapshot, one before it nothing."""
     eng, k = llm.engine, llm.engine.speculative_tokens
     s = llm.open_session()
     p = _ids(40, 21)
     t = list(llm.stream_tokens(p, SP, session=s, snapshot_at=30))
     cont = p + t + _ids(5, 22)
     inside = p + t[:4] + [t[4] % 90 + 3 + (t[4] % 90 + 3 == t[4])]  # differs at answer token 4
+    in_prompt = p[:35] + [p[35] % 90 + 3 + (p[35] % 90 + 3 == p[35])] + p[36:]
     before = p[:20] + [p[20] % 90 + 3 + (p[20] % 90 + 3 == p[20])] + p[21:]
-    assert eng.reusable_tokens(s, cont, k) == len(p) + len(t) - 1
-    assert eng.reusable_tokens(s, inside, k) == 30
-    assert eng.reusable_tokens(s, before, k) == 0
-    assert eng.reusable_tokens(s, p, k) == 30  # the same prompt again: from the snapshot
-    for prompt in (inside, cont):
-        want = eng.reusable_tokens(s, prompt, k)
+    assert eng.cached_tokens(cont, k) == len(p) + len(t) - 1
+    assert eng.cached_tokens(inside, k) == len(p) - 1
+    assert eng.cached_tokens(in_prompt, k) == 30
+    assert eng.cached_tokens(before, k) == 0
+    assert eng.cached_tokens(p, k) == len(p) - 1  # the same prompt again
+    for prompt in (inside, in_prompt, cont):
+        want = eng.cached_tokens(prompt, k)
         out = list(llm.stream_tokens(prompt, SP, session=s))
-        assert llm.last_stream_output.metrics["num_reused_tokens"] == want
+        assert llm.last_stream_output.num_cached_tokens == want
+        assert llm.last_stream_output.metrics["num_cached_tokens"] == want
         assert llm.last_stream_output.metrics["num_prefilled_tokens"] == len(prompt) - want
         assert out == _fresh(llm, prompt)
     llm.close_session(s)

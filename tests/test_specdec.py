@@ -507,7 +507,7 @@ def _budget(llm, num_blocks, num_slots):
     cfg, dtype = llm.config, llm.dtype
     extra = llm.model.num_attention_caches - len(cfg.full_attention_layers)
     return (num_blocks * CacheTensors.bytes_per_block(cfg, 16, dtype, extra)
-            + num_slots * CacheTensors.bytes_per_slot(cfg, dtype))
+            + num_slots * CacheTensors.bytes_per_slot(cfg, dtype, 16, extra))
 
 
 @pytest.mark.parametrize("oracle", [False, True], ids=["mtp", "oracle"])

@@ -166,7 +166,7 @@ def _drafts_through(llm, draft_filter: SimulatedDrafts | None):
     from hybridrt.specdec.mtp import MTPProposer
 
     filtered = MTPProposer(own.model, own.cache, own.sampler, own.max_model_len, own.device,
-                           draft_filter=draft_filter)
+                           draft_filter=draft_filter, keep_kv=own.keep_kv)
     filtered.draft_head = own.draft_head
     engine.proposer = filtered
     try:

@@ -41,6 +41,11 @@ class ChunkedSeqs:
     cu_seqlens_cpu: torch.Tensor  # [n + 1], a host copy (fla takes it to avoid a sync)
     conv: ConvPlan | None = None
     delta: list[ChunkGroup] | None = None
+    # GDN state checkpoints inside the chunks: the chunks run as ``rounds`` instead, one after
+    # the other, each a piece of every chunk up to its next checkpoint; after a round the
+    # states of the pieces that end at a checkpoint are copied, ``copies``: (src, dst) slots
+    rounds: list[ChunkedSeqs] | None = None
+    copies: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -70,7 +75,8 @@ def step_arrays(batch) -> StepArrays:
 
 def gdn_split(batch, arrays: StepArrays, with_plans: bool, kernel_size: int) -> GDNMeta:
     """Route each sequence of ``batch`` (its host lists) to the recurrent kernel (one new token
-    from a state, or draft verification, grouped by length) or the chunked one (prompts).
+    from a state, or draft verification, grouped by length) or the chunked one (prompts; in
+    rounds where the batch asks for GDN checkpoints inside them: ``batch.gdn_checkpoints``).
     ``arrays``: the step's arrays (kernels/meta.py) the index tensors go into."""
     arr = arrays
     B = batch.num_seqs
@@ -119,4 +125,52 @@ def gdn_split(batch, arrays: StepArrays, with_plans: bool, kernel_size: int) -> 
         if with_plans:
             chunked.conv = conv_plan(lens, kernel_size, arr)
             chunked.delta = chunk_plan(lens, slots, inits, arr)
+        marks = getattr(batch, "gdn_checkpoints", None)
+        if marks is not None and any(marks[b] for b in chunk):
+            chunked.rounds = _rounds(batch, chunk, marks, arr, with_plans, kernel_size)
     return GDNMeta(rec, chunked)
+
+
+def _rounds(batch, chunk: list[int], marks, arr: StepArrays, with_plans: bool,
+            kernel_size: int) -> list[ChunkedSeqs]:
+    """The prompt chunks cut at their checkpoints (``marks[b]``: (offset, slot) pairs, 0 <
+    offset < the chunk's length, ascending): round r holds piece r of every chunk that has one,
+    continuing from the state piece r - 1 left; its ``copies`` save the states of the pieces
+    that end at a checkpoint."""
+    pieces = []  # per sequence: [(start, end, checkpoint slot or None)]
+    for b in chunk:
+        cuts = [(o, slot) for o, slot in marks[b]]
+        n, prev, own = batch.query_lens[b], 0, []
+        for o, slot in cuts:
+            if not prev < o < n:
+                raise ValueError(f"sequence {b}: checkpoint offset {o} outside (0, {n})")
+            own.append((prev, o, slot))
+            prev = o
+        own.append((prev, n, None))
+        pieces.append(own)
+    starts, slot_list, init = batch.query_starts, batch.state_slot_list, batch.initial_list
+    rounds = []
+    for r in range(max(len(p) for p in pieces)):
+        bs = [i for i, p in enumerate(pieces) if r < len(p)]
+        segs = [pieces[i][r] for i in bs]
+        seqs = [chunk[i] for i in bs]
+        lens = [e - s for s, e, _ in segs]
+        rows = [starts[b] + t for b, (s, e, _) in zip(seqs, segs) for t in range(s, e)]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        slots = [slot_list[b] for b in seqs]
+        inits = [bool(init[b]) or r > 0 for b in seqs]
+        cu_host = arr.put(cu)
+        c = ChunkedSeqs(arr.tensor(arr.put(rows)), arr.tensor(cu_host), lens,
+                        arr.tensor(arr.put(slots)), arr.tensor(arr.put(inits, np.bool_)),
+                        torch.from_numpy(cu_host))
+        if with_plans:
+            c.conv = conv_plan(lens, kernel_size, arr)
+            c.delta = chunk_plan(lens, slots, inits, arr)
+        pairs = [(slot_list[b], dst) for b, (_, _, dst) in zip(seqs, segs) if dst is not None]
+        if pairs:
+            src, dst = zip(*pairs)
+            c.copies = (arr.tensor(arr.put(list(src))), arr.tensor(arr.put(list(dst))))
+        rounds.append(c)
+    return rounds

@@ -112,14 +112,15 @@ class ReferenceBackend:
 
         mixed: [T, conv_dim] (q | k | v channels), z: [T, HV * DV], a, b: [T, HV] raw
         projections -> [T, HV * DV]. Each recurrent group (``gdn_group``) and the prompt chunks
-        (``gdn_prompts``) get their own rows of the inputs (no copy when they are the whole
-        batch)."""
+        (``gdn_prompts``; in rounds, with the states at their checkpoints copied between them)
+        get their own rows of the inputs (no copy when they are the whole batch)."""
         T = mixed.shape[0]
         out = None
         gm: GDNMeta = meta.gdn
         parts = [(g.rows, self.gdn_group, g) for g in gm.groups]
-        if gm.chunked is not None:
-            parts.append((gm.chunked.rows, self.gdn_prompts, gm.chunked))
+        c = gm.chunked
+        if c is not None:
+            parts += [(r.rows, self.gdn_prompts, r) for r in c.rounds or [c]]
         for rows, kernel, part in parts:
             x = [t if rows is None else t[rows] for t in (mixed, z, a, b)]
             o = kernel(layer, part, *x, conv_states, ssm_states)
@@ -129,6 +130,11 @@ class ReferenceBackend:
                 if out is None:
                     out = o.new_empty(T, *o.shape[1:])
                 out[rows] = o
+            copies = getattr(part, "copies", None)
+            if copies is not None:
+                src, dst = copies
+                conv_states.index_copy_(0, dst, conv_states.index_select(0, src))
+                ssm_states.index_copy_(0, dst, ssm_states.index_select(0, src))
         return out
 
     def gdn_group(self, layer: GDNLayer, grp: RecurrentGroup, mixed, z, a, b, conv_states,
