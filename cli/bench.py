@@ -1,5 +1,5 @@
 """``hybridrt bench throughput`` / ``gemm`` / ``spec`` / ``quality`` / ``startup`` / ``busy`` /
-``serve``: the commands over ``hybridrt.bench``; each prints a table and, with ``--json`` /
+``serve`` / ``prefix``: the commands over ``hybridrt.bench``; each prints a table and, with ``--json`` /
 ``--plot``, writes the report and a chart. The benchmark modules are imported inside the
 commands, so that ``hybridrt chat`` never loads them (tests/test_bench_layout.py)."""
 
@@ -403,3 +403,53 @@ def bench_serve(
     servebench.run(model=model, conversations=conversations, turns=turns,
                    max_tokens=max_tokens, time_limit=time_limit, threads=threads,
                    json_path=json_path)
+
+
+# prefix --------------------------------------------------------------------------------------
+@bench_app.command("prefix")
+def prefix(
+    model: ModelArg = None,
+    num_requests: Annotated[int, typer.Option(
+        "--requests", min=1, help="Requests sharing the system prompt, submitted at once.")] = 32,
+    system_tokens: Annotated[int, typer.Option(
+        "--system-tokens", min=2, help="Tokens of the shared system message.")] = 2048,
+    question_tokens: Annotated[int, typer.Option(
+        "--question-tokens", min=2, help="Tokens of each request's own question.")] = 64,
+    max_tokens: Annotated[int, typer.Option(
+        "--max-tokens", min=1, help="Tokens generated per request.")] = 16,
+    disjoint_requests: Annotated[int, typer.Option(
+        "--disjoint-requests", min=1, help="Requests of the workload that shares nothing.")] = 64,
+    disjoint_tokens: Annotated[int, typer.Option(
+        "--disjoint-tokens", min=1, help="Prompt tokens of each of them.")] = 128,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Alternated rounds.")] = 2,
+    workloads: Annotated[str, typer.Option(
+        "--workloads", help="Comma-separated: shared, disjoint.")] = "shared,disjoint",
+    dtype: Annotated[str, typer.Option("--dtype", help="auto, bfloat16 or float32.")] = "auto",
+    quantization: QuantizationOpt = None,
+    cache_memory: Annotated[str, typer.Option(
+        "--cache-memory", help="Cache budget of each of the two engines.")] = "4GiB",
+    threads: ThreadsOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Prefix caching on vs off in one run: requests sharing a system prompt (prefilled
+    tokens, time to first token) and requests sharing nothing (throughput)."""
+    chosen = tuple(w.strip() for w in workloads.split(",") if w.strip())
+    bad = [w for w in chosen if w not in ("shared", "disjoint")]
+    if bad or not chosen:
+        raise CliError(f"--workloads: unknown workload(s) {bad or chosen}; choose from shared, "
+                       f"disjoint", 2)
+    if dtype.lower() != "auto":
+        _check_dtype(dtype)
+    from hybridrt.bench import prefix as prefixbench
+    from hybridrt.cli.common import resolve_model
+
+    try:
+        prefixbench.run(resolve_model(model) if model is not None else None, threads=threads,
+                        dtype=dtype, quantization=_check_quantization(quantization),
+                        num_requests=num_requests, system_tokens=system_tokens,
+                        question_tokens=question_tokens, max_tokens=max_tokens,
+                        disjoint_requests=disjoint_requests, disjoint_tokens=disjoint_tokens,
+                        rounds=rounds, cache_memory=cache_memory, workloads=chosen,
+                        json_path=json_path)
+    except ValueError as e:
+        raise CliError(str(e), 2) from None

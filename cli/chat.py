@@ -30,6 +30,7 @@ from hybridrt.cli.common import (
     MaxModelLenOpt,
     MinPOpt,
     ModelArg,
+    PrefixCachingOpt,
     PresenceOpt,
     QuantizationOpt,
     RepetitionOpt,
@@ -632,6 +633,7 @@ def chat(
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
     quantization: QuantizationOpt = None,
+    prefix_caching: PrefixCachingOpt = True,
 ) -> None:
     """Chat with a model; answers stream as they are generated.
 
@@ -656,6 +658,6 @@ def chat(
     llm = load_llm(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
                    device=device, threads=threads, speculative_tokens=speculative_tokens,
                    quantization=quantization, max_num_seqs=2, announce=False,
-                   draft_vocab_size=draft_vocab)
+                   draft_vocab_size=draft_vocab, enable_prefix_caching=prefix_caching)
     sampling = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
     ChatLoop(llm, sampling, speculative_tokens, system, think, not show_thinking).run()

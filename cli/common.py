@@ -85,6 +85,9 @@ QuantizationOpt = Annotated[str | None, typer.Option(
     show_default=False)]
 SpecOpt = Annotated[int, typer.Option(
     "--speculative-tokens", "-k", help="MTP draft tokens per step (0 = off).", min=0)]
+PrefixCachingOpt = Annotated[bool, typer.Option(
+    "--prefix-caching/--no-prefix-caching", help="Reuse the longest cached prefix of every "
+    "prompt (KV blocks and GDN state checkpoints; the output is the one a cold run gives).")]
 DraftVocabOpt = Annotated[int | None, typer.Option(
     "--draft-vocab", help="With -k: the MTP drafts from the N most frequent tokens only (the "
     "model's draft_vocab.json, else the first N ids); outputs are unchanged (default: the "
@@ -185,7 +188,8 @@ def check_port(host: str, port: int) -> None:
 def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
              cache_memory: str | None, device: str = "cpu", speculative_tokens: int = 0,
              max_num_seqs: int = 32, threads: int | None = None, announce: bool = True,
-             draft_vocab_size: int | None = None, quantization: str | None = None):
+             draft_vocab_size: int | None = None, quantization: str | None = None,
+             enable_prefix_caching: bool = True):
     """Build the LLM; option mistakes are CliErrors (exit 2) raised before the slow imports,
     then MODEL is resolved (torch-free) and the device checked, before the model loads.
     ``announce``: one 'loaded ...' line on stderr when it is a terminal. Sets
@@ -201,7 +205,7 @@ def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
     llm = LLM(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
               device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
               threads=threads, draft_vocab_size=draft_vocab_size,
-              quantization=quantization)
+              quantization=quantization, enable_prefix_caching=enable_prefix_caching)
     llm.load_seconds = time.perf_counter() - t0
     if announce and sys.stderr.isatty():
         typer.echo(f"loaded {llm.model_path} ({weights_name(llm)}, {device}, max_model_len "

@@ -37,6 +37,7 @@ from hybridrt.cli.common import (
     MaxModelLenOpt,
     MinPOpt,
     ModelArg,
+    PrefixCachingOpt,
     PresenceOpt,
     QuantizationOpt,
     RepetitionOpt,
@@ -281,6 +282,7 @@ def generate(
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
     quantization: QuantizationOpt = None,
+    prefix_caching: PrefixCachingOpt = True,
 ) -> None:
     """Generate for many prompts in one batch; writes one JSON line per prompt, in order.
 
@@ -329,7 +331,8 @@ def generate(
         llm = load_llm(model, dtype=dtype, max_model_len=max_model_len,
                        cache_memory=cache_memory, device=device, threads=threads,
                        speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
-                       draft_vocab_size=draft_vocab, quantization=quantization)
+                       draft_vocab_size=draft_vocab, quantization=quantization,
+                       enable_prefix_caching=prefix_caching)
         defaults = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
         results = run_items(llm, items, defaults, template_kwargs(think), progress, None)
         written, failed = write_in_order(results, out, tally)

@@ -14,6 +14,7 @@ from hybridrt.cli.common import (
     DtypeOpt,
     MaxModelLenOpt,
     ModelArg,
+    PrefixCachingOpt,
     SpecOpt,
     ThreadsOpt,
     check_device_available,
@@ -69,9 +70,7 @@ def serve(
     served_model_name: Annotated[str | None, typer.Option(
         "--served-model-name", help="The model id clients send (default: MODEL as given, or "
         "hybridrt-demo).", show_default=False)] = None,
-    max_cached_prefixes: Annotated[int, typer.Option(
-        "--max-cached-prefixes", min=0, help="Finished requests' prefixes kept for reuse "
-        "(each holds one GDN state snapshot in the cache budget; 0: no prefix reuse).")] = 16,
+    prefix_caching: PrefixCachingOpt = True,
     max_num_seqs: Annotated[int, typer.Option(
         "--max-num-seqs", min=1, help="Requests running at once.")] = 32,
     dtype: DtypeOpt = "auto",
@@ -108,7 +107,7 @@ def serve(
 
     llm = LLM(path, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
               device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
-              threads=threads, max_num_sessions=max_cached_prefixes)
+              threads=threads, enable_prefix_caching=prefix_caching)
     name = served_model_name or (model if model is not None else "hybridrt-demo")
     typer.echo(f"hybridrt serve: {llm.model_path} as {name!r} on http://{host}:{port}/v1 "
                f"({llm.cache_sizing.describe()})", err=True)
@@ -117,5 +116,4 @@ def serve(
                    f"this port can use the model", err=True)
     limits = Limits(max_body_bytes, max_prompt_chars, max_prompt_tokens, max_messages, max_stop,
                     max_stop_chars, max_json_depth)
-    run(llm, name, host, port, max_cached_prefixes, key, log_level, limits=limits,
-        metrics_public=metrics_public)
+    run(llm, name, host, port, key, log_level, limits=limits, metrics_public=metrics_public)

@@ -7,15 +7,13 @@ aborts from a queue, runs a step when anything is unfinished, and posts each req
 progress (``Progress``) back to the event loop. A client that disconnects aborts its request;
 an exception inside a step fails the requests in flight (HTTP 500) and the loop goes on.
 
-Prefix reuse: the engine thread keeps a pool of engine sessions (``hybridrt.session``), one
-per cached prefix. A new request goes on the idle session that lets it reuse the most tokens
-(``LLMEngine.reusable_tokens``), else on an empty or the least recently used idle one, whose
-prefix it replaces. When the request finishes its tokens' cache stays with the session, so a
-client that resends the conversation with one more turn prefills only that turn. A chat
-request saves its GDN state where its generation prompt starts (``snapshot_at``): a next turn
-that re-renders or re-tokenizes the answer diverges after that point and still reuses
-everything before it. Under memory pressure the engine frees idle sessions' caches, least
-recently used first, before it preempts a running request.
+Prefix reuse is the engine's prefix cache (``statecache/prefix.py``): every request resumes
+from the longest cached prefix of its prompt, so a client that resends the conversation with
+one more turn prefills only that turn, and clients that share a system prompt share its cache
+(``usage.prompt_tokens_details.cached_tokens``). Chat prompts are checkpointed before every
+message, so a next turn whose template re-renders the last answer (Qwen3.5 drops old think
+blocks) still reuses everything before it. Under memory pressure the cache gives way before any
+running request is preempted.
 
 Hostile and careless clients (docs/server.md): the body is read with a size limit (413 from
 Content-Length before reading, or as soon as the bytes read pass it) and a deadline (408);
@@ -78,17 +76,14 @@ class Handle:
 
 
 class EngineLoop:
-    """Runs ``llm.engine`` in its own thread; ``submit`` / ``abort`` from any thread.
-    ``num_prefixes``: sessions kept for prefix reuse (0: none; ``llm`` must have been built
-    with ``max_num_sessions >= num_prefixes``)."""
+    """Runs ``llm.engine`` in its own thread; ``submit`` / ``abort`` from any thread."""
 
-    def __init__(self, llm, num_prefixes: int):
+    def __init__(self, llm):
         self.llm, self.engine = llm, llm.engine
-        self.sessions = [self.engine.open_session() for _ in range(num_prefixes)]
         self.inbox: queue.Queue = queue.Queue()
         self.active: dict[str, Handle] = {}
         self.counters = {"requests": {}, "prompt_tokens": 0, "generation_tokens": 0,
-                         "prefix_hits": 0, "prefix_reused_tokens": 0, "engine_errors": 0}
+                         "prefix_reused_tokens": 0, "engine_errors": 0}
         self.gauges: dict[str, Any] = {}
         self.thread = threading.Thread(target=self._run, name="hybridrt-engine", daemon=True)
         self._stopping = False
@@ -98,7 +93,7 @@ class EngineLoop:
         self.thread.start()
 
     def stop(self) -> None:
-        """Stop the thread, abort what is in flight and close the prefix sessions."""
+        """Stop the thread and abort what is in flight."""
         self._stopping = True
         self.inbox.put(("stop",))
         if self.thread.is_alive():
@@ -107,8 +102,6 @@ class EngineLoop:
             self.engine.abort_request(rid)
             self.engine.pop_request(rid)
         self.active.clear()
-        for s in self.sessions:
-            self.engine.close_session(s)
 
     def submit(self, handle: Handle, ids: list[int], params: SamplingParams,
                prompt: str | None, snapshot_at: int | None) -> None:
@@ -148,10 +141,9 @@ class EngineLoop:
     def _command(self, cmd: tuple) -> None:
         if cmd[0] == "add":
             _, handle, ids, params, prompt, snapshot_at = cmd
-            session = self._pick_session(ids)
             try:
-                rid = self.engine.add_request(ids, params, prompt=prompt, session=session,
-                                              snapshot_at=snapshot_at if session else None)
+                rid = self.engine.add_request(ids, params, prompt=prompt,
+                                              snapshot_at=snapshot_at)
             except Exception as e:
                 handle.post(Progress([], None, "", "error", e, len(ids)))
                 return
@@ -163,19 +155,6 @@ class EngineLoop:
                 del self.active[rid]
                 self.engine.abort_request(rid)
                 self._count(self.engine.pop_request(rid))
-
-    def _pick_session(self, ids: list[int]):
-        """The idle session that lets ``ids`` reuse the most; else an empty one; else the
-        least recently used idle one; None when every session is busy."""
-        idle = [s for s in self.engine.sessions.values() if s in self.sessions and not s.busy]
-        if not idle:
-            return None
-        best = max(idle, key=lambda s: self.engine.reusable_tokens(s, ids,
-                                                                   self.engine.speculative_tokens))
-        if self.engine.reusable_tokens(best, ids, self.engine.speculative_tokens) > 0:
-            return best
-        empty = [s for s in idle if not self.engine.cache.holds(s.cache_key)]
-        return (empty or idle)[0]
 
     def _post(self, req) -> None:
         handle = self.active.get(req.request_id)
@@ -189,7 +168,7 @@ class EngineLoop:
         if req.is_finished:
             item.finish_reason, item.error = req.finish_reason, req.error
             item.num_prompt_tokens = req.num_prompt_tokens
-            item.num_reused_tokens = req.metrics.num_reused_prompt_tokens
+            item.num_reused_tokens = req.metrics.num_cached_tokens
             del self.active[req.request_id]
             self._count(self.engine.pop_request(req.request_id))
         handle.post(item)
@@ -203,9 +182,7 @@ class EngineLoop:
         c["requests"][reason] = c["requests"].get(reason, 0) + 1
         c["prompt_tokens"] += req.num_prompt_tokens
         c["generation_tokens"] += req.num_output_tokens
-        reused = req.metrics.num_reused_prompt_tokens
-        c["prefix_hits"] += reused > 0
-        c["prefix_reused_tokens"] += reused
+        c["prefix_reused_tokens"] += req.metrics.num_cached_tokens
 
     def _fail_all(self, error: Exception) -> None:
         self.counters["engine_errors"] += 1
@@ -218,25 +195,29 @@ class EngineLoop:
             self._count(req, "error")
             handle.post(Progress([], None, "", "error", RuntimeError(f"engine error: {error}")))
         self.active.clear()
-        for s in self.sessions:  # a half-done step may have written into their state
-            if not s.busy:
-                self.engine.reset_session(s)
 
     def _publish(self) -> None:
         """Numbers for /metrics, replaced as a whole so the HTTP side reads a consistent
         set."""
         e, cache = self.engine, self.engine.cache
-        prefix_blocks = sum(len(cache.block_table(s.cache_key)) for s in self.sessions)
         usage = cache.usage()
         spec = e.spec_stats
+        prefix = dict(cache.prefix.stats) if cache.prefix is not None else {}
         self.gauges = {
             "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
             "blocks_total": usage.num_blocks,
             "blocks_used": usage.num_used_blocks,
-            "blocks_prefix": prefix_blocks,
-            "prefixes_held": sum(cache.holds(s.cache_key) for s in self.sessions),
+            "blocks_cached": usage.num_cached_blocks,
+            "checkpoints": usage.num_checkpoints,
+            "checkpoint_bytes": usage.num_checkpoints * cache.sizing.bytes_per_slot,
             "prefilled_tokens": e.stats["num_prefill_tokens"],
-            "prefix_evictions": e.stats["num_session_evictions"],
+            "prefix_queries": prefix.get("queries", 0),
+            "prefix_query_tokens": prefix.get("query_tokens", 0),
+            "prefix_cache_hits": prefix.get("hits", 0),
+            "prefix_hit_tokens": prefix.get("hit_tokens", 0),
+            "block_evictions": prefix.get("block_evictions", 0),
+            "checkpoint_evictions": prefix.get("checkpoint_evictions", 0),
+            "checkpoints_saved": prefix.get("checkpoints_saved", 0),
             "preemptions": e.stats["num_preemptions"],
             "spec_draft_tokens": spec.num_draft_tokens, "spec_accepted_tokens": spec.num_accepted,
         }
@@ -250,12 +231,23 @@ _METRICS = [  # name, type, help, how to read it from (counters, gauges)
      lambda c, g: c["generation_tokens"]),
     ("prefill_tokens_total", "counter", "Prompt tokens computed (prefilled).",
      lambda c, g: g["prefilled_tokens"]),
-    ("prefix_reused_tokens_total", "counter", "Prompt tokens taken from a held prefix.",
+    ("prefix_reused_tokens_total", "counter",
+     "Prompt tokens of finished requests taken from the prefix cache.",
      lambda c, g: c["prefix_reused_tokens"]),
-    ("prefix_cache_hits_total", "counter", "Requests that reused a held prefix.",
-     lambda c, g: c["prefix_hits"]),
-    ("prefix_evictions_total", "counter", "Held prefixes evicted for room.",
-     lambda c, g: g["prefix_evictions"]),
+    ("prefix_cache_queries_total", "counter", "Requests admitted with a prefix-cache look-up.",
+     lambda c, g: g["prefix_queries"]),
+    ("prefix_cache_query_tokens_total", "counter", "Tokens of the looked-up requests.",
+     lambda c, g: g["prefix_query_tokens"]),
+    ("prefix_cache_hits_total", "counter", "Admissions that resumed from a cached prefix.",
+     lambda c, g: g["prefix_cache_hits"]),
+    ("prefix_cache_hit_tokens_total", "counter", "Tokens taken from the prefix cache.",
+     lambda c, g: g["prefix_hit_tokens"]),
+    ("prefix_cache_checkpoints_saved_total", "counter", "GDN state checkpoints saved.",
+     lambda c, g: g["checkpoints_saved"]),
+    ("prefix_cache_checkpoint_evictions_total", "counter", "GDN state checkpoints evicted.",
+     lambda c, g: g["checkpoint_evictions"]),
+    ("prefix_cache_block_evictions_total", "counter", "Cached KV blocks evicted.",
+     lambda c, g: g["block_evictions"]),
     ("preemptions_total", "counter", "Running requests preempted for room.",
      lambda c, g: g["preemptions"]),
     ("engine_errors_total", "counter", "Engine steps that raised.",
@@ -267,13 +259,16 @@ _METRICS = [  # name, type, help, how to read it from (counters, gauges)
     ("requests_running", "gauge", "Requests running.", lambda c, g: g["running"]),
     ("requests_waiting", "gauge", "Requests waiting.", lambda c, g: g["waiting"]),
     ("cache_blocks_total", "gauge", "KV blocks in the cache.", lambda c, g: g["blocks_total"]),
-    ("cache_blocks_used", "gauge", "KV blocks in use (requests and held prefixes).",
+    ("cache_blocks_used", "gauge", "KV blocks held by requests.",
      lambda c, g: g["blocks_used"]),
-    ("cache_blocks_prefix", "gauge", "KV blocks held by cached prefixes.",
-     lambda c, g: g["blocks_prefix"]),
+    ("cache_blocks_cached", "gauge", "KV blocks indexed by the prefix cache.",
+     lambda c, g: g["blocks_cached"]),
     ("cache_usage", "gauge", "Fraction of KV blocks in use.",
      lambda c, g: g["blocks_used"] / max(1, g["blocks_total"])),
-    ("prefixes_held", "gauge", "Cached prefixes held.", lambda c, g: g["prefixes_held"]),
+    ("prefix_cache_checkpoints", "gauge", "GDN state checkpoints held.",
+     lambda c, g: g["checkpoints"]),
+    ("prefix_cache_checkpoint_bytes", "gauge", "Bytes of the checkpoints held.",
+     lambda c, g: g["checkpoint_bytes"]),
 ]
 
 
@@ -296,9 +291,9 @@ class Server:
     (default ``openai_protocol.Limits()``); ``workers``: threads that parse and tokenize;
     ``body_timeout``: seconds a client may take to send its body."""
 
-    def __init__(self, llm, model_name: str, num_prefixes: int = 16,
-                 api_key: str | None = None, limits: api.Limits | None = None,
-                 metrics_public: bool = False, workers: int = 2, body_timeout: float = 60.0):
+    def __init__(self, llm, model_name: str, api_key: str | None = None,
+                 limits: api.Limits | None = None, metrics_public: bool = False,
+                 workers: int = 2, body_timeout: float = 60.0):
         from hybridrt.llm import generation_defaults
 
         self.llm, self.tokenizer, self.model_name = llm, llm.tokenizer, model_name
@@ -309,7 +304,7 @@ class Server:
         self.defaults = generation_defaults(llm.model_path)
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hybridrt-parse")
         self.pool_slots = asyncio.Semaphore(workers)  # queue in the loop, not in the pool
-        self.loop = EngineLoop(llm, num_prefixes)
+        self.loop = EngineLoop(llm)
         self.app = self._build_app()
 
     def _build_app(self):
@@ -711,13 +706,12 @@ def _error(e: api.ApiError):
 
 
 def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          num_prefixes: int = 16, api_key: str | None = None, log_level: str = "info",
-          **options) -> None:
+          api_key: str | None = None, log_level: str = "info", **options) -> None:
     """Run the server until interrupted; ``options``: ``Server``'s (limits, metrics_public,
     workers, body_timeout)."""
     import uvicorn
 
-    server = Server(llm, model_name, num_prefixes, api_key, **options)
+    server = Server(llm, model_name, api_key, **options)
     uvicorn.run(server.app, host=host, port=port, log_level=log_level)
 
 

@@ -112,8 +112,9 @@ def test_chat_turns_reuse_the_cache_regen_clear_set_and_exit(tiny, ref):
     assert out.count("[prompt") == 4  # nothing after /exit
     cached = len(ids1) + len(a1) - 1  # the last answer token was sampled, never fed
     assert stats(out, "prompt tokens") == [len(ids2), len(ids2), len(ids1)]
-    assert stats(out, "reused tokens") == [cached, len(ids2) - 1, 0]
-    assert stats(out, "prefilled tokens") == [len(ids2) - cached, 1, len(ids1)]
+    # after /clear the same first question resumes from the prefix cache like any prompt
+    assert stats(out, "reused tokens") == [cached, len(ids2) - 1, len(ids1) - 1]
+    assert stats(out, "prefilled tokens") == [len(ids2) - cached, 1, 1]
     assert "incremental" in out
     err = one_error_line(res.stderr)
     assert "temperature" in err and ">= 0" in err
@@ -301,8 +302,11 @@ def test_qwen3_style_template_reuses_up_to_the_generation_prompt(ref):
         conv.commit(ids, list(ref.stream_tokens(ids, sp, session=s, snapshot_at=gen1)))
         ids2, _ = conv.prompt_for(Q2)
         assert conv.last_build == "re-templated"
+        assert ref.engine.cached_tokens(ids2) >= gen1  # at least the snapshot (earlier tests
         out = list(ref.stream_tokens(ids2, sp, session=s, snapshot_at=conv.gen_start))
-        assert s.last_reused_tokens == gen1
+        assert s.last_reused_tokens >= gen1  # on the same engine may have cached more of it)
+        m = ref.last_stream_output.metrics
+        assert m["num_prefilled_tokens"] == len(ids2) - s.last_reused_tokens
         assert out == greedy(ref, ids2)[1]
     finally:
         tok.chat_template = saved

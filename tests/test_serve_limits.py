@@ -37,7 +37,7 @@ def ref():
 @pytest.fixture(scope="module")
 def srv():
     """Default limits (max_model_len 512: prompts of at most 16,384 characters)."""
-    s = Running(make_llm(max_model_len=MAX_MODEL_LEN, max_num_sessions=2), num_prefixes=2)
+    s = Running(make_llm(max_model_len=MAX_MODEL_LEN))
     yield s
     s.stop()
 
@@ -46,7 +46,7 @@ def srv():
 def wide():
     """Character and body limits raised so that a megabyte prompt reaches the tokenizer (and
     is refused by the token limit after it)."""
-    s = Running(make_llm(max_model_len=MAX_MODEL_LEN), num_prefixes=0,
+    s = Running(make_llm(max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False),
                 limits=server_mod.api.Limits(max_body_bytes=8 << 20, max_prompt_chars=4 << 20))
     yield s
     s.stop()

@@ -4,7 +4,7 @@ Each run starts ``hybridrt serve`` as a subprocess on a free 127.0.0.1 port and 
 ``conversations`` chat clients at once; each client holds one conversation of ``turns``
 turns, resending the whole history every turn as chat clients do, streaming each answer
 (greedy, ``max_tokens`` tokens, EOS ignored, so both runs generate the same tokens). Two
-runs: prefix reuse on (``--max-cached-prefixes`` = conversations) and off (0). Per run:
+runs: prefix caching on and off (``--no-prefix-caching``). Per run:
 requests/s, output tokens/s, time to first token and inter-token latency percentiles (at the
 client, first streamed piece of text / gaps between streamed pieces), and the prompt tokens
 reused vs prefilled (the server's ``/metrics``). A turn not started within ``time_limit``
@@ -108,13 +108,13 @@ async def _load(base: str, model: str, conversations: int, turns: int, max_token
     return rec
 
 
-def _one_run(model: str | None, prefixes: int, conversations: int, turns: int,
+def _one_run(model: str | None, reuse: bool, conversations: int, turns: int,
              max_tokens: int, time_limit: float, threads: int | None) -> dict:
     import httpx
 
     port = _free_port()
     cmd = [sys.executable, "-m", "hybridrt", "serve", "--port", str(port), "--log-level",
-           "warning", "--max-cached-prefixes", str(prefixes), "--max-num-seqs",
+           "warning", "--prefix-caching" if reuse else "--no-prefix-caching", "--max-num-seqs",
            str(conversations)]
     if model is not None:
         cmd.insert(3, model)
@@ -146,7 +146,7 @@ def _one_run(model: str | None, prefixes: int, conversations: int, turns: int,
     ms = [round(1000 * v, 1) if v is not None else None for v in
           (_pct(rec["ttft"], 50), _pct(rec["ttft"], 90), _pct(rec["ttft"], 99),
            _pct(rec["itl"], 50), _pct(rec["itl"], 90), _pct(rec["itl"], 99))]
-    return {"prefix_reuse": prefixes > 0, "requests": rec["requests"],
+    return {"prefix_reuse": reuse, "requests": rec["requests"],
             "skipped": rec["skipped"], "errors": rec["errors"],
             "seconds": round(rec["seconds"], 2),
             "requests_per_s": round(rec["requests"] / rec["seconds"], 3),
@@ -175,8 +175,8 @@ def run(model: str | None = None, conversations: int = 8, turns: int = 4, max_to
         time_limit: float = 300.0, threads: int | None = None,
         json_path: str | os.PathLike | None = None) -> dict:
     """Both runs (reuse on, then off) -> the report; prints the table."""
-    rows = [_one_run(model, n, conversations, turns, max_tokens, time_limit, threads)
-            for n in (conversations, 0)]
+    rows = [_one_run(model, reuse, conversations, turns, max_tokens, time_limit, threads)
+            for reuse in (True, False)]
     report = {"model": model or "demo", "conversations": conversations, "turns": turns,
               "max_tokens": max_tokens, "time_limit": time_limit, "threads": threads,
               "runs": rows}

@@ -157,6 +157,30 @@ def test_speculation_is_lossless(ckpt, prompts, k):
         assert s.token_ids == b.token_ids, f"prompt {i}, k={k}"
 
 
+def test_prefix_cache_checkpoint_inside_a_prompt_chunk(ckpt, prompts):
+    """Prefix caching on this backend, with MTP speculation: the checkpoint at 24, inside the
+    first prompt's one chunk, is written by the fla prefill path run in two rounds; a prompt
+    sharing its first 30 tokens resumes there (the MTP KV before it rewritten from the
+    checkpoint's hidden state) and gives the tokens this backend gives it cold."""
+    dev = "cuda" if ON_GPU else "cpu"
+    kw = dict(dtype="float32", device=dev, backend=BACKEND, max_model_len=128, max_num_seqs=8,
+              cache_memory=64 << 20, tokenizer=None, speculative_tokens=3)
+    llm = LLM(ckpt, checkpoint_interval=24, **kw)
+    a, b = prompts[4], prompts[4][:30] + prompts[3][:20]
+    llm.generate([a], GREEDY, use_tqdm=False)
+    assert llm.engine.cached_tokens(b) == 24
+    (out,) = llm.generate([b], GREEDY, use_tqdm=False)
+    assert out.num_cached_tokens == 24
+    llm.engine.cache.check()
+    (want,) = LLM(ckpt, enable_prefix_caching=False, **kw).generate([b], GREEDY, use_tqdm=False)
+    o, w = out.outputs[0], want.outputs[0]
+    n = _agree(w, o)
+    if not TF32:
+        assert n == len(w.token_ids) and _lp_err(o, w, n) <= 1e-4
+    else:
+        _check_drift(0, w, o, n, bound=2e-2)
+
+
 def test_chunked_prefill_mixed_with_decodes(ckpt, prompts):
     """A small token budget (prompt chunks continuing from a state, mixed with decodes in
     one step): same tokens as with the whole prompts at once."""
