@@ -276,11 +276,12 @@ def test_checkpoint_positions_policy():
 @pytest.mark.parametrize("k", [0, 3])
 def test_hit_that_ends_exactly_on_a_block_boundary(tiny, k):
     """A checkpoint at position 32, a block boundary: with k = 0 every block before it is
-    shared and nothing is copied; with the MTP the block before it is copied (its last MTP KV
-    is rewritten with the new prompt's token 32)."""
+    shared and nothing is copied; with the MTP the block before it is copied and its last MTP
+    KV rewritten from the new prompt's token 32, which differs from the one it was cached with
+    (the drafts show it)."""
     a = msg(31, 1) + msg(20, 2)  # the second message starts at 32
-    assert a[32] == START
-    b = a[:32] + msg(14, 3)
+    b = a[:32] + [9] + msg(14, 3)[1:]  # the token at 32 differs: the MTP KV at 31 must too
+    assert a[32] == START != b[32]
     llm = make(tiny, k)
     llm.generate([a], greedy(), use_tqdm=False)
     out = llm.generate([b], greedy(), use_tqdm=False)
