@@ -156,6 +156,33 @@ def _only_calls(fmt: dict, parallel: bool) -> dict:
     return fmt
 
 
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages for the chat template: an assistant's ``tool_calls`` arguments as a dict
+    (OpenAI clients send its JSON text; the template iterates over its items)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls:
+            fixed = []
+            for c in calls:
+                c = dict(c)
+                f = dict(c.get("function") or {})
+                args = f.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        f["arguments"] = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        raise ValueError(f"a tool call's arguments are not JSON: "
+                                         f"{args[:40]!r}") from None
+                if not isinstance(f.get("arguments", {}), dict):
+                    raise ValueError("a tool call's arguments must be a JSON object")
+                c["function"] = f
+                fixed.append(c)
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
+
+
 # Typed arguments -----------------------------------------------------------------------------
 def _types(schema: Any) -> list[str]:
     if not isinstance(schema, dict):
