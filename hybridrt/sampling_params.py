@@ -43,7 +43,9 @@ class StructuredOutputsParams:
     | grammar | an EBNF grammar (xgrammar's / GBNF syntax; rule ``root`` is the start) |
     | json_object | True: the output is one JSON object, any keys |
     | structural_tag | xgrammar's structural tag (dict or JSON text): text with constrained parts |
-    | disable_any_whitespace | JSON without whitespace between tokens (compact separators) |
+    | disable_any_whitespace | True (our default; vLLM's is False): JSON laid out as
+      ``json.dumps`` does (", " and ": "); False: any whitespace between tokens, in runs of
+      at most 20 characters |
 
     Compiled by the engine (``hybridrt.structured_outputs``): a constraint that does not
     compile fails its own request, with the compiler's message.
@@ -55,7 +57,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | dict | None = None
-    disable_any_whitespace: bool = False
+    # True by default, unlike vLLM: with free whitespace a weak model fills every gap with
+    # as much as it may (docs/structured_outputs.md)
+    disable_any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         kinds = [k for k in ("json", "regex", "choice", "grammar", "structural_tag")

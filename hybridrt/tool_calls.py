@@ -40,6 +40,9 @@ from hybridrt.sampling_params import StructuredOutputsParams
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 FUNC_OPEN, FUNC_CLOSE = "<function=", "</function>"
 PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
+# whitespace the call grammar allows around tags and values (the template's calls have one
+# newline there): a weak model otherwise fills each gap with as much as it may
+MAX_XML_WHITESPACE = 2
 
 
 @dataclass(slots=True)
@@ -126,7 +129,7 @@ def tool_constraint(tools: list[dict], tool_choice: str | dict, thinking: bool,
     one; None for "none" and "auto"."""
     if tool_choice in ("none", "auto"):
         return None
-    from hybridrt.structured_outputs import MAX_JSON_WHITESPACE, _import_xgrammar
+    from hybridrt.structured_outputs import _import_xgrammar
 
     xgr = _import_xgrammar()
     forced = tools if tool_choice == "required" else [
@@ -138,7 +141,7 @@ def tool_constraint(tools: list[dict], tool_choice: str | dict, thinking: bool,
     choice = "required" if tool_choice == "required" else tool_choice
     tag = xgr.get_model_structural_tag(
         "qwen_3_5", tools=normalized, tool_choice=choice,
-        reasoning="enabled" if thinking else "disabled", max_whitespace_cnt=MAX_JSON_WHITESPACE,
+        reasoning="enabled" if thinking else "disabled", max_whitespace_cnt=MAX_XML_WHITESPACE,
         parallel_tool_calls=parallel).model_dump(mode="json")
     if tool_choice == "required":  # only calls: no free text before or between them
         tag["format"] = _only_calls(tag["format"], parallel)
