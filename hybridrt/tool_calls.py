@@ -12,8 +12,9 @@ vLLM's ``qwen3_coder`` parser reads::
     </function>
     </tool_call>
 
-A parameter's text becomes a typed JSON value by the tool's JSON schema (``typed_value``):
-strings stay as they are, integers, numbers, booleans, null, objects and arrays are parsed.
+A parameter's text, stripped of the whitespace around it, becomes a typed JSON value by the
+tool's JSON schema (``typed_value``): strings stay as they are, integers, numbers, booleans,
+null, objects and arrays are parsed.
 
 ``ToolCallParser`` reads an answer delta by delta: text outside calls passes through (held
 back while it may be the start of ``<tool_call>``), a call yields its name as soon as
@@ -353,8 +354,9 @@ class ToolCallParser:
         return text, [d for d in deltas if d is not None]
 
     def _add_param(self, raw: str) -> ToolDelta:
-        value = raw[1:] if raw.startswith("\n") else raw
-        value = value[:-1] if value.endswith("\n") else value
+        # the template writes one newline around a value, and the call grammar allows a
+        # little whitespace there: a value is the text between, stripped
+        value = raw.strip()
         idx = len(self.calls) - 1
         schema = self.schemas.get(self.calls[idx].name, {}).get(self._param)
         args = self._args[idx]
