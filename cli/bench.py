@@ -1,7 +1,7 @@
 """``hybridrt bench throughput`` / ``gemm`` / ``spec`` / ``quality`` / ``startup`` / ``busy`` /
-``serve`` / ``prefix``: the commands over ``hybridrt.bench``; each prints a table and, with ``--json`` /
-``--plot``, writes the report and a chart. The benchmark modules are imported inside the
-commands, so that ``hybridrt chat`` never loads them (tests/test_bench_layout.py)."""
+``serve`` / ``prefix``: the commands over ``hybridrt.bench``; each prints a table and, with
+``--json`` / ``--plot``, writes the report and a chart. The benchmark modules are imported
+inside the commands, so that ``hybridrt chat`` never loads them (tests/test_bench_layout.py)."""
 
 from __future__ import annotations
 

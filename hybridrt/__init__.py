@@ -21,6 +21,7 @@ _EXPORTS = {
     "ModelNotFoundError": "hybridrt.model_path",
     "RequestOutput": "hybridrt.outputs",
     "SamplingParams": "hybridrt.sampling_params",
+    "StructuredOutputsParams": "hybridrt.sampling_params",
     "load_model": "hybridrt.loader",
 }
 
@@ -34,6 +35,7 @@ __all__ = [
     "ModelNotFoundError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "load_model",
 ]
 
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     from hybridrt.loader import CheckpointError, load_model
     from hybridrt.model_path import ModelNotFoundError
     from hybridrt.outputs import CompletionOutput, RequestOutput
-    from hybridrt.sampling_params import SamplingParams
+    from hybridrt.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):

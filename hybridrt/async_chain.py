@@ -121,13 +121,14 @@ class LaunchedStep:
 def can_chain(plan: StepPlan, scheduler: Scheduler, max_model_len: int) -> bool:
     """Whether the step after ``plan`` is known before its tokens are: every running request
     decodes one token and then another, whatever the token (no waiting request, no drafts,
-    sessions, logprobs or penalties, no request at its length limit)."""
+    sessions, logprobs, penalties or grammars, no request at its length limit)."""
     if scheduler.waiting or len(plan.seqs) != len(scheduler.running):
         return False
     for s in plan.seqs:
         r, p = s.request, s.request.params
         if (s.num_new_tokens != 1 or not s.sample or s.num_drafts or r.spec_k
                 or r.session is not None or r.is_finished or p.logprobs is not None
+                or r.grammar is not None
                 or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
                 or p.presence_penalty != 0.0):
             return False

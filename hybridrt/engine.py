@@ -10,6 +10,7 @@
 | MTPProposer | the next drafts | specdec/mtp.py |
 | SessionManager | open sessions and what they pin between turns | session_manager.py |
 | HybridCacheManager | KV blocks, state slots, the prefix cache | statecache/manager.py |
+| StructuredOutputs | constraints compiled (requests wait for theirs) | structured_outputs.py |
 
 Prefix caching (statecache/prefix.py): a request is admitted from the longest cached prefix of
 its tokens; the GDN checkpoints its chunks reach are written during the forward
@@ -28,6 +29,7 @@ phases (``python -m hybridrt.bench.cuda``); with None the cost is one attribute 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import time
@@ -58,6 +60,7 @@ from hybridrt.specdec.mtp import MTPProposer
 from hybridrt.specdec.stats import SpecStats, StepCosts
 from hybridrt.statecache import HybridCacheManager
 from hybridrt.statecache.prefix import checkpoint_positions
+from hybridrt.structured_outputs import StructuredOutputs
 
 
 @dataclass(slots=True)
@@ -126,6 +129,8 @@ class LLMEngine:
         self._inflight: LaunchedStep | None = None
         self.step_costs = StepCosts()  # seconds in prefill, decode, verify steps and drafting
         self.observer = None  # sees the phases of every step: see the module docstring
+        self._structured: StructuredOutputs | None = None  # built by the first constraint
+        self._compiling: list[tuple[Request, object]] = []  # (request, Future of its grammar)
 
     # Requests ------------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
@@ -136,16 +141,22 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                     prompt: str | None = None, request_id: str | None = None,
                     speculative_tokens: int | None = None, session: Session | None = None,
-                    snapshot_at: int | None = None) -> str:
+                    snapshot_at: int | None = None, parent_id: str | None = None) -> str:
         """Validate and queue a request -> its id. Raises ValueError for bad input; nothing
         is queued then. ``speculative_tokens``: drafts per step for this request (default:
         the engine's; 0 turns speculation off for it). ``session``: continue a conversation,
         its cache pinned between requests (see hybridrt.session). ``snapshot_at``: a prompt
         length at which to keep a GDN checkpoint besides the usual ones (a chat passes where its
         generation prompt starts, the point where a history-rewriting template makes the next
-        turn diverge; a session pins it)."""
+        turn diverge; a session pins it). ``params.structured_outputs``: the request waits,
+        outside the scheduler, until its constraint is compiled; one that does not compile
+        finishes it with an error. ``parent_id``: the request is one choice of an n > 1 request
+        (hybridrt.parallel_sampling); ``params.n`` must be 1 here."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"the engine runs one choice per request (n={params.n}): "
+                             f"split it with hybridrt.parallel_sampling.ParentRequest")
         k = self.speculative_tokens if speculative_tokens is None else speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= self.speculative_tokens:
             raise ValueError(
@@ -165,15 +176,59 @@ class LLMEngine:
         stop_ids = stop_token_ids(params, self.config.eos_token_ids)
         req = Request(rid, prompt, ids, params, stop_ids, spec_k=k,
                       generator=make_generator(params), session=session,
-                      requested_snapshot_at=snapshot_at)
+                      requested_snapshot_at=snapshot_at, parent_id=parent_id)
         if self.cache.prefix_caching:
             req.block_hashes = self.cache.block_hashes(mtp=k > 0)
             req.checkpoint_at = checkpoint_positions(
                 ids, self.checkpoint_boundary_ids, self.checkpoint_interval,
                 () if snapshot_at is None else (snapshot_at,))
+        if params.structured_outputs is not None:
+            fut = self.structured_outputs.submit(params.structured_outputs)
+            self._compiling.append((req, fut))
+        else:
+            self.scheduler.add(req)
         self.requests[rid] = req
-        self.scheduler.add(req)
         return rid
+
+    @property
+    def structured_outputs(self) -> StructuredOutputs:
+        """The grammar compiler (built on first use: it reads the whole vocabulary)."""
+        if self._structured is None:
+            self._structured = StructuredOutputs(self.tokenizer, self.config.vocab_size,
+                                                 self.config.eos_token_ids)
+        return self._structured
+
+    def _admit_compiled(self) -> list[Request]:
+        """Requests whose grammar is compiled go to the scheduler, each with its matcher;
+        those whose grammar failed or timed out finish with the error -> those. When
+        nothing else runs, waits up to 50 ms for a compile, rather than spin."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished():
+            futures = [f for _, f in self._compiling]
+            concurrent.futures.wait(futures, timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        so, failed, still = self._structured, [], []
+        now = time.perf_counter()
+        for req, fut in self._compiling:
+            if req.is_finished:  # aborted while compiling
+                continue
+            params = req.params.structured_outputs
+            waited = now - req.metrics.arrival_time
+            if not fut.done() and waited < so.compile_timeout:
+                still.append((req, fut))
+                continue
+            try:
+                compiled = so.result(fut, params)
+                req.grammar = so.matcher(compiled, req.eos_token_ids, params.kind)
+            except ValueError as e:
+                req.error = e
+                self._finish(req, "error")
+                failed.append(req)
+                continue
+            self.scheduler.add(req)
+        self._compiling = still
+        return failed
 
     # Sessions (hybridrt.session) -----------------------------------------------------------
     @property
@@ -216,7 +271,7 @@ class LLMEngine:
         self._finish(req, "abort", keep_state=not inflight)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     def get_request(self, request_id: str) -> Request:
         """A request the engine holds (running, waiting, or finished and not yet popped)."""
@@ -240,14 +295,14 @@ class LLMEngine:
         one's tokens reach the host (``_chain``): the call that launches it returns the
         previous step's results and the next call applies it (update and draft only)."""
         t0 = self.step_costs.clock()
-        launched, self._inflight, failed = self._inflight, None, []
+        launched, self._inflight, failed = self._inflight, None, self._admit_compiled()
         if launched is None or all(s.request.is_finished for s in launched.plan.seqs):
             with self._phase("schedule"):
                 plan = self.scheduler.schedule()
                 self.stats["num_preemptions"] += len(plan.preempted)
                 self.stats["num_session_evictions"] = self.session_manager.num_evictions
-                failed = plan.failed
-                for req in failed:
+                failed += plan.failed
+                for req in plan.failed:
                     self._finish(req, "error")
             if not plan.seqs:
                 return failed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -16,12 +17,20 @@ from hybridrt.kernels.memory import keep_freed_memory
 from hybridrt.loader import load_model, parse_dtype
 from hybridrt.options import check_device_name, check_quantization, parse_memory
 from hybridrt.outputs import CompletionOutput, RequestOutput
+from hybridrt.parallel_sampling import ParentRequest
 from hybridrt.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.session import Session
 from hybridrt.specdec.draft_vocab import load_draft_vocab
 from hybridrt.statecache import HybridCacheManager, plan_cache
 from hybridrt.threads import ThreadGovernor, adaptive_threads_enabled
+from hybridrt.tool_calls import (
+    check_tool_choice,
+    check_tools,
+    parse_tool_calls,
+    template_messages,
+    tool_constraint,
+)
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 
@@ -249,6 +258,7 @@ class LLM:
         governor = None
         if self.device.type == "cpu" and threads is None and adaptive_threads_enabled():
             governor = ThreadGovernor(torch.get_num_threads())
+        self._parent_ids = itertools.count()  # n > 1: the parents' ids
         self.engine = LLMEngine(self.model, self.config, cache, engine_config, self.tokenizer,
                                 seed=seed, device=self.device,
                                 speculative_tokens=speculative_tokens, backend=backend,
@@ -342,10 +352,36 @@ class LLM:
              session: Session | None = None, snapshot_at: int | None = None) -> str:
         if isinstance(params, dict):
             params = SamplingParams(**params)
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: stream() runs one choice; use generate() or chat()")
         text, ids = self._encode(prompt)
         return self.engine.add_request(ids, params, prompt=text,
                                        speculative_tokens=speculative_tokens, session=session,
                                        snapshot_at=snapshot_at)
+
+    def _add_choices(self, prompt: PromptType, params, speculative_tokens: int | None
+                     ) -> list[tuple[str, ParentRequest | None, int]]:
+        """Queue a prompt's request, or its n children when ``params.n > 1``
+        (hybridrt.parallel_sampling) -> (engine request id, parent or None, choice index)."""
+        if isinstance(params, dict):
+            params = SamplingParams(**params)
+        if params.n == 1:
+            return [(self._add(prompt, params, speculative_tokens), None, 0)]
+        text, ids = self._encode(prompt)
+        parent = ParentRequest(f"n{next(self._parent_ids)}", params)
+        added = []
+        try:
+            for j, (rid, child) in enumerate(parent.children()):
+                self.engine.add_request(ids, child, prompt=text, request_id=rid,
+                                        speculative_tokens=speculative_tokens,
+                                        parent_id=parent.request_id)
+                added.append((rid, parent, j))
+        except ValueError:
+            for rid, _, _ in added:
+                self.engine.abort_request(rid)
+                self.engine.pop_request(rid)
+            raise
+        return added
 
     # Sessions ----------------------------------------------------------------------------
     def open_session(self) -> Session:
@@ -396,13 +432,15 @@ class LLM:
         return self._generate_iter(prompts, params, use_tqdm, speculative_tokens)
 
     def _generate_iter(self, prompts: list, params: list, use_tqdm: bool,
-                       speculative_tokens: int | None) -> Iterator[tuple[int, RequestOutput]]:
-        pending: dict[str, int] = {}
+                       speculative_tokens: int | None, tools: list[dict] | None = None
+                       ) -> Iterator[tuple[int, RequestOutput]]:
+        pending: dict[str, tuple[int, ParentRequest | None, int]] = {}
         rejected: list[tuple[int, RequestOutput]] = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 try:
-                    pending[self._add(p, sp, speculative_tokens)] = i
+                    for rid, parent, j in self._add_choices(p, sp, speculative_tokens):
+                        pending[rid] = (i, parent, j)
                 except (ValueError, TypeError) as e:
                     err = e if isinstance(e, ValueError) else ValueError(str(e))
                     rejected.append((i, _error_output(f"error-{i}", p, err)))
@@ -411,18 +449,23 @@ class LLM:
             if use_tqdm and pending:
                 from tqdm.auto import tqdm
 
-                bar = tqdm(total=len(pending), desc="generate", unit="req", dynamic_ncols=True)
+                total = len({i for i, _, _ in pending.values()})
+                bar = tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)
             try:
                 while pending:
                     for req in self.engine.step():
                         if req.is_finished and req.request_id in pending:
-                            if bar is not None:
-                                bar.update(1)
-                            yield self._pop_output(req.request_id, pending)
+                            done = self._pop_output(req.request_id, pending, tools)
+                            if done is not None:
+                                if bar is not None:
+                                    bar.update(1)
+                                yield done
                     if not self.engine.has_unfinished_requests():
                         break
                 for rid in list(pending):  # finished without a step reporting it
-                    yield self._pop_output(rid, pending)
+                    done = self._pop_output(rid, pending, tools)
+                    if done is not None:
+                        yield done
             finally:
                 if bar is not None:
                     bar.close()
@@ -443,16 +486,29 @@ class LLM:
             raise ValueError(f"speculative_tokens must be an integer in [0, {limit}], got "
                              f"{k!r}{hint}")
 
-    def _pop_output(self, rid: str, pending: dict[str, int]) -> tuple[int, RequestOutput]:
-        i = pending.pop(rid)
-        return i, self._output(self.engine.pop_request(rid))
+    def _pop_output(self, rid: str, pending: dict, tools: list[dict] | None = None
+                    ) -> tuple[int, RequestOutput] | None:
+        """The output of finished request ``rid`` as (prompt index, output); None while it is
+        a choice whose siblings still run."""
+        i, parent, j = pending.pop(rid)
+        out = self._output(self.engine.pop_request(rid), tools)
+        if parent is None:
+            return i, out
+        joined = parent.add(j, out)
+        return None if joined is None else (i, joined)
 
-    def _output(self, req) -> RequestOutput:
-        """The request's RequestOutput, its think block apart from the answer."""
+    def _output(self, req, tools: list[dict] | None = None) -> RequestOutput:
+        """The request's RequestOutput, its think block apart from the answer; with
+        ``tools``, the answer's tool calls parsed out of its text (``tool_calls``), and a
+        call begun inside the think block ends it (vLLM #39056)."""
         out = self.engine.make_output(req)
         if self.tokenizer is not None:
             c = out.outputs[0]
-            c.reasoning_text, c.text = split_reasoning(c.text, self._prompt_thinks(req))
+            c.reasoning_text, c.text = split_reasoning(c.text, self._prompt_thinks(req),
+                                                       tool_calls=tools is not None)
+            if tools is not None:
+                content, calls = parse_tool_calls(c.text, tools)
+                c.text, c.tool_calls = content or "", calls
         return out
 
     def _prompt_thinks(self, req) -> bool:
@@ -465,16 +521,52 @@ class LLM:
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template_kwargs: dict | None = None,
              add_generation_prompt: bool = True,
-             speculative_tokens: int | None = None) -> list[RequestOutput]:
+             speculative_tokens: int | None = None, tools: list[dict] | None = None,
+             tool_choice: str | dict | None = None,
+             parallel_tool_calls: bool = True) -> list[RequestOutput]:
         """messages: one conversation (list of {'role', 'content'}) or a list of them.
-        sampling_params as in ``generate`` (None: the checkpoint's generation_config.json)."""
+        sampling_params as in ``generate`` (None: the checkpoint's generation_config.json).
+        tools: OpenAI's function tools, rendered by the chat template; the calls in an answer
+        come back parsed in ``CompletionOutput.tool_calls`` (``text`` is then the text outside
+        them). tool_choice: "auto" (default with tools), "none" (no parsing), "required" or
+        {"type": "function", "function": {"name": ...}}: the output is constrained to calls
+        (hybridrt.tool_calls). Messages may carry ``tool_calls`` (arguments as a dict or its
+        JSON text) and role "tool" results."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c, chat_template_kwargs, add_generation_prompt)
+        if tools is not None:
+            tools = check_tools(tools)
+        choice = check_tool_choice(tool_choice, tools)
+        kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
+        prompts = [self.apply_chat_template(template_messages(c), kwargs, add_generation_prompt)
                    for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
-                             speculative_tokens=speculative_tokens)
+        params = self._params(sampling_params, len(prompts))
+        if choice not in ("none", "auto"):
+            params = [self._with_tool_constraint(p, tools, choice, opens_thinking(text),
+                                                 parallel_tool_calls)
+                      for p, text in zip(params, prompts)]
+        self._check_speculative_tokens(speculative_tokens)
+        outs: list[RequestOutput | None] = [None] * len(prompts)
+        for i, out in self._generate_iter(prompts, params, use_tqdm, speculative_tokens,
+                                          tools if choice != "none" else None):
+            outs[i] = out
+        if not parallel_tool_calls:
+            for o in outs:
+                for c in o.outputs:
+                    c.tool_calls = c.tool_calls[:1] if c.tool_calls else c.tool_calls
+        return outs
+
+    def _with_tool_constraint(self, params, tools, choice, thinking: bool, parallel: bool):
+        if isinstance(params, dict):
+            params = SamplingParams(**params)
+        if params.structured_outputs is not None:
+            raise ValueError(f"tool_choice {choice!r} constrains the output to tool calls: "
+                             f"it cannot be combined with structured_outputs")
+        return params.clone(structured_outputs=tool_constraint(tools, choice, thinking,
+                                                               parallel))
 
     def apply_chat_template(self, conversation: list[dict], chat_template_kwargs=None,
                             add_generation_prompt: bool = True) -> str:

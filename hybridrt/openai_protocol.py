@@ -1,9 +1,11 @@
 """The OpenAI HTTP API's shapes: request bodies -> prompts and SamplingParams, results ->
 response bodies and stream chunks (``/v1/chat/completions``, ``/v1/completions``).
 
-Request fields taken: model, messages / prompt, stream, stream_options.include_usage, n (1),
-temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty, repetition_penalty,
-seed, stop, stop_token_ids, min_tokens, ignore_eos, skip_special_tokens,
+Request fields taken: model, messages / prompt, stream, stream_options.include_usage, n,
+response_format (text, json_object, json_schema), structured_outputs (vLLM's: json, regex,
+choice, grammar, json_object, structural_tag, disable_any_whitespace), tools, tool_choice,
+parallel_tool_calls, temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty,
+repetition_penalty, seed, stop, stop_token_ids, min_tokens, ignore_eos, skip_special_tokens,
 include_stop_str_in_output, max_tokens / max_completion_tokens, logprobs / top_logprobs,
 chat_template_kwargs (and enable_thinking as a shorthand for it), add_generation_prompt.
 Fields left unset take the checkpoint's generation_config.json, as vLLM does. Other fields
@@ -24,14 +26,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from hybridrt.sampling_params import SamplingParams
+from hybridrt.sampling_params import MAX_N, SamplingParams, StructuredOutputsParams
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
                    "min_tokens", "ignore_eos", "skip_special_tokens",
                    "include_stop_str_in_output")
 # fields with an effect this server does not give: refused rather than silently ignored
-UNSUPPORTED = {"tools": "tools / function calling", "functions": "function calling",
+UNSUPPORTED = {"functions": "the legacy functions field (send tools)",
                "echo": "echo", "suffix": "suffix", "logit_bias": "logit_bias",
                "audio": "audio output"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -185,14 +187,11 @@ def check_common(body: Any, served_model: str) -> None:
     for name, what in UNSUPPORTED.items():
         if body.get(name) not in (None, False, [], {}):
             raise bad(f"{name}: {what} is not supported by this server", name)
-    n = body.get("n", 1)
-    if n not in (None, 1):
-        raise bad(f"n must be 1 (one choice per request), got {n!r}", "n")
+    n = body.get("n")
+    if n is not None and not (_is_int(n) and 1 <= n <= MAX_N):
+        raise bad(f"n must be an integer in [1, {MAX_N}], got {_short(n)}", "n")
     if body.get("best_of") not in (None, 1):
         raise bad(f"best_of must be 1, got {body['best_of']!r}", "best_of")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad("response_format: only {'type': 'text'} is supported", "response_format")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options must be an object", "stream_options")
@@ -245,6 +244,11 @@ def sampling_params(body: dict, defaults: dict, chat: bool) -> SamplingParams:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     elif body.get("logprobs") is not None:
         fields["logprobs"] = body["logprobs"]
+    if body.get("n") is not None:
+        fields["n"] = body["n"]
+    so = structured_outputs(body)
+    if so is not None:
+        fields["structured_outputs"] = so
     try:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as e:
@@ -254,6 +258,68 @@ def sampling_params(body: dict, defaults: dict, chat: bool) -> SamplingParams:
         param = next((n for n in (*SAMPLING_FIELDS, "max_tokens", "logprobs")
                       if msg.startswith(n)), None)
         raise bad(msg, param) from None
+
+
+def structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    """``response_format`` (json_object; json_schema with its ``schema``, ``strict`` taken:
+    the output always matches the schema) or vLLM's ``structured_outputs`` object -> the
+    constraint; None for neither (or response_format text). Both at once: 400."""
+    fmt, extra = body.get("response_format"), body.get("structured_outputs")
+    so = None
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object",
+                                                                "json_schema"):
+            raise bad("response_format must be {'type': 'text' | 'json_object' | "
+                      "'json_schema', ...}", "response_format")
+        if fmt["type"] == "json_object":
+            so = StructuredOutputsParams(json_object=True)
+        elif fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise bad("response_format.json_schema must be {'name': ..., 'schema': {...}, "
+                          "'strict': ...}", "response_format")
+            if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+                raise bad("response_format.json_schema.strict must be a boolean",
+                          "response_format")
+            schema = spec.get("schema")
+            so = StructuredOutputsParams(json=schema if schema else {"type": "object"})
+    if extra is not None:
+        if so is not None:
+            raise bad("send either response_format or structured_outputs, not both",
+                      "structured_outputs")
+        if not isinstance(extra, dict):
+            raise bad("structured_outputs must be an object", "structured_outputs")
+        known = set(StructuredOutputsParams.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise bad(f"structured_outputs: unknown fields {unknown}", "structured_outputs")
+        try:
+            so = StructuredOutputsParams(**{k: v for k, v in extra.items() if v is not None})
+        except ValueError as e:
+            raise bad(str(e), "structured_outputs") from None
+    return so
+
+
+def chat_tools(body: dict) -> tuple[list[dict] | None, str | dict, bool]:
+    """``tools``, ``tool_choice``, ``parallel_tool_calls`` -> (tools or None, the choice,
+    whether several calls may be made); 400 naming the field."""
+    from hybridrt.tool_calls import check_tool_choice, check_tools
+
+    tools = body.get("tools")
+    try:
+        tools = check_tools(tools) if tools else None
+    except ValueError as e:
+        raise bad(str(e), "tools") from None
+    try:
+        choice = check_tool_choice(body.get("tool_choice"), tools)
+    except ValueError as e:
+        raise bad(str(e), "tool_choice") from None
+    parallel = body.get("parallel_tool_calls", True)
+    if parallel is None:
+        parallel = True
+    if not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    return tools, choice, parallel
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -287,8 +353,24 @@ def chat_messages(body: dict) -> list[dict]:
         msg = {"role": m["role"], "content": content}
         if isinstance(m.get("reasoning_content"), str):
             msg["reasoning_content"] = m["reasoning_content"]
+        calls = m.get("tool_calls")
+        if calls is not None and m["role"] == "assistant":
+            if not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) for c in calls):
+                raise bad(f"messages[{i}].tool_calls must be a list of {{'id', 'type', "
+                          f"'function': {{'name', 'arguments'}}}}", "messages")
+            msg["tool_calls"] = calls
+        for key in ("tool_call_id", "name"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
         out.append(msg)
-    return out
+    try:
+        from hybridrt.tool_calls import template_messages
+
+        return template_messages(out)
+    except ValueError as e:
+        raise bad(f"messages: {e}", "messages") from None
 
 
 def template_kwargs(body: dict) -> dict:
@@ -355,16 +437,16 @@ def completion_logprobs(token_ids: list[int], entries: list[dict], n: int, piece
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None = None,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, index: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                          "finish_reason": finish}]}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None = None,
-                     logprobs: dict | None = None) -> dict:
+                     logprobs: dict | None = None, index: int = 0) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs,
                          "finish_reason": finish}]}
 
 

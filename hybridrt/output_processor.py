@@ -102,7 +102,15 @@ class OutputProcessor:
         p = req.params
         n_out = req.num_output_tokens
         reason: tuple[str, int | str | None] | None = None
-        if n_out >= p.min_tokens and tok in req.eos_token_ids:
+        if req.grammar is not None:
+            if not req.grammar.accept(tok):  # the mask allowed it: a bug, not bad input
+                req.error = RuntimeError(f"structured outputs: token {tok} was sampled but "
+                                         f"the request's grammar does not allow it")
+                req.finish_reason = "error"
+                return True
+            if req.grammar.is_terminated:  # the grammar ended on a stop token
+                reason = ("stop", tok)
+        if reason is None and n_out >= p.min_tokens and tok in req.eos_token_ids:
             reason = ("stop", tok)
         elif (p.max_tokens is not None and n_out >= p.max_tokens) or (
             len(req.token_ids) >= self.max_model_len

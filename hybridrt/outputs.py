@@ -17,6 +17,9 @@ class CompletionOutput:
     # With thinking on: the think block without its tags (``text`` is then the answer after
     # it); None when the output does not think. See hybridrt.reasoning.
     reasoning_text: str | None = None
+    # LLM.chat(tools=...): the calls parsed out of the answer (hybridrt.tool_calls.ToolCall);
+    # ``text`` is then the answer without them. None without tools.
+    tool_calls: list[Any] | None = None
 
     @property
     def finished(self) -> bool:

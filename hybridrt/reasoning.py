@@ -11,6 +11,7 @@ join to exactly the final ``reasoning_text`` and ``text``.
 from __future__ import annotations
 
 OPEN_THINK, CLOSE_THINK = "<think>", "</think>"
+TOOL_CALL = "<tool_call>"  # with tools, a call begun in the think block ends it (vLLM #39056)
 
 
 class ReasoningDelta(str):
@@ -36,8 +37,9 @@ class ReasoningSplitter:
     str for the answer. Text that may be the start of a tag, and whitespace that may precede
     ``</think>``, is held back until the next delta tells."""
 
-    def __init__(self, prompt_opens_thinking: bool = False):
+    def __init__(self, prompt_opens_thinking: bool = False, tool_calls: bool = False):
         self.state = "think" if prompt_opens_thinking else "start"
+        self.tool_calls = tool_calls  # "<tool_call>" ends the think block too, and stays
         self.thinks = prompt_opens_thinking  # did this output think (then reasoning is a str)
         self._buf = ""
         self._lead = True  # at the start of a section: its leading whitespace is dropped
@@ -63,6 +65,14 @@ class ReasoningSplitter:
                         break
                     self._lead = False
                 at = self._buf.find(CLOSE_THINK)
+                call = self._buf.find(TOOL_CALL) if self.tool_calls else -1
+                if call >= 0 and (at < 0 or call < at):  # the model calls a tool mid-thought
+                    piece = self._buf[:call].rstrip()
+                    if piece:
+                        out.append(ReasoningDelta(piece))
+                    self._buf = self._buf[call:]
+                    self.state, self._lead = "answer", False
+                    continue
                 if at >= 0:
                     piece = self._buf[:at].rstrip()
                     if piece:
@@ -71,6 +81,8 @@ class ReasoningSplitter:
                     self.state, self._lead = "answer", True
                     continue
                 keep = _partial_tag(self._buf, CLOSE_THINK)
+                if self.tool_calls:
+                    keep = max(keep, _partial_tag(self._buf, TOOL_CALL))
                 body = self._buf[:len(self._buf) - keep]
                 ready = body.rstrip()  # trailing whitespace may come right before </think>
                 if ready:
@@ -97,9 +109,11 @@ class ReasoningSplitter:
         return [rest] if rest else []
 
 
-def split_reasoning(text: str, prompt_opens_thinking: bool = False) -> tuple[str | None, str]:
-    """A finished output's text -> (reasoning or None when it does not think, answer)."""
-    s = ReasoningSplitter(prompt_opens_thinking)
+def split_reasoning(text: str, prompt_opens_thinking: bool = False,
+                    tool_calls: bool = False) -> tuple[str | None, str]:
+    """A finished output's text -> (reasoning or None when it does not think, answer);
+    ``tool_calls``: a ``<tool_call>`` inside the think block ends it (ReasoningSplitter)."""
+    s = ReasoningSplitter(prompt_opens_thinking, tool_calls)
     pieces = s.feed(text) + s.flush()
     reasoning = "".join(p for p in pieces if isinstance(p, ReasoningDelta))
     answer = "".join(p for p in pieces if not isinstance(p, ReasoningDelta))

@@ -114,6 +114,11 @@ class Request:
     # the caller asked to keep a checkpoint at (where a chat's generation prompt starts).
     session: Session | None = None
     requested_snapshot_at: int | None = None
+    # Structured outputs: the matcher of the request's grammar (hybridrt.structured_outputs),
+    # which has accepted exactly the output tokens; None without a constraint. n > 1: the
+    # parent request (hybridrt.parallel_sampling) this one is a choice of.
+    grammar: object | None = None
+    parent_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.spec_k > 0 and self.spec_stats is None:
@@ -143,7 +148,8 @@ class Request:
         """The sampler's view of this request, as if ``drafts`` had already been emitted."""
         return SamplingRow(params=self.params, prompt_token_ids=self.prompt_token_ids,
                            output_token_ids=self.output_token_ids + list(drafts),
-                           generator=self.generator, eos_token_ids=self.eos_token_ids)
+                           generator=self.generator, eos_token_ids=self.eos_token_ids,
+                           grammar=self.grammar)
 
     def reset_speculation(self) -> None:
         """Drop pending drafts and go back to the first slot (preemption, abort)."""

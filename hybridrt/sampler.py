@@ -4,9 +4,12 @@ One call works on N rows of fp32 logits ``[N, V]``; each row carries its own
 ``SamplingParams`` and token history (``SamplingRow``). The pipeline, in vLLM's order
 (step, the rows it applies to, what it does):
 
+0. grammar (rows with ``grammar``, structured outputs): tokens the grammar does not allow
+   next -> -inf (``apply_token_bitmask``).
 1. penalties (all rows): repetition (prompt + output; logit > 0 divided, else multiplied),
    then frequency (count in output) and presence (seen in output) subtracted.
-2. min_tokens (rows with fewer outputs than min_tokens): eos ids and stop_token_ids -> -inf.
+2. min_tokens (rows with fewer outputs than min_tokens, without a grammar: a grammar decides
+   where its output may end): eos ids and stop_token_ids -> -inf.
 3. logprobs (rows asking for them): log_softmax taken here: after penalties and the
    min_tokens mask, before temperature and filtering.
 4. temperature (random rows): logits / temperature.
@@ -37,6 +40,7 @@ __all__ = [
     "Sampler",
     "SamplerOutput",
     "SamplingRow",
+    "apply_token_bitmask",
     "find_stop",
     "make_generator",
 ]
@@ -63,6 +67,9 @@ class SamplingRow:
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # structured outputs: the request's RequestGrammar (hybridrt.structured_outputs), whose
+    # ``fill_mask`` gives the tokens allowed after output_token_ids
+    grammar: object | None = None
 
 
 @dataclass(slots=True)
@@ -177,6 +184,13 @@ class Sampler:
         num_rows, vocab = logits.shape
         device = logits.device
 
+        guided = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if guided:
+            bitmask = torch.empty(len(guided), (vocab + 31) // 32, dtype=torch.int32)
+            for j, i in enumerate(guided):
+                rows[i].grammar.fill_mask(bitmask, j, rows[i].output_token_ids)
+            apply_token_bitmask(logits, to_device(bitmask, device), _tensor(guided, device))
+
         rep = [r.params.repetition_penalty != 1.0 for r in rows]
         additive = [
             r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0 for r in rows
@@ -203,7 +217,7 @@ class Sampler:
 
         masked_rows, masked_ids = [], []
         for i, r in enumerate(rows):
-            if len(r.output_token_ids) < r.params.min_tokens:
+            if len(r.output_token_ids) < r.params.min_tokens and r.grammar is None:
                 ids = {t for t in chain(r.eos_token_ids, r.params.stop_token_ids) if t < vocab}
                 masked_rows.extend([i] * len(ids))
                 masked_ids.extend(ids)
@@ -265,6 +279,27 @@ class Sampler:
 
 
 # Helpers -------------------------------------------------------------------------------------
+_BITS = {}  # device -> [256, 8] fp32: 0 where bit j of byte b is set, else -inf
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                        rows: torch.Tensor) -> None:
+    """``logits[rows[j], t] = -inf`` where bit ``t % 32`` of ``bitmask[j, t // 32]`` is 0, in
+    place. ``bitmask``: int32 ``[len(rows), ceil(V / 32)]`` on the logits' device (xgrammar's
+    layout). Plain torch ops, the same on CPU and CUDA: each byte of the mask looks up its
+    8 additive values (0 or -inf) in a 256-row table, one gather for the whole row; on CPU
+    that costs a tenth of a bool mask's ``masked_fill`` (docs/structured_outputs.md)."""
+    table = _BITS.get(bitmask.device)
+    if table is None:
+        byte = torch.arange(256, device=bitmask.device).unsqueeze(1)
+        bit = torch.arange(8, device=bitmask.device)
+        table = _BITS[bitmask.device] = torch.where(
+            (byte >> bit) & 1 == 1, 0.0, float("-inf")).to(torch.float32)
+    n, vocab = bitmask.shape[0], logits.shape[1]
+    add = torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), table)
+    logits.index_add_(0, rows, add.view(n, -1)[:, :vocab])
+
+
 def _tensor(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``torch.tensor(values, dtype)`` on ``device``; on CUDA without waiting for the work
     queued on the device (kernels/meta.py's ``to_device``)."""

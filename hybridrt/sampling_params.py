@@ -10,6 +10,7 @@ from dataclasses import dataclass
 # such a value only overflows towards the argmax anyway.
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_N = 128  # choices of one request (each is a request of its own in the engine)
 
 
 # Bad values raise ValueError, also for wrong types: the engine reports one exception type per
@@ -30,6 +31,77 @@ def _finite(name: str, value: object, allowed: str) -> float:
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's names); exactly one of ``json``,
+    ``regex``, ``choice``, ``grammar``, ``json_object``, ``structural_tag``.
+
+    | field | meaning |
+    | --- | --- |
+    | json | a JSON schema (dict or JSON text): the output is one JSON value valid against it |
+    | regex | the output matches this regular expression (whole output) |
+    | choice | the output is exactly one of these strings |
+    | grammar | an EBNF grammar (xgrammar's / GBNF syntax; rule ``root`` is the start) |
+    | json_object | True: the output is one JSON object, any keys |
+    | structural_tag | xgrammar's structural tag (dict or JSON text): text with constrained parts |
+    | disable_any_whitespace | True (our default; vLLM's is False): JSON laid out as
+      ``json.dumps`` does (", " and ": "); False: any whitespace between tokens, in runs of
+      at most 20 characters |
+
+    Compiled by the engine (``hybridrt.structured_outputs``): a constraint that does not
+    compile fails its own request, with the compiler's message.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None
+    # True by default, unlike vLLM: with free whitespace a weak model fills every gap with
+    # as much as it may (docs/structured_outputs.md)
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "structural_tag")
+                 if getattr(self, k) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object, structural_tag; got {kinds or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or "
+                             f"its JSON text), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if isinstance(self.choice, tuple):
+                self.choice = list(self.choice)
+            if not (isinstance(self.choice, list) and self.choice
+                    and all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of "
+                                 "non-empty strings")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            raise ValueError("structured_outputs.structural_tag must be an object or its "
+                             "JSON text")
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"structured_outputs.{name} must be a bool, got {value!r}")  # noqa: TRY004
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json, regex, choice, grammar, json_object or structural_tag."""
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar", "structural_tag")
+                    if getattr(self, k) is not None)
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens for one request (vLLM-compatible subset).
 
@@ -47,6 +119,8 @@ class SamplingParams:
     | stop | None | str or list of non-empty str; normalised to a list |
     | stop_token_ids | None | list of ints >= 0; normalised to a list |
     | logprobs | None | None or int in [0, 20]: top logprobs returned besides the sampled one |
+    | n | 1 | int in [1, 128]: choices, each its own request (seeded: seed + index) |
+    | structured_outputs | None | StructuredOutputsParams (or a dict of its fields) |
     """
 
     temperature: float = 1.0
@@ -65,6 +139,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.temperature = _finite("temperature", self.temperature, ">= 0")
@@ -109,6 +185,17 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")  # noqa: TRY004
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            unknown = sorted(set(so) - set(StructuredOutputsParams.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown fields {unknown}")
+            self.structured_outputs = StructuredOutputsParams(**so)
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams or a dict, "
+                             f"got {type(so).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -42,8 +42,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridrt import openai_protocol as api
+from hybridrt.parallel_sampling import ParentRequest
 from hybridrt.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
 from hybridrt.sampling_params import SamplingParams
+from hybridrt.tool_calls import ToolCallParser, parse_tool_calls, tool_constraint
 
 log = logging.getLogger("hybridrt.server")
 
@@ -59,18 +61,23 @@ class Progress:
     error: Exception | None = None
     num_prompt_tokens: int = 0
     num_reused_tokens: int = 0
+    index: int = 0  # the choice (n > 1) it is of
 
 
 @dataclass(eq=False)
 class Handle:
-    """The HTTP side's end of one request."""
+    """The HTTP side's end of one request (one choice: the n choices of one HTTP request
+    share ``queue``, and their items say whose they are by ``index``)."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     request_id: str | None = None
     sent_tokens: int = 0
+    index: int = 0
+    parent_id: str | None = None
 
     def post(self, item: Progress) -> None:
+        item.index = self.index
         with contextlib.suppress(RuntimeError):  # a closed event loop: shutting down
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
@@ -143,7 +150,8 @@ class EngineLoop:
             _, handle, ids, params, prompt, snapshot_at = cmd
             try:
                 rid = self.engine.add_request(ids, params, prompt=prompt,
-                                              snapshot_at=snapshot_at)
+                                              snapshot_at=snapshot_at,
+                                              parent_id=handle.parent_id)
             except Exception as e:
                 handle.post(Progress([], None, "", "error", e, len(ids)))
                 return
@@ -387,21 +395,42 @@ class Server:
             raw = None  # hold only the job while the request runs
             if big:  # hand a large body's memory back to the system, refused or not
                 self.pool.submit(_release_memory)
-        handle = Handle(asyncio.get_running_loop())
-        self.loop.submit(handle, job["ids"], job["params"], job["prompt"], job["snapshot_at"])
+        handles = self._submit(job)
         if job["stream"]:
             try:
-                first = await handle.queue.get()  # refusals still get a status code
+                first = await handles[0].queue.get()  # refusals still get a status code
             except asyncio.CancelledError:
-                self.loop.abort(handle)
+                self._abort(handles)
                 raise
             if first.error is not None:
+                self._abort(handles)
                 return _error(_as_api_error(first.error))
             from starlette.responses import StreamingResponse
 
-            return StreamingResponse(self._events(handle, first, job, chat),
+            return StreamingResponse(self._events(handles, first, job, chat),
                                      media_type="text/event-stream")
-        return await self._collect(request, handle, job, chat)
+        return await self._collect(request, handles, job, chat)
+
+    def _submit(self, job: dict) -> list[Handle]:
+        """The request to the engine: one request, or n choices as child requests of one
+        parent (hybridrt.parallel_sampling), their handles on one queue."""
+        loop, params = asyncio.get_running_loop(), job["params"]
+        if params.n == 1:
+            handles = [Handle(loop)]
+            children = [params]
+        else:
+            parent = ParentRequest(job["id"], params)
+            queue = asyncio.Queue()
+            handles = [Handle(loop, queue, index=i, parent_id=parent.request_id)
+                       for i in range(params.n)]
+            children = [parent.child_params(i) for i in range(params.n)]
+        for handle, child in zip(handles, children):
+            self.loop.submit(handle, job["ids"], child, job["prompt"], job["snapshot_at"])
+        return handles
+
+    def _abort(self, handles: list[Handle]) -> None:
+        for handle in handles:
+            self.loop.abort(handle)
 
     async def _read_body(self, request) -> bytes:
         """The body, refused with 413 as soon as it is known to pass the limit (from
@@ -447,12 +476,15 @@ class Server:
         api.check_common(body, self.model_name)
         api.check_limits(body, self.limits)
         params = api.sampling_params(body, self.defaults, chat)
-        snapshot_at = None
+        snapshot_at, tools, choice, parallel = None, None, "none", True
         if chat:
             if self.tokenizer is None:
                 raise api.bad("this model has no tokenizer, so it has no chat template")
             messages = api.chat_messages(body)
             kwargs = api.template_kwargs(body)
+            tools, choice, parallel = api.chat_tools(body)
+            if tools:
+                kwargs["tools"] = tools
             gen = body.get("add_generation_prompt", True)
             try:
                 text = self.llm.apply_chat_template(messages, kwargs, gen)
@@ -482,9 +514,20 @@ class Server:
         except ValueError as e:
             raise api.bad(str(e), where) from None
         thinks = chat and text is not None and opens_thinking(text)
+        if choice not in ("none", "auto"):  # required / named: the output is made calls
+            if params.structured_outputs is not None:
+                raise api.bad(f"tool_choice {_short_choice(choice)} makes the output tool "
+                              f"calls: it cannot go with response_format or "
+                              f"structured_outputs", "tool_choice")
+            try:
+                params = params.clone(structured_outputs=tool_constraint(
+                    tools, choice, thinks, parallel))
+            except ValueError as e:
+                raise api.bad(str(e), "tools") from None
         opts = body.get("stream_options") or {}
         return {"ids": ids, "params": params, "prompt": text, "snapshot_at": snapshot_at,
-                "thinks": thinks, "id": api.new_id("chatcmpl" if chat else "cmpl"),
+                "thinks": thinks, "tools": tools if choice != "none" else None,
+                "parallel": parallel, "id": api.new_id("chatcmpl" if chat else "cmpl"),
                 "created": api.now(), "top": params.logprobs or 0,
                 "stream": bool(body.get("stream")), "usage": bool(opts.get("include_usage"))}
 
@@ -540,90 +583,136 @@ class Server:
             return api.chat_logprobs(ids, entries, top, self._piece)
         return api.completion_logprobs(ids, entries, top, self._piece, offset)
 
-    async def _collect(self, request, handle: Handle, job: dict, chat: bool):
+    async def _collect(self, request, handles: list[Handle], job: dict, chat: bool):
         """A non-streaming answer; aborts the request if the client goes away meanwhile."""
         from starlette.responses import JSONResponse
 
-        ids, entries = [], []
+        n = len(handles)
+        ids: list[list[int]] = [[] for _ in range(n)]
+        entries: list[list[dict]] = [[] for _ in range(n)]
+        final: dict[int, Progress] = {}
         next_check = time.monotonic() + 0.5
-        while True:
+        while len(final) < n:
             try:
-                item = await asyncio.wait_for(handle.queue.get(), timeout=0.5)
+                item = await asyncio.wait_for(handles[0].queue.get(), timeout=0.5)
             except asyncio.TimeoutError:
                 item = None
             except asyncio.CancelledError:
-                self.loop.abort(handle)
+                self._abort(handles)
                 raise
             if time.monotonic() >= next_check:  # twice a second: is the client still there?
                 next_check = time.monotonic() + 0.5
                 if await request.is_disconnected():
-                    self.loop.abort(handle)
+                    self._abort(handles)
                     return JSONResponse({}, status_code=499)
             if item is None:
                 continue
-            ids += item.new_token_ids
-            entries += item.new_logprobs or []
+            ids[item.index] += item.new_token_ids
+            entries[item.index] += item.new_logprobs or []
             if item.finish_reason is not None:
-                break
-        if item.error is not None:
-            return _error(_as_api_error(item.error))
-        use = api.usage(item.num_prompt_tokens, len(ids), item.num_reused_tokens)
-        lps = self._logprobs(chat, ids, entries if job["params"].logprobs is not None else None,
-                             job["top"], 0)
-        choice = {"index": 0, "logprobs": lps, "finish_reason": item.finish_reason}
-        if chat:
-            reasoning, answer = split_reasoning(item.text, job["thinks"])
-            choice["message"] = {"role": "assistant", "content": answer,
-                                 "reasoning_content": reasoning}
-            obj = "chat.completion"
-        else:
-            choice["text"] = item.text
-            obj = "text_completion"
+                final[item.index] = item
+                if item.error is not None:
+                    self._abort(handles)
+                    return _error(_as_api_error(item.error))
+        first = final[0]
+        use = api.usage(first.num_prompt_tokens, sum(len(x) for x in ids),
+                        max(f.num_reused_tokens for f in final.values()))
+        choices = []
+        for i in range(n):
+            item = final[i]
+            lps = self._logprobs(chat, ids[i],
+                                 entries[i] if job["params"].logprobs is not None else None,
+                                 job["top"], 0)
+            choice = {"index": i, "logprobs": lps, "finish_reason": item.finish_reason}
+            if chat:
+                choice["message"] = self._message(item.text, job, choice)
+            else:
+                choice["text"] = item.text
+            choices.append(choice)
+        obj = "chat.completion" if chat else "text_completion"
         return JSONResponse({"id": job["id"], "object": obj, "created": job["created"],
-                             "model": self.model_name, "choices": [choice], "usage": use})
+                             "model": self.model_name, "choices": choices, "usage": use})
 
-    async def _events(self, handle: Handle, item: Progress, job: dict, chat: bool):
-        """Server-sent events of one streaming request; closing it (a client that went away)
-        aborts the request."""
+    @staticmethod
+    def _message(text: str, job: dict, choice: dict) -> dict:
+        """A finished choice's assistant message: reasoning apart, tool calls parsed (then
+        finish_reason "tool_calls", as OpenAI answers)."""
+        tools = job["tools"]
+        reasoning, answer = split_reasoning(text, job["thinks"], tool_calls=tools is not None)
+        msg = {"role": "assistant", "content": answer, "reasoning_content": reasoning}
+        if tools is not None:
+            content, calls = parse_tool_calls(answer, tools)
+            if not job["parallel"]:
+                calls = calls[:1]
+            msg["content"] = content
+            msg["tool_calls"] = [c.as_openai() for c in calls]
+            if calls and choice["finish_reason"] == "stop":
+                choice["finish_reason"] = "tool_calls"
+        return msg
+
+    async def _events(self, handles: list[Handle], item: Progress, job: dict, chat: bool):
+        """Server-sent events of one streaming request (its n choices interleaved, each
+        chunk naming its choice); closing it (a client that went away) aborts the request."""
         rid, created, model = job["id"], job["created"], self.model_name
         params: SamplingParams = job["params"]
         holdback = 0 if params.include_stop_str_in_output else max(0, params.max_stop_len - 1)
-        splitter = ReasoningSplitter(job["thinks"]) if chat else None
-        sent, num_tokens, finished = 0, 0, False
+        n, tools = len(handles), job["tools"]
+        splitters = [ReasoningSplitter(job["thinks"], tool_calls=tools is not None) if chat
+                     else None for _ in range(n)]
+        parsers = [ToolCallParser(tools) if chat and tools is not None else None
+                   for _ in range(n)]
+        sent, called = [0] * n, [False] * n
+        num_tokens, done_count, finished = 0, 0, False
+        prompt_tokens, reused = 0, 0
         try:
             if chat:
-                yield _sse(api.chat_chunk(rid, model, created, {"role": "assistant",
-                                                                 "content": ""}))
+                for i in range(n):
+                    yield _sse(api.chat_chunk(rid, model, created, {"role": "assistant",
+                                                                     "content": ""}, index=i))
             while True:
+                i = item.index
                 done = item.finish_reason is not None
                 if item.error is not None:
                     err = _as_api_error(item.error)
                     yield _sse(err.body())
                     break
                 end = len(item.text) if done else len(item.text) - holdback
-                text = item.text[sent:end] if end > sent else ""
-                sent = max(sent, end)
+                text = item.text[sent[i]:end] if end > sent[i] else ""
+                sent[i] = max(sent[i], end)
                 lps = self._logprobs(chat, item.new_token_ids, item.new_logprobs, job["top"],
-                                     sent - len(text))
+                                     sent[i] - len(text))
                 num_tokens += len(item.new_token_ids)
                 if chat:
-                    pieces = splitter.feed(text) + (splitter.flush() if done else [])
-                    delta = _delta(pieces)
+                    pieces = splitters[i].feed(text) + (splitters[i].flush() if done else [])
+                    delta = _delta(pieces, parsers[i], done)
+                    if not job["parallel"] and "tool_calls" in delta:
+                        delta["tool_calls"] = [d for d in delta["tool_calls"] if d["index"] == 0]
+                        if not delta["tool_calls"]:
+                            del delta["tool_calls"]
+                    called[i] = called[i] or "tool_calls" in delta
                     if delta or lps:
                         yield _sse(api.chat_chunk(rid, model, created, delta or {"content": ""},
-                                                  logprobs=lps))
+                                                  logprobs=lps, index=i))
                     if done:
-                        yield _sse(api.chat_chunk(rid, model, created, {}, item.finish_reason))
+                        reason = item.finish_reason
+                        if called[i] and reason == "stop":
+                            reason = "tool_calls"
+                        yield _sse(api.chat_chunk(rid, model, created, {}, reason, index=i))
                 elif text or lps or done:
                     yield _sse(api.completion_chunk(rid, model, created, text,
-                                                    item.finish_reason if done else None, lps))
+                                                    item.finish_reason if done else None, lps,
+                                                    index=i))
                 if done:
+                    done_count += 1
+                    prompt_tokens = prompt_tokens or item.num_prompt_tokens
+                    reused = max(reused, item.num_reused_tokens)
+                if done_count == n:
                     if job["usage"]:
                         obj = "chat.completion.chunk" if chat else "text_completion"
                         yield _sse(api.usage_chunk(rid, model, created, obj, api.usage(
-                            item.num_prompt_tokens, num_tokens, item.num_reused_tokens)))
+                            prompt_tokens, num_tokens, reused)))
                     break
-                item = await handle.queue.get()
+                item = await handles[0].queue.get()
             finished = True
             yield "data: [DONE]\n\n"
         except Exception:  # a bug: end the stream with an error event, not a reset connection
@@ -631,20 +720,35 @@ class Server:
             yield _sse(_internal_error().body())
         finally:
             if not finished:
-                self.loop.abort(handle)
+                self._abort(handles)
 
 
-def _delta(pieces: list[str]) -> dict:
+def _delta(pieces: list[str], parser: ToolCallParser | None = None,
+           done: bool = False) -> dict:
+    """A chat chunk's delta: reasoning, answer text and (with a tool-call parser) the
+    calls' pieces: a call's name first, then its arguments fragment by fragment."""
     from hybridrt.reasoning import ReasoningDelta
 
     reasoning = "".join(p for p in pieces if isinstance(p, ReasoningDelta))
     answer = "".join(p for p in pieces if not isinstance(p, ReasoningDelta))
+    calls = []
+    if parser is not None:
+        answer, calls = parser.feed(answer)
+        if done:
+            rest, more = parser.flush()
+            answer, calls = answer + rest, calls + more
     delta = {}
     if reasoning:
         delta["reasoning_content"] = reasoning
     if answer:
         delta["content"] = answer
+    if calls:
+        delta["tool_calls"] = [c.as_openai() for c in calls]
     return delta
+
+
+def _short_choice(choice) -> str:
+    return repr(choice) if isinstance(choice, str) else repr(choice["function"]["name"])
 
 
 def _sse(obj: dict) -> str:

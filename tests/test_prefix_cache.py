@@ -169,7 +169,7 @@ def test_six_turn_chat_whose_template_rewrites_history(tiny, k):
     message start); on a session, as the chat command runs it."""
     llm = make(tiny, k)
     s = llm.open_session()
-    rendered, prompts, outs = msg(30, 1), [], []
+    rendered, prompts, outs, gen_start = msg(30, 1), [], [], 0
     for turn in range(6):
         rendered = rendered + msg(5 + turn, 10 + turn)
         prompt = rendered + [START, 5, 6]  # the generation prompt

@@ -226,11 +226,11 @@ def test_models_health_metrics(srv):
     ({"messages": user("hi"), "temperature": -1}, 400, "temperature must be >= 0"),
     ({"messages": []}, 400, "messages must be a non-empty list"),
     ({"messages": user("hi"), "model": "gpt-4"}, 404, "'gpt-4' does not exist"),
-    ({"messages": user("hi"), "n": 2}, 400, "n must be 1"),
+    ({"messages": user("hi"), "n": 0}, 400, "n must be an integer in [1, 128]"),
     ({"messages": user("hi"), "max_tokens": 0}, 400, "max_tokens must be an int >= 1"),
     ({"messages": user("hi"), "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
     ({"messages": user("x " * 600)}, 400, "max_model_len is 512"),
-    ({"messages": user("hi"), "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": user("hi"), "tools": [{"type": "function"}]}, 400, "tools[0]"),
 ])
 def test_bad_chat_requests_get_openai_errors(srv, body, status, words):
     r = httpx.post(f"{srv.base}/v1/chat/completions", json=body)

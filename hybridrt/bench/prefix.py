@@ -1,0 +1,169 @@
+"""``hybridrt bench prefix``: what the prefix cache saves, with and without it in one run.
+
+Two engines on the same checkpoint, prefix caching on and off, run the same workloads in
+alternated rounds (on, off, on, off, ...); each round starts with the cache emptied:
+
+- ``shared``: ``num_requests`` requests submitted at once, sharing a ``system_tokens``-token
+  system message, each with its own ``question_tokens``-token question (chat-shaped token ids:
+  every message begins with the model's message-start token, ``<|im_start|>``, where the
+  engine checkpoints). Reported: prompt tokens prefilled, median and p90 time to first token,
+  wall time.
+- ``disjoint``: ``disjoint_requests`` random prompts that share nothing: the cache's overhead
+  (hashing, checkpoints, nothing to reuse); output tokens per second.
+
+Medians over the rounds; the ratios compare the two engines' figures from the same rounds.
+With caching on, the report also gives the cache's own counters over its last round: look-ups,
+hits, hit tokens (hit rate: hit tokens / looked-up tokens), checkpoints saved and evicted,
+checkpoints held and their bytes, blocks evicted. Multi-turn serving is ``hybridrt bench serve``
+(prefix caching on and off over HTTP).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from hybridrt.sampling_params import SamplingParams
+
+
+def _random(n: int, vocab: int, avoid: set[int], g: torch.Generator) -> list[int]:
+    ids = torch.randint(10, vocab, (n,), generator=g).tolist()
+    return [t if t not in avoid else t + 1 for t in ids]
+
+
+def shared_prompts(start: int, vocab: int, num_requests: int, system_tokens: int,
+                   question_tokens: int, seed: int = 0) -> list[list[int]]:
+    """Chat-shaped prompts: [start] system, [start] question, [start] + one generation-prompt
+    token; the system message is the same in all."""
+    g = torch.Generator().manual_seed(seed)
+    avoid = {start}
+    system = [start] + _random(system_tokens - 1, vocab, avoid, g)
+    return [system + [start] + _random(question_tokens - 1, vocab, avoid, g) + [start, 11]
+            for _ in range(num_requests)]
+
+
+def disjoint_prompts(vocab: int, num_requests: int, length: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [_random(length, vocab, set(), g) for _ in range(num_requests)]
+
+
+def _run_batch(llm, prompts, params) -> dict:
+    """Submit every prompt at once, step to the end -> timings and prefilled tokens."""
+    eng = llm.engine
+    before = eng.stats["num_prefill_tokens"]
+    t0 = time.perf_counter()
+    rids = [eng.add_request(p, params) for p in prompts]
+    while eng.has_unfinished_requests():
+        eng.step()
+    wall = time.perf_counter() - t0
+    outs = [eng.pop_request(r) for r in rids]
+    ttft = sorted(r.metrics.time_to_first_token for r in outs)
+    return {"wall_s": wall, "prefilled_tokens": eng.stats["num_prefill_tokens"] - before,
+            "ttft_p50_s": statistics.median(ttft), "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
+            "output_tokens": sum(r.num_output_tokens for r in outs),
+            "cached_tokens": sum(r.metrics.num_cached_tokens for r in outs)}
+
+
+def cache_counters(llm, before: dict) -> dict:
+    """The prefix cache's counters since ``before`` (a copy of them), and what it holds."""
+    cache = llm.engine.cache
+    if cache.prefix is None:
+        return {}
+    st = {k: v - before.get(k, 0) for k, v in cache.prefix.stats.items()}
+    usage = cache.usage()
+    st["hit_rate"] = round(st["hit_tokens"] / st["query_tokens"], 4) if st["query_tokens"] else 0
+    st["checkpoints_held"] = usage.num_checkpoints
+    st["checkpoint_bytes_held"] = usage.num_checkpoints * cache.sizing.bytes_per_slot
+    st["checkpoint_slots"] = cache.sizing.num_checkpoint_slots + cache.sizing.num_request_slots
+    st["bytes_per_checkpoint"] = cache.sizing.bytes_per_slot
+    return st
+
+
+def _median_row(rounds: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+
+
+def run(model: str | None = None, threads: int | None = None, dtype: str = "auto",
+        quantization: str | None = None, num_requests: int = 32, system_tokens: int = 2048,
+        question_tokens: int = 64, max_tokens: int = 16, disjoint_requests: int = 64,
+        disjoint_tokens: int = 128, rounds: int = 2, cache_memory: str = "4GiB",
+        workloads: tuple[str, ...] = ("shared", "disjoint"),
+        json_path: str | os.PathLike | None = None, verbose: bool = True) -> dict:
+    from hybridrt.llm import LLM
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    max_len = max(system_tokens + question_tokens + 2, disjoint_tokens) + max_tokens + 8
+    kw = {"dtype": dtype, "quantization": quantization, "max_model_len": max(max_len, 256),
+          "max_num_seqs": max(num_requests, disjoint_requests), "cache_memory": cache_memory,
+          "threads": threads}
+    engines = {True: LLM(model, enable_prefix_caching=True, **kw),
+               False: LLM(model, enable_prefix_caching=False, **kw)}
+    llm = engines[True]
+    starts = sorted(llm.engine.checkpoint_boundary_ids)
+    if not starts:
+        raise ValueError("this model's tokenizer has no message-start token (<|im_start|>): "
+                         "the shared workload needs one")
+    vocab = llm.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    report = {"model": str(llm.model_path), "dtype": str(llm.dtype).removeprefix("torch."),
+              "quantization": quantization, "threads": torch.get_num_threads(),
+              "rounds": rounds, "workloads": {}}
+    work = {"shared": shared_prompts(starts[0], vocab, num_requests, system_tokens,
+                                     question_tokens),
+            "disjoint": disjoint_prompts(vocab, disjoint_requests, disjoint_tokens)}
+    for name in workloads:
+        prompts = work[name]
+        results: dict[bool, list[dict]] = {True: [], False: []}
+        for _ in range(rounds):
+            for on in (True, False):
+                engines[on].reset_prefix_cache()
+                before = dict(engines[True].engine.cache.prefix.stats)
+                results[on].append(_run_batch(engines[on], prompts, params))
+                if on:
+                    counters = cache_counters(engines[True], before)
+                if verbose:
+                    r = results[on][-1]
+                    print(f"{name} cache {'on ' if on else 'off'}: prefilled "
+                          f"{r['prefilled_tokens']}, TTFT p50 {r['ttft_p50_s']:.2f} s, wall "
+                          f"{r['wall_s']:.1f} s", flush=True)
+        on, off = _median_row(results[True]), _median_row(results[False])
+        row = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+               "on": on, "off": off, "rounds_on": results[True], "rounds_off": results[False],
+               "prefilled_ratio": off["prefilled_tokens"] / max(1, on["prefilled_tokens"]),
+               "ttft_p50_ratio": off["ttft_p50_s"] / on["ttft_p50_s"],
+               "throughput_ratio": (on["output_tokens"] / on["wall_s"])
+               / (off["output_tokens"] / off["wall_s"]),
+               "cache": counters}
+        report["workloads"][name] = row
+    if verbose:
+        print(table(report))
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def table(report: dict) -> str:
+    lines = ["| workload | cache | prefilled tokens | TTFT p50 s | TTFT p90 s | wall s | "
+             "output tok/s |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, row in report["workloads"].items():
+        for key in ("on", "off"):
+            r = row[key]
+            lines.append(f"| {name} | {key} | {r['prefilled_tokens']:.0f} | "
+                         f"{r['ttft_p50_s']:.2f} | {r['ttft_p90_s']:.2f} | {r['wall_s']:.1f} | "
+                         f"{r['output_tokens'] / r['wall_s']:.1f} |")
+        c = row["cache"]
+        lines.append(f"| {name} | off / on | **{row['prefilled_ratio']:.1f}x** | "
+                     f"**{row['ttft_p50_ratio']:.1f}x** | | | on/off "
+                     f"**{row['throughput_ratio']:.3f}** |")
+        lines.append(f"| {name} | counters | hit rate {c.get('hit_rate', 0):.3f} | "
+                     f"{c.get('checkpoints_saved', 0)} checkpoints saved, "
+                     f"{c.get('checkpoint_evictions', 0)} evicted | "
+                     f"{c.get('checkpoints_held', 0)} held | "
+                     f"{c.get('checkpoint_bytes_held', 0) / 2**20:.0f} MiB | |")
+    return "\n".join(lines)

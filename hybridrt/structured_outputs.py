@@ -1,0 +1,230 @@
+"""Structured outputs: a request's constraint compiled to a grammar, and its token mask.
+
+The grammar engine is xgrammar (why it, and not llguidance: docs/structured_outputs.md),
+imported on the first constrained request. ``StructuredOutputs`` (one per engine) compiles a
+request's ``StructuredOutputsParams`` in a worker thread (xgrammar releases the GIL), with a
+time limit, and caches what it compiled; a request waits outside the scheduler until its
+grammar is ready, and a constraint that fails to compile, or takes longer than the limit,
+fails that request alone. Each request then owns a ``RequestGrammar``: an xgrammar matcher
+that has accepted exactly the request's output tokens.
+
+The mask: ``RequestGrammar.fill_mask`` writes the tokens allowed after the output (plus
+drafts, for a speculative row: they are accepted, the mask is filled and they are rolled
+back at once, so the matcher never holds an unverified token) into one row of an int32
+bitmask, bit ``t % 32`` of word ``t // 32`` for token t; the sampler applies it
+(``sampler.apply_token_bitmask``, torch ops that run on CPU and CUDA alike). The update step
+accepts each emitted token (``accept``); the request stops when its grammar has ended.
+
+| object | owner | lives |
+| --- | --- | --- |
+| StructuredOutputs | the engine | tokenizer info, compiler, cache, compile pool |
+| RequestGrammar | ``Request.grammar`` | the request's life; preemption keeps it (outputs stay) |
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from hybridrt.sampling_params import StructuredOutputsParams
+
+DEFAULT_COMPILE_TIMEOUT = 10.0  # seconds a constraint may take to compile
+# the longest run of whitespace between JSON tokens (llama.cpp's JSON grammars allow about as
+# much): pretty-printing stays possible, and a model cannot loop on whitespace for ever
+MAX_JSON_WHITESPACE = 20
+MAX_CONSTRAINT_CHARS = 1 << 20  # the text of one constraint (schema, regex, grammar)
+
+
+def _import_xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ValueError(
+            f"structured outputs need the xgrammar package ({e}): pip install "
+            f"'hybridrt[structured]'") from None
+    return xgrammar
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words of one row of a token bitmask."""
+    return (vocab_size + 31) // 32
+
+
+def _clean(message: str) -> str:
+    """xgrammar's C++ error without its '[time] file.cc:line: ' prefix and check text."""
+    text = str(message).strip().splitlines()[0] if str(message).strip() else str(message)
+    text = re.sub(r"^\[[\d:]+\] [^ ]+:\d+: ", "", text)
+    return re.sub(r"^Check failed: \(.*?\) is false: ", "", text)
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """The EBNF grammar whose sentences are exactly ``choices``."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class RequestGrammar:
+    """One request's matcher. ``num_accepted``: output tokens accepted so far (the matcher's
+    state is the grammar after them)."""
+
+    __slots__ = ("matcher", "num_accepted", "kind")
+
+    def __init__(self, matcher: Any, kind: str):
+        self.matcher = matcher
+        self.kind = kind
+        self.num_accepted = 0
+
+    def accept(self, token: int) -> bool:
+        """Advance by one emitted token -> False when the grammar does not allow it."""
+        ok = self.matcher.accept_token(int(token))
+        if ok:
+            self.num_accepted += 1
+        return ok
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar has ended (it accepted a stop token)."""
+        return self.matcher.is_terminated()
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int, output_token_ids: Sequence[int]) -> None:
+        """Row ``row`` of ``bitmask`` (int32 [N, words], CPU) := the tokens allowed after
+        ``output_token_ids`` (the accepted outputs, then drafts). The drafts are accepted for
+        the fill and rolled back after it. A row past a draft the grammar refuses, or past
+        its end, allows every token: verification rejects at that draft first, so the row
+        is never sampled from."""
+        drafts = output_token_ids[self.num_accepted:]
+        m = self.matcher
+        taken = 0
+        for t in drafts:
+            if m.is_terminated() or not m.accept_token(int(t)):
+                break
+            taken += 1
+        if taken == len(drafts) and not m.is_terminated():
+            m.fill_next_token_bitmask(bitmask, row)
+        else:
+            bitmask[row] = -1
+        if taken:
+            m.rollback(taken)
+
+
+class StructuredOutputs:
+    """Compiles constraints for one engine: ``submit(params)`` -> a Future of the compiled
+    grammar (cached by the constraint's text), ``matcher(compiled, stop_ids)`` -> a
+    RequestGrammar. ``compile_timeout``: seconds after which a request stops waiting for its
+    grammar and fails (the compile itself cannot be interrupted: it finishes in its worker
+    thread, and its result is cached)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                 compile_timeout: float = DEFAULT_COMPILE_TIMEOUT, workers: int = 1):
+        if tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer (the grammar is on text)")
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self.compile_timeout = compile_timeout
+        self._pool = ThreadPoolExecutor(max_workers=workers,
+                                        thread_name_prefix="hybridrt-grammar")
+        self._compiler = None
+        self._lock = threading.Lock()  # the compiler is built once, by the first compile
+        self._futures: dict[tuple, Future] = {}  # in flight or done (xgrammar caches too)
+        self.stats = {"compiled": 0, "cache_hits": 0, "errors": 0, "compile_s": 0.0}
+
+    # Compiling ----------------------------------------------------------------------------
+    def _get_compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                xgr = _import_xgrammar()
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size,
+                    stop_token_ids=self.stop_token_ids or None)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+    def submit(self, so: StructuredOutputsParams) -> Future:
+        """The compiled grammar of ``so``, as a Future (done at once when cached)."""
+        key = _key(so)
+        fut = self._futures.get(key)
+        if fut is not None and not (fut.done() and fut.exception() is not None):
+            self.stats["cache_hits"] += 1
+            return fut
+        fut = self._pool.submit(self._compile, so)
+        self._futures[key] = fut
+        if len(self._futures) > 4096:  # xgrammar keeps the grammars; forget old futures
+            self._futures.pop(next(iter(self._futures)))
+        return fut
+
+    def compile(self, so: StructuredOutputsParams, timeout: float | None = None):
+        """Compile now (waiting at most ``timeout`` s, default ``compile_timeout``) -> the
+        compiled grammar; ValueError if it does not compile in time."""
+        fut = self.submit(so)
+        return self.result(fut, so, self.compile_timeout if timeout is None else timeout)
+
+    def result(self, fut: Future, so: StructuredOutputsParams, timeout: float = 0.0):
+        """The compiled grammar of a done ``fut``; ValueError for a compile error, or when
+        ``fut`` is not done within ``timeout``."""
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        try:
+            return fut.result(timeout=timeout)
+        except FutureTimeout:
+            raise ValueError(
+                f"structured_outputs.{so.kind}: the constraint did not compile within "
+                f"{self.compile_timeout:g} s (simplify it: large enums and deep nesting "
+                f"compile slowly)") from None
+
+    def _compile(self, so: StructuredOutputsParams):
+        t0 = time.perf_counter()
+        compiler = self._get_compiler()
+        kind = so.kind
+        try:
+            value = getattr(so, kind)
+            if isinstance(value, str) and len(value) > MAX_CONSTRAINT_CHARS:
+                raise ValueError(f"it has {len(value)} characters, over the limit of "
+                                 f"{MAX_CONSTRAINT_CHARS}")
+            if kind in ("json", "json_object"):
+                schema = value if isinstance(value, str) else json.dumps(value)
+                if kind == "json_object":
+                    schema = '{"type": "object"}'
+                flexible = not so.disable_any_whitespace
+                g = compiler.compile_json_schema(
+                    schema, any_whitespace=flexible, strict_mode=kind == "json",
+                    max_whitespace_cnt=MAX_JSON_WHITESPACE if flexible else None)
+            elif kind == "regex":
+                g = compiler.compile_regex(value)
+            elif kind == "choice":
+                g = compiler.compile_grammar(choice_grammar(value))
+            elif kind == "grammar":
+                g = compiler.compile_grammar(value)
+            else:
+                g = compiler.compile_structural_tag(value)
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError with its reason
+            self.stats["errors"] += 1
+            raise ValueError(f"structured_outputs.{kind}: the constraint cannot be compiled: "
+                             f"{_clean(str(e))}") from None
+        self.stats["compiled"] += 1
+        self.stats["compile_s"] += time.perf_counter() - t0
+        return g
+
+    def matcher(self, compiled: Any, stop_token_ids: Sequence[int], kind: str) -> RequestGrammar:
+        """A fresh matcher of ``compiled`` that ends on any of ``stop_token_ids`` (the
+        request's; the model's eos ids when it has none)."""
+        xgr = _import_xgrammar()
+        stops = list(stop_token_ids) or self.stop_token_ids
+        return RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None),
+                              kind)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _key(so: StructuredOutputsParams) -> tuple:
+    value = getattr(so, so.kind)
+    if isinstance(value, (dict, list)):
+        value = json.dumps(value, sort_keys=True)
+    return so.kind, value, so.disable_any_whitespace
