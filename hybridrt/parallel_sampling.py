@@ -58,4 +58,5 @@ class ParentRequest:
             request_id=self.request_id, prompt=first.prompt,
             prompt_token_ids=first.prompt_token_ids, outputs=choices,
             finished=all(o.finished for o in outs), metrics=first.metrics,
-            error=next((o.error for o in outs if o.error is not None), None))
+            error=next((o.error for o in outs if o.error is not None), None),
+            num_cached_tokens=first.num_cached_tokens)

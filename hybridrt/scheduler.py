@@ -116,6 +116,8 @@ class Scheduler:
             return plan
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if self._prefix_in_flight(req):
+                break
             n = self._admit(req, budget)
             if n is None:
                 if not self.running:  # nothing else holds any cache: it never fits
@@ -189,6 +191,29 @@ class Scheduler:
             self.sessions.admitted(req)
         return min(len(req.token_ids) - got.num_tokens, budget)
 
+    def _prefix_in_flight(self, req: Request) -> bool:
+        """Whether a running request is prefilling a prefix of ``req``'s tokens and will save a
+        checkpoint past what the cache gives ``req`` now (by a block or more): then ``req``
+        waits and resumes from it, rather than compute the same tokens beside it (requests
+        that share a system prompt arriving together, the choices of an n > 1 request)."""
+        if req.block_hashes is None or req.num_computed_tokens:
+            return False
+        prefilling = [r for r in self.running
+                      if r.num_computed_tokens < r.num_prompt_tokens and r.checkpoint_at]
+        if not prefilling:
+            return False
+        hit = self.cache.peek(req.token_ids, req.block_hashes)
+        have = hit.num_tokens if hit is not None else 0
+        tokens = req.token_ids
+        for r in prefilling:
+            if r.block_hashes.lookahead != req.block_hashes.lookahead:
+                continue  # they cannot share blocks
+            common = _common_prefix(tokens, r.token_ids, len(tokens) - 1)
+            if any(r.num_computed_tokens < p <= common and p >= have + self.cache.block_size
+                   for p in r.checkpoint_at):
+                return True
+        return False
+
     def _room_for(self, req: Request) -> bool:
         """Whether ``req`` may be admitted beside the running requests: the cache (idle
         sessions' pins given up while that helps) holds all their known tokens and its, with a
@@ -249,3 +274,11 @@ class Scheduler:
         self.under_pressure = True
         self.waiting.appendleft(req)
         plan.preempted.append(req)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

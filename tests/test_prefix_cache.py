@@ -212,6 +212,28 @@ def test_all_workloads_under_a_cache_that_evicts_and_preempts(tiny, k):
     assert llm.engine.cache.all_free()
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_requests_arriving_together_share_the_prefill(tiny, k):
+    """Requests that arrive together wait for a running request that is prefilling their
+    common prefix, and resume from its checkpoints instead of computing the same tokens beside
+    it: the 8-question workload submitted at once, and the choices of an n = 4 request."""
+    system = msg(70, 1)
+    prompts = [system + msg(6 + i, 10 + i) + [START, 5] for i in range(8)]
+    llm = make(tiny, k)
+    before = llm.engine.stats["num_prefill_tokens"]
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    own = sum(len(p) - len(system) for p in prompts[1:])
+    assert llm.engine.stats["num_prefill_tokens"] - before == len(prompts[0]) + own
+    cold, want = cold_run(tiny, k, prompts, greedy())
+    assert_same(outs, want)
+    a = msg(60, 2)
+    before = llm.engine.stats["num_prefill_tokens"]
+    (joined,) = llm.generate([a], sampled(9).clone(n=4), use_tqdm=False)
+    assert llm.engine.stats["num_prefill_tokens"] - before == len(a) + 3  # one token each
+    _, alone = cold_run(tiny, k, [a] * 4, [sampled(9 + i) for i in range(4)])
+    assert [c.token_ids for c in joined.outputs] == [o.outputs[0].token_ids for o in alone]
+
+
 # The demo model: bf16 and int8, its chat template -----------------------------------------------
 SYSTEM = ("You answer questions about the Python standard library in one or two sentences, "
           "naming the module and the function, and you say so when you are not sure. "
