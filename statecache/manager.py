@@ -191,9 +191,9 @@ class HybridCacheManager:
     Per owner (a request, or a session) it keeps a block table (list of block ids, shared
     ones included) and its state slots; callers read them through ``block_table`` /
     ``state_slots`` and change them only through the methods below. ``admit`` gives a request
-    being admitted its slots and blocks (from the cache where it can), ``grow`` more blocks,
-    ``release`` takes them back, keeping what the prefix cache wants of them; a False / None
-    return means nothing was taken, which the scheduler answers with preemption.
+    being admitted its slots and blocks (from the cache where it can), ``allocate_blocks``
+    more blocks, ``release`` takes them back, keeping what the prefix cache wants of them; a
+    False / None return means nothing was taken, which the scheduler answers with preemption.
     """
 
     def __init__(self, config: ModelConfig, sizing: CacheSizing, dtype: torch.dtype,
