@@ -431,6 +431,9 @@ def prefix(
     cache_memory: Annotated[str, typer.Option(
         "--cache-memory", help="Cache budget of each of the two engines.")] = "4GiB",
     threads: ThreadsOpt = None,
+    cpu_time: Annotated[bool, typer.Option(
+        "--cpu-time", help="Time the workloads in this process's CPU time (a busy machine; "
+        "with --threads 1); TTFT stays wall time.")] = False,
     json_path: JsonOpt = None,
 ) -> None:
     """Prefix caching on vs off in one run: requests sharing a system prompt (prefilled
@@ -452,7 +455,7 @@ def prefix(
                         question_tokens=question_tokens, max_tokens=max_tokens,
                         disjoint_requests=disjoint_requests, disjoint_tokens=disjoint_tokens,
                         rounds=rounds, cache_memory=cache_memory, workloads=chosen,
-                        json_path=json_path)
+                        json_path=json_path, cpu_time=cpu_time)
     except ValueError as e:
         raise CliError(str(e), 2) from None
 
