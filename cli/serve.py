@@ -110,7 +110,7 @@ def serve(
     """
     _check_deps("hybridrt serve")
     autoscaling_config = _check_replica_options(replicas, ray_address, autoscaling, router,
-                                                router_imbalance)
+                                                router_imbalance, port)
     from hybridrt.openai_protocol import Limits
     from hybridrt.server import resolve_api_key
 
@@ -163,8 +163,8 @@ RAY_NEEDS = "needs Ray Serve: pip install 'hybridrt[ray]'"
 
 
 def _check_replica_options(replicas: int | None, ray_address: str | None,
-                           autoscaling: str | None, router: str,
-                           router_imbalance: int) -> dict | None:
+                           autoscaling: str | None, router: str, router_imbalance: int,
+                           port: int) -> dict | None:
     """The --replicas options' mistakes -> CliError (exit 2) before anything loads; -> the
     autoscaling config (None: fixed replicas)."""
     if replicas is None:
@@ -176,6 +176,9 @@ def _check_replica_options(replicas: int | None, ray_address: str | None,
         if given:
             raise CliError(f"{', '.join(given)} go(es) with --replicas N (Ray Serve)", 2)
         return None
+    if port == 0:
+        raise CliError("--port 0 does not go with --replicas: Ray Serve's proxy needs the "
+                       "port given", 2)
     if router not in ("prefix", "pow2"):
         raise CliError(f"--router must be prefix or pow2, got {router!r}", 2)
     config = None
@@ -197,8 +200,17 @@ def _check_replica_options(replicas: int | None, ray_address: str | None,
     if config is not None:
         from ray.serve.config import AutoscalingConfig
 
+        fields = getattr(AutoscalingConfig, "model_fields", None) or {}
+        unknown = sorted(set(config) - set(fields)) if fields else []
+        if unknown:
+            raise CliError(f"--autoscaling: {', '.join(unknown)}: not a field of Ray Serve's "
+                           f"autoscaling_config (e.g. min_replicas, max_replicas, "
+                           f"target_ongoing_requests)", 2)
         try:
             AutoscalingConfig(**config)
-        except Exception as e:
-            raise CliError(f"--autoscaling: {' '.join(str(e).split())[:300]}", 2) from None
+        except Exception as e:  # pydantic's ValidationError: its messages, one line
+            errors = e.errors() if hasattr(e, "errors") else [{"msg": str(e)}]
+            what = "; ".join(f"{'.'.join(map(str, x.get('loc', ())))} {x['msg']}".strip()
+                             for x in errors)
+            raise CliError(f"--autoscaling: {what}", 2) from None
     return config

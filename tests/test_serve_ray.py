@@ -129,8 +129,12 @@ def chat_ids(llm: LLM, messages: list[dict]) -> list[int]:
 
 
 def cold(ref: LLM, prompts: list, max_tokens: int = 16) -> list[str]:
+    return [o.text for o in cold_outputs(ref, prompts, max_tokens)]
+
+
+def cold_outputs(ref: LLM, prompts: list, max_tokens: int):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [o.outputs[0].text for o in ref.generate(prompts, params, use_tqdm=False)]
+    return [o.outputs[0] for o in ref.generate(prompts, params, use_tqdm=False)]
 
 
 def user(q: str) -> list[dict]:
@@ -265,13 +269,17 @@ def test_killed_replica_loses_no_request_and_comes_back(cluster, ref):
     replica and the deployment serves on both."""
     n, max_tokens = 16, 200
     prompts = [f"k{i}: {QUESTIONS[i % len(QUESTIONS)]}" for i in range(n)]
-    want = cold(ref, [chat_ids(ref, user(p)) for p in prompts], max_tokens)
+    outs = cold_outputs(ref, [chat_ids(ref, user(p)) for p in prompts], max_tokens)
+    want = [o.text for o in outs]
+    pieces = [[ref.tokenizer.decode([t], skip_special_tokens=False) for t in o.token_ids]
+              for o in outs]
     retries_before = cluster.metrics()["hybridrt_failover_retries_total"]
     started: set[int] = set()
 
     async def one(client, i, prompt):
         body = {"model": MODEL, "messages": user(prompt), "temperature": 0,
-                "max_tokens": max_tokens, "ignore_eos": True, "stream": i % 2 == 0}
+                "max_tokens": max_tokens, "ignore_eos": True, "stream": i % 2 == 0,
+                "logprobs": True, "stream_options": {"include_usage": True}}
         if not body["stream"]:
             r = await client.post("/v1/chat/completions", json=body)
             return r.status_code, r.json()
@@ -304,15 +312,21 @@ def test_killed_replica_loses_no_request_and_comes_back(cluster, ref):
         if i % 2:
             assert body["choices"][0]["message"]["content"] == want[i]
             continue
-        content = [e["choices"][0]["delta"].get("content") or "" for e in body
-                   if isinstance(e, dict) and e.get("choices")]
+        chunks = [e["choices"][0] for e in body if isinstance(e, dict) and e.get("choices")]
+        text = "".join(c["delta"].get("content") or "" for c in chunks)
+        # one logprobs entry a token sent: a token sent twice would show here even where the
+        # text is held back and cut to what was sent already
+        tokens = [x["token"] for c in chunks for x in (c["logprobs"] or {}).get("content", [])]
         errors = [k for k, e in enumerate(body) if isinstance(e, dict) and "error" in e]
-        text = "".join(content)
         if not errors:
             assert text == want[i]
+            assert tokens == pieces[i]
+            usage = [e["usage"] for e in body if isinstance(e, dict) and e.get("usage")]
+            assert usage[0]["completion_tokens"] == max_tokens
             continue
         cut += 1
         assert want[i].startswith(text), (i, text, want[i])  # what came, came once
+        assert tokens == pieces[i][:len(tokens)], (i, tokens)
         assert all(not isinstance(e, dict) or not e.get("choices") for e in body[errors[0]:])
     retries = cluster.metrics()["hybridrt_failover_retries_total"] - retries_before
     # both kinds were on the killed replica (8 + 8 spread over two: all on one side is
