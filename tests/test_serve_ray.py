@@ -98,6 +98,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The command (first: before this process starts its own Ray) ---------------------------------
+def test_bench_serve_runs_hybridrt_serve_replicas_and_stops_it(tmp_path):
+    """`hybridrt bench serve --replicas 1`: the real command with a local Ray, loaded, then
+    stopped by SIGTERM (exit 0: Ray Serve and Ray shut down)."""
+    from hybridrt.bench import serve as servebench
+
+    report = servebench.run(conversations=2, turns=2, max_tokens=4, time_limit=120, threads=1,
+                            replicas=[1], json_path=tmp_path / "serve.json")
+    (r,) = report["runs"]
+    assert (r["replicas"], r["router"], r["requests"], r["errors"]) == (1, "prefix", 4, 0)
+    assert r["server_exit"] == 0
+    assert 0 < r["hit_rate"] < 1 and r["prefilled_tokens"] == r["prompt_tokens"] - \
+        r["reused_tokens"]
+
+
 @pytest.fixture(scope="module")
 def cluster():
     from ray import serve
