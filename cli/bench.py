@@ -396,6 +396,9 @@ def bench_serve(
         "--replicas", help="Replica counts to compare on Ray Serve, e.g. 1,2: a run per count "
         "(prefix-aware routing) and, beyond one, one with Ray Serve's power-of-two router "
         "(default: one engine, prefix caching on and off).", show_default=False)] = None,
+    router_imbalance: Annotated[int | None, typer.Option(
+        "--router-imbalance", min=0, help="With --replicas: hybridrt serve's "
+        "--router-imbalance (default: its default).", show_default=False)] = None,
 ) -> None:
     """Loopback load test of `hybridrt serve`: multi-turn chat clients streaming at once,
     with and without prefix reuse (or over Ray Serve replicas and routers): requests/s, TTFT
@@ -415,7 +418,7 @@ def bench_serve(
 
     servebench.run(model=model, conversations=conversations, turns=turns,
                    max_tokens=max_tokens, time_limit=time_limit, threads=threads,
-                   json_path=json_path, replicas=counts)
+                   json_path=json_path, replicas=counts, router_imbalance=router_imbalance)
 
 
 # prefix --------------------------------------------------------------------------------------

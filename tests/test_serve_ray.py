@@ -198,6 +198,9 @@ def test_two_replicas_answer_what_one_engine_answers(cluster, ref):
     assert got == [want_chat[i] if i % 2 == 0 else want_text[i] for i in range(len(prompts))]
     after = cluster.served()
     assert len(after) == 2 and all(after[r] > before.get(r, 0) for r in after), (before, after)
+    # n > 1: the choices of one request, run as child requests on one replica
+    r = cluster.chat(user(prompts[0]), n=2, ignore_eos=True)
+    assert [c["message"]["content"] for c in r["choices"]] == [want_chat[0]] * 2
 
 
 # Prefix-aware routing --------------------------------------------------------------------------

@@ -48,13 +48,16 @@ def _pct(xs: list[float], p: float) -> float | None:
 
 
 def _metrics(client, base: str) -> dict[str, float]:
-    """Each metric's value, summed over its labels (replicas, finish reasons)."""
+    """Each metric's value, summed over its labels (replicas, finish reasons); the router's
+    decisions also one by one (``name|decision``)."""
     out: dict[str, float] = {}
     for line in client.get(f"{base}/metrics").text.splitlines():
         if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            name = name.split("{")[0]
+            sample, value = line.rsplit(" ", 1)
+            name = sample.split("{")[0]
             out[name] = out.get(name, 0.0) + float(value)
+            if 'decision="' in sample:
+                out[f"{name}|{sample.split(chr(34))[1]}"] = float(value)
     return out
 
 
@@ -140,7 +143,8 @@ def _wait_healthy(client, base: str, proc, log, seconds: float = 600.0) -> None:
 
 def _one_run(model: str | None, reuse: bool, conversations: int, turns: int,
              max_tokens: int, time_limit: float, threads: int | None,
-             replicas: int | None = None, router: str = "prefix") -> dict:
+             replicas: int | None = None, router: str = "prefix",
+             router_imbalance: int | None = None) -> dict:
     import httpx
 
     port = _free_port()
@@ -153,6 +157,8 @@ def _one_run(model: str | None, reuse: bool, conversations: int, turns: int,
         cmd += ["--threads", str(threads)]
     if replicas is not None:
         cmd += ["--replicas", str(replicas), "--router", router]
+        if router == "prefix" and router_imbalance is not None:
+            cmd += ["--router-imbalance", str(router_imbalance)]
     base = f"http://127.0.0.1:{port}"
     # the server's output goes to a file: a pipe nobody reads would fill and stall Ray's logs
     with tempfile.TemporaryFile(mode="w+") as log:
@@ -187,16 +193,20 @@ def _one_run(model: str | None, reuse: bool, conversations: int, turns: int,
             "prompt_tokens": int(delta.get("hybridrt_prompt_tokens_total", 0)),
             "reused_tokens": int(delta.get("hybridrt_prefix_reused_tokens_total", 0)),
             "prefilled_tokens": int(delta.get("hybridrt_prefill_tokens_total", 0)),
-            "server_exit": proc.returncode}  # 0: it stopped cleanly on SIGTERM
+            "server_exit": proc.returncode,  # 0: it stopped cleanly on SIGTERM
+            # the prefix-aware router's decisions (hybridrt.prefix_routing.rank)
+            **{f"routed_{d}": int(delta.get(f"hybridrt_router_decisions_total|{d}", 0))
+               for d in ("prefix", "overloaded", "least_loaded")}}
 
 
 COLUMNS = ["prefix_reuse", "requests", "skipped", "seconds", "requests_per_s",
            "output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50",
            "itl_ms_p90", "itl_ms_p99", "hit_rate", "prompt_tokens", "reused_tokens",
            "prefilled_tokens"]
-REPLICA_COLUMNS = ["replicas", "router", "requests", "skipped", "errors", "seconds",
-                   "requests_per_s", "output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99",
-                   "itl_ms_p50", "hit_rate", "prompt_tokens", "prefilled_tokens"]
+REPLICA_COLUMNS = ["replicas", "router", "requests", "errors", "seconds", "requests_per_s",
+                   "output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50",
+                   "hit_rate", "prompt_tokens", "prefilled_tokens", "routed_prefix",
+                   "routed_overloaded", "routed_least_loaded"]
 
 
 def table(rows: list[dict]) -> str:
@@ -211,20 +221,20 @@ def table(rows: list[dict]) -> str:
 def run(model: str | None = None, conversations: int = 8, turns: int = 4, max_tokens: int = 32,
         time_limit: float = 300.0, threads: int | None = None,
         json_path: str | os.PathLike | None = None,
-        replicas: list[int] | None = None) -> dict:
+        replicas: list[int] | None = None, router_imbalance: int | None = None) -> dict:
     """Both runs (reuse on, then off), or with ``replicas`` a run per replica count (and
     per router beyond one replica) -> the report; prints the table."""
     if replicas:
         runs = [(n, router) for n in replicas for router in
                 (("prefix", "pow2") if n > 1 else ("prefix",))]
         rows = [_one_run(model, True, conversations, turns, max_tokens, time_limit, threads,
-                         n, router) for n, router in runs]
+                         n, router, router_imbalance) for n, router in runs]
     else:
         rows = [_one_run(model, reuse, conversations, turns, max_tokens, time_limit, threads)
                 for reuse in (True, False)]
     report = {"model": model or "demo", "conversations": conversations, "turns": turns,
               "max_tokens": max_tokens, "time_limit": time_limit, "threads": threads,
-              "replicas": replicas, "runs": rows}
+              "replicas": replicas, "router_imbalance": router_imbalance, "runs": rows}
     print(table(rows))
     if json_path is not None:
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
