@@ -17,8 +17,8 @@ The ingress's handle to the engine deployment routes with ``hybridrt.ray_router`
 Failover (``RayServer._pump``): when the replica serving a request dies, a request that has sent
 nothing to its client yet (a non-streaming one until it is whole, a stream until its first
 piece) is sent again, to another replica, up to ``max_retries`` times; a stream that has begun
-ends with an error event. Nothing is sent twice: a retry starts from a fresh queue only while
-nothing reached the client. Ray Serve starts a replacement for the dead replica.
+ends with an error event. Nothing is sent twice: a request is sent again only while nothing of
+it has reached the client. Ray Serve starts a replacement for the dead replica.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ray.exceptions import RayActorError
 
 from hybridrt import openai_protocol as api
 from hybridrt.prefix_routing import ROUTERS
-from hybridrt.server import Frontend, Handle, Progress, Server, metrics_lines
+from hybridrt.server import Frontend, Handle, Progress, Server, _internal_error, metrics_lines
 
 log = logging.getLogger("hybridrt.ray_serve")
 APP = "hybridrt"
@@ -215,9 +215,13 @@ class RayServer(Server):
                     continue
                 if lost:
                     self.failover["errors"] += 1
-                log.warning("request %s failed: %s", job["id"], e)
-                error = api.ApiError(503, "the replica serving this request failed; "
-                                          "nothing more will come", kind="server_error")
+                    log.warning("request %s: its replica died (%s)", job["id"],
+                                type(e).__name__)
+                    error = api.ApiError(503, "the replica serving this request failed; "
+                                              "nothing more will come", kind="server_error")
+                else:  # a bug: logged whole, answered without internals
+                    log.error("request %s failed", job["id"], exc_info=e)
+                    error = _internal_error()
                 for i in range(n):
                     if i not in finished:
                         handles[i].post(Progress([], None, texts[i], "error", error))
