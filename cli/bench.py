@@ -1,7 +1,8 @@
 """``hybridrt bench throughput`` / ``gemm`` / ``spec`` / ``quality`` / ``startup`` / ``busy`` /
-``serve`` / ``prefix``: the commands over ``hybridrt.bench``; each prints a table and, with
-``--json`` / ``--plot``, writes the report and a chart. The benchmark modules are imported
-inside the commands, so that ``hybridrt chat`` never loads them (tests/test_bench_layout.py)."""
+``serve`` / ``prefix`` / ``preemption``: the commands over ``hybridrt.bench``; each prints a
+table and, with ``--json`` / ``--plot``, writes the report and a chart. The benchmark
+modules are imported inside the commands, so that ``hybridrt chat`` never loads them
+(tests/test_bench_layout.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from hybridrt.cli.common import CliError, ModelArg, QuantizationOpt, ThreadsOpt
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                         help="Benchmarks: throughput vs transformers, speculative decoding, "
-                             "the CPU GEMM paths, start-up, int8 quality.")
+                             "the CPU GEMM paths, start-up, int8 quality, the server, "
+                             "preemption.")
 
 PlotOpt = Annotated[Path | None, typer.Option(
     "--plot", help="Also draw a chart to this PNG (needs matplotlib, the 'plot' extra) "
@@ -469,3 +471,63 @@ def prefix(
                         json_path=json_path)
     except ValueError as e:
         raise CliError(str(e), 2) from None
+
+
+# preemption ----------------------------------------------------------------------------------
+def _pair(name: str, text: str) -> tuple[int, int]:
+    values = _int_list(name, text, 1)
+    if len(values) != 2:
+        raise CliError(f"{name} takes PROMPT,GENERATED (two integers), got {text!r}", 2)
+    return values[0], values[1]
+
+
+@bench_app.command("preemption")
+def preemption(
+    model: ModelArg = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="Weight and cache dtype.")
+                     ] = "bfloat16",
+    cache_memory: Annotated[str, typer.Option(
+        "--cache-memory", help="KV + state cache budget (bytes or a size such as 12MiB): too "
+        "small for the whole workload at once.")] = "12MiB",
+    max_model_len: Annotated[int, typer.Option(
+        "--max-model-len", min=2, help="Context length.")] = 4096,
+    max_num_seqs: Annotated[int, typer.Option(
+        "--max-num-seqs", min=1, help="Requests running at once.")] = 8,
+    max_num_batched_tokens: Annotated[int | None, typer.Option(
+        "--max-num-batched-tokens", min=1, help="Tokens per engine step (default: the "
+        "engine's).", show_default=False)] = None,
+    long: Annotated[str, typer.Option(
+        "--long", help="The long request: PROMPT,GENERATED tokens.")] = "3000,1000",
+    short: Annotated[str, typer.Option(
+        "--short", help="Each short request: PROMPT,GENERATED tokens.")] = "1000,400",
+    num_short: Annotated[int, typer.Option(
+        "--num-short", min=0, help="Short requests beside the long one.")] = 6,
+    rounds: Annotated[int, typer.Option(
+        "--rounds", min=1, help="Runs of each rule, alternated (the median wall time is "
+        "reported).")] = 1,
+    check_alone: Annotated[bool, typer.Option(
+        "--check-alone", help="Also run each request alone and report whether both rules' "
+        "greedy outputs equal those (exact in float32) (default: off).")] = False,
+    threads: ThreadsOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Memory pressure: one long request beside short ones in a small cache, under the
+    scheduler's admission control and the earlier chunk rule, alternated on one engine:
+    preemptions, tokens prefilled again, steps, wall time."""
+    from hybridrt.cli.common import check_model_options, resolve_model
+
+    _check_dtype(dtype)
+    check_model_options(dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory)
+    long_pair, short_pair = _pair("--long", long), _pair("--short", short)
+    need = max(sum(long_pair), sum(short_pair))
+    if need > max_model_len:
+        raise CliError(f"a request of {need} tokens does not fit --max-model-len "
+                       f"{max_model_len}", 2)
+    path = resolve_model(model)
+    from hybridrt.bench.preemption import run_preemption_bench
+
+    run_preemption_bench(path, dtype=dtype, cache_memory=cache_memory,
+                         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens, long=long_pair,
+                         short=short_pair, num_short=num_short, rounds=rounds,
+                         check_alone=check_alone, threads=threads, json_path=json_path)

@@ -112,7 +112,9 @@ def serve(
     autoscaling_config = _check_replica_options(replicas, ray_address, autoscaling, router,
                                                 router_imbalance, port)
     from hybridrt.openai_protocol import Limits
-    from hybridrt.server import resolve_api_key
+    from hybridrt.server import one_malloc_arena, resolve_api_key
+
+    one_malloc_arena()  # before any thread allocates: docs/server.md
 
     try:
         key = resolve_api_key(api_key, api_key_file)

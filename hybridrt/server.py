@@ -857,6 +857,27 @@ def _release_memory() -> None:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
+def one_malloc_arena(environ=None) -> bool:
+    """Put every thread's heap in glibc's main arena (``mallopt(M_ARENA_MAX, 1)``), unless
+    MALLOC_ARENA_MAX or a ``glibc.malloc.arena_max`` tunable says otherwise; True when set.
+    Call it before any thread allocates: a thread keeps the arena it first used. Why:
+    ``malloc_trim`` (``_release_memory``) hands back the main arena's free top but not another
+    arena's, and a parsing thread's arena keeps a free top of up to 64 MiB (glibc trims it on
+    free only past a threshold it raises to twice the largest block freed) - docs/server.md."""
+    import ctypes
+    import ctypes.util
+    import os
+
+    environ = os.environ if environ is None else environ
+    if "MALLOC_ARENA_MAX" in environ or "arena_max" in environ.get("GLIBC_TUNABLES", ""):
+        return False
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        m_arena_max = -8  # malloc.h
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(
+            m_arena_max, 1) == 1
+    return False
+
+
 def _as_api_error(e: Exception) -> api.ApiError:
     """A request's own error (bad input, can never fit: ValueError) is a 400; the rest 500
     (an ApiError as it is)."""

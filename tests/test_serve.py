@@ -307,9 +307,11 @@ def test_client_disconnect_aborts_and_frees(srv, ref):
 
 def test_bench_serve_runs_the_real_command_with_and_without_reuse(tmp_path):
     from hybridrt.bench import serve as servebench
+    from hybridrt.llm import DEMO_MODEL_DIR
 
-    report = servebench.run(conversations=2, turns=2, max_tokens=4, time_limit=60, threads=1,
-                            json_path=tmp_path / "serve.json")
+    # the model named, as a user would (it went before "serve" on the command line once)
+    report = servebench.run(str(DEMO_MODEL_DIR), conversations=2, turns=2, max_tokens=4,
+                            time_limit=60, threads=1, json_path=tmp_path / "serve.json")
     on, off = report["runs"]
     for r in (on, off):
         assert r["requests"] == 4 and r["skipped"] == 0 and r["errors"] == 0

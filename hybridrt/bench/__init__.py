@@ -1,11 +1,11 @@
 """Everything ``hybridrt bench ...`` runs, and the random-weight fixtures the tests share.
 
 throughput (against transformers and llama.cpp, and the CPU GEMM paths), spec (speculative
-decoding), serve (a loopback load test of ``hybridrt serve``), busy (decode beside a busy
-process), startup, quality (int8 against bf16), ceilings (what the machine allows), llamacpp
-(the llama.cpp driver), cuda (``python -m hybridrt.bench.cuda``, the GPU benchmark), fixtures
-(tiny and 0.8B-shaped configs, random checkpoints, a character tokenizer, the transformers
-reference model).
+decoding), serve (a loopback load test of ``hybridrt serve``), preemption (the scheduler's
+admission rules under memory pressure), busy (decode beside a busy process), startup, quality
+(int8 against bf16), ceilings (what the machine allows), llamacpp (the llama.cpp driver), cuda
+(``python -m hybridrt.bench.cuda``, the GPU benchmark), fixtures (tiny and 0.8B-shaped
+configs, random checkpoints, a character tokenizer, the transformers reference model).
 
 The product (the rest of hybridrt, kernels, statecache, specdec, and cli but for cli/bench.py,
 whose commands import these modules when they run) imports nothing from here:

@@ -152,7 +152,7 @@ def _one_run(model: str | None, reuse: bool, conversations: int, turns: int,
            "warning", "--prefix-caching" if reuse else "--no-prefix-caching", "--max-num-seqs",
            str(conversations)]
     if model is not None:
-        cmd.insert(3, model)
+        cmd.insert(4, model)  # after "serve"
     if threads is not None:
         cmd += ["--threads", str(threads)]
     if replicas is not None:
