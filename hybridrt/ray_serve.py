@@ -354,11 +354,25 @@ def build_app(model_path: str, model_name: str, llm_options: dict, *, replicas: 
     )(EngineReplica)
     target = replicas if not autoscaling else int(autoscaling.get("min_replicas", 1) or 1)
     ingress = serve.deployment(name="ingress", num_replicas=1, max_ongoing_requests=4096,
-                               ray_actor_options={"num_cpus": 0})(serve.ingress()(Ingress))
+                               ray_actor_options={"num_cpus": 0,
+                                                  "runtime_env": _ingress_env()},
+                               )(serve.ingress()(Ingress))
     options = {"target": target, **(server_options or {})}
     return ingress.bind(engine.bind(model_path, {**llm_options, "threads": threads,
                                                  "device": device}),
                         model_path, model_name, options)
+
+
+def _ingress_env(environ=None) -> dict:
+    """The ingress's runtime_env: one glibc malloc arena, as ``hybridrt serve`` has
+    (server.one_malloc_arena, docs/server.md), since the ingress is where request bodies are
+    parsed and refused; as an environment variable, because glibc reads it when the worker
+    process starts, before any thread allocates. A MALLOC_ARENA_MAX or GLIBC_TUNABLES given
+    here is passed on instead. The engines keep glibc's default: they parse nothing."""
+    environ = os.environ if environ is None else environ
+    if "arena_max" in environ.get("GLIBC_TUNABLES", ""):
+        return {"env_vars": {"GLIBC_TUNABLES": environ["GLIBC_TUNABLES"]}}
+    return {"env_vars": {"MALLOC_ARENA_MAX": environ.get("MALLOC_ARENA_MAX", "1")}}
 
 
 def start_local_ray(num_cpus: int, object_store_mb: int = 128) -> None:

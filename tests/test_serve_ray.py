@@ -278,6 +278,35 @@ def test_bad_requests_get_4xx_from_the_ingress(cluster):
     assert cluster.served() == before  # refused before any replica saw them
 
 
+def _pids_of(title: str) -> list[int]:
+    """Processes whose command line (Ray sets it to the actor's name) starts with ``title``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().startswith(title.encode()):
+                        pids.append(int(entry))
+            except OSError:  # gone, or not ours to read
+                pass
+    return pids
+
+
+def test_the_ingress_runs_with_one_malloc_arena(cluster):
+    """The ingress parses and refuses request bodies: like ``hybridrt serve``, its threads
+    share glibc's main arena, so that malloc_trim hands a refused body's memory back
+    (test_serve_limits.py's test_memory_of_refused_requests_is_handed_back has the why)."""
+    from test_serve_limits import thread_heaps
+
+    (ingress,) = _pids_of("ray::ServeReplica:hybridrt:ingress")
+    r = cluster.http.post("/v1/completions", content=b"x" * (5 << 20),
+                          headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert not thread_heaps(ingress)
+    engines = _pids_of("ray::ServeReplica:hybridrt:engine")
+    assert len(engines) == 2 and all(thread_heaps(pid) for pid in engines)  # the check sees
+
+
 # Failover (last: it kills a replica) ----------------------------------------------------------
 def test_killed_replica_loses_no_request_and_comes_back(cluster, ref):
     """Eight streams and eight plain requests in flight on both replicas; one replica's
