@@ -113,6 +113,37 @@ def test_bench_serve_runs_hybridrt_serve_replicas_and_stops_it(tmp_path):
         r["reused_tokens"]
 
 
+def test_the_application_passes_replicas_threads_device_and_autoscaling_through():
+    """``build_app``'s deployments as Ray Serve will run them (nothing started): per-replica
+    CPUs and GPU, a fixed count or Ray Serve's autoscaling config, the ingress's arena."""
+    from hybridrt.ray_serve import _ingress_env, build_app
+
+    def parts(app):
+        ingress = app._bound_deployment
+        return ingress, ingress.init_args[0]._bound_deployment
+
+    ingress, engine = parts(build_app("m", "n", {"max_num_seqs": 8}, replicas=3, threads=2))
+    assert (engine.num_replicas, engine.ray_actor_options) == (3, {"num_cpus": 2,
+                                                                   "num_gpus": 0})
+    assert engine.init_args == ("m", {"max_num_seqs": 8, "threads": 2, "device": "cpu"})
+    assert engine._deployment_config.max_ongoing_requests == 16
+    assert ingress.init_args[1:] == ("m", "n", {"target": 3})
+    assert ingress.ray_actor_options["runtime_env"] == {"env_vars": {"MALLOC_ARENA_MAX": "1"}}
+    scaled = {"min_replicas": 2, "max_replicas": 5, "target_ongoing_requests": 3}
+    ingress, engine = parts(build_app("m", "n", {}, autoscaling=scaled, threads=1,
+                                      device="cuda:0"))
+    config = engine._deployment_config.autoscaling_config
+    assert (config.min_replicas, config.max_replicas, config.target_ongoing_requests) == \
+        (2, 5, 3)
+    assert engine.ray_actor_options == {"num_cpus": 1, "num_gpus": 1}
+    assert ingress.init_args[3] == {"target": 2}
+    with pytest.raises(ValueError, match="router must be one of"):
+        build_app("m", "n", {}, router="random")
+    assert _ingress_env({"MALLOC_ARENA_MAX": "8"}) == {"env_vars": {"MALLOC_ARENA_MAX": "8"}}
+    tunable = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    assert _ingress_env(tunable) == {"env_vars": tunable}
+
+
 @pytest.fixture(scope="module")
 def cluster():
     from ray import serve
