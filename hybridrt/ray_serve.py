@@ -382,7 +382,10 @@ def start_local_ray(num_cpus: int, object_store_mb: int = 128) -> None:
     that); Ray (2.52 and later) protects them with a token for a local instance."""
     import ray
 
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+    # address="local": a new instance even where another one runs, or ran, on this machine
+    # (without it ray.init joins the one /tmp/ray/ray_current_cluster names, and fails)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+             _node_ip_address="127.0.0.1",
              object_store_memory=object_store_mb << 20, namespace=APP,
              configure_logging=False, log_to_driver=False)
 

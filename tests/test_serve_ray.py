@@ -99,10 +99,14 @@ def _free_port() -> int:
 
 
 # The command (first: before this process starts its own Ray) ---------------------------------
-def test_bench_serve_runs_hybridrt_serve_replicas_and_stops_it(tmp_path):
+def test_bench_serve_runs_hybridrt_serve_replicas_and_stops_it(tmp_path, monkeypatch):
     """`hybridrt bench serve --replicas 1`: the real command with a local Ray, loaded, then
-    stopped by SIGTERM (exit 0: Ray Serve and Ray shut down)."""
+    stopped by SIGTERM (exit 0: Ray Serve and Ray shut down). Its own Ray even where another
+    cluster is named (RAY_ADDRESS here; /tmp/ray/ray_current_cluster after a `ray start`):
+    without --ray-address, ray.init would try to join it."""
     from hybridrt.bench import serve as servebench
+
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")  # nothing listens there
 
     report = servebench.run(conversations=2, turns=2, max_tokens=4, time_limit=120, threads=1,
                             replicas=[1], json_path=tmp_path / "serve.json")
