@@ -3,7 +3,7 @@ JSON-schema constraint on every request vs none, batch 1 and 32, rounds alternat
 process; and a typical schema's compile time, cold (the first compile also reads the
 vocabulary into xgrammar) and cached.
 
-    python scripts/structured_cost.py CHECKPOINT [--rounds 3]
+    python scripts/structured_cost.py CHECKPOINT [--rounds 3] [--threads 1 --cpu-time]
 
 CHECKPOINT: e.g. the 0.8B shape with random weights (hybridrt.bench.throughput's
 make_random_08b) with a tokenizer copied in; decode steps are timed by the engine itself
@@ -33,12 +33,13 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["name", "age", "email", "tags", "address", "role", "score", "active"]}
 
 
-def decode_step_ms(llm: LLM, batch: int, constrained: bool, tokens: int) -> tuple[float, int]:
+def decode_step_ms(llm: LLM, batch: int, constrained: bool, tokens: int,
+                   clock=time.perf_counter) -> tuple[float, int]:
     so = StructuredOutputsParams(json=SCHEMA) if constrained else None
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=tokens, ignore_eos=True,
                              structured_outputs=so) for i in range(batch)]
     prompts = [[100 + (7 * i + j) % 5000 for j in range(16)] for i in range(batch)]
-    llm.engine.step_costs = StepCosts()
+    llm.engine.step_costs = StepCosts(clock=clock)
     llm.generate(prompts, params, use_tqdm=False)
     c = llm.engine.step_costs
     return 1e3 * c.mean("decode"), c.counts["decode"]
@@ -50,7 +51,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time steps in this process's CPU time (a busy machine; use --threads 1)")
     a = ap.parse_args()
+    clock = time.process_time if a.cpu_time else time.perf_counter
     llm = LLM(a.model, threads=a.threads, max_model_len=256, max_num_seqs=32)
     so = llm.engine.structured_outputs
     t0 = time.perf_counter()
@@ -69,7 +73,8 @@ def main() -> None:
         res = {False: [], True: []}
         for _ in range(a.rounds):
             for constrained in (False, True):
-                res[constrained].append(decode_step_ms(llm, batch, constrained, a.tokens))
+                res[constrained].append(decode_step_ms(llm, batch, constrained, a.tokens,
+                                                      clock))
         off = sorted(ms for ms, _ in res[False])[len(res[False]) // 2]
         on = sorted(ms for ms, _ in res[True])[len(res[True]) // 2]
         print(json.dumps({"batch": batch, "decode_step_ms_off": off, "decode_step_ms_on": on,
