@@ -394,17 +394,33 @@ def bench_serve(
     json_path: Annotated[Path | None, typer.Option(
         "--json", help="Also write the report to this file (default: none).",
         show_default=False)] = None,
+    replicas: Annotated[str | None, typer.Option(
+        "--replicas", help="Replica counts to compare on Ray Serve, e.g. 1,2: a run per count "
+        "(prefix-aware routing) and, beyond one, one with Ray Serve's power-of-two router "
+        "(default: one engine, prefix caching on and off).", show_default=False)] = None,
+    router_imbalance: Annotated[int | None, typer.Option(
+        "--router-imbalance", min=0, help="With --replicas: hybridrt serve's "
+        "--router-imbalance (default: its default).", show_default=False)] = None,
 ) -> None:
     """Loopback load test of `hybridrt serve`: multi-turn chat clients streaming at once,
-    with and without prefix reuse: requests/s, TTFT and inter-token latency percentiles."""
+    with and without prefix reuse (or over Ray Serve replicas and routers): requests/s, TTFT
+    and inter-token latency percentiles, prefix hit rate."""
     from hybridrt.cli.serve import _check_deps
 
     _check_deps("hybridrt bench serve")
+    counts = None
+    if replicas is not None:
+        counts = _int_list("--replicas", replicas, 1)
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise CliError("hybridrt bench serve --replicas needs Ray Serve: pip install "
+                           "'hybridrt[ray]'", 2) from None
     from hybridrt.bench import serve as servebench
 
     servebench.run(model=model, conversations=conversations, turns=turns,
                    max_tokens=max_tokens, time_limit=time_limit, threads=threads,
-                   json_path=json_path)
+                   json_path=json_path, replicas=counts, router_imbalance=router_imbalance)
 
 
 # prefix --------------------------------------------------------------------------------------

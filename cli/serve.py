@@ -82,13 +82,35 @@ def serve(
     log_level: Annotated[str, typer.Option(
         "--log-level", help="uvicorn's log level: critical, error, warning, info, debug.")
     ] = "info",
+    replicas: Annotated[int | None, typer.Option(
+        "--replicas", min=1, help="Run N engine replicas on Ray Serve behind the same routes "
+        "(needs the ray extra; --threads and --device are per replica; default: one engine "
+        "in this process, no Ray).", show_default=False)] = None,
+    ray_address: Annotated[str | None, typer.Option(
+        "--ray-address", help="With --replicas: an existing Ray cluster (e.g. "
+        "ray://head:10001 or auto), whose nodes the replicas spread over (default: a local Ray "
+        "instance on 127.0.0.1, stopped with the server).", show_default=False)] = None,
+    autoscaling: Annotated[str | None, typer.Option(
+        "--autoscaling", help="With --replicas: Ray Serve's autoscaling_config as JSON, e.g. "
+        "'{\"min_replicas\": 1, \"max_replicas\": 4, \"target_ongoing_requests\": 8}' "
+        "(default: a fixed --replicas).", show_default=False)] = None,
+    router: Annotated[str, typer.Option(
+        "--router", help="With --replicas: prefix (to the replica holding the longest cached "
+        "prefix of the prompt) or pow2 (Ray Serve's power-of-two choice).")] = "prefix",
+    router_imbalance: Annotated[int, typer.Option(
+        "--router-imbalance", min=0, help="With --router prefix: a replica holding the prefix "
+        "is passed over when its ongoing requests exceed the least loaded replica's by more "
+        "than this.")] = 4,
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health,
     /metrics), reusing cached conversation prefixes across requests.
 
     The address is tried before the model loads: a port in use is one error line (exit 2).
+    With --replicas, the engines are Ray Serve replicas (docs/scale.md).
     """
     _check_deps("hybridrt serve")
+    autoscaling_config = _check_replica_options(replicas, ray_address, autoscaling, router,
+                                                router_imbalance, port)
     from hybridrt.openai_protocol import Limits
     from hybridrt.server import one_malloc_arena, resolve_api_key
 
@@ -104,18 +126,93 @@ def serve(
         check_port(host, port)
     path = resolve_model(model)
     check_device_available(device)
+    name = served_model_name or (model if model is not None else "hybridrt-demo")
+    limits = Limits(max_body_bytes, max_prompt_chars, max_prompt_tokens, max_messages, max_stop,
+                    max_stop_chars, max_json_depth)
+    if replicas is not None:
+        from hybridrt.llm import default_model
+        from hybridrt.ray_serve import serve_replicas
+
+        if key is None and host not in ("127.0.0.1", "localhost", "::1"):
+            typer.echo(f"warning: listening on {host} without --api-key: anyone who can reach "
+                       f"this port can use the model", err=True)
+        llm_options = {"dtype": dtype, "max_model_len": max_model_len,
+                       "cache_memory": cache_memory, "speculative_tokens": speculative_tokens,
+                       "max_num_seqs": max_num_seqs, "enable_prefix_caching": prefix_caching}
+        serve_replicas(path or default_model(), name, llm_options, host=host, port=port,
+                       ray_address=ray_address, replicas=replicas,
+                       autoscaling=autoscaling_config, threads=threads, device=device,
+                       router=router, max_imbalance=router_imbalance,
+                       server_options={"api_key": key, "limits": limits,
+                                       "metrics_public": metrics_public},
+                       announce=lambda line: typer.echo(line, err=True))
+        return
     from hybridrt.llm import LLM
     from hybridrt.server import serve as run
 
     llm = LLM(path, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
               device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
               threads=threads, enable_prefix_caching=prefix_caching)
-    name = served_model_name or (model if model is not None else "hybridrt-demo")
     typer.echo(f"hybridrt serve: {llm.model_path} as {name!r} on http://{host}:{port}/v1 "
                f"({llm.cache_sizing.describe()})", err=True)
     if key is None and host not in ("127.0.0.1", "localhost", "::1"):
         typer.echo(f"warning: listening on {host} without --api-key: anyone who can reach "
                    f"this port can use the model", err=True)
-    limits = Limits(max_body_bytes, max_prompt_chars, max_prompt_tokens, max_messages, max_stop,
-                    max_stop_chars, max_json_depth)
     run(llm, name, host, port, key, log_level, limits=limits, metrics_public=metrics_public)
+
+
+RAY_NEEDS = "needs Ray Serve: pip install 'hybridrt[ray]'"
+
+
+def _check_replica_options(replicas: int | None, ray_address: str | None,
+                           autoscaling: str | None, router: str, router_imbalance: int,
+                           port: int) -> dict | None:
+    """The --replicas options' mistakes -> CliError (exit 2) before anything loads; -> the
+    autoscaling config (None: fixed replicas)."""
+    if replicas is None:
+        given = [flag for flag, value in (("--ray-address", ray_address),
+                                          ("--autoscaling", autoscaling),
+                                          ("--router", router != "prefix" or None),
+                                          ("--router-imbalance", router_imbalance != 4 or None))
+                 if value is not None]
+        if given:
+            raise CliError(f"{', '.join(given)} go(es) with --replicas N (Ray Serve)", 2)
+        return None
+    if port == 0:
+        raise CliError("--port 0 does not go with --replicas: Ray Serve's proxy needs the "
+                       "port given", 2)
+    if router not in ("prefix", "pow2"):
+        raise CliError(f"--router must be prefix or pow2, got {router!r}", 2)
+    config = None
+    if autoscaling is not None:
+        import json
+
+        try:
+            config = json.loads(autoscaling)
+        except json.JSONDecodeError as e:
+            raise CliError(f"--autoscaling is not JSON: {e}", 2) from None
+        if not isinstance(config, dict):
+            raise CliError("--autoscaling must be a JSON object (Ray Serve's "
+                           "autoscaling_config)", 2)
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError:
+        raise CliError(f"hybridrt serve --replicas {RAY_NEEDS}", 2) from None
+    if config is not None:
+        from ray.serve.config import AutoscalingConfig
+
+        fields = getattr(AutoscalingConfig, "model_fields", None) or {}
+        unknown = sorted(set(config) - set(fields)) if fields else []
+        if unknown:
+            raise CliError(f"--autoscaling: {', '.join(unknown)}: not a field of Ray Serve's "
+                           f"autoscaling_config (e.g. min_replicas, max_replicas, "
+                           f"target_ongoing_requests)", 2)
+        try:
+            AutoscalingConfig(**config)
+        except Exception as e:  # pydantic's ValidationError: its messages, one line
+            errors = e.errors() if hasattr(e, "errors") else [{"msg": str(e)}]
+            what = "; ".join(f"{'.'.join(map(str, x.get('loc', ())))} {x['msg']}".strip()
+                             for x in errors)
+            raise CliError(f"--autoscaling: {what}", 2) from None
+    return config

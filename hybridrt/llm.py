@@ -273,25 +273,7 @@ class LLM:
             return None
         if tokenizer != "auto":
             return tokenizer
-        path = Path(self.model_path)
-        if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
-                                                   "vocab.json")):
-            return None
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-        if (path / "tokenizer.json").is_file():
-            # tokenizer.json is the whole pipeline; AutoTokenizer would swap in the
-            # model-type class and its own pre-tokenizer.
-            tok = PreTrainedTokenizerFast.from_pretrained(str(path))
-        else:
-            tok = AutoTokenizer.from_pretrained(str(path))
-        # hybridrt checks prompt lengths against max_model_len itself: transformers' "Token
-        # indices sequence length is longer than the specified maximum" (model_max_length)
-        # would only add a confusing line. This is the flag with which it warns only once.
-        warned = getattr(tok, "deprecation_warnings", None)
-        if isinstance(warned, dict):
-            warned["sequence-length-is-longer-than-the-specified-maximum"] = True
-        return tok
+        return load_tokenizer(self.model_path)
 
     @property
     def cache_sizing(self):
@@ -570,10 +552,8 @@ class LLM:
 
     def apply_chat_template(self, conversation: list[dict], chat_template_kwargs=None,
                             add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-            **(chat_template_kwargs or {}),
-        )
+        return apply_chat_template(self.tokenizer, conversation, chat_template_kwargs,
+                                   add_generation_prompt)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                session: Session | None = None, speculative_tokens: int | None = None,
@@ -642,6 +622,37 @@ class LLM:
             self.last_stream_output = self._output(req)
         if req.error is not None:
             raise req.error
+
+
+def load_tokenizer(model_path: str | os.PathLike):
+    """The checkpoint directory's tokenizer; None if it has none."""
+    path = Path(model_path)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                               "vocab.json")):
+        return None
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if (path / "tokenizer.json").is_file():
+        # tokenizer.json is the whole pipeline; AutoTokenizer would swap in the
+        # model-type class and its own pre-tokenizer.
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    else:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    # hybridrt checks prompt lengths against max_model_len itself: transformers' "Token
+    # indices sequence length is longer than the specified maximum" (model_max_length)
+    # would only add a confusing line. This is the flag with which it warns only once.
+    warned = getattr(tok, "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return tok
+
+
+def apply_chat_template(tokenizer, conversation: list[dict], chat_template_kwargs=None,
+                        add_generation_prompt: bool = True) -> str:
+    return tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+        **(chat_template_kwargs or {}),
+    )
 
 
 def _error_output(rid: str, prompt: Any, err: ValueError) -> RequestOutput:

@@ -37,7 +37,7 @@ import queue
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +109,13 @@ class EngineLoop:
             self.engine.abort_request(rid)
             self.engine.pop_request(rid)
         self.active.clear()
+        while True:  # calls that came too late: their callers must not wait forever
+            try:
+                cmd = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "call":
+                cmd[2].set_exception(RuntimeError("the engine loop has stopped"))
 
     def submit(self, handle: Handle, ids: list[int], params: SamplingParams,
                prompt: str | None, snapshot_at: int | None) -> None:
@@ -116,6 +123,14 @@ class EngineLoop:
 
     def abort(self, handle: Handle) -> None:
         self.inbox.put(("abort", handle))
+
+    def call(self, fn) -> Future:
+        """``fn(engine)`` on the engine thread between two steps -> a future of its result (what
+        reads the engine's state from another thread: the cache's index changes during a
+        step)."""
+        fut: Future = Future()
+        self.inbox.put(("call", fn, fut))
+        return fut
 
     # The engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -163,6 +178,12 @@ class EngineLoop:
                 del self.active[rid]
                 self.engine.abort_request(rid)
                 self._count(self.engine.pop_request(rid))
+        elif cmd[0] == "call":
+            _, fn, fut = cmd
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as e:
+                fut.set_exception(e)
 
     def _post(self, req) -> None:
         handle = self.active.get(req.request_id)
@@ -231,6 +252,25 @@ class EngineLoop:
         }
 
 
+def submit_job(loop: EngineLoop, job: dict) -> list[Handle]:
+    """A prepared request (``Server._prepare``'s job: ids, params, prompt, snapshot_at, id) to
+    the engine: one request, or n choices as child requests of one parent
+    (hybridrt.parallel_sampling), their handles on one queue of the running event loop."""
+    event_loop, params = asyncio.get_running_loop(), job["params"]
+    if params.n == 1:
+        handles = [Handle(event_loop)]
+        children = [params]
+    else:
+        parent = ParentRequest(job["id"], params)
+        shared = asyncio.Queue()
+        handles = [Handle(event_loop, shared, index=i, parent_id=parent.request_id)
+                   for i in range(params.n)]
+        children = [parent.child_params(i) for i in range(params.n)]
+    for handle, child in zip(handles, children):
+        loop.submit(handle, job["ids"], child, job["prompt"], job["snapshot_at"])
+    return handles
+
+
 # Metrics -------------------------------------------------------------------------------------
 _METRICS = [  # name, type, help, how to read it from (counters, gauges)
     ("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
@@ -282,18 +322,54 @@ _METRICS = [  # name, type, help, how to read it from (counters, gauges)
 
 def metrics_text(loop: EngineLoop) -> str:
     """Prometheus text exposition of the loop's counters and gauges."""
-    c, g = loop.counters, loop.gauges
+    return "\n".join(metrics_lines([("", loop.counters, loop.gauges)])) + "\n"
+
+
+def metrics_lines(sources: list[tuple[str, dict, dict]]) -> list[str]:
+    """The metrics of several engines, each ``(labels, counters, gauges)`` (labels: '' or
+    'replica="r1"'), one family at a time as the text format wants."""
     lines = ["# HELP hybridrt_requests_total Finished requests, by finish reason.",
              "# TYPE hybridrt_requests_total counter"]
-    for reason, n in sorted(dict(c["requests"]).items()):
-        lines.append(f'hybridrt_requests_total{{finish_reason="{reason}"}} {n}')
+    for labels, c, _ in sources:
+        for reason, n in sorted(dict(c["requests"]).items()):
+            both = ",".join(x for x in (labels, f'finish_reason="{reason}"') if x)
+            lines.append(f"hybridrt_requests_total{{{both}}} {n}")
     for name, kind, text, read in _METRICS:
-        lines += [f"# HELP hybridrt_{name} {text}", f"# TYPE hybridrt_{name} {kind}",
-                  f"hybridrt_{name} {read(c, g)}"]
-    return "\n".join(lines) + "\n"
+        lines += [f"# HELP hybridrt_{name} {text}", f"# TYPE hybridrt_{name} {kind}"]
+        lines += [f"hybridrt_{name}{{{labels}}} {read(c, g)}" if labels else
+                  f"hybridrt_{name} {read(c, g)}" for labels, c, g in sources]
+    return lines
 
 
 # HTTP ----------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Frontend:
+    """What the HTTP side needs of a model, weights aside: its tokenizer (and chat template),
+    its directory (the generation defaults) and a prompt's bounds. ``of(llm)``: a loaded
+    model's; ``hybridrt.ray_serve``'s ingress builds one from the checkpoint's files."""
+
+    tokenizer: Any
+    model_path: str
+    vocab_size: int
+    max_model_len: int
+
+    @classmethod
+    def of(cls, llm) -> Frontend:
+        return cls(llm.tokenizer, str(llm.model_path), llm.config.vocab_size,
+                   llm.engine.engine_config.max_model_len)
+
+    def apply_chat_template(self, messages: list[dict], kwargs: dict | None,
+                            add_generation_prompt: bool) -> str:
+        from hybridrt.llm import apply_chat_template
+
+        return apply_chat_template(self.tokenizer, messages, kwargs, add_generation_prompt)
+
+    def validate_prompt(self, ids) -> list[int]:
+        from hybridrt.request import validate_prompt
+
+        return validate_prompt(ids, self.vocab_size, self.max_model_len)
+
+
 class Server:
     """The OpenAI endpoints over an ``EngineLoop``. ``limits``: what one request may ask for
     (default ``openai_protocol.Limits()``); ``workers``: threads that parse and tokenize;
@@ -301,18 +377,20 @@ class Server:
 
     def __init__(self, llm, model_name: str, api_key: str | None = None,
                  limits: api.Limits | None = None, metrics_public: bool = False,
-                 workers: int = 2, body_timeout: float = 60.0):
+                 workers: int = 2, body_timeout: float = 60.0, front: Frontend | None = None):
         from hybridrt.llm import generation_defaults
 
-        self.llm, self.tokenizer, self.model_name = llm, llm.tokenizer, model_name
+        self.llm, self.model_name = llm, model_name
+        self.front = front if front is not None else Frontend.of(llm)
+        self.tokenizer = self.front.tokenizer
         self.api_key, self.metrics_public = api_key, metrics_public
-        self.max_model_len = llm.engine.engine_config.max_model_len
+        self.max_model_len = self.front.max_model_len
         self.limits = (limits or api.Limits()).resolved(self.max_model_len)
         self.body_timeout = body_timeout
-        self.defaults = generation_defaults(llm.model_path)
+        self.defaults = generation_defaults(self.front.model_path)
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hybridrt-parse")
         self.pool_slots = asyncio.Semaphore(workers)  # queue in the loop, not in the pool
-        self.loop = EngineLoop(llm)
+        self.loop = EngineLoop(llm) if llm is not None else None  # None: engines elsewhere
         self.app = self._build_app()
 
     def _build_app(self):
@@ -343,8 +421,7 @@ class Server:
             return denied
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": api.now(),
-            "owned_by": "hybridrt",
-            "max_model_len": self.llm.engine.engine_config.max_model_len}]})
+            "owned_by": "hybridrt", "max_model_len": self.max_model_len}]})
 
     async def health(self, request):
         from starlette.responses import JSONResponse
@@ -412,21 +489,7 @@ class Server:
         return await self._collect(request, handles, job, chat)
 
     def _submit(self, job: dict) -> list[Handle]:
-        """The request to the engine: one request, or n choices as child requests of one
-        parent (hybridrt.parallel_sampling), their handles on one queue."""
-        loop, params = asyncio.get_running_loop(), job["params"]
-        if params.n == 1:
-            handles = [Handle(loop)]
-            children = [params]
-        else:
-            parent = ParentRequest(job["id"], params)
-            queue = asyncio.Queue()
-            handles = [Handle(loop, queue, index=i, parent_id=parent.request_id)
-                       for i in range(params.n)]
-            children = [parent.child_params(i) for i in range(params.n)]
-        for handle, child in zip(handles, children):
-            self.loop.submit(handle, job["ids"], child, job["prompt"], job["snapshot_at"])
-        return handles
+        return submit_job(self.loop, job)
 
     def _abort(self, handles: list[Handle]) -> None:
         for handle in handles:
@@ -487,8 +550,8 @@ class Server:
                 kwargs["tools"] = tools
             gen = body.get("add_generation_prompt", True)
             try:
-                text = self.llm.apply_chat_template(messages, kwargs, gen)
-                base = self.llm.apply_chat_template(messages, kwargs, False) if gen else None
+                text = self.front.apply_chat_template(messages, kwargs, gen)
+                base = self.front.apply_chat_template(messages, kwargs, False) if gen else None
             except Exception as e:
                 raise api.bad(f"the chat template failed on these messages: {e}",
                               "messages") from None
@@ -510,7 +573,7 @@ class Server:
         if len(ids) != num_ids:
             snapshot_at = None  # truncated: the rendered prefix is no longer at the start
         try:
-            ids = self.llm.engine.validate_prompt(ids)
+            ids = self.front.validate_prompt(ids)
         except ValueError as e:
             raise api.bad(str(e), where) from None
         thinks = chat and text is not None and opens_thinking(text)
@@ -816,7 +879,10 @@ def one_malloc_arena(environ=None) -> bool:
 
 
 def _as_api_error(e: Exception) -> api.ApiError:
-    """A request's own error (bad input, can never fit: ValueError) is a 400; the rest 500."""
+    """A request's own error (bad input, can never fit: ValueError) is a 400; the rest 500
+    (an ApiError as it is)."""
+    if isinstance(e, api.ApiError):
+        return e
     if isinstance(e, ValueError):
         return api.bad(str(e))
     return api.ApiError(500, str(e), kind="server_error")

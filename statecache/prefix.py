@@ -181,6 +181,12 @@ class PrefixIndex:
         if not ck.pins and ck.key in self.checkpoints:
             self._order[ck.hits > 0][ck.key] = ck
 
+    def anchors(self) -> set[bytes]:
+        """The anchors of the checkpoints a prompt can resume from now: each one's last shared
+        block, still indexed (those inside the first block, anchored at the root, are left out).
+        A replica's prefix summary for routing (hybridrt/prefix_routing.py)."""
+        return {key[0] for key in self.checkpoints if key[0] in self.block_of}
+
     @property
     def num_evictable(self) -> int:
         """Checkpoints no session pins."""

@@ -598,6 +598,30 @@ def test_serve_on_a_port_in_use_is_one_line_before_torch_is_imported():
     assert "--host no-such-host.invalid" in one_error_line(err)
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--ray-address", "auto"], "--ray-address go(es) with --replicas N"),
+    (["--router", "pow2"], "--router go(es) with --replicas N"),
+    (["--replicas", "2", "--router", "random"], "--router must be prefix or pow2"),
+    (["--replicas", "2", "--autoscaling", "{min"], "--autoscaling is not JSON"),
+    (["--replicas", "2", "--autoscaling", "[1]"], "--autoscaling must be a JSON object"),
+    (["--replicas", "2", "--autoscaling", '{"min_replicas": 3, "max_replicas": 1}'],
+     "--autoscaling: Value error, max_replicas (1) must be greater than or equal to "
+     "min_replicas (3)"),
+    (["--replicas", "2", "--autoscaling", '{"min_replica": 1}'],
+     "--autoscaling: min_replica: not a field"),
+    (["--replicas", "2", "--port", "0"], "--port 0 does not go with --replicas"),
+], ids=["address-alone", "router-alone", "router-name", "json", "object", "ray-rejects",
+        "unknown-field", "port-0"])
+def test_replica_options_mistakes_are_one_line_before_torch_is_imported(args, needle):
+    if args[-1].startswith('{"'):  # Ray's own validation
+        pytest.importorskip("ray")
+    if "--port" not in args:
+        args = ["--port", "1", *args]  # never bound: the mistake is found first
+    code, torch_loaded, err = _probe("serve", *args)
+    assert (code, torch_loaded) == (2, False), err
+    assert needle in one_error_line(err)
+
+
 def test_cuda_without_a_gpu_is_refused_before_the_model_loads(tiny, monkeypatch):
     import hybridrt.llm
 
