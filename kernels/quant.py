@@ -53,13 +53,15 @@ class QuantWeight:
         return w[:self.shape[0], :self.shape[1]]
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows ``ids`` (any shape) of the dequantized W -> [*ids.shape, K]."""
+        """Rows ``ids`` (any shape) of the dequantized W -> [*ids.shape, K], contiguous."""
         flat = ids.reshape(-1)
         p, c = flat // PANEL, flat % PANEL
         q = self.qs[p, :, :, c, :]  # [n, G, 8, 4]
         s = self.scales[p, :, c]  # [n, G]
         w = q.to(dtype).reshape(len(flat), -1, GROUP) * s.to(dtype)[:, :, None]
-        return w.reshape(len(flat), -1)[:, :self.shape[1]].reshape(*ids.shape, self.shape[1])
+        # contiguous: the CPU decode loop hands the embedding rows to csrc/norm.c as the residual
+        w = w.reshape(len(flat), -1)[:, :self.shape[1]].contiguous()
+        return w.view(*ids.shape, self.shape[1])
 
 
 def packed_shapes(shape: tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
