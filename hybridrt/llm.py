@@ -72,7 +72,7 @@ def check_device(device: str | torch.device) -> torch.device:
 
 
 def _check_cpu_backend(what: str, device: torch.device, backend: str | None) -> None:
-    """int8 weights run on the CPU backends only: ValueError naming ``what`` otherwise."""
+    """Quantized weights run on the CPU backends only: ValueError naming ``what`` otherwise."""
     if device.type != "cpu" or backend not in (None, "cpu", "reference"):
         raise ValueError(f"{what} runs on the CPU backends only, not device={str(device)!r} "
                          f"backend={backend!r}")
@@ -117,7 +117,8 @@ class LLM:
     uses the whole vocabulary, so outputs are unchanged.
     quantization: None (default) or "int8": every linear weight, the tied embedding / LM head
     and the MTP weights quantized at load time to int8 with one scale per 32 inputs (about half
-    the memory of bfloat16, faster decoding on CPU; activations stay in ``dtype``). CPU only.
+    the memory of bfloat16, faster decoding on CPU; activations stay in ``dtype``); "int4":
+    4-bit weights (``hybridrt.kernels.int4``), the embedding / LM head in int8. CPU only.
     async_scheduling: launch a decode step before the previous step's tokens reach the host,
     so that the host prepares it while the device runs (the same tokens; a request that stops
     has one extra token computed and dropped). Default: on for CUDA, off on CPU (where the
@@ -181,9 +182,10 @@ class LLM:
             path, dtype, with_mtp=speculative_tokens > 0, device=self.device,
             quantization=self.quantization,
         )
-        if self.quantization is None and quant.is_quantized(self.model):
-            self.quantization = "int8"  # a checkpoint stored in int8 (hybridrt quantize)
-            _check_cpu_backend(f"the int8 checkpoint {self.model_path}", self.device, backend)
+        stored = quant.quantization_of(self.model)
+        if stored is not None and stored != self.quantization:
+            self.quantization = stored  # a checkpoint stored quantized (hybridrt quantize)
+            _check_cpu_backend(f"the {stored} checkpoint {self.model_path}", self.device, backend)
         self.dtype = self.model.dtype
         if speculative_tokens > 0 and self.model.mtp is None:
             raise ValueError(

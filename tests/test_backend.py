@@ -581,12 +581,12 @@ def _vm_flags(addr: int) -> str:
     return ""
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_loaded_weights_live_in_huge_pages(tmp_path, monkeypatch, quantization):
-    """A loaded bf16 (or int8) model on the CPU backend holds every weight matrix (the merged
-    groups and the rest, the tied LM head too; int8 values and scales) in mappings advised for
-    transparent huge pages (smaps VmFlags "hg"); with ``HYBRIDRT_HUGE_PAGES=0`` none is, and
-    the tokens are the same."""
+    """A loaded bf16 (or int8, int4) model on the CPU backend holds every weight matrix (the
+    merged groups and the rest, the tied LM head too; quantized values, codes and scales) in
+    mappings advised for transparent huge pages (smaps VmFlags "hg"); with
+    ``HYBRIDRT_HUGE_PAGES=0`` none is, and the tokens are the same."""
     from hybridrt.kernels import memory
 
     if not memory.huge_pages_available():
@@ -602,7 +602,7 @@ def test_loaded_weights_live_in_huge_pages(tmp_path, monkeypatch, quantization):
         assert model.backend.groups  # merged groups: made in the arena
         if quantization:
             mats = [t for m in model.modules() if getattr(m, "qweight", None) is not None
-                    for t in (m.qweight.qs, m.qweight.scales)]
+                    for t in m.qweight.tensors()]
         else:
             mats = [m.weight for m in model.modules()
                     if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
