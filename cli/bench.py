@@ -103,10 +103,11 @@ def throughput(
     no_transformers: Annotated[bool, typer.Option(
         "--no-transformers", help="Only hybridrt, skip the transformers side (default: off).")
     ] = False,
-    against_llamacpp: Annotated[Path | None, typer.Option(
+    against_llamacpp: Annotated[list[Path] | None, typer.Option(
         "--against-llamacpp", metavar="GGUF", help="Also run llama.cpp's llama-bench and "
         "llama-batched-bench on this GGUF of the same model, same work and threads, and add "
-        "its columns and our ratios to it (default: off).", show_default=False)] = None,
+        "its columns and our ratios to it; repeat for more GGUFs (e.g. Q4_K_M and Q4_0), each "
+        "run in every llama.cpp round (default: off).", show_default=False)] = None,
     llamacpp_bin: Annotated[Path | None, typer.Option(
         "--llamacpp-bin", metavar="DIR", help="Folder of llama-bench and llama-batched-bench "
         "(default: $LLAMACPP_HOME/llama.cpp/build/bin, LLAMACPP_HOME defaulting to "
@@ -131,8 +132,8 @@ def throughput(
     rounds = [e.strip() for e in order.split(",") if e.strip()]
     try:
         llamacpp.check_order(rounds)
-        if against_llamacpp is not None:
-            llamacpp.check(against_llamacpp, llamacpp_bin)
+        for gguf in against_llamacpp or []:
+            llamacpp.check(gguf, llamacpp_bin)
     except (ValueError, llamacpp.LlamaCppError) as e:
         raise CliError(str(e), 2) from None
     from hybridrt.bench import throughput as bench

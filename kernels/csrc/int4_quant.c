@@ -1,14 +1,14 @@
 /* Quantization of a weight [N, K] into kernels/int4.py's 4-bit format (csrc/int4_gemm.c
  * describes it): the same operations as int4.py's torch code (``quantize_reference``), so that
- * both give the same bytes, here in C because the search below is some 40 passes over every
- * weight (tens of seconds at the 0.8B shape in torch, about a second here).
+ * both give the same bytes, here in C because the search below makes several passes over every
+ * weight (minutes at the 0.8B shape in torch).
  *
  * Per column and group of 32 inputs: the step d and minimum m (w ~= d q - m, q in [0, 15]) that
- * minimise the squared error weighted by rms(group) + |w| over the min/max grid and 21 grids
- * stretched by -1 .. +1 steps, each refitted by weighted least squares with the minimum kept
- * <= 0 (llama.cpp's Q4_K search, make_qkx2_quants). The fit's sums are in double: their order
- * (sequential here, pairwise in torch) then moves them by ~1e-16, which can change a choice only
- * on an exact tie. Then per superblock of 8 groups D = bf16(max d / 255), M = bf16(max m / 255),
+ * minimise the squared error weighted by rms(group) + |w| over the min/max grid and steps + 1
+ * grids of 14 .. 16 steps over the range, each refitted by weighted least squares with the
+ * minimum kept <= 0 (llama.cpp's Q4_K search, make_qkx2_quants). The fit's sums are in double:
+ * their order (vector lanes here, pairwise in torch) then moves them by ~1e-16, which can change a
+ * choice only on an exact tie. Then per superblock of 8 groups D = bf16(max d / 255), M = bf16(max m / 255),
  * codes sc = round(d / D) (at least 1 where d > 0), mc = round(m / M), and q = round((w + M mc)
  * / (D sc)), all in fp32 as torch does them.
  */
