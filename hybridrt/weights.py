@@ -32,13 +32,10 @@ def place_weights(model, merge: bool, huge_pages: bool) -> Groups:
         groups = merge_projections(model, release=owns, alloc=arena.empty if arena else None)
     for m, w in mats:  # the rest (merged ones now lie in the arena)
         if m.weight is w:
-            m.weight = torch.nn.Parameter(arena.copy(w.detach()), requires_grad=False)
-            release_pages(w.detach())
+            m.weight = torch.nn.Parameter(arena.move(w.detach()), requires_grad=False)
     for m, q in quants:
         if m.qweight is q:
-            m.qweight = q.replace(*(arena.copy(t) for t in q.tensors()))
-            for t in q.tensors():
-                release_pages(t)
+            m.qweight = q.replace(*(arena.move(t) for t in q.tensors()))
     return groups
 
 

@@ -69,16 +69,42 @@ def _work(requests: int, prompt_len: int, new_tokens: list[int]) -> dict:
     return {"requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens[0]}
 
 
+def cache_budget(model: str | Path, dtype: str, max_len: int, max_seqs: int, tokens: int) -> int:
+    """Bytes of cache for ``bench_ours``' work, as llama.cpp's ``-c`` holds its: a state slot
+    per sequence (and the null slot), KV blocks for ``tokens`` positions in all (plus a partly
+    filled block per sequence) and never fewer than one ``max_len`` sequence needs. A larger
+    budget (a fraction of free memory) would add untouched-then-zeroed KV blocks to the peak
+    RSS compared with llama.cpp's."""
+    from hybridrt.llm import default_model
+    from hybridrt.loader import load_config, parse_dtype, resolve_model_path
+    from hybridrt.statecache import CacheTensors
+
+    config = load_config(resolve_model_path(model or default_model()))
+    dt = torch.bfloat16 if dtype == "auto" else parse_dtype(dtype)
+    block = 16
+    blocks = max(-(-tokens // block) + max_seqs, -(-max_len // block))
+    return ((max_seqs + 1) * CacheTensors.bytes_per_slot(config, dt)
+            + blocks * CacheTensors.bytes_per_block(config, block, dt))
+
+
 def load_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: int,
               concurrency: list[int], prompt_len: int, quantization: str | None = None):
-    """The engine for ``bench_ours``, warmed up."""
+    """The engine for ``bench_ours``, warmed up; its cache sized for the work
+    (``cache_budget``), without session snapshot slots."""
+    from hybridrt.bench.llamacpp import context_size
     from hybridrt.llm import LLM
 
     max_len = max(prefill_len, prompt_len) + decode_tokens + 8
-    llm = LLM(model, dtype=dtype, max_model_len=max_len, max_num_seqs=max(concurrency + [1]),
+    seqs = max(concurrency + [1])
+    tokens = max(context_size(prompt_len, decode_tokens, concurrency or [1]), max_len)
+    llm = LLM(model, dtype=dtype, max_model_len=max_len, max_num_seqs=seqs,
               threads=torch.get_num_threads(),  # the benchmark's, fixed
-              max_num_batched_tokens=max(prefill_len, 512), cache_memory=0.25,
+              max_num_batched_tokens=max(prefill_len, 512), max_num_sessions=0,
+              cache_memory=cache_budget(model, dtype, max_len, seqs, tokens),
               quantization=quantization)
+    if llm.cache_sizing.max_num_seqs < seqs:
+        raise RuntimeError(f"the benchmark's cache holds too little: "
+                           f"{llm.cache_sizing.describe()}")
     # warm-up with the largest batch of the measured shape: the first step of a shape faults in
     # its buffers' pages
     warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

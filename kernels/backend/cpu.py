@@ -236,11 +236,12 @@ class CPUBackend(ReferenceBackend):
         if params is None:
             return super().gdn_prompts(layer, c, mixed, z, a, b, conv_states, ssm_states)
         taps, neg_exp_a, dt_bias, norm_w = params
-        init = c.has_initial_state
-        conv_states.index_copy_(0, c.slots, torch.where(
-            init.view(-1, 1, 1), conv_states.index_select(0, c.slots), 0))
-        ssm_states.index_copy_(0, c.slots, torch.where(
-            init.view(-1, 1, 1, 1), ssm_states.index_select(0, c.slots), 0))
+        # zeros into the slots of sequences without a state, in place: a copy of every slot
+        # through index_select and where took 2 x 32 MiB a layer for 32 prompts at the 0.8B
+        # shape, which the heap kept (peak RSS)
+        fresh = c.slots[~c.has_initial_state]
+        conv_states.index_fill_(0, fresh, 0)
+        ssm_states.index_fill_(0, fresh, 0)
         # (sequence, first row, end row) of each call: a long chunk in pieces, one after the
         # other over the state in place (the same result), to bound the call's scratch memory
         pieces, end, most = [], 0, self.fused_max_rows
