@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
+from hybridrt import env
 from hybridrt.engine import EngineConfig, LLMEngine
-from hybridrt.kernels import quant
+from hybridrt.kernels import native, quant
 from hybridrt.kernels.memory import keep_freed_memory
 from hybridrt.loader import load_model, parse_dtype
 from hybridrt.options import check_device_name, check_quantization, parse_memory
@@ -175,6 +176,9 @@ class LLM:
             _check_cpu_backend(f"quantization={self.quantization!r}", self.device, backend)
         if self.device.type == "cpu":
             keep_freed_memory()
+            opts = env.kernel_options()
+            if opts.native:  # the build the backend will ask for, before quantizing uses one
+                native.load(opts.cache_dir, opts.march)
         if not (isinstance(dtype, str) and dtype.lower() == "auto"):
             dtype = parse_dtype(dtype)
         path = default_model() if model is None else model

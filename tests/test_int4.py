@@ -488,27 +488,30 @@ def test_one_build_per_process():
 
 
 _MARCH_PROBE = """
+import sys
 import torch
-from hybridrt import env
+from hybridrt import LLM, SamplingParams
 from hybridrt.kernels import int4, native, quant
-from hybridrt.kernels.backend import CPUBackend
-be = CPUBackend(None, options=env.kernel_options())
+llm = LLM(sys.argv[1], quantization="int4", tokenizer=None, cache_memory=16 << 20)
+sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+(out,) = llm.generate([[5, 9, 2]], sp, use_tqdm=False)
 g = torch.Generator().manual_seed(0)
 qw = int4.quantize(torch.randn(40, 300, generator=g))
 x = torch.randn(5, 300, generator=g)
 ok = all(torch.equal(int4.gemm(x, qw, i), int4.emulate(x, qw)) for i in int4.available_isas())
-print(native._march, int4.available_isas(), quant.available_isas(), be.int4_isa, ok)
+print(native._march, int4.available_isas(), quant.available_isas(),
+      llm.engine.runner.model.backend.int4_isa, ok, len(out.outputs[0].token_ids))
 """
 
 
 @pytest.mark.skipif(native.load() is None or not sys.platform.startswith("linux"),
                     reason="compiled kernels unavailable")
-def test_march_switch_builds_for_another_level(tmp_path):
+def test_march_switch_builds_for_another_level(ckpt, tmp_path):
     """HYBRIDRT_MARCH=haswell builds the kernels for AVX2 (its own file in the cache, the key
-    holds the target): no AVX-512 paths in it, and its 4-bit paths still equal the
-    emulation."""
+    holds the target) before the model is quantized at load: no AVX-512 paths in it, the
+    backend on the AVX2 path, its 4-bit paths still equal to the emulation."""
     environ = {**os.environ, "HYBRIDRT_MARCH": "haswell", "HYBRIDRT_CACHE": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", _MARCH_PROBE], env=environ, capture_output=True,
-                         text=True, timeout=600, check=True).stdout.split()
-    assert out == ["haswell", "['ref',", "'avx2']", "['ref',", "'avx2']", "avx2", "True"], out
+    out = subprocess.run([sys.executable, "-c", _MARCH_PROBE, str(ckpt)], env=environ,
+                         capture_output=True, text=True, timeout=600, check=True).stdout.split()
+    assert out == ["haswell", "['ref',", "'avx2']", "['ref',", "'avx2']", "avx2", "True", "3"], out
     assert len(list(tmp_path.glob("hybridrt-cpu-*.so"))) == 1

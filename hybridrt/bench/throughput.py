@@ -454,13 +454,13 @@ def format_table(report: dict) -> str:
 def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9) -> list[dict]:
     """ms per weight of the CPU GEMM paths for bf16 weights at the 0.8B shapes (kernels/linear.py):
     the compiled GEMM on the weight as it is, oneDNN's fp32 copy, for up to 4 rows the compiled
-    GEMV, and for 1-2 rows bf16 ``F.linear``; and the int8 kernels on the weight quantized
-    (kernels/quant.py). Several weights in turn so each streams from memory as in a model;
-    median of interleaved rounds."""
+    GEMV, and for 1-2 rows bf16 ``F.linear``; and the int8 and 4-bit kernels on the weight
+    quantized (kernels/quant.py, kernels/int4.py). Several weights in turn so each streams
+    from memory as in a model; median of interleaved rounds."""
     import torch.nn.functional as F
 
     from hybridrt import env
-    from hybridrt.kernels import native, quant
+    from hybridrt.kernels import int4, native, quant
     from hybridrt.kernels.linear import _cpu_gemm, _onednn_available
 
     torch.set_num_threads(threads)
@@ -478,6 +478,10 @@ def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9
             qs = [quant.quantize(w) for w in ws]
             paths[f"int8_{isa}"] = lambda x, qs=qs, isa=isa: [quant.int8_gemm(x, q, isa)
                                                               for q in qs]
+        isa4 = int4.select_isa(env.kernel_options().int4_isa)
+        if isa4 is not None:
+            q4 = [int4.quantize(w) for w in ws]
+            paths[f"int4_{isa4}"] = lambda x, q4=q4, isa=isa4: [int4.gemm(x, q, isa) for q in q4]
         for m in rows:
             x = torch.randn(m, k)
             fs = dict(paths)
