@@ -7,8 +7,8 @@ sequences decoding side by side.
 
 Each call is wrapped with a timer (a microsecond or two per call); the rest of a step is Python,
 sampling and scheduling. The LM head's row counts its product again (half_gemm, gemv_bf16 or the
-int8 or int4 products include it). Give the cache room for all B requests (--cache-memory): the script
-stops if fewer than B run at once.
+int8 or int4 products include it). Give the cache room for all B requests (--cache-memory): the
+script stops if fewer than B run at once.
 """
 
 from __future__ import annotations
