@@ -136,6 +136,26 @@ def test_quantize_rejects_what_the_format_cannot_hold():
             int4.quantize(w)
 
 
+def test_concat_stacks_panels_and_refuses_what_it_cannot_stack():
+    """Merged projections: 4-bit weights of whole panels stacked into one whose product is each
+    one's product side by side, each input a view into it; a weight of a partial panel, another
+    K or another kind (int8) is refused."""
+    g = torch.Generator().manual_seed(4)
+    ws = [torch.randn(n, 300, generator=g) for n in (32, 16, 48)]
+    qws = [int4.quantize(w) for w in ws]
+    merged, parts = quant.concat(qws)
+    assert isinstance(merged, int4.Int4Weight) and merged.shape == (96, 300)
+    assert torch.equal(merged.dequantize(), torch.cat([q.dequantize() for q in qws]))
+    for p, q in zip(parts, qws):
+        assert p.shape == q.shape and torch.equal(p.dequantize(), q.dequantize())
+        assert p.qs.untyped_storage().data_ptr() == merged.qs.untyped_storage().data_ptr()
+    for bad in ([qws[0], int4.quantize(torch.randn(20, 300))],
+                [qws[0], int4.quantize(torch.randn(16, 299))],
+                [qws[0], quant.quantize(torch.randn(16, 300))]):
+        with pytest.raises(ValueError, match="same kind, the same K and whole panels"):
+            quant.concat(bad)
+
+
 # Kernels -----------------------------------------------------------------------------------
 # rows: 1-8 (the GEMV, one tile), 9-13 (GEMM tiles of 4 and each tail), 33; columns: below, at
 # and past one and two panels and an AVX2 half panel; inputs: one group, a tail inside a
