@@ -226,8 +226,11 @@ def test_kernel_bad_input():
         int4.gemm(torch.randn(3, 45), qw, ISAS[-1], torch.float16)
     with pytest.raises(RuntimeError, match="kernel path 'sse9' unavailable"):
         int4.gemm(torch.randn(3, 45), qw, "sse9")
+    with pytest.raises(ValueError, match=r"x must be \[M, 45\]"):  # the decode loop's path
+        int4.linear(torch.randn(3, 44).bfloat16(), qw, ISAS[-1])
     y = int4.gemm(torch.randn(0, 45), qw, ISAS[-1])
     assert y.shape == (0, 20)
+    assert int4.linear(torch.randn(0, 45).bfloat16(), qw, ISAS[-1]).shape == (0, 20)
 
 
 @needs_kernels
