@@ -157,10 +157,11 @@ def test_concat_stacks_panels_and_refuses_what_it_cannot_stack():
 
 
 # Kernels -----------------------------------------------------------------------------------
-# rows: 1-8 (the GEMV, one tile), 9-13 (GEMM tiles of 4 and each tail), 33; columns: below, at
+# rows: 1-8 (the GEMV, one tile), 9-13 (GEMM tiles of 4 and each tail), 33, 70 (at K = 1024
+# past 2^16 activations: x quantized by the threads, not before them); columns: below, at
 # and past one and two panels and an AVX2 half panel; inputs: one group, a tail inside a
 # group, several groups, a superblock and a remainder, many superblocks
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 33]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 33, 70]
 COLS = [1, 7, 9, 15, 16, 17, 33, 48, 70]
 INPUTS = [32, 45, 96, 290, 1024]
 
