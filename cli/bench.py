@@ -16,7 +16,7 @@ from hybridrt.cli.common import CliError, ModelArg, QuantizationOpt, ThreadsOpt
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                         help="Benchmarks: throughput vs transformers, speculative decoding, "
-                             "the CPU GEMM paths, start-up, int8 quality, the server, "
+                             "the CPU GEMM paths, start-up, int8 and int4 quality, the server, "
                              "preemption.")
 
 PlotOpt = Annotated[Path | None, typer.Option(
@@ -105,10 +105,11 @@ def throughput(
     no_transformers: Annotated[bool, typer.Option(
         "--no-transformers", help="Only hybridrt, skip the transformers side (default: off).")
     ] = False,
-    against_llamacpp: Annotated[Path | None, typer.Option(
+    against_llamacpp: Annotated[list[Path] | None, typer.Option(
         "--against-llamacpp", metavar="GGUF", help="Also run llama.cpp's llama-bench and "
         "llama-batched-bench on this GGUF of the same model, same work and threads, and add "
-        "its columns and our ratios to it (default: off).", show_default=False)] = None,
+        "its columns and our ratios to it; repeat for more GGUFs (e.g. Q4_K_M and Q4_0), each "
+        "run in every llama.cpp round (default: off).", show_default=False)] = None,
     llamacpp_bin: Annotated[Path | None, typer.Option(
         "--llamacpp-bin", metavar="DIR", help="Folder of llama-bench and llama-batched-bench "
         "(default: $LLAMACPP_HOME/llama.cpp/build/bin, LLAMACPP_HOME defaulting to "
@@ -133,8 +134,8 @@ def throughput(
     rounds = [e.strip() for e in order.split(",") if e.strip()]
     try:
         llamacpp.check_order(rounds)
-        if against_llamacpp is not None:
-            llamacpp.check(against_llamacpp, llamacpp_bin)
+        for gguf in against_llamacpp or []:
+            llamacpp.check(gguf, llamacpp_bin)
     except (ValueError, llamacpp.LlamaCppError) as e:
         raise CliError(str(e), 2) from None
     from hybridrt.bench import throughput as bench
@@ -329,15 +330,28 @@ def quality(
     max_docs: Annotated[int | None, typer.Option(
         "--max-docs", min=1, help="Score only the first N held-out documents (default: all).",
         show_default=False)] = None,
+    against_llamacpp: Annotated[list[Path] | None, typer.Option(
+        "--against-llamacpp", metavar="GGUF", help="A GGUF of the demo model (repeat: its bf16 "
+        "and quantized ones, e.g. Q4_K_M, Q4_0): the held-out text scored as llama-perplexity "
+        "scores it, by llama.cpp on each and by our model holding each one's tensors (needs "
+        "the gguf package) (default: off).", show_default=False)] = None,
+    llamacpp_bin: Annotated[Path | None, typer.Option(
+        "--llamacpp-bin", metavar="DIR", help="Folder of llama-perplexity (default: as bench "
+        "throughput's).", show_default=False)] = None,
     threads: ThreadsOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
-    """int8 against bf16 weights: perplexity and greedy agreement of the demo model on held-out
-    text; logits error and top-1 agreement at the 0.8B shape (random weights)."""
+    """int8 and int4 against bf16 weights: perplexity and greedy agreement of the demo model on
+    held-out text (and against llama.cpp's formats with --against-llamacpp); logits error and
+    top-1 agreement at the 0.8B shape (random weights)."""
+    for gguf in against_llamacpp or []:
+        if not gguf.is_file():
+            raise CliError(f"--against-llamacpp: no GGUF file at {gguf}", 2)
     from hybridrt.bench.quality import run_quality
 
     run_quality(model_08b, skip_08b=skip_08b, threads=threads or _default_threads(),
-                max_docs=max_docs, json_path=json_path)
+                max_docs=max_docs, json_path=json_path, llamacpp_ggufs=against_llamacpp,
+                llamacpp_bin=llamacpp_bin)
 
 
 # startup --------------------------------------------------------------------------------------

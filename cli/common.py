@@ -81,7 +81,8 @@ ThinkOpt = Annotated[bool | None, typer.Option(
     "template's own default).", show_default=False)]
 QuantizationOpt = Annotated[str | None, typer.Option(
     "--quantization", help="int8: weights quantized to int8 at load time, one scale per 32 "
-    "inputs (CPU; about half the memory of bfloat16, faster decoding) (default: none).",
+    "inputs (CPU; about half the memory of bfloat16, faster decoding); int4: 4-bit weights "
+    "(the embedding / LM head in int8; about a third) (default: none).",
     show_default=False)]
 SpecOpt = Annotated[int, typer.Option(
     "--speculative-tokens", "-k", help="MTP draft tokens per step (0 = off).", min=0)]

@@ -1,4 +1,4 @@
-"""``hybridrt quantize IN OUT``: a checkpoint with its weights stored in int8."""
+"""``hybridrt quantize IN OUT``: a checkpoint with its weights stored in int8 or 4 bits."""
 
 from __future__ import annotations
 
@@ -14,20 +14,30 @@ def quantize(
     model: Annotated[str, typer.Argument(metavar="IN", help="Checkpoint dir or hub id.")],
     out: Annotated[Path, typer.Argument(
         metavar="OUT", help="New (or empty) directory to write.")],
+    quantization: Annotated[str, typer.Option(
+        "--quantization", help="int8 or int4 (4-bit weights; the embedding / LM head in "
+        "int8).")] = "int8",
 ) -> None:
-    """Write IN with its weights quantized to int8 (as --quantization int8 does at load time)
+    """Write IN with its weights quantized (as --quantization int8 or int4 does at load time)
     into OUT, with IN's config and tokenizer files.
 
-    OUT loads like any checkpoint (chat, generate, serve, LLM(OUT)) and runs int8 without
-    quantizing at start-up; it computes exactly what --quantization int8 computes on IN.
+    OUT loads like any checkpoint (chat, generate, serve, LLM(OUT)) and runs quantized without
+    quantizing at start-up; it computes exactly what --quantization computes on IN.
     """
+    from hybridrt.options import check_quantization
+
+    try:
+        if check_quantization(quantization) is None:
+            raise ValueError("choose int8 or int4")
+    except ValueError as e:
+        raise CliError(f"--quantization: {e}", 2) from None
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CliError(f"{out} exists and is not an empty directory", 2)
     path = resolve_model(model)
     from hybridrt.loader import save_quantized
 
     try:
-        info = save_quantized(path, out)
+        info = save_quantized(path, out, quantization)
     except FileExistsError as e:
         raise CliError(str(e), 2) from None
     typer.echo(f"wrote {info['path']}: {info['tensors']} tensors, "

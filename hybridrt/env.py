@@ -7,6 +7,8 @@
 | HYBRIDRT_HALF_PATH | auto, fma, bf16dot | auto | the bf16 x bf16 GEMV/GEMM path |
 | HYBRIDRT_FUSED_SIMD | avx512, avx2, 0 (off, none) | avx512 | the fused layers' vector loops |
 | HYBRIDRT_INT8_ISA | vnni, avx2, ref | the best built | the int8 GEMV/GEMM path |
+| HYBRIDRT_INT4_ISA | vnni, avxvnni, avx2, ref | as HYBRIDRT_INT8_ISA | the 4-bit GEMV/GEMM path |
+| HYBRIDRT_MARCH | a cc -march target | native | what the C kernels are compiled for |
 | HYBRIDRT_HUGE_PAGES | 0/false/no/off, else on | on | off: weights stay in ordinary pages |
 | HYBRIDRT_ADAPTIVE_THREADS | 0/false/no/off, else on | on | off: all cores, no thread governor |
 | HYBRIDRT_DEBUG | 1, else off | off | the CLI prints tracebacks of unexpected errors |
@@ -21,6 +23,7 @@ imports no torch (the CLI reads ``HYBRIDRT_DEBUG`` before the slow imports).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -37,6 +40,7 @@ class Variable:
 
 HALF_PATHS = ("fma", "bf16dot")  # kernels/native.py's HALF_PATHS
 INT8_ISAS = ("ref", "avx2", "vnni")  # kernels/quant.py's ISAS, best last
+INT4_ISAS = ("ref", "avx2", "avxvnni", "vnni")  # kernels/int4.py's ISAS, best last
 FUSED_SIMD_LEVELS = {"": 2, "avx512": 2, "avx2": 1, "0": 0, "off": 0, "none": 0}
 
 VARIABLES = {v.name: v for v in (
@@ -45,6 +49,8 @@ VARIABLES = {v.name: v for v in (
     Variable("HYBRIDRT_HALF_PATH", "auto", ("auto", *HALF_PATHS), "bf16 x bf16 product path"),
     Variable("HYBRIDRT_FUSED_SIMD", "", tuple(FUSED_SIMD_LEVELS), "fused layers' vector loops"),
     Variable("HYBRIDRT_INT8_ISA", "", ("", *INT8_ISAS), "int8 product path"),
+    Variable("HYBRIDRT_INT4_ISA", "", ("", *INT4_ISAS), "4-bit product path"),
+    Variable("HYBRIDRT_MARCH", "native", None, "the C kernels' compile target (-march)"),
     Variable("HYBRIDRT_HUGE_PAGES", "1", None, "0: weights in ordinary pages"),
     Variable("HYBRIDRT_ADAPTIVE_THREADS", "1", None, "0: all cores, no thread governor"),
     Variable("HYBRIDRT_DEBUG", "0", None, "1: the CLI shows tracebacks"),
@@ -72,6 +78,8 @@ def _choices_error(name: str, raw: str) -> str:
                 f"CPU has), avx2 or 0")
     if name == "HYBRIDRT_HALF_PATH":
         return f"{name}={raw.strip().lower()!r}: use auto, {' or '.join(HALF_PATHS)}"
+    if name == "HYBRIDRT_INT4_ISA":
+        return f"{name}={raw.strip().lower()!r}: choose one of {', '.join(INT4_ISAS)}"
     return f"{name}={raw.strip().lower()!r}: choose one of {', '.join(INT8_ISAS)}"
 
 
@@ -90,8 +98,19 @@ def kernel_options(environ: Mapping[str, str] | None = None):
         half_path=read("HYBRIDRT_HALF_PATH", environ),
         fused_simd=FUSED_SIMD_LEVELS[read("HYBRIDRT_FUSED_SIMD", environ)],
         int8_isa=read("HYBRIDRT_INT8_ISA", environ) or None,
+        int4_isa=read("HYBRIDRT_INT4_ISA", environ) or read("HYBRIDRT_INT8_ISA", environ) or None,
+        march=march(environ),
         huge_pages=flag("HYBRIDRT_HUGE_PAGES", environ),
     )
+
+
+def march(environ: Mapping[str, str] | None = None) -> str:
+    """HYBRIDRT_MARCH: a compiler target name (letters, digits, ``-``, ``_``, ``.``)."""
+    value = read("HYBRIDRT_MARCH", environ) or "native"
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", value):
+        raise ValueError(f"HYBRIDRT_MARCH={value!r}: a cc -march target such as native, haswell "
+                         f"or skylake-avx512")
+    return value
 
 
 def adaptive_threads(environ: Mapping[str, str] | None = None) -> bool:

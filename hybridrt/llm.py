@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
+from hybridrt import env
 from hybridrt.engine import EngineConfig, LLMEngine
-from hybridrt.kernels import quant
+from hybridrt.kernels import native, quant
 from hybridrt.kernels.memory import keep_freed_memory
 from hybridrt.loader import load_model, parse_dtype
 from hybridrt.options import check_device_name, check_quantization, parse_memory
@@ -81,7 +82,7 @@ def check_device(device: str | torch.device) -> torch.device:
 
 
 def _check_cpu_backend(what: str, device: torch.device, backend: str | None) -> None:
-    """int8 weights run on the CPU backends only: ValueError naming ``what`` otherwise."""
+    """Quantized weights run on the CPU backends only: ValueError naming ``what`` otherwise."""
     if device.type != "cpu" or backend not in (None, "cpu", "reference"):
         raise ValueError(f"{what} runs on the CPU backends only, not device={str(device)!r} "
                          f"backend={backend!r}")
@@ -132,7 +133,8 @@ class LLM:
     uses the whole vocabulary, so outputs are unchanged.
     quantization: None (default) or "int8": every linear weight, the tied embedding / LM head
     and the MTP weights quantized at load time to int8 with one scale per 32 inputs (about half
-    the memory of bfloat16, faster decoding on CPU; activations stay in ``dtype``). CPU only.
+    the memory of bfloat16, faster decoding on CPU; activations stay in ``dtype``); "int4":
+    4-bit weights (``hybridrt.kernels.int4``), the embedding / LM head in int8. CPU only.
     async_scheduling: launch a decode step before the previous step's tokens reach the host,
     so that the host prepares it while the device runs (the same tokens; a request that stops
     has one extra token computed and dropped). Default: on for CUDA, off on CPU (where the
@@ -205,6 +207,9 @@ class LLM:
             _check_cpu_backend(f"quantization={self.quantization!r}", self.device, backend)
         if self.device.type == "cpu":
             keep_freed_memory()
+            opts = env.kernel_options()
+            if opts.native:  # the build the backend will ask for, before quantizing uses one
+                native.load(opts.cache_dir, opts.march)
         if not (isinstance(dtype, str) and dtype.lower() == "auto"):
             dtype = parse_dtype(dtype)
         path = default_model() if model is None else model
@@ -212,9 +217,10 @@ class LLM:
             path, dtype, with_mtp=speculative_tokens > 0, device=self.device,
             quantization=self.quantization,
         )
-        if self.quantization is None and quant.is_quantized(self.model):
-            self.quantization = "int8"  # a checkpoint stored in int8 (hybridrt quantize)
-            _check_cpu_backend(f"the int8 checkpoint {self.model_path}", self.device, backend)
+        stored = quant.quantization_of(self.model)
+        if stored is not None and stored != self.quantization:
+            self.quantization = stored  # a checkpoint stored quantized (hybridrt quantize)
+            _check_cpu_backend(f"the {stored} checkpoint {self.model_path}", self.device, backend)
         self.dtype = self.model.dtype
         if speculative_tokens > 0 and self.model.mtp is None:
             raise ValueError(

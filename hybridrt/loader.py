@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from hybridrt.config import ConfigError, ModelConfig
-from hybridrt.kernels import quant
+from hybridrt.kernels import int4, quant
 from hybridrt.kernels.memory import release_pages
 from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.model_path import ModelNotFoundError, resolve_model_path  # noqa: F401
@@ -52,8 +52,8 @@ def checkpoint_dtype(path: Path, handles: dict, device: torch.device) -> torch.d
                     found = found or DTYPES[cfg[key].lower()]
     if found is None:
         for canon, (h, name) in handles.items():
-            if canon.endswith(_INT8_PARTS):
-                continue  # int8 values and their fp16 scales (save_quantized)
+            if canon.endswith(_QUANT_PARTS):
+                continue  # quantized values and their scales (save_quantized)
             found = _SAFETENSORS_DTYPES.get(h.get_slice(name).get_dtype())
             if found is not None:
                 break
@@ -107,7 +107,19 @@ def _read(handles: dict, file_of: dict, name: str) -> torch.Tensor:
 
 
 QUANT_METADATA = "hybridrt.quantization"  # safetensors metadata key of save_quantized's files
-_INT8_PARTS = (".qs", ".scales")  # the two stored tensors of each int8 weight
+# the stored tensors of each quantized weight: int8 .qs and .scales, 4-bit .qs, .codes, .scales
+_QUANT_PARTS = (".qs", ".codes", ".scales")
+# per format: the weight class, its tensors' shapes and dtypes, the quantizer
+_FORMATS = {
+    "int8": (quant.QuantWeight, quant.packed_shapes, (torch.int8, torch.float16), quant.quantize),
+    "int4": (int4.Int4Weight, int4.packed_shapes, (torch.uint8, torch.uint8, torch.bfloat16),
+             int4.quantize),
+}
+
+
+def _format_of(quantization: str, name: str) -> str:
+    """The format parameter ``name`` takes under ``quantization``: int4 keeps some in int8."""
+    return "int8" if quantization == "int8" or int4.kept_int8(name) else "int4"
 
 
 def _prequantized(opened: list, path: Path) -> str | None:
@@ -115,41 +127,45 @@ def _prequantized(opened: list, path: Path) -> str | None:
     them must."""
     kinds = {(h.metadata() or {}).get(QUANT_METADATA) for h in opened}
     if len(kinds) > 1:
-        raise CheckpointError(f"{path}: some weight files are int8 (hybridrt quantize) and "
-                              f"some are not")
+        raise CheckpointError(f"{path}: some weight files are quantized (hybridrt quantize) "
+                              f"and some are not, or not alike")
     kind = kinds.pop() if kinds else None
-    if kind is not None and kind != "int8":
+    if kind is not None and kind not in _FORMATS:
         raise CheckpointError(f"{path}: unknown {QUANT_METADATA} {kind!r} (this hybridrt "
-                              f"reads int8)")
+                              f"reads {' and '.join(_FORMATS)})")
     return kind
 
 
-def save_quantized(model: str | os.PathLike, out: str | os.PathLike) -> dict:
-    """Write ``model`` (a checkpoint directory or hub id) with its weights quantized to int8 as
-    ``quantization="int8"`` quantizes them, into the new directory ``out``: one
-    model.safetensors (int8 weights in the kernels' layout, ``<name>.qs`` and
-    ``<name>.scales``; the other tensors in the checkpoint's dtype) and the source's other
-    files (config, tokenizer). ``load_model`` reads it without quantizing again; the model
-    computes the same. -> {"path", "bytes", "tensors"}."""
+def save_quantized(model: str | os.PathLike, out: str | os.PathLike,
+                   quantization: str = "int8") -> dict:
+    """Write ``model`` (a checkpoint directory or hub id) with its weights quantized as
+    ``quantization`` ("int8" or "int4") quantizes them at load, into the new directory ``out``:
+    one model.safetensors (quantized weights in the kernels' layout, ``<name>.qs``,
+    ``<name>.scales`` and for 4 bits ``<name>.codes``; the other tensors in the checkpoint's
+    dtype) and the source's other files (config, tokenizer). ``load_model`` reads it without
+    quantizing again; the model computes the same. -> {"path", "bytes", "tensors"}."""
     import shutil
 
     from safetensors.torch import save_file
 
+    quantization = check_quantization(quantization)
+    if quantization is None:
+        raise ValueError("save_quantized: name a quantization (int8 or int4)")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty directory")
-    net, _, path = load_model(model, dtype="auto", with_mtp=True, quantization="int8")
+    net, _, path = load_model(model, dtype="auto", with_mtp=True, quantization=quantization)
     tensors = {}
     for name, module in net.named_modules():
         qw = getattr(module, "qweight", None)
-        if isinstance(qw, quant.QuantWeight):
-            tensors[f"{name}.weight.qs"] = qw.qs.contiguous()
-            tensors[f"{name}.weight.scales"] = qw.scales.contiguous()
+        if isinstance(qw, quant.PackedWeight):
+            for part, t in zip(qw.names, qw.tensors()):
+                tensors[f"{name}.weight.{part}"] = t.contiguous()
     for name, t in net.state_dict().items():
         tensors[name] = t.contiguous()
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"),
-              metadata={"format": "pt", QUANT_METADATA: "int8"})
+              metadata={"format": "pt", QUANT_METADATA: quantization})
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(out / "model.safetensors", 0o666 & ~umask)  # safetensors writes it owner-only
@@ -197,9 +213,10 @@ def load_model(
     ``mtp.*`` tensors are loaded when ``with_mtp`` and present; ``model.visual.*`` is ignored.
     Missing, unexpected and mis-shaped text tensors fail together in one CheckpointError.
     ``quantization="int8"``: every linear weight and the embedding are quantized as they are
-    read (``kernels.quant``), without keeping the full-precision copy. A checkpoint written by
-    ``save_quantized`` (``hybridrt quantize``) holds them quantized already: it loads int8
-    whatever ``quantization`` says, with no quantization at start-up.
+    read (``kernels.quant``), without keeping the full-precision copy; ``"int4"``: the same in
+    4 bits (``kernels.int4``; the embedding / LM head in int8). A checkpoint written by
+    ``save_quantized`` (``hybridrt quantize``) holds them quantized already: it loads in its
+    own quantization whatever ``quantization`` says, with no quantization at start-up.
     """
     from safetensors import safe_open
 
@@ -228,7 +245,8 @@ def load_model(
     prequantized = _prequantized(opened, path)
     if prequantized:
         if torch.device(device).type != "cpu":
-            raise CheckpointError(f"{path} holds int8 weights (written by hybridrt quantize), "
+            raise CheckpointError(f"{path} holds {prequantized} weights (written by hybridrt "
+                                  f"quantize), "
                                   f"which run on the CPU only, not on {device}")
         quantization = prequantized
     if auto:
@@ -238,10 +256,11 @@ def load_model(
         net = Qwen35ForCausalLM(config, with_mtp=with_mtp and has_mtp)
     expected = {n: tuple(p.shape) for n, p in net.state_dict().items()}
     to_quantize = quant.quantized_names(net) if quantization else set()
-    if prequantized:  # each quantized weight is stored as its two tensors, in the kernels' layout
+    if prequantized:  # each quantized weight is stored as its tensors, in the kernels' layout
         for name in to_quantize & set(expected):
-            qs, scales = quant.packed_shapes(expected.pop(name))
-            expected[f"{name}.qs"], expected[f"{name}.scales"] = qs, scales
+            cls, shapes, _, _ = _FORMATS[_format_of(quantization, name)]
+            for part, shape in zip(cls.names, shapes(expected.pop(name))):
+                expected[f"{name}.{part}"] = shape
 
     missing, mismatched, unexpected = [], [], []
     for name, shape in expected.items():
@@ -270,18 +289,22 @@ def load_model(
     state, quantized = {}, {}
     if prequantized:
         for name in to_quantize & {n.removesuffix(".qs") for n in expected}:
-            qs, scales = (_read(handles, file_of, f"{name}.{part}") for part in ("qs", "scales"))
-            if qs.dtype != torch.int8 or scales.dtype != torch.float16:
-                raise CheckpointError(f"{handles[name + '.qs'][1]}: int8 values and float16 "
-                                      f"scales expected, found {qs.dtype} and {scales.dtype}")
+            fmt = _format_of(quantization, name)
+            cls, _, dtypes, _ = _FORMATS[fmt]
+            parts = [_read(handles, file_of, f"{name}.{part}") for part in cls.names]
+            if [t.dtype for t in parts] != list(dtypes):
+                raise CheckpointError(
+                    f"{handles[name + '.qs'][1]}: the {fmt} weight's tensors "
+                    f"({', '.join(cls.names)}) must be {', '.join(map(str, dtypes))}, found "
+                    f"{', '.join(str(t.dtype) for t in parts)}")
             shape = tuple(net.get_parameter(name).shape)
-            quantized[name] = quant.QuantWeight(qs.to(device), scales.to(device), shape)
+            quantized[name] = cls(*(t.to(device) for t in parts), shape)
     for name in expected:
-        if prequantized and name.endswith(_INT8_PARTS):
+        if prequantized and name.endswith(_QUANT_PARTS):
             continue
         t = _read(handles, file_of, name)
         if name in to_quantize:
-            quantized[name] = quant.quantize(t.to(device))
+            quantized[name] = _FORMATS[_format_of(quantization, name)][3](t.to(device))
             release_pages(t)  # read once: its file pages need not stay resident
         else:
             state[name] = t.to(device=device, dtype=dtype)

@@ -25,15 +25,16 @@ def check_dtype_name(dtype: str) -> str:
     return name
 
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
 
 
 def check_quantization(name: str | None) -> str | None:
-    """None / 'none' -> None; 'int8' -> 'int8'; anything else: ValueError naming the choices."""
+    """None / 'none' -> None; 'int8', 'int4' -> it; anything else: ValueError naming the
+    choices."""
     if name is None or str(name).lower() == "none":
         return None
     if str(name).lower() not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {name!r}; choose int8 (or none)")
+        raise ValueError(f"unknown quantization {name!r}; choose int8 or int4 (or none)")
     return str(name).lower()
 
 

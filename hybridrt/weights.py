@@ -26,19 +26,16 @@ def place_weights(model, merge: bool, huge_pages: bool) -> Groups:
     arena = None
     if mats or quants:
         arena = HugeArena(HugeArena.size_for(
-            [w for _, w in mats] + [t for _, q in quants for t in (q.qs, q.scales)]))
+            [w for _, w in mats] + [t for _, q in quants for t in q.tensors()]))
     groups = {}
     if merge:
         groups = merge_projections(model, release=owns, alloc=arena.empty if arena else None)
     for m, w in mats:  # the rest (merged ones now lie in the arena)
         if m.weight is w:
-            m.weight = torch.nn.Parameter(arena.copy(w.detach()), requires_grad=False)
-            release_pages(w.detach())
+            m.weight = torch.nn.Parameter(arena.move(w.detach()), requires_grad=False)
     for m, q in quants:
         if m.qweight is q:
-            m.qweight = quant.QuantWeight(arena.copy(q.qs), arena.copy(q.scales), q.shape)
-            release_pages(q.qs)
-            release_pages(q.scales)
+            m.qweight = q.replace(*(arena.move(t) for t in q.tensors()))
     return groups
 
 
@@ -47,8 +44,8 @@ def merge_projections(model, release: bool = False, alloc=None) -> Groups:
     ``projection_groups()``) -> {ids of the modules' new weights (``quant.kernel_weight``):
     (weight, output sizes)}; each module's weight
     becomes a view into its group's, so no memory is added and one product serves the group
-    (int8 weights, ``quant.QuantWeight``, likewise, when every output size is a whole number
-    of panels).
+    (quantized weights, ``quant.PackedWeight``, likewise, when all are of one kind and every
+    output size is a whole number of panels).
     Groups whose weights differ in dtype or are not plain tensors are left.
     ``release``: give the replaced weights' pages back to the OS at once (CPU, for a model that
     is the only owner of its weights, as the loader's is: its tensors share a file mapping
@@ -58,7 +55,8 @@ def merge_projections(model, release: bool = False, alloc=None) -> Groups:
     groups = {}
     for mods in model.projection_groups():
         qs = [getattr(x, "qweight", None) for x in mods]
-        if all(q is not None and q.shape[0] % quant.PANEL == 0 for q in qs):
+        if all(q is not None and q.shape[0] % quant.PANEL == 0 and type(q) is type(qs[0])
+               for q in qs):
             merged, parts = quant.concat(qs, release, alloc)
             for x, part in zip(mods, parts):
                 x.qweight = part
@@ -87,12 +85,12 @@ def merge_projections(model, release: bool = False, alloc=None) -> Groups:
 def streamed_weights(model) -> tuple[list, list]:
     """What a decode step streams, for ``place_weights``' arena: (module, weight) for every
     Linear and Embedding whose weight is a whole CPU half-precision matrix, and (module,
-    QuantWeight) for every int8 one (a Linear's, or the quantized embedding, the tied LM
+    PackedWeight) for every quantized one (a Linear's, or the quantized embedding, the tied LM
     head)."""
     mats, quants = [], []
     for m in model.modules():
         q = getattr(m, "qweight", None)
-        if isinstance(q, quant.QuantWeight) and q.qs.device.type == "cpu":
+        if isinstance(q, quant.PackedWeight) and q.device.type == "cpu":
             quants.append((m, q))
             continue
         if not isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):

@@ -62,11 +62,16 @@ def release_pages(t) -> int:
     if not sys.platform.startswith("linux") or t.device.type != "cpu" or (
             t.untyped_storage().nbytes() != t.numel() * t.element_size()):
         return 0
+    return _release(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+
+
+def _release(begin: int, end: int) -> int:
+    """madvise(MADV_DONTNEED) the pages wholly inside [begin, end) -> the bytes released."""
     if not _load_libc():
         return 0
     page = mmap.PAGESIZE
-    start = -(-t.data_ptr() // page) * page
-    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    start = -(-begin // page) * page
+    end = end // page * page
     if end <= start or _libc.madvise(start, end - start, _MADV_DONTNEED) != 0:
         return 0
     return end - start
@@ -128,6 +133,28 @@ class HugeArena:
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         return self.empty(t.shape, t.dtype).copy_(t)
+
+    MOVE_CHUNK = 32 << 20  # bytes copied between two releases in ``move``
+
+    def move(self, t: torch.Tensor) -> torch.Tensor:
+        """``copy`` for a tensor about to be dropped, which gives its pages back as the copy
+        goes (``release_pages``, a piece of ``MOVE_CHUNK`` bytes at a time): moving the 0.8B
+        shape's 0.25-0.5 GiB embedding no longer holds both copies at once. ``t`` must not be
+        read afterwards."""
+        out = self.empty(t.shape, t.dtype)
+        whole = (t.device.type == "cpu" and t.is_contiguous() and t.dim() > 0
+                 and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+        if not whole or t.numel() * t.element_size() <= self.MOVE_CHUNK:
+            out.copy_(t)
+            release_pages(t)
+            return out
+        rows = max(1, self.MOVE_CHUNK // (t[0].numel() * t.element_size()))
+        for i in range(0, t.shape[0], rows):
+            src = t[i:i + rows]
+            out[i:i + rows].copy_(src)
+            begin = src.data_ptr()
+            _release(begin, begin + src.numel() * src.element_size())
+        return out
 
     @classmethod
     def size_for(cls, tensors) -> int:

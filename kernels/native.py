@@ -16,16 +16,21 @@
   kernels/linear.py says when each is used; docs/performance.md what it was measured against).
 - ``csrc/int8_gemm.c``: x W^T for int8 weights with one scale per 32 inputs, on AVX-512 VNNI,
   AVX2 or plain C (kernels/quant.py binds it and picks the path).
+- ``csrc/int4_gemm.c``: the same for 4-bit weights (kernels/int4.py), on AVX-512 VNNI, 256-bit
+  VNNI, AVX2 or plain C; ``csrc/int4_quant.c`` quantizes them (a search per group).
 - ``csrc/stream.c``: a streaming read loop, the bandwidth ceiling of ``hybridrt bench
   throughput``.
 
 All are built into one library with ``cc -O3 -march=native -fopenmp`` into the options'
 ``cache_dir`` (``HYBRIDRT_CACHE``; default ``~/.cache/hybridrt``), keyed by a hash of the
 source, the flags and this CPU's model and feature flags (a ``-march=native`` build must not be
-reused on another CPU), and loaded with ctypes, once per process. Without a C compiler that
-builds it (with OpenMP), or on Windows, ``load()`` returns None and callers keep the torch path
-(same math, tested against each other); so does the CPU backend with ``native=False``
-(``HYBRIDRT_NATIVE=0``).
+reused on another CPU), and loaded with ctypes, once per process. The options' ``march``
+(``HYBRIDRT_MARCH``, e.g. ``haswell`` for AVX2 only, ``skylake-avx512`` for AVX-512 without
+VNNI or BF16) builds for another target instead, so that a forced kernel path is also compiled
+for that instruction level (the compiler's own vectorisation included): the key holds it too.
+Without a C compiler that builds it (with OpenMP), or on Windows, ``load()`` returns None and
+callers keep the torch path (same math, tested against each other); so does the CPU backend
+with ``native=False`` (``HYBRIDRT_NATIVE=0``).
 
 The paths and vector widths a caller picks (``half_path``, ``simd``) are arguments, decided
 once by the backend from its ``KernelOptions``; nothing here reads the environment for them.
@@ -50,10 +55,12 @@ from .options import SIMD_AVX512
 
 _SRCS = [Path(__file__).parent / "csrc" / name
          for name in ("gdn_decode.c", "gdn_fused.c", "attn_decode.c", "norm.c", "half_gemm.c",
-                      "int8_gemm.c", "stream.c")]
+                      "int8_gemm.c", "int4_gemm.c", "int4_quant.c",
+                      "stream.c")]
 _HEADERS = [Path(__file__).parent / "csrc" / "bf16.h"]  # included by the sources above
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]  # and -march=<the target>
 _lib: ctypes.CDLL | None = None
+_march: str | None = None  # the target the loaded library was built for
 _simd = False  # half_gemm / half_gemv built with AVX2 + FMA + F16C (asked once, at load)
 _bf16dot = False  # ... and the bf16 dot-product versions (AVX512-BF16) built too
 _tried = False
@@ -80,9 +87,10 @@ def _cpu_id() -> str:
     return platform.machine() + "".join(sorted({ln for ln in lines if ln.startswith(keep)}))
 
 
-def _build(cc: str, cache_dir: str | None) -> Path:
+def _build(cc: str, cache_dir: str | None, march: str = "native") -> Path:
+    flags = [*_FLAGS, f"-march={march}"]
     src = b"".join(f.read_bytes() for f in _SRCS + _HEADERS)
-    key = hashlib.sha256(src + " ".join([cc, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join([cc, *flags, _cpu_id()]).encode()).hexdigest()[:16]
     out = _cache_dir(cache_dir) / f"hybridrt-cpu-{key}.so"
     if out.is_file():
         return out
@@ -97,24 +105,30 @@ def _build(cc: str, cache_dir: str | None) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        subprocess.run([cc, *_FLAGS, "-o", str(part), *map(str, _SRCS)], check=True,
+        subprocess.run([cc, *flags, "-o", str(part), *map(str, _SRCS)], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(part, out)  # atomic: concurrent builders end with one complete file
     return out
 
 
-def load(cache_dir: str | None = None) -> ctypes.CDLL | None:
+def load(cache_dir: str | None = None, march: str | None = None) -> ctypes.CDLL | None:
     """The compiled kernels, or None (torch fallback). Builds at most once per process, into
-    ``cache_dir`` (default ``~/.cache/hybridrt``) at the first call."""
-    global _lib, _simd, _bf16dot, _tried
+    ``cache_dir`` (default ``~/.cache/hybridrt``) at the first call, for ``march`` (the
+    compiler's ``-march``; None: "native", or whatever this process loaded already). Asking for
+    another target than the loaded one is a RuntimeError: a process runs one build."""
+    global _lib, _simd, _bf16dot, _tried, _march
     if _tried:
+        if march is not None and _march is not None and march != _march:
+            raise RuntimeError(f"the CPU kernels are loaded for -march={_march} in this process; "
+                               f"-march={march} needs a new process")
         return _lib
     _tried = True
+    _march = march or "native"
     cc = _compiler()
     if cc is None or sys.platform == "win32":
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cc, cache_dir)))
+        lib = ctypes.CDLL(str(_build(cc, cache_dir, _march)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         warnings.warn(f"hybridrt: native CPU kernels unavailable, using torch ops ({detail})",

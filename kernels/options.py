@@ -21,4 +21,7 @@ class KernelOptions:
     half_path: str = "auto"  # bf16 x bf16 products: "auto" (the fastest built), "fma", "bf16dot"
     fused_simd: int = SIMD_AVX512  # the fused layers' vector loops: at most AVX-512, AVX2, plain
     int8_isa: str | None = None  # int8 products: None (the best built), "ref", "avx2", "vnni"
+    int4_isa: str | None = None  # 4-bit products: None (the best built), "ref", "avx2",
+    # "avxvnni", "vnni"
+    march: str = "native"  # the target the C kernels are compiled for (cc -march=...)
     huge_pages: bool = True  # loaded weights in transparent-huge-page memory where the OS has it

@@ -31,19 +31,55 @@ ISAS = {"ref": 1, "avx2": 2, "vnni": 4}  # csrc/int8_gemm.c's ISA_* flags, best 
 _CHUNK_ROWS = 8192  # rows quantized at a time (bounds the fp32 temporaries)
 
 
-class QuantWeight:
+class PackedWeight:
+    """What the model, the loader and the backends see of a quantized weight [N, K] (int8 here,
+    4-bit in kernels/int4.py): ``shape``, its tensors in the kernels' layout (``names``, each
+    indexed by panels of 16 output columns first), ``dequantize`` and ``rows``."""
+
+    __slots__ = ()
+    kind = ""  # the quantization's name: "int8", "int4"
+    names: tuple[str, ...] = ()  # the tensors' names, as stored (``<param>.<name>``)
+    shape: tuple[int, int]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def replace(self, *tensors: torch.Tensor) -> PackedWeight:
+        """The same weight held in ``tensors`` (copies of ``tensors()``, e.g. in an arena)."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors()[0].device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class QuantWeight(PackedWeight):
     """A weight [N, K] in int8: ``qs`` [P, G, 8, 16, 4] with qs[p, g, k4, c, j] the value of
     W[16 p + c, 32 g + 4 k4 + j] and ``scales`` [P, G, 16] fp16 the scale of W[16 p + c]'s
     group g (P = ceil(N / 16), G = ceil(K / 32), zeros past N and K). ``shape`` is W's."""
 
     __slots__ = ("qs", "scales", "shape")
+    kind = "int8"
+    names = ("qs", "scales")
 
     def __init__(self, qs: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int]):
         self.qs, self.scales, self.shape = qs, scales, (int(shape[0]), int(shape[1]))
 
-    @property
-    def nbytes(self) -> int:
-        return self.qs.numel() + 2 * self.scales.numel()
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.qs, self.scales
+
+    def replace(self, *tensors: torch.Tensor) -> QuantWeight:
+        return QuantWeight(*tensors, self.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """-> W [N, K] as the int8 values times their scales."""
@@ -53,13 +89,15 @@ class QuantWeight:
         return w[:self.shape[0], :self.shape[1]]
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows ``ids`` (any shape) of the dequantized W -> [*ids.shape, K]."""
+        """Rows ``ids`` (any shape) of the dequantized W -> [*ids.shape, K], contiguous."""
         flat = ids.reshape(-1)
         p, c = flat // PANEL, flat % PANEL
         q = self.qs[p, :, :, c, :]  # [n, G, 8, 4]
         s = self.scales[p, :, c]  # [n, G]
         w = q.to(dtype).reshape(len(flat), -1, GROUP) * s.to(dtype)[:, :, None]
-        return w.reshape(len(flat), -1)[:, :self.shape[1]].reshape(*ids.shape, self.shape[1])
+        # contiguous: the CPU decode loop hands the embedding rows to csrc/norm.c as the residual
+        w = w.reshape(len(flat), -1)[:, :self.shape[1]].contiguous()
+        return w.view(*ids.shape, self.shape[1])
 
 
 def packed_shapes(shape: tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -149,32 +187,33 @@ def emulate(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
     return y[:, :N]
 
 
-def concat(qws: list[QuantWeight], release: bool = False, alloc=None
-           ) -> tuple[QuantWeight, list[QuantWeight]]:
-    """The weights [N_i, K] (each N_i a multiple of ``PANEL``) stacked as one [sum N_i, K], so
-    that one product serves them all -> (the stack, each input as a view into it). ``release``:
-    give the inputs' pages back to the OS (their owner replaces them by the views).
-    ``alloc(shape, dtype)``: where the stack goes (default ``torch.empty`` on the inputs'
-    device)."""
+def concat(qws: list[PackedWeight], release: bool = False, alloc=None
+           ) -> tuple[PackedWeight, list[PackedWeight]]:
+    """The weights [N_i, K] (one kind, each N_i a multiple of ``PANEL``) stacked as one
+    [sum N_i, K], so that one product serves them all -> (the stack, each input as a view into
+    it). ``release``: give the inputs' pages back to the OS (their owner replaces them by the
+    views). ``alloc(shape, dtype)``: where the stack goes (default ``torch.empty`` on the
+    inputs' device)."""
     K = qws[0].shape[1]
-    if any(q.shape[1] != K or q.shape[0] % PANEL for q in qws):
-        raise ValueError("concat: weights need the same K and whole panels of rows")
-    device = qws[0].qs.device
+    if any(type(q) is not type(qws[0]) or q.shape[1] != K or q.shape[0] % PANEL for q in qws):
+        raise ValueError("concat: weights need the same kind, the same K and whole panels of "
+                         "rows")
+    device = qws[0].device
     alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device))
     stacked = []
-    for name in ("qs", "scales"):
-        parts = [getattr(q, name) for q in qws]
+    for i in range(len(qws[0].tensors())):
+        parts = [q.tensors()[i] for q in qws]
         t = alloc((sum(x.shape[0] for x in parts), *parts[0].shape[1:]), parts[0].dtype)
         stacked.append(torch.cat(parts, out=t))
-    out = QuantWeight(*stacked, (sum(q.shape[0] for q in qws), K))
+    out = type(qws[0])(*stacked, (sum(q.shape[0] for q in qws), K))
     parts, p0 = [], 0
     for q in qws:
         p1 = p0 + q.shape[0] // PANEL
-        parts.append(QuantWeight(out.qs[p0:p1], out.scales[p0:p1], q.shape))
+        parts.append(q.replace(*(t[p0:p1] for t in stacked)))
         p0 = p1
     if release:
         for q in qws:
-            for t in (q.qs, q.scales):
+            for t in q.tensors():
                 release_pages(t)
     return out, parts
 
@@ -288,7 +327,7 @@ class QuantEmbedding(nn.Module):
 
 
 def kernel_weight(module):
-    """The weight a product with ``module`` reads: its int8 ``qweight`` (a ``QuantWeight``)
+    """The weight a product with ``module`` reads: its ``qweight`` (a ``PackedWeight``)
     when it has one, else its ``weight`` tensor [out, in]. The model hands backends these,
     never the modules; merged groups are keyed by their ids."""
     q = getattr(module, "qweight", None)
@@ -305,9 +344,10 @@ def quantized_names(model: nn.Module) -> set[str]:
     return names
 
 
-def attach(model: nn.Module, quantized: dict[str, QuantWeight], dtype: torch.dtype) -> None:
-    """Put the QuantWeights in place of their parameters: a Linear's ``weight`` becomes None and
-    its ``qweight`` the QuantWeight; an Embedding becomes a QuantEmbedding."""
+def attach(model: nn.Module, quantized: dict[str, PackedWeight], dtype: torch.dtype) -> None:
+    """Put the quantized weights (QuantWeight, int4.Int4Weight) in place of their parameters: a
+    Linear's ``weight`` becomes None and its ``qweight`` the quantized weight; an Embedding
+    becomes a QuantEmbedding."""
     for name, qw in quantized.items():
         path = name.removesuffix(".weight")
         parent_name, _, attr = path.rpartition(".")
@@ -321,12 +361,20 @@ def attach(model: nn.Module, quantized: dict[str, QuantWeight], dtype: torch.dty
 
 
 def is_quantized(model: nn.Module) -> bool:
-    """Whether some weight of ``model`` is int8 (a QuantWeight)."""
-    return any(isinstance(getattr(m, "qweight", None), QuantWeight) for m in model.modules())
+    """Whether some weight of ``model`` is quantized (a PackedWeight)."""
+    return quantization_of(model) is not None
+
+
+def quantization_of(model: nn.Module) -> str | None:
+    """"int4" when some weight of ``model`` is 4-bit, else "int8" when some is int8, else
+    None."""
+    kinds = {m.qweight.kind for m in model.modules()
+             if isinstance(getattr(m, "qweight", None), PackedWeight)}
+    return "int4" if "int4" in kinds else "int8" if kinds else None
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's weights: parameters plus the int8 weights and their scales."""
+    """Bytes of the model's weights: parameters plus the quantized weights and their scales."""
     n = sum(p.numel() * p.element_size() for p in model.parameters())
     return n + sum(m.qweight.nbytes for m in model.modules()
-                   if isinstance(getattr(m, "qweight", None), QuantWeight))
+                   if isinstance(getattr(m, "qweight", None), PackedWeight))

@@ -1,5 +1,5 @@
 """Where a decode step goes: time per engine step spent in each compiled call (the fused GDN and
-attention layers, the norms, the bf16 GEMV / GEMM, the int8 products, the LM head), for B
+attention layers, the norms, the bf16 GEMV / GEMM, the int8 and int4 products, the LM head), for B
 sequences decoding side by side.
 
     python scripts/step_breakdown.py /tmp/r08b --batch 32 --threads 2
@@ -7,8 +7,8 @@ sequences decoding side by side.
 
 Each call is wrapped with a timer (a microsecond or two per call); the rest of a step is Python,
 sampling and scheduling. The LM head's row counts its product again (half_gemm, gemv_bf16 or the
-int8 products include it). Give the cache room for all B requests (--cache-memory): the script
-stops if fewer than B run at once.
+int8 or int4 products include it). Give the cache room for all B requests (--cache-memory): the
+script stops if fewer than B run at once.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 import time
 
 from hybridrt import LLM, SamplingParams
-from hybridrt.kernels import native, quant
+from hybridrt.kernels import int4, native, quant
 
 
 def main() -> None:
@@ -53,6 +53,7 @@ def main() -> None:
     for name in ("gdn_fused", "attn_decode", "rms_norm", "gemv_bf16", "half_gemm"):
         timed(native, name, name)
     timed(quant, "linear", "int8 products")
+    timed(int4, "linear", "int4 products")
     timed(eng.runner.model.backend, "logits", "LM head (logits)")
     sp = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
     for i in range(args.batch):

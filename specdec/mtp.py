@@ -171,8 +171,8 @@ class DraftHead:
 
     def __init__(self, model: Qwen35ForCausalLM, token_ids: list[int]):
         head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
-        qweight = getattr(head, "qweight", None)  # an int8 head: its rows dequantized
-        device = (qweight.qs if qweight is not None else head.weight).device
+        qweight = getattr(head, "qweight", None)  # a quantized head: its rows dequantized
+        device = (qweight if qweight is not None else head.weight).device
         self.token_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         if qweight is not None:
             self.weight = qweight.rows(self.token_ids, model.dtype).contiguous()

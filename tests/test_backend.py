@@ -289,6 +289,44 @@ def test_release_pages_gives_memory_back():
     assert whole[-1] == 1 and whole[0] == 1
 
 
+def test_arena_move_copies_and_releases_as_it_goes(monkeypatch):
+    """HugeArena.move: the same values in the arena, the source's pages given back piece by
+    piece (the resident set never holds both copies of a large weight: it grows by at most one
+    piece while moving), a tensor that is part of another's storage copied and left as it
+    was."""
+    from hybridrt.kernels.memory import HugeArena
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    try:
+        rss()
+    except OSError:
+        pytest.skip("no /proc here")
+    src = torch.arange(12 << 20, dtype=torch.float32).view(3 << 10, 4 << 10)  # 48 MiB
+    want = src[::997].clone()
+    arena = HugeArena(HugeArena.size_for([src]) + (8 << 20))
+    peak = []
+    chunk = 4 << 20
+    monkeypatch.setattr(HugeArena, "MOVE_CHUNK", chunk)
+    copy = torch.Tensor.copy_
+
+    def watched(dst, s, *a, **k):
+        peak.append(rss())
+        return copy(dst, s, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", watched)
+    before = rss()
+    out = arena.move(src)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy)
+    assert len(peak) == 12 and max(peak) - before <= 2 * chunk
+    assert torch.equal(out[::997], want)
+    assert src.data_ptr() != out.data_ptr()
+    part = torch.ones(4 << 20)[: 1 << 20]  # a quarter of its storage: copied, not released
+    assert torch.equal(arena.move(part), torch.ones(1 << 20)) and part[0] == 1
+
+
 def test_loaded_models_own_their_weights_built_ones_do_not():
     """Only a model the loader built (no other references to its tensors) lets the CPU backend
     free the weights that merging replaced; a model built from a caller's state dict keeps them
@@ -581,12 +619,12 @@ def _vm_flags(addr: int) -> str:
     return ""
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_loaded_weights_live_in_huge_pages(tmp_path, monkeypatch, quantization):
-    """A loaded bf16 (or int8) model on the CPU backend holds every weight matrix (the merged
-    groups and the rest, the tied LM head too; int8 values and scales) in mappings advised for
-    transparent huge pages (smaps VmFlags "hg"); with ``HYBRIDRT_HUGE_PAGES=0`` none is, and
-    the tokens are the same."""
+    """A loaded bf16 (or int8, int4) model on the CPU backend holds every weight matrix (the
+    merged groups and the rest, the tied LM head too; quantized values, codes and scales) in
+    mappings advised for transparent huge pages (smaps VmFlags "hg"); with
+    ``HYBRIDRT_HUGE_PAGES=0`` none is, and the tokens are the same."""
     from hybridrt.kernels import memory
 
     if not memory.huge_pages_available():
@@ -602,7 +640,7 @@ def test_loaded_weights_live_in_huge_pages(tmp_path, monkeypatch, quantization):
         assert model.backend.groups  # merged groups: made in the arena
         if quantization:
             mats = [t for m in model.modules() if getattr(m, "qweight", None) is not None
-                    for t in (m.qweight.qs, m.qweight.scales)]
+                    for t in m.qweight.tensors()]
         else:
             mats = [m.weight for m in model.modules()
                     if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]

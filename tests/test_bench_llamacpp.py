@@ -204,6 +204,39 @@ def test_side_by_side_report_with_stand_in_binaries(tiny, tmp_path):
         assert text in res.stdout
 
 
+def test_several_ggufs_each_in_every_llamacpp_round(tiny, tmp_path):
+    """--against-llamacpp twice (e.g. Q4_K_M and Q4_0): each GGUF runs in every llama.cpp round,
+    in turn; the first is the report's ``llamacpp``, the second ``llamacpp_others`` by file name,
+    each with its medians, ratios and peak RSS, and a column of its own in the table."""
+    bins = fake_llamacpp(tmp_path / "bin")
+    a, b = tmp_path / "m-Q4_K_M.gguf", tmp_path / "m-Q4_0.gguf"
+    for g in (a, b):
+        g.write_bytes(b"GGUF")
+    out = tmp_path / "r.json"
+    res = invoke("bench", "throughput", tiny, "--dtype", "float32", "--threads", "1",
+                 "--prefill-len", "16", "--prompt-len", "4", "--decode-tokens", "3",
+                 "--concurrency", "2", "--repeats", "1", "--no-transformers",
+                 "--against-llamacpp", a, "--against-llamacpp", b, "--llamacpp-bin", bins,
+                 "--order", "llamacpp,hybridrt,llamacpp", "--json", out)
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert [(x["engine"], x.get("gguf")) for x in r["rounds"]] == [
+        ("llamacpp", "m-Q4_K_M"), ("llamacpp", "m-Q4_0"), ("hybridrt", None),
+        ("llamacpp", "m-Q4_K_M"), ("llamacpp", "m-Q4_0")]
+    # the stand-ins' figures grow with each call: Q4_K_M ran calls 1 and 3, Q4_0 calls 2 and 4
+    assert r["llamacpp"]["decode_b1_tok_s"] == 8.0  # 4 x median(1, 3)
+    other = r["llamacpp_others"]["m-Q4_0"]
+    assert other["results"]["decode_b1_tok_s"] == 12.0  # 4 x median(2, 4)
+    assert other["ratio"]["decode_b1_tok_s"] == pytest.approx(
+        r["hybridrt"]["decode_b1_tok_s"] / 12.0)
+    assert other["run"]["gguf"] == str(b) and other["run"]["peak_rss_gib"] > 0
+    assert r["ceilings"]["fraction"]["llamacpp m-Q4_0"] == pytest.approx(
+        12.0 / r["ceilings"]["batch1_decode_tok_s"])
+    header = next(ln for ln in res.stdout.splitlines() if ln.startswith("metric"))
+    assert header.split() == ["metric", "hybridrt", "m-Q4_K_M", "ratio", "m-Q4_0", "ratio"]
+    assert "llama.cpp m-Q4_0 peak RSS" in res.stdout
+
+
 def test_plot_has_a_bar_per_engine_and_row(tmp_path, monkeypatch):
     figure = pytest.importorskip("matplotlib.figure")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridrt import env
-from hybridrt.kernels import native, quant
+from hybridrt.kernels import int4, native, quant
 from hybridrt.kernels.cuda.precision import KEY, fp32_products
 from hybridrt.kernels.options import KernelOptions
 
@@ -27,13 +27,19 @@ def test_each_variable_parses():
         "HYBRIDRT_NATIVE": "off", "HYBRIDRT_CACHE": "/tmp/k", "HYBRIDRT_HALF_PATH": " FMA",
         "HYBRIDRT_FUSED_SIMD": "avx2", "HYBRIDRT_INT8_ISA": "ref", "HYBRIDRT_HUGE_PAGES": "0"})
     assert opts == KernelOptions(native=False, cache_dir="/tmp/k", half_path="fma",
-                                 fused_simd=1, int8_isa="ref", huge_pages=False)
+                                 fused_simd=1, int8_isa="ref", int4_isa="ref", huge_pages=False)
+    # the 4-bit path follows HYBRIDRT_INT8_ISA unless set itself; the build target
+    opts = env.kernel_options({"HYBRIDRT_INT8_ISA": "avx2", "HYBRIDRT_INT4_ISA": " AVXVNNI",
+                               "HYBRIDRT_MARCH": "skylake-avx512"})
+    assert (opts.int8_isa, opts.int4_isa, opts.march) == ("avx2", "avxvnni", "skylake-avx512")
+    with pytest.raises(ValueError, match="^HYBRIDRT_MARCH='-o /tmp/x': a cc -march target"):
+        env.kernel_options({"HYBRIDRT_MARCH": "-o /tmp/x"})
     assert not env.adaptive_threads({"HYBRIDRT_ADAPTIVE_THREADS": "no"})
     assert env.debug({"HYBRIDRT_DEBUG": "1"})
 
 
 @pytest.mark.parametrize("name", ["HYBRIDRT_HALF_PATH", "HYBRIDRT_FUSED_SIMD",
-                                  "HYBRIDRT_INT8_ISA"])
+                                  "HYBRIDRT_INT8_ISA", "HYBRIDRT_INT4_ISA"])
 def test_an_unknown_value_is_one_line_naming_the_variable(name):
     with pytest.raises(ValueError, match=f"^{name}='sse9': ") as e:
         env.kernel_options({name: "sse9"})
@@ -43,6 +49,7 @@ def test_an_unknown_value_is_one_line_naming_the_variable(name):
 def test_the_choices_are_the_kernels():
     assert env.HALF_PATHS == native.HALF_PATHS
     assert tuple(quant.ISAS) == env.INT8_ISAS
+    assert tuple(int4.ISAS) == env.INT4_ISAS
 
 
 def _environment_reads(path: Path) -> list[str]:
@@ -68,8 +75,8 @@ def test_only_env_reads_hybridrt_variables():
     assert {p: r for p, r in reads.items() if r} == {}
     declared = set(env.VARIABLES)
     assert {"HYBRIDRT_NATIVE", "HYBRIDRT_CACHE", "HYBRIDRT_HALF_PATH", "HYBRIDRT_FUSED_SIMD",
-            "HYBRIDRT_INT8_ISA", "HYBRIDRT_HUGE_PAGES", "HYBRIDRT_ADAPTIVE_THREADS",
-            "HYBRIDRT_DEBUG", "HYBRIDRT_API_KEY"} == declared
+            "HYBRIDRT_INT8_ISA", "HYBRIDRT_INT4_ISA", "HYBRIDRT_MARCH", "HYBRIDRT_HUGE_PAGES",
+            "HYBRIDRT_ADAPTIVE_THREADS", "HYBRIDRT_DEBUG", "HYBRIDRT_API_KEY"} == declared
 
 
 def test_fp32_products_leave_an_unset_variable_unset(monkeypatch):

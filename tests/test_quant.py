@@ -269,8 +269,8 @@ def test_speculative_decoding_is_lossless_with_int8():
 
 
 def test_unknown_quantization_is_one_clear_error(ckpt):
-    with pytest.raises(ValueError, match="unknown quantization 'int4'; choose int8"):
-        LLM(ckpt, quantization="int4")
+    with pytest.raises(ValueError, match="unknown quantization 'int3'; choose int8 or int4"):
+        LLM(ckpt, quantization="int3")
     with pytest.raises(ValueError, match="CPU backends only"):
         LLM(ckpt, quantization="int8", backend="triton")
 
@@ -278,11 +278,11 @@ def test_unknown_quantization_is_one_clear_error(ckpt):
 @pytest.mark.parametrize("command", [["chat"], ["generate", "-p", "hi"], ["bench", "throughput"],
                                      ["bench", "spec"]], ids=lambda c: "-".join(c))
 def test_cli_unknown_quantization_is_one_error_line_exit_2(command):
-    res = CliRunner().invoke(app, [*command, "--quantization", "int4"], input="hi\n")
+    res = CliRunner().invoke(app, [*command, "--quantization", "int3"], input="hi\n")
     assert res.exit_code == 2, res.output
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert lines == ["error: --quantization: unknown quantization 'int4'; choose int8 (or "
-                     "none)"], res.stderr
+    assert lines == ["error: --quantization: unknown quantization 'int3'; choose int8 or int4 "
+                     "(or none)"], res.stderr
 
 
 def test_cli_generate_with_int8():
@@ -353,9 +353,9 @@ def test_saved_int8_checkpoint_errors(ckpt, saved, tmp_path):
         ({k: v for k, v in tensors.items() if k != f"{name}.qs"}, meta,
          rf"missing tensor: {name}\.qs"),
         ({**tensors, f"{name}.scales": tensors[f"{name}.scales"].float()}, meta,
-         "float16 scales expected"),
+         r"\(qs, scales\) must be torch.int8, torch.float16, found torch.int8, torch.float32"),
         ({**tensors, f"{name}.qs": tensors[f"{name}.qs"][:1]}, meta, rf"{name}\.qs: expected"),
-        (tensors, {"format": "pt", QUANT_METADATA: "int4"}, "unknown hybridrt.quantization"),
+        (tensors, {"format": "pt", QUANT_METADATA: "int3"}, "unknown hybridrt.quantization"),
     ]
     for t, md, match in cases:
         save_file(t, str(bad / "model.safetensors"), metadata=md)

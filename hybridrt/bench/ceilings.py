@@ -39,7 +39,8 @@ def stream_sum(x: torch.Tensor, threads: int) -> float:
     if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
         raise ValueError(f"stream_sum: x must be a contiguous CPU float32 tensor, got "
                          f"{x.dtype} on {x.device}")
-    lib = native.load(env.kernel_options().cache_dir)
+    opts = env.kernel_options()
+    lib = native.load(opts.cache_dir, opts.march)
     if lib is None:
         raise RuntimeError("stream_sum: native CPU kernels unavailable")
     return lib.stream_sum(x.data_ptr(), x.numel(), threads)
@@ -54,7 +55,8 @@ def stream_read(threads: int, size_bytes: int = 1 << 30, passes: int = 5) -> dic
     from hybridrt.kernels import native
 
     buf = torch.ones(size_bytes // 4)  # written here: its pages are mapped before timing
-    lib = native.load(env.kernel_options().cache_dir)
+    opts = env.kernel_options()
+    lib = native.load(opts.cache_dir, opts.march)
     if lib is not None:
         method, bits = "C read loop", lib.stream_vector_bytes() * 8
 

@@ -1,12 +1,18 @@
-"""What int8 weights cost in quality (``hybridrt bench quality``): the same model loaded in bf16
-and with ``quantization="int8"``, both on the CPU backend, scoring the same token sequences.
+"""What quantized weights cost in quality (``hybridrt bench quality``): the same model loaded
+in bf16 and with ``quantization="int8"`` and ``"int4"``, all on the CPU backend, scoring the same
+token sequences.
 
 - The demo model over held-out text: the documents about the standard-library objects that
   ``scripts/demo/make_corpus.py`` keeps out of training (its test split; every document about
   those objects, plain docstrings and chats). Reported: perplexity of each model, and how often
-  the int8 model's greedy next token equals bf16's.
+  each quantized model's greedy next token equals bf16's.
+- With GGUFs of the demo model (``llamacpp_ggufs``: llama.cpp's bf16 and, e.g., Q4_K_M, Q4_0):
+  the held-out documents joined into one text, scored as ``llama-perplexity`` scores a file
+  (chunks of 512 tokens, the second half of each), three ways: our models; llama.cpp's own
+  ``llama-perplexity`` on each GGUF; and each GGUF's tensors dequantized (the ``gguf`` package)
+  into our bf16 model, so that llama.cpp's formats and ours are compared on one computation.
 - A Qwen3.5-0.8B-shaped checkpoint with random weights over random token ids: the logits'
-  relative error against bf16 (``||int8 - bf16|| / ||bf16||`` over all positions) and top-1
+  relative error against bf16 (``||q - bf16|| / ||bf16||`` over all positions) and top-1
   agreement, and for scale the same for bf16 against fp32 weights.
 """
 
@@ -78,8 +84,14 @@ def _load(path, quantization, dtype="bfloat16"):
     return model
 
 
-def demo_quality(max_tokens: int = 256, max_docs: int | None = None) -> dict:
-    """Perplexity and greedy agreement of the int8 demo model against bf16 on held-out text."""
+QUANTIZATIONS = ("int8", "int4")
+
+
+def demo_quality(max_tokens: int = 256, max_docs: int | None = None,
+                 quantizations=QUANTIZATIONS) -> dict:
+    """Perplexity and greedy agreement of the quantized demo models against bf16 on held-out
+    text -> {"documents", "tokens", "ppl_bf16", and per quantization q "ppl_<q>",
+    "ppl_change_<q>", "greedy_agreement_<q>"}."""
     from transformers import PreTrainedTokenizerFast
 
     from hybridrt.llm import default_model
@@ -93,28 +105,170 @@ def demo_quality(max_tokens: int = 256, max_docs: int | None = None) -> dict:
         if len(ids) >= 2:
             seqs.append(list(ids)[:max_tokens])
     res = {}
-    for name, q in (("bf16", None), ("int8", "int8")):
+    for name, q in (("bf16", None), *((q, q) for q in quantizations)):
         res[name] = score(_load(path, q), seqs)
     nll = {n: -torch.cat([lp for lp, _ in r]).sum().item() for n, r in res.items()}
     tokens = sum(len(s) - 1 for s in seqs)
-    agree = sum((a[1] == b[1]).sum().item() for a, b in zip(res["bf16"], res["int8"]))
     ppl = {n: math.exp(v / tokens) for n, v in nll.items()}
-    return {"documents": len(seqs), "tokens": tokens, "ppl_bf16": ppl["bf16"],
-            "ppl_int8": ppl["int8"], "ppl_change": ppl["int8"] / ppl["bf16"] - 1,
-            "greedy_agreement": agree / tokens}
+    out = {"documents": len(seqs), "tokens": tokens, "ppl_bf16": ppl["bf16"]}
+    for q in quantizations:
+        agree = sum((a[1] == b[1]).sum().item() for a, b in zip(res["bf16"], res[q]))
+        out.update({f"ppl_{q}": ppl[q], f"ppl_change_{q}": ppl[q] / ppl["bf16"] - 1,
+                    f"greedy_agreement_{q}": agree / tokens})
+    return out
+
+
+def held_out_text(tok) -> str:
+    """The held-out documents as one text (chats through the chat template), blank lines
+    between them: the file ``llama-perplexity`` reads."""
+    return "\n\n".join(d if isinstance(d, str) else tok.apply_chat_template(d, tokenize=False)
+                        for d in held_out_texts())
 
 
 @torch.inference_mode()
-def logits_quality(path: str | Path, num_seqs: int = 4, length: int = 64, seed: int = 0) -> dict:
-    """Logits of the int8 model against bf16 on random token ids: relative error
-    (``||int8 - bf16|| / ||bf16||``) and top-1 agreement; for scale, the same for bf16 against
+def chunked_perplexity(model, ids: list[int], n_ctx: int = 512) -> tuple[float, int]:
+    """Perplexity as ``llama-perplexity`` computes it: ``ids`` cut into whole chunks of ``n_ctx``
+    tokens, each run from an empty cache, the tokens of its second half scored (each predicted
+    from all before it in the chunk) -> (perplexity, tokens scored)."""
+    chunks = [ids[i:i + n_ctx] for i in range(0, len(ids) - n_ctx + 1, n_ctx)]
+    first = n_ctx // 2
+    nll, count = 0.0, 0
+    for lp, _ in score(model, chunks):
+        nll -= lp[first:].sum().item()
+        count += len(lp) - first
+    return math.exp(nll / count), count
+
+
+# GGUF tensor names of the demo model's (Qwen3.5's) matrices, llama.cpp's converter's: ours ->
+# theirs (blk.N. + this + .weight)
+_GGUF_NAMES = {
+    "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.out_proj": "ssm_out", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(name: str) -> str | None:
+    """Our parameter name of a matrix -> its GGUF tensor name (None for the MTP layer's)."""
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if name == "lm_head.weight":
+        return "output.weight"
+    parts = name.split(".")
+    if parts[:2] != ["model", "layers"] or parts[-1] != "weight":
+        return None
+    return f"blk.{parts[2]}.{_GGUF_NAMES['.'.join(parts[3:-1])]}.weight"
+
+
+def gguf_matrices(path: str | Path) -> tuple[str, dict[str, torch.Tensor]]:
+    """A GGUF's file type (e.g. "Q4_K_M") and its 2-D tensors dequantized to fp32 by the
+    ``gguf`` package -> (type, {GGUF name: [rows, columns]})."""
+    try:
+        import gguf
+        from gguf.quants import dequantize
+    except ImportError:
+        raise RuntimeError("reading GGUF files needs the gguf package: pip install gguf") from None
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields.get("general.file_type")
+    kind = (gguf.LlamaFileType(int(field.parts[-1][0])).name.removeprefix("MOSTLY_")
+            if field is not None else "?")
+    out = {}
+    for t in reader.tensors:
+        if len(t.shape) == 2:
+            a = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            out[t.name] = torch.from_numpy(a.reshape(int(t.shape[1]), int(t.shape[0])).copy())
+    return kind, out
+
+
+def model_with_gguf_weights(path, tensors: dict[str, torch.Tensor], check: str | None = None):
+    """The bf16 model at ``path`` (CPU backend) with every layer matrix and the embedding
+    replaced by ``tensors`` (``gguf_matrices``'), rounded to bf16. ``check``: "exact" (a bf16
+    GGUF: each must equal ours) or "close" (each within 30% relative error of ours, which a
+    mismatched name or layout would not be); ValueError naming the first that is not."""
+    model = _load(path, None)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            g = gguf_name(name) if p.dim() == 2 else None
+            if g is None:
+                continue
+            if g not in tensors or tensors[g].shape != p.shape:
+                raise ValueError(f"GGUF tensor {g} missing or not {list(p.shape)}")
+            new = tensors[g].to(p.dtype)
+            err = ((new.float() - p.float()).norm() / p.float().norm()).item()
+            if (check == "exact" and not torch.equal(new, p)) or (check == "close" and err > 0.3):
+                raise ValueError(f"GGUF tensor {g} is not this model's {name} "
+                                 f"(relative difference {err:.3g})")
+            p.copy_(new)
+    return model
+
+
+def llamacpp_perplexity(gguf: str | Path, text_file: str | Path, bins: Path, threads: int,
+                        n_ctx: int = 512) -> float:
+    """``llama-perplexity`` on ``text_file`` -> its final estimate."""
+    import re
+    import subprocess
+
+    out = subprocess.run([str(bins / "llama-perplexity"), "-m", str(gguf), "-f", str(text_file),
+                          "-t", str(threads), "-c", str(n_ctx)], capture_output=True, text=True,
+                         check=False)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+    if out.returncode or not found:
+        tail = (out.stderr.strip().splitlines() or [""])[-1]
+        raise RuntimeError(f"llama-perplexity failed on {gguf} ({out.returncode}): {tail}")
+    return float(found.group(1))
+
+
+def versus_llamacpp(ggufs: list, bins: Path | None, threads: int,
+                    quantizations=QUANTIZATIONS, n_ctx: int = 512) -> dict:
+    """The demo model's held-out text scored as llama-perplexity scores it, by our bf16 and
+    quantized models, by llama.cpp on each GGUF, and by our model holding each GGUF's tensors
+    -> {"chunks", "tokens", "ours": {weights: ppl}, "gguf": {type: {"llamacpp": ppl,
+    "dequantized_in_ours": ppl}}}; changes against bf16 and the GGUF of type BF16 added by
+    ``format_table``."""
+    from transformers import PreTrainedTokenizerFast
+
+    from hybridrt.llm import default_model
+
+    path = default_model()
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    text = held_out_text(tok)
+    ids = tok.encode(text)
+    ours = {}
+    for name, q in (("bf16", None), *((q, q) for q in quantizations)):
+        ours[name], count = chunked_perplexity(_load(path, q), ids, n_ctx)
+    res = {"n_ctx": n_ctx, "tokens_scored": count, "ours": ours, "gguf": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        text_file = Path(tmp) / "held_out.txt"
+        text_file.write_text(text)
+        for g in ggufs:
+            kind, tensors = gguf_matrices(g)
+            model = model_with_gguf_weights(path, tensors, "exact" if kind in ("BF16", "ALL_F32")
+                                            else "close")
+            entry = {"file": str(g),
+                     "dequantized_in_ours": chunked_perplexity(model, ids, n_ctx)[0]}
+            if bins is not None:
+                entry["llamacpp"] = llamacpp_perplexity(g, text_file, bins, threads, n_ctx)
+            res["gguf"][kind] = entry
+    return res
+
+
+@torch.inference_mode()
+def logits_quality(path: str | Path, num_seqs: int = 4, length: int = 64, seed: int = 0,
+                   quantizations=QUANTIZATIONS) -> dict:
+    """Logits of the quantized models against bf16 on random token ids: relative error
+    (``||q - bf16|| / ||bf16||``) and top-1 agreement; for scale, the same for bf16 against
     fp32 weights (random-weight models amplify small differences layer after layer)."""
     import gc
 
     g = torch.Generator().manual_seed(seed)
     logits = {}
     for name, dtype, q in (("fp32", "float32", None), ("bf16", "bfloat16", None),
-                           ("int8", "bfloat16", "int8")):
+                           *((q, "bfloat16", q) for q in quantizations)):
         model = _load(path, q, dtype)
         vocab = model.config.vocab_size
         seqs = [torch.randint(0, vocab, (length,), generator=g.manual_seed(seed + i)).tolist()
@@ -136,22 +290,34 @@ def logits_quality(path: str | Path, num_seqs: int = 4, length: int = 64, seed: 
         top1 = (x.argmax(-1) == y.argmax(-1)).double().mean().item()
         return ((x - y).norm() / y.norm()).item(), top1
 
-    err, top1 = compare("int8", "bf16")
-    err_ref, top1_ref = compare("bf16", "fp32")
-    return {"sequences": num_seqs, "positions": num_seqs * length, "logits_rel_error": err,
-            "top1_agreement": top1, "bf16_vs_fp32_rel_error": err_ref,
-            "bf16_vs_fp32_top1_agreement": top1_ref}
+    out = {"sequences": num_seqs, "positions": num_seqs * length}
+    for q in quantizations:
+        out[f"logits_rel_error_{q}"], out[f"top1_agreement_{q}"] = compare(q, "bf16")
+    out["bf16_vs_fp32_rel_error"], out["bf16_vs_fp32_top1_agreement"] = compare("bf16", "fp32")
+    return out
 
 
 def run_quality(model_08b: str | None = None, skip_08b: bool = False, threads: int = 2,
-                max_docs: int | None = None, json_path: str | Path | None = None) -> dict:
-    """Both measurements -> the report (also printed as a table and written to ``json_path``).
+                max_docs: int | None = None, json_path: str | Path | None = None,
+                llamacpp_ggufs: list | None = None, llamacpp_bin: str | Path | None = None
+                ) -> dict:
+    """The measurements -> the report (also printed as a table and written to ``json_path``).
     ``model_08b``: a 0.8B-shaped checkpoint (default: random bf16 weights written to a temporary
-    directory)."""
+    directory). ``llamacpp_ggufs``: GGUFs of the demo model (``versus_llamacpp``; its
+    ``llama-perplexity`` from ``llamacpp_bin``, default as ``bench throughput``'s)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         report = {"threads": threads, "demo": demo_quality(max_docs=max_docs)}
+        if llamacpp_ggufs:
+            from hybridrt.bench import llamacpp
+
+            bins = llamacpp.bin_dir(llamacpp_bin)
+            if not (bins / "llama-perplexity").is_file():
+                bins = None
+                print(f"no llama-perplexity in {llamacpp.bin_dir(llamacpp_bin)}: the GGUFs are "
+                      f"scored in our model only", file=sys.stderr)
+            report["versus_llamacpp"] = versus_llamacpp(llamacpp_ggufs, bins, threads)
         if not skip_08b:
             tmp = None
             if model_08b is None:
@@ -175,18 +341,42 @@ def run_quality(model_08b: str | None = None, skip_08b: bool = False, threads: i
 
 def format_table(report: dict) -> str:
     d = report["demo"]
+    qs = [k.removeprefix("ppl_change_") for k in d if k.startswith("ppl_change_")]
     rows = [f"demo model, held-out text ({d['documents']} documents, {d['tokens']} tokens):",
-            f"  {'perplexity bf16':<34}{d['ppl_bf16']:>10.4f}",
-            f"  {'perplexity int8':<34}{d['ppl_int8']:>10.4f}",
-            f"  {'perplexity change':<34}{100 * d['ppl_change']:>+9.2f}%",
-            f"  {'greedy next-token agreement':<34}{100 * d['greedy_agreement']:>9.2f}%"]
+            f"  {'perplexity bf16':<34}{d['ppl_bf16']:>10.4f}"]
+    for q in qs:
+        rows += [f"  {'perplexity ' + q:<34}{d['ppl_' + q]:>10.4f} "
+                 f"({100 * d['ppl_change_' + q]:+.2f}%)",
+                 f"  {'greedy next-token agreement ' + q:<34}"
+                 f"{100 * d['greedy_agreement_' + q]:>9.2f}%"]
+    v = report.get("versus_llamacpp")
+    if v:
+        base = v["ours"]["bf16"]
+        rows.append(f"demo model, the same text as llama-perplexity scores it (chunks of "
+                    f"{v['n_ctx']}, {v['tokens_scored']} tokens scored): perplexity (change "
+                    f"against bf16)")
+        rows.append(f"  {'weights':<26}{'hybridrt':>18}{'GGUF in hybridrt':>20}"
+                    f"{'llama-perplexity':>20}")
+        for name, p in v["ours"].items():
+            rows.append(f"  {name:<26}{p:>9.4f} ({100 * (p / base - 1):+.2f}%)")
+        ref = v["gguf"].get("BF16", {}).get("llamacpp")
+        for kind, e in v["gguf"].items():
+            ours = e["dequantized_in_ours"]
+            line = (f"  {'llama.cpp ' + kind:<26}{'':>18}{ours:>11.4f} "
+                    f"({100 * (ours / base - 1):+.2f}%)")
+            if "llamacpp" in e:
+                change = f" ({100 * (e['llamacpp'] / ref - 1):+.2f}%)" if ref else ""
+                line += f"{e['llamacpp']:>11.4f}{change}"
+            rows.append(line)
     r = report.get("random_08b")
     if r:
         rows += [f"Qwen3.5-0.8B shape, random weights ({r['sequences']} x "
-                 f"{r['positions'] // r['sequences']} random tokens):",
-                 f"  {'logits relative error':<34}{100 * r['logits_rel_error']:>9.2f}%",
-                 f"  {'top-1 agreement':<34}{100 * r['top1_agreement']:>9.2f}%",
-                 "  for scale, bf16 against fp32 weights:",
+                 f"{r['positions'] // r['sequences']} random tokens):"]
+        for q in [k.removeprefix("top1_agreement_") for k in r if k.startswith("top1_agree")]:
+            rows += [f"  {'logits relative error ' + q:<34}"
+                     f"{100 * r['logits_rel_error_' + q]:>9.2f}%",
+                     f"  {'top-1 agreement ' + q:<34}{100 * r['top1_agreement_' + q]:>9.2f}%"]
+        rows += ["  for scale, bf16 against fp32 weights:",
                  f"  {'logits relative error':<34}{100 * r['bf16_vs_fp32_rel_error']:>9.2f}%",
                  f"  {'top-1 agreement':<34}{100 * r['bf16_vs_fp32_top1_agreement']:>9.2f}%"]
     return "\n".join(rows)

@@ -10,9 +10,10 @@ tokens in every row; ``work`` in the report records, per row and engine, the req
 length and new tokens per request that were actually run. Timings on shared machines are noisy:
 read the ratios, measured side by side in the same process.
 
-With ``against_llamacpp`` (a GGUF of the same model), llama.cpp's own benchmarks run the same
-work with the same threads (hybridrt.bench.llamacpp), in rounds alternated with hybridrt's, and the
-report adds its figures and hybridrt's ratios to them. Every run also measures what the machine
+With ``against_llamacpp`` (a GGUF of the same model, or several: e.g. Q4_K_M and Q4_0),
+llama.cpp's own benchmarks run the same work with the same threads (hybridrt.bench.llamacpp), in
+rounds alternated with hybridrt's (each GGUF in turn within a llama.cpp round), and the report
+adds their figures and hybridrt's ratios to them. Every run also measures what the machine
 allows (hybridrt.bench.ceilings): the read bandwidth, an fp32 matmul rate, and the batch-1 decode
 ceiling, bandwidth over the bytes of weights a decode step reads.
 """
@@ -68,16 +69,42 @@ def _work(requests: int, prompt_len: int, new_tokens: list[int]) -> dict:
     return {"requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens[0]}
 
 
+def cache_budget(model: str | Path, dtype: str, max_len: int, max_seqs: int, tokens: int) -> int:
+    """Bytes of cache for ``bench_ours``' work, as llama.cpp's ``-c`` holds its: a state slot
+    per sequence (and the null slot), KV blocks for ``tokens`` positions in all (plus a partly
+    filled block per sequence) and never fewer than one ``max_len`` sequence needs. A larger
+    budget (a fraction of free memory) would add untouched-then-zeroed KV blocks to the peak
+    RSS compared with llama.cpp's."""
+    from hybridrt.llm import default_model
+    from hybridrt.loader import load_config, parse_dtype, resolve_model_path
+    from hybridrt.statecache import CacheTensors
+
+    config = load_config(resolve_model_path(model or default_model()))
+    dt = torch.bfloat16 if dtype == "auto" else parse_dtype(dtype)
+    block = 16
+    blocks = max(-(-tokens // block) + max_seqs, -(-max_len // block))
+    return ((max_seqs + 1) * CacheTensors.bytes_per_slot(config, dt)
+            + blocks * CacheTensors.bytes_per_block(config, block, dt))
+
+
 def load_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: int,
               concurrency: list[int], prompt_len: int, quantization: str | None = None):
-    """The engine for ``bench_ours``, warmed up."""
+    """The engine for ``bench_ours``, warmed up; its cache sized for the work
+    (``cache_budget``), without session snapshot slots."""
+    from hybridrt.bench.llamacpp import context_size
     from hybridrt.llm import LLM
 
     max_len = max(prefill_len, prompt_len) + decode_tokens + 8
-    llm = LLM(model, dtype=dtype, max_model_len=max_len, max_num_seqs=max(concurrency + [1]),
+    seqs = max(concurrency + [1])
+    tokens = max(context_size(prompt_len, decode_tokens, concurrency or [1]), max_len)
+    llm = LLM(model, dtype=dtype, max_model_len=max_len, max_num_seqs=seqs,
               threads=torch.get_num_threads(),  # the benchmark's, fixed
-              max_num_batched_tokens=max(prefill_len, 512), cache_memory=0.25,
+              max_num_batched_tokens=max(prefill_len, 512), max_num_sessions=0,
+              cache_memory=cache_budget(model, dtype, max_len, seqs, tokens),
               quantization=quantization)
+    if llm.cache_sizing.max_num_seqs < seqs:
+        raise RuntimeError(f"the benchmark's cache holds too little: "
+                           f"{llm.cache_sizing.describe()}")
     # warm-up with the largest batch of the measured shape: the first step of a shape faults in
     # its buffers' pages
     warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -200,19 +227,28 @@ def _check_same_work(ours: dict, theirs: dict) -> None:
 def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int = 2,
                prefill_len: int = 512, prompt_len: int = 16, decode_tokens: int = 16,
                concurrency: list[int] = (8, 32), repeats: int = 2, transformers: bool = True,
-               json_path: str | Path | None = None, against_llamacpp: str | Path | None = None,
+               json_path: str | Path | None = None,
+               against_llamacpp: str | Path | list[str | Path] | None = None,
                llamacpp_bin: str | Path | None = None, order: list[str] = DEFAULT_ORDER,
                stream_bytes: int = 1 << 30, quantization: str | None = None) -> dict:
     """Run the throughput benchmark -> the report (also printed as a table and written to
     ``json_path``). ``model``: a checkpoint (default: a random-weight 0.8B-shaped one).
-    ``against_llamacpp``: a GGUF of the same model, benchmarked by llama.cpp in the rounds
-    ``order`` names (hybridrt's rows measured once per ``hybridrt`` round); each engine's
-    figure is the median over its rounds. The read bandwidth (``stream_bytes`` streamed) and
+    ``against_llamacpp``: a GGUF of the same model (or a list of them), benchmarked by llama.cpp
+    in the rounds ``order`` names (hybridrt's rows measured once per ``hybridrt`` round, every
+    GGUF once per ``llamacpp`` round); each engine's figure is the median over its rounds. The
+    first GGUF's figures are ``llamacpp`` in the report, the others' ``llamacpp_others`` (by
+    file name). The read bandwidth (``stream_bytes`` streamed) and
     an fp32 matmul rate are measured in the same run, with the same threads.
-    ``quantization``: hybridrt's weights in int8; transformers (unquantized) is left out."""
+    ``quantization``: hybridrt's weights in int8 or int4; transformers (unquantized) is left
+    out."""
     from hybridrt.bench import ceilings, llamacpp
 
-    bins = llamacpp.check(against_llamacpp, llamacpp_bin) if against_llamacpp else None
+    ggufs = ([] if not against_llamacpp else [against_llamacpp]
+             if isinstance(against_llamacpp, (str, Path)) else list(against_llamacpp))
+    bins = None
+    for g in ggufs:
+        bins = llamacpp.check(g, llamacpp_bin)
+    labels = _labels(ggufs)
     order = check_order(order) if bins is not None else ["hybridrt"]
     torch.set_num_threads(threads)
     concurrency = list(concurrency)
@@ -230,17 +266,22 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
         transformers = False
     llm = load_ours(path, dtype, prefill_len, decode_tokens, concurrency, prompt_len,
                     quantization)
-    rounds, our_work, their_work, their_run = [], None, None, {}
+    rounds, our_work, their_work, their_run = [], None, {}, {}
     for engine in order:
         load = list(os.getloadavg())
         if engine == "hybridrt":
             res, our_work = bench_ours(llm, prefill_len, decode_tokens, concurrency, prompt_len,
                                        repeats, interleave=not rounds)
         else:
-            print("llama.cpp: llama-bench, llama-batched-bench ...", file=sys.stderr)
-            res, their_work, their_run = llamacpp.bench(
-                against_llamacpp, bins, threads, prefill_len, prompt_len, decode_tokens,
-                concurrency)
+            for gguf, label in zip(ggufs, labels):
+                load = list(os.getloadavg())
+                print(f"llama.cpp ({label}): llama-bench, llama-batched-bench ...",
+                      file=sys.stderr)
+                res, their_work[label], their_run[label] = llamacpp.bench(
+                    gguf, bins, threads, prefill_len, prompt_len, decode_tokens, concurrency)
+                rounds.append({"engine": engine, "gguf": label, "load_average": load,
+                               "results": res})
+            continue
         rounds.append({"engine": engine, "load_average": load, "results": res})
     interleaved = {k: rounds[0]["results"].pop(k) for k in list(rounds[0]["results"])
                    if k.startswith("interleaved_")}
@@ -260,14 +301,22 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
                                                  / ours["decode_b1_tok_s"])
         report[f"ratio_decode_b{c}_vs_b1"] = ours[f"decode_b{c}_tok_s"] / ours["decode_b1_tok_s"]
     if bins is not None:
-        _check_same_work(our_work, their_work)
-        theirs = _medians([r["results"] for r in rounds if r["engine"] == "llamacpp"])
-        report["llamacpp"] = theirs
-        report["work"]["llamacpp"] = their_work
-        report["ratio_vs_llamacpp"] = llamacpp.ratios(ours, theirs)
-        report["llamacpp_run"] = {
-            "gguf": str(against_llamacpp), "bin": str(bins), **their_run,
-            "prompts": "llama.cpp's own random tokens; llama-bench's tg runs without a prompt"}
+        for label in labels:
+            _check_same_work(our_work, their_work[label])
+        for i, (gguf, label) in enumerate(zip(ggufs, labels)):
+            theirs = _medians([r["results"] for r in rounds
+                               if r["engine"] == "llamacpp" and r["gguf"] == label])
+            run = {"gguf": str(gguf), "bin": str(bins), **their_run[label],
+                   "prompts": "llama.cpp's own random tokens; llama-bench's tg runs without a "
+                              "prompt"}
+            if i == 0:
+                report["llamacpp"] = theirs
+                report["work"]["llamacpp"] = their_work[label]
+                report["ratio_vs_llamacpp"] = llamacpp.ratios(ours, theirs)
+                report["llamacpp_run"] = run
+            else:
+                report.setdefault("llamacpp_others", {})[label] = {
+                    "results": theirs, "ratio": llamacpp.ratios(ours, theirs), "run": run}
         report["rounds"] = rounds
     print("measuring the read bandwidth and the fp32 matmul rate ...", file=sys.stderr)
     stream = ceilings.stream_read(threads, stream_bytes)
@@ -278,6 +327,9 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
         "weight_bytes_per_token": per_token, "batch1_decode_tok_s": ceiling,
         "fraction": {e: report[e]["decode_b1_tok_s"] / ceiling
                      for e in ENGINES if e in report}}
+    for label, other in report.get("llamacpp_others", {}).items():
+        report["ceilings"]["fraction"][f"llamacpp {label}"] = (
+            other["results"]["decode_b1_tok_s"] / ceiling)
     if transformers:
         import copy
         import json as _json
@@ -310,6 +362,12 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
     return report
 
 
+def _labels(ggufs: list) -> list[str]:
+    """Each GGUF's name in the report: its file name without .gguf (numbered when two agree)."""
+    names = [Path(g).name.removesuffix(".gguf") for g in ggufs]
+    return [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
+
+
 def _peak_rss_gib() -> float | None:
     """This process's peak resident memory so far (weights, their CPU GEMM copies, caches)."""
     try:
@@ -331,6 +389,12 @@ def format_table(report: dict) -> str:
     others = [(name, label) for name, label in (("llamacpp", "llama.cpp"),
                                                 ("transformers", "transformers"))
               if name in report]
+    more = report.get("llamacpp_others", {})
+    if more:  # several GGUFs: each column named by its file
+        others = [(name, Path(report["llamacpp_run"]["gguf"]).name.removesuffix(".gguf")
+                   if name == "llamacpp" else label) for name, label in others]
+        report = {**report, **{f"llamacpp {k}": v["results"] for k, v in more.items()}}
+        others[1:1] = [(f"llamacpp {k}", k) for k in more]
     rows = []
     cpu = report.get("cpu")
     if cpu:
@@ -356,14 +420,17 @@ def format_table(report: dict) -> str:
     if report.get("peak_rss_gib") is not None:
         rows.append(f"hybridrt peak RSS: {report['peak_rss_gib']:.2f} GiB")
     if "llamacpp" in report:
-        run = report["llamacpp_run"]
-        rss = report["peak_rss_gib"] / run["peak_rss_gib"] if report.get("peak_rss_gib") else 0
-        rows.append(f"llama.cpp peak RSS: {run['peak_rss_gib']:.2f} GiB (hybridrt / llama.cpp: "
-                    f"{rss:.2f})")
+        runs = [("", report["llamacpp_run"])] + [(f" {k}", v["run"]) for k, v in more.items()]
+        for label, run in runs:
+            rss = (report["peak_rss_gib"] / run["peak_rss_gib"] if report.get("peak_rss_gib")
+                   else 0)
+            rows.append(f"llama.cpp{label} peak RSS: {run['peak_rss_gib']:.2f} GiB (hybridrt / "
+                        f"llama.cpp: {rss:.2f})")
         rows.append("llama.cpp: llama-bench (prefill; batch 1, without a prompt) and "
                     "llama-batched-bench (S_TG), on its own random prompt tokens")
         rows.append("rounds (1-min load average before each): "
-                    + ", ".join(f"{r['engine']} {r['load_average'][0]:.2f}"
+                    + ", ".join(f"{r['engine']}{' ' + r['gguf'] if 'gguf' in r and more else ''} "
+                                f"{r['load_average'][0]:.2f}"
                                 for r in report["rounds"]) + "; medians per engine")
     for k, v in report.items():
         if k.startswith("interleaved_"):
@@ -387,13 +454,13 @@ def format_table(report: dict) -> str:
 def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9) -> list[dict]:
     """ms per weight of the CPU GEMM paths for bf16 weights at the 0.8B shapes (kernels/linear.py):
     the compiled GEMM on the weight as it is, oneDNN's fp32 copy, for up to 4 rows the compiled
-    GEMV, and for 1-2 rows bf16 ``F.linear``; and the int8 kernels on the weight quantized
-    (kernels/quant.py). Several weights in turn so each streams from memory as in a model;
-    median of interleaved rounds."""
+    GEMV, and for 1-2 rows bf16 ``F.linear``; and the int8 and 4-bit kernels on the weight
+    quantized (kernels/quant.py, kernels/int4.py). Several weights in turn so each streams
+    from memory as in a model; median of interleaved rounds."""
     import torch.nn.functional as F
 
     from hybridrt import env
-    from hybridrt.kernels import native, quant
+    from hybridrt.kernels import int4, native, quant
     from hybridrt.kernels.linear import _cpu_gemm, _onednn_available
 
     torch.set_num_threads(threads)
@@ -411,6 +478,10 @@ def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9
             qs = [quant.quantize(w) for w in ws]
             paths[f"int8_{isa}"] = lambda x, qs=qs, isa=isa: [quant.int8_gemm(x, q, isa)
                                                               for q in qs]
+        isa4 = int4.select_isa(env.kernel_options().int4_isa)
+        if isa4 is not None:
+            q4 = [int4.quantize(w) for w in ws]
+            paths[f"int4_{isa4}"] = lambda x, q4=q4, isa=isa4: [int4.gemm(x, q, isa) for q in q4]
         for m in rows:
             x = torch.randn(m, k)
             fs = dict(paths)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import native, quant
+from .. import int4, native, quant
 from ..linear import linear as cpu_linear
 from ..linear import pack_weight, use_fp32_gemm
 from ..memory import huge_pages_available
@@ -30,10 +30,11 @@ class CPUBackend(ReferenceBackend):
         super().__init__(config, device, options)
         opts = self.options
         # every kernel choice decided once, here, from the options (not per call)
-        self.native = opts.native and native.load(opts.cache_dir) is not None
+        self.native = opts.native and native.load(opts.cache_dir, opts.march) is not None
         self.half_simd = self.native and native.half_gemm_available()
         self.half_path = native.half_path(opts.half_path) if self.native else None
         self.int8_isa = quant.select_isa(opts.int8_isa, self.native)  # None: no compiled ones
+        self.int4_isa = int4.select_isa(opts.int4_isa, self.native)
         self.fused_simd = opts.fused_simd  # the fused layers' vector loops
         self.gdn_step = native.gdn_decode_step if self.native else None
         # without the compiled half kernels a half weight's products need an fp32 copy, kept
@@ -82,7 +83,8 @@ class CPUBackend(ReferenceBackend):
                                             else m.o_proj, dl.mlp.down_proj)]
             if mixer_in is None or mlp_in is None or None in outs:
                 return None
-            if isinstance(mixer_in[0], quant.QuantWeight) and self.int8_isa is None:
+            if any(self._quant_isa(w) is None for w in (mixer_in[0], mlp_in[0], *outs)
+                   if isinstance(w, quant.PackedWeight)):
                 return None
             norms = [dl.input_layernorm.weight, dl.post_attention_layernorm.weight]
             if dl.layer_type == "full_attention":
@@ -99,9 +101,19 @@ class CPUBackend(ReferenceBackend):
             return None
         return layers
 
+    def _quant_isa(self, w) -> str | None:
+        """The compiled path for quantized weights ``w`` (None: none, the torch fallback)."""
+        return self.int4_isa if isinstance(w, int4.Int4Weight) else self.int8_isa
+
+    def _quant_linear(self, x, w):
+        """x W^T for quantized weights (int8 or 4-bit)."""
+        if isinstance(w, int4.Int4Weight):
+            return int4.linear(x, w, self.int4_isa)
+        return quant.linear(x, w, self.int8_isa)
+
     def _product(self, x, w):
-        if isinstance(w, quant.QuantWeight):
-            return quant.linear(x, w, self.int8_isa)
+        if isinstance(w, quant.PackedWeight):
+            return self._quant_linear(x, w)
         if self._decode_gemv(x, w):
             return native.gemv_bf16(x, w, self.half_path)
         return cpu_linear(x, w, None, self.half_simd, self.half_path)
@@ -179,8 +191,8 @@ class CPUBackend(ReferenceBackend):
         if group is None:
             return [self.linear(x, w) for w in weights]
         w, sizes = group
-        if isinstance(w, quant.QuantWeight):
-            return quant.linear(x, w, self.int8_isa).split(sizes, dim=-1)
+        if isinstance(w, quant.PackedWeight):
+            return self._quant_linear(x, w).split(sizes, dim=-1)
         if self._decode_gemv(x, w):
             return native.gemv_bf16(x, w, self.half_path).split(sizes, dim=-1)
         return cpu_linear(x, w, None, self.half_simd, self.half_path).split(sizes, dim=-1)
@@ -224,11 +236,12 @@ class CPUBackend(ReferenceBackend):
         if params is None:
             return super().gdn_prompts(layer, c, mixed, z, a, b, conv_states, ssm_states)
         taps, neg_exp_a, dt_bias, norm_w = params
-        init = c.has_initial_state
-        conv_states.index_copy_(0, c.slots, torch.where(
-            init.view(-1, 1, 1), conv_states.index_select(0, c.slots), 0))
-        ssm_states.index_copy_(0, c.slots, torch.where(
-            init.view(-1, 1, 1, 1), ssm_states.index_select(0, c.slots), 0))
+        # zeros into the slots of sequences without a state, in place: a copy of every slot
+        # through index_select and where took 2 x 32 MiB a layer for 32 prompts at the 0.8B
+        # shape, which the heap kept (peak RSS)
+        fresh = c.slots[~c.has_initial_state]
+        conv_states.index_fill_(0, fresh, 0)
+        ssm_states.index_fill_(0, fresh, 0)
         # (sequence, first row, end row) of each call: a long chunk in pieces, one after the
         # other over the state in place (the same result), to bound the call's scratch memory
         pieces, end, most = [], 0, self.fused_max_rows
@@ -294,8 +307,8 @@ class CPUBackend(ReferenceBackend):
         return meta
 
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
-        if isinstance(w, quant.QuantWeight):
-            return quant.linear(x, w, self.int8_isa)
+        if isinstance(w, quant.PackedWeight):
+            return self._quant_linear(x, w)
         if self._decode_gemv(x, w):
             return native.gemv_bf16(x, w, self.half_path)
         return cpu_linear(x, w, self._packed(w, x), self.half_simd, self.half_path)
@@ -334,7 +347,7 @@ class _FastLayer:
 
 
 def _weight_of(module):
-    """A Linear's int8 or bf16 weight for ``CPUBackend._product``, or None."""
+    """A Linear's quantized or bf16 weight for ``CPUBackend._product``, or None."""
     if module.qweight is not None:
         return module.qweight
     w = module.weight

@@ -52,9 +52,10 @@ class ReferenceBackend:
 
     # Linear layers and elementwise ops ----------------------------------------------------
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
-        """x W^T; ``w``: a weight [out, in] or int8 weights (``quant.QuantWeight``)."""
-        if isinstance(w, quant.QuantWeight):
-            return quant.reference_linear(x, w)
+        """x W^T; ``w``: a weight [out, in] or quantized weights (``quant.PackedWeight``: int8
+        or 4-bit), multiplied dequantized."""
+        if isinstance(w, quant.PackedWeight):
+            return F.linear(x, w.dequantize(x.dtype))
         return F.linear(x, w)
 
     def project(self, x: torch.Tensor, weights) -> list[torch.Tensor]:

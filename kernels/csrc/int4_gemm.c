@@ -1,0 +1,472 @@
+/* y = x W^T with 4-bit weights (kernels/int4.py's format) and fp32 or bf16 activations, for every
+ * number of rows: a GEMV for up to 8 rows (decode, draft verification), a tiled GEMM beyond.
+ *
+ * The format. W [N, K] is cut into groups of 32 inputs (G = ceil(K / 32) per row, zeros past K)
+ * and superblocks of 8 groups (SB = ceil(G / 8)). A weight is W ~= dw * q - mw with q in
+ * [0, 15], dw = D * sc and mw = M * mc: sc, mc 8-bit codes per column and group, D, M bf16 per
+ * column and superblock (4.625 bits a weight). Packed in panels of 16 output columns:
+ *   qs[p][g][r][4 c + j] (uint8, r < 4, c < 16, j < 4): the low nibble is q(W[16 p + c][32 g +
+ *       4 r + j]), the high nibble q(W[16 p + c][32 g + 16 + 4 r + j]); 256 bytes per panel and
+ *       group, whose 64-byte rows are what one AVX-512 VNNI vpdpbusd multiplies (after masking
+ *       or shifting out a nibble) by 4 bytes of x broadcast to every lane;
+ *   codes[p][g][0][c] = sc, codes[p][g][1][c] = mc;
+ *   scales[p][s][0][c] = D, scales[p][s][1][c] = M (bf16 bits).
+ *
+ * Each row of x is quantized per group of 32 as for int8 (csrc/int8_gemm.c's
+ * int8_quantize_rows: d = amax / 127, q = round(x * 127 / amax), s = sum of q), every group's
+ * dot product with the unsigned nibbles is exact in int32, and for each group g in order
+ *   acc = fma((float)dot, dw * d,     acc)
+ *   acc = fma(mw,         -(d * s),   acc)
+ * in fp32, dw and mw exact (bf16 times 8 bits). Every path (plain C included, with fmaf) does
+ * these same operations for every row whatever the number of rows and the tile it lies in, so
+ * the paths agree bit for bit and a row's result never depends on the rows beside it.
+ *
+ * Paths (``int4_isas`` says which this build has; the caller picks one per call):
+ *   ISA_REF     plain C;
+ *   ISA_AVX2    AVX2: vpmaddubsw (nibbles unsigned, x signed; a group's 8 products stay within
+ *               int16: 8 * 2 * 15 * 127 = 30480), widened once a group by vpmaddwd;
+ *   ISA_AVXVNNI 256-bit vpdpbusd (AVX-VNNI, or AVX512-VNNI + VL), otherwise as AVX2;
+ *   ISA_VNNI    AVX-512 VNNI: 512-bit vpdpbusd, 16 columns a vector.
+ * Threads (OpenMP) take blocks of panels: one panel a block up to 8 rows (each weight loaded
+ * once for all rows, each thread streaming its share of W), two panels (AVX2: one) and tiles of 4
+ * rows beyond.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define NR 16      /* output columns per panel */
+#define QK 32      /* inputs per group */
+#define SBG 8      /* groups per superblock */
+#define QB 256     /* bytes of qs per panel and group */
+#define GEMV_MAX 8 /* rows up to which every row of x is one tile */
+#define MR 4       /* rows per tile beyond that */
+#define NP 2       /* panels per tile beyond that (AVX-512) */
+
+enum { ISA_REF = 1, ISA_AVX2 = 2, ISA_VNNI = 4, ISA_AVXVNNI = 8 };
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAVE_VNNI 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2 1
+#if defined(__AVXVNNI__)
+#define HAVE_AVXVNNI 1
+#define DPBUSD256(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HAVE_AVXVNNI 1
+#define DPBUSD256(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
+#endif
+#endif
+
+/* csrc/int8_gemm.c: the activations' quantization, shared with the int8 kernels (flag 1: plain
+ * C, 2: its vector path, the same values bit for bit) */
+int int8_quantize_rows(const void *x, int x_bf, int8_t *q, float *d, int32_t *s, int64_t M,
+                       int64_t K, int64_t Kp, int isa);
+
+int int4_isas(void)
+{
+    int isas = ISA_REF;
+#ifdef HAVE_AVX2
+    isas |= ISA_AVX2;
+#endif
+#ifdef HAVE_AVXVNNI
+    isas |= ISA_AVXVNNI;
+#endif
+#ifdef HAVE_VNNI
+    isas |= ISA_VNNI;
+#endif
+    return isas;
+}
+
+/* Arguments of every tile: quantized x (xq [M, Kp], xd = d and xds = d * s [M, G]) and W. */
+typedef struct {
+    const int8_t *xq;
+    const float *xd, *xds;
+    const uint8_t *qs, *codes;
+    const uint16_t *scales;
+    void *y; /* [M, N], fp32 or bf16 (y_bf) */
+    int64_t N, Kp, G, SB;
+    int y_bf;
+} Args;
+
+static inline const uint8_t *qs_at(const Args *a, int64_t p, int64_t g)
+{
+    return a->qs + (p * a->G + g) * QB;
+}
+
+static inline const uint8_t *codes_at(const Args *a, int64_t p, int64_t g)
+{
+    return a->codes + (p * a->G + g) * 2 * NR;
+}
+
+static inline const uint16_t *scales_at(const Args *a, int64_t p, int64_t g)
+{
+    return a->scales + (p * a->SB + g / SBG) * 2 * NR;
+}
+
+static void tile_ref(const Args *a, int64_t i, int64_t p, int mr, int np)
+{
+    for (int r = 0; r < mr; ++r) {
+        const int8_t *xr = a->xq + (i + r) * a->Kp;
+        for (int t = 0; t < np; ++t) {
+            float acc[NR];
+            for (int c = 0; c < NR; ++c) acc[c] = 0.0f;
+            for (int64_t g = 0; g < a->G; ++g) {
+                const uint8_t *qg = qs_at(a, p + t, g), *cg = codes_at(a, p + t, g);
+                const uint16_t *sg = scales_at(a, p + t, g);
+                const float dx = a->xd[(i + r) * a->G + g], dxs = a->xds[(i + r) * a->G + g];
+                for (int c = 0; c < NR; ++c) {
+                    int32_t dot = 0;
+                    for (int k = 0; k < QK; ++k) {
+                        const uint8_t b = qg[(k % 16 / 4) * 64 + 4 * c + k % 4];
+                        dot += xr[g * QK + k] * (k < 16 ? b & 15 : b >> 4);
+                    }
+                    const float dw = bf16_to_f32(sg[c]) * (float)cg[c];
+                    const float mw = bf16_to_f32(sg[NR + c]) * (float)cg[NR + c];
+                    acc[c] = fmaf((float)dot, dw * dx, acc[c]);
+                    acc[c] = fmaf(mw, -dxs, acc[c]);
+                }
+            }
+            const int64_t n0 = (p + t) * NR;
+            for (int c = 0; c < NR && n0 + c < a->N; ++c)
+                act_st(a->y, (i + r) * a->N + n0 + c, acc[c], a->y_bf);
+        }
+    }
+}
+
+#ifdef HAVE_VNNI
+static inline __m512 bf16x16(const uint16_t *s)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)s)), 16));
+}
+
+static inline __m512 codes16(const uint8_t *c)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
+}
+
+/* rows [i, i + mr) by panels [p, p + np): mr <= 8 with np = 1, mr <= 4 with np = 2 */
+static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64_t i, int64_t p,
+                                                            int mr, int np)
+{
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const int8_t *xq = a->xq + i * a->Kp;
+    const float *xd = a->xd + i * a->G, *xds = a->xds + i * a->G;
+    __m512 accf[GEMV_MAX][NP];
+    #pragma GCC unroll 8
+    for (int r = 0; r < GEMV_MAX; ++r)
+        #pragma GCC unroll 2
+        for (int t = 0; t < NP; ++t) accf[r][t] = _mm512_setzero_ps();
+    /* one row: the group's sums in four int32 chains (exact, so any split gives the same) */
+    const int chains = mr == 1 && np == 1;
+    for (int64_t sb = 0; sb < a->SB; ++sb) {
+        __m512 D[NP], M[NP];
+        #pragma GCC unroll 2
+        for (int t = 0; t < NP; ++t) {
+            if (t < np) {
+                const uint16_t *s = scales_at(a, p + t, sb * SBG);
+                D[t] = bf16x16(s);
+                M[t] = bf16x16(s + NR);
+            }
+        }
+        const int64_t g1 = (sb + 1) * SBG < a->G ? (sb + 1) * SBG : a->G;
+        for (int64_t g = sb * SBG; g < g1; ++g) {
+            __m512i acc[GEMV_MAX][NP], extra[3];
+            #pragma GCC unroll 8
+            for (int r = 0; r < GEMV_MAX; ++r)
+                #pragma GCC unroll 2
+                for (int t = 0; t < NP; ++t) acc[r][t] = _mm512_setzero_si512();
+            extra[0] = extra[1] = extra[2] = _mm512_setzero_si512();
+            #pragma GCC unroll 4
+            for (int k4 = 0; k4 < 4; ++k4) {
+                __m512i wl[NP], wh[NP];
+                #pragma GCC unroll 2
+                for (int t = 0; t < NP; ++t) {
+                    if (t < np) {
+                        const __m512i v = _mm512_loadu_si512(qs_at(a, p + t, g) + 64 * k4);
+                        wl[t] = _mm512_and_si512(v, low);
+                        wh[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    }
+                }
+                #pragma GCC unroll 8
+                for (int r = 0; r < GEMV_MAX; ++r) {
+                    if (r < mr) {
+                        const int8_t *xg = xq + r * a->Kp + g * QK + 4 * k4;
+                        const __m512i xl = _mm512_set1_epi32(*(const int32_t *)xg);
+                        const __m512i xh = _mm512_set1_epi32(*(const int32_t *)(xg + 16));
+                        #pragma GCC unroll 2
+                        for (int t = 0; t < NP; ++t) {
+                            if (t < np) {
+                                if (chains) {
+                                    if (k4 & 1) {
+                                        extra[1] = _mm512_dpbusd_epi32(extra[1], wl[t], xl);
+                                        extra[2] = _mm512_dpbusd_epi32(extra[2], wh[t], xh);
+                                    } else {
+                                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wl[t], xl);
+                                        extra[0] = _mm512_dpbusd_epi32(extra[0], wh[t], xh);
+                                    }
+                                } else {
+                                    acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wl[t], xl);
+                                    acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wh[t], xh);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            if (chains)
+                acc[0][0] = _mm512_add_epi32(_mm512_add_epi32(acc[0][0], extra[0]),
+                                             _mm512_add_epi32(extra[1], extra[2]));
+            #pragma GCC unroll 2
+            for (int t = 0; t < NP; ++t) {
+                if (t < np) {
+                    const uint8_t *cg = codes_at(a, p + t, g);
+                    const __m512 dw = _mm512_mul_ps(D[t], codes16(cg));
+                    const __m512 mw = _mm512_mul_ps(M[t], codes16(cg + NR));
+                    #pragma GCC unroll 8
+                    for (int r = 0; r < GEMV_MAX; ++r) {
+                        if (r < mr) {
+                            const __m512 dx = _mm512_set1_ps(xd[r * a->G + g]);
+                            const __m512 ndxs = _mm512_set1_ps(-xds[r * a->G + g]);
+                            accf[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]),
+                                                         _mm512_mul_ps(dw, dx), accf[r][t]);
+                            accf[r][t] = _mm512_fmadd_ps(mw, ndxs, accf[r][t]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    #pragma GCC unroll 2
+    for (int t = 0; t < NP; ++t) {
+        if (t < np) {
+            const int64_t n0 = (p + t) * NR;
+            const __mmask16 m = n0 + NR <= a->N ? (__mmask16)0xffff
+                                                : (__mmask16)((1u << (a->N - n0)) - 1);
+            #pragma GCC unroll 8
+            for (int r = 0; r < GEMV_MAX; ++r)
+                if (r < mr) act_st16(a->y, (i + r) * a->N + n0, accf[r][t], a->y_bf, m);
+        }
+    }
+}
+#endif
+
+#ifdef HAVE_AVX2
+static inline __m256 bf16x8(const uint16_t *s)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)s)), 16));
+}
+
+static inline __m256 codes8(const uint8_t *c)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c)));
+}
+
+/* rows [i, i + mr) (mr <= 8) by columns 8 h .. 8 h + 7 of panel p. ``vnni``: vpdpbusd (a
+ * literal at every call) */
+static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64_t i, int64_t p,
+                                                            int h, int mr, int vnni)
+{
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const int8_t *xq = a->xq + i * a->Kp;
+    const float *xd = a->xd + i * a->G, *xds = a->xds + i * a->G;
+    __m256 accf[GEMV_MAX];
+    #pragma GCC unroll 8
+    for (int r = 0; r < GEMV_MAX; ++r) accf[r] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < a->SB; ++sb) {
+        const uint16_t *s = scales_at(a, p, sb * SBG) + 8 * h;
+        const __m256 D = bf16x8(s), M = bf16x8(s + NR);
+        const int64_t g1 = (sb + 1) * SBG < a->G ? (sb + 1) * SBG : a->G;
+        for (int64_t g = sb * SBG; g < g1; ++g) {
+            __m256i acc[GEMV_MAX];
+            #pragma GCC unroll 8
+            for (int r = 0; r < GEMV_MAX; ++r) acc[r] = _mm256_setzero_si256();
+            #pragma GCC unroll 4
+            for (int k4 = 0; k4 < 4; ++k4) {
+                const __m256i v = _mm256_loadu_si256(
+                    (const __m256i *)(qs_at(a, p, g) + 64 * k4 + 32 * h));
+                const __m256i wl = _mm256_and_si256(v, low);
+                const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                #pragma GCC unroll 8
+                for (int r = 0; r < GEMV_MAX; ++r) {
+                    if (r < mr) {
+                        const int8_t *xg = xq + r * a->Kp + g * QK + 4 * k4;
+                        const __m256i xl = _mm256_set1_epi32(*(const int32_t *)xg);
+                        const __m256i xh = _mm256_set1_epi32(*(const int32_t *)(xg + 16));
+#ifdef HAVE_AVXVNNI
+                        if (vnni) {
+                            acc[r] = DPBUSD256(DPBUSD256(acc[r], wl, xl), wh, xh);
+                            continue;
+                        }
+#endif
+                        acc[r] = _mm256_add_epi16(acc[r], _mm256_add_epi16(
+                            _mm256_maddubs_epi16(wl, xl), _mm256_maddubs_epi16(wh, xh)));
+                    }
+                }
+            }
+            const uint8_t *cg = codes_at(a, p, g) + 8 * h;
+            const __m256 dw = _mm256_mul_ps(D, codes8(cg)), mw = _mm256_mul_ps(M, codes8(cg + NR));
+            #pragma GCC unroll 8
+            for (int r = 0; r < GEMV_MAX; ++r) {
+                if (r < mr) {
+                    const __m256i dot = vnni ? acc[r] : _mm256_madd_epi16(acc[r], ones);
+                    const __m256 dx = _mm256_set1_ps(xd[r * a->G + g]);
+                    const __m256 ndxs = _mm256_set1_ps(-xds[r * a->G + g]);
+                    accf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, dx),
+                                              accf[r]);
+                    accf[r] = _mm256_fmadd_ps(mw, ndxs, accf[r]);
+                }
+            }
+        }
+    }
+    const int64_t n0 = p * NR + 8 * h;
+    #pragma GCC unroll 8
+    for (int r = 0; r < GEMV_MAX; ++r) {
+        if (r < mr) {
+            if (n0 + 8 <= a->N) {
+                act_st8(a->y, (i + r) * a->N + n0, accf[r], a->y_bf);
+            } else {
+                float v[8];
+                _mm256_storeu_ps(v, accf[r]);
+                for (int c = 0; c < 8 && n0 + c < a->N; ++c)
+                    act_st(a->y, (i + r) * a->N + n0 + c, v[c], a->y_bf);
+            }
+        }
+    }
+}
+
+static void panel_avx2(const Args *a, int64_t i, int64_t p, int mr, int vnni)
+{
+    /* mr and vnni as literals at every call, so that the unrolled loops keep the tile in
+     * registers; the second half of a panel past N is skipped */
+    for (int h = 0; h < 2 && p * NR + 8 * h < a->N; ++h) {
+#define AVX2_CASE(n)                                            \
+    case n:                                                     \
+        if (vnni) tile_avx2(a, i, p, h, n, 1);                  \
+        else tile_avx2(a, i, p, h, n, 0);                       \
+        break;
+        switch (mr) {
+        AVX2_CASE(1) AVX2_CASE(2) AVX2_CASE(3) AVX2_CASE(4)
+        AVX2_CASE(5) AVX2_CASE(6) AVX2_CASE(7) default: tile_avx2(a, i, p, h, 8, vnni); break;
+        }
+#undef AVX2_CASE
+    }
+}
+#endif
+
+#ifdef HAVE_VNNI
+static void tile_vnni_any(const Args *a, int64_t i, int64_t p, int mr, int np)
+{
+    if (np == 1) {
+        switch (mr) {
+        case 1: tile_vnni(a, i, p, 1, 1); break;
+        case 2: tile_vnni(a, i, p, 2, 1); break;
+        case 3: tile_vnni(a, i, p, 3, 1); break;
+        case 4: tile_vnni(a, i, p, 4, 1); break;
+        case 5: tile_vnni(a, i, p, 5, 1); break;
+        case 6: tile_vnni(a, i, p, 6, 1); break;
+        case 7: tile_vnni(a, i, p, 7, 1); break;
+        default: tile_vnni(a, i, p, 8, 1); break;
+        }
+        return;
+    }
+    switch (mr) {
+    case 1: tile_vnni(a, i, p, 1, 2); break;
+    case 2: tile_vnni(a, i, p, 2, 2); break;
+    case 3: tile_vnni(a, i, p, 3, 2); break;
+    default: tile_vnni(a, i, p, 4, 2); break;
+    }
+}
+#endif
+
+/* rows [i, i + mr) by panels [p, p + np) on path ``isa`` (AVX2 paths: panel after panel) */
+static void tile(const Args *a, int64_t i, int64_t p, int mr, int np, int isa)
+{
+#ifdef HAVE_VNNI
+    if (isa == ISA_VNNI) { tile_vnni_any(a, i, p, mr, np); return; }
+#endif
+#ifdef HAVE_AVX2
+    if (isa == ISA_AVX2 || isa == ISA_AVXVNNI) {
+        for (int t = 0; t < np; ++t) panel_avx2(a, i, p + t, mr, isa == ISA_AVXVNNI);
+        return;
+    }
+#endif
+    (void)isa;
+    tile_ref(a, i, p, mr, np);
+}
+
+/* y [M, N] = x [M, K] W^T: x fp32 or bf16 (x_bf) with K inputs a row (zeros past K up to
+ * Kp = 32 G, the packed width), y fp32 or bf16 (y_bf; the fp32 sums rounded to nearest even
+ * once). Returns 0, or -1 when the path ``isa`` is not in this build, Kp is not the packed width
+ * or memory runs out (y untouched). */
+int int4_gemm(const void *x, int x_bf, const uint8_t *qs, const uint8_t *codes,
+              const uint16_t *scales, void *y, int y_bf, int64_t M, int64_t N, int64_t K,
+              int64_t Kp, int isa, int num_threads)
+{
+    if (!(isa & int4_isas()) || (isa & (isa - 1)) || Kp % QK || K > Kp || Kp - K >= QK) return -1;
+    const int64_t G = Kp / QK, SB = (G + SBG - 1) / SBG, P = (N + NR - 1) / NR;
+    /* up to 8 rows: one panel a block, all rows one tile; beyond: tiles of MR rows by NP
+     * panels (VNNI) or one panel (the AVX2 paths and plain C) */
+    const int gemv = M <= GEMV_MAX;
+    const int np_max = gemv || isa != ISA_VNNI ? 1 : NP;
+    const int64_t blocks = (P + np_max - 1) / np_max;
+    const int qisa = isa == ISA_REF ? 1 : 2; /* int8_quantize_rows' plain C or vector path */
+    int8_t *xq = malloc((size_t)(M * Kp) + 64);
+    float *xd = malloc(sizeof(float) * (size_t)(2 * M * G) + 64);
+    int32_t *xs = malloc(sizeof(int32_t) * (size_t)(M * G) + 64);
+    if (!xq || !xd || !xs) {
+        free(xq); free(xd); free(xs);
+        return -1;
+    }
+    float *xds = xd + M * G;
+    const Args a = {xq, xd, xds, qs, codes, scales, y, N, Kp, G, SB, y_bf};
+    const int64_t xb = x_bf ? 2 : 4;
+    /* Few rows: x is quantized here, so that the threads meet once, not twice. Small products
+     * run on this thread alone. */
+    const int serial = M * Kp <= (1 << 16);
+    int failed = 0;
+    if (serial) {
+        failed = int8_quantize_rows(x, x_bf, xq, xd, xs, M, K, Kp, qisa);
+        for (int64_t j = 0; j < M * G; ++j) xds[j] = xd[j] * (float)xs[j];
+    }
+    if (num_threads > blocks) num_threads = (int)blocks;
+    if (M * N * Kp < (1 << 20) || num_threads < 1) num_threads = 1;
+    if (!failed) {
+        #pragma omp parallel num_threads(num_threads)
+        {
+            if (!serial) {
+                #pragma omp for schedule(static)
+                for (int64_t m = 0; m < M; ++m) {
+                    int8_quantize_rows((const char *)x + m * K * xb, x_bf, xq + m * Kp,
+                                       xd + m * G, xs + m * G, 1, K, Kp, qisa);
+                    for (int64_t j = m * G; j < (m + 1) * G; ++j)
+                        xds[j] = xd[j] * (float)xs[j];
+                }
+            }
+            #pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t p = b * np_max;
+                const int np = P - p < np_max ? (int)(P - p) : np_max;
+                if (gemv) {
+                    tile(&a, 0, p, (int)M, np, isa);
+                    continue;
+                }
+                for (int64_t i = 0; i < M; i += MR) {
+                    const int mr = M - i < MR ? (int)(M - i) : MR;
+                    tile(&a, i, p, mr, np, isa);
+                }
+            }
+        }
+    }
+    free(xq); free(xd); free(xs);
+    return failed ? -1 : 0;
+}
