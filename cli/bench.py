@@ -463,7 +463,7 @@ def prefix(
     threads: ThreadsOpt = None,
     cpu_time: Annotated[bool, typer.Option(
         "--cpu-time", help="Time the workloads in this process's CPU time (a busy machine; "
-        "with --threads 1); TTFT stays wall time.")] = False,
+        "with --threads 1); TTFT stays wall time (default: off).")] = False,
     json_path: JsonOpt = None,
 ) -> None:
     """Prefix caching on vs off in one run: requests sharing a system prompt (prefilled
