@@ -16,8 +16,8 @@
   kernels/linear.py says when each is used; docs/performance.md what it was measured against).
 - ``csrc/int8_gemm.c``: x W^T for int8 weights with one scale per 32 inputs, on AVX-512 VNNI,
   AVX2 or plain C (kernels/quant.py binds it and picks the path).
-- ``csrc/stream.c``: a streaming read loop, the bandwidth ceiling of ``hybridrt bench
-  throughput``.
+- ``csrc/stream.c``: a streaming read loop and register-only loops of each product path's
+  instructions, the bandwidth and arithmetic ceilings the benchmarks measure.
 
 All are built into one library with ``cc -O3 -march=native -fopenmp`` into the options'
 ``cache_dir`` (``HYBRIDRT_CACHE``; default ``~/.cache/hybridrt``), keyed by a hash of the
@@ -135,6 +135,12 @@ def load(cache_dir: str | None = None) -> ctypes.CDLL | None:
     lib.stream_sum.restype = ctypes.c_double  # csrc/stream.c: hybridrt/ceilings.py uses it
     lib.stream_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.stream_vector_bytes.restype = ctypes.c_int
+    lib.dot_peak.restype = ctypes.c_double  # csrc/stream.c: each path's arithmetic ceiling
+    lib.dot_peak.argtypes = [INT, I64, INT]
+    lib.dot_peak_has.restype = INT
+    lib.dot_peak_has.argtypes = [INT]
+    lib.dot_peak_ops.restype = ctypes.c_double
+    lib.dot_peak_ops.argtypes = [INT]
     lib.half_gemm.restype = None
     lib.half_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.half_gemv.restype = None
