@@ -39,6 +39,8 @@
 #define MR 4  /* rows of x per tile (more than MRX rows) */
 #define NP 2  /* panels per tile (more than MRX rows) */
 #define MRX 8 /* up to this many rows: one tile of them all, one panel wide */
+#define SPLIT_MAX 4   /* vnni: up to this many (row, panel) sums, two chains each */
+#define PF_AHEAD 8192 /* bytes of the weight stream prefetched ahead of the tile's loads */
 
 enum { ISA_REF = 1, ISA_AVX2 = 2, ISA_VNNI = 4 };
 
@@ -229,7 +231,7 @@ static void tile_ref(const Args *a, int64_t i, int64_t p, int mr, int np)
 /* Rows [i, i + mr) (mr <= MRX) by panels [p, p + np): per group, the rows in passes of up to
  * MR, the group's weights re-read from L1 by the second pass, each pass's integer sums in
  * registers (16 ymm on an AVX2 CPU), the fp32 sums of all rows wherever the compiler keeps them
- * (they change once a group). */
+ * (they change once a group); the weight stream ahead prefetched as in tile_vnni. */
 static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64_t i, int64_t p,
                                                             int mr, int np)
 {
@@ -258,6 +260,8 @@ static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64
                         const int8_t *wk = a->w + ((p + t) * G + g) * (QK * NR) + k4 * 4 * NR;
                         w[t][0] = _mm256_loadu_si256((const __m256i *)wk);
                         w[t][1] = _mm256_loadu_si256((const __m256i *)(wk + 32));
+                        if (i == 0 && r0 == 0)  /* the first pass over these weights */
+                            _mm_prefetch((const char *)wk + PF_AHEAD, _MM_HINT_T1);
                     }
                 }
                 #pragma GCC unroll 4
@@ -327,8 +331,10 @@ static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64
 #ifdef HAVE_VNNI
 /* Rows [i, i + mr) (mr <= MRX) by panels [p, p + np), every row's integer and fp32 sums in
  * registers. A group's integer sums start at -128 * sum(x) (the bias taken off up front); where
- * the tile has one or two rows of one panel, odd steps go to a second sum (more dependency
- * chains; exact in int32). */
+ * the tile has at most SPLIT_MAX (row, panel) sums, odd steps go to a second sum (more
+ * dependency chains, so that a few rows are not bound by the dot products' latency; exact in
+ * int32). The weight stream ahead is prefetched into L2: alone, the hardware prefetcher left the
+ * loads of a few rows waiting on memory and their arithmetic not overlapped with it. */
 static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64_t i, int64_t p,
                                                             int mr, int np)
 {
@@ -339,9 +345,9 @@ static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64
     for (int r = 0; r < MRX; ++r)
         #pragma GCC unroll 2
         for (int t = 0; t < NP; ++t) accf[r][t] = _mm512_setzero_ps();
-    const int split = mr * np <= 2;
+    const int split = mr * np <= SPLIT_MAX;
     for (int64_t g = 0; g < G; ++g) {
-        __m512i acci[MRX][NP], odd[2];
+        __m512i acci[MRX][NP], odd[SPLIT_MAX];
         #pragma GCC unroll 8
         for (int r = 0; r < MRX; ++r) {
             const __m512i start = r < mr ? _mm512_set1_epi32(a->xsi[i * G + g * mr + r])
@@ -349,15 +355,20 @@ static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64
             #pragma GCC unroll 2
             for (int t = 0; t < NP; ++t) acci[r][t] = start;
         }
-        odd[0] = odd[1] = _mm512_setzero_si512();
+        #pragma GCC unroll 4
+        for (int j = 0; j < SPLIT_MAX; ++j) odd[j] = _mm512_setzero_si512();
         #pragma GCC unroll 8
         for (int k4 = 0; k4 < QK / 4; ++k4) {
             __m512i w[NP];
             #pragma GCC unroll 2
-            for (int t = 0; t < NP; ++t)
-                if (t < np)
-                    w[t] = _mm512_xor_si512(bias, _mm512_loadu_si512(
-                        a->w + ((p + t) * G + g) * (QK * NR) + k4 * 4 * NR));
+            for (int t = 0; t < NP; ++t) {
+                if (t < np) {
+                    const int8_t *wk = a->w + ((p + t) * G + g) * (QK * NR) + k4 * 4 * NR;
+                    w[t] = _mm512_xor_si512(bias, _mm512_loadu_si512(wk));
+                    if (i == 0)  /* the first tile of rows over these weights */
+                        _mm_prefetch((const char *)wk + PF_AHEAD, _MM_HINT_T1);
+                }
+            }
             #pragma GCC unroll 8
             for (int r = 0; r < MRX; ++r) {
                 if (r < mr) {
@@ -366,7 +377,8 @@ static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64
                     for (int t = 0; t < NP; ++t) {
                         if (t < np) {
                             if (split && (k4 & 1))
-                                odd[r + t] = _mm512_dpbusd_epi32(odd[r + t], w[t], xv);
+                                odd[r * np + t] = _mm512_dpbusd_epi32(odd[r * np + t], w[t],
+                                                                      xv);
                             else
                                 acci[r][t] = _mm512_dpbusd_epi32(acci[r][t], w[t], xv);
                         }
@@ -382,7 +394,7 @@ static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64
                 #pragma GCC unroll 8
                 for (int r = 0; r < MRX; ++r) {
                     if (r < mr) {
-                        const __m512i dot = split ? _mm512_add_epi32(acci[r][t], odd[r + t])
+                        const __m512i dot = split ? _mm512_add_epi32(acci[r][t], odd[r * np + t])
                                                   : acci[r][t];
                         const __m512 dx = _mm512_set1_ps(a->xdi[i * G + g * mr + r]);
                         accf[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
