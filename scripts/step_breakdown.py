@@ -5,12 +5,15 @@ alternated, so that their ratios come from the same minutes of the machine.
 
     python scripts/step_breakdown.py /tmp/r08b --batch 1,2,4,8 --quantization none,int8
     python scripts/step_breakdown.py /tmp/r08b --batch 32 --threads 2
+    python scripts/step_breakdown.py /tmp/r08b --batch 1,2,4,8 --threads 1 --cpu-time
 
 Each call is wrapped with a timer (a microsecond or two per call); the rest of a step is Python,
 sampling and scheduling. The LM head's row counts its product again (half_gemm, gemv_bf16 or the
 int8 products include it). Per (weights, batch) the figures are medians over the rounds; "x b1"
-is the tokens per second over batch 1's of the same weights. Give the cache room for all B
-requests (--cache-memory): the script stops if fewer than B run at once.
+is the tokens per second over batch 1's of the same weights. ``--cpu-time``: every time in this
+process's CPU seconds (with one thread, the step on a core of its own, the other processes of a
+busy machine then counting only through the memory bandwidth they take). Give the cache room
+for all B requests (--cache-memory): the script stops if fewer than B run at once.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from hybridrt import LLM, SamplingParams
 from hybridrt.kernels import native, quant
 
 CALLS = ("gdn_fused", "attn_decode", "rms_norm", "gemv_bf16", "half_gemm")
+clock = time.perf_counter
 
 
 def _timers(llm, total: collections.Counter, calls: collections.Counter) -> None:
@@ -34,9 +38,9 @@ def _timers(llm, total: collections.Counter, calls: collections.Counter) -> None
         fn = getattr(owner, name)
 
         def wrapper(*a, **k):
-            t = time.perf_counter()
+            t = clock()
             out = fn(*a, **k)
-            total[label] += time.perf_counter() - t
+            total[label] += clock() - t
             calls[label] += 1
             return out
         wrapper.timed = True
@@ -63,10 +67,10 @@ def _measure(llm, batch: int, steps: int, total, calls) -> tuple[float, dict, di
                          f"cache: raise --cache-memory")
     total.clear()
     calls.clear()
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(steps):
         eng.step()
-    step = (time.perf_counter() - t0) / steps
+    step = (clock() - t0) / steps
     ms = {k: v / steps * 1e3 for k, v in total.items()}
     per = {k: v / steps for k, v in calls.items()}
     while eng.has_unfinished_requests():  # the last tokens; their requests leave
@@ -83,7 +87,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantization", default="none", help="comma-separated: none, int8")
     ap.add_argument("--cache-memory", default="0.2")
+    ap.add_argument("--cpu-time", action="store_true", help="time in this process's CPU seconds")
     args = ap.parse_args()
+    global clock
+    clock = time.process_time if args.cpu_time else time.perf_counter
     batches = [int(b) for b in args.batch.split(",")]
     kinds = [None if q in ("none", "bf16") else q for q in args.quantization.split(",")]
     mem = float(args.cache_memory) if "." in args.cache_memory else args.cache_memory
@@ -105,7 +112,8 @@ def main() -> None:
                 runs[q, b].append(_measure(llms[q], b, args.steps, total, calls))
     load.append(os.getloadavg()[0])
     print(f"load average {load[0]:.2f} -> {load[1]:.2f}; {args.threads} threads; "
-          f"{args.steps} steps x {args.rounds} alternated rounds, medians")
+          f"{args.steps} steps x {args.rounds} alternated rounds, medians"
+          + ("; CPU TIME" if args.cpu_time else ""))
     for q in kinds:
         name = q or "bf16"
         step = {b: statistics.median(r[0] for r in runs[q, b]) for b in batches}
