@@ -72,7 +72,8 @@ class LLMEngine:
                  engine_config: EngineConfig, tokenizer: Any = None, seed: int | None = 0,
                  device: torch.device | str = "cpu", speculative_tokens: int = 0,
                  backend: str | None = None, draft_vocab: list[int] | None = None,
-                 thread_governor=None, async_scheduling: bool | None = None):
+                 thread_governor=None, async_scheduling: bool | None = None,
+                 batch_invariant: bool = False):
         self.model = model
         self.config = config
         self.cache = cache
@@ -83,7 +84,7 @@ class LLMEngine:
                                                 self.session_manager)
         self.runner = ModelRunner(model, cache, device, backend, engine_config.max_num_seqs,
                                   engine_config.max_num_batched_tokens,
-                                  engine_config.max_model_len)
+                                  engine_config.max_model_len, batch_invariant)
         self.scheduler = Scheduler(cache, engine_config.max_num_seqs,
                                    engine_config.max_num_batched_tokens,
                                    sessions=self.session_manager)

@@ -122,6 +122,9 @@ class LLM:
     so that the host prepares it while the device runs (the same tokens; a request that stops
     has one extra token computed and dropped). Default: on for CUDA, off on CPU (where the
     host and the kernels share the cores, it gains nothing).
+    batch_invariant: every request's tokens and logprobs bit for bit the same whatever runs
+    beside it, however its prompt is chunked, after preemption, and with greedy speculation
+    on or off (docs/batch_invariance.md). CPU backend only; costs some prefill speed.
     """
 
     def __init__(
@@ -144,6 +147,7 @@ class LLM:
         draft_vocab_size: int | None = None,
         quantization: str | None = None,
         async_scheduling: bool | None = None,
+        batch_invariant: bool = False,
     ):
         if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or (
             speculative_tokens < 0
@@ -169,6 +173,12 @@ class LLM:
                 raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
             torch.set_num_threads(threads)
         self.device = check_device(device)
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+        if batch_invariant and (self.device.type != "cpu" or backend not in (None, "cpu")):
+            raise ValueError(f"batch_invariant=True runs on the CPU backend only (so far), not "
+                             f"device={str(self.device)!r} backend={backend!r}")
+        self.batch_invariant = batch_invariant
         self.quantization = check_quantization(quantization)
         if self.quantization:
             _check_cpu_backend(f"quantization={self.quantization!r}", self.device, backend)
@@ -229,7 +239,8 @@ class LLM:
                                 seed=seed, device=self.device,
                                 speculative_tokens=speculative_tokens, backend=backend,
                                 draft_vocab=draft_vocab, thread_governor=governor,
-                                async_scheduling=async_scheduling)
+                                async_scheduling=async_scheduling,
+                                batch_invariant=batch_invariant)
 
     # Set-up ------------------------------------------------------------------------------
     def _load_tokenizer(self, tokenizer: Any):

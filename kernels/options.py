@@ -22,3 +22,6 @@ class KernelOptions:
     fused_simd: int = SIMD_AVX512  # the fused layers' vector loops: at most AVX-512, AVX2, plain
     int8_isa: str | None = None  # int8 products: None (the best built), "ref", "avx2", "vnni"
     huge_pages: bool = True  # loaded weights in transparent-huge-page memory where the OS has it
+    # every row's result independent of the batch, chunking and speculation around it
+    # (docs/batch_invariance.md): set by LLM(batch_invariant=True), not by the environment
+    batch_invariant: bool = False

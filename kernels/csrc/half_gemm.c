@@ -330,6 +330,64 @@ void half_gemv(const float *x, const uint16_t *w, void *y, int64_t M, int64_t N,
 #undef NB_OF
 }
 
+/* Any number of rows, each (row, weight row) pair computed by the tiles above exactly as
+ * half_gemv computes it for 1 to 8 rows (batch-invariant mode: a row's result is the same
+ * alone, among 7 others or in a prompt of 500; kernels/linear.py). Threads take panels of
+ * weight rows sized to stay in L2 (PANEL_BYTES), and every tile of up to 8 rows of x runs over
+ * a panel before the next panel is read: the weight streams from memory once, not once per
+ * 8 rows. A panel's rows are a multiple of 24, so the tiles of every row count fill it. */
+#define PANEL_BYTES (384 * 1024)
+
+static inline int64_t panel_rows(int64_t K, int64_t elem)
+{
+    const int64_t p = PANEL_BYTES / (K * elem) / 24 * 24;
+    return p > 24 ? p : 24;
+}
+
+#define SPAN_ROWS(MM, TILE, ...)                                                             \
+    do {                                                                                     \
+        const int NB = NB_OF(MM);                                                            \
+        int64_t n = n0;                                                                      \
+        for (; n + NB <= n1; n += NB)                                                        \
+            TILE(xr, w + n * K, yr + n * ys, N, K, MM, NB, __VA_ARGS__);                     \
+        for (; n < n1; ++n)                                                                  \
+            TILE(xr, w + n * K, yr + n * ys, N, K, MM, 1, __VA_ARGS__);                      \
+    } while (0)
+
+#define ROWS_OVER_PANELS(TILE, ...)                                                          \
+    do {                                                                                     \
+        const int64_t P = panel_rows(K, 2), panels = (N + P - 1) / P;                        \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                \
+        for (int64_t p = 0; p < panels; ++p) {                                               \
+            const int64_t n0 = p * P, n1 = n0 + P < N ? n0 + P : N;                          \
+            for (int64_t r0 = 0; r0 < M; r0 += 8) {                                          \
+                const int64_t mm = M - r0 < 8 ? M - r0 : 8;                                  \
+                const __typeof__(x) xr = x + r0 * K;                                         \
+                char *yr = yb + r0 * N * ys;                                                 \
+                switch (mm) {                                                                \
+                case 1: SPAN_ROWS(1, TILE, __VA_ARGS__); break;                              \
+                case 2: SPAN_ROWS(2, TILE, __VA_ARGS__); break;                              \
+                case 3: SPAN_ROWS(3, TILE, __VA_ARGS__); break;                              \
+                case 4: SPAN_ROWS(4, TILE, __VA_ARGS__); break;                              \
+                case 5: SPAN_ROWS(5, TILE, __VA_ARGS__); break;                              \
+                case 6: SPAN_ROWS(6, TILE, __VA_ARGS__); break;                              \
+                case 7: SPAN_ROWS(7, TILE, __VA_ARGS__); break;                              \
+                default: SPAN_ROWS(8, TILE, __VA_ARGS__); break;                             \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+    } while (0)
+
+void half_gemv_rows(const float *x, const uint16_t *w, void *y, int64_t M, int64_t N,
+                    int64_t K, int is_fp16, int out_bf16, int num_threads)
+{
+    char *yb = y;
+    const int64_t ys = out_bf16 ? 2 : 4;
+#define NB_OF(MM) FMA_NB(MM)
+    ROWS_OVER_PANELS(gemv_tile, is_fp16, out_bf16);
+#undef NB_OF
+}
+
 
 #else  /* no AVX2 + FMA + F16C: half_gemm_simd() says so and callers keep their own path */
 
@@ -338,6 +396,13 @@ int half_gemm_simd(void) { return 0; }
 
 void half_gemv(const float *x, const uint16_t *w, void *y, int64_t M, int64_t N, int64_t K,
                int is_fp16, int out_bf16, int num_threads)
+{
+    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)is_fp16; (void)out_bf16;
+    (void)num_threads;
+}
+
+void half_gemv_rows(const float *x, const uint16_t *w, void *y, int64_t M, int64_t N,
+                    int64_t K, int is_fp16, int out_bf16, int num_threads)
 {
     (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)is_fp16; (void)out_bf16;
     (void)num_threads;
@@ -559,6 +624,17 @@ void half_gemv_bf16(const uint16_t *x, const uint16_t *w, void *y, int64_t M, in
     GEMV_SWITCH(gemv_tile16, out_bf16)
 #undef NB_OF
 }
+
+/* half_gemv_rows for bf16 x: the tiles of half_gemv_bf16 over L2-sized panels */
+void half_gemv_bf16_rows(const uint16_t *x, const uint16_t *w, void *y, int64_t M, int64_t N,
+                         int64_t K, int out_bf16, int num_threads)
+{
+    char *yb = y;
+    const int64_t ys = out_bf16 ? 2 : 4;
+#define NB_OF(MM) DOT_NB(MM)
+    ROWS_OVER_PANELS(gemv_tile16, out_bf16);
+#undef NB_OF
+}
 #else  /* no AVX512-BF16: half_gemm_bf16dot() says so */
 int half_gemm_bf16dot(void) { return 0; }
 void half_gemm_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N,
@@ -571,4 +647,41 @@ void half_gemv_bf16(const uint16_t *x, const uint16_t *w, void *y, int64_t M, in
 {
     (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)out_bf16; (void)num_threads;
 }
+void half_gemv_bf16_rows(const uint16_t *x, const uint16_t *w, void *y, int64_t M, int64_t N,
+                         int64_t K, int out_bf16, int num_threads)
+{
+    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)out_bf16; (void)num_threads;
+}
 #endif
+
+/* fp32 weights, any number of rows, each (row, weight row) pair by the same operations: 16
+ * running sums over k (a lane per k mod 16), the tail into the first ones, then one fixed
+ * tree (batch-invariant mode for fp32 models; BLAS picks its kernels and its split of k by the
+ * shape). Plain C that the compiler vectorizes; threads take panels of weight rows as above,
+ * every row of x passing over a panel while it is in cache. */
+static inline float dot_f32(const float *a, const float *b, int64_t K)
+{
+    float acc[16] = {0};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+        for (int l = 0; l < 16; ++l) acc[l] += a[k + l] * b[k + l];
+    for (int l = 0; k < K; ++k, ++l) acc[l] += a[k] * b[k];
+    for (int s = 8; s > 0; s /= 2)
+        for (int l = 0; l < s; ++l) acc[l] += acc[l + s];
+    return acc[0];
+}
+
+void f32_gemm_rows(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
+                   int num_threads)
+{
+    int64_t P = (256 * 1024) / (K * 4 > 0 ? K * 4 : 1);
+    P = P > 8 ? P : 8;
+    const int64_t panels = (N + P - 1) / P;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        const int64_t n1 = (p + 1) * P < N ? (p + 1) * P : N;
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = p * P; n < n1; ++n)
+                y[m * N + n] = dot_f32(x + m * K, w + n * K, K);
+    }
+}
