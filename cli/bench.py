@@ -11,7 +11,13 @@ from typing import Annotated
 
 import typer
 
-from hybridrt.cli.common import CliError, ModelArg, QuantizationOpt, ThreadsOpt
+from hybridrt.cli.common import (
+    BatchInvariantOpt,
+    CliError,
+    ModelArg,
+    QuantizationOpt,
+    ThreadsOpt,
+)
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                         help="Benchmarks: throughput vs transformers, speculative decoding, "
@@ -116,6 +122,7 @@ def throughput(
         "the machine's load reaches both engines; medians per engine.")
     ] = "hybridrt,llamacpp,hybridrt,llamacpp",
     quantization: QuantizationOpt = None,
+    batch_invariant: BatchInvariantOpt = False,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
@@ -142,7 +149,7 @@ def throughput(
         prefill_len=prefill_len, prompt_len=prompt_len, decode_tokens=decode_tokens,
         concurrency=sizes, repeats=repeats, transformers=not no_transformers,
         json_path=json_path, against_llamacpp=against_llamacpp, llamacpp_bin=llamacpp_bin,
-        order=rounds, quantization=quantization,
+        order=rounds, quantization=quantization, batch_invariant=batch_invariant,
     )
     if plot is not None:
         plot_throughput(report, plot)

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from hybridrt.cli.common import (
+    BatchInvariantOpt,
     CacheMemoryOpt,
     CliError,
     DeviceOpt,
@@ -80,6 +81,7 @@ def serve(
     threads: ThreadsOpt = None,
     device: DeviceOpt = "cpu",
     speculative_tokens: SpecOpt = 0,
+    batch_invariant: BatchInvariantOpt = False,
     log_level: Annotated[str, typer.Option(
         "--log-level", help="uvicorn's log level: critical, error, warning, info, debug.")
     ] = "info",
@@ -98,7 +100,8 @@ def serve(
     except ValueError as e:
         raise CliError(str(e), 2) from None
     dtype = check_model_options(dtype=dtype, max_model_len=max_model_len,
-                                cache_memory=cache_memory, device=device)
+                                cache_memory=cache_memory, device=device,
+                                batch_invariant=batch_invariant)
     if port != 0:
         check_port(host, port)
     path = resolve_model(model)
@@ -108,7 +111,8 @@ def serve(
 
     llm = LLM(path, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
               device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
-              threads=threads, max_num_sessions=max_cached_prefixes)
+              threads=threads, max_num_sessions=max_cached_prefixes,
+              batch_invariant=batch_invariant)
     name = served_model_name or (model if model is not None else "hybridrt-demo")
     typer.echo(f"hybridrt serve: {llm.model_path} as {name!r} on http://{host}:{port}/v1 "
                f"({llm.cache_sizing.describe()})", err=True)

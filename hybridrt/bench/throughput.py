@@ -69,15 +69,16 @@ def _work(requests: int, prompt_len: int, new_tokens: list[int]) -> dict:
 
 
 def load_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: int,
-              concurrency: list[int], prompt_len: int, quantization: str | None = None):
+              concurrency: list[int], prompt_len: int, quantization: str | None = None,
+              batch_invariant: bool = False, cache_memory: float | int = 0.25):
     """The engine for ``bench_ours``, warmed up."""
     from hybridrt.llm import LLM
 
     max_len = max(prefill_len, prompt_len) + decode_tokens + 8
     llm = LLM(model, dtype=dtype, max_model_len=max_len, max_num_seqs=max(concurrency + [1]),
               threads=torch.get_num_threads(),  # the benchmark's, fixed
-              max_num_batched_tokens=max(prefill_len, 512), cache_memory=0.25,
-              quantization=quantization)
+              max_num_batched_tokens=max(prefill_len, 512), cache_memory=cache_memory,
+              quantization=quantization, batch_invariant=batch_invariant)
     # warm-up with the largest batch of the measured shape: the first step of a shape faults in
     # its buffers' pages
     warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -202,14 +203,16 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
                concurrency: list[int] = (8, 32), repeats: int = 2, transformers: bool = True,
                json_path: str | Path | None = None, against_llamacpp: str | Path | None = None,
                llamacpp_bin: str | Path | None = None, order: list[str] = DEFAULT_ORDER,
-               stream_bytes: int = 1 << 30, quantization: str | None = None) -> dict:
+               stream_bytes: int = 1 << 30, quantization: str | None = None,
+               batch_invariant: bool = False) -> dict:
     """Run the throughput benchmark -> the report (also printed as a table and written to
     ``json_path``). ``model``: a checkpoint (default: a random-weight 0.8B-shaped one).
     ``against_llamacpp``: a GGUF of the same model, benchmarked by llama.cpp in the rounds
     ``order`` names (hybridrt's rows measured once per ``hybridrt`` round); each engine's
     figure is the median over its rounds. The read bandwidth (``stream_bytes`` streamed) and
     an fp32 matmul rate are measured in the same run, with the same threads.
-    ``quantization``: hybridrt's weights in int8; transformers (unquantized) is left out."""
+    ``quantization``: hybridrt's weights in int8; transformers (unquantized) is left out.
+    ``batch_invariant``: hybridrt in its batch-invariant mode (docs/batch_invariance.md)."""
     from hybridrt.bench import ceilings, llamacpp
 
     bins = llamacpp.check(against_llamacpp, llamacpp_bin) if against_llamacpp else None
@@ -229,7 +232,7 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
     if quantization:
         transformers = False
     llm = load_ours(path, dtype, prefill_len, decode_tokens, concurrency, prompt_len,
-                    quantization)
+                    quantization, batch_invariant)
     rounds, our_work, their_work, their_run = [], None, None, {}
     for engine in order:
         load = list(os.getloadavg())
@@ -247,7 +250,7 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
     ours = _medians([r["results"] for r in rounds if r["engine"] == "hybridrt"])
     c = max(concurrency, default=None)
     report = {"model": str(model or "random Qwen3.5-0.8B shape"), "dtype": dtype,
-              "quantization": quantization,
+              "quantization": quantization, "batch_invariant": batch_invariant,
               "threads": threads, "cpu": ceilings.cpu_info(),
               "workload": {"prefill_len": prefill_len, "prompt_len": prompt_len,
                            "decode_tokens": decode_tokens, "concurrency": concurrency,
@@ -340,6 +343,8 @@ def format_table(report: dict) -> str:
                     + "; ".join(f"{k} {_loads(v)}" for k, v in load.items()))
     if report.get("quantization"):
         rows.append(f"hybridrt weights: {report['quantization']}")
+    if report.get("batch_invariant"):
+        rows.append("hybridrt mode: batch-invariant")
     rows.append(f"{'metric':<24}{'hybridrt':>12}"
                 + "".join(f"{label:>14}{'ratio':>8}" for _, label in others))
     for k, v in ours.items():
