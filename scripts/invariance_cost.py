@@ -1,0 +1,75 @@
+"""What batch-invariant mode costs: ``hybridrt bench throughput``'s hybridrt measurements (prefill,
+decode at batch 1 and at each concurrency) with the mode off and on, two engines in one process,
+their rounds alternated (off, on, off, on, ...) so that both see the same minutes of a shared
+machine; per weight kind the medians over the rounds and on / off.
+
+    python scripts/invariance_cost.py /tmp/r08b --threads 2 --quantization none,int8
+
+Run it under ``flock /work/.bench.lock`` on a shared machine (docs/batch_invariance.md has the
+figures and the load average they were taken at).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+
+import torch
+
+from hybridrt.bench.throughput import bench_ours, load_ours
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="checkpoint (e.g. a random 0.8B-shaped one: /tmp/r08b)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantization", default="none,int8", help="none and/or int8")
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--concurrency", default="8,32")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per mode, alternated")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per measurement in a round")
+    ap.add_argument("--json", help="write the report here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    conc = [int(c) for c in args.concurrency.split(",") if c]
+    report = {"threads": args.threads, "load_average": {"start": list(os.getloadavg())}}
+    for q in args.quantization.split(","):
+        quant = None if q == "none" else q
+        llms = {mode: load_ours(args.model, "bfloat16", args.prefill_len, args.decode_tokens,
+                                conc, args.prompt_len, quant, batch_invariant=mode == "on",
+                                cache_memory="2GiB")
+                for mode in ("off", "on")}
+        runs = {"off": [], "on": []}
+        for _ in range(args.rounds):
+            for mode in ("off", "on"):
+                res, _ = bench_ours(llms[mode], args.prefill_len, args.decode_tokens, conc,
+                                    args.prompt_len, args.repeats, interleave=False)
+                runs[mode].append(res)
+        med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+               for m, rs in runs.items()}
+        rows = {k: {"off": med["off"][k], "on": med["on"][k],
+                    "on_over_off": med["on"][k] / med["off"][k]}
+                for k in med["off"] if not k.startswith("aggregate")}
+        report[q] = {"rows": rows, "rounds": runs}
+        print(f"weights {q} ({args.threads} threads), tok/s, medians of {args.rounds} "
+              f"alternated rounds:")
+        for k, r in rows.items():
+            print(f"  {k:<20} off {r['off']:9.2f}  on {r['on']:9.2f}  on/off "
+                  f"{r['on_over_off']:.3f}")
+        del llms
+        gc.collect()
+    report["load_average"]["end"] = list(os.getloadavg())
+    print(f"load average: start {report['load_average']['start']}, "
+          f"end {report['load_average']['end']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
