@@ -88,7 +88,9 @@ class LLMEngine:
         self.scheduler = Scheduler(cache, engine_config.max_num_seqs,
                                    engine_config.max_num_batched_tokens,
                                    sessions=self.session_manager)
-        self.sampler = Sampler(seed=seed)  # shared generator for requests without a seed
+        # shared generator for requests without a seed; positional draws for seeded ones when
+        # batch-invariant (hybridrt/sampler.py)
+        self.sampler = Sampler(seed=seed, positional=batch_invariant)
         self.speculative_tokens = speculative_tokens
         self.governor = thread_governor  # hybridrt/threads.py: CPU threads fitted each step
         self.proposer = None
