@@ -181,7 +181,7 @@ def _preempt_at(llm, rng: random.Random, steps: set[int]) -> None:
     sched.schedule = preempting
 
 
-def _compositions(ckpt, setting, ref, invariant=True, n=6, seed=0):
+def _compositions(ckpt, setting, ref, invariant=True, n=4, seed=0):
     """Run the targets among random neighbours n times, each time with a random step budget
     (chunk sizes), batch size, thread count, k, order and preemption points -> (mismatches
     [(composition, target, what, ...)], preemptions seen)."""
@@ -238,7 +238,7 @@ SETTINGS = [  # (dtype, quantization), the kernel paths forced through the envir
 @needs_kernels
 @pytest.mark.parametrize("setting, env", SETTINGS)
 def test_outputs_do_not_depend_on_the_batch(ckpt, setting, env, monkeypatch):
-    """The targets alone (one prompt chunk, k = 0) against 6 random compositions: neighbours
+    """The targets alone (one prompt chunk, k = 0) against 4 random compositions: neighbours
     (prompts, greedy / random / seeded), step budgets of 5 to 128 tokens, 3 to 8 sequences,
     1 or 2 threads, k = 0 or 2, preemptions at random steps: every target's token ids and
     logprob bytes equal its run alone at k = 0 (greedy and seeded)."""
@@ -248,7 +248,7 @@ def test_outputs_do_not_depend_on_the_batch(ckpt, setting, env, monkeypatch):
     assert ref[0] == ref[2]  # k = 2 as k = 0, the seeded target included
     mismatches, preemptions = _compositions(ckpt, setting, ref)
     assert mismatches == []
-    assert preemptions >= 6  # recomputes among them
+    assert preemptions >= 4  # recomputes among them
 
 
 @needs_kernels
