@@ -298,3 +298,37 @@ def test_batch_invariant_errors(ckpt):
         LLM(ckpt, batch_invariant=1)
     with pytest.raises(ValueError, match="batch_invariant=True runs on the CPU backend only"):
         LLM(ckpt, batch_invariant=True, backend="reference")
+
+
+# Prefix-cache hits ---------------------------------------------------------------------------
+@needs_kernels
+@pytest.mark.parametrize("setting", [("bfloat16", None), ("float32", None), ("bfloat16", "int8")],
+                         ids=["bf16", "fp32", "int8"])
+def test_prefix_cache_hit_as_cold(ckpt, setting):
+    """Two targets resuming from a prefix another request left in the cache (a hit of 48 and
+    64 tokens, checkpoints every 16) give their cold run's bytes, at step budgets of 128 and 16
+    and k = 0 and 2: the KV and GDN states a hit reads were computed position by position, as a
+    cold run computes them. (The prefix cache is issue 26's; skipped where it is absent.)"""
+    pytest.importorskip("hybridrt.statecache.prefix")
+    rng = random.Random(0)
+    base = _prompt(rng, 70)
+    targets = [base + _prompt(rng, 9), base + _prompt(rng, 30)]
+    other = base[:50] + _prompt(rng, 20)
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True,
+                             logprobs=1)]
+    cold = None
+    for k in (0, 2):
+        for budget in (128, 16):
+            def fresh():
+                return _llm(ckpt, setting, max_num_batched_tokens=budget, checkpoint_interval=16)
+            llm = fresh()
+            alone = [_key(llm.generate([t], [sp], use_tqdm=False, speculative_tokens=k)[0])
+                     for t, sp in zip(targets, params)]
+            cold = cold or alone
+            assert alone == cold
+            llm = fresh()
+            llm.generate([other], params[:1], use_tqdm=False, speculative_tokens=k)
+            outs = llm.generate(targets, params, use_tqdm=False, speculative_tokens=k)
+            assert [o.metrics["num_cached_tokens"] for o in outs] == [48, 64]
+            assert [_key(o) for o in outs] == cold
