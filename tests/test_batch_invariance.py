@@ -206,7 +206,7 @@ def _compositions(ckpt, setting, ref, invariant=True, n=4, seed=0):
                             use_tqdm=False, speculative_tokens=k)
         preemptions += llm.engine.stats["num_preemptions"] - before
         torch.set_num_threads(1)
-        for (i, _, sp), out in zip(items, outs):
+        for (i, _, _), out in zip(items, outs):
             if i is None:
                 continue
             # k = 2 must give k = 0's bytes, greedy or seeded (coupled verification)
@@ -320,15 +320,38 @@ def test_prefix_cache_hit_as_cold(ckpt, setting):
     cold = None
     for k in (0, 2):
         for budget in (128, 16):
-            def fresh():
-                return _llm(ckpt, setting, max_num_batched_tokens=budget, checkpoint_interval=16)
-            llm = fresh()
+            fresh = dict(max_num_batched_tokens=budget, checkpoint_interval=16)
+            llm = _llm(ckpt, setting, **fresh)
             alone = [_key(llm.generate([t], [sp], use_tqdm=False, speculative_tokens=k)[0])
                      for t, sp in zip(targets, params)]
             cold = cold or alone
             assert alone == cold
-            llm = fresh()
+            llm = _llm(ckpt, setting, **fresh)
             llm.generate([other], params[:1], use_tqdm=False, speculative_tokens=k)
             outs = llm.generate(targets, params, use_tqdm=False, speculative_tokens=k)
             assert [o.metrics["num_cached_tokens"] for o in outs] == [48, 64]
             assert [_key(o) for o in outs] == cold
+
+
+def test_cli_flag():
+    """--batch-invariant on generate: the demo model's seeded sample of a prompt alone is the
+    one it gets beside another prompt; with --device cuda a usage error before the model
+    loads."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from hybridrt.cli.main import app
+
+    def run(*args):
+        return CliRunner().invoke(app, ["generate", "--batch-invariant", "--max-tokens", "6",
+                                        "--seed", "3", "--threads", "1", *args])
+
+    alone = run("-p", "def read(path):")
+    both = run("-p", "import os", "-p", "def read(path):")
+    assert alone.exit_code == 0 and both.exit_code == 0, alone.output + both.output
+    lines = [[json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+             for r in (alone, both)]
+    assert lines[0][0]["token_ids"] == lines[1][1]["token_ids"]
+    res = run("--device", "cuda", "-p", "x")
+    assert res.exit_code == 2 and "--batch-invariant runs on the CPU only" in res.output
