@@ -10,6 +10,7 @@ a difference (or the harness could not fail)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import struct
 
@@ -355,3 +356,55 @@ def test_cli_flag():
     assert lines[0][0]["token_ids"] == lines[1][1]["token_ids"]
     res = run("--device", "cuda", "-p", "x")
     assert res.exit_code == 2 and "--batch-invariant runs on the CPU only" in res.output
+
+
+# Coupled verification is lossless ----------------------------------------------------------
+@pytest.mark.parametrize("case", ["t1", "t0.8-topk5-topp0.9"])
+def test_coupled_verification_follows_the_target(case):
+    """Seeded rows of a positional sampler (batch-invariant mode) verify drafts by coupling:
+    over 4000 rounds (a seed each) the token emitted at every position, the bonus one included,
+    follows the exact target distribution (chi-square, as test_rejection_sampling.py checks the
+    rejection sampler), accepted drafts are the emitted prefix, and each round emits what the
+    same seed samples without drafts."""
+    from helpers import chi2_pvalue
+    from test_rejection_sampling import (
+        CASES,
+        MIN_PVALUE,
+        ROUNDS,
+        K,
+        V,
+        _reference_probs,
+        _target_logits,
+    )
+
+    from hybridrt.sampler import Sampler, SamplingRow, make_generator
+    from hybridrt.specdec.verify import VerifyItem, verify_drafts
+
+    params, draft_of = CASES[case]
+    target_logits, draft_logits = _target_logits()
+    p = torch.stack([_reference_probs(row, params) for row in target_logits])
+    q = draft_of(draft_logits).float()
+    g = torch.Generator().manual_seed(0)
+    drafts = torch.stack([torch.multinomial(q[i], ROUNDS, replacement=True, generator=g)
+                          for i in range(K)], dim=1).tolist()
+    items, plain = [], []
+    for r in range(ROUNDS):
+        sp = dataclasses.replace(params, seed=r)
+        rows = [SamplingRow(sp, [1, 2], [3] * j, make_generator(sp)) for j in range(K + 1)]
+        items.append(VerifyItem(rows, drafts[r], q))
+        plain.append(rows)
+    sampler = Sampler(positional=True)
+    results = verify_drafts(sampler, target_logits.repeat(ROUNDS, 1), items)
+    counts = torch.zeros(K + 1, V, dtype=torch.float64)
+    for r, (emitted, a) in enumerate(results):
+        assert emitted[:a] == drafts[r][:a] and (a == K or emitted[a] != drafts[r][a])
+        for j, tok in enumerate(emitted):
+            counts[j, tok] += 1
+        if r < 50:  # without drafts: the same tokens, position by position
+            alone = [int(sampler.sample(target_logits[j][None], [plain[r][j]]).token_ids[0])
+                     for j in range(a + 1)]
+            assert alone == emitted
+    assert (counts[p == 0] == 0).all()
+    for j in range(K + 1):
+        stat, df, pval = chi2_pvalue(counts[j], p[j])
+        assert pval > MIN_PVALUE, f"position {j}: chi2 {stat:.1f} (df {df}), p = {pval:.2g}"
