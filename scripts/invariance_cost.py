@@ -1,7 +1,9 @@
 """What batch-invariant mode costs: ``hybridrt bench throughput``'s hybridrt measurements (prefill,
-decode at batch 1 and at each concurrency) with the mode off and on, two engines in one process,
-their rounds alternated (off, on, off, on, ...) so that both see the same minutes of a shared
-machine; per weight kind the medians over the rounds and on / off.
+decode at batch 1 and at each concurrency) with the mode off and on, on one engine per weight
+kind whose CPU backend is switched between the modes from round to round (the same weights,
+pages and caches for both; greedy requests, so the sampler's positional draws play no part),
+the rounds in the order off, on, on, off, ... so that a drift in a shared machine's speed
+reaches both; per weight kind the medians over the rounds and on / off.
 
     python scripts/invariance_cost.py /tmp/r08b --threads 2 --quantization none,int8
 
@@ -31,7 +33,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--concurrency", default="8,32")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds per mode, alternated")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds per mode, alternated")
     ap.add_argument("--repeats", type=int, default=2, help="runs per measurement in a round")
     ap.add_argument("--json", help="write the report here")
     args = ap.parse_args()
@@ -40,14 +42,14 @@ def main() -> None:
     report = {"threads": args.threads, "load_average": {"start": list(os.getloadavg())}}
     for q in args.quantization.split(","):
         quant = None if q == "none" else q
-        llms = {mode: load_ours(args.model, "bfloat16", args.prefill_len, args.decode_tokens,
-                                conc, args.prompt_len, quant, batch_invariant=mode == "on",
-                                cache_memory="2GiB")
-                for mode in ("off", "on")}
+        llm = load_ours(args.model, "bfloat16", args.prefill_len, args.decode_tokens, conc,
+                        args.prompt_len, quant, batch_invariant=True, cache_memory="2GiB")
+        backend = llm.engine.runner.backend
         runs = {"off": [], "on": []}
-        for _ in range(args.rounds):
-            for mode in ("off", "on"):
-                res, _ = bench_ours(llms[mode], args.prefill_len, args.decode_tokens, conc,
+        for r in range(args.rounds):
+            for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                backend.invariant = mode == "on"  # the kernels are chosen per call by it
+                res, _ = bench_ours(llm, args.prefill_len, args.decode_tokens, conc,
                                     args.prompt_len, args.repeats, interleave=False)
                 runs[mode].append(res)
         med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
@@ -61,7 +63,7 @@ def main() -> None:
         for k, r in rows.items():
             print(f"  {k:<20} off {r['off']:9.2f}  on {r['on']:9.2f}  on/off "
                   f"{r['on_over_off']:.3f}")
-        del llms
+        del llm, backend
         gc.collect()
     report["load_average"]["end"] = list(os.getloadavg())
     print(f"load average: start {report['load_average']['start']}, "
