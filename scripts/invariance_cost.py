@@ -7,6 +7,11 @@ reaches both; per weight kind the medians over the rounds and on / off.
 
     python scripts/invariance_cost.py /tmp/r08b --threads 2 --quantization none,int8
 
+``--cpu-time``: the same work timed in this process's CPU seconds instead (prefill: one
+token from the prompt; decode at batch B: B requests of ``--decode-tokens`` new tokens less the
+same requests' first token), which a busy machine's other processes reach only through the
+memory bandwidth they take; meant for ``--threads 1``.
+
 Run it under ``flock /work/.bench.lock`` on a shared machine (docs/batch_invariance.md has the
 figures and the load average they were taken at).
 """
@@ -18,10 +23,34 @@ import gc
 import json
 import os
 import statistics
+import time
 
 import torch
 
-from hybridrt.bench.throughput import bench_ours, load_ours
+from hybridrt.bench.throughput import _prompts, bench_ours, load_ours
+from hybridrt.sampling_params import SamplingParams
+
+
+def bench_cpu(llm, prefill_len: int, decode_tokens: int, concurrency: list[int],
+              prompt_len: int, repeats: int) -> dict:
+    """bench_ours' rows in tokens per CPU second of this process (medians of ``repeats``)."""
+    vocab, clock = llm.config.vocab_size, time.process_time
+
+    def cpu(prompts, n):
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        t = clock()
+        llm.generate(prompts, sp, use_tqdm=False)
+        return clock() - t
+
+    res = {"prefill_tok_s": prefill_len / statistics.median(
+        cpu(_prompts(1, prefill_len, vocab, 100 + r), 1) for r in range(repeats))}
+    for c in [1, *concurrency]:
+        rates = []
+        for r in range(repeats):
+            p = _prompts(c, prompt_len, vocab, 300 + c + r)
+            rates.append(c * (decode_tokens - 1) / (cpu(p, decode_tokens) - cpu(p, 1)))
+        res[f"decode_b{c}_tok_s"] = statistics.median(rates)
+    return res
 
 
 def main() -> None:
@@ -35,11 +64,13 @@ def main() -> None:
     ap.add_argument("--concurrency", default="8,32")
     ap.add_argument("--rounds", type=int, default=4, help="rounds per mode, alternated")
     ap.add_argument("--repeats", type=int, default=2, help="runs per measurement in a round")
+    ap.add_argument("--cpu-time", action="store_true", help="time in process CPU seconds")
     ap.add_argument("--json", help="write the report here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     conc = [int(c) for c in args.concurrency.split(",") if c]
-    report = {"threads": args.threads, "load_average": {"start": list(os.getloadavg())}}
+    report = {"threads": args.threads, "cpu_time": args.cpu_time,
+              "load_average": {"start": list(os.getloadavg())}}
     for q in args.quantization.split(","):
         quant = None if q == "none" else q
         llm = load_ours(args.model, "bfloat16", args.prefill_len, args.decode_tokens, conc,
@@ -49,8 +80,12 @@ def main() -> None:
         for r in range(args.rounds):
             for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
                 backend.invariant = mode == "on"  # the kernels are chosen per call by it
-                res, _ = bench_ours(llm, args.prefill_len, args.decode_tokens, conc,
-                                    args.prompt_len, args.repeats, interleave=False)
+                if args.cpu_time:
+                    res = bench_cpu(llm, args.prefill_len, args.decode_tokens, conc,
+                                    args.prompt_len, args.repeats)
+                else:
+                    res, _ = bench_ours(llm, args.prefill_len, args.decode_tokens, conc,
+                                        args.prompt_len, args.repeats, interleave=False)
                 runs[mode].append(res)
         med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
                for m, rs in runs.items()}
@@ -58,7 +93,8 @@ def main() -> None:
                     "on_over_off": med["on"][k] / med["off"][k]}
                 for k in med["off"] if not k.startswith("aggregate")}
         report[q] = {"rows": rows, "rounds": runs}
-        print(f"weights {q} ({args.threads} threads), tok/s, medians of {args.rounds} "
+        unit = "tokens per CPU second" if args.cpu_time else "tok/s"
+        print(f"weights {q} ({args.threads} threads), {unit}, medians of {args.rounds} "
               f"alternated rounds:")
         for k, r in rows.items():
             print(f"  {k:<20} off {r['off']:9.2f}  on {r['on']:9.2f}  on/off "
