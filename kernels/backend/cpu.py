@@ -219,6 +219,8 @@ class CPUBackend(ReferenceBackend):
         """x W^T with each row's sums fixed by the row alone: int8 weights on their kernels
         (row-invariant at every row count), half weights on the few-row GEMV's tiles
         (``native.gemv_rows``), fp32 weights on ``native.f32_gemm_rows``."""
+        if self._decode_gemv(x, w):  # up to 8 rows: gemv_rows' own call, without its checks
+            return native.gemv_bf16(x, w, self.half_path)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         if isinstance(w, quant.QuantWeight):
             y = quant.linear(x2, w, self.int8_isa)
