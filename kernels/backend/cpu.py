@@ -219,11 +219,11 @@ class CPUBackend(ReferenceBackend):
         """x W^T with each row's sums fixed by the row alone: int8 weights on their kernels
         (row-invariant at every row count), half weights on the few-row GEMV's tiles
         (``native.gemv_rows``), fp32 weights on ``native.f32_gemm_rows``."""
-        if self._decode_gemv(x, w):  # up to 8 rows: gemv_rows' own call, without its checks
-            return native.gemv_bf16(x, w, self.half_path)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         if isinstance(w, quant.QuantWeight):
             y = quant.linear(x2, w, self.int8_isa)
+        elif self._decode_gemv(x, w):  # up to 8 rows: gemv_rows' own call, without its checks
+            return native.gemv_bf16(x, w, self.half_path)
         elif w.dtype in (torch.bfloat16, torch.float16):
             out = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
             y = native.gemv_rows(x2, w.contiguous(), self.half_path, out)
