@@ -231,7 +231,8 @@ static void tile_ref(const Args *a, int64_t i, int64_t p, int mr, int np)
 /* Rows [i, i + mr) (mr <= MRX) by panels [p, p + np): per group, the rows in passes of up to
  * MR, the group's weights re-read from L1 by the second pass, each pass's integer sums in
  * registers (16 ymm on an AVX2 CPU), the fp32 sums of all rows wherever the compiler keeps them
- * (they change once a group); the weight stream ahead prefetched as in tile_vnni. */
+ * (they change once a group); the weight stream ahead prefetched as in tile_vnni (not for one
+ * row, as there). */
 static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64_t i, int64_t p,
                                                             int mr, int np)
 {
@@ -260,7 +261,7 @@ static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64
                         const int8_t *wk = a->w + ((p + t) * G + g) * (QK * NR) + k4 * 4 * NR;
                         w[t][0] = _mm256_loadu_si256((const __m256i *)wk);
                         w[t][1] = _mm256_loadu_si256((const __m256i *)(wk + 32));
-                        if (i == 0 && r0 == 0)  /* the first pass over these weights */
+                        if (i == 0 && r0 == 0 && mr > 1)  /* the first pass, more than one row */
                             _mm_prefetch((const char *)wk + PF_AHEAD, _MM_HINT_T1);
                     }
                 }
@@ -334,7 +335,9 @@ static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64
  * the tile has at most SPLIT_MAX (row, panel) sums, odd steps go to a second sum (more
  * dependency chains, so that a few rows are not bound by the dot products' latency; exact in
  * int32). The weight stream ahead is prefetched into L2: alone, the hardware prefetcher left the
- * loads of a few rows waiting on memory and their arithmetic not overlapped with it. */
+ * loads of a few rows waiting on memory and their arithmetic not overlapped with it. One row
+ * is not prefetched: one panel a block is one sequential stream the hardware follows, and the
+ * extra prefetches made a whole decode step's one-row products slower (docs/performance.md). */
 static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64_t i, int64_t p,
                                                             int mr, int np)
 {
@@ -365,7 +368,7 @@ static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64
                 if (t < np) {
                     const int8_t *wk = a->w + ((p + t) * G + g) * (QK * NR) + k4 * 4 * NR;
                     w[t] = _mm512_xor_si512(bias, _mm512_loadu_si512(wk));
-                    if (i == 0)  /* the first tile of rows over these weights */
+                    if (i == 0 && mr > 1)  /* the first tile of rows, more than one */
                         _mm_prefetch((const char *)wk + PF_AHEAD, _MM_HINT_T1);
                 }
             }
