@@ -1,6 +1,6 @@
-"""``hybridrt bench throughput`` / ``gemm`` / ``spec`` / ``quality`` / ``startup`` / ``busy`` /
-``serve`` / ``prefix`` / ``preemption``: the commands over ``hybridrt.bench``; each prints a
-table and, with ``--json`` / ``--plot``, writes the report and a chart. The benchmark
+"""``hybridrt bench throughput`` / ``gemm`` / ``gemv`` / ``spec`` / ``quality`` / ``startup`` /
+``busy`` / ``serve`` / ``prefix`` / ``preemption``: the commands over ``hybridrt.bench``; each
+prints a table and, with ``--json`` / ``--plot``, writes the report and a chart. The benchmark
 modules are imported inside the commands, so that ``hybridrt chat`` never loads them
 (tests/test_bench_layout.py)."""
 
@@ -12,7 +12,13 @@ from typing import Annotated
 
 import typer
 
-from hybridrt.cli.common import CliError, ModelArg, QuantizationOpt, ThreadsOpt
+from hybridrt.cli.common import (
+    BatchInvariantOpt,
+    CliError,
+    ModelArg,
+    QuantizationOpt,
+    ThreadsOpt,
+)
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                         help="Benchmarks: throughput vs transformers, speculative decoding, "
@@ -119,6 +125,7 @@ def throughput(
         "the machine's load reaches both engines; medians per engine.")
     ] = "hybridrt,llamacpp,hybridrt,llamacpp",
     quantization: QuantizationOpt = None,
+    batch_invariant: BatchInvariantOpt = False,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
@@ -145,7 +152,7 @@ def throughput(
         prefill_len=prefill_len, prompt_len=prompt_len, decode_tokens=decode_tokens,
         concurrency=sizes, repeats=repeats, transformers=not no_transformers,
         json_path=json_path, against_llamacpp=against_llamacpp, llamacpp_bin=llamacpp_bin,
-        order=rounds, quantization=quantization,
+        order=rounds, quantization=quantization, batch_invariant=batch_invariant,
     )
     if plot is not None:
         plot_throughput(report, plot)
@@ -165,6 +172,44 @@ def gemm(
     from hybridrt.bench import throughput as bench
 
     bench.gemm(_int_list("--rows", rows, 1), threads=threads, rounds=rounds)
+
+
+@bench_app.command("gemv")
+def gemv(
+    rows: Annotated[str, typer.Option("--rows", help="Comma-separated row counts (1-8).")
+                    ] = "1,2,3,4,8",
+    threads: Annotated[int, typer.Option("--threads", min=1, help="CPU threads.")] = 2,
+    repeats: Annotated[int, typer.Option(
+        "--repeats", min=1, help="Rounds, alternating every path, row count and the read loop "
+        "(the median is reported).")] = 5,
+    paths: Annotated[str | None, typer.Option(
+        "--paths", help="Comma-separated kernel paths among bf16dot, fma, int8-vnni, int8-avx2 "
+        "(default: every one built here).", show_default=False)] = None,
+    cpu_time: Annotated[bool, typer.Option(
+        "--cpu-time", help="Time in this process's CPU seconds instead of wall seconds: with "
+        "--threads 1, the speed on a core of its own (default: off).")] = False,
+    json_path: JsonOpt = None,
+) -> None:
+    """One decode step's products at the 0.8B shape per kernel path and row count, against the
+    read loop over the same weights and each path's dot-product peak, measured in the same run.
+    """
+    from hybridrt.bench.gemv import PATHS, run_gemv_bench
+
+    path_list = None
+    if paths is not None:
+        path_list = [p.strip() for p in paths.split(",") if p.strip()]
+        bad = [p for p in path_list if p not in PATHS]
+        if bad or not path_list:
+            raise CliError(f"--paths: unknown path(s) {', '.join(bad) or repr(paths)}; choose "
+                           f"among {', '.join(PATHS)}", 2)
+    row_list = _int_list("--rows", rows, 1)
+    if max(row_list) > 8:
+        raise CliError(f"--rows: at most 8 rows (the GEMV's), got {max(row_list)}", 2)
+    try:
+        run_gemv_bench(row_list, threads=threads, repeats=repeats, paths=path_list,
+                       json_path=json_path, cpu_time=cpu_time)
+    except (ValueError, RuntimeError) as e:
+        raise CliError(str(e), 2) from e
 
 
 def plot_throughput(report: dict, path: Path) -> None:

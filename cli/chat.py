@@ -21,6 +21,7 @@ from typing import Annotated, Any
 import typer
 
 from hybridrt.cli.common import (
+    BatchInvariantOpt,
     CacheMemoryOpt,
     CliError,
     DeviceOpt,
@@ -634,6 +635,7 @@ def chat(
     threads: ThreadsOpt = None,
     quantization: QuantizationOpt = None,
     prefix_caching: PrefixCachingOpt = True,
+    batch_invariant: BatchInvariantOpt = False,
 ) -> None:
     """Chat with a model; answers stream as they are generated.
 
@@ -643,7 +645,8 @@ def chat(
     from hybridrt.sampling_params import SamplingParams
 
     check_model_options(dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
-                        device=device, quantization=quantization)
+                        device=device, quantization=quantization,
+                        batch_invariant=batch_invariant)
     check_draft_vocab(draft_vocab, speculative_tokens)
 
     flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -658,6 +661,7 @@ def chat(
     llm = load_llm(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
                    device=device, threads=threads, speculative_tokens=speculative_tokens,
                    quantization=quantization, max_num_seqs=2, announce=False,
-                   draft_vocab_size=draft_vocab, enable_prefix_caching=prefix_caching)
+                   draft_vocab_size=draft_vocab, enable_prefix_caching=prefix_caching,
+                   batch_invariant=batch_invariant)
     sampling = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
     ChatLoop(llm, sampling, speculative_tokens, system, think, not show_thinking).run()

@@ -84,6 +84,10 @@ QuantizationOpt = Annotated[str | None, typer.Option(
     "inputs (CPU; about half the memory of bfloat16, faster decoding); int4: 4-bit weights "
     "(the embedding / LM head in int8; about a third) (default: none).",
     show_default=False)]
+BatchInvariantOpt = Annotated[bool, typer.Option(
+    "--batch-invariant", help="Each request's tokens and logprobs bit for bit the same "
+    "whatever runs beside it, however its prompt is chunked, and with greedy -k on or off "
+    "(CPU; slower prefill, docs/batch_invariance.md) (default: off).")]
 SpecOpt = Annotated[int, typer.Option(
     "--speculative-tokens", "-k", help="MTP draft tokens per step (0 = off).", min=0)]
 PrefixCachingOpt = Annotated[bool, typer.Option(
@@ -116,7 +120,8 @@ def resolve_dtype(dtype: str) -> str:
 
 
 def check_model_options(*, dtype: str, max_model_len: int | None, cache_memory: str | None,
-                        device: str = "cpu", quantization: str | None = None) -> str:
+                        device: str = "cpu", quantization: str | None = None,
+                        batch_invariant: bool = False) -> str:
     """Option mistakes -> CliError (exit 2), before anything imports torch. -> the dtype."""
     from hybridrt.options import check_device_name, check_quantization, parse_memory
 
@@ -126,6 +131,9 @@ def check_model_options(*, dtype: str, max_model_len: int | None, cache_memory: 
             raise ValueError(f"{quantization} runs on the CPU only, not --device {device}")
     except ValueError as e:
         raise CliError(f"--quantization: {e}", 2) from None
+    if batch_invariant and device != "cpu":
+        raise CliError(f"--batch-invariant runs on the CPU only (so far), not --device {device}",
+                       2)
     if max_model_len is not None and max_model_len <= 1:
         raise CliError(f"--max-model-len must be an integer > 1, got {max_model_len}", 2)
     try:
@@ -190,14 +198,14 @@ def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
              cache_memory: str | None, device: str = "cpu", speculative_tokens: int = 0,
              max_num_seqs: int = 32, threads: int | None = None, announce: bool = True,
              draft_vocab_size: int | None = None, quantization: str | None = None,
-             enable_prefix_caching: bool = True):
+             enable_prefix_caching: bool = True, batch_invariant: bool = False):
     """Build the LLM; option mistakes are CliErrors (exit 2) raised before the slow imports,
     then MODEL is resolved (torch-free) and the device checked, before the model loads.
     ``announce``: one 'loaded ...' line on stderr when it is a terminal. Sets
     ``llm.load_seconds``."""
     dtype = check_model_options(dtype=dtype, max_model_len=max_model_len,
                                 cache_memory=cache_memory, device=device,
-                                quantization=quantization)
+                                quantization=quantization, batch_invariant=batch_invariant)
     model = resolve_model(model)
     check_device_available(device)
     from hybridrt.llm import LLM
@@ -206,7 +214,8 @@ def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
     llm = LLM(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
               device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
               threads=threads, draft_vocab_size=draft_vocab_size,
-              quantization=quantization, enable_prefix_caching=enable_prefix_caching)
+              quantization=quantization, enable_prefix_caching=enable_prefix_caching,
+              batch_invariant=batch_invariant)
     llm.load_seconds = time.perf_counter() - t0
     if announce and sys.stderr.isatty():
         typer.echo(f"loaded {llm.model_path} ({weights_name(llm)}, {device}, max_model_len "

@@ -28,6 +28,7 @@ from typing import Annotated, Any, TextIO
 import typer
 
 from hybridrt.cli.common import (
+    BatchInvariantOpt,
     CacheMemoryOpt,
     CliError,
     DeviceOpt,
@@ -283,6 +284,7 @@ def generate(
     threads: ThreadsOpt = None,
     quantization: QuantizationOpt = None,
     prefix_caching: PrefixCachingOpt = True,
+    batch_invariant: BatchInvariantOpt = False,
 ) -> None:
     """Generate for many prompts in one batch; writes one JSON line per prompt, in order.
 
@@ -303,7 +305,8 @@ def generate(
     from hybridrt.sampling_params import SamplingParams
 
     check_model_options(dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
-                        device=device, quantization=quantization)
+                        device=device, quantization=quantization,
+                        batch_invariant=batch_invariant)
     check_draft_vocab(draft_vocab, speculative_tokens)
 
     flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -332,7 +335,7 @@ def generate(
                        cache_memory=cache_memory, device=device, threads=threads,
                        speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
                        draft_vocab_size=draft_vocab, quantization=quantization,
-                       enable_prefix_caching=prefix_caching)
+                       enable_prefix_caching=prefix_caching, batch_invariant=batch_invariant)
         defaults = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
         results = run_items(llm, items, defaults, template_kwargs(think), progress, None)
         written, failed = write_in_order(results, out, tally)

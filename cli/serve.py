@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from hybridrt.cli.common import (
+    BatchInvariantOpt,
     CacheMemoryOpt,
     CliError,
     DeviceOpt,
@@ -79,6 +80,7 @@ def serve(
     threads: ThreadsOpt = None,
     device: DeviceOpt = "cpu",
     speculative_tokens: SpecOpt = 0,
+    batch_invariant: BatchInvariantOpt = False,
     log_level: Annotated[str, typer.Option(
         "--log-level", help="uvicorn's log level: critical, error, warning, info, debug.")
     ] = "info",
@@ -121,7 +123,8 @@ def serve(
     except ValueError as e:
         raise CliError(str(e), 2) from None
     dtype = check_model_options(dtype=dtype, max_model_len=max_model_len,
-                                cache_memory=cache_memory, device=device)
+                                cache_memory=cache_memory, device=device,
+                                batch_invariant=batch_invariant)
     if port != 0:
         check_port(host, port)
     path = resolve_model(model)
@@ -138,7 +141,8 @@ def serve(
                        f"this port can use the model", err=True)
         llm_options = {"dtype": dtype, "max_model_len": max_model_len,
                        "cache_memory": cache_memory, "speculative_tokens": speculative_tokens,
-                       "max_num_seqs": max_num_seqs, "enable_prefix_caching": prefix_caching}
+                       "max_num_seqs": max_num_seqs, "enable_prefix_caching": prefix_caching,
+                       "batch_invariant": batch_invariant}
         serve_replicas(path or default_model(), name, llm_options, host=host, port=port,
                        ray_address=ray_address, replicas=replicas,
                        autoscaling=autoscaling_config, threads=threads, device=device,
@@ -152,7 +156,8 @@ def serve(
 
     llm = LLM(path, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
               device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
-              threads=threads, enable_prefix_caching=prefix_caching)
+              threads=threads, enable_prefix_caching=prefix_caching,
+              batch_invariant=batch_invariant)
     typer.echo(f"hybridrt serve: {llm.model_path} as {name!r} on http://{host}:{port}/v1 "
                f"({llm.cache_sizing.describe()})", err=True)
     if key is None and host not in ("127.0.0.1", "localhost", "::1"):

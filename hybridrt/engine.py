@@ -85,7 +85,7 @@ class LLMEngine:
                  thread_governor=None, async_scheduling: bool | None = None,
                  max_num_sessions: int | None = None,
                  checkpoint_boundary_ids: Sequence[int] | None = None,
-                 checkpoint_interval: int = 0):
+                 checkpoint_interval: int = 0, batch_invariant: bool = False):
         self.model = model
         self.config = config
         self.cache = cache
@@ -104,11 +104,13 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer, engine_config.max_model_len)
         self.runner = ModelRunner(model, cache, device, backend, engine_config.max_num_seqs,
                                   engine_config.max_num_batched_tokens,
-                                  engine_config.max_model_len)
+                                  engine_config.max_model_len, batch_invariant)
         self.scheduler = Scheduler(cache, engine_config.max_num_seqs,
                                    engine_config.max_num_batched_tokens,
                                    sessions=self.session_manager)
-        self.sampler = Sampler(seed=seed)  # shared generator for requests without a seed
+        # shared generator for requests without a seed; positional draws for seeded ones when
+        # batch-invariant (hybridrt/sampler.py)
+        self.sampler = Sampler(seed=seed, positional=batch_invariant)
         self.speculative_tokens = speculative_tokens
         self.governor = thread_governor  # hybridrt/threads.py: CPU threads fitted each step
         self.proposer = None

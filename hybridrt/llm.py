@@ -139,6 +139,9 @@ class LLM:
     so that the host prepares it while the device runs (the same tokens; a request that stops
     has one extra token computed and dropped). Default: on for CUDA, off on CPU (where the
     host and the kernels share the cores, it gains nothing).
+    batch_invariant: every request's tokens and logprobs bit for bit the same whatever runs
+    beside it, however its prompt is chunked, after preemption, and with greedy speculation
+    on or off (docs/batch_invariance.md). CPU backend only; costs some prefill speed.
     """
 
     def __init__(
@@ -164,6 +167,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         checkpoint_interval: int = 2048,
         checkpoint_share: float = 0.25,
+        batch_invariant: bool = False,
     ):
         if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or (
             speculative_tokens < 0
@@ -202,7 +206,16 @@ class LLM:
                 raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
             torch.set_num_threads(threads)
         self.device = check_device(device)
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+        if batch_invariant and (self.device.type != "cpu" or backend not in (None, "cpu")):
+            raise ValueError(f"batch_invariant=True runs on the CPU backend only (so far), not "
+                             f"device={str(self.device)!r} backend={backend!r}")
+        self.batch_invariant = batch_invariant
         self.quantization = check_quantization(quantization)
+        if batch_invariant and self.quantization == "int4":
+            raise ValueError("batch_invariant=True has no invariant product for 4-bit weights "
+                             "(quantization='int4'); use bf16, fp32 or int8")
         if self.quantization:
             _check_cpu_backend(f"quantization={self.quantization!r}", self.device, backend)
         if self.device.type == "cpu":
@@ -271,7 +284,8 @@ class LLM:
                                 draft_vocab=draft_vocab, thread_governor=governor,
                                 async_scheduling=async_scheduling,
                                 max_num_sessions=max_num_sessions,
-                                checkpoint_interval=checkpoint_interval)
+                                checkpoint_interval=checkpoint_interval,
+                                batch_invariant=batch_invariant)
 
     # Set-up ------------------------------------------------------------------------------
     def _load_tokenizer(self, tokenizer: Any):

@@ -13,7 +13,6 @@ from torch import nn
 
 from hybridrt.config import ModelConfig
 from hybridrt.forward_batch import ForwardBatch
-from hybridrt.kernels import rope_cos_sin
 from hybridrt.kernels.backend import AttentionLayer, GDNLayer, ReferenceBackend, StepMeta
 from hybridrt.kernels.quant import kernel_weight
 from hybridrt.statecache import CacheTensors
@@ -285,7 +284,7 @@ class Qwen35ForCausalLM(nn.Module):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         c = self.config
-        return rope_cos_sin(positions, c.rotary_dim, c.rope_theta, dtype)
+        return self.backend.rope(positions, c.rotary_dim, c.rope_theta, dtype)
 
     def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         """-> final-normed hidden states [T, hidden] for every token of the batch."""

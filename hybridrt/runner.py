@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -92,8 +94,11 @@ class ModelRunner:
     def __init__(self, model: Qwen35ForCausalLM, cache: HybridCacheManager,
                  device: torch.device | str = "cpu", backend: str | None = None,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                 max_model_len: int | None = None):
-        self.backend = select_backend(model.config, device, backend, env.kernel_options())
+                 max_model_len: int | None = None, batch_invariant: bool = False):
+        options = env.kernel_options()
+        if batch_invariant:
+            options = dataclasses.replace(options, batch_invariant=True)
+        self.backend = select_backend(model.config, device, backend, options)
         model.set_backend(self.backend)
         self.backend.attach(cache)
         self.model = model

@@ -19,7 +19,12 @@ One call works on N rows of fp32 logits ``[N, V]``; each row carries its own
 Random draws: a seeded request owns a generator (``make_generator``) kept across steps and
 used for nothing else, so its tokens do not depend on what else is in the batch; unseeded
 rows share one generator (the sampler's, or torch's global one). Each random row consumes
-exactly one uniform per token; greedy rows consume none.
+exactly one uniform per token; greedy rows consume none. ``Sampler(positional=True)``
+(batch-invariant mode): a seeded row's uniform is instead a function of its seed and the
+position of the token (``positional_uniform``), the same whether the token is sampled, drafted
+or verified, so that the tokens depend on nothing but the seed and the logits: not on
+preemption (which drops pending drafts), nor on how many drafts a step verifies
+(specdec/verify.py's coupled verification).
 
 For rejection sampling, ``processed_logits`` + ``probs`` give the target/draft distributions and
 ``uniform`` / ``sample_from_probs`` draw from the same per-row generators.
@@ -44,6 +49,18 @@ __all__ = [
     "find_stop",
     "make_generator",
 ]
+
+
+_MASK = (1 << 64) - 1
+
+
+def positional_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) that depends only on (seed, position): splitmix64 of their mix, its
+    top 24 bits (an fp32 in [0, 1) exactly, as torch.rand's are)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return ((z ^ (z >> 31)) >> 40) / float(1 << 24)
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -94,9 +111,10 @@ class Sampler:
     ``seed``: seeds that shared generator (one per device); None uses torch's global RNG.
     """
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, positional: bool = False) -> None:
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
+        self.positional = positional
 
     # Public pipeline ------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -155,12 +173,18 @@ class Sampler:
         self, rows: list[SamplingRow], num: int, device: torch.device | str
     ) -> torch.Tensor:
         """``[len(rows), num]`` uniforms in [0, 1): seeded rows from their own generator, the
-        others from the shared one, so a seeded row's draws never depend on the batch."""
+        others from the shared one, so a seeded row's draws never depend on the batch. With
+        ``positional``: a seeded row's j-th uniform is ``positional_uniform`` of the token
+        ``j`` places after the row's next one."""
         device = torch.device(device)
         out = torch.empty(len(rows), num, dtype=torch.float32)
         shared = [i for i, row in enumerate(rows) if row.generator is None]
         for i, row in enumerate(rows):
-            if row.generator is not None:
+            if row.generator is not None and self.positional:
+                pos = len(row.prompt_token_ids) + len(row.output_token_ids)
+                out[i] = torch.tensor([positional_uniform(row.params.seed, pos + j)
+                                       for j in range(num)])
+            elif row.generator is not None:
                 out[i] = torch.rand(num, generator=row.generator, device=row.generator.device).cpu()
         if shared:
             generator = self._shared_generator(device)

@@ -18,8 +18,8 @@
   AVX2 or plain C (kernels/quant.py binds it and picks the path).
 - ``csrc/int4_gemm.c``: the same for 4-bit weights (kernels/int4.py), on AVX-512 VNNI, 256-bit
   VNNI, AVX2 or plain C; ``csrc/int4_quant.c`` quantizes them (a search per group).
-- ``csrc/stream.c``: a streaming read loop, the bandwidth ceiling of ``hybridrt bench
-  throughput``.
+- ``csrc/stream.c``: a streaming read loop and register-only loops of each product path's
+  instructions, the bandwidth and arithmetic ceilings the benchmarks measure.
 
 All are built into one library with ``cc -O3 -march=native -fopenmp`` into the options'
 ``cache_dir`` (``HYBRIDRT_CACHE``; default ``~/.cache/hybridrt``), keyed by a hash of the
@@ -149,6 +149,12 @@ def load(cache_dir: str | None = None, march: str | None = None) -> ctypes.CDLL 
     lib.stream_sum.restype = ctypes.c_double  # csrc/stream.c: hybridrt/ceilings.py uses it
     lib.stream_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.stream_vector_bytes.restype = ctypes.c_int
+    lib.dot_peak.restype = ctypes.c_double  # csrc/stream.c: each path's arithmetic ceiling
+    lib.dot_peak.argtypes = [INT, I64, INT]
+    lib.dot_peak_has.restype = INT
+    lib.dot_peak_has.argtypes = [INT]
+    lib.dot_peak_ops.restype = ctypes.c_double
+    lib.dot_peak_ops.argtypes = [INT]
     lib.half_gemm.restype = None
     lib.half_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.half_gemv.restype = None
@@ -161,6 +167,14 @@ def load(cache_dir: str | None = None, march: str | None = None) -> ctypes.CDLL 
     lib.half_gemm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.half_gemv_bf16.restype = None
     lib.half_gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+    lib.half_gemv_rows.restype = None
+    lib.half_gemv_rows.argtypes = lib.half_gemv.argtypes
+    lib.half_gemv_bf16_rows.restype = None
+    lib.half_gemv_bf16_rows.argtypes = lib.half_gemv_bf16.argtypes
+    lib.f32_gemm_rows.restype = None
+    lib.f32_gemm_rows.argtypes = [P] * 3 + [I64] * 3 + [INT]
+    lib.silu_mul.restype = None
+    lib.silu_mul.argtypes = [P, I64, P, I64, P, I64, I64, INT, INT]
     _simd = bool(lib.half_gemm_simd())
     _bf16dot = _simd and bool(lib.half_gemm_bf16dot())
     _lib = lib
@@ -311,6 +325,66 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, path: str | None) -> torch.
     y = torch.empty(M, weight.shape[0], dtype=torch.bfloat16)
     _gemv(x, weight, y, path)
     return y
+
+
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor, path: str | None = None,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``half_gemv`` for any number of rows, each row's result bit for bit what
+    ``half_gemv`` gives it alone (csrc/half_gemm.c ``half_gemv_rows``): the batch-invariant
+    product. x [M, K], weight a contiguous CPU bf16/fp16 [N, K] -> [M, N] in ``out_dtype``
+    (fp32 or bf16). Callers check ``half_gemm_available``."""
+    _check_half_weight("gemv_rows", x, weight)
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"gemv_rows: out_dtype must be float32 or bfloat16, got {out_dtype}")
+    M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
+    lib = _lib or load()
+    if lib is None:
+        raise RuntimeError("gemv_rows: native CPU kernels unavailable")
+    y = torch.empty(M, N, dtype=out_dtype)
+    if not (M and N):
+        return y
+    if M <= HALF_GEMV_MAX_ROWS:  # the decode kernel itself (the same sums)
+        _gemv(x, weight, y, path or half_path())
+        return y
+    out_bf16 = int(out_dtype == torch.bfloat16)
+    if (path or half_path()) == "bf16dot" and x.dtype == weight.dtype == torch.bfloat16:
+        x = x.contiguous()
+        lib.half_gemv_bf16_rows(x.data_ptr(), weight.data_ptr(), y.data_ptr(), M, N, K,
+                                out_bf16, torch.get_num_threads())
+        return y
+    x = x.float().contiguous()
+    lib.half_gemv_rows(x.data_ptr(), weight.data_ptr(), y.data_ptr(), M, N, K,
+                       int(weight.dtype == torch.float16), out_bf16, torch.get_num_threads())
+    return y
+
+
+def f32_gemm_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times a contiguous fp32 weight [N, K] -> [M, N] fp32, each (row, weight row)
+    pair summed in one fixed order whatever M (the batch-invariant product for fp32 weights).
+    Callers check ``load()``."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or not weight.is_contiguous() or (
+            x.dim() != 2 or x.shape[1] != weight.shape[1]):
+        raise ValueError(f"f32_gemm_rows: x {list(x.shape)} for a weight {weight.dtype} "
+                         f"{list(weight.shape)}")
+    M, (N, K) = x.shape[0], weight.shape
+    x = x.float().contiguous()
+    y = torch.empty(M, N, dtype=torch.float32)
+    if M and N:
+        _lib.f32_gemm_rows(x.data_ptr(), weight.data_ptr(), y.data_ptr(), M, N, K,
+                           torch.get_num_threads())
+    return y
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows of bf16 or fp32 (2-D, unit column stride, e.g. the two halves
+    of one merged projection) -> [M, N] contiguous, each element computed by its column's
+    arithmetic whatever the number of rows (csrc/norm.c). Callers check ``load()``."""
+    M, N = gate.shape
+    out = torch.empty(M, N, dtype=gate.dtype)
+    if M and N:
+        _lib.silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0),
+                      out.data_ptr(), M, N, _FUSED_DTYPES[gate.dtype], torch.get_num_threads())
+    return out
 
 
 _FUSED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}

@@ -6,6 +6,9 @@ reduces exactly to plain 1-D RoPE, which is what is implemented here.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 
@@ -23,6 +26,40 @@ def rope_cos_sin(
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class RopeTable:
+    """cos and sin by absolute position, each entry computed once and looked up after: the
+    batch-invariant mode's RoPE (docs/batch_invariance.md). ``rope_cos_sin`` computes them per
+    step with torch's vectorized cos/sin, whose scalar tail (and thread split) falls on
+    different positions as the step's length changes; here each angle is the fp32 product
+    ``rope_cos_sin`` forms, its cos and sin taken by the C library in fp64 and rounded, so a
+    position's values do not depend on the step it is in."""
+
+    BLOCK = 512  # positions added at a time
+
+    def __init__(self, rotary_dim: int, theta: float):
+        self.key = (rotary_dim, theta)
+        half = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+        self.inv_freq = np.array([1.0 / theta ** float(e) for e in half], dtype=np.float32)
+        self.tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
+        key = (dtype, positions.device)
+        cos, sin = self.tables.get(key, (None, None))
+        have = 0 if cos is None else cos.shape[0]
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > have:
+            end = -(-need // self.BLOCK) * self.BLOCK
+            freqs = np.arange(have, end, dtype=np.float32)[:, None] * self.inv_freq[None, :]
+            flat = freqs.astype(np.float64).ravel().tolist()
+            new = [torch.tensor([f(a) for a in flat], dtype=torch.float64).view(freqs.shape)
+                   for f in (math.cos, math.sin)]
+            new = [torch.cat([t, t], dim=-1).float().to(dtype).to(positions.device) for t in new]
+            cos = new[0] if cos is None else torch.cat([cos, new[0]])
+            sin = new[1] if sin is None else torch.cat([sin, new[1]])
+            self.tables[key] = (cos, sin)
+        return cos[positions], sin[positions]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,9 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, items: list[VerifyItem
     r = 0
     for it in items:
         k = len(it.drafts)
-        if it.rows[0].params.greedy:
+        if sampler.positional and it.rows[0].generator is not None:
+            out.append(_coupled(sampler, probs[r:r + k + 1], it))
+        elif it.rows[0].params.greedy:
             target = prepared[r:r + k + 1].argmax(dim=-1).tolist()
             a = 0
             while a < k and it.drafts[a] == target[a]:
@@ -51,6 +53,19 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, items: list[VerifyItem
             out.append(_rejection_sample(sampler, probs[r:r + k + 1], it))
         r += k + 1
     return out
+
+
+def _coupled(sampler: Sampler, p: torch.Tensor, it: VerifyItem) -> tuple[list[int], int]:
+    """Seeded rows of a positional sampler (batch-invariant mode): each position's token is
+    the one its own uniform picks from the target distribution, what sampling it without
+    drafts gives, and a draft is accepted where it is that token (lossless: the emitted tokens
+    are the target's samples; the MTP drafts with the same uniforms, so a close draft
+    distribution picks the same tokens)."""
+    x = sampler.sample_from_probs(p, it.rows).tolist()
+    a = 0
+    while a < len(it.drafts) and it.drafts[a] == x[a]:
+        a += 1
+    return it.drafts[:a] + [x[a]], a
 
 
 def _rejection_sample(sampler: Sampler, p: torch.Tensor, it: VerifyItem) -> tuple[list[int], int]:

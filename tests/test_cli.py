@@ -819,9 +819,16 @@ def test_bench_spec_quick_smoke_on_tiny_checkpoint(tiny, tmp_path, monkeypatch):
                  "--max-tokens", "4", "--threads", "1", "--json", out)
     assert res.exit_code == 0, res.output
     assert "per-position acceptance" in res.stdout  # the table
-    rows = json.loads(out.read_text())["rows"]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
     assert [(r["batch_size"], r["k"]) for r in rows] == [(2, 0), (2, 2)]
     assert rows[1]["identical_to_k0"] and 1.0 <= rows[1]["mean_acceptance_length"] <= 3.0
+    # the verify step's cost by rows per sequence, beside the decode step's (1 row)
+    (cost,) = report["verify_cost"]
+    assert (cost["batch_size"], cost["k"], cost["rows_per_sequence"]) == (2, 2, 3)
+    assert cost["verify_over_step"] == pytest.approx(rows[1]["verify_over_step"])
+    assert cost["decode_ms"] == pytest.approx(rows[1]["decode_s"] * 1e3)
+    assert "verify step, batch 2, by rows per sequence (decode step: 1 row" in res.stdout
 
 
 # the demo checkpoint (needs its trained weights in hybridrt/demo_model) ----------------------
@@ -893,3 +900,30 @@ def test_demo_template_keeps_chat_turns_incremental():
         assert text2 == tok.apply_chat_template(
             conv.messages + [{"role": "user", "content": "And `json.loads`?"}],
             tokenize=False, add_generation_prompt=True, **kwargs)
+
+
+def test_bench_gemv_reports_every_path_and_row_count(tmp_path):
+    """``hybridrt bench gemv`` on a tiny shape: every path built here and row count, each against
+    the read loop over the same bytes and the path's peak; bad --paths / --rows: one error line,
+    exit 2."""
+    from hybridrt.bench.fixtures import TINY_TEXT_CONFIG
+    from hybridrt.bench.gemv import run_gemv_bench, step_products
+    from hybridrt.kernels import native, quant
+
+    if native.load() is None:
+        pytest.skip("compiled kernels unavailable")
+    shapes = step_products(TINY_TEXT_CONFIG)
+    assert len(shapes) == 4 * 4 + 1 and shapes[-1] == (97, 48) and shapes[12] == (4 * 12 * 2
+                                                                                  + 2 * 2 * 12, 48)
+    report = run_gemv_bench((1, 3), threads=1, repeats=1, verbose=False, config=TINY_TEXT_CONFIG,
+                            json_path=tmp_path / "g.json")
+    built = native.half_paths() + [f"int8-{i}" for i in quant.available_isas() if i != "ref"]
+    got = [(r["path"], r["rows"]) for r in report["results"]]
+    assert got == [(p, m) for p in ("bf16dot", "fma", "int8-vnni", "int8-avx2") if p in built
+                   for m in (1, 3)]
+    assert all(r["ms"] > 0 and r["share_of_read_bound"] > 0 for r in report["results"])
+    assert json.loads((tmp_path / "g.json").read_text())["rows"] == [1, 3]
+    for args, msg in ((["--paths", "bf16,fma"], "unknown path(s) bf16"),
+                      (["--rows", "1,9"], "at most 8 rows")):
+        res = invoke("bench", "gemv", *args)
+        assert res.exit_code == 2 and msg in res.output, res.output

@@ -66,19 +66,6 @@ def test_native_half_gemm_against_fp64(M, N, K, dtype):
     assert_rel_close(y.double(), ref, TOL, f"M={M} N={N} K={K}")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("M", [1, 2, 3, 4])
-@pytest.mark.parametrize("N,K", [(1, 8), (7, 45), (34, 300), (64, 1024)], ids=lambda v: str(v))
-def test_native_half_gemv_against_fp64(M, N, K, dtype):
-    """Every row count, weight-row blocks of 4 and 2 with a tail, K with and without a tail
-    past its multiple of 8."""
-    require_half_kernels()
-    w, x, ref = _half_operands(M, N, K, dtype, seed=M * 100 + N)
-    y = native.half_gemv(x, w)
-    assert y.dtype == torch.float32 and y.shape == (M, N)
-    assert_rel_close(y.double(), ref, TOL, f"M={M} N={N} K={K}")
-
-
 def _cpu_flags() -> set[str]:
     try:
         return set(Path("/proc/cpuinfo").read_text().split())
@@ -119,7 +106,7 @@ _BUILT_HALF_PATHS = native.half_paths()  # (builds the kernels once, at collecti
                                    (7, 9, 45)],
                          ids=lambda v: str(v))
 def test_half_paths_on_bf16_activations(M, N, K, path):
-    """bf16 activations times bf16 weights in ``half_gemm`` (and ``half_gemv`` up to 4 rows) on
+    """bf16 activations times bf16 weights in ``half_gemm`` (and ``half_gemv`` up to 8 rows) on
     each path built here: every tile
     size of either path (up to 12 rows: 25 = 9 8 8, 30 = 10 10 10), a partial last panel (and
     N < 8), K past a 256-input block and off a multiple of 8 pairs, odd K (which bf16dot leaves
@@ -130,7 +117,7 @@ def test_half_paths_on_bf16_activations(M, N, K, path):
     y = native.half_gemm(x, w, path=path)
     assert y.dtype == torch.float32 and y.shape == (M, N)
     assert_rel_close(y.double(), ref, TOL, f"{path} M={M} N={N} K={K}")
-    if M <= native.HALF_GEMV_MAX_ROWS:  # and the GEMV (bf16dot: 64 inputs a step, tails masked)
+    if M <= native.HALF_GEMV_MAX_ROWS:  # and the GEMV (bf16dot: 32 inputs a step, tails masked)
         y = native.half_gemv(x, w, path=path)
         assert_rel_close(y.double(), ref, TOL, f"gemv {path}")
         # bf16 outputs: the same sums rounded to nearest even, as .to(bf16) rounds them
@@ -138,20 +125,59 @@ def test_half_paths_on_bf16_activations(M, N, K, path):
                            y.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.skipif(
+# The GEMV's paths: (path, weight dtype); x is bf16 on bf16dot (its operands), fp32 on fma.
+_GEMV_PATHS = [pytest.param(p, d, id=f"{p}-{str(d)[6:]}", marks=pytest.mark.skipif(
     p not in _BUILT_HALF_PATHS, reason=f"half path {p} not built for this CPU"))
-    for p in native.HALF_PATHS])
-@pytest.mark.parametrize("K", [100, 1024])
-def test_half_gemv_rows_do_not_depend_on_the_rows_beside_them(K, path):
-    """Each of up to 8 rows comes out bit for bit as it does alone, on every path (what makes
-    a verification of up to 7 drafts reproduce decoding exactly): the row groups of 4 and the
-    second pass over each weight row for rows 5-8."""
-    w, x, _ = _half_operands(8, 37, K, torch.bfloat16, seed=K)
-    x = x.bfloat16()
-    alone = torch.cat([native.half_gemv(x[i:i + 1], w, path=path) for i in range(8)])
-    for M in range(1, 9):
-        for i in range(0, 8 - M + 1, 3):
-            assert torch.equal(native.half_gemv(x[i:i + M], w, path=path), alone[i:i + M]), (M, i)
+    for p, d in (("fma", torch.bfloat16), ("fma", torch.float16), ("bf16dot", torch.bfloat16))]
+# K: below, at and past each path's step (fma 8 inputs, bf16dot 32) and long; N: below every
+# tile's width of weight rows (1, 3) and 37, which leaves 1 to 5 weight rows past the last tile
+# of every width (2-8) that some row count uses
+_GEMV_K = [1, 7, 8, 9, 31, 32, 33, 100, 1031]
+_GEMV_N = [1, 3, 37]
+
+
+def _gemv_x(path: str, x: torch.Tensor) -> torch.Tensor:
+    return x.bfloat16() if path == "bf16dot" else x
+
+
+@pytest.mark.parametrize("path,dtype", _GEMV_PATHS)
+def test_half_gemv_every_row_count_against_fp64(path, dtype):
+    """1 to 8 rows, each tail of the step and of the weight-row tiles, on each path built here
+    -> the fp64 product of the same values; bf16 outputs are those sums rounded to nearest
+    even."""
+    for K in _GEMV_K:
+        for N in _GEMV_N:
+            w, x8, _ = _half_operands(8, N, K, dtype, seed=K * 7 + N)
+            x8 = _gemv_x(path, x8)
+            for M in range(1, 9):
+                x = x8[:M]
+                y = native.half_gemv(x, w, path=path)
+                assert y.dtype == torch.float32 and y.shape == (M, N)
+                ref = x.double() @ w.double().t()
+                assert_rel_close(y.double(), ref, TOL, f"{path} M={M} N={N} K={K}")
+                assert torch.equal(native.half_gemv(x, w, path=path, out_dtype=torch.bfloat16),
+                                   y.to(torch.bfloat16)), (M, N, K)
+
+
+@pytest.mark.parametrize("path,dtype", _GEMV_PATHS)
+def test_half_gemv_rows_do_not_depend_on_the_rows_beside_them(path, dtype):
+    """Each of up to 8 rows comes out bit for bit as it does alone, at every position among 1 to
+    8 rows, on every path (what makes a verification of up to 7 drafts reproduce decoding
+    exactly, and what the batch-invariant mode builds on): every tile width of weight rows and
+    the weight rows past the last tile, K with and without a tail."""
+    for K in (9, 33, 1031):
+        w, x, _ = _half_operands(8, 37, K, dtype, seed=K)
+        x = _gemv_x(path, x)
+        alone = torch.cat([native.half_gemv(x[i:i + 1], w, path=path) for i in range(8)])
+        alone_bf16 = torch.cat([native.half_gemv(x[i:i + 1], w, path=path,
+                                                 out_dtype=torch.bfloat16) for i in range(8)])
+        for M in range(1, 9):
+            for i in range(0, 8 - M + 1):
+                assert torch.equal(native.half_gemv(x[i:i + M], w, path=path),
+                                   alone[i:i + M]), (K, M, i)
+                assert torch.equal(native.half_gemv(x[i:i + M], w, path=path,
+                                                    out_dtype=torch.bfloat16),
+                                   alone_bf16[i:i + M]), (K, M, i)
 
 
 def test_native_half_gemm_rejects_bad_shapes():

@@ -62,8 +62,9 @@ def test_quantize_rejects_non_float_matrices():
 
 
 # Kernels -----------------------------------------------------------------------------------
-# rows: 1-4 (one tile), 5-9 (a full tile plus each tail), 33; columns: below, at and past one
-# and two panels (a tile is two panels of 16); inputs: one group, several, long
+# rows: 1-8 (one tile of all rows), 9 and 33 (tiles of 4 and each tail); columns: below, at and
+# past one and two panels (a tile of 4 rows is two panels of 16); inputs: one group, several,
+# long
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 33]
 COLS = [1, 15, 16, 17, 33, 48, 70]
 INPUTS = [32, 96, 1024]
@@ -94,14 +95,18 @@ def test_kernel_matches_torch_references(isa, K):
 @pytest.mark.parametrize("isa", ISAS)
 def test_kernel_rows_do_not_depend_on_the_batch(isa):
     """A row's output is bit-identical whether it runs alone or in any batch (what makes
-    speculative verification reproduce plain decoding exactly)."""
+    speculative verification reproduce plain decoding exactly): at every position among 1 to 9
+    rows (one tile of up to 8 rows, then tiles of 4), against the same rows among 11, in fp32
+    and in bf16, a partial last panel included."""
     g = torch.Generator().manual_seed(1)
     qw = quant.quantize(torch.randn(50, 160, generator=g))
     x = torch.randn(11, 160, generator=g)
-    whole = quant.int8_gemm(x, qw, isa)
-    for m in (1, 2, 3, 4, 5):
-        for i in range(0, 11, m):
+    xb = x.bfloat16()
+    whole, whole_bf16 = quant.int8_gemm(x, qw, isa), quant.linear(xb, qw, isa)
+    for m in range(1, 10):
+        for i in range(0, 11 - m + 1):
             assert torch.equal(quant.int8_gemm(x[i:i + m], qw, isa), whole[i:i + m]), (m, i)
+            assert torch.equal(quant.linear(xb[i:i + m], qw, isa), whole_bf16[i:i + m]), (m, i)
 
 
 @needs_kernels
@@ -124,7 +129,7 @@ def test_bf16_activations_in_one_call(isa, K):
     result rounded to bf16, the padding of K to a multiple of 32 included."""
     g = torch.Generator().manual_seed(K)
     qw = quant.quantize(torch.randn(37, K, generator=g))
-    for M in (1, 3, 6):
+    for M in (1, 3, 6, 8, 9):
         x = (torch.randn(M, K, generator=g) * 0.05).bfloat16()  # |x| < 1: padding shows
         y = quant.linear(x, qw, isa)
         assert y.dtype == torch.bfloat16 and y.shape == (M, 37)

@@ -1,5 +1,6 @@
 """What this machine allows, measured in the benchmark's own run: the CPU's model and vector
-flags, the streaming read bandwidth (kernels/csrc/stream.c), an fp32 matmul rate, and the bytes
+flags, the streaming read bandwidth (kernels/csrc/stream.c), each product path's arithmetic peak
+(its instructions in a register-only loop, the same file), an fp32 matmul rate, and the bytes
 of weights a batch-1 decode step must read, whose quotient is the batch-1 decode ceiling."""
 
 from __future__ import annotations
@@ -83,6 +84,34 @@ def stream_read(threads: int, size_bytes: int = 1 << 30, passes: int = 5) -> dic
         raise RuntimeError(f"stream read summed {total}, expected {buf.numel()}")
     return {"gb_s": buf.numel() * 4 / best / 1e9, "method": method, "vector_bits": bits,
             "bytes": buf.numel() * 4, "threads": threads, "passes": passes}
+
+
+# the product paths' inner instructions, as csrc/stream.c's dot_peak numbers them
+DOT_KINDS = {"fma": 0, "bf16dot": 1, "int8-vnni": 2, "int8-avx2": 3}
+
+
+def dot_peak(kind: str, threads: int, seconds: float = 0.2, passes: int = 3) -> dict | None:
+    """The arithmetic peak of one product path's inner instructions (``DOT_KINDS``: the fma and
+    bf16dot half paths, int8's vnni and avx2), ``threads`` threads each running independent
+    accumulations in registers, best of ``passes`` runs of about ``seconds`` -> {"gop_s" (2 x
+    multiply-adds a second, in G), "threads", "passes"}; None where the build lacks them."""
+    from hybridrt import env
+    from hybridrt.kernels import native
+
+    lib = native.load(env.kernel_options().cache_dir)
+    if lib is None or not lib.dot_peak_has(DOT_KINDS[kind]):
+        return None
+    k, ops = DOT_KINDS[kind], lib.dot_peak_ops(DOT_KINDS[kind])
+    iters = 1 << 16
+    t = time.perf_counter()
+    lib.dot_peak(k, iters, threads)
+    iters = max(iters, int(iters * seconds / max(time.perf_counter() - t, 1e-6)))
+    best = float("inf")
+    for _ in range(passes):
+        t = time.perf_counter()
+        lib.dot_peak(k, iters, threads)
+        best = min(best, time.perf_counter() - t)
+    return {"gop_s": ops * iters * threads / best / 1e9, "threads": threads, "passes": passes}
 
 
 def matmul_rate(threads: int, m: int = 512, k: int = 1024, n: int = 1024, reps: int = 10) -> dict:

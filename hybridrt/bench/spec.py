@@ -18,7 +18,9 @@ wrong (``_reference_run``: in bf16 it can differ from k = 0's where greedy choic
 ties). Those rows are labelled simulated everywhere, with the fraction of drafts that had a
 reference token (``reference_coverage``). Each row
 also gives the measured costs (engine ``StepCosts``) relative to a k = 0 decode step: one draft
-pass, one verify step, and the break-even alpha at which k drafts pay for them.
+pass, one verify step, and the break-even alpha at which k drafts pay for them; and the report
+gives the verify step's cost per row count (k + 1 rows per sequence) against the decode step
+(``verify_cost``), the first thing that decides whether speculation can pay on a machine.
 """
 
 from __future__ import annotations
@@ -197,16 +199,40 @@ def break_even_alpha(cost_ratio: float, k: int) -> float | None:
 
 
 def _costs(step_costs, k: int, decode_step: float | None) -> dict:
-    """A row's measured costs relative to one k = 0 decode step of the same batch size."""
+    """A row's measured costs relative to one k = 0 decode step of the same batch size (and the
+    two steps' mean seconds)."""
     verify, rounds = step_costs.mean("verify"), step_costs.counts["verify"]
     if k == 0 or not verify or not rounds or not decode_step:
         return {"draft_pass_over_step": None, "verify_over_step": None,
-                "break_even_alpha": None}
+                "break_even_alpha": None, "verify_s": None, "decode_s": decode_step}
     draft = step_costs.seconds["draft"] / rounds  # drafting for one round: k MTP passes
     ratio = (verify + draft) / decode_step
     return {"draft_pass_over_step": draft / k / decode_step,
             "verify_over_step": verify / decode_step,
-            "break_even_alpha": break_even_alpha(ratio, k)}
+            "break_even_alpha": break_even_alpha(ratio, k), "verify_s": verify,
+            "decode_s": decode_step}
+
+
+def verify_cost_by_rows(rows: list[dict]) -> list[dict]:
+    """The verify step's cost per number of rows it computes for each sequence (k + 1: the
+    last accepted token and k drafts), per batch size: its mean seconds over every row of the
+    report with that k (the verify step does not depend on the draft head or the acceptance),
+    and that over the k = 0 decode step (one row per sequence). What decides whether
+    speculation can pay on a machine: k + 1 rows must cost far less than k + 1 decode steps."""
+    out = []
+    for b in sorted({r["batch_size"] for r in rows}):
+        for k in sorted({r["k"] for r in rows if r["batch_size"] == b and r["k"] > 0}):
+            got = [r for r in rows if r["batch_size"] == b and r["k"] == k
+                   and r.get("verify_s") is not None]
+            if not got:
+                continue
+            n = [r["step_costs"]["verify_count"] for r in got]
+            verify = sum(r["verify_s"] * c for r, c in zip(got, n, strict=True)) / sum(n)
+            decode = got[0]["decode_s"]
+            out.append({"batch_size": b, "k": k, "rows_per_sequence": k + 1,
+                        "verify_ms": verify * 1e3, "decode_ms": decode * 1e3,
+                        "verify_over_step": verify / decode})
+    return out
 
 
 def run_spec_bench(
@@ -391,6 +417,7 @@ def run_spec_bench(
             "acceptance": "real" if simulate_acceptance is None else "simulated",
             "simulated_alphas": None if simulate_acceptance is None else alphas,
             "rows": rows,
+            "verify_cost": verify_cost_by_rows(rows),
         }
     finally:
         torch.set_num_threads(before_threads)
@@ -449,6 +476,13 @@ def format_table(report: dict) -> str:
             f"{num(r.get('verify_over_step'), '.3f'):>11} "
             f"{num(r.get('break_even_alpha'), '.2f', '-' if r['k'] == 0 else 'never'):>10} "
             f"{same:>10}  {pp}")
+    cost = report.get("verify_cost") or []
+    for b in sorted({c["batch_size"] for c in cost}):
+        mine = [c for c in cost if c["batch_size"] == b]
+        lines.append(f"verify step, batch {b}, by rows per sequence (decode step: 1 row, "
+                     f"{mine[0]['decode_ms']:.1f} ms): " + ", ".join(
+                         f"{c['rows_per_sequence']} rows {c['verify_over_step']:.2f} "
+                         f"({c['verify_ms']:.1f} ms)" for c in mine))
     if any(r.get("draft_pass_over_step") is not None for r in report["rows"]):
         lines.append("accept len: measured (expected for simulated alpha); ref: drafts that had a "
                      "reference token; draft/step: one MTP draft pass, verify/step: one verify "

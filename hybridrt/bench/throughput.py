@@ -88,7 +88,8 @@ def cache_budget(model: str | Path, dtype: str, max_len: int, max_seqs: int, tok
 
 
 def load_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: int,
-              concurrency: list[int], prompt_len: int, quantization: str | None = None):
+              concurrency: list[int], prompt_len: int, quantization: str | None = None,
+              batch_invariant: bool = False):
     """The engine for ``bench_ours``, warmed up; its cache sized for the work
     (``cache_budget``), without session snapshot slots."""
     from hybridrt.bench.llamacpp import context_size
@@ -101,7 +102,7 @@ def load_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: in
               threads=torch.get_num_threads(),  # the benchmark's, fixed
               max_num_batched_tokens=max(prefill_len, 512), max_num_sessions=0,
               cache_memory=cache_budget(model, dtype, max_len, seqs, tokens),
-              quantization=quantization)
+              quantization=quantization, batch_invariant=batch_invariant)
     if llm.cache_sizing.max_num_seqs < seqs:
         raise RuntimeError(f"the benchmark's cache holds too little: "
                            f"{llm.cache_sizing.describe()}")
@@ -230,7 +231,8 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
                json_path: str | Path | None = None,
                against_llamacpp: str | Path | list[str | Path] | None = None,
                llamacpp_bin: str | Path | None = None, order: list[str] = DEFAULT_ORDER,
-               stream_bytes: int = 1 << 30, quantization: str | None = None) -> dict:
+               stream_bytes: int = 1 << 30, quantization: str | None = None,
+               batch_invariant: bool = False) -> dict:
     """Run the throughput benchmark -> the report (also printed as a table and written to
     ``json_path``). ``model``: a checkpoint (default: a random-weight 0.8B-shaped one).
     ``against_llamacpp``: a GGUF of the same model (or a list of them), benchmarked by llama.cpp
@@ -240,7 +242,7 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
     file name). The read bandwidth (``stream_bytes`` streamed) and
     an fp32 matmul rate are measured in the same run, with the same threads.
     ``quantization``: hybridrt's weights in int8 or int4; transformers (unquantized) is left
-    out."""
+    out. ``batch_invariant``: hybridrt in its batch-invariant mode (docs/batch_invariance.md)."""
     from hybridrt.bench import ceilings, llamacpp
 
     ggufs = ([] if not against_llamacpp else [against_llamacpp]
@@ -265,7 +267,7 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
     if quantization:
         transformers = False
     llm = load_ours(path, dtype, prefill_len, decode_tokens, concurrency, prompt_len,
-                    quantization)
+                    quantization, batch_invariant)
     rounds, our_work, their_work, their_run = [], None, {}, {}
     for engine in order:
         load = list(os.getloadavg())
@@ -288,7 +290,7 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
     ours = _medians([r["results"] for r in rounds if r["engine"] == "hybridrt"])
     c = max(concurrency, default=None)
     report = {"model": str(model or "random Qwen3.5-0.8B shape"), "dtype": dtype,
-              "quantization": quantization,
+              "quantization": quantization, "batch_invariant": batch_invariant,
               "threads": threads, "cpu": ceilings.cpu_info(),
               "workload": {"prefill_len": prefill_len, "prompt_len": prompt_len,
                            "decode_tokens": decode_tokens, "concurrency": concurrency,
@@ -404,6 +406,8 @@ def format_table(report: dict) -> str:
                     + "; ".join(f"{k} {_loads(v)}" for k, v in load.items()))
     if report.get("quantization"):
         rows.append(f"hybridrt weights: {report['quantization']}")
+    if report.get("batch_invariant"):
+        rows.append("hybridrt mode: batch-invariant")
     rows.append(f"{'metric':<24}{'hybridrt':>12}"
                 + "".join(f"{label:>14}{'ratio':>8}" for _, label in others))
     for k, v in ours.items():

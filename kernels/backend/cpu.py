@@ -13,6 +13,7 @@ from ..linear import linear as cpu_linear
 from ..linear import pack_weight, use_fp32_gemm
 from ..memory import huge_pages_available
 from ..options import KernelOptions
+from ..rope import RopeTable
 from .plan import StepMeta
 from .reference import ReferenceBackend
 
@@ -47,6 +48,14 @@ class CPUBackend(ReferenceBackend):
         self.fp32_copies: dict[int, tuple] = {}  # id(weight) -> (weight, its fp32 copy)
         self.gdn_params: dict[int, tuple] = {}  # _gdn_weights, per layer: (layer, tensors)
         self.fast: list[_FastLayer] | None = None  # forward's decode loop (bind, attach)
+        # batch-invariant mode (docs/batch_invariance.md): every product, attention and
+        # activation through the kernels whose per-row arithmetic is fixed
+        self.invariant = opts.batch_invariant
+        self.rope_table: RopeTable | None = None
+        if self.invariant and not self.half_simd:
+            raise ValueError("batch_invariant=True needs hybridrt's compiled CPU kernels (a C "
+                             "compiler with OpenMP, a CPU with AVX2 + FMA + F16C, "
+                             "HYBRIDRT_NATIVE not 0)")
 
     def bind(self, model, groups) -> None:
         self.groups = groups
@@ -112,6 +121,8 @@ class CPUBackend(ReferenceBackend):
         return quant.linear(x, w, self.int8_isa)
 
     def _product(self, x, w):
+        if self.invariant:
+            return self._invariant_product(x, w)
         if isinstance(w, quant.PackedWeight):
             return self._quant_linear(x, w)
         if self._decode_gemv(x, w):
@@ -156,7 +167,7 @@ class CPUBackend(ReferenceBackend):
                                        m.num_heads, m.num_kv_heads, m.head_dim, simd)
             x, residual = norm(product(y, f.mixer_out), f.post_norm, f.eps, residual)
             gate, up = product(x, f.mlp_in).split(f.mlp_sizes, dim=-1)
-            h = product(F.silu(gate) * up, f.mlp_out)
+            h = product(self.silu_mul(gate, up), f.mlp_out)
         final = model.model.norm
         return norm(h, final.weight, final.eps, residual)[0]
 
@@ -166,6 +177,9 @@ class CPUBackend(ReferenceBackend):
         or bf16 throughout, contiguous caches, unit column strides."""
         dtype = qg.dtype
         L = meta.uniform_tokens
+        if self.invariant:
+            return self._invariant_attention(batch, layer, qg, k, v, key_cache, value_cache,
+                                             cos, sin)
         if not L and self.kv_shape is None:  # not attached to an engine: no per-step check
             L = _uniform_len(batch.query_lens)
             if L and self.native:
@@ -191,11 +205,84 @@ class CPUBackend(ReferenceBackend):
         if group is None:
             return [self.linear(x, w) for w in weights]
         w, sizes = group
+        if self.invariant:
+            return self._invariant_product(x, w).split(sizes, dim=-1)
         if isinstance(w, quant.PackedWeight):
             return self._quant_linear(x, w).split(sizes, dim=-1)
         if self._decode_gemv(x, w):
             return native.gemv_bf16(x, w, self.half_path).split(sizes, dim=-1)
         return cpu_linear(x, w, None, self.half_simd, self.half_path).split(sizes, dim=-1)
+
+    def rope(self, positions, rotary_dim, theta, dtype):
+        if not self.invariant:
+            return super().rope(positions, rotary_dim, theta, dtype)
+        if self.rope_table is None or self.rope_table.key != (rotary_dim, theta):
+            self.rope_table = RopeTable(rotary_dim, theta)
+        return self.rope_table(positions, dtype)
+
+    def silu_mul(self, gate, up):
+        if self.invariant and gate.dim() == 2 and native.fused_dtype_code(gate.dtype) is not None \
+                and gate.dtype == up.dtype and gate.stride(-1) == up.stride(-1) == 1:
+            return native.silu_mul(gate, up)
+        return F.silu(gate) * up
+
+    # Batch-invariant mode ------------------------------------------------------------------
+    def _invariant_product(self, x, w):
+        """x W^T with each row's sums fixed by the row alone: int8 weights on their kernels
+        (row-invariant at every row count), half weights on the few-row GEMV's tiles
+        (``native.gemv_rows``), fp32 weights on ``native.f32_gemm_rows``."""
+        if isinstance(w, int4.Int4Weight):
+            raise ValueError("batch_invariant: 4-bit weights have no invariant product; use "
+                             "bf16, fp32 or int8")
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        if isinstance(w, quant.QuantWeight):
+            y = quant.linear(x2, w, self.int8_isa)
+        elif self._decode_gemv(x, w):  # up to 8 rows: gemv_rows' own call, without its checks
+            return native.gemv_bf16(x, w, self.half_path)
+        elif w.dtype in (torch.bfloat16, torch.float16):
+            out = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
+            y = native.gemv_rows(x2, w.contiguous(), self.half_path, out)
+        elif w.dtype == torch.float32:
+            y = native.f32_gemm_rows(x2, w.contiguous())
+        else:
+            raise ValueError(f"batch_invariant: no invariant product for {w.dtype} weights")
+        return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+
+    def _invariant_attention(self, batch, layer, qg, k, v, key_cache, value_cache, cos, sin):
+        """Every query row through csrc/attn_decode.c, which scores a row's keys in blocks
+        fixed by absolute position: a prompt token computes what decoding it would. One call
+        per run of sequences with the same number of new tokens."""
+        dtype = qg.dtype
+        if not (native.fused_dtype_code(dtype) is not None
+                and key_cache.dtype == value_cache.dtype == cos.dtype == k.dtype == v.dtype
+                == layer.q_norm_weight.dtype == dtype
+                and key_cache.is_contiguous() and value_cache.is_contiguous()
+                and qg.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
+            raise ValueError(f"batch_invariant: attention needs fp32 or bf16 activations and "
+                             f"caches, got {dtype} / {key_cache.dtype}")
+        if self.kv_shape is None:  # not attached to an engine: checked here, not per step
+            _check_kv(batch, tuple(key_cache.shape[:2]))
+        cos, sin = cos.contiguous(), sin.contiguous()
+        lens = batch.query_lens
+        out = qg.new_empty(qg.shape[0], layer.num_heads * layer.head_dim)
+        b, row = 0, 0
+        while b < len(lens):
+            e = b
+            while e < len(lens) and lens[e] == lens[b]:
+                e += 1
+            L, n = lens[b], (e - b) * lens[b]
+            whole = b == 0 and e == len(lens)
+            rows = slice(row, row + n)
+            o = native.attn_decode(
+                qg[rows], k[rows], v[rows], layer.q_norm_weight, layer.k_norm_weight, layer.eps,
+                cos[rows], sin[rows], key_cache, value_cache, batch.slot_mapping[rows],
+                batch.block_tables[b:e], batch.seq_lens[b:e], layer.scale, L,
+                layer.num_heads, layer.num_kv_heads, layer.head_dim, self.fused_simd)
+            if whole:
+                return o
+            out[rows] = o
+            b, row = e, row + n
+        return out
 
     def _decode_gemv(self, x, w) -> bool:
         """Whether x W^T is a bf16 product of a few rows for ``native.gemv_bf16`` (decode and
@@ -220,6 +307,7 @@ class CPUBackend(ReferenceBackend):
         params = self._fused_params(layer, mixed, z, a, b, conv_states, ssm_states,
                                     (grp.slots, grp.slots_out))
         if params is None:
+            self._no_invariant_gdn(mixed, conv_states)
             return super().gdn_group(layer, grp, mixed, z, a, b, conv_states, ssm_states)
         taps, neg_exp_a, dt_bias, norm_w = params
         return native.gdn_fused(mixed, z, a, b, taps, conv_states, ssm_states, grp.slots,
@@ -234,6 +322,7 @@ class CPUBackend(ReferenceBackend):
         no initial state starts from zeros."""
         params = self._fused_params(layer, mixed, z, a, b, conv_states, ssm_states, (c.slots,))
         if params is None:
+            self._no_invariant_gdn(mixed, conv_states)
             return super().gdn_prompts(layer, c, mixed, z, a, b, conv_states, ssm_states)
         taps, neg_exp_a, dt_bias, norm_w = params
         # zeros into the slots of sequences without a state, in place: a copy of every slot
@@ -258,6 +347,14 @@ class CPUBackend(ReferenceBackend):
                 return o
             out[s:e] = o
         return out
+
+    def _no_invariant_gdn(self, mixed, conv_states) -> None:
+        """Batch-invariant mode has no GDN path but the compiled one (the torch forms differ
+        between prompt chunks and decode): a clear error instead of a silent one."""
+        if self.invariant:
+            raise ValueError(f"batch_invariant: the GDN layers need fp32 or bf16 activations "
+                             f"and contiguous state pools, got {mixed.dtype} activations and "
+                             f"{conv_states.dtype} conv states")
 
     def _fused_params(self, layer, mixed, z, a, b, conv_states, ssm_states, slot_tensors):
         """``_gdn_weights`` where the compiled GDN call runs for these tensors (CPU, fp32 or
@@ -301,12 +398,15 @@ class CPUBackend(ReferenceBackend):
             if slots and not 0 <= min(slots) <= max(slots) < self.num_slots:
                 raise IndexError(f"state slots out of range [0, {self.num_slots})")
             L = _uniform_len(batch.query_lens) if self.kv_shape is not None else 0
-            if L:
+            if L or (self.invariant and self.kv_shape is not None):
                 _check_kv(batch, self.kv_shape)
+            if L:
                 meta.uniform_tokens = L
         return meta
 
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
+        if self.invariant:
+            return self._invariant_product(x, w)
         if isinstance(w, quant.PackedWeight):
             return self._quant_linear(x, w)
         if self._decode_gemv(x, w):

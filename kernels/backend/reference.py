@@ -14,7 +14,7 @@ from ..conv import causal_conv1d_update, causal_conv1d_varlen
 from ..delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from ..norm import gated_rms_norm, rms_norm
 from ..options import KernelOptions
-from ..rope import apply_partial_rope
+from ..rope import apply_partial_rope, rope_cos_sin
 from .layers import AttentionLayer, GDNLayer
 from .plan import ChunkedSeqs, GDNMeta, RecurrentGroup, StepMeta, gdn_split, step_arrays
 
@@ -66,6 +66,10 @@ class ReferenceBackend:
     def logits(self, hidden: torch.Tensor, head) -> torch.Tensor:
         """The LM head's product (``head``: its weight, as ``linear`` takes it) in fp32."""
         return self.linear(hidden, head).float()
+
+    def rope(self, positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
+        """(cos, sin) [T, rotary_dim] of ``positions`` [T] in ``dtype``."""
+        return rope_cos_sin(positions, rotary_dim, theta, dtype)
 
     def rms_norm(self, x, weight, eps, residual=None):
         """Zero-centred RMSNorm; with ``residual``: (norm(residual + x), residual + x)."""

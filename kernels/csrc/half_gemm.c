@@ -10,6 +10,7 @@
  * 1 MiB. half_gemv (up to 8 rows): each weight element read and widened once.
  */
 #include <stdint.h>
+#include <string.h>
 
 #include "bf16.h"
 
@@ -183,57 +184,140 @@ void half_gemm(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N
     }
 }
 
-/* Few rows (decode at small batch, draft verification): y[M, N] = x[M, K] W^T straight from the
- * weight in its own layout, W [N, K] row-major, each weight element read and widened once. One
- * weight row at a time, so that each thread reads its share of W as a single sequential stream
- * (4 rows read side by side ran at about half the bandwidth: short interleaved streams defeat
- * the hardware prefetcher); 32 inputs a step into 4 accumulators per row of x (4 rows: 16 ymm),
- * summed across lanes at the end; rows 5-8 run a second pass over the weight row, from L1. Each
- * row of x goes through the same operations whatever M is, so a row's result does not depend on
- * the rows beside it: a draft verification of up to 7 drafts computes its rows exactly as
- * decoding computes them one by one. Up to 8 rows this ran faster than half_gemm
- * (docs/performance.md). */
-static inline __attribute__((always_inline)) void gemv_row(
-    const float *x, const uint16_t *w, void *y, int64_t N, int64_t K, int mr, int is_fp16,
-    int out_bf16)
+/* Few rows (decode at small batch, draft verification): y[M, N] = x[M, K] W^T for M <= 8,
+ * straight from the weight in its own layout, W [N, K] row-major. A tile is all M rows of x by
+ * NB consecutive weight rows: 8 inputs a step, each weight vector loaded and widened once and
+ * multiplied into the M rows' accumulators, so that the product's arithmetic per weight byte
+ * grows with M while its memory traffic does not; NB (gemv_nb) is chosen per M so that the M x NB
+ * accumulators hide the FMA latency and fit the registers. Every (row, weight row) pair has one
+ * accumulator that runs over k in order and is summed across lanes by the same tree (reduce8),
+ * whatever M and NB are: a row's result does not depend on the rows beside it (a verification
+ * of up to 7 drafts computes its rows exactly as decoding does them one by one). Threads take
+ * contiguous ranges of tiles, each one stream through its share of W. */
+#ifdef __AVX512VL__
+#define GEMV_REGS 32 /* ymm registers this build can use */
+#else
+#define GEMV_REGS 16
+#endif
+
+/* weight rows per tile for M rows of x on the fma path: M * NB accumulators and the live
+ * vectors within the registers, at least 8 accumulators where that fits */
+#if GEMV_REGS == 32
+#define FMA_NB(M) ((M) <= 2 ? 8 : (M) == 3 ? 5 : (M) <= 5 ? 4 : 3)
+#else
+#define FMA_NB(M) ((M) == 1 ? 6 : (M) <= 3 ? 4 : (M) == 4 ? 3 : (M) <= 6 ? 2 : 1)
+#endif
+
+/* Where a tile of NB weight rows from w starts prefetching: the tile at least 8 KiB ahead. A
+ * tile reads its NB rows side by side, NB short streams that the hardware prefetcher follows
+ * badly (without this, 4 rows read side by side ran at about half the read loop's bandwidth);
+ * the tiles ahead are one contiguous block, prefetched into L2 line by line as the tile runs. */
+static inline const char *prefetch_base(const uint16_t *w, int64_t K, int NB)
 {
-    __m256 acc[4][4];
-    #pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) {
-        #pragma GCC unroll 4
-        for (int u = 0; u < 4; ++u) acc[r][u] = _mm256_setzero_ps();
+    const int64_t tile = (int64_t)NB * K * 2;
+    return (const char *)w + tile * (1 + (8192 - 1) / tile);
+}
+
+/* 8 vectors -> one vector of their 8 lane sums, in order: each sum the tree of hsum8
+ * ((v[i] + v[i + 4]), then + the pair 2 over, then the two) */
+static inline __m256 reduce8(const __m256 v[8])
+{
+    __m256 s[4], t[2];
+    for (int i = 0; i < 4; ++i)
+        s[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; ++i) {
+        const __m256d a = _mm256_castps_pd(s[2 * i]), b = _mm256_castps_pd(s[2 * i + 1]);
+        t[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
     }
-    const int64_t K32 = K & ~(int64_t)31, K8 = K & ~(int64_t)7;
-    for (int64_t k = 0; k < K32; k += 32) {
-        const __m256 w0 = widen8(w + k, is_fp16), w1 = widen8(w + k + 8, is_fp16);
-        const __m256 w2 = widen8(w + k + 16, is_fp16), w3 = widen8(w + k + 24, is_fp16);
-        #pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-            if (r < mr) {
-                const float *xr = x + r * K + k;
-                acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, acc[r][1]);
-                acc[r][2] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, acc[r][2]);
-                acc[r][3] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, acc[r][3]);
-            }
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x88),
+                                   _mm256_shuffle_ps(t[0], t[1], 0xDD));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+static inline __attribute__((always_inline)) void gemv_tile(
+    const float *x, const uint16_t *w, void *y, int64_t N, int64_t K, int M, int NB,
+    int is_fp16, int out_bf16)
+{
+    __m256 acc[24];
+    #pragma GCC unroll 24
+    for (int i = 0; i < M * NB; ++i) acc[i] = _mm256_setzero_ps();
+    const int64_t K8 = K & ~(int64_t)7;
+    const char *ahead = prefetch_base(w, K, NB);
+    for (int64_t k = 0; k < K8; k += 8) {
+        if ((k & 31) == 0)
+            #pragma GCC unroll 8
+            for (int j = 0; j < NB; ++j) _mm_prefetch(ahead + (k * NB + 32 * j) * 2, _MM_HINT_T1);
+        #pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) {
+            const __m256 wv = widen8(w + j * K + k, is_fp16);
+            #pragma GCC unroll 8
+            for (int m = 0; m < M; ++m)
+                acc[m * NB + j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), wv,
+                                                  acc[m * NB + j]);
         }
     }
-    for (int64_t k = K32; k < K8; k += 8) {
-        const __m256 wv = widen8(w + k, is_fp16);
-        #pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r)
-            if (r < mr) acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), wv, acc[r][0]);
+    if (K8 < K) {  /* the last K % 8 inputs, zeros past K */
+        const int r = (int)(K - K8);
+        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(r), lanes);
+        #pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) {
+            uint16_t t[8] = {0};
+            memcpy(t, w + j * K + K8, (size_t)r * 2);
+            const __m256 wv = widen8(t, is_fp16);
+            #pragma GCC unroll 8
+            for (int m = 0; m < M; ++m)
+                acc[m * NB + j] = _mm256_fmadd_ps(_mm256_maskload_ps(x + m * K + K8, mask), wv,
+                                                  acc[m * NB + j]);
+        }
     }
-    #pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) {
-        if (r < mr) {
-            float t = hsum8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
-                                         _mm256_add_ps(acc[r][2], acc[r][3])));
-            for (int64_t k = K8; k < K; ++k) t += x[r * K + k] * half_to_float(w[k], is_fp16);
-            act_st(y, r * N, t, out_bf16);
+    #pragma GCC unroll 3
+    for (int b = 0; b < (M * NB + 7) / 8; ++b) {
+        __m256 v[8];
+        #pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i)
+            v[i] = b * 8 + i < M * NB ? acc[b * 8 + i] : _mm256_setzero_ps();
+        float s[8];
+        _mm256_storeu_ps(s, reduce8(v));
+        const int count = M * NB - b * 8 < 8 ? M * NB - b * 8 : 8;
+        /* the sums b * 8 .. b * 8 + count: rows and columns from their index */
+        for (int i = 0; i < count; ++i) {
+            const int a = b * 8 + i;
+            act_st(y, (int64_t)(a / NB) * N + a % NB, s[i], out_bf16);
         }
     }
 }
+
+/* The tiles of M rows (a literal at each call) over W: N / NB tiles of NB weight rows, then
+ * the last N % NB weight rows one at a time (the same sums: a pair's arithmetic does not depend
+ * on NB); threads take contiguous ranges. */
+#define GEMV_ROWS(MM, TILE, ...)                                                             \
+    do {                                                                                     \
+        const int NB = NB_OF(MM);                                                            \
+        const int64_t full = N / NB, tiles = full + N % NB;                                  \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                \
+        for (int64_t t = 0; t < tiles; ++t) {                                                \
+            if (t < full)                                                                    \
+                TILE(x, w + t * NB * K, yb + t * NB * ys, N, K, MM, NB, __VA_ARGS__);        \
+            else                                                                             \
+                TILE(x, w + (full * NB + t - full) * K, yb + (full * NB + t - full) * ys, N, \
+                     K, MM, 1, __VA_ARGS__);                                                 \
+        }                                                                                    \
+    } while (0)
+
+#define GEMV_SWITCH(TILE, ...)                                                               \
+    switch (M) {                                                                             \
+    case 1: GEMV_ROWS(1, TILE, __VA_ARGS__); break;                                          \
+    case 2: GEMV_ROWS(2, TILE, __VA_ARGS__); break;                                          \
+    case 3: GEMV_ROWS(3, TILE, __VA_ARGS__); break;                                          \
+    case 4: GEMV_ROWS(4, TILE, __VA_ARGS__); break;                                          \
+    case 5: GEMV_ROWS(5, TILE, __VA_ARGS__); break;                                          \
+    case 6: GEMV_ROWS(6, TILE, __VA_ARGS__); break;                                          \
+    case 7: GEMV_ROWS(7, TILE, __VA_ARGS__); break;                                          \
+    default: GEMV_ROWS(8, TILE, __VA_ARGS__); break;                                         \
+    }
 
 void half_gemv(const float *x, const uint16_t *w, void *y, int64_t M, int64_t N, int64_t K,
                int is_fp16, int out_bf16, int num_threads)
@@ -241,19 +325,67 @@ void half_gemv(const float *x, const uint16_t *w, void *y, int64_t M, int64_t N,
     if (M < 1 || M > 8) return;
     char *yb = y;
     const int64_t ys = out_bf16 ? 2 : 4;
-    #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-        for (int64_t r0 = 0; r0 < M; r0 += 4) {  /* rows 4-7 re-read the weight row from L1 */
-            const float *xr = x + r0 * K;
-            char *yr = yb + (r0 * N + n) * ys;
-            switch (M - r0) {
-            case 1: gemv_row(xr, w + n * K, yr, N, K, 1, is_fp16, out_bf16); break;
-            case 2: gemv_row(xr, w + n * K, yr, N, K, 2, is_fp16, out_bf16); break;
-            case 3: gemv_row(xr, w + n * K, yr, N, K, 3, is_fp16, out_bf16); break;
-            default: gemv_row(xr, w + n * K, yr, N, K, 4, is_fp16, out_bf16); break;
-            }
-        }
-    }
+#define NB_OF(MM) FMA_NB(MM)
+    GEMV_SWITCH(gemv_tile, is_fp16, out_bf16)
+#undef NB_OF
+}
+
+/* Any number of rows, each (row, weight row) pair computed by the tiles above exactly as
+ * half_gemv computes it for 1 to 8 rows (batch-invariant mode: a row's result is the same
+ * alone, among 7 others or in a prompt of 500; kernels/linear.py). Threads take panels of
+ * weight rows sized to stay in L2 (PANEL_BYTES), and every tile of up to 8 rows of x runs over
+ * a panel before the next panel is read: the weight streams from memory once, not once per
+ * 8 rows. A panel's rows are a multiple of 24, so the tiles of every row count fill it. */
+#define PANEL_BYTES (384 * 1024)
+
+static inline int64_t panel_rows(int64_t K, int64_t elem)
+{
+    const int64_t p = PANEL_BYTES / (K * elem) / 24 * 24;
+    return p > 24 ? p : 24;
+}
+
+#define SPAN_ROWS(MM, TILE, ...)                                                             \
+    do {                                                                                     \
+        const int NB = NB_OF(MM);                                                            \
+        int64_t n = n0;                                                                      \
+        for (; n + NB <= n1; n += NB)                                                        \
+            TILE(xr, w + n * K, yr + n * ys, N, K, MM, NB, __VA_ARGS__);                     \
+        for (; n < n1; ++n)                                                                  \
+            TILE(xr, w + n * K, yr + n * ys, N, K, MM, 1, __VA_ARGS__);                      \
+    } while (0)
+
+#define ROWS_OVER_PANELS(TILE, ...)                                                          \
+    do {                                                                                     \
+        const int64_t P = panel_rows(K, 2), panels = (N + P - 1) / P;                        \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                \
+        for (int64_t p = 0; p < panels; ++p) {                                               \
+            const int64_t n0 = p * P, n1 = n0 + P < N ? n0 + P : N;                          \
+            for (int64_t r0 = 0; r0 < M; r0 += 8) {                                          \
+                const int64_t mm = M - r0 < 8 ? M - r0 : 8;                                  \
+                const __typeof__(x) xr = x + r0 * K;                                         \
+                char *yr = yb + r0 * N * ys;                                                 \
+                switch (mm) {                                                                \
+                case 1: SPAN_ROWS(1, TILE, __VA_ARGS__); break;                              \
+                case 2: SPAN_ROWS(2, TILE, __VA_ARGS__); break;                              \
+                case 3: SPAN_ROWS(3, TILE, __VA_ARGS__); break;                              \
+                case 4: SPAN_ROWS(4, TILE, __VA_ARGS__); break;                              \
+                case 5: SPAN_ROWS(5, TILE, __VA_ARGS__); break;                              \
+                case 6: SPAN_ROWS(6, TILE, __VA_ARGS__); break;                              \
+                case 7: SPAN_ROWS(7, TILE, __VA_ARGS__); break;                              \
+                default: SPAN_ROWS(8, TILE, __VA_ARGS__); break;                             \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+    } while (0)
+
+void half_gemv_rows(const float *x, const uint16_t *w, void *y, int64_t M, int64_t N,
+                    int64_t K, int is_fp16, int out_bf16, int num_threads)
+{
+    char *yb = y;
+    const int64_t ys = out_bf16 ? 2 : 4;
+#define NB_OF(MM) FMA_NB(MM)
+    ROWS_OVER_PANELS(gemv_tile, is_fp16, out_bf16);
+#undef NB_OF
 }
 
 
@@ -264,6 +396,13 @@ int half_gemm_simd(void) { return 0; }
 
 void half_gemv(const float *x, const uint16_t *w, void *y, int64_t M, int64_t N, int64_t K,
                int is_fp16, int out_bf16, int num_threads)
+{
+    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)is_fp16; (void)out_bf16;
+    (void)num_threads;
+}
+
+void half_gemv_rows(const float *x, const uint16_t *w, void *y, int64_t M, int64_t N,
+                    int64_t K, int is_fp16, int out_bf16, int num_threads)
 {
     (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)is_fp16; (void)out_bf16;
     (void)num_threads;
@@ -393,45 +532,86 @@ void half_gemm_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, i
     }
 }
 
-/* Up to 4 rows of bf16 x (half_gemv_bf16 runs 8 in two passes): one weight row at a time as in
- * half_gemv, 64 inputs a step into 2 accumulators per row of x (masked loads for the tail), no
- * widening. */
-static inline __attribute__((always_inline)) void gemv_row16(
-    const uint16_t *x, const uint16_t *w, void *y, int64_t N, int64_t K, int mr, int out_bf16)
+/* 16 vectors -> one vector of their 16 lane sums, in order, each by the same tree: lanes i and
+ * i + 8, then i and i + 4, i and i + 2, and the last pair */
+static inline __m512 reduce16(const __m512 v[16])
 {
-    __m512 acc[4][2];
-    #pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const int64_t K64 = K & ~(int64_t)63;
-    for (int64_t k = 0; k < K64; k += 64) {
-        const __m512i w0 = _mm512_loadu_si512((const void *)(w + k));
-        const __m512i w1 = _mm512_loadu_si512((const void *)(w + k + 32));
-        #pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-            if (r < mr) {
-                const uint16_t *xr = x + r * K + k;
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_loadu_si512(
-                    (const void *)xr), (__m512bh)w0);
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_loadu_si512(
-                    (const void *)(xr + 32)), (__m512bh)w1);
-            }
+    __m512 s[8], t[4], u[2];
+    for (int i = 0; i < 8; ++i)
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i)
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i) {
+        const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88),
+                                   _mm512_shuffle_ps(u[0], u[1], 0xDD));
+    return _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+/* weight rows per tile for M rows of bf16 x: M * NB accumulators (16 or more where the 32
+ * registers allow, the dot products' latency and the tile's loads hidden) */
+#define DOT_NB(M) ((M) <= 2 ? 8 : (M) == 3 ? 6 : (M) <= 5 ? 4 : (M) <= 7 ? 3 : 2)
+
+/* Up to 8 rows of bf16 x: half_gemv's tiles with 32 inputs a step and no widening (masked loads
+ * for the tail); the same promise, each row's sums independent of M. */
+static inline __attribute__((always_inline)) void gemv_tile16(
+    const uint16_t *x, const uint16_t *w, void *y, int64_t N, int64_t K, int M, int NB,
+    int out_bf16)
+{
+    __m512 acc[24];
+    #pragma GCC unroll 24
+    for (int i = 0; i < M * NB; ++i) acc[i] = _mm512_setzero_ps();
+    const int64_t K32 = K & ~(int64_t)31;
+    const char *ahead = prefetch_base(w, K, NB);
+    for (int64_t k = 0; k < K32; k += 32) {
+        __m512i wv[8];
+        #pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) {
+            wv[j] = _mm512_loadu_si512((const void *)(w + j * K + k));
+            _mm_prefetch(ahead + (k * NB + 32 * j) * 2, _MM_HINT_T1);
+        }
+        #pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + m * K + k));
+            #pragma GCC unroll 8
+            for (int j = 0; j < NB; ++j)
+                acc[m * NB + j] = _mm512_dpbf16_ps(acc[m * NB + j], xv, (__m512bh)wv[j]);
         }
     }
-    for (int64_t k = K64; k < K; k += 32) {
-        const __mmask32 m = K - k >= 32 ? (__mmask32)0xFFFFFFFFu
-                                        : (__mmask32)((1u << (K - k)) - 1);
-        const __m512i wv = _mm512_maskz_loadu_epi16(m, w + k);
-        #pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r)
-            if (r < mr)
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_maskz_loadu_epi16(
-                    m, x + r * K + k), (__m512bh)wv);
+    if (K32 < K) {  /* the last K % 32 inputs, zeros past K */
+        const __mmask32 mk = (__mmask32)((1u << (K - K32)) - 1);
+        __m512i wv[8];
+        #pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j)
+            wv[j] = _mm512_maskz_loadu_epi16(mk, w + j * K + K32);
+        #pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mk, x + m * K + K32);
+            #pragma GCC unroll 8
+            for (int j = 0; j < NB; ++j)
+                acc[m * NB + j] = _mm512_dpbf16_ps(acc[m * NB + j], xv, (__m512bh)wv[j]);
+        }
     }
-    #pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r)
-        if (r < mr)
-            act_st(y, r * N, _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])),
-                      out_bf16);
+    #pragma GCC unroll 2
+    for (int b = 0; b < (M * NB + 15) / 16; ++b) {
+        __m512 v[16];
+        #pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i)
+            v[i] = b * 16 + i < M * NB ? acc[b * 16 + i] : _mm512_setzero_ps();
+        float s[16];
+        _mm512_storeu_ps(s, reduce16(v));
+        const int count = M * NB - b * 16 < 16 ? M * NB - b * 16 : 16;
+        for (int i = 0; i < count; ++i) {
+            const int a = b * 16 + i;
+            act_st(y, (int64_t)(a / NB) * N + a % NB, s[i], out_bf16);
+        }
+    }
 }
 
 void half_gemv_bf16(const uint16_t *x, const uint16_t *w, void *y, int64_t M, int64_t N,
@@ -440,19 +620,20 @@ void half_gemv_bf16(const uint16_t *x, const uint16_t *w, void *y, int64_t M, in
     if (M < 1 || M > 8) return;
     char *yb = y;
     const int64_t ys = out_bf16 ? 2 : 4;
-    #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-        for (int64_t r0 = 0; r0 < M; r0 += 4) {  /* rows 4-7 re-read the weight row from L1 */
-            const uint16_t *xr = x + r0 * K;
-            char *yr = yb + (r0 * N + n) * ys;
-            switch (M - r0) {
-            case 1: gemv_row16(xr, w + n * K, yr, N, K, 1, out_bf16); break;
-            case 2: gemv_row16(xr, w + n * K, yr, N, K, 2, out_bf16); break;
-            case 3: gemv_row16(xr, w + n * K, yr, N, K, 3, out_bf16); break;
-            default: gemv_row16(xr, w + n * K, yr, N, K, 4, out_bf16); break;
-            }
-        }
-    }
+#define NB_OF(MM) DOT_NB(MM)
+    GEMV_SWITCH(gemv_tile16, out_bf16)
+#undef NB_OF
+}
+
+/* half_gemv_rows for bf16 x: the tiles of half_gemv_bf16 over L2-sized panels */
+void half_gemv_bf16_rows(const uint16_t *x, const uint16_t *w, void *y, int64_t M, int64_t N,
+                         int64_t K, int out_bf16, int num_threads)
+{
+    char *yb = y;
+    const int64_t ys = out_bf16 ? 2 : 4;
+#define NB_OF(MM) DOT_NB(MM)
+    ROWS_OVER_PANELS(gemv_tile16, out_bf16);
+#undef NB_OF
 }
 #else  /* no AVX512-BF16: half_gemm_bf16dot() says so */
 int half_gemm_bf16dot(void) { return 0; }
@@ -466,4 +647,41 @@ void half_gemv_bf16(const uint16_t *x, const uint16_t *w, void *y, int64_t M, in
 {
     (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)out_bf16; (void)num_threads;
 }
+void half_gemv_bf16_rows(const uint16_t *x, const uint16_t *w, void *y, int64_t M, int64_t N,
+                         int64_t K, int out_bf16, int num_threads)
+{
+    (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)out_bf16; (void)num_threads;
+}
 #endif
+
+/* fp32 weights, any number of rows, each (row, weight row) pair by the same operations: 16
+ * running sums over k (a lane per k mod 16), the tail into the first ones, then one fixed
+ * tree (batch-invariant mode for fp32 models; BLAS picks its kernels and its split of k by the
+ * shape). Plain C that the compiler vectorizes; threads take panels of weight rows as above,
+ * every row of x passing over a panel while it is in cache. */
+static inline float dot_f32(const float *a, const float *b, int64_t K)
+{
+    float acc[16] = {0};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+        for (int l = 0; l < 16; ++l) acc[l] += a[k + l] * b[k + l];
+    for (int l = 0; k < K; ++k, ++l) acc[l] += a[k] * b[k];
+    for (int s = 8; s > 0; s /= 2)
+        for (int l = 0; l < s; ++l) acc[l] += acc[l + s];
+    return acc[0];
+}
+
+void f32_gemm_rows(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
+                   int num_threads)
+{
+    int64_t P = (256 * 1024) / (K * 4 > 0 ? K * 4 : 1);
+    P = P > 8 ? P : 8;
+    const int64_t panels = (N + P - 1) / P;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        const int64_t n1 = (p + 1) * P < N ? (p + 1) * P : N;
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = p * P; n < n1; ++n)
+                y[m * N + n] = dot_f32(x + m * K, w + n * K, K);
+    }
+}

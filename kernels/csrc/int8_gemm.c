@@ -18,12 +18,15 @@
  *   ISA_AVX2 AVX2: vpmaddubsw on |x| and sign(x) * w, widened by vpmaddwd;
  *   ISA_VNNI AVX-512 VNNI: vpdpbusd on (w + 128) as unsigned bytes and x as signed ones, which
  *            adds 128 * sum(x) to every group's dot product; that sum is taken off per group.
- * Threads (OpenMP) take blocks of panels (one panel when x has at most 4 rows, two otherwise);
- * a tile is up to 4 rows of x by those panels. x and y are fp32 or bf16 (``int8_gemm_bf16``).
+ * Threads (OpenMP) take blocks of panels: up to 8 rows of x (decode, draft verification, small
+ * batches), one panel a block and one tile of all the rows, each weight element loaded once for
+ * every row; more rows, two panels a block and tiles of up to 4 rows. x and y are fp32 or bf16
+ * (``int8_gemm_bf16``).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
 
@@ -33,8 +36,11 @@
 
 #define NR 16 /* output columns per panel */
 #define QK 32 /* inputs per group */
-#define MR 4  /* rows of x per tile */
-#define NP 2  /* panels per tile */
+#define MR 4  /* rows of x per tile (more than MRX rows) */
+#define NP 2  /* panels per tile (more than MRX rows) */
+#define MRX 8 /* up to this many rows: one tile of them all, one panel wide */
+#define SPLIT_MAX 4   /* vnni: up to this many (row, panel) sums, two chains each */
+#define PF_AHEAD 8192 /* bytes of the weight stream prefetched ahead of the tile's loads */
 
 enum { ISA_REF = 1, ISA_AVX2 = 2, ISA_VNNI = 4 };
 
@@ -152,11 +158,17 @@ int int8_quantize_rows(const void *x, int x_bf, int8_t *q, float *d, int32_t *s,
     return 0;
 }
 
-/* Arguments of every tile: rows [i, i + mr) of the quantized x, panels [p, p + np). */
+/* Arguments of every tile: rows [i, i + mr) of the quantized x, panels [p, p + np). The vector
+ * paths read x interleaved by tile (``interleave``): a tile's 4-byte steps of all its rows side
+ * by side, and its rows' scales and sums per group side by side, so that one pointer and
+ * constant offsets reach them all. */
 typedef struct {
-    const int8_t *xq;
-    const float *xd;
-    const int32_t *xs;
+    const int8_t *xq;   /* [M, K] row-major */
+    const float *xd;    /* [M, G] */
+    const int32_t *xs;  /* [M, G] */
+    const int32_t *xi;  /* per tile of mr rows at row i: [G * QK / 4][mr], from xi + i * K / 4 */
+    const float *xdi;   /* per tile: [G][mr], from xdi + i * G */
+    const int32_t *xsi; /* per tile: [G][mr] the sums times -128, from xsi + i * G */
     const int8_t *w;
     const uint16_t *sc;
     void *y; /* [M, N], fp32 or bf16 (y_bf) */
@@ -168,6 +180,26 @@ typedef struct {
 static void store(const Args *a, int64_t r, const float *acc, int64_t n0)
 {
     for (int c = 0; c < NR && n0 + c < a->N; ++c) act_st(a->y, r * a->N + n0 + c, acc[c], a->y_bf);
+}
+
+/* the 4 inputs k4 of group g of row r of the tile of mr rows at row i, as one int32 */
+static inline const int32_t *x_at(const Args *a, int64_t i, int mr, int r, int64_t g, int k4)
+{
+    return a->xi + i * (a->K / 4) + (g * (QK / 4) + k4) * mr + r;
+}
+
+/* rows [i, i + mr) of the quantized x (row-major xq, xd, xs) into the tile layout of Args */
+static void interleave(const int8_t *xq, const float *xd, const int32_t *xs, int32_t *xi,
+                       float *xdi, int32_t *xsi, int64_t i, int mr, int64_t K, int64_t G)
+{
+    for (int r = 0; r < mr; ++r) {
+        const int8_t *row = xq + (i + r) * K;
+        for (int64_t s = 0; s < K / 4; ++s) memcpy(xi + i * (K / 4) + s * mr + r, row + 4 * s, 4);
+        for (int64_t g = 0; g < G; ++g) {
+            xdi[i * G + g * mr + r] = xd[(i + r) * G + g];
+            xsi[i * G + g * mr + r] = -128 * xs[(i + r) * G + g];
+        }
+    }
 }
 
 static void tile_ref(const Args *a, int64_t i, int64_t p, int mr, int np)
@@ -196,72 +228,87 @@ static void tile_ref(const Args *a, int64_t i, int64_t p, int mr, int np)
 }
 
 #ifdef HAVE_AVX2
+/* Rows [i, i + mr) (mr <= MRX) by panels [p, p + np): per group, the rows in passes of up to
+ * MR, the group's weights re-read from L1 by the second pass, each pass's integer sums in
+ * registers (16 ymm on an AVX2 CPU), the fp32 sums of all rows wherever the compiler keeps them
+ * (they change once a group); the weight stream ahead prefetched as in tile_vnni (not for one
+ * row, as there). */
 static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64_t i, int64_t p,
                                                             int mr, int np)
 {
-    const int64_t K = a->K, G = a->G;
+    const int64_t G = a->G;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 accf[MR][NP][2];
-    #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r)
+    __m256 accf[MRX][NP][2];
+    #pragma GCC unroll 8
+    for (int r = 0; r < MRX; ++r)
         #pragma GCC unroll 2
         for (int t = 0; t < NP; ++t) accf[r][t][0] = accf[r][t][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-        __m256i acci[MR][NP][2];
-        #pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r)
-            #pragma GCC unroll 2
-            for (int t = 0; t < NP; ++t) acci[r][t][0] = acci[r][t][1] = _mm256_setzero_si256();
-        for (int k4 = 0; k4 < QK / 4; ++k4) {
-            __m256i w[NP][2];
-            #pragma GCC unroll 2
-            for (int t = 0; t < NP; ++t) {
-                if (t < np) {
-                    const int8_t *wk = a->w + ((p + t) * G + g) * (QK * NR) + k4 * 4 * NR;
-                    w[t][0] = _mm256_loadu_si256((const __m256i *)wk);
-                    w[t][1] = _mm256_loadu_si256((const __m256i *)(wk + 32));
-                }
-            }
+        #pragma GCC unroll 2
+        for (int r0 = 0; r0 < MRX; r0 += MR) {
+            if (r0 >= mr) continue;
+            __m256i acci[MR][NP][2];
             #pragma GCC unroll 4
-            for (int r = 0; r < MR; ++r) {
-                if (r < mr) {
-                    const __m256i xv = _mm256_set1_epi32(
-                        *(const int32_t *)(a->xq + (i + r) * K + g * QK + 4 * k4));
-                    const __m256i ax = _mm256_abs_epi8(xv);
-                    #pragma GCC unroll 2
-                    for (int t = 0; t < NP; ++t) {
-                        if (t < np) {
-                            #pragma GCC unroll 2
-                            for (int h = 0; h < 2; ++h) {
-                                const __m256i pr = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[t][h], xv));
-                                acci[r][t][h] = _mm256_add_epi32(acci[r][t][h], _mm256_madd_epi16(pr, ones));
+            for (int r = 0; r < MR; ++r)
+                #pragma GCC unroll 2
+                for (int t = 0; t < NP; ++t)
+                    acci[r][t][0] = acci[r][t][1] = _mm256_setzero_si256();
+            for (int k4 = 0; k4 < QK / 4; ++k4) {
+                __m256i w[NP][2];
+                #pragma GCC unroll 2
+                for (int t = 0; t < NP; ++t) {
+                    if (t < np) {
+                        const int8_t *wk = a->w + ((p + t) * G + g) * (QK * NR) + k4 * 4 * NR;
+                        w[t][0] = _mm256_loadu_si256((const __m256i *)wk);
+                        w[t][1] = _mm256_loadu_si256((const __m256i *)(wk + 32));
+                        if (i == 0 && r0 == 0 && mr > 1)  /* the first pass, more than one row */
+                            _mm_prefetch((const char *)wk + PF_AHEAD, _MM_HINT_T1);
+                    }
+                }
+                #pragma GCC unroll 4
+                for (int r = 0; r < MR; ++r) {
+                    if (r0 + r < mr) {
+                        const __m256i xv = _mm256_set1_epi32(*x_at(a, i, mr, r0 + r, g, k4));
+                        const __m256i ax = _mm256_abs_epi8(xv);
+                        #pragma GCC unroll 2
+                        for (int t = 0; t < NP; ++t) {
+                            if (t < np) {
+                                #pragma GCC unroll 2
+                                for (int h = 0; h < 2; ++h) {
+                                    const __m256i pr = _mm256_maddubs_epi16(
+                                        ax, _mm256_sign_epi8(w[t][h], xv));
+                                    acci[r][t][h] = _mm256_add_epi32(
+                                        acci[r][t][h], _mm256_madd_epi16(pr, ones));
+                                }
                             }
                         }
                     }
                 }
             }
-        }
-        #pragma GCC unroll 2
-        for (int t = 0; t < NP; ++t) {
-            if (t < np) {
-                const uint16_t *sg = a->sc + ((p + t) * G + g) * NR;
-                const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
-                const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8)));
-                #pragma GCC unroll 4
-                for (int r = 0; r < MR; ++r) {
-                    if (r < mr) {
-                        const __m256 dx = _mm256_set1_ps(a->xd[(i + r) * G + g]);
-                        accf[r][t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[r][t][0]),
-                                                        _mm256_mul_ps(dw0, dx), accf[r][t][0]);
-                        accf[r][t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[r][t][1]),
-                                                        _mm256_mul_ps(dw1, dx), accf[r][t][1]);
+            #pragma GCC unroll 2
+            for (int t = 0; t < NP; ++t) {
+                if (t < np) {
+                    const uint16_t *sg = a->sc + ((p + t) * G + g) * NR;
+                    const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
+                    const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128(
+                        (const __m128i *)(sg + 8)));
+                    #pragma GCC unroll 4
+                    for (int r = 0; r < MR; ++r) {
+                        if (r0 + r < mr) {
+                            const __m256 dx = _mm256_set1_ps(a->xdi[i * G + g * mr + r0 + r]);
+                            __m256 *f = accf[r0 + r][t];
+                            f[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[r][t][0]),
+                                                   _mm256_mul_ps(dw0, dx), f[0]);
+                            f[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[r][t][1]),
+                                                   _mm256_mul_ps(dw1, dx), f[1]);
+                        }
                     }
                 }
             }
         }
     }
-    #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
+    #pragma GCC unroll 8
+    for (int r = 0; r < MRX; ++r) {
         #pragma GCC unroll 2
         for (int t = 0; t < NP; ++t) {
             if (r < mr && t < np) {
@@ -283,60 +330,76 @@ static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64
 #endif
 
 #ifdef HAVE_VNNI
+/* Rows [i, i + mr) (mr <= MRX) by panels [p, p + np), every row's integer and fp32 sums in
+ * registers. A group's integer sums start at -128 * sum(x) (the bias taken off up front); where
+ * the tile has at most SPLIT_MAX (row, panel) sums, odd steps go to a second sum (more
+ * dependency chains, so that a few rows are not bound by the dot products' latency; exact in
+ * int32). The weight stream ahead is prefetched into L2: alone, the hardware prefetcher left the
+ * loads of a few rows waiting on memory and their arithmetic not overlapped with it. One row
+ * is not prefetched: one panel a block is one sequential stream the hardware follows, and the
+ * extra prefetches made a whole decode step's one-row products slower (docs/performance.md). */
 static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64_t i, int64_t p,
                                                             int mr, int np)
 {
-    const int64_t K = a->K, G = a->G;
+    const int64_t G = a->G;
     const __m512i bias = _mm512_set1_epi8((char)0x80);
-    __m512 accf[MR][NP];
-    #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r)
+    __m512 accf[MRX][NP];
+    #pragma GCC unroll 8
+    for (int r = 0; r < MRX; ++r)
         #pragma GCC unroll 2
         for (int t = 0; t < NP; ++t) accf[r][t] = _mm512_setzero_ps();
+    const int split = mr * np <= SPLIT_MAX;
     for (int64_t g = 0; g < G; ++g) {
-        __m512i acci[MR][NP];
-        #pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r)
+        __m512i acci[MRX][NP], odd[SPLIT_MAX];
+        #pragma GCC unroll 8
+        for (int r = 0; r < MRX; ++r) {
+            const __m512i start = r < mr ? _mm512_set1_epi32(a->xsi[i * G + g * mr + r])
+                                         : _mm512_setzero_si512();
             #pragma GCC unroll 2
-            for (int t = 0; t < NP; ++t) acci[r][t] = _mm512_setzero_si512();
-        /* a 1 x 1 tile: odd steps into a second sum, two dependency chains (exact in int32) */
-        const int split = mr == 1 && np == 1;
-        __m512i odd = _mm512_setzero_si512();
+            for (int t = 0; t < NP; ++t) acci[r][t] = start;
+        }
+        #pragma GCC unroll 4
+        for (int j = 0; j < SPLIT_MAX; ++j) odd[j] = _mm512_setzero_si512();
         #pragma GCC unroll 8
         for (int k4 = 0; k4 < QK / 4; ++k4) {
             __m512i w[NP];
             #pragma GCC unroll 2
-            for (int t = 0; t < NP; ++t)
-                if (t < np)
-                    w[t] = _mm512_xor_si512(bias, _mm512_loadu_si512(
-                        a->w + ((p + t) * G + g) * (QK * NR) + k4 * 4 * NR));
-            #pragma GCC unroll 4
-            for (int r = 0; r < MR; ++r) {
+            for (int t = 0; t < NP; ++t) {
+                if (t < np) {
+                    const int8_t *wk = a->w + ((p + t) * G + g) * (QK * NR) + k4 * 4 * NR;
+                    w[t] = _mm512_xor_si512(bias, _mm512_loadu_si512(wk));
+                    if (i == 0 && mr > 1)  /* the first tile of rows, more than one */
+                        _mm_prefetch((const char *)wk + PF_AHEAD, _MM_HINT_T1);
+                }
+            }
+            #pragma GCC unroll 8
+            for (int r = 0; r < MRX; ++r) {
                 if (r < mr) {
-                    const __m512i xv = _mm512_set1_epi32(
-                        *(const int32_t *)(a->xq + (i + r) * K + g * QK + 4 * k4));
+                    const __m512i xv = _mm512_set1_epi32(*x_at(a, i, mr, r, g, k4));
                     #pragma GCC unroll 2
                     for (int t = 0; t < NP; ++t) {
                         if (t < np) {
-                            if (split && (k4 & 1)) odd = _mm512_dpbusd_epi32(odd, w[t], xv);
-                            else acci[r][t] = _mm512_dpbusd_epi32(acci[r][t], w[t], xv);
+                            if (split && (k4 & 1))
+                                odd[r * np + t] = _mm512_dpbusd_epi32(odd[r * np + t], w[t],
+                                                                      xv);
+                            else
+                                acci[r][t] = _mm512_dpbusd_epi32(acci[r][t], w[t], xv);
                         }
                     }
                 }
             }
         }
-        if (split) acci[0][0] = _mm512_add_epi32(acci[0][0], odd);
         #pragma GCC unroll 2
         for (int t = 0; t < NP; ++t) {
             if (t < np) {
                 const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(
                     (const __m256i *)(a->sc + ((p + t) * G + g) * NR)));
-                #pragma GCC unroll 4
-                for (int r = 0; r < MR; ++r) {
+                #pragma GCC unroll 8
+                for (int r = 0; r < MRX; ++r) {
                     if (r < mr) {
-                        const __m512i dot = _mm512_sub_epi32(
-                            acci[r][t], _mm512_set1_epi32(128 * a->xs[(i + r) * G + g]));
-                        const __m512 dx = _mm512_set1_ps(a->xd[(i + r) * G + g]);
+                        const __m512i dot = split ? _mm512_add_epi32(acci[r][t], odd[r * np + t])
+                                                  : acci[r][t];
+                        const __m512 dx = _mm512_set1_ps(a->xdi[i * G + g * mr + r]);
                         accf[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
                                                      _mm512_mul_ps(dw, dx), accf[r][t]);
                     }
@@ -344,8 +407,8 @@ static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64
             }
         }
     }
-    #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
+    #pragma GCC unroll 8
+    for (int r = 0; r < MRX; ++r) {
         #pragma GCC unroll 2
         for (int t = 0; t < NP; ++t) {
             if (r < mr && t < np) {
@@ -373,7 +436,11 @@ static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64
     case 6: fn(a, i, p, 3, 1); break;                                             \
     case 7: fn(a, i, p, 3, 2); break;                                             \
     case 8: fn(a, i, p, 4, 1); break;                                             \
-    default: fn(a, i, p, 4, 2); break;                                            \
+    case 9: fn(a, i, p, 4, 2); break;                                             \
+    case 10: fn(a, i, p, 5, 1); break;                                            \
+    case 12: fn(a, i, p, 6, 1); break;                                            \
+    case 14: fn(a, i, p, 7, 1); break;                                            \
+    default: fn(a, i, p, 8, 1); break;                                            \
     }
 
 static void tile(const Args *a, int64_t i, int64_t p, int mr, int np, int isa)
@@ -388,6 +455,20 @@ static void tile(const Args *a, int64_t i, int64_t p, int mr, int np, int isa)
     tile_ref(a, i, p, mr, np);
 }
 
+/* Rows [i, i + mr) of x (mr_max a tile, fewer at the end of M) quantized (xq, xd, xs) and
+ * interleaved for the tile that reads them (xi, xdi, xsi). */
+static void prepare_tile(const void *x, int x_bf, int64_t xb, int8_t *xq, float *xd,
+                         int32_t *xs, int32_t *xi, float *xdi, int32_t *xsi, int64_t i,
+                         int64_t M, int mr_max, int64_t K, int64_t Kp, int isa)
+{
+    const int mr = M - i < mr_max ? (int)(M - i) : mr_max;
+    const int64_t G = Kp / QK;
+    for (int64_t m = i; m < i + mr; ++m)
+        quantize_row((const char *)x + m * K * xb, x_bf, K, Kp, xq + m * Kp, xd + m * G,
+                     xs + m * G, isa);
+    interleave(xq, xd, xs, xi, xdi, xsi, i, mr, Kp, G);
+}
+
 /* y [M, N] = x [M, K] W^T with x fp32 or bf16 (x_bf) holding K inputs a row, zeros past K up
  * to Kp (a multiple of 32, the packed width), y fp32 or bf16 (y_bf; the fp32 sums rounded to
  * nearest even once). Returns 0, or -1 when the path ``isa`` is not in this build or memory runs
@@ -396,47 +477,54 @@ static int gemm(const void *x, int x_bf, const int8_t *qs, const uint16_t *sc, v
                 int64_t M, int64_t N, int64_t K, int64_t Kp, int isa, int num_threads)
 {
     if (!(isa & int8_isas()) || (isa & (isa - 1)) || Kp % QK || K > Kp) return -1;
-    /* One tile of rows (decode, small verifications): blocks of one panel, so that each thread
-     * reads its share of the weight as one sequential stream; more rows: two panels a tile, each
-     * row's quantized inputs used twice a load. The sums are the same either way. */
-    const int np_max = M <= MR ? 1 : NP;
+    /* Up to MRX rows (decode, verifications, small batches): one tile of all rows a panel, each
+     * weight element loaded once for all of them, and blocks of one panel, so that each thread
+     * reads its share of the weight as one sequential stream; more rows: tiles of MR rows by two
+     * panels, each row's quantized inputs used twice a load. A row's sums are the same either
+     * way. */
+    const int few = M <= MRX, np_max = few ? 1 : NP, mr_max = few ? MRX : MR;
     const int64_t G = Kp / QK, P = (N + NR - 1) / NR, blocks = (P + np_max - 1) / np_max;
-    const int64_t xb = x_bf ? 2 : 4;
+    const int64_t xb = x_bf ? 2 : 4, row_tiles = (M + mr_max - 1) / mr_max;
     int8_t *xq = malloc((size_t)(M * Kp) + 64);
+    int32_t *xi = malloc((size_t)(M * Kp) + 64);
     float *xd = malloc(sizeof(float) * (size_t)(M * G) + 64);
+    float *xdi = malloc(sizeof(float) * (size_t)(M * G) + 64);
     int32_t *xs = malloc(sizeof(int32_t) * (size_t)(M * G) + 64);
-    if (!xq || !xd || !xs) {
-        free(xq); free(xd); free(xs);
+    int32_t *xsi = malloc(sizeof(int32_t) * (size_t)(M * G) + 64);
+    if (!xq || !xi || !xd || !xdi || !xs || !xsi) {
+        free(xq); free(xi); free(xd); free(xdi); free(xs); free(xsi);
         return -1;
     }
-    const Args a = {xq, xd, xs, qs, sc, y, N, Kp, G, y_bf};
+    const Args a = {xq, xd, xs, xi, xdi, xsi, qs, sc, y, N, Kp, G, y_bf};
     /* Few rows: x is quantized here, so that the threads meet once, not twice (on a busy machine
-     * each meeting can wait for a time slice). Small products run on this thread alone. */
+     * each meeting can wait for a time slice). Small products run on this thread alone. A tile's
+     * rows are quantized and interleaved by one thread. */
     const int serial = M * Kp <= (1 << 16);
     if (serial)
-        for (int64_t m = 0; m < M; ++m)
-            quantize_row((const char *)x + m * K * xb, x_bf, K, Kp, xq + m * Kp, xd + m * G,
-                         xs + m * G, isa);
+        for (int64_t rt = 0; rt < row_tiles; ++rt)
+            prepare_tile(x, x_bf, xb, xq, xd, xs, xi, xdi, xsi, rt * mr_max, M, mr_max, K, Kp,
+                         isa);
     if (num_threads > blocks) num_threads = (int)blocks;
     if (M * N * Kp < (1 << 20)) num_threads = 1;
     #pragma omp parallel num_threads(num_threads)
     {
         if (!serial) {
             #pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; ++m)
-                quantize_row((const char *)x + m * K * xb, x_bf, K, Kp, xq + m * Kp, xd + m * G,
-                             xs + m * G, isa);
+            for (int64_t rt = 0; rt < row_tiles; ++rt)
+                prepare_tile(x, x_bf, xb, xq, xd, xs, xi, xdi, xsi, rt * mr_max, M, mr_max, K,
+                             Kp, isa);
         }
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t p = b * np_max;
             const int np = P - p < np_max ? (int)(P - p) : np_max;
-            for (int64_t i = 0; i < M; i += MR) {
-                const int mr = M - i < MR ? (int)(M - i) : MR;
+            for (int64_t i = 0; i < M; i += mr_max) {
+                const int mr = M - i < mr_max ? (int)(M - i) : mr_max;
                 tile(&a, i, p, mr, np, isa);
             }
         }
     }
+    free(xi); free(xdi); free(xsi);
     free(xq); free(xd); free(xs);
     return 0;
 }

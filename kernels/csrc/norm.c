@@ -38,3 +38,27 @@ void rms_norm_bf16(const uint16_t *x, int64_t ld_x, const uint16_t *res, uint16_
                       res ? res_out + m * D : 0, w, eps, D, r);
     }
 }
+
+/* out = round(round(silu(gate)) * up) over rows of N (bf16 or fp32 activations; gate and up
+ * rows ld_g and ld_u apart, out contiguous): the MLP's activation as the torch ops compute it,
+ * with each element's arithmetic fixed by its column (vector lanes, then the scalar tail), not
+ * by how many rows there are or how threads split them (torch's elementwise ops take their
+ * scalar tail where the tensor's length and the thread split put it). */
+void silu_mul(const void *gate, int64_t ld_g, const void *up, int64_t ld_u, void *out,
+              int64_t M, int64_t N, int bf, int num_threads)
+{
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (M >= 8)
+    for (int64_t m = 0; m < M; ++m) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= N; i += 16) {
+            const __m512 g = act_round16(silu16(act_ld16(gate, m * ld_g + i, bf, 0xFFFF)), bf);
+            act_st16(out, m * N + i, _mm512_mul_ps(g, act_ld16(up, m * ld_u + i, bf, 0xFFFF)),
+                     bf, 0xFFFF);
+        }
+#endif
+        for (; i < N; ++i)
+            act_st(out, m * N + i, act_round(silu(act_ld(gate, m * ld_g + i, bf)), bf)
+                   * act_ld(up, m * ld_u + i, bf), bf);
+    }
+}
