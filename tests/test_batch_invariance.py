@@ -299,6 +299,8 @@ def test_batch_invariant_errors(ckpt):
         LLM(ckpt, batch_invariant=1)
     with pytest.raises(ValueError, match="batch_invariant=True runs on the CPU backend only"):
         LLM(ckpt, batch_invariant=True, backend="reference")
+    with pytest.raises(ValueError, match="no invariant product for 4-bit weights"):
+        LLM(ckpt, batch_invariant=True, quantization="int4")
 
 
 # Prefix-cache hits ---------------------------------------------------------------------------
@@ -309,8 +311,7 @@ def test_prefix_cache_hit_as_cold(ckpt, setting):
     """Two targets resuming from a prefix another request left in the cache (a hit of 48 and
     64 tokens, checkpoints every 16) give their cold run's bytes, at step budgets of 128 and 16
     and k = 0 and 2: the KV and GDN states a hit reads were computed position by position, as a
-    cold run computes them. (The prefix cache is issue 26's; skipped where it is absent.)"""
-    pytest.importorskip("hybridrt.statecache.prefix")
+    cold run computes them."""
     rng = random.Random(0)
     base = _prompt(rng, 70)
     targets = [base + _prompt(rng, 9), base + _prompt(rng, 30)]
