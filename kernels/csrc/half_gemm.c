@@ -555,8 +555,10 @@ static inline __m512 reduce16(const __m512 v[16])
 }
 
 /* weight rows per tile for M rows of bf16 x: M * NB accumulators (16 or more where the 32
- * registers allow, the dot products' latency and the tile's loads hidden) */
-#define DOT_NB(M) ((M) <= 2 ? 8 : (M) == 3 ? 6 : (M) <= 5 ? 4 : (M) <= 7 ? 3 : 2)
+ * registers allow, the dot products' latency and the tile's loads hidden); one row: one weight
+ * row at a time, unprefetched, a single sequential stream (8 rows side by side and prefetched
+ * made a decode step's one-row products slower than that; docs/performance.md) */
+#define DOT_NB(M) ((M) == 1 ? 1 : (M) <= 2 ? 8 : (M) == 3 ? 6 : (M) <= 5 ? 4 : (M) <= 7 ? 3 : 2)
 
 /* Up to 8 rows of bf16 x: half_gemv's tiles with 32 inputs a step and no widening (masked loads
  * for the tail); the same promise, each row's sums independent of M. */
@@ -574,7 +576,7 @@ static inline __attribute__((always_inline)) void gemv_tile16(
         #pragma GCC unroll 8
         for (int j = 0; j < NB; ++j) {
             wv[j] = _mm512_loadu_si512((const void *)(w + j * K + k));
-            _mm_prefetch(ahead + (k * NB + 32 * j) * 2, _MM_HINT_T1);
+            if (M > 1) _mm_prefetch(ahead + (k * NB + 32 * j) * 2, _MM_HINT_T1);
         }
         #pragma GCC unroll 8
         for (int m = 0; m < M; ++m) {
