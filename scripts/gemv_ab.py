@@ -1,0 +1,159 @@
+"""A/B the M-row products of several builds of int8_gemm.c / half_gemm.c in one process,
+rounds alternated (docs/performance.md, "Few-row products"): each source tree's kernels are
+compiled side by side and called on the same weights; the outputs must be identical.
+
+    python scripts/gemv_ab.py M kind[,kind] name=srcdir[:-DFLAG,...] ...
+
+kinds: vnni avx2 bf16dot fma. Times: process CPU ms of one decode step's products (0.8B
+shape, one thread). E.g. ``python scripts/gemv_ab.py 1 vnni,bf16dot old=/path/to/old/tree
+new=.`` (a checkout of an older commit as the old tree)."""
+
+import ctypes
+import hashlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hybridrt.bench.fixtures import QWEN35_08B_TEXT_CONFIG as cfg
+from hybridrt.kernels import quant
+
+torch.set_num_threads(1)
+BUILD = os.path.join(os.environ.get("TMPDIR", "/tmp"), "hybridrt-gemv-ab")
+os.makedirs(BUILD, exist_ok=True)
+M = int(sys.argv[1])
+kinds = sys.argv[2].split(",")
+variants = []
+for spec in sys.argv[3:]:
+    name, rest = spec.split("=", 1)
+    src, _, flags = rest.partition(":")
+    flags = [f for f in flags.split(",") if f]
+    libs = {}
+    for f in ("int8_gemm.c", "half_gemm.c"):
+        path = os.path.join(src, "kernels/csrc", f)
+        src_bytes = Path(path).read_bytes()
+        key = hashlib.sha256(src_bytes + " ".join(flags).encode()).hexdigest()[:12]
+        out = os.path.join(BUILD, f"{f[:-2]}-{key}.so")
+        if not os.path.exists(out):
+            subprocess.run(
+                [
+                    "cc",
+                    "-O3",
+                    "-march=native",
+                    "-fopenmp",
+                    "-shared",
+                    "-fPIC",
+                    "-std=c11",
+                    *flags,
+                    "-o",
+                    out,
+                    path,
+                ],
+                check=True,
+            )
+        libs[f] = ctypes.CDLL(out)
+    variants.append((name, libs))
+h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+heads, kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+gdn = [(2 * hk * dk + hv * dv + hv * dv + 2 * hv, h), (h, hv * dv)]
+attn = [(2 * heads * d + 2 * kv * d, h), (h, heads * d)]
+mlp = [(2 * inter, h), (h, inter)]
+shapes = []
+for i in range(int(os.environ.get("NL", 4))):
+    shapes += (attn if (i + 1) % 4 == 0 else gdn) + mlp
+if os.environ.get("HEAD"):
+    shapes.append((cfg["vocab_size"], h))
+g = torch.Generator().manual_seed(0)
+ws = [(torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16) for n, k in shapes]
+xs = {k: torch.randn(M, k, generator=g).to(torch.bfloat16) for _, k in shapes}
+xf = {k: v.float() for k, v in xs.items()}
+qws = [quant.quantize(w.float()) for w in ws] if {"vnni", "avx2"} & set(kinds) else []
+ISA = {"vnni": 4, "avx2": 2}
+
+
+def run(libs, kind):
+    outs = []
+    if kind in ISA:
+        L = libs["int8_gemm.c"]
+        for q in qws:
+            N, K = q.shape
+            y = torch.empty(M, N, dtype=torch.bfloat16)
+            x = xs[K]
+            L.int8_gemm_bf16(
+                ctypes.c_void_p(x.data_ptr()),
+                ctypes.c_void_p(q.qs.data_ptr()),
+                ctypes.c_void_p(q.scales.data_ptr()),
+                ctypes.c_void_p(y.data_ptr()),
+                ctypes.c_int64(M),
+                ctypes.c_int64(N),
+                ctypes.c_int64(K),
+                ctypes.c_int64(q.scales.shape[1] * 32),
+                ISA[kind],
+                1,
+            )
+            outs.append(y)
+    else:
+        L = libs["half_gemm.c"]
+        for w in ws:
+            N, K = w.shape
+            y = torch.empty(M, N, dtype=torch.bfloat16)
+            if kind == "bf16dot":
+                x = xs[K]
+                L.half_gemv_bf16(
+                    ctypes.c_void_p(x.data_ptr()),
+                    ctypes.c_void_p(w.data_ptr()),
+                    ctypes.c_void_p(y.data_ptr()),
+                    ctypes.c_int64(M),
+                    ctypes.c_int64(N),
+                    ctypes.c_int64(K),
+                    1,
+                    1,
+                )
+            else:
+                x = xf[K]
+                L.half_gemv(
+                    ctypes.c_void_p(x.data_ptr()),
+                    ctypes.c_void_p(w.data_ptr()),
+                    ctypes.c_void_p(y.data_ptr()),
+                    ctypes.c_int64(M),
+                    ctypes.c_int64(N),
+                    ctypes.c_int64(K),
+                    0,
+                    1,
+                    1,
+                )
+            outs.append(y)
+    return outs
+
+
+reps = int(os.environ.get("REPS", "9"))
+for kind in kinds:
+    ref = None
+    for name, libs in variants:
+        o = run(libs, kind)
+        same = None if ref is None else all(torch.equal(a, b) for a, b in zip(ref, o))
+        if ref is None:
+            ref = o
+        if same is not None:
+            print(f"  {kind} {name} identical to first: {same}")
+    times = {name: [] for name, _ in variants}
+    for _ in range(reps):
+        for name, libs in variants:
+            t0 = time.process_time()
+            run(libs, kind)
+            times[name].append(time.process_time() - t0)
+    base = statistics.median(times[variants[0][0]])
+    print(
+        f"M={M} {kind}: "
+        + "  ".join(
+            f"{n} {1e3 * statistics.median(t):.1f}ms ({statistics.median(t) / base:.3f})"
+            for n, t in times.items()
+        ),
+        flush=True,
+    )
