@@ -27,7 +27,7 @@ from hybridrt.llm import default_model  # noqa: E402
 
 MODEL = "hybridrt-demo"
 OPTIONS = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 8,
-           "cache_memory": 64 << 20}
+           "cache_memory": 256 << 20}  # room for every test's conversations: no eviction
 RECENT_TTL = 2.0  # the router's memory of what it sent where; replicas report every 0.5 s
 QUESTIONS = ["What does json.dumps do?", "Which module provides deque?",
              "What is the signature of os.path.join?", "What does re.sub return?",
