@@ -5,8 +5,9 @@ compiled side by side and called on the same weights; the outputs must be identi
     python scripts/gemv_ab.py M kind[,kind] name=srcdir[:-DFLAG,...] ...
 
 kinds: vnni avx2 bf16dot fma. Times: process CPU ms of one decode step's products (0.8B
-shape, one thread). E.g. ``python scripts/gemv_ab.py 1 vnni,bf16dot old=/path/to/old/tree
-new=.`` (a checkout of an older commit as the old tree)."""
+shape, one thread; ``NL=n`` the first n layers only, ``HEAD=0`` without the LM head). E.g.
+``python scripts/gemv_ab.py 1 vnni,bf16dot old=/path/to/old/tree new=.`` (a checkout of an
+older commit as the old tree)."""
 
 import ctypes
 import hashlib
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from hybridrt.bench.fixtures import QWEN35_08B_TEXT_CONFIG as cfg
+from hybridrt.bench.gemv import step_products
 from hybridrt.kernels import quant
 
 torch.set_num_threads(1)
@@ -57,18 +59,11 @@ for spec in sys.argv[3:]:
             )
         libs[f] = ctypes.CDLL(out)
     variants.append((name, libs))
-h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
-heads, kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-gdn = [(2 * hk * dk + hv * dv + hv * dv + 2 * hv, h), (h, hv * dv)]
-attn = [(2 * heads * d + 2 * kv * d, h), (h, heads * d)]
-mlp = [(2 * inter, h), (h, inter)]
-shapes = []
-for i in range(int(os.environ.get("NL", 4))):
-    shapes += (attn if (i + 1) % 4 == 0 else gdn) + mlp
-if os.environ.get("HEAD"):
-    shapes.append((cfg["vocab_size"], h))
+# the step's products in bench gemv's order: 4 a layer, then the LM head; NL=n keeps the first n
+# layers, HEAD=0 leaves the head out
+products = step_products(cfg)
+layers = products[:-1][: 4 * int(os.environ.get("NL", cfg["num_hidden_layers"]))]
+shapes = layers + (products[-1:] if os.environ.get("HEAD", "1") != "0" else [])
 g = torch.Generator().manual_seed(0)
 ws = [(torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16) for n, k in shapes]
 xs = {k: torch.randn(M, k, generator=g).to(torch.bfloat16) for _, k in shapes}
