@@ -322,3 +322,20 @@ def test_repeated_rows_report_the_median(ckpt):
         assert n >= 3 * 2 and n % 3 == 0
     base, spec = report["rows"]
     assert spec["speedup"] == pytest.approx(spec["tok_s"] / base["tok_s"])
+
+
+def test_spec_bench_runs_every_prompt_cold(ckpt, monkeypatch):
+    """The same prompts run once per row and repeat: none may resume from an earlier row's
+    prefix cache (in half precision a hit can turn a near-tied greedy token, and a simulated run
+    then leaves its reference; the rows would also depend on the order they ran in)."""
+    cached, generate = [], LLM.generate
+
+    def counting(self, *a, **kw):
+        outs = generate(self, *a, **kw)
+        cached.extend(o.num_cached_tokens for o in outs)
+        return outs
+
+    monkeypatch.setattr(LLM, "generate", counting)
+    run_spec_bench(str(ckpt), ks=(0, 1), batch_sizes=(1,), threads=1, quick=True, repeats=2,
+                   verbose=False, simulate_acceptance=(0.5,))
+    assert len(cached) > 8 and not any(cached)

@@ -297,8 +297,12 @@ def run_spec_bench(
     torch.set_num_threads(threads)
     try:
         reduced = max(draft_vocabs) or None
+        # no prefix cache: every run of the same prompts starts cold, so that rows do not
+        # depend on the order they ran in, and a simulated run follows its reference run (a
+        # hit computes the prompt's last token in another step, which in half precision can
+        # turn a near-tied greedy choice)
         llm = LLM(model, dtype=dtype, speculative_tokens=max(ks), threads=threads,
-                  quantization=quantization,
+                  quantization=quantization, enable_prefix_caching=False,
                   max_num_seqs=max(batch_sizes), max_model_len=_max_len_hint(model, 4096),
                   draft_vocab_size=reduced if max(ks) > 0 else None)
         proposer = llm.engine.proposer
