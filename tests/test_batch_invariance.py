@@ -17,6 +17,7 @@ import struct
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import preempt_at
 
 from hybridrt import LLM, SamplingParams
 from hybridrt.bench.fixtures import (
@@ -161,27 +162,6 @@ def _alone(ckpt, setting, invariant=True) -> dict[int, list]:
                 for p, sp in _targets()] for k in (0, 2)}
 
 
-def _preempt_at(llm, rng: random.Random, steps: set[int]) -> None:
-    """Preempt a random running request before each of these engine steps (as the scheduler
-    does when the cache runs out; the request recomputes from its tokens)."""
-    from hybridrt.scheduler import StepPlan
-
-    sched, schedule, count = llm.engine.scheduler, llm.engine.scheduler.schedule, [0]
-
-    def preempting():
-        count[0] += 1
-        if count[0] not in steps or not sched.running:
-            return schedule()
-        first = StepPlan()
-        sched._preempt(rng.choice(sched.running), first)
-        sched.under_pressure = False  # admit again at once: more compositions
-        plan = schedule()
-        plan.preempted[:0] = first.preempted
-        return plan
-
-    sched.schedule = preempting
-
-
 def _compositions(ckpt, setting, ref, invariant=True, n=4, seed=0):
     """Run the targets among random neighbours n times, each time with a random step budget
     (chunk sizes), batch size, thread count, k, order and preemption points -> (mismatches
@@ -193,7 +173,7 @@ def _compositions(ckpt, setting, ref, invariant=True, n=4, seed=0):
         kw = dict(max_num_batched_tokens=rng.choice([5, 16, 33, 64, 128]),
                   max_num_seqs=rng.choice([3, 5, 8]))
         llm = _llm(ckpt, setting, invariant, threads=rng.choice([1, 2]), **kw)
-        _preempt_at(llm, rng, set(rng.sample(range(1, 40), 3)))
+        preempt_at(llm, rng, set(rng.sample(range(1, 40), 3)))
         items = [(i, p, sp) for i, (p, sp) in enumerate(_targets())]
         for _ in range(rng.randint(0, 6)):
             sp = rng.choice([
