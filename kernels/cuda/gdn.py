@@ -55,7 +55,9 @@ def _and(mask, cond):
     return tl.where(cond, mask, False)
 
 
-@triton.jit
+# L is not specialized (Triton compiles other code for L == 1): a decode step, a verification
+# and a prompt of L tokens run the same compiled loop body (batch-invariant mode)
+@triton.jit(do_not_specialize=["L"])
 def _gdn_recurrent_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, slot_ptr, slot_out_ptr, o_ptr,
     L,
@@ -230,7 +232,7 @@ def _window(h0, h1, h2, h3, x_row, sx_l, lc, i, STATE: tl.constexpr):
     return tl.where(i >= STATE, xi.to(tl.float32), h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L"])
 def _conv_update_kernel(
     x_ptr, w_ptr, cs_ptr, slot_ptr, slot_out_ptr, y_ptr,
     L, C,

@@ -9,10 +9,11 @@ K, no atomics, no autotuning. ``M`` is not specialized by Triton (``do_not_speci
 and M % 16 == 0 would otherwise compile other code), so the same compiled kernel serves a
 decode of one row and a prompt of 512. A row's result depends only on that row.
 
-x: [..., K] (any float dtype the weight has, or fp32); w: [N, K] bf16 / fp16 / fp32 ->
-[..., N] in x's dtype. fp32 operands multiply in fp32 (``ieee``, not tf32). Under the Triton
-interpreter (CPU tensors) half operands are widened to fp32 first (exact), which is what a
-GPU's half MMA with fp32 accumulation computes.
+x: [..., K] (the weight's dtype, or fp32); w: [N, K] bf16 / fp16 / fp32 -> [..., N] in x's
+dtype (or ``out_dtype``: fp32 shows the accumulator itself, the tests' view). fp32 operands
+multiply in fp32 (``ieee``, not tf32). Under the Triton interpreter (CPU tensors) half
+operands are widened to fp32 first (exact), which is what a GPU's half MMA with fp32
+accumulation computes.
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ def _matmul_rows_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
 
 
-def matmul_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def matmul_rows(x: torch.Tensor, w: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x W^T, each row's arithmetic fixed by (N, K, dtypes) alone (see the module docstring).
-    x: [..., K]; w: [N, K] -> [..., N] in x's dtype."""
+    x: [..., K]; w: [N, K] -> [..., N] in ``out_dtype`` (default: x's)."""
     if w.dim() != 2:
         raise ValueError(f"weight must be [N, K], got {tuple(w.shape)}")
     N, K = w.shape
@@ -74,7 +76,7 @@ def matmul_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     M = x2.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M and N:
         fp32 = w.dtype == torch.float32 or x.dtype == torch.float32
         upcast = x.device.type == "cpu" or (fp32 and w.dtype != torch.float32)

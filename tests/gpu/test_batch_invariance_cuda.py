@@ -15,9 +15,13 @@ from helpers import preempt_at
 
 from hybridrt import LLM, SamplingParams
 from hybridrt.bench.fixtures import tiny_text_config, write_random_checkpoint
+from hybridrt.config import ModelConfig
 from hybridrt.kernels.cuda import attention as attn_k
 from hybridrt.kernels.cuda import gdn as gdn_k
+from hybridrt.kernels.cuda.backend import CudaBackend
 from hybridrt.kernels.cuda.matmul import matmul_rows
+from hybridrt.kernels.options import KernelOptions
+from hybridrt.runner import build_batch
 
 ON_GPU = torch.cuda.is_available()
 BACKEND = "cuda" if ON_GPU else "triton"
@@ -32,21 +36,23 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("N, K", [(150, 200), (70, 37)])
 def test_matmul_rows_every_row_as_alone(device, dtype, N, K):
     """matmul_rows over 1 to 70 rows (one and two M tiles, K tails): each row the bits it
-    gets alone; near the fp64 product (bf16: the output's rounding)."""
+    gets alone, in the input dtype and as the fp32 accumulator (a bf16 output hides most
+    changes of the sums' order); near the fp64 product."""
     g = torch.Generator().manual_seed(N + K)
     w = torch.randn(N, K, generator=g).to(dtype).to(device)
     x = torch.randn(70, K, generator=g).to(dtype).to(device)
-    alone = torch.cat([matmul_rows(x[i:i + 1], w) for i in range(70)])
-    for m in (2, 9, 64, 70):
-        assert torch.equal(_bits(matmul_rows(x[:m], w)), _bits(alone[:m])), m
-    # rows in another order (a row at another place in its tile) and as a strided view
-    perm = torch.randperm(70, generator=g).to(device)
-    assert torch.equal(_bits(matmul_rows(x[perm], w)), _bits(alone[perm]))
-    wide = torch.cat([x, x], dim=1)[:, :K]
-    assert torch.equal(_bits(matmul_rows(wide, w)), _bits(alone))
     ref = x.double() @ w.double().T
-    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
-    assert torch.allclose(alone.double(), ref, rtol=tol, atol=tol * K ** 0.5)
+    for out in (dtype, torch.float32):
+        alone = torch.cat([matmul_rows(x[i:i + 1], w, out) for i in range(70)])
+        for m in (2, 9, 64, 70):
+            assert torch.equal(_bits(matmul_rows(x[:m], w, out)), _bits(alone[:m])), (m, out)
+        # rows in another order (a row at another place in its tile) and as a strided view
+        perm = torch.randperm(70, generator=g).to(device)
+        assert torch.equal(_bits(matmul_rows(x[perm], w, out)), _bits(alone[perm]))
+        wide = torch.cat([x, x], dim=1)[:, :K]
+        assert torch.equal(_bits(matmul_rows(wide, w, out)), _bits(alone))
+        tol = 2 ** -7 if out == torch.bfloat16 else 1e-5
+        assert torch.allclose(alone.double(), ref, rtol=tol, atol=tol * K ** 0.5)
 
 
 def test_matmul_rows_errors(device):
@@ -123,6 +129,47 @@ def test_attention_rows_as_decode(device):
             q[row:row + 1], kc, vc, tables[b:b + 1], torch.tensor([pos + 1], device=device),
             torch.tensor([0, 1], device=device), one, one, D ** -0.5, 1)
         assert torch.equal(_bits(o[0]), _bits(out[row])), (b, t)
+
+
+def test_backend_attention_rows_as_decode(device):
+    """The backend's attention in this mode, as the engine calls it: a step of decodes with
+    contexts of 40 to 310 tokens (long enough for the default's split of the keys), a step of
+    3-token verifications, and a step with a continued prompt chunk, a fresh prompt and a
+    decode: every row the bytes of its token decoded alone at its position."""
+    H, HKV, D, BS = 4, 2, 16, 8
+    cfg = ModelConfig.from_dict(tiny_text_config(num_attention_heads=H, num_key_value_heads=HKV,
+                                                 head_dim=D))
+    be = CudaBackend(cfg, device, graphs=False, options=KernelOptions(batch_invariant=True))
+    g = torch.Generator().manual_seed(5)
+    dtype = torch.bfloat16
+    kc = torch.randn(200, BS, HKV, D, generator=g).to(dtype).to(device)
+    vc = torch.randn(200, BS, HKV, D, generator=g).to(dtype).to(device)
+    tables = [list(range(i * 40, i * 40 + 40)) for i in range(4)]
+
+    def attend(tokens, starts, seqs, slots=None):
+        batch = build_batch(tokens, starts, [tables[b] for b in seqs], BS,
+                            list(range(len(seqs))), device=device)
+        meta = be.plan_step(batch)
+        T = batch.num_tokens
+        q, k, v = (torch.randn(T, n, D, generator=g).to(dtype).to(device) for n in (H, HKV, HKV))
+        return q, k, v, be.attention(meta, batch, q, k, v, kc, vc, D ** -0.5), batch
+
+    def alone(b, pos, q, k, v):
+        batch = build_batch([[1]], [pos], [tables[b]], BS, [0], device=device)
+        return be.attention(be.plan_step(batch), batch, q[None], k[None], v[None], kc, vc,
+                            D ** -0.5)[0]
+
+    steps = [([[1]] * 4, [299, 150, 310, 40], [0, 1, 2, 3]),
+             ([[1, 2, 3]] * 3, [200, 97, 305], [0, 1, 2]),
+             ([[1] * 20, [1] * 12, [1]], [280, 0, 64], [1, 2, 3])]
+    for tokens, starts, seqs in steps:
+        q, k, v, out, batch = attend(tokens, starts, seqs)
+        row = 0
+        for b, n, s0 in zip(seqs, map(len, tokens), starts):
+            for t in range(n):
+                o = alone(b, s0 + t, q[row], k[row], v[row])
+                assert torch.equal(_bits(o), _bits(out[row])), (starts, b, t)
+                row += 1
 
 
 # The engine ---------------------------------------------------------------------------------
