@@ -55,12 +55,17 @@ def test_matmul_rows_every_row_as_alone(device, dtype, N, K):
         assert torch.allclose(alone.double(), ref, rtol=tol, atol=tol * K ** 0.5)
 
 
-def test_matmul_rows_errors(device):
+def test_errors(device):
     w = torch.randn(8, 16, device=device)
     with pytest.raises(ValueError, match="x has 15 columns, the weight 16"):
         matmul_rows(torch.randn(2, 15, device=device), w)
     with pytest.raises(ValueError, match="no invariant product for torch.int8"):
         matmul_rows(torch.randn(2, 16, device=device), w.to(torch.int8))
+    # a head dim the Triton attention does not take: refused, not the torch fallback
+    cfg = ModelConfig.from_dict(tiny_text_config(head_dim=24))
+    with pytest.raises(ValueError, match="power-of-two head dim >= 16, got 24"):
+        CudaBackend(cfg, device, graphs=False, options=KernelOptions(batch_invariant=True))
+    CudaBackend(cfg, device, graphs=False)  # the default mode falls back
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -278,3 +283,22 @@ def test_default_mode_differs(ckpt):
     ref = _alone(ckpt, invariant=False)
     mismatches, _ = _compositions(ckpt, ref, invariant=False, n=1)
     assert mismatches
+
+
+def test_prefix_cache_hit_as_cold(ckpt):
+    """A target resuming from a prefix another request left in the cache (32 of its 44
+    tokens: KV blocks and the GDN checkpoint at 32; at a step budget of 24 the checkpoint at
+    16 falls inside a prompt chunk, which runs in two rounds), with k = 2, gives the bytes of
+    its cold run alone."""
+    rng = random.Random(3)
+    base = _prompt(rng, 36)
+    target = base + _prompt(rng, 8)
+    other = base + _prompt(rng, 4)
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    cold = _key(_llm(ckpt, enable_prefix_caching=False, max_num_batched_tokens=64)
+                .generate([target], sp, use_tqdm=False)[0])
+    llm = _llm(ckpt, checkpoint_interval=16, max_num_batched_tokens=24)
+    llm.generate([other], SamplingParams(max_tokens=1), use_tqdm=False)
+    (out,) = llm.generate([target], sp, use_tqdm=False, speculative_tokens=2)
+    assert out.metrics["num_cached_tokens"] == 32
+    assert _key(out) == cold
