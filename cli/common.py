@@ -87,7 +87,7 @@ QuantizationOpt = Annotated[str | None, typer.Option(
 BatchInvariantOpt = Annotated[bool, typer.Option(
     "--batch-invariant", help="Each request's tokens and logprobs bit for bit the same "
     "whatever runs beside it, however its prompt is chunked, and with greedy -k on or off "
-    "(CPU; slower prefill, docs/batch_invariance.md) (default: off).")]
+    "(slower prefill, docs/batch_invariance.md) (default: off).")]
 SpecOpt = Annotated[int, typer.Option(
     "--speculative-tokens", "-k", help="MTP draft tokens per step (0 = off).", min=0)]
 PrefixCachingOpt = Annotated[bool, typer.Option(
@@ -131,9 +131,6 @@ def check_model_options(*, dtype: str, max_model_len: int | None, cache_memory: 
             raise ValueError(f"{quantization} runs on the CPU only, not --device {device}")
     except ValueError as e:
         raise CliError(f"--quantization: {e}", 2) from None
-    if batch_invariant and device != "cpu":
-        raise CliError(f"--batch-invariant runs on the CPU only (so far), not --device {device}",
-                       2)
     if max_model_len is not None and max_model_len <= 1:
         raise CliError(f"--max-model-len must be an integer > 1, got {max_model_len}", 2)
     try:

@@ -287,3 +287,24 @@ def hf_reference_sharing_weights(text_config: dict[str, Any], state_dict: dict[s
     if leftover:
         raise RuntimeError(f"reference model still has meta tensors: {leftover}")
     return model.eval().requires_grad_(False)
+
+
+def preempt_at(llm, rng, steps: set[int]) -> None:
+    """Preempt a random running request of ``llm``'s engine before each of these engine steps
+    (as the scheduler does when the cache runs out; the request recomputes from its tokens)."""
+    from hybridrt.scheduler import StepPlan
+
+    sched, schedule, count = llm.engine.scheduler, llm.engine.scheduler.schedule, [0]
+
+    def preempting():
+        count[0] += 1
+        if count[0] not in steps or not sched.running:
+            return schedule()
+        first = StepPlan()
+        sched._preempt(rng.choice(sched.running), first)
+        sched.under_pressure = False  # admit again at once: more compositions
+        plan = schedule()
+        plan.preempted[:0] = first.preempted
+        return plan
+
+    sched.schedule = preempting

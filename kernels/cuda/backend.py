@@ -18,6 +18,14 @@ the smallest captured batch size that holds it: the step's inputs are copied int
 buffers, padding rows carry slot -1 and sequence length 0 so that every kernel skips them.
 Everything else runs eagerly. ``graphs=False`` (backend "triton") runs every step eagerly and
 also runs on CPU tensors under ``TRITON_INTERPRET=1`` (the tests).
+
+Batch-invariant mode (``options.batch_invariant``, docs/batch_invariance.md): every product
+through ``matmul.matmul_rows`` (one tile configuration, K walked in order, no split) instead of
+cuBLAS; every query row, prompt tokens included, through the paged attention kernel as a
+program of its own that scores the keys in tiles counted from position 0 (no SDPA, no
+split-KV); prompt chunks through the recurrent GDN kernel token by token (not fla's chunks),
+its launch parameters fixed; RoPE from a table by position. CUDA graphs still run decode and
+verify steps (their padding rows change no other row).
 """
 
 from __future__ import annotations
@@ -38,9 +46,11 @@ from ..backend.plan import (
     step_arrays,
 )
 from ..backend.reference import ReferenceBackend
+from ..rope import RopeTable
 from . import attention as attn_k
 from . import fused, prefill
 from . import gdn as gdn_k
+from .matmul import matmul_rows
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
@@ -85,6 +95,14 @@ class CudaBackend(ReferenceBackend):
         self.triton_attention = D >= 16 and D & (D - 1) == 0
         self.tokens_per_tile = attn_k.varlen_tokens_per_tile(
             config.num_attention_heads, config.num_key_value_heads) if config is not None else 16
+        # batch-invariant mode: the kernels whose per-row arithmetic is fixed (module doc)
+        self.invariant = self.options.batch_invariant
+        self.rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.invariant:
+            if not self.triton_attention:
+                raise ValueError(f"batch_invariant: the Triton attention needs a power-of-two "
+                                 f"head dim >= 16, got {D}")
+            self.tokens_per_tile = 1  # one program per query row, whatever the step
 
     # Binding ------------------------------------------------------------------------------
     def bind(self, model, groups) -> None:
@@ -115,8 +133,9 @@ class CudaBackend(ReferenceBackend):
 
     def _varlen_plan(self, batch) -> VarlenAttention:
         ql, cl = batch.query_lens, batch.context_lens
-        fresh = [b for b in range(len(ql)) if 1 < ql[b] == cl[b]]  # no cached prefix
-        rest = [b for b in range(len(ql)) if not 1 < ql[b] == cl[b]]
+        # prompts with no cached prefix by SDPA (batch-invariant mode: none)
+        fresh = [b for b in range(len(ql)) if 1 < ql[b] == cl[b] and not self.invariant]
+        rest = [b for b in range(len(ql)) if b not in fresh]
         tile_seq, tile_q0 = attn_k.varlen_tiles(ql, rest, self.tokens_per_tile)
         ts = tq = None
         if tile_seq:
@@ -126,12 +145,37 @@ class CudaBackend(ReferenceBackend):
                                [(batch.query_starts[b], ql[b]) for b in fresh])
 
     # Linear layers and elementwise ops ----------------------------------------------------
+    def linear(self, x, w):
+        if self.invariant:
+            if not isinstance(w, torch.Tensor):
+                raise ValueError("batch_invariant: the CUDA backend has no invariant product "
+                                 "for quantized weights")
+            return matmul_rows(x, w)
+        return super().linear(x, w)
+
     def project(self, x, weights):
         group = self.groups.get(tuple(id(w) for w in weights))
         if group is None:
             return [self.linear(x, w) for w in weights]
         w, sizes = group
+        if self.invariant:
+            return matmul_rows(x, w).split(sizes, dim=-1)
         return F.linear(x, w).split(sizes, dim=-1)
+
+    def rope(self, positions, rotary_dim, theta, dtype):
+        """Batch-invariant mode: cos / sin looked up by position in a table made once for
+        every position the engine can reach (no host sync after: CUDA graphs capture the
+        look-up)."""
+        if not self.invariant:
+            return super().rope(positions, rotary_dim, theta, dtype)
+        key = (rotary_dim, theta, dtype, positions.device)
+        tables = self.rope_tables.get(key)
+        if tables is None:
+            n = self.max_model_len + self.max_drafts + 2
+            tables = RopeTable(rotary_dim, theta)(torch.arange(n, device=positions.device),
+                                                  dtype)
+            self.rope_tables[key] = tables
+        return tables[0][positions], tables[1][positions]
 
     def rms_norm(self, x, weight, eps, residual=None):
         return fused.rms_norm(x, weight, eps, residual)
@@ -156,6 +200,8 @@ class CudaBackend(ReferenceBackend):
         if not self.triton_attention:
             return super().attention(meta, batch, q, k, v, key_cache, value_cache, scale)
         attn_k.write_kv(k, v, key_cache, value_cache, batch.slot_mapping)
+        if self.invariant:
+            return self._invariant_attention(a, batch, q, key_cache, value_cache, scale)
         if isinstance(a, UniformAttention):
             return attn_k.paged_attention_decode(
                 q, key_cache, value_cache, batch.block_tables, a.seq_lens, scale,
@@ -175,6 +221,22 @@ class CudaBackend(ReferenceBackend):
             out[start:start + n] = o[0].transpose(0, 1)
         return out
 
+    def _invariant_attention(self, a, batch, q, key_cache, value_cache, scale):
+        """Every query row a program of its own (``paged_attention_varlen``, one token a
+        tile): its keys in BLOCK_N tiles from position 0, up to its own position, whatever
+        the step; a decode, a verification row and a prompt token at position p compute the
+        same. Tiles past a row's position are masked out entirely (in a one-token tile there
+        are none)."""
+        if isinstance(a, UniformAttention):  # decode / verify (CUDA graphs): tiles on device
+            L = a.num_queries_per_seq
+            rows = torch.arange(q.shape[0], device=q.device)
+            tile_seq, tile_q0 = rows // L, rows % L
+        else:
+            tile_seq, tile_q0 = a.tile_seq, a.tile_q0
+        return attn_k.paged_attention_varlen(
+            q, key_cache, value_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens,
+            tile_seq, tile_q0, scale, 1)
+
     def gdn_recurrent(self, layer, grp: RecurrentGroup, mixed, a, b, conv_states, ssm_states):
         n, L = grp.num_seqs, grp.num_tokens_per_seq
         m = gdn_k.conv_update(mixed.view(n, L, -1), layer.conv_weight, conv_states, grp.slots,
@@ -183,8 +245,32 @@ class CudaBackend(ReferenceBackend):
         return gdn_k.gdn_recurrent(
             q.view(n, L, *q.shape[1:]), k.view(n, L, *k.shape[1:]), v.view(n, L, *v.shape[1:]),
             a.view(n, L, -1), b.view(n, L, -1), layer.A_log, layer.dt_bias, ssm_states,
-            grp.slots, grp.slots_out,
+            grp.slots, grp.slots_out, fixed_blocks=self.invariant,
         ).view(n * L, *v.shape[1:])
+
+    def gdn_prompts(self, layer, c: ChunkedSeqs, mixed, z, a, b, conv_states, ssm_states):
+        """Batch-invariant mode: each prompt chunk through the recurrent kernels token by
+        token (one call a sequence, its state in place), which compute what decoding the same
+        tokens computes; fla's chunked form sums in 64-token chunks counted from the chunk's
+        start, which the step budget moves. Otherwise fla's chunked form."""
+        if not self.invariant:
+            return super().gdn_prompts(layer, c, mixed, z, a, b, conv_states, ssm_states)
+        # sequences without a state start from zeros (a select: an unused slot may hold NaN)
+        keep = c.has_initial_state
+        for pool in (conv_states, ssm_states):
+            old = pool.index_select(0, c.slots)
+            pool.index_copy_(0, c.slots, torch.where(
+                keep.view(-1, *[1] * (old.dim() - 1)), old, torch.zeros((), dtype=old.dtype,
+                                                                         device=old.device)))
+        cu = c.cu_seqlens_cpu.tolist()
+        cores = []
+        for i, n in enumerate(c.lens):
+            s, e = cu[i], cu[i + 1]
+            grp = RecurrentGroup(None, 1, n, c.slots[i:i + 1], None, [])
+            cores.append(self.gdn_recurrent(layer, grp, mixed[s:e], a[s:e], b[s:e],
+                                            conv_states, ssm_states))
+        core = cores[0] if len(cores) == 1 else torch.cat(cores)
+        return self._gdn_norm(layer, core, z)
 
     def gdn_chunked(self, layer, c: ChunkedSeqs, mixed, a, b, conv_states, ssm_states):
         m = prefill.conv_prefill(mixed, layer.conv_weight, c.cu_seqlens, conv_states, c.slots,

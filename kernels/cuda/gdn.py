@@ -55,7 +55,9 @@ def _and(mask, cond):
     return tl.where(cond, mask, False)
 
 
-@triton.jit
+# L is not specialized (Triton compiles other code for L == 1): a decode step, a verification
+# and a prompt of L tokens run the same compiled loop body (batch-invariant mode)
+@triton.jit(do_not_specialize=["L"])
 def _gdn_recurrent_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, slot_ptr, slot_out_ptr, o_ptr,
     L,
@@ -140,12 +142,14 @@ def _check_slots(state_slots, state_slots_out, B, L):
             raise ValueError(f"state slots must be int32 or int64, got {s.dtype}")
 
 
-def _gdn_config(B: int, HV: int, BK: int, DV: int) -> tuple[int, int]:
+def _gdn_config(B: int, HV: int, BK: int, DV: int, fixed: bool = False) -> tuple[int, int]:
     """(BV, num_warps): a [BK, BV] fp32 state block in registers, at most 4096 elements
     (16 KB) per program; narrower blocks at small batch so more SMs stream the state (chosen
-    against a sweep of BV and warp counts, docs/performance.md)."""
+    against a sweep of BV and warp counts, docs/performance.md). ``fixed``: the same block
+    whatever the batch (batch-invariant mode: the block's shape and warps set the order of
+    the sums over DK)."""
     BV = min(triton.next_power_of_2(DV), max(8, 4096 // BK), 32)
-    if B * HV * triton.cdiv(DV, BV) < 256 and BV > 16 and BK >= 64:
+    if not fixed and B * HV * triton.cdiv(DV, BV) < 256 and BV > 16 and BK >= 64:
         BV //= 2
     num_warps = 4 if BK * BV >= 2048 else (2 if BK * BV >= 512 else 1)
     return BV, num_warps
@@ -162,9 +166,12 @@ def gdn_recurrent(
     ssm_states: torch.Tensor,
     state_slots: torch.Tensor,
     state_slots_out: torch.Tensor | None = None,
+    fixed_blocks: bool = False,
 ) -> torch.Tensor:
     """Fused gating + l2norm + gated delta rule for L tokens of B rows, in place on the pool
-    (see the module docstring). -> o [B, L, HV, DV] in v's dtype."""
+    (see the module docstring). -> o [B, L, HV, DV] in v's dtype. ``fixed_blocks``: launch
+    parameters independent of B (batch-invariant mode); a token's arithmetic is then the same
+    whatever B and L, so a prompt of L tokens leaves the state L decode steps leave."""
     if q.dim() != 4 or q.shape != k.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     B, L, HK, DK = q.shape
@@ -185,7 +192,7 @@ def gdn_recurrent(
     if B == 0 or L == 0:
         return o
     BK = triton.next_power_of_2(DK)
-    BV, num_warps = _gdn_config(B, HV, BK, DV)
+    BV, num_warps = _gdn_config(B, HV, BK, DV, fixed_blocks)
     has_out = state_slots_out is not None
     so = state_slots_out if has_out else state_slots
     grid = (triton.cdiv(DV, BV), B * HV)
@@ -225,7 +232,7 @@ def _window(h0, h1, h2, h3, x_row, sx_l, lc, i, STATE: tl.constexpr):
     return tl.where(i >= STATE, xi.to(tl.float32), h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L"])
 def _conv_update_kernel(
     x_ptr, w_ptr, cs_ptr, slot_ptr, slot_out_ptr, y_ptr,
     L, C,
