@@ -924,6 +924,13 @@ def test_bench_gemv_reports_every_path_and_row_count(tmp_path):
                                     "int4-avxvnni", "int4-avx2") if p in built for m in (1, 3)]
     assert report["read_gb_s"].keys() == {"bf16", "int8", "int4"} & {
         p.split("-")[0] if p.startswith("int") else "bf16" for p in built}
+    vector4 = [i for i in int4.available_isas() if i != "ref"]
+    if vector4:  # one path alone: only its read loop
+        one = f"int4-{vector4[-1]}"
+        report = run_gemv_bench((1,), threads=1, repeats=1, verbose=False,
+                                config=TINY_TEXT_CONFIG, paths=[one])
+        assert [r["path"] for r in report["results"]] == [one]
+        assert report["read_gb_s"].keys() == {"int4"}
     assert all(r["ms"] > 0 and r["share_of_read_bound"] > 0 for r in report["results"])
     assert json.loads((tmp_path / "g.json").read_text())["rows"] == [1, 3]
     for args, msg in ((["--paths", "bf16,fma"], "unknown path(s) bf16"),

@@ -151,8 +151,10 @@ def _run(rows, threads, repeats, paths, seed, config, clock) -> dict:
         else:
             fns[p] = lambda m, p=p: [native.gemv_bf16(xs[m, w.shape[1]], w, p) for w in weights]
             nbytes[p] = sum(w.numel() * 2 for w in weights)
-    reads = {"bf16": _read_loop(weights, threads)}
-    if qws:
+    reads = {}  # the read loop of each weight format a path multiplies
+    if any(_read_of(p) == "bf16" for p in paths):
+        reads["bf16"] = _read_loop(weights, threads)
+    if any(_read_of(p) == "int8" for p in paths):
         reads["int8"] = _read_loop([t for q in qws for t in (q.qs, q.scales)], threads)
     if q4s:
         reads["int4"] = _read_loop([t for q in q4s for t in q.tensors()], threads)
