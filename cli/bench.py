@@ -183,8 +183,9 @@ def gemv(
         "--repeats", min=1, help="Rounds, alternating every path, row count and the read loop "
         "(the median is reported).")] = 5,
     paths: Annotated[str | None, typer.Option(
-        "--paths", help="Comma-separated kernel paths among bf16dot, fma, int8-vnni, int8-avx2 "
-        "(default: every one built here).", show_default=False)] = None,
+        "--paths", help="Comma-separated kernel paths among bf16dot, fma, int8-vnni, int8-avx2, "
+        "int4-vnni, int4-avxvnni, int4-avx2 (default: every one built here).",
+        show_default=False)] = None,
     cpu_time: Annotated[bool, typer.Option(
         "--cpu-time", help="Time in this process's CPU seconds instead of wall seconds: with "
         "--threads 1, the speed on a core of its own (default: off).")] = False,

@@ -214,9 +214,6 @@ class LLM:
                              "reference one")
         self.batch_invariant = batch_invariant
         self.quantization = check_quantization(quantization)
-        if batch_invariant and self.quantization == "int4":
-            raise ValueError("batch_invariant=True has no invariant product for 4-bit weights "
-                             "(quantization='int4'); use bf16, fp32 or int8")
         if self.quantization:
             _check_cpu_backend(f"quantization={self.quantization!r}", self.device, backend)
         if self.device.type == "cpu":

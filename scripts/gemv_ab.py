@@ -2,12 +2,15 @@
 rounds alternated (docs/performance.md, "Few-row products"): each source tree's kernels are
 compiled side by side and called on the same weights; the outputs must be identical.
 
-    python scripts/gemv_ab.py M kind[,kind] name=srcdir[:-DFLAG,...] ...
+    python scripts/gemv_ab.py M[,M] kind[,kind] name=srcdir[:-DFLAG,...] ...
 
-kinds: vnni avx2 bf16dot fma. Times: process CPU ms of one decode step's products (0.8B
-shape, one thread; ``NL=n`` the first n layers only, ``HEAD=0`` without the LM head). E.g.
-``python scripts/gemv_ab.py 1 vnni,bf16dot old=/path/to/old/tree new=.`` (a checkout of an
-older commit as the old tree)."""
+kinds: vnni avx2 bf16dot fma (int8 and half weights); int4-vnni int4-avxvnni int4-avx2 int4-ref
+(4-bit weights: int4_gemm.c linked with its tree's int8_gemm.c, random packed bytes, the LM
+head in int8 on the int8 path of the same level, as ``quantization="int4"`` keeps it). Times:
+process CPU ms of one decode step's products (0.8B shape, one thread; ``NL=n`` the first n
+layers only, ``HEAD=0`` without the LM head), per row count, every variant and row count in
+each round. E.g. ``python scripts/gemv_ab.py 1,2,3,4,8 int4-vnni old=/path/to/old/tree new=.``
+(a checkout of an older commit as the old tree)."""
 
 import ctypes
 import hashlib
@@ -22,12 +25,12 @@ import torch
 
 from hybridrt.bench.fixtures import QWEN35_08B_TEXT_CONFIG as cfg
 from hybridrt.bench.gemv import step_products
-from hybridrt.kernels import quant
+from hybridrt.kernels import int4, quant
 
 torch.set_num_threads(1)
 BUILD = os.path.join(os.environ.get("TMPDIR", "/tmp"), "hybridrt-gemv-ab")
 os.makedirs(BUILD, exist_ok=True)
-M = int(sys.argv[1])
+MS = [int(m) for m in sys.argv[1].split(",")]
 kinds = sys.argv[2].split(",")
 variants = []
 for spec in sys.argv[3:]:
@@ -35,9 +38,13 @@ for spec in sys.argv[3:]:
     src, _, flags = rest.partition(":")
     flags = [f for f in flags.split(",") if f]
     libs = {}
-    for f in ("int8_gemm.c", "half_gemm.c"):
+    for f in ("int8_gemm.c", "half_gemm.c", "int4_gemm.c"):
         path = os.path.join(src, "kernels/csrc", f)
-        src_bytes = Path(path).read_bytes()
+        if not os.path.exists(path):
+            continue
+        srcs = [path] + ([os.path.join(src, "kernels/csrc/int8_gemm.c")] if f == "int4_gemm.c"
+                         else [])
+        src_bytes = b"".join(Path(s).read_bytes() for s in srcs)
         key = hashlib.sha256(src_bytes + " ".join(flags).encode()).hexdigest()[:12]
         out = os.path.join(BUILD, f"{f[:-2]}-{key}.so")
         if not os.path.exists(out):
@@ -53,7 +60,7 @@ for spec in sys.argv[3:]:
                     *flags,
                     "-o",
                     out,
-                    path,
+                    *srcs,
                 ],
                 check=True,
             )
@@ -66,20 +73,72 @@ layers = products[:-1][: 4 * int(os.environ.get("NL", cfg["num_hidden_layers"]))
 shapes = layers + (products[-1:] if os.environ.get("HEAD", "1") != "0" else [])
 g = torch.Generator().manual_seed(0)
 ws = [(torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16) for n, k in shapes]
-xs = {k: torch.randn(M, k, generator=g).to(torch.bfloat16) for _, k in shapes}
-xf = {k: v.float() for k, v in xs.items()}
+xs = {m: {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for _, k in shapes} for m in MS}
+xf = {m: {k: v.float() for k, v in x.items()} for m, x in xs.items()}
 qws = [quant.quantize(w.float()) for w in ws] if {"vnni", "avx2"} & set(kinds) else []
 ISA = {"vnni": 4, "avx2": 2}
+ISA4 = {"int4-ref": 1, "int4-avx2": 2, "int4-vnni": 4, "int4-avxvnni": 8}
 
 
-def run(libs, kind):
+def _int4_random(n, k):
+    """An Int4Weight's three tensors [N, K] of random bytes (the kernels' time does not depend
+    on the values): qs, codes, and bf16 D, M small enough that the sums stay finite."""
+    (P, G, *_), sh_c, sh_s = int4.packed_shapes((n, k))
+    qs = torch.randint(0, 256, (P, G, 4, 64), generator=g, dtype=torch.uint8)
+    codes = torch.randint(0, 256, sh_c, generator=g, dtype=torch.uint8)
+    scales = (torch.rand(sh_s, generator=g) * 1e-4).bfloat16()
+    return qs, codes, scales, G * 32
+
+
+# int4: every product of the layers in 4 bits, the LM head in int8 (as quantization="int4")
+q4s = [_int4_random(n, k) for n, k in layers] if set(ISA4) & set(kinds) else []
+q4head = ([quant.quantize(ws[-1].float())] if q4s and len(shapes) > len(layers) else [])
+
+
+def run(libs, kind, M):
     outs = []
-    if kind in ISA:
+    if kind in ISA4:
+        L = libs["int4_gemm.c"]
+        for (qs, codes, scales, Kp), (N, K) in zip(q4s, layers):
+            y = torch.empty(M, N, dtype=torch.bfloat16)
+            L.int4_gemm(
+                ctypes.c_void_p(xs[M][K].data_ptr()),
+                1,
+                ctypes.c_void_p(qs.data_ptr()),
+                ctypes.c_void_p(codes.data_ptr()),
+                ctypes.c_void_p(scales.data_ptr()),
+                ctypes.c_void_p(y.data_ptr()),
+                1,
+                ctypes.c_int64(M),
+                ctypes.c_int64(N),
+                ctypes.c_int64(K),
+                ctypes.c_int64(Kp),
+                ISA4[kind],
+                1,
+            )
+            outs.append(y)
+        for q in q4head:  # the int8 LM head on the int8 path of the same level
+            N, K = q.shape
+            y = torch.empty(M, N, dtype=torch.bfloat16)
+            libs["int8_gemm.c"].int8_gemm_bf16(
+                ctypes.c_void_p(xs[M][K].data_ptr()),
+                ctypes.c_void_p(q.qs.data_ptr()),
+                ctypes.c_void_p(q.scales.data_ptr()),
+                ctypes.c_void_p(y.data_ptr()),
+                ctypes.c_int64(M),
+                ctypes.c_int64(N),
+                ctypes.c_int64(K),
+                ctypes.c_int64(q.scales.shape[1] * 32),
+                4 if kind == "int4-vnni" else 2 if kind != "int4-ref" else 1,
+                1,
+            )
+            outs.append(y)
+    elif kind in ISA:
         L = libs["int8_gemm.c"]
         for q in qws:
             N, K = q.shape
             y = torch.empty(M, N, dtype=torch.bfloat16)
-            x = xs[K]
+            x = xs[M][K]
             L.int8_gemm_bf16(
                 ctypes.c_void_p(x.data_ptr()),
                 ctypes.c_void_p(q.qs.data_ptr()),
@@ -99,7 +158,7 @@ def run(libs, kind):
             N, K = w.shape
             y = torch.empty(M, N, dtype=torch.bfloat16)
             if kind == "bf16dot":
-                x = xs[K]
+                x = xs[M][K]
                 L.half_gemv_bf16(
                     ctypes.c_void_p(x.data_ptr()),
                     ctypes.c_void_p(w.data_ptr()),
@@ -111,7 +170,7 @@ def run(libs, kind):
                     1,
                 )
             else:
-                x = xf[K]
+                x = xf[M][K]
                 L.half_gemv(
                     ctypes.c_void_p(x.data_ptr()),
                     ctypes.c_void_p(w.data_ptr()),
@@ -129,26 +188,31 @@ def run(libs, kind):
 
 reps = int(os.environ.get("REPS", "9"))
 for kind in kinds:
-    ref = None
-    for name, libs in variants:
-        o = run(libs, kind)
-        same = None if ref is None else all(torch.equal(a, b) for a, b in zip(ref, o))
-        if ref is None:
-            ref = o
-        if same is not None:
-            print(f"  {kind} {name} identical to first: {same}")
-    times = {name: [] for name, _ in variants}
-    for _ in range(reps):
+    for M in MS:
+        ref = None
         for name, libs in variants:
-            t0 = time.process_time()
-            run(libs, kind)
-            times[name].append(time.process_time() - t0)
-    base = statistics.median(times[variants[0][0]])
-    print(
-        f"M={M} {kind}: "
-        + "  ".join(
-            f"{n} {1e3 * statistics.median(t):.1f}ms ({statistics.median(t) / base:.3f})"
-            for n, t in times.items()
-        ),
-        flush=True,
-    )
+            o = run(libs, kind, M)
+            same = None if ref is None else all(torch.equal(a, b) for a, b in zip(ref, o))
+            if ref is None:
+                ref = o
+            if same is not None:
+                print(f"  M={M} {kind} {name} identical to first: {same}")
+    times = {(name, M): [] for name, _ in variants for M in MS}
+    for _ in range(reps):  # every variant and row count in each round
+        for M in MS:
+            for name, libs in variants:
+                t0 = time.process_time()
+                run(libs, kind, M)
+                times[name, M].append(time.process_time() - t0)
+    med = {key: statistics.median(t) for key, t in times.items()}
+    first = variants[0][0]
+    for M in MS:
+        print(
+            f"M={M} {kind}: "
+            + "  ".join(
+                f"{n} {1e3 * med[n, M]:.1f}ms ({med[n, M] / med[first, M]:.3f}"
+                + (f"; {med[n, M] / med[n, MS[0]]:.2f}x M={MS[0]})" if MS[0] != M else ")")
+                for n, _ in variants
+            ),
+            flush=True,
+        )

@@ -4,8 +4,8 @@ preemption, on any thread count, and for greedy requests with MTP speculation on
 
 The kernels first (each row of the invariant products bit for bit its value alone), then the
 engine: requests run alone against many random batch compositions around them, on CPU in bf16
-(both half-weight paths), fp32 and int8 (each int8 path this machine has), with the fused
-layers' vector loops at each width; then the same harness in the default mode, which must find
+(both half-weight paths), fp32, int8 and int4 (each of their paths this machine has), with the
+fused layers' vector loops at each width; then the same harness in the default mode, which must find
 a difference (or the harness could not fail)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from hybridrt.bench.fixtures import (
     tiny_text_config,
     write_random_checkpoint,
 )
-from hybridrt.kernels import native, quant
+from hybridrt.kernels import int4, native, quant
 from hybridrt.kernels.rope import RopeTable, rope_cos_sin
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tests/conftest.py
@@ -82,6 +82,26 @@ def test_int8_rows_every_row_as_alone(isa):
         y = quant.linear(x, qw, isa)
         alone = torch.cat([quant.linear(x[i:i + 1], qw, isa) for i in range(40)])
         assert torch.equal(_bits(y), _bits(alone))
+
+
+@pytest.mark.parametrize("isa", int4.available_isas() or ["none"])
+def test_int4_rows_every_row_as_alone(isa):
+    """The 4-bit products likewise (the GEMV's tiles up to 8 rows, the GEMM's of 4 rows by 2
+    panels beyond, x quantized by the threads past 2^16 activations): 40 and 70 rows against
+    each row alone, bf16 and fp32 activations, 2 threads."""
+    if isa == "none":
+        pytest.skip("compiled CPU kernels unavailable")
+    g = torch.Generator().manual_seed(3)
+    qw = int4.quantize(torch.randn(200, 1000, generator=g).bfloat16())
+    torch.set_num_threads(2)
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(70, 1000, generator=g).to(dtype)
+            alone = torch.cat([int4.linear(x[i:i + 1], qw, isa) for i in range(70)])
+            for m in (40, 70):
+                assert torch.equal(_bits(int4.linear(x[:m], qw, isa)), _bits(alone[:m])), m
+    finally:
+        torch.set_num_threads(1)
 
 
 @needs_kernels
@@ -213,6 +233,16 @@ SETTINGS = [  # (dtype, quantization), the kernel paths forced through the envir
                                         "HYBRIDRT_FUSED_SIMD": "avx2"}, id="int8-avx2",
                  marks=pytest.mark.skipif("avx2" not in quant.available_isas(),
                                           reason="no AVX2 int8 path")),
+    pytest.param(("bfloat16", "int4"), {"HYBRIDRT_INT4_ISA": "vnni"}, id="int4-vnni",
+                 marks=pytest.mark.skipif("vnni" not in int4.available_isas(),
+                                          reason="no AVX-512 VNNI")),
+    pytest.param(("bfloat16", "int4"), {"HYBRIDRT_INT4_ISA": "avxvnni"}, id="int4-avxvnni",
+                 marks=pytest.mark.skipif("avxvnni" not in int4.available_isas(),
+                                          reason="no 256-bit VNNI")),
+    pytest.param(("bfloat16", "int4"), {"HYBRIDRT_INT4_ISA": "avx2", "HYBRIDRT_INT8_ISA": "avx2",
+                                        "HYBRIDRT_FUSED_SIMD": "avx2"}, id="int4-avx2",
+                 marks=pytest.mark.skipif("avx2" not in int4.available_isas(),
+                                          reason="no AVX2 int4 path")),
 ]
 
 
@@ -280,14 +310,12 @@ def test_batch_invariant_errors(ckpt):
     with pytest.raises(ValueError, match="batch_invariant=True runs on the cpu and cuda "
                        "backends, not the reference one"):
         LLM(ckpt, batch_invariant=True, backend="reference")
-    with pytest.raises(ValueError, match="no invariant product for 4-bit weights"):
-        LLM(ckpt, batch_invariant=True, quantization="int4")
 
 
 # Prefix-cache hits ---------------------------------------------------------------------------
 @needs_kernels
-@pytest.mark.parametrize("setting", [("bfloat16", None), ("float32", None), ("bfloat16", "int8")],
-                         ids=["bf16", "fp32", "int8"])
+@pytest.mark.parametrize("setting", [("bfloat16", None), ("float32", None), ("bfloat16", "int8"),
+                                     ("bfloat16", "int4")], ids=["bf16", "fp32", "int8", "int4"])
 def test_prefix_cache_hit_as_cold(ckpt, setting):
     """Two targets resuming from a prefix another request left in the cache (a hit of 48 and
     64 tokens, checkpoints every 16) give their cold run's bytes, at step budgets of 128 and 16

@@ -908,7 +908,7 @@ def test_bench_gemv_reports_every_path_and_row_count(tmp_path):
     exit 2."""
     from hybridrt.bench.fixtures import TINY_TEXT_CONFIG
     from hybridrt.bench.gemv import run_gemv_bench, step_products
-    from hybridrt.kernels import native, quant
+    from hybridrt.kernels import int4, native, quant
 
     if native.load() is None:
         pytest.skip("compiled kernels unavailable")
@@ -917,10 +917,20 @@ def test_bench_gemv_reports_every_path_and_row_count(tmp_path):
                                                                                   + 2 * 2 * 12, 48)
     report = run_gemv_bench((1, 3), threads=1, repeats=1, verbose=False, config=TINY_TEXT_CONFIG,
                             json_path=tmp_path / "g.json")
-    built = native.half_paths() + [f"int8-{i}" for i in quant.available_isas() if i != "ref"]
+    built = native.half_paths() + [f"int{b}-{i}" for b, m in ((8, quant), (4, int4))
+                                   for i in m.available_isas() if i != "ref"]
     got = [(r["path"], r["rows"]) for r in report["results"]]
-    assert got == [(p, m) for p in ("bf16dot", "fma", "int8-vnni", "int8-avx2") if p in built
-                   for m in (1, 3)]
+    assert got == [(p, m) for p in ("bf16dot", "fma", "int8-vnni", "int8-avx2", "int4-vnni",
+                                    "int4-avxvnni", "int4-avx2") if p in built for m in (1, 3)]
+    assert report["read_gb_s"].keys() == {"bf16", "int8", "int4"} & {
+        p.split("-")[0] if p.startswith("int") else "bf16" for p in built}
+    vector4 = [i for i in int4.available_isas() if i != "ref"]
+    if vector4:  # one path alone: only its read loop
+        one = f"int4-{vector4[-1]}"
+        report = run_gemv_bench((1,), threads=1, repeats=1, verbose=False,
+                                config=TINY_TEXT_CONFIG, paths=[one])
+        assert [r["path"] for r in report["results"]] == [one]
+        assert report["read_gb_s"].keys() == {"int4"}
     assert all(r["ms"] > 0 and r["share_of_read_bound"] > 0 for r in report["results"])
     assert json.loads((tmp_path / "g.json").read_text())["rows"] == [1, 3]
     for args, msg in ((["--paths", "bf16,fma"], "unknown path(s) bf16"),

@@ -1,7 +1,7 @@
 """Few-row products against the machine's limits (``hybridrt bench gemv``): one decode step's
 products at the 0.8B shape (every layer's merged projections and the tied LM head, random
-weights), on each CPU kernel path this build has (bf16dot, fma, int8 vnni, int8 avx2), for 1, 2,
-3, 4 and 8 rows of x, against two bounds measured in the same run:
+weights), on each CPU kernel path this build has (bf16dot, fma, int8 vnni / avx2, int4 vnni /
+avxvnni / avx2), for 1, 2, 3, 4 and 8 rows of x, against two bounds measured in the same run:
 
 - the bandwidth bound: the read loop (kernels/csrc/stream.c) over the same weight bytes, in the
   same order, with the same threads, alternated with the products;
@@ -10,8 +10,11 @@ weights), on each CPU kernel path this build has (bf16dot, fma, int8 vnni, int8 
 
 A product of M rows reads each weight once, so at the bandwidth bound its time does not grow
 with M until the arithmetic bound passes the bandwidth bound. Each path is called as the decode
-loop calls it (``native.gemv_bf16``, ``quant.linear`` on bf16 x). Rounds alternate every path,
-row count and the read loop; each figure is the median of its rounds.
+loop calls it (``native.gemv_bf16``, ``quant.linear`` / ``int4.linear`` on bf16 x). The int4
+paths multiply the layers' weights in 4 bits and the LM head in int8 (as ``quantization="int4"``
+keeps it), the 4-bit bytes random (the kernels' time does not depend on them; quantizing the
+step's weights would take minutes). Rounds alternate every path, row count and the read loop;
+each figure is the median of its rounds.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 from hybridrt.bench import ceilings
 from hybridrt.bench.fixtures import QWEN35_08B_TEXT_CONFIG
 
-PATHS = ("bf16dot", "fma", "int8-vnni", "int8-avx2")
+PATHS = ("bf16dot", "fma", "int8-vnni", "int8-avx2", "int4-vnni", "int4-avxvnni", "int4-avx2")
 ROWS = (1, 2, 3, 4, 8)
 
 
@@ -78,7 +81,7 @@ def run_gemv_bench(rows=ROWS, threads: int = 2, repeats: int = 5, paths=None, se
     takes on a core of its own; a busy machine's other processes then count only through the
     memory bandwidth they take)."""
     from hybridrt import env
-    from hybridrt.kernels import native, quant
+    from hybridrt.kernels import int4, native, quant
 
     opts = env.kernel_options()
     if native.load(opts.cache_dir) is None:
@@ -86,7 +89,8 @@ def run_gemv_bench(rows=ROWS, threads: int = 2, repeats: int = 5, paths=None, se
     rows = sorted({int(m) for m in rows})
     if not rows or rows[0] < 1 or rows[-1] > native.HALF_GEMV_MAX_ROWS:
         raise ValueError(f"rows must be in [1, {native.HALF_GEMV_MAX_ROWS}], got {rows}")
-    built = native.half_paths() + [f"int8-{i}" for i in quant.available_isas() if i != "ref"]
+    built = native.half_paths() + [f"int{b}-{i}" for b, m in ((8, quant), (4, int4))
+                                   for i in m.available_isas() if i != "ref"]
     paths = [p for p in PATHS if p in built] if paths is None else list(paths)
     missing = [p for p in paths if p not in built]
     if missing:
@@ -107,30 +111,58 @@ def run_gemv_bench(rows=ROWS, threads: int = 2, repeats: int = 5, paths=None, se
     return report
 
 
+def _random_int4(n: int, k: int, g: torch.Generator):
+    """A 4-bit weight [n, k] of random bytes (codes, and steps small enough to keep sums finite)."""
+    from hybridrt.kernels import int4
+
+    qs_shape, codes_shape, scales_shape = int4.packed_shapes((n, k))
+    return int4.Int4Weight(torch.randint(0, 256, qs_shape, generator=g, dtype=torch.uint8),
+                           torch.randint(0, 256, codes_shape, generator=g, dtype=torch.uint8),
+                           (torch.rand(scales_shape, generator=g) * 1e-4).bfloat16(), (n, k))
+
+
 def _run(rows, threads, repeats, paths, seed, config, clock) -> dict:
-    from hybridrt.kernels import native, quant
+    from hybridrt.kernels import int4, native, quant
 
     shapes = step_products(config)
     g = torch.Generator().manual_seed(seed)
     weights = [(torch.randn(n, k, generator=g) * 0.02).bfloat16() for n, k in shapes]
     qws = [quant.quantize(w) for w in weights] if any(p.startswith("int8") for p in paths) else []
+    q4s = []
+    if any(p.startswith("int4") for p in paths):  # the layers in 4 bits, the LM head in int8
+        q4s = [_random_int4(n, k, g) for n, k in shapes[:-1]]
+        q4s.append(qws[-1] if qws else quant.quantize(weights[-1]))
     xs = {(m, k): torch.randn(m, k, generator=g).bfloat16()
           for m in rows for k in {k for _, k in shapes}}
     macs = sum(n * k for n, k in shapes)
     fns, nbytes = {}, {}
     for p in paths:
-        if p.startswith("int8"):
+        if p.startswith("int4"):
+            isa = p.split("-")[1]
+            isa8 = isa if isa in quant.available_isas() else "avx2"  # avxvnni: the head on avx2
+            fns[p] = lambda m, isa=isa, isa8=isa8: [
+                int4.linear(xs[m, q.shape[1]], q, isa) if isinstance(q, int4.Int4Weight)
+                else quant.linear(xs[m, q.shape[1]], q, isa8) for q in q4s]
+            nbytes[p] = sum(q.nbytes for q in q4s)
+        elif p.startswith("int8"):
             isa = p.split("-")[1]
             fns[p] = lambda m, isa=isa: [quant.linear(xs[m, q.shape[1]], q, isa) for q in qws]
             nbytes[p] = sum(q.nbytes for q in qws)
         else:
             fns[p] = lambda m, p=p: [native.gemv_bf16(xs[m, w.shape[1]], w, p) for w in weights]
             nbytes[p] = sum(w.numel() * 2 for w in weights)
-    reads = {"bf16": _read_loop(weights, threads)}
-    if qws:
+    reads = {}  # the read loop of each weight format a path multiplies
+    if any(_read_of(p) == "bf16" for p in paths):
+        reads["bf16"] = _read_loop(weights, threads)
+    if any(_read_of(p) == "int8" for p in paths):
         reads["int8"] = _read_loop([t for q in qws for t in (q.qs, q.scales)], threads)
+    if q4s:
+        reads["int4"] = _read_loop([t for q in q4s for t in q.tensors()], threads)
     load = {"start": list(os.getloadavg())}
-    peaks = {p: ceilings.dot_peak(p, threads) for p in paths}
+    # int4 vnni: the same vpdpbusd as int8 vnni, one a row and 64 weights (the other 4-bit
+    # paths' inner steps have no measured peak)
+    peaks = {p: ceilings.dot_peak("int8-vnni" if p == "int4-vnni" else p, threads)
+             if p in ceilings.DOT_KINDS or p == "int4-vnni" else None for p in paths}
     for p in paths:  # warm-up: the first call of a shape faults in its output's pages
         for m in rows:
             fns[p](m)
@@ -149,7 +181,7 @@ def _run(rows, threads, repeats, paths, seed, config, clock) -> dict:
     med = {key: statistics.median(v) for key, v in times.items()}
     results = []
     for p in paths:
-        bound = med["read int8" if p.startswith("int8") else "read bf16"]
+        bound = med[f"read {_read_of(p)}"]
         peak = peaks[p]
         for m in rows:
             t = med[f"{p} {m}"]
@@ -174,9 +206,14 @@ def _run(rows, threads, repeats, paths, seed, config, clock) -> dict:
     }
 
 
+def _read_of(path: str) -> str:
+    """The read loop of a path: over the weights it multiplies (int8, int4 or bf16)."""
+    return path.split("-")[0] if path.startswith(("int8", "int4")) else "bf16"
+
+
 def _bytes_of(name: str, nbytes: dict) -> int:
-    """The weight bytes of the read loop ``name`` (bf16 or int8): those of its paths."""
-    return next(v for p, v in nbytes.items() if p.startswith("int8") == (name == "int8"))
+    """The weight bytes of the read loop ``name`` (bf16, int8 or int4): those of its paths."""
+    return next(v for p, v in nbytes.items() if _read_of(p) == name)
 
 
 def format_table(report: dict) -> str:
@@ -191,13 +228,13 @@ def format_table(report: dict) -> str:
              "dot-product peaks: " + ", ".join(
                  f"{p} {v:.0f} Gop/s" if v else f"{p} -"
                  for p, v in report["dot_peak_gop_s"].items())]
-    head = (f"{'path':<10} {'rows':>4} {'ms':>8} {'GB/s':>6} {'of read bound':>13} "
+    head = (f"{'path':<12} {'rows':>4} {'ms':>8} {'GB/s':>6} {'of read bound':>13} "
             f"{'x 1 row':>8} {'arith. bound ms':>15}")
     lines += [head, "-" * len(head)]
     for r in report["results"]:
         x1 = "-" if r["over_one_row"] is None else f"{r['over_one_row']:.2f}"
         ar = "-" if r["arithmetic_bound_ms"] is None else f"{r['arithmetic_bound_ms']:.1f}"
-        lines.append(f"{r['path']:<10} {r['rows']:>4} {r['ms']:>8.1f} {r['gb_s']:>6.1f} "
+        lines.append(f"{r['path']:<12} {r['rows']:>4} {r['ms']:>8.1f} {r['gb_s']:>6.1f} "
                      f"{r['share_of_read_bound']:>13.2f} {x1:>8} {ar:>15}")
     lines.append(f"one decode step's {report['products']} products ({report['weight_gb']:.3f} GB "
                  f"in bf16), the tied LM head included; of read bound: the read loop's time over "

@@ -228,14 +228,14 @@ class CPUBackend(ReferenceBackend):
 
     # Batch-invariant mode ------------------------------------------------------------------
     def _invariant_product(self, x, w):
-        """x W^T with each row's sums fixed by the row alone: int8 weights on their kernels
-        (row-invariant at every row count), half weights on the few-row GEMV's tiles
+        """x W^T with each row's sums fixed by the row alone: int8 and 4-bit weights on their
+        kernels (row-invariant at every row count: a row's operations are the same in the GEMV
+        and in every GEMM tile), half weights on the few-row GEMV's tiles
         (``native.gemv_rows``), fp32 weights on ``native.f32_gemm_rows``."""
-        if isinstance(w, int4.Int4Weight):
-            raise ValueError("batch_invariant: 4-bit weights have no invariant product; use "
-                             "bf16, fp32 or int8")
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        if isinstance(w, quant.QuantWeight):
+        if isinstance(w, int4.Int4Weight):
+            y = int4.linear(x2, w, self.int4_isa)
+        elif isinstance(w, quant.QuantWeight):
             y = quant.linear(x2, w, self.int8_isa)
         elif self._decode_gemv(x, w):  # up to 8 rows: gemv_rows' own call, without its checks
             return native.gemv_bf16(x, w, self.half_path)

@@ -27,9 +27,10 @@
  *               int16: 8 * 2 * 15 * 127 = 30480), widened once a group by vpmaddwd;
  *   ISA_AVXVNNI 256-bit vpdpbusd (AVX-VNNI, or AVX512-VNNI + VL), otherwise as AVX2;
  *   ISA_VNNI    AVX-512 VNNI: 512-bit vpdpbusd, 16 columns a vector.
- * Threads (OpenMP) take blocks of panels: one panel a block up to 8 rows (each weight loaded
- * once for all rows, each thread streaming its share of W), two panels (AVX2: one) and tiles of 4
- * rows beyond.
+ * Threads (OpenMP) take blocks of panels: one panel a block up to 8 rows (each weight read from
+ * memory once for all rows, each thread streaming its share of W; AVX-512: unpacked once for all
+ * rows, the 256-bit paths: again from L1 for rows 5-8), two panels (AVX2: one) and tiles of 4 rows
+ * beyond. The GEMV prefetches the weight stream ahead into L2 (PF_AHEAD).
  */
 #include <math.h>
 #include <stdint.h>
@@ -48,6 +49,8 @@
 #define GEMV_MAX 8 /* rows up to which every row of x is one tile */
 #define MR 4       /* rows per tile beyond that */
 #define NP 2       /* panels per tile beyond that (AVX-512) */
+#define AVX2_ROWS 4   /* rows per tile on the 256-bit paths (16 ymm registers on AVX2) */
+#define PF_AHEAD 8192 /* bytes of the weight stream prefetched ahead of a few-row tile's loads */
 
 enum { ISA_REF = 1, ISA_AVX2 = 2, ISA_VNNI = 4, ISA_AVXVNNI = 8 };
 
@@ -153,7 +156,8 @@ static inline __m512 codes16(const uint8_t *c)
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
 }
 
-/* rows [i, i + mr) by panels [p, p + np): mr <= 8 with np = 1, mr <= 4 with np = 2 */
+/* the GEMM's tile: rows [i, i + mr) (mr <= 4) by panels [p, p + np) (np <= 2; the GEMV's tile,
+ * of one panel, is gemv_vnni) */
 static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64_t i, int64_t p,
                                                             int mr, int np)
 {
@@ -165,8 +169,6 @@ static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64
     for (int r = 0; r < GEMV_MAX; ++r)
         #pragma GCC unroll 2
         for (int t = 0; t < NP; ++t) accf[r][t] = _mm512_setzero_ps();
-    /* one row: the group's sums in four int32 chains (exact, so any split gives the same) */
-    const int chains = mr == 1 && np == 1;
     for (int64_t sb = 0; sb < a->SB; ++sb) {
         __m512 D[NP], M[NP];
         #pragma GCC unroll 2
@@ -179,12 +181,11 @@ static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64
         }
         const int64_t g1 = (sb + 1) * SBG < a->G ? (sb + 1) * SBG : a->G;
         for (int64_t g = sb * SBG; g < g1; ++g) {
-            __m512i acc[GEMV_MAX][NP], extra[3];
+            __m512i acc[GEMV_MAX][NP];
             #pragma GCC unroll 8
             for (int r = 0; r < GEMV_MAX; ++r)
                 #pragma GCC unroll 2
                 for (int t = 0; t < NP; ++t) acc[r][t] = _mm512_setzero_si512();
-            extra[0] = extra[1] = extra[2] = _mm512_setzero_si512();
             #pragma GCC unroll 4
             for (int k4 = 0; k4 < 4; ++k4) {
                 __m512i wl[NP], wh[NP];
@@ -205,26 +206,13 @@ static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64
                         #pragma GCC unroll 2
                         for (int t = 0; t < NP; ++t) {
                             if (t < np) {
-                                if (chains) {
-                                    if (k4 & 1) {
-                                        extra[1] = _mm512_dpbusd_epi32(extra[1], wl[t], xl);
-                                        extra[2] = _mm512_dpbusd_epi32(extra[2], wh[t], xh);
-                                    } else {
-                                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wl[t], xl);
-                                        extra[0] = _mm512_dpbusd_epi32(extra[0], wh[t], xh);
-                                    }
-                                } else {
-                                    acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wl[t], xl);
-                                    acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wh[t], xh);
-                                }
+                                acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wl[t], xl);
+                                acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wh[t], xh);
                             }
                         }
                     }
                 }
             }
-            if (chains)
-                acc[0][0] = _mm512_add_epi32(_mm512_add_epi32(acc[0][0], extra[0]),
-                                             _mm512_add_epi32(extra[1], extra[2]));
             #pragma GCC unroll 2
             for (int t = 0; t < NP; ++t) {
                 if (t < np) {
@@ -274,7 +262,7 @@ static inline __m256 codes8(const uint8_t *c)
 /* rows [i, i + mr) (mr <= 8) by columns 8 h .. 8 h + 7 of panel p. ``vnni``: vpdpbusd (a
  * literal at every call) */
 static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64_t i, int64_t p,
-                                                            int h, int mr, int vnni)
+                                                            int h, int mr, int vnni, int pf)
 {
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const int8_t *xq = a->xq + i * a->Kp;
@@ -292,6 +280,8 @@ static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64
             for (int r = 0; r < GEMV_MAX; ++r) acc[r] = _mm256_setzero_si256();
             #pragma GCC unroll 4
             for (int k4 = 0; k4 < 4; ++k4) {
+                if (pf)
+                    _mm_prefetch((const char *)qs_at(a, p, g) + 64 * k4 + PF_AHEAD, _MM_HINT_T1);
                 const __m256i v = _mm256_loadu_si256(
                     (const __m256i *)(qs_at(a, p, g) + 64 * k4 + 32 * h));
                 const __m256i wl = _mm256_and_si256(v, low);
@@ -346,36 +336,119 @@ static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64
 
 static void panel_avx2(const Args *a, int64_t i, int64_t p, int mr, int vnni)
 {
-    /* mr and vnni as literals at every call, so that the unrolled loops keep the tile in
+    /* rows in tiles of up to AVX2_ROWS (their int16 and fp32 sums in registers; the panel's
+     * bytes again from L1 for the next tile), the weight stream prefetched by the first; mr
+     * and vnni as literals at every call, so that the unrolled loops keep the tile in
      * registers; the second half of a panel past N is skipped */
     for (int h = 0; h < 2 && p * NR + 8 * h < a->N; ++h) {
-#define AVX2_CASE(n)                                            \
-    case n:                                                     \
-        if (vnni) tile_avx2(a, i, p, h, n, 1);                  \
-        else tile_avx2(a, i, p, h, n, 0);                       \
+        for (int r0 = 0; r0 < mr; r0 += AVX2_ROWS) {
+            const int n = mr - r0 < AVX2_ROWS ? mr - r0 : AVX2_ROWS, pf = h == 0 && r0 == 0;
+#define AVX2_CASE(n)                                                  \
+    case n:                                                           \
+        if (vnni) tile_avx2(a, i + r0, p, h, n, 1, pf);               \
+        else tile_avx2(a, i + r0, p, h, n, 0, pf);                    \
         break;
-        switch (mr) {
-        AVX2_CASE(1) AVX2_CASE(2) AVX2_CASE(3) AVX2_CASE(4)
-        AVX2_CASE(5) AVX2_CASE(6) AVX2_CASE(7) default: tile_avx2(a, i, p, h, 8, vnni); break;
-        }
+            switch (n) {
+            AVX2_CASE(1) AVX2_CASE(2) AVX2_CASE(3) AVX2_CASE(4)
+            AVX2_CASE(5) AVX2_CASE(6) AVX2_CASE(7)
+            default: tile_avx2(a, i + r0, p, h, 8, vnni, pf); break;
+            }
 #undef AVX2_CASE
+        }
     }
 }
 #endif
 
 #ifdef HAVE_VNNI
+/* acc + the 4-byte dot products of w's unsigned bytes with x's 4 signed bytes broadcast from
+ * memory to every lane: vpdpbusd's embedded broadcast, which the compiler does not fold from
+ * _mm512_set1_epi32 (a separate broadcast per row and 4 inputs took issue slots) */
+static inline __m512i dpbusd_x4(__m512i acc, __m512i w, const int8_t *x)
+{
+    __asm__("vpdpbusd %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*(const int32_t *)x), "v"(w));
+    return acc;
+}
+
+/* The GEMV's tile: rows [i, i + mr) (mr <= 8) of x by panel p. Each group's 256 bytes are
+ * loaded and unpacked once into 8 vectors (4 of low nibbles, 4 of high) and multiplied into
+ * every row's int32 sums, a row's 8 products in two chains (low, high) up to 4 rows, one beyond
+ * (the sums are exact: the split cannot change them); then the same fp32 steps per row and group
+ * as every path. The weight stream ahead is prefetched into L2, one row included: a whole decode
+ * step's one-row products took 0.83x the time of the hardware prefetcher alone, and with a few
+ * rows' work per byte the loads waited without it (docs/performance.md, "int4 few rows"). */
+static inline __attribute__((always_inline)) void gemv_vnni(const Args *a, int64_t i, int64_t p,
+                                                            int mr)
+{
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const int8_t *xq = a->xq + i * a->Kp;
+    const float *xd = a->xd + i * a->G, *xds = a->xds + i * a->G;
+    __m512 accf[GEMV_MAX];
+    #pragma GCC unroll 8
+    for (int r = 0; r < GEMV_MAX; ++r) accf[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < a->SB; ++sb) {
+        const uint16_t *s = scales_at(a, p, sb * SBG);
+        const __m512 D = bf16x16(s), M = bf16x16(s + NR);
+        const int64_t g1 = (sb + 1) * SBG < a->G ? (sb + 1) * SBG : a->G;
+        for (int64_t g = sb * SBG; g < g1; ++g) {
+            const uint8_t *q = qs_at(a, p, g);
+            __m512i w[8];
+            #pragma GCC unroll 4
+            for (int k4 = 0; k4 < 4; ++k4) {
+                _mm_prefetch((const char *)q + 64 * k4 + PF_AHEAD, _MM_HINT_T1);
+                const __m512i v = _mm512_loadu_si512(q + 64 * k4);
+                w[k4] = _mm512_and_si512(v, low);
+                w[4 + k4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+            __m512i acc[GEMV_MAX];
+            #pragma GCC unroll 8
+            for (int r = 0; r < GEMV_MAX; ++r) {
+                if (r < mr) {
+                    const int8_t *xg = xq + r * a->Kp + g * QK;
+                    /* two chains (low, high nibbles) up to 4 rows, one beyond */
+                    __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+                    #pragma GCC unroll 4
+                    for (int k4 = 0; k4 < 4; ++k4) {
+                        lo = dpbusd_x4(lo, w[k4], xg + 4 * k4);
+                        if (mr <= 4) hi = dpbusd_x4(hi, w[4 + k4], xg + 16 + 4 * k4);
+                        else lo = dpbusd_x4(lo, w[4 + k4], xg + 16 + 4 * k4);
+                    }
+                    acc[r] = mr <= 4 ? _mm512_add_epi32(lo, hi) : lo;
+                }
+            }
+            const uint8_t *cg = codes_at(a, p, g);
+            const __m512 dw = _mm512_mul_ps(D, codes16(cg));
+            const __m512 mw = _mm512_mul_ps(M, codes16(cg + NR));
+            #pragma GCC unroll 8
+            for (int r = 0; r < GEMV_MAX; ++r) {
+                if (r < mr) {
+                    const __m512 dx = _mm512_set1_ps(xd[r * a->G + g]);
+                    const __m512 dxs = _mm512_set1_ps(xds[r * a->G + g]);
+                    accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(dw, dx),
+                                              accf[r]);
+                    accf[r] = _mm512_fnmadd_ps(mw, dxs, accf[r]); /* fma(mw, -dxs, acc) */
+                }
+            }
+        }
+    }
+    const int64_t n0 = p * NR;
+    const __mmask16 m = n0 + NR <= a->N ? (__mmask16)0xffff : (__mmask16)((1u << (a->N - n0)) - 1);
+    #pragma GCC unroll 8
+    for (int r = 0; r < GEMV_MAX; ++r)
+        if (r < mr) act_st16(a->y, (i + r) * a->N + n0, accf[r], a->y_bf, m);
+}
+
 static void tile_vnni_any(const Args *a, int64_t i, int64_t p, int mr, int np)
 {
     if (np == 1) {
         switch (mr) {
-        case 1: tile_vnni(a, i, p, 1, 1); break;
-        case 2: tile_vnni(a, i, p, 2, 1); break;
-        case 3: tile_vnni(a, i, p, 3, 1); break;
-        case 4: tile_vnni(a, i, p, 4, 1); break;
-        case 5: tile_vnni(a, i, p, 5, 1); break;
-        case 6: tile_vnni(a, i, p, 6, 1); break;
-        case 7: tile_vnni(a, i, p, 7, 1); break;
-        default: tile_vnni(a, i, p, 8, 1); break;
+        case 1: gemv_vnni(a, i, p, 1); break;
+        case 2: gemv_vnni(a, i, p, 2); break;
+        case 3: gemv_vnni(a, i, p, 3); break;
+        case 4: gemv_vnni(a, i, p, 4); break;
+        case 5: gemv_vnni(a, i, p, 5); break;
+        case 6: gemv_vnni(a, i, p, 6); break;
+        case 7: gemv_vnni(a, i, p, 7); break;
+        default: gemv_vnni(a, i, p, 8); break;
         }
         return;
     }
