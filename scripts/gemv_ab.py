@@ -2,12 +2,14 @@
 rounds alternated (docs/performance.md, "Few-row products"): each source tree's kernels are
 compiled side by side and called on the same weights; the outputs must be identical.
 
-    python scripts/gemv_ab.py M kind[,kind] name=srcdir[:-DFLAG,...] ...
+    python scripts/gemv_ab.py M[,M] kind[,kind] name=srcdir[:-DFLAG,...] ...
 
 kinds: vnni avx2 bf16dot fma. Times: process CPU ms of one decode step's products (0.8B
 shape, one thread; ``NL=n`` the first n layers only, ``HEAD=0`` without the LM head). E.g.
 ``python scripts/gemv_ab.py 1 vnni,bf16dot old=/path/to/old/tree new=.`` (a checkout of an
-older commit as the old tree)."""
+older commit as the old tree). Several row counts (``1,2,3,4,8``): every (variant, row count)
+alternated in each round, and each variant's times also over its own one-row time (the first
+count). ``-mno-avx512f`` as a flag builds a tree as for an AVX2 CPU (16 ymm registers)."""
 
 import ctypes
 import hashlib
@@ -27,7 +29,7 @@ from hybridrt.kernels import quant
 torch.set_num_threads(1)
 BUILD = os.path.join(os.environ.get("TMPDIR", "/tmp"), "hybridrt-gemv-ab")
 os.makedirs(BUILD, exist_ok=True)
-M = int(sys.argv[1])
+MS = [int(m) for m in sys.argv[1].split(",")]
 kinds = sys.argv[2].split(",")
 variants = []
 for spec in sys.argv[3:]:
@@ -66,20 +68,20 @@ layers = products[:-1][: 4 * int(os.environ.get("NL", cfg["num_hidden_layers"]))
 shapes = layers + (products[-1:] if os.environ.get("HEAD", "1") != "0" else [])
 g = torch.Generator().manual_seed(0)
 ws = [(torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16) for n, k in shapes]
-xs = {k: torch.randn(M, k, generator=g).to(torch.bfloat16) for _, k in shapes}
-xf = {k: v.float() for k, v in xs.items()}
+xs = {(m, k): torch.randn(m, k, generator=g).to(torch.bfloat16) for m in MS for _, k in shapes}
+xf = {mk: v.float() for mk, v in xs.items()}
 qws = [quant.quantize(w.float()) for w in ws] if {"vnni", "avx2"} & set(kinds) else []
 ISA = {"vnni": 4, "avx2": 2}
 
 
-def run(libs, kind):
+def run(libs, kind, M):
     outs = []
     if kind in ISA:
         L = libs["int8_gemm.c"]
         for q in qws:
             N, K = q.shape
             y = torch.empty(M, N, dtype=torch.bfloat16)
-            x = xs[K]
+            x = xs[M, K]
             L.int8_gemm_bf16(
                 ctypes.c_void_p(x.data_ptr()),
                 ctypes.c_void_p(q.qs.data_ptr()),
@@ -99,7 +101,7 @@ def run(libs, kind):
             N, K = w.shape
             y = torch.empty(M, N, dtype=torch.bfloat16)
             if kind == "bf16dot":
-                x = xs[K]
+                x = xs[M, K]
                 L.half_gemv_bf16(
                     ctypes.c_void_p(x.data_ptr()),
                     ctypes.c_void_p(w.data_ptr()),
@@ -111,7 +113,7 @@ def run(libs, kind):
                     1,
                 )
             else:
-                x = xf[K]
+                x = xf[M, K]
                 L.half_gemv(
                     ctypes.c_void_p(x.data_ptr()),
                     ctypes.c_void_p(w.data_ptr()),
@@ -129,26 +131,31 @@ def run(libs, kind):
 
 reps = int(os.environ.get("REPS", "9"))
 for kind in kinds:
-    ref = None
-    for name, libs in variants:
-        o = run(libs, kind)
-        same = None if ref is None else all(torch.equal(a, b) for a, b in zip(ref, o))
-        if ref is None:
-            ref = o
-        if same is not None:
-            print(f"  {kind} {name} identical to first: {same}")
-    times = {name: [] for name, _ in variants}
-    for _ in range(reps):
+    for M in MS:
+        ref = None
         for name, libs in variants:
-            t0 = time.process_time()
-            run(libs, kind)
-            times[name].append(time.process_time() - t0)
-    base = statistics.median(times[variants[0][0]])
-    print(
-        f"M={M} {kind}: "
-        + "  ".join(
-            f"{n} {1e3 * statistics.median(t):.1f}ms ({statistics.median(t) / base:.3f})"
-            for n, t in times.items()
-        ),
-        flush=True,
-    )
+            o = run(libs, kind, M)
+            if ref is None:
+                ref = o
+            else:
+                same = all(torch.equal(a, b) for a, b in zip(ref, o))
+                print(f"  {kind} M={M} {name} identical to first: {same}")
+    times = {(name, M): [] for name, _ in variants for M in MS}
+    for _ in range(reps):
+        for M in MS:
+            for name, libs in variants:
+                t0 = time.process_time()
+                run(libs, kind, M)
+                times[name, M].append(time.process_time() - t0)
+    med = {key: statistics.median(t) for key, t in times.items()}
+    for M in MS:
+        base = med[variants[0][0], M]
+        print(
+            f"M={M} {kind}: "
+            + "  ".join(
+                f"{n} {1e3 * med[n, M]:.1f}ms ({med[n, M] / base:.3f}; "
+                f"{med[n, M] / med[n, MS[0]]:.2f}x {MS[0]} row)"
+                for n, _ in variants
+            ),
+            flush=True,
+        )
