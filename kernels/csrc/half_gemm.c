@@ -10,7 +10,6 @@
  * 1 MiB. half_gemv (up to 8 rows): each weight element read and widened once.
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -186,36 +185,27 @@ void half_gemm(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N
 }
 
 /* Few rows (decode at small batch, draft verification): y[M, N] = x[M, K] W^T for M <= 8,
- * straight from the weight in its own layout, W [N, K] row-major. A tile is NB consecutive
- * weight rows; all M rows of x pass over it, R rows at a time (a pass), so that each weight row
- * streams from memory once and later passes read it from L1. Every (row, weight row) pair has
- * four accumulators over each 32 inputs (the even and odd inputs of two 16-input blocks: a bf16
- * weight widens as its 32-bit lanes shifted and masked, no shuffle), added by one tree and
- * summed across lanes by reduce8, whatever M, R and NB are: a row's result does not depend on
- * the rows beside it (a verification of up to 7 drafts computes its rows exactly as decoding
- * does them one by one), and one row alone still has four FMA chains in flight. x is first
- * copied in that order (xp: per 16 inputs the even ones, then the odd ones; fp16 weights widen
- * in order and keep it), zeros past K. Threads take contiguous ranges of tiles, each one
- * stream through its share of W. */
+ * straight from the weight in its own layout, W [N, K] row-major. A tile is all M rows of x by
+ * NB consecutive weight rows: 8 inputs a step, each weight vector loaded and widened once and
+ * multiplied into the M rows' accumulators, so that the product's arithmetic per weight byte
+ * grows with M while its memory traffic does not; NB (gemv_nb) is chosen per M so that the M x NB
+ * accumulators hide the FMA latency and fit the registers. Every (row, weight row) pair has one
+ * accumulator that runs over k in order and is summed across lanes by the same tree (reduce8),
+ * whatever M and NB are: a row's result does not depend on the rows beside it (a verification
+ * of up to 7 drafts computes its rows exactly as decoding does them one by one). Threads take
+ * contiguous ranges of tiles, each one stream through its share of W. */
 #ifdef __AVX512VL__
 #define GEMV_REGS 32 /* ymm registers this build can use */
 #else
 #define GEMV_REGS 16
 #endif
 
-/* weight rows per tile on the fma path, and rows per pass at most: FMA_ACC / (4 NB), the
- * accumulators, the NB x 2 widened weight vectors and a constant within the registers. One
- * row: one weight row a tile (a single sequential stream, as the bf16dot path); 2-3 rows: two,
- * each x vector loaded once for both; more: one, all rows in one pass where they fit (a second
- * pass over the tile cost more than the extra loads of x) */
-#ifndef FMA_NB
+/* weight rows per tile for M rows of x on the fma path: M * NB accumulators and the live
+ * vectors within the registers, at least 8 accumulators where that fits */
 #if GEMV_REGS == 32
-#define FMA_NB(M) ((M) == 1 || (M) > 3 ? 1 : 2)
-#define FMA_ACC 24
+#define FMA_NB(M) ((M) <= 2 ? 8 : (M) == 3 ? 5 : (M) <= 5 ? 4 : 3)
 #else
-#define FMA_NB(M) 1
-#define FMA_ACC 12
-#endif
+#define FMA_NB(M) ((M) == 1 ? 6 : (M) <= 3 ? 4 : (M) == 4 ? 3 : (M) <= 6 ? 2 : 1)
 #endif
 
 /* Where a tile of NB weight rows from w starts prefetching: the tile at least 8 KiB ahead. A
@@ -246,142 +236,57 @@ static inline __m256 reduce8(const __m256 v[8])
     return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* 16 weights from w -> two fp32 vectors: bf16, the even and the odd inputs (the 32-bit lanes
- * shifted up and masked); fp16, the first 8 and the next 8 */
-static inline void widen16(const uint16_t *w, int is_fp16, __m256 *a, __m256 *b)
+static inline __attribute__((always_inline)) void gemv_tile(
+    const float *x, const uint16_t *w, void *y, int64_t N, int64_t K, int M, int NB,
+    int is_fp16, int out_bf16)
 {
-    if (is_fp16) {
-        *a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
-        *b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 8)));
-    } else {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)w);
-        *a = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        *b = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
-    }
-}
-
-/* x [M, K] -> xp [M, Kp] (Kp: K rounded up to 16) in widen16's order, zeros past K */
-static void order_x(const float *x, float *xp, int64_t M, int64_t K, int64_t Kp, int is_fp16)
-{
-    for (int64_t m = 0; m < M; ++m) {
-        const float *xr = x + m * K;
-        float *pr = xp + m * Kp;
-        for (int64_t b = 0; b < Kp; b += 16)
-            for (int i = 0; i < 16; ++i) {
-                const int64_t k = is_fp16 ? b + i : b + (i < 8 ? 2 * i : 2 * (i - 8) + 1);
-                pr[b + i] = k < K ? xr[k] : 0.0f;
-            }
-    }
-}
-
-/* 16 inputs from k (h: into accumulators 2h and 2h + 1) of rows [0, R) of xp by NB weight
- * rows; ``part``: fewer than 16 weights left in each row, read from a copy padded with zeros
- * (xp holds zeros past K) */
-static inline __attribute__((always_inline)) void gemv_block(
-    __m256 acc[][4], const float *xp, int64_t Kp, const uint16_t *w, int64_t K, int64_t k,
-    int R, int NB, int h, int part, int is_fp16)
-{
-    __m256 wv[8][2];
-    #pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) {
-        if (part) {
-            uint16_t t[16] = {0};
-            memcpy(t, w + j * K + k, (size_t)(K - k) * 2);
-            widen16(t, is_fp16, &wv[j][0], &wv[j][1]);
-        } else {
-            widen16(w + j * K + k, is_fp16, &wv[j][0], &wv[j][1]);
-        }
-    }
-    #pragma GCC unroll 8
-    for (int m = 0; m < R; ++m) {
-        const float *xm = xp + m * Kp + k;
-        #pragma GCC unroll 8
-        for (int j = 0; j < NB; ++j) {
-            acc[m * NB + j][2 * h] = _mm256_fmadd_ps(_mm256_loadu_ps(xm), wv[j][0],
-                                                     acc[m * NB + j][2 * h]);
-            acc[m * NB + j][2 * h + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 8), wv[j][1],
-                                                         acc[m * NB + j][2 * h + 1]);
-        }
-    }
-}
-
-/* One pass: rows [0, R) of xp (R a literal) by the tile's NB weight rows over all K. */
-static inline __attribute__((always_inline)) void gemv_pass(
-    const float *xp, int64_t Kp, const uint16_t *w, void *y, int64_t N, int64_t K, int R,
-    int NB, int prefetch, int is_fp16, int out_bf16)
-{
-    __m256 acc[24][4];
+    __m256 acc[24];
     #pragma GCC unroll 24
-    for (int i = 0; i < R * NB; ++i)
-        #pragma GCC unroll 4
-        for (int u = 0; u < 4; ++u) acc[i][u] = _mm256_setzero_ps();
-    const int64_t K32 = K & ~(int64_t)31, K16 = K & ~(int64_t)15;
+    for (int i = 0; i < M * NB; ++i) acc[i] = _mm256_setzero_ps();
+    const int64_t K8 = K & ~(int64_t)7;
     const char *ahead = prefetch_base(w, K, NB);
-    for (int64_t k = 0; k < K32; k += 32) {
-        if (prefetch)
+    for (int64_t k = 0; k < K8; k += 8) {
+        if ((k & 31) == 0)
             #pragma GCC unroll 8
             for (int j = 0; j < NB; ++j) _mm_prefetch(ahead + (k * NB + 32 * j) * 2, _MM_HINT_T1);
-        gemv_block(acc, xp, Kp, w, K, k, R, NB, 0, 0, is_fp16);
-        gemv_block(acc, xp, Kp, w, K, k + 16, R, NB, 1, 0, is_fp16);
+        #pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) {
+            const __m256 wv = widen8(w + j * K + k, is_fp16);
+            #pragma GCC unroll 8
+            for (int m = 0; m < M; ++m)
+                acc[m * NB + j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), wv,
+                                                  acc[m * NB + j]);
+        }
     }
-    /* the last K % 32 inputs: a whole block of 16 into the first two accumulators, the rest
-     * into the last two */
-    if (K16 > K32) gemv_block(acc, xp, Kp, w, K, K32, R, NB, 0, 0, is_fp16);
-    if (K > K16) gemv_block(acc, xp, Kp, w, K, K16, R, NB, 1, 1, is_fp16);
+    if (K8 < K) {  /* the last K % 8 inputs, zeros past K */
+        const int r = (int)(K - K8);
+        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(r), lanes);
+        #pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) {
+            uint16_t t[8] = {0};
+            memcpy(t, w + j * K + K8, (size_t)r * 2);
+            const __m256 wv = widen8(t, is_fp16);
+            #pragma GCC unroll 8
+            for (int m = 0; m < M; ++m)
+                acc[m * NB + j] = _mm256_fmadd_ps(_mm256_maskload_ps(x + m * K + K8, mask), wv,
+                                                  acc[m * NB + j]);
+        }
+    }
     #pragma GCC unroll 3
-    for (int b = 0; b < (R * NB + 7) / 8; ++b) {
+    for (int b = 0; b < (M * NB + 7) / 8; ++b) {
         __m256 v[8];
         #pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) {
-            const int a = b * 8 + i;
-            v[i] = a < R * NB ? _mm256_add_ps(_mm256_add_ps(acc[a][0], acc[a][2]),
-                                              _mm256_add_ps(acc[a][1], acc[a][3]))
-                              : _mm256_setzero_ps();
-        }
+        for (int i = 0; i < 8; ++i)
+            v[i] = b * 8 + i < M * NB ? acc[b * 8 + i] : _mm256_setzero_ps();
         float s[8];
         _mm256_storeu_ps(s, reduce8(v));
-        const int count = R * NB - b * 8 < 8 ? R * NB - b * 8 : 8;
+        const int count = M * NB - b * 8 < 8 ? M * NB - b * 8 : 8;
         /* the sums b * 8 .. b * 8 + count: rows and columns from their index */
         for (int i = 0; i < count; ++i) {
             const int a = b * 8 + i;
             act_st(y, (int64_t)(a / NB) * N + a % NB, s[i], out_bf16);
         }
-    }
-}
-
-/* rows of the next pass: the rows left split evenly over the fewest passes of at most
- * FMA_ACC / (4 NB) */
-static inline int pass_rows(int left, int NB)
-{
-    const int rmax = FMA_ACC / (4 * NB), passes = (left + rmax - 1) / rmax;
-    return (left + passes - 1) / passes;
-}
-
-/* All M rows (a literal) of xp over the tile of NB weight rows at w, in passes; the tile ahead
- * prefetched during the first pass (not for one row: a single stream the hardware follows) */
-static inline __attribute__((always_inline)) void gemv_tile(
-    const float *xp, int64_t Kp, const uint16_t *w, void *y, int64_t N, int64_t K, int M,
-    int NB, int is_fp16, int out_bf16)
-{
-    char *yb = y;
-    const int64_t ys = out_bf16 ? 2 : 4;
-    #pragma GCC unroll 8
-    for (int r0 = 0; r0 < M;) {
-        const int r = pass_rows(M - r0, NB), pf = r0 == 0 && (M > 1 || NB > 1);
-        const float *xr = xp + r0 * Kp;
-        char *yr = yb + r0 * N * ys;
-        switch (r) {
-        case 1: gemv_pass(xr, Kp, w, yr, N, K, 1, NB, pf, is_fp16, out_bf16); break;
-        case 2: gemv_pass(xr, Kp, w, yr, N, K, 2, NB, pf, is_fp16, out_bf16); break;
-        case 3: gemv_pass(xr, Kp, w, yr, N, K, 3, NB, pf, is_fp16, out_bf16); break;
-#if FMA_ACC >= 16
-        case 4: gemv_pass(xr, Kp, w, yr, N, K, 4, NB, pf, is_fp16, out_bf16); break;
-        case 5: gemv_pass(xr, Kp, w, yr, N, K, 5, NB, pf, is_fp16, out_bf16); break;
-        case 6: gemv_pass(xr, Kp, w, yr, N, K, 6, NB, pf, is_fp16, out_bf16); break;
-#endif
-        default: break;
-        }
-        r0 += r;
     }
 }
 
@@ -414,40 +319,15 @@ static inline __attribute__((always_inline)) void gemv_tile(
     default: GEMV_ROWS(8, TILE, __VA_ARGS__); break;                                         \
     }
 
-/* gemv_tile with the ordered rows' stride Kp from the caller's scope */
-#define FMA_TILE(x, w, y, N, K, M, NB, ...) gemv_tile(x, Kp, w, y, N, K, M, NB, __VA_ARGS__)
-
-/* xp [M, Kp] for x [M, K] in widen16's order (NULL when memory runs out) */
-static float *ordered_x(const float *x, int64_t M, int64_t K, int64_t Kp, int is_fp16)
-{
-    float *xp = aligned_alloc(32, (size_t)(M * Kp) * sizeof(float));
-    if (xp) order_x(x, xp, M, K, Kp, is_fp16);
-    return xp;
-}
-
-/* out of memory for the ordered copy of x (a few KiB a row): y all NaN, not plausible values */
-static void fill_nan(void *y, int64_t n, int out_bf16)
-{
-    for (int64_t i = 0; i < n; ++i) act_st(y, i, __builtin_nanf(""), out_bf16);
-}
-
-void half_gemv(const float *x0, const uint16_t *w, void *y, int64_t M, int64_t N, int64_t K,
+void half_gemv(const float *x, const uint16_t *w, void *y, int64_t M, int64_t N, int64_t K,
                int is_fp16, int out_bf16, int num_threads)
 {
     if (M < 1 || M > 8) return;
-    const int64_t Kp = (K + 15) & ~(int64_t)15;
-    float *xp = ordered_x(x0, M, K, Kp, is_fp16);
-    if (!xp) { fill_nan(y, M * N, out_bf16); return; }
-    const float *x = xp;
     char *yb = y;
     const int64_t ys = out_bf16 ? 2 : 4;
 #define NB_OF(MM) FMA_NB(MM)
-    if (is_fp16)
-        GEMV_SWITCH(FMA_TILE, 1, out_bf16)
-    else
-        GEMV_SWITCH(FMA_TILE, 0, out_bf16)
+    GEMV_SWITCH(gemv_tile, is_fp16, out_bf16)
 #undef NB_OF
-    free(xp);
 }
 
 /* Any number of rows, each (row, weight row) pair computed by the tiles above exactly as
@@ -482,7 +362,7 @@ static inline int64_t panel_rows(int64_t K, int64_t elem)
             const int64_t n0 = p * P, n1 = n0 + P < N ? n0 + P : N;                          \
             for (int64_t r0 = 0; r0 < M; r0 += 8) {                                          \
                 const int64_t mm = M - r0 < 8 ? M - r0 : 8;                                  \
-                const __typeof__(x) xr = x + r0 * ldx;                                       \
+                const __typeof__(x) xr = x + r0 * K;                                         \
                 char *yr = yb + r0 * N * ys;                                                 \
                 switch (mm) {                                                                \
                 case 1: SPAN_ROWS(1, TILE, __VA_ARGS__); break;                              \
@@ -498,22 +378,14 @@ static inline int64_t panel_rows(int64_t K, int64_t elem)
         }                                                                                    \
     } while (0)
 
-void half_gemv_rows(const float *x0, const uint16_t *w, void *y, int64_t M, int64_t N,
+void half_gemv_rows(const float *x, const uint16_t *w, void *y, int64_t M, int64_t N,
                     int64_t K, int is_fp16, int out_bf16, int num_threads)
 {
-    const int64_t Kp = (K + 15) & ~(int64_t)15, ldx = Kp;
-    float *xp = ordered_x(x0, M, K, Kp, is_fp16);
-    if (!xp) { fill_nan(y, M * N, out_bf16); return; }
-    const float *x = xp;
     char *yb = y;
     const int64_t ys = out_bf16 ? 2 : 4;
 #define NB_OF(MM) FMA_NB(MM)
-    if (is_fp16)
-        ROWS_OVER_PANELS(FMA_TILE, 1, out_bf16);
-    else
-        ROWS_OVER_PANELS(FMA_TILE, 0, out_bf16);
+    ROWS_OVER_PANELS(gemv_tile, is_fp16, out_bf16);
 #undef NB_OF
-    free(xp);
 }
 
 
@@ -760,7 +632,7 @@ void half_gemv_bf16_rows(const uint16_t *x, const uint16_t *w, void *y, int64_t 
                          int64_t K, int out_bf16, int num_threads)
 {
     char *yb = y;
-    const int64_t ys = out_bf16 ? 2 : 4, ldx = K;
+    const int64_t ys = out_bf16 ? 2 : 4;
 #define NB_OF(MM) DOT_NB(MM)
     ROWS_OVER_PANELS(gemv_tile16, out_bf16);
 #undef NB_OF
