@@ -10,7 +10,8 @@ head in int8 on the int8 path of the same level, as ``quantization="int4"`` keep
 process CPU ms of one decode step's products (0.8B shape, one thread; ``NL=n`` the first n
 layers only, ``HEAD=0`` without the LM head), per row count, every variant and row count in
 each round. E.g. ``python scripts/gemv_ab.py 1,2,3,4,8 int4-vnni old=/path/to/old/tree new=.``
-(a checkout of an older commit as the old tree)."""
+(a checkout of an older commit as the old tree). ``-mno-avx512f`` as a flag builds a tree as for
+an AVX2 CPU (16 ymm registers)."""
 
 import ctypes
 import hashlib

@@ -228,103 +228,132 @@ static void tile_ref(const Args *a, int64_t i, int64_t p, int mr, int np)
 }
 
 #ifdef HAVE_AVX2
-/* Rows [i, i + mr) (mr <= MRX) by panels [p, p + np): per group, the rows in passes of up to
- * MR, the group's weights re-read from L1 by the second pass, each pass's integer sums in
- * registers (16 ymm on an AVX2 CPU), the fp32 sums of all rows wherever the compiler keeps them
- * (they change once a group); the weight stream ahead prefetched as in tile_vnni (not for one
- * row, as there). */
-static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64_t i, int64_t p,
-                                                            int mr, int np)
+/* rows of x per pass of tile_avx2 over a panel: R x 2 int32 and R x 2 fp32 sums, the two
+ * weight vectors, |x|, x, the constant and the temporaries within the registers (32 ymm with
+ * AVX-512 VL, 16 on an AVX2 CPU); half as many over two panels */
+#ifndef AVX2_R
+#ifdef __AVX512VL__
+#define AVX2_R 4
+#else
+#define AVX2_R 2
+#endif
+#endif
+
+/* Rows [i + r0, i + r0 + R) (R a literal) of the tile of mr rows at i, by panels [p, p + np):
+ * every group's integer sums and every column's fp32 sums of these rows in registers, over all
+ * the panels' groups. The weight stream ahead is prefetched into L2 by the first pass of the
+ * first tile of rows, as in tile_vnni (not for one row, as there); later passes read the panel
+ * from L1 / L2. */
+static inline __attribute__((always_inline)) void pass_avx2(const Args *a, int64_t i, int64_t p,
+                                                            int mr, int r0, int R, int np)
 {
     const int64_t G = a->G;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 accf[MRX][NP][2];
+    const int pf = i == 0 && r0 == 0 && mr > 1;
+    __m256 accf[AVX2_R][NP][2];
     #pragma GCC unroll 8
-    for (int r = 0; r < MRX; ++r)
+    for (int r = 0; r < R; ++r)
         #pragma GCC unroll 2
         for (int t = 0; t < NP; ++t) accf[r][t][0] = accf[r][t][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
+        __m256i acci[AVX2_R][NP][2];
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+            #pragma GCC unroll 2
+            for (int t = 0; t < NP; ++t) acci[r][t][0] = acci[r][t][1] = _mm256_setzero_si256();
         #pragma GCC unroll 2
-        for (int r0 = 0; r0 < MRX; r0 += MR) {
-            if (r0 >= mr) continue;
-            __m256i acci[MR][NP][2];
-            #pragma GCC unroll 4
-            for (int r = 0; r < MR; ++r)
-                #pragma GCC unroll 2
-                for (int t = 0; t < NP; ++t)
-                    acci[r][t][0] = acci[r][t][1] = _mm256_setzero_si256();
-            for (int k4 = 0; k4 < QK / 4; ++k4) {
-                __m256i w[NP][2];
-                #pragma GCC unroll 2
-                for (int t = 0; t < NP; ++t) {
-                    if (t < np) {
-                        const int8_t *wk = a->w + ((p + t) * G + g) * (QK * NR) + k4 * 4 * NR;
-                        w[t][0] = _mm256_loadu_si256((const __m256i *)wk);
-                        w[t][1] = _mm256_loadu_si256((const __m256i *)(wk + 32));
-                        if (i == 0 && r0 == 0 && mr > 1)  /* the first pass, more than one row */
-                            _mm_prefetch((const char *)wk + PF_AHEAD, _MM_HINT_T1);
-                    }
-                }
-                #pragma GCC unroll 4
-                for (int r = 0; r < MR; ++r) {
-                    if (r0 + r < mr) {
-                        const __m256i xv = _mm256_set1_epi32(*x_at(a, i, mr, r0 + r, g, k4));
-                        const __m256i ax = _mm256_abs_epi8(xv);
-                        #pragma GCC unroll 2
-                        for (int t = 0; t < NP; ++t) {
-                            if (t < np) {
-                                #pragma GCC unroll 2
-                                for (int h = 0; h < 2; ++h) {
-                                    const __m256i pr = _mm256_maddubs_epi16(
-                                        ax, _mm256_sign_epi8(w[t][h], xv));
-                                    acci[r][t][h] = _mm256_add_epi32(
-                                        acci[r][t][h], _mm256_madd_epi16(pr, ones));
-                                }
-                            }
-                        }
-                    }
-                }
-            }
+        for (int k4 = 0; k4 < QK / 4; ++k4) {
+            __m256i w[NP][2];
             #pragma GCC unroll 2
             for (int t = 0; t < NP; ++t) {
                 if (t < np) {
-                    const uint16_t *sg = a->sc + ((p + t) * G + g) * NR;
-                    const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
-                    const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128(
-                        (const __m128i *)(sg + 8)));
-                    #pragma GCC unroll 4
-                    for (int r = 0; r < MR; ++r) {
-                        if (r0 + r < mr) {
-                            const __m256 dx = _mm256_set1_ps(a->xdi[i * G + g * mr + r0 + r]);
-                            __m256 *f = accf[r0 + r][t];
-                            f[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[r][t][0]),
-                                                   _mm256_mul_ps(dw0, dx), f[0]);
-                            f[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[r][t][1]),
-                                                   _mm256_mul_ps(dw1, dx), f[1]);
+                    const int8_t *wk = a->w + ((p + t) * G + g) * (QK * NR) + k4 * 4 * NR;
+                    w[t][0] = _mm256_loadu_si256((const __m256i *)wk);
+                    w[t][1] = _mm256_loadu_si256((const __m256i *)(wk + 32));
+                    if (pf) _mm_prefetch((const char *)wk + PF_AHEAD, _MM_HINT_T1);
+                }
+            }
+            #pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const __m256i xv = _mm256_set1_epi32(*x_at(a, i, mr, r0 + r, g, k4));
+                const __m256i ax = _mm256_abs_epi8(xv);
+                #pragma GCC unroll 2
+                for (int t = 0; t < NP; ++t) {
+                    if (t < np) {
+                        #pragma GCC unroll 2
+                        for (int h = 0; h < 2; ++h) {
+                            const __m256i pr = _mm256_maddubs_epi16(
+                                ax, _mm256_sign_epi8(w[t][h], xv));
+                            acci[r][t][h] = _mm256_add_epi32(acci[r][t][h],
+                                                             _mm256_madd_epi16(pr, ones));
                         }
                     }
                 }
             }
         }
-    }
-    #pragma GCC unroll 8
-    for (int r = 0; r < MRX; ++r) {
         #pragma GCC unroll 2
         for (int t = 0; t < NP; ++t) {
-            if (r < mr && t < np) {
-                const int64_t n0 = (p + t) * NR;
+            if (t < np) {
+                const uint16_t *sg = a->sc + ((p + t) * G + g) * NR;
+                const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
+                const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8)));
+                #pragma GCC unroll 8
+                for (int r = 0; r < R; ++r) {
+                    const __m256 dx = _mm256_set1_ps(a->xdi[i * G + g * mr + r0 + r]);
+                    __m256 *f = accf[r][t];
+                    f[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[r][t][0]),
+                                           _mm256_mul_ps(dw0, dx), f[0]);
+                    f[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[r][t][1]),
+                                           _mm256_mul_ps(dw1, dx), f[1]);
+                }
+            }
+        }
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+        #pragma GCC unroll 2
+        for (int t = 0; t < NP; ++t) {
+            if (t < np) {
+                const int64_t n0 = (p + t) * NR, row = i + r0 + r;
                 if (n0 + NR <= a->N && !a->y_bf) {
-                    float *yr = (float *)a->y + (i + r) * a->N;
+                    float *yr = (float *)a->y + row * a->N;
                     _mm256_storeu_ps(yr + n0, accf[r][t][0]);
                     _mm256_storeu_ps(yr + n0 + 8, accf[r][t][1]);
                 } else {
                     float acc[NR];
                     _mm256_storeu_ps(acc, accf[r][t][0]);
                     _mm256_storeu_ps(acc + 8, accf[r][t][1]);
-                    store(a, i + r, acc, n0);
+                    store(a, row, acc, n0);
                 }
             }
         }
+    }
+}
+
+/* Rows [i, i + mr) (mr <= MRX, a literal) by panels [p, p + np): passes of rows split evenly
+ * over the fewest passes of at most AVX2_R rows (AVX2_R / 2 over two panels). A row's sums are
+ * the same whatever pass it falls in. */
+static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64_t i, int64_t p,
+                                                            int mr, int np)
+{
+    const int rmax = np > 1 && AVX2_R > 1 ? AVX2_R / 2 : AVX2_R;
+    #pragma GCC unroll 8
+    for (int r0 = 0; r0 < mr;) {
+        const int passes = (mr - r0 + rmax - 1) / rmax, r = (mr - r0 + passes - 1) / passes;
+        switch (r) {
+        case 1: pass_avx2(a, i, p, mr, r0, 1, np); break;
+#if AVX2_R >= 2
+        case 2: pass_avx2(a, i, p, mr, r0, 2, np); break;
+#endif
+#if AVX2_R >= 3
+        case 3: pass_avx2(a, i, p, mr, r0, 3, np); break;
+#endif
+#if AVX2_R >= 4
+        case 4: pass_avx2(a, i, p, mr, r0, 4, np); break;
+#endif
+        default: break;
+        }
+        r0 += r;
     }
 }
 #endif
