@@ -302,3 +302,26 @@ def test_prefix_cache_hit_as_cold(ckpt):
     (out,) = llm.generate([target], sp, use_tqdm=False, speculative_tokens=2)
     assert out.metrics["num_cached_tokens"] == 32
     assert _key(out) == cold
+
+
+def test_async_scheduling_as_alone(ckpt):
+    """Async scheduling (CUDA's default: a decode step launched while the previous step's
+    tokens are still on the device) in this mode: greedy and seeded targets without logprobs
+    (logprobs keep a step synchronous) among neighbours, with chained steps, give the token ids
+    of their synchronous runs alone."""
+    rng = random.Random(5)
+    targets = [(_prompt(rng, 9), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)),
+               (_prompt(rng, 4), SamplingParams(temperature=0.8, seed=7, max_tokens=10,
+                                                ignore_eos=True))]
+    alone = _llm(ckpt, async_scheduling=False, max_num_batched_tokens=64)
+    ref = [alone.generate([p], [sp], use_tqdm=False, speculative_tokens=0)[0]
+           .outputs[0].token_ids for p, sp in targets]
+    llm = _llm(ckpt, async_scheduling=True, max_num_batched_tokens=11, max_num_seqs=4)
+    others = [(_prompt(rng, rng.randint(2, 20)),
+               SamplingParams(temperature=0, max_tokens=rng.randint(2, 8), ignore_eos=True))
+              for _ in range(2)]
+    items = targets + others
+    outs = llm.generate([p for p, _ in items], [sp for _, sp in items], use_tqdm=False,
+                        speculative_tokens=0)  # verification steps are not chained
+    assert llm.engine.stats["num_chained_steps"] > 0
+    assert [o.outputs[0].token_ids for o in outs[:2]] == ref
