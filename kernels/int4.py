@@ -317,15 +317,7 @@ def select_isa(forced: str | None = None, native: bool = True) -> str | None:
     """The path ``linear`` takes: ``forced`` when given (``HYBRIDRT_INT4_ISA``; ValueError if
     this build lacks it), else the best one available; None without the compiled kernels
     (``native`` False: as if they had not built)."""
-    have = available_isas() if native else []
-    if forced:
-        if forced not in ISAS:
-            raise ValueError(f"HYBRIDRT_INT4_ISA={forced!r}: choose one of {', '.join(ISAS)}")
-        if forced not in have:
-            raise ValueError(f"HYBRIDRT_INT4_ISA={forced}: not available here (this CPU's build "
-                             f"has: {', '.join(have) or 'no compiled kernels'})")
-        return forced
-    return have[-1] if have else None
+    return quant.pick_isa(forced, available_isas() if native else [], ISAS, "HYBRIDRT_INT4_ISA")
 
 
 def gemm(x: torch.Tensor, qw: Int4Weight, isa: str,

@@ -250,19 +250,25 @@ def available_isas() -> list[str]:
     return [] if lib is None else [n for n, f in ISAS.items() if lib.int8_isas() & f]
 
 
+def pick_isa(forced: str | None, have: list[str], names, var: str) -> str | None:
+    """``forced`` when given (ValueError naming the variable ``var`` if it is not one of
+    ``names`` or not in ``have``), else the best of ``have`` (worst first); None if empty. The
+    int8 and the 4-bit kernels choose their path this way."""
+    if forced:
+        if forced not in names:
+            raise ValueError(f"{var}={forced!r}: choose one of {', '.join(names)}")
+        if forced not in have:
+            raise ValueError(f"{var}={forced}: not available here (this CPU's build "
+                             f"has: {', '.join(have) or 'no compiled kernels'})")
+        return forced
+    return have[-1] if have else None
+
+
 def select_isa(forced: str | None = None, native: bool = True) -> str | None:
     """The path ``linear`` takes: ``forced`` when given (``HYBRIDRT_INT8_ISA``; ValueError if
     this build lacks it), else the best one available; None without the compiled kernels
     (``native`` False: as if they had not built)."""
-    have = available_isas() if native else []
-    if forced:
-        if forced not in ISAS:
-            raise ValueError(f"HYBRIDRT_INT8_ISA={forced!r}: choose one of {', '.join(ISAS)}")
-        if forced not in have:
-            raise ValueError(f"HYBRIDRT_INT8_ISA={forced}: not available here (this CPU's build "
-                             f"has: {', '.join(have) or 'no compiled kernels'})")
-        return forced
-    return have[-1] if have else None
+    return pick_isa(forced, available_isas() if native else [], ISAS, "HYBRIDRT_INT8_ISA")
 
 
 def int8_gemm(x: torch.Tensor, qw: QuantWeight, isa: str) -> torch.Tensor:

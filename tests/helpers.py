@@ -10,6 +10,7 @@ KV) so that a sequence reading anything it does not own shows up as a wrong or N
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -308,3 +309,11 @@ def preempt_at(llm, rng, steps: set[int]) -> None:
         return plan
 
     sched.schedule = preempting
+
+
+def output_bytes(out) -> tuple:
+    """A request's token ids and the bytes of its sampled tokens' logprobs (and the top ones):
+    what the batch-invariance tests compare."""
+    c = out.outputs[0]
+    lps = b"".join(struct.pack("<f", v) for d in c.logprobs for _, v in sorted(d.items()))
+    return tuple(c.token_ids), lps

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import struct
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import output_bytes as _key
 from helpers import preempt_at
 
 from hybridrt import LLM, SamplingParams
@@ -153,13 +153,6 @@ def ckpt(tmp_path_factory):
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(n)]
-
-
-def _key(out) -> tuple:
-    """A request's token ids and the bytes of its sampled tokens' logprobs (and the top ones)."""
-    c = out.outputs[0]
-    lps = b"".join(struct.pack("<f", v) for d in c.logprobs for _, v in sorted(d.items()))
-    return tuple(c.token_ids), lps
 
 
 def _llm(ckpt, setting, invariant=True, threads=1, **kw):

@@ -11,6 +11,7 @@ import struct
 
 import pytest
 import torch
+from helpers import output_bytes as _key
 from helpers import preempt_at
 
 from hybridrt import LLM, SamplingParams
@@ -200,12 +201,6 @@ def ckpt(tmp_path_factory):
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(n)]
-
-
-def _key(out) -> tuple:
-    c = out.outputs[0]
-    lps = b"".join(struct.pack("<f", v) for d in c.logprobs for _, v in sorted(d.items()))
-    return tuple(c.token_ids), lps
 
 
 def _llm(ckpt, invariant=True, **kw):
