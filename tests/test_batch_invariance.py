@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import shutil
 
 import pytest
 import torch
@@ -272,8 +273,9 @@ def ckpt_08b(tmp_path_factory):
     bf16 weights: the numerics of the published shape at a sixth of its depth."""
     cfg = dict(QWEN35_08B_TEXT_CONFIG, num_hidden_layers=4,
                layer_types=["linear_attention"] * 3 + ["full_attention"])
-    return write_random_checkpoint(tmp_path_factory.mktemp("inv08b"), cfg, seed=0,
-                                   dtype=torch.bfloat16)
+    directory = tmp_path_factory.mktemp("inv08b")
+    yield write_random_checkpoint(directory, cfg, seed=0, dtype=torch.bfloat16)
+    shutil.rmtree(directory, ignore_errors=True)  # ~1 GB: gone before the next module starts
 
 
 @needs_kernels
