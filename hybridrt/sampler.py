@@ -37,6 +37,7 @@ from itertools import chain
 
 import torch
 
+from hybridrt.kernels import native
 from hybridrt.kernels.meta import to_device
 from hybridrt.sampling_params import SamplingParams
 
@@ -119,6 +120,9 @@ class Sampler:
     # Public pipeline ------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Pick one token per row; ``logits`` ``[N, V]`` is not modified."""
+        if all(_plain_greedy(r) for r in rows):  # the argmax of the logits as they are
+            _check_logits(logits, rows)
+            return SamplerOutput(token_ids=argmax_rows(logits))
         penalised = self._penalise(logits, rows)
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         logprobs = None
@@ -404,11 +408,24 @@ def find_stop(text: str, stop: list[str], start: int) -> int | None:
     return min(found) if found else None
 
 
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Whether ``sample`` gives ``row`` the argmax of its logits unchanged: greedy, no logprobs,
+    grammar, penalties or min_tokens mask (fp32 holds every bf16 value, so the argmax is the
+    same in the logits' own dtype)."""
+    p = row.params
+    return (p.greedy and p.logprobs is None and row.grammar is None
+            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 and len(row.output_token_ids) >= p.min_tokens)
+
+
 def argmax_rows(x: torch.Tensor, block: int = 2048) -> torch.Tensor:
     """``x.argmax(-1)`` for a 2-D tensor, same result (first maximum; NaN counts as maximal):
     the per-block maxima pick each row's first block holding its maximum, then one argmax over
     that block. ATen's CPU argmax does not vectorise and ``amax`` does, so the two passes cost
     less than one argmax over a wide logits tensor (docs/performance.md)."""
+    fast = native.argmax_rows(x)
+    if fast is not None:
+        return fast
     n, V = x.shape
     full = V // block * block
     if x.device.type != "cpu" or full == 0 or not x.is_contiguous():

@@ -18,6 +18,8 @@
   AVX2 or plain C (kernels/quant.py binds it and picks the path).
 - ``csrc/int4_gemm.c``: the same for 4-bit weights (kernels/int4.py), on AVX-512 VNNI, 256-bit
   VNNI, AVX2 or plain C; ``csrc/int4_quant.c`` quantizes them (a search per group).
+- ``csrc/argmax.c``: the greedy token of each row of logits (fp32 or bf16), torch's argmax in
+  one vectorised pass and a short second one.
 - ``csrc/stream.c``: a streaming read loop and register-only loops of each product path's
   instructions, the bandwidth and arithmetic ceilings the benchmarks measure.
 
@@ -56,7 +58,7 @@ from .options import SIMD_AVX512
 _SRCS = [Path(__file__).parent / "csrc" / name
          for name in ("gdn_decode.c", "gdn_fused.c", "attn_decode.c", "norm.c", "half_gemm.c",
                       "int8_gemm.c", "int4_gemm.c", "int4_quant.c",
-                      "stream.c")]
+                      "argmax.c", "stream.c")]
 _HEADERS = [Path(__file__).parent / "csrc" / "bf16.h"]  # included by the sources above
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]  # and -march=<the target>
 _lib: ctypes.CDLL | None = None
@@ -174,6 +176,8 @@ def load(cache_dir: str | None = None, march: str | None = None) -> ctypes.CDLL 
     lib.f32_gemm_rows.restype = None
     lib.f32_gemm_rows.argtypes = [P] * 3 + [I64] * 3 + [INT]
     lib.silu_mul.restype = None
+    lib.argmax_rows.restype = None
+    lib.argmax_rows.argtypes = [P, I64, I64, I64, INT, P, INT]
     lib.silu_mul.argtypes = [P, I64, P, I64, P, I64, I64, INT, INT]
     _simd = bool(lib.half_gemm_simd())
     _bf16dot = _simd and bool(lib.half_gemm_bf16dot())
@@ -443,6 +447,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                        None if res_out is None else res_out.data_ptr(), weight.data_ptr(), eps,
                        x2.shape[0], D, torch.get_num_threads())
     return out if residual is None else (out, res_out)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """``x.argmax(-1)`` of 2-D fp32 or bf16 CPU logits with unit column stride (csrc/argmax.c:
+    the first maximum, or the first NaN) -> [rows] int64; None where ``x`` is not such a tensor
+    or this process has not loaded the kernels (the CPU backend loads them unless told not to:
+    this never builds them)."""
+    if (_lib is None or x.dim() != 2 or x.device.type != "cpu"
+            or x.dtype not in (torch.float32, torch.bfloat16) or x.stride(-1) != 1):
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib.argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1],
+                     int(x.dtype == torch.bfloat16), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def attn_decode(qg, k, v, q_w, k_w, eps: float, cos, sin, key_cache, value_cache,

@@ -391,17 +391,56 @@ def test_find_stop_only_searches_where_a_new_match_can_appear():
     assert find_stop("short", ["t"], 5) is None  # nothing new since the last call
 
 
-@pytest.mark.parametrize("V", [100, 2048, 2049, 3 * 2048 + 7, 248320])
-def test_argmax_rows_equals_torch_argmax(V):
-    """The blocked greedy pick returns exactly torch's argmax: first maximum on ties, NaN as
-    maximal, rows of -inf, maxima in the short tail block."""
+@pytest.fixture(params=["torch", "native"])
+def argmax_path(request, monkeypatch):
+    """sampler.argmax_rows by each of its paths: the torch two-pass form and csrc/argmax.c."""
+    from hybridrt.kernels import native
+
+    if request.param == "native":
+        if native.load() is None:
+            pytest.skip("no compiled CPU kernels")
+    else:
+        monkeypatch.setattr(native, "argmax_rows", lambda x: None)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V", [1, 63, 64, 65, 100, 2048, 2049, 3 * 2048 + 7, 248320])
+def test_argmax_rows_equals_torch_argmax(V, dtype, argmax_path):
+    """The greedy pick returns exactly torch's argmax: first maximum on ties, NaN as maximal,
+    rows of -inf, maxima in the short tail block, +0 tied with -0, rows with a stride."""
     from hybridrt.sampler import argmax_rows
 
-    x = torch.randn(6, V, generator=torch.Generator().manual_seed(V))
+    x = torch.randn(7, V, generator=torch.Generator().manual_seed(V)).to(dtype)
     assert torch.equal(argmax_rows(x), x.argmax(-1))
     x[0] = 1.0  # all tied: index 0
-    x[1, [V // 2, 3]] = float("nan")
+    x[1, [V // 2, V - 1]] = float("nan")
     x[2, -1] = 1e9  # in the tail
     x[3] = float("-inf")
     x[4, [V - 1, V // 3]] = 50.0  # a tie across blocks: the earlier one
+    x[5] = -1.0
+    x[5, [V - 1, V // 2]] = torch.tensor([-0.0, 0.0], dtype=dtype)
+    x[6, V - 1] = float("inf")
     assert torch.equal(argmax_rows(x), x.argmax(-1))
+    wide = torch.zeros(7, V + 5, dtype=dtype)
+    wide[:, :V] = x
+    view = wide[:, :V]  # rows V + 5 apart
+    assert torch.equal(argmax_rows(view), x.argmax(-1))
+    assert torch.equal(argmax_rows(x[2:3]), x[2:3].argmax(-1))  # one row: no threads
+
+
+def test_greedy_fast_path_is_the_full_pipeline(argmax_path):
+    """Plain greedy rows skip the fp32 copy and the filters (they never reach ``_penalise``)
+    and get the tokens of rows that take the whole pipeline (kept on it by a presence penalty
+    of 1e-30, which moves nothing before any output), on bf16 logits with ties and NaN."""
+    V = 5000
+    x = torch.randn(4, V, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x[1, [7, 4000]] = 9.0
+    x[2, 2500] = float("nan")
+    sampler = Sampler()
+    sampler._penalise = None  # not called
+    fast = sampler.sample(x, rows_of(SamplingParams(temperature=0), 4)).token_ids
+    slow = Sampler().sample(x, rows_of(SamplingParams(temperature=0, presence_penalty=1e-30),
+                                       4)).token_ids
+    assert torch.equal(fast, x.float().argmax(-1)) and torch.equal(fast, slow)
+    assert fast.tolist()[1:3] == [7, 2500]

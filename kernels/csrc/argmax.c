@@ -1,0 +1,66 @@
+/* The greedy token of each row of logits (fp32 or bf16), as torch's argmax gives it: the first
+ * index of the row's maximum, or of its first NaN where it has one. Two passes over a row that
+ * stays in cache: the maximum (a vectorised reduction, NaNs noted on the way), then the first
+ * block of 64 holding it. ATen's CPU argmax runs one scalar comparison per element, and the torch
+ * two-pass form (kernels' callers: hybridrt/sampler.py) spends more in its small ops than in the
+ * passes (docs/performance.md).
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "bf16.h"
+
+#define BLOCK 64
+
+static inline float at(const void *row, int64_t i, int bf)
+{
+    return bf ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+static int64_t argmax_row(const void *row, int64_t V, int bf)
+{
+    float m = -INFINITY;
+    int nan = 0;
+    if (bf) {
+        const uint16_t *h = row;
+        #pragma omp simd reduction(max:m) reduction(|:nan)
+        for (int64_t i = 0; i < V; ++i) {
+            const float v = bf16_to_f32(h[i]);
+            nan |= v != v;
+            m = v > m ? v : m;
+        }
+    } else {
+        const float *f = row;
+        #pragma omp simd reduction(max:m) reduction(|:nan)
+        for (int64_t i = 0; i < V; ++i) {
+            const float v = f[i];
+            nan |= v != v;
+            m = v > m ? v : m;
+        }
+    }
+    for (int64_t b = 0; b < V; b += BLOCK) {
+        const int64_t e = b + BLOCK < V ? b + BLOCK : V;
+        int hit = 0;
+        #pragma omp simd reduction(|:hit)
+        for (int64_t i = b; i < e; ++i) {
+            const float v = at(row, i, bf);
+            hit |= nan ? v != v : v == m;
+        }
+        if (hit)
+            for (int64_t i = b; i < e; ++i) {
+                const float v = at(row, i, bf);
+                if (nan ? v != v : v == m) return i;
+            }
+    }
+    return 0;  /* V == 0 */
+}
+
+/* out[r] for rows r of V logits, rows ld apart (elements); bf: bf16, else fp32 */
+void argmax_rows(const void *x, int64_t ld, int64_t rows, int64_t V, int bf, int64_t *out,
+                 int num_threads)
+{
+    const int64_t esize = bf ? 2 : 4;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 2)
+    for (int64_t r = 0; r < rows; ++r)
+        out[r] = argmax_row((const char *)x + r * ld * esize, V, bf);
+}
