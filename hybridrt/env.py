@@ -10,6 +10,7 @@
 | HYBRIDRT_INT4_ISA | vnni, avxvnni, avx2, ref | as HYBRIDRT_INT8_ISA | the 4-bit GEMV/GEMM path |
 | HYBRIDRT_MARCH | a cc -march target | native | what the C kernels are compiled for |
 | HYBRIDRT_HUGE_PAGES | 0/false/no/off, else on | on | off: weights stay in ordinary pages |
+| HYBRIDRT_STEP_PROGRAM | 0/false/no/off, else on | on | off: decode layers called from Python |
 | HYBRIDRT_ADAPTIVE_THREADS | 0/false/no/off, else on | on | off: all cores, no thread governor |
 | HYBRIDRT_DEBUG | 1, else off | off | the CLI prints tracebacks of unexpected errors |
 | HYBRIDRT_API_KEY | any string | none | ``hybridrt serve``'s API key (docs/server.md) |
@@ -52,6 +53,7 @@ VARIABLES = {v.name: v for v in (
     Variable("HYBRIDRT_INT4_ISA", "", ("", *INT4_ISAS), "4-bit product path"),
     Variable("HYBRIDRT_MARCH", "native", None, "the C kernels' compile target (-march)"),
     Variable("HYBRIDRT_HUGE_PAGES", "1", None, "0: weights in ordinary pages"),
+    Variable("HYBRIDRT_STEP_PROGRAM", "1", None, "0: decode layers called one by one"),
     Variable("HYBRIDRT_ADAPTIVE_THREADS", "1", None, "0: all cores, no thread governor"),
     Variable("HYBRIDRT_DEBUG", "0", None, "1: the CLI shows tracebacks"),
     Variable("HYBRIDRT_API_KEY", "", None, "hybridrt serve's API key (kept out of ps)"),
@@ -101,6 +103,7 @@ def kernel_options(environ: Mapping[str, str] | None = None):
         int4_isa=read("HYBRIDRT_INT4_ISA", environ) or read("HYBRIDRT_INT8_ISA", environ) or None,
         march=march(environ),
         huge_pages=flag("HYBRIDRT_HUGE_PAGES", environ),
+        step_program=flag("HYBRIDRT_STEP_PROGRAM", environ),
     )
 
 

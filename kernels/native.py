@@ -20,6 +20,8 @@
   VNNI, AVX2 or plain C; ``csrc/int4_quant.c`` quantizes them (a search per group).
 - ``csrc/argmax.c``: the greedy token of each row of logits (fp32 or bf16), torch's argmax in
   one vectorised pass and a short second one.
+- ``csrc/step.c``: a decode step's layers in one call, a list of the kernels above with their
+  arguments (kernels/step.py builds it).
 - ``csrc/stream.c``: a streaming read loop and register-only loops of each product path's
   instructions, the bandwidth and arithmetic ceilings the benchmarks measure.
 
@@ -58,7 +60,7 @@ from .options import SIMD_AVX512
 _SRCS = [Path(__file__).parent / "csrc" / name
          for name in ("gdn_decode.c", "gdn_fused.c", "attn_decode.c", "norm.c", "half_gemm.c",
                       "int8_gemm.c", "int4_gemm.c", "int4_quant.c",
-                      "argmax.c", "stream.c")]
+                      "argmax.c", "step.c", "stream.c")]
 _HEADERS = [Path(__file__).parent / "csrc" / "bf16.h"]  # included by the sources above
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]  # and -march=<the target>
 _lib: ctypes.CDLL | None = None
@@ -176,6 +178,8 @@ def load(cache_dir: str | None = None, march: str | None = None) -> ctypes.CDLL 
     lib.f32_gemm_rows.restype = None
     lib.f32_gemm_rows.argtypes = [P] * 3 + [I64] * 3 + [INT]
     lib.silu_mul.restype = None
+    lib.run_step.restype = ctypes.c_int  # csrc/step.c: kernels/step.py builds its list
+    lib.run_step.argtypes = [P, I64, INT]
     lib.argmax_rows.restype = None
     lib.argmax_rows.argtypes = [P, I64, I64, I64, INT, P, INT]
     lib.silu_mul.argtypes = [P, I64, P, I64, P, I64, I64, INT, INT]

@@ -25,6 +25,7 @@ class KernelOptions:
     # "avxvnni", "vnni"
     march: str = "native"  # the target the C kernels are compiled for (cc -march=...)
     huge_pages: bool = True  # loaded weights in transparent-huge-page memory where the OS has it
+    step_program: bool = True  # decode steps' layers in one compiled call (kernels/step.py)
     # every row's result independent of the batch, chunking and speculation around it
     # (docs/batch_invariance.md): set by LLM(batch_invariant=True), not by the environment
     batch_invariant: bool = False

@@ -8,7 +8,9 @@ alternated, so that their ratios come from the same minutes of the machine.
     python scripts/step_breakdown.py /tmp/r08b --batch 1,2,4,8 --threads 1 --cpu-time
 
 Each call is wrapped with a timer (a microsecond or two per call); the rest of a step is Python,
-sampling and scheduling. The LM head's row counts its product again (half_gemm, gemv_bf16 or the
+sampling and scheduling. Where a step's layers run as one compiled call (kernels/step.py) that
+call is one row, "layers (one call)"; ``--no-program`` calls them one by one, each kernel its
+own row. The LM head's row counts its product again (half_gemm, gemv_bf16 or the
 int8 or int4 products include it). Per (weights, batch) the figures are medians over the rounds;
 "x b1" is the tokens per second over batch 1's of the same weights. ``--cpu-time``: every time in
 this process's CPU seconds (with one thread, the step on a core of its own, the other processes of a
@@ -26,6 +28,7 @@ import time
 
 from hybridrt import LLM, SamplingParams
 from hybridrt.kernels import int4, native, quant
+from hybridrt.kernels.step import StepProgram
 
 CALLS = ("gdn_fused", "attn_decode", "rms_norm", "gemv_bf16", "half_gemm")
 clock = time.perf_counter
@@ -51,6 +54,7 @@ def _timers(llm, total: collections.Counter, calls: collections.Counter) -> None
             timed(native, name, name)
         timed(quant, "linear", "int8 products")
         timed(int4, "linear", "int4 products")
+        timed(StepProgram, "run", "layers (one call)")
     timed(llm.engine.runner.model.backend, "logits", "LM head (logits)")
 
 
@@ -89,7 +93,12 @@ def main() -> None:
     ap.add_argument("--quantization", default="none", help="comma-separated: none, int8, int4")
     ap.add_argument("--cache-memory", default="0.2")
     ap.add_argument("--cpu-time", action="store_true", help="time in this process's CPU seconds")
+    ap.add_argument("--no-program", action="store_true",
+                    help="the decode layers called one by one (HYBRIDRT_STEP_PROGRAM=0): each "
+                         "kernel's time shows")
     args = ap.parse_args()
+    if args.no_program:
+        os.environ["HYBRIDRT_STEP_PROGRAM"] = "0"
     global clock
     clock = time.process_time if args.cpu_time else time.perf_counter
     batches = [int(b) for b in args.batch.split(",")]

@@ -25,9 +25,11 @@ def test_an_unset_environment_gives_the_default_options():
 def test_each_variable_parses():
     opts = env.kernel_options({
         "HYBRIDRT_NATIVE": "off", "HYBRIDRT_CACHE": "/tmp/k", "HYBRIDRT_HALF_PATH": " FMA",
-        "HYBRIDRT_FUSED_SIMD": "avx2", "HYBRIDRT_INT8_ISA": "ref", "HYBRIDRT_HUGE_PAGES": "0"})
+        "HYBRIDRT_FUSED_SIMD": "avx2", "HYBRIDRT_INT8_ISA": "ref", "HYBRIDRT_HUGE_PAGES": "0",
+        "HYBRIDRT_STEP_PROGRAM": "Off"})
     assert opts == KernelOptions(native=False, cache_dir="/tmp/k", half_path="fma",
-                                 fused_simd=1, int8_isa="ref", int4_isa="ref", huge_pages=False)
+                                 fused_simd=1, int8_isa="ref", int4_isa="ref", huge_pages=False,
+                                 step_program=False)
     # the 4-bit path follows HYBRIDRT_INT8_ISA unless set itself; the build target
     opts = env.kernel_options({"HYBRIDRT_INT8_ISA": "avx2", "HYBRIDRT_INT4_ISA": " AVXVNNI",
                                "HYBRIDRT_MARCH": "skylake-avx512"})
@@ -76,7 +78,7 @@ def test_only_env_reads_hybridrt_variables():
     declared = set(env.VARIABLES)
     assert {"HYBRIDRT_NATIVE", "HYBRIDRT_CACHE", "HYBRIDRT_HALF_PATH", "HYBRIDRT_FUSED_SIMD",
             "HYBRIDRT_INT8_ISA", "HYBRIDRT_INT4_ISA", "HYBRIDRT_MARCH", "HYBRIDRT_HUGE_PAGES",
-            "HYBRIDRT_ADAPTIVE_THREADS", "HYBRIDRT_DEBUG", "HYBRIDRT_API_KEY"} == declared
+            "HYBRIDRT_STEP_PROGRAM", "HYBRIDRT_ADAPTIVE_THREADS", "HYBRIDRT_DEBUG", "HYBRIDRT_API_KEY"} == declared
 
 
 def test_fp32_products_leave_an_unset_variable_unset(monkeypatch):

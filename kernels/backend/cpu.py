@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import int4, native, quant
+from ..step import StepProgram
 from ..linear import linear as cpu_linear
 from ..linear import pack_weight, use_fp32_gemm
 from ..memory import huge_pages_available
@@ -48,6 +49,9 @@ class CPUBackend(ReferenceBackend):
         self.fp32_copies: dict[int, tuple] = {}  # id(weight) -> (weight, its fp32 copy)
         self.gdn_params: dict[int, tuple] = {}  # _gdn_weights, per layer: (layer, tensors)
         self.fast: list[_FastLayer] | None = None  # forward's decode loop (bind, attach)
+        # the same loop as one compiled call per step shape (kernels/step.py); None where a
+        # shape has none (the loop in Python then)
+        self.programs: dict[tuple, StepProgram | None] = {}
         # batch-invariant mode (docs/batch_invariance.md): every product, attention and
         # activation through the kernels whose per-row arithmetic is fixed
         self.invariant = opts.batch_invariant
@@ -60,10 +64,12 @@ class CPUBackend(ReferenceBackend):
     def bind(self, model, groups) -> None:
         self.groups = groups
         self.fast = self._fast_layers(model)
+        self.programs = {}
 
     def attach(self, cache) -> None:
         t = cache.tensors
         self.num_slots = t.num_slots
+        self.programs = {}
         if self.native:  # plan_step checks the slots once per step: the step need not
             self.gdn_step = _checked_step
         if t.key_caches:
@@ -142,6 +148,9 @@ class CPUBackend(ReferenceBackend):
         cos, sin = model.rope(batch.positions, h.dtype)
         grp = meta.gdn.groups[0]
         L = meta.uniform_tokens
+        program = self._program(model, cache, h.shape[0], L, grp.slots_out is not None)
+        if program is not None:
+            return program.run(h, grp, cos, sin, batch)
         product, norm, simd = self._product, native.rms_norm, self.fused_simd
         residual = None
         for f in fast:
@@ -170,6 +179,22 @@ class CPUBackend(ReferenceBackend):
             h = product(self.silu_mul(gate, up), f.mlp_out)
         final = model.model.norm
         return norm(h, final.weight, final.eps, residual)[0]
+
+    def _program(self, model, cache, rows: int, L: int, keeps: bool) -> StepProgram | None:
+        """The step program of this shape (built at its first step), or None: the option is
+        off, the batch-invariant mode (its own products), or a product it has no operation
+        for."""
+        if self.invariant or not self.options.step_program:
+            return None
+        key = (rows, L, keeps, id(cache))
+        if key not in self.programs:
+            final = model.model.norm
+            try:
+                self.programs[key] = StepProgram(self, self.fast, (final.weight, final.eps),
+                                                 cache, rows, L, keeps)
+            except ValueError:
+                self.programs[key] = None
+        return self.programs[key]
 
     def gated_attention(self, meta, batch, layer, qg, k, v, key_cache, value_cache, cos, sin):
         """Steps where every sequence has the same few new tokens (decode, verification) in
@@ -221,8 +246,11 @@ class CPUBackend(ReferenceBackend):
         return self.rope_table(positions, dtype)
 
     def silu_mul(self, gate, up):
-        if self.invariant and gate.dim() == 2 and native.fused_dtype_code(gate.dtype) is not None \
-                and gate.dtype == up.dtype and gate.stride(-1) == up.stride(-1) == 1:
+        # bf16 always on csrc/norm.c's silu_mul, which the step programs run too; fp32 there
+        # only in the batch-invariant mode
+        if ((self.invariant or (self.native and gate.dtype == torch.bfloat16))
+                and gate.dim() == 2 and native.fused_dtype_code(gate.dtype) is not None
+                and gate.dtype == up.dtype and gate.stride(-1) == up.stride(-1) == 1):
             return native.silu_mul(gate, up)
         return F.silu(gate) * up
 

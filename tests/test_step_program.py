@@ -1,0 +1,78 @@
+"""kernels/step.py: a decode step's layers as one compiled call give the bits of the backend's
+decode loop in Python (the same kernels in the same order), for every kind of weight, for
+decode and verification steps, with and without the states kept after each token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import output_bytes
+
+from hybridrt import LLM, SamplingParams
+from hybridrt.bench.fixtures import tiny_text_config, write_random_checkpoint
+from hybridrt.kernels import native
+
+pytestmark = pytest.mark.skipif(native.load() is None or not native.half_gemm_available(),
+                                reason="needs the compiled CPU kernels")
+
+# projections of whole panels of 16 rows (the 4-bit format's), every layer's merged
+CONFIG = dict(vocab_size=131, linear_num_key_heads=4, linear_num_value_heads=16,
+              linear_key_head_dim=8, head_dim=16, intermediate_size=96)
+PROMPTS = [[3, 4, 5], list(range(7, 30)), [9, 1]]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("step"), tiny_text_config(**CONFIG),
+                                   seed=3, dtype=torch.bfloat16)
+
+
+def _run(ckpt, quantization, program: bool, monkeypatch, prompts=PROMPTS):
+    monkeypatch.setenv("HYBRIDRT_STEP_PROGRAM", "1" if program else "0")
+    llm = LLM(ckpt, dtype="bfloat16", tokenizer=None, max_model_len=64, max_num_seqs=3,
+              cache_memory=8 << 20, quantization=quantization, speculative_tokens=2)
+    be = llm.engine.runner.model.backend
+    assert be.fast is not None
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    keys = [[output_bytes(o) for o in llm.generate(prompts, sp, use_tqdm=False,
+                                                   speculative_tokens=k)] for k in (0, 2)]
+    return keys, dict(be.programs)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "bf16-fma", "int8", "int4"])
+def test_program_gives_the_loops_bits(ckpt, weights, monkeypatch):
+    """Greedy tokens and logprob bytes with the step programs equal those of the loop in
+    Python, at k = 0 (decode steps of 1-3 sequences) and k = 2 (verification steps of 3
+    tokens, the states after each kept); the programs ran, for every shape but the bf16
+    verification of 9 rows (past the bf16 GEMV's 8: the loop's GEMM, in Python)."""
+    if weights == "bf16-fma":
+        monkeypatch.setenv("HYBRIDRT_HALF_PATH", "fma")
+    elif weights == "bf16" and "bf16dot" not in native.half_paths():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    quantization = weights if weights.startswith("int") else None
+    on, programs = _run(ckpt, quantization, True, monkeypatch)
+    off, none = _run(ckpt, quantization, False, monkeypatch)
+    assert on == off
+    assert none == {}
+    built = {(rows, L, keeps) for (rows, L, keeps, _), p in programs.items() if p is not None}
+    assert (3, 1, False) in built
+    if quantization:
+        assert (9, 3, True) in built
+    else:
+        assert (9, 3, True) not in built and any(
+            p is None for (rows, *_), p in programs.items() if rows == 9)
+
+
+def test_a_failed_operation_is_an_error_naming_it(ckpt, monkeypatch):
+    """An operation that fails (here: an unknown code) stops the step with an error naming
+    it, not a wrong result."""
+    monkeypatch.setenv("HYBRIDRT_STEP_PROGRAM", "1")
+    llm = LLM(ckpt, dtype="bfloat16", tokenizer=None, max_model_len=64, max_num_seqs=1,
+              cache_memory=8 << 20, quantization="int8")
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.generate([[3, 4, 5]], sp, use_tqdm=False)
+    be = llm.engine.runner.model.backend
+    (program,) = [p for p in be.programs.values() if p is not None]
+    program.ops[2, 0] = 99
+    with pytest.raises(RuntimeError, match=r"operation 2 \(code 99\) failed"):
+        llm.generate([[3, 4, 5]], sp, use_tqdm=False)
