@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import int4, native, quant
-from ..step import StepProgram
 from ..linear import linear as cpu_linear
 from ..linear import pack_weight, use_fp32_gemm
 from ..memory import huge_pages_available
 from ..options import KernelOptions
 from ..rope import RopeTable
+from ..step import StepProgram
 from .plan import StepMeta
 from .reference import ReferenceBackend
 
