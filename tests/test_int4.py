@@ -590,7 +590,8 @@ def test_int4_checkpoint_with_the_int8_head_still_loads(ckpt, saved, tmp_path):
     assert llm.quantization == "int4"
     assert len(llm.generate([{"prompt_token_ids": [5, 9, 2]}], sp,
                             use_tqdm=False)[0].outputs[0].token_ids) == 6
-    with pytest.raises(CheckpointError, match=rf"missing tensor: {emb}\.hs \(expected \[9, 2, 2, 64\]\)"):
+    with pytest.raises(CheckpointError,
+                       match=rf"missing tensor: {emb}\.hs \(expected \[9, 2, 2, 64\]\)"):
         load_model(tmp_path / "bad")
 
 
