@@ -82,7 +82,7 @@ ThinkOpt = Annotated[bool | None, typer.Option(
 QuantizationOpt = Annotated[str | None, typer.Option(
     "--quantization", help="int8: weights quantized to int8 at load time, one scale per 32 "
     "inputs (CPU; about half the memory of bfloat16, faster decoding); int4: 4-bit weights "
-    "(the embedding / LM head in int8; about a third) (default: none).",
+    "(the embedding / LM head in 6 bits; about a third) (default: none).",
     show_default=False)]
 BatchInvariantOpt = Annotated[bool, typer.Option(
     "--batch-invariant", help="Each request's tokens and logprobs bit for bit the same "

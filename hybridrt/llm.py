@@ -134,7 +134,7 @@ class LLM:
     quantization: None (default) or "int8": every linear weight, the tied embedding / LM head
     and the MTP weights quantized at load time to int8 with one scale per 32 inputs (about half
     the memory of bfloat16, faster decoding on CPU; activations stay in ``dtype``); "int4":
-    4-bit weights (``hybridrt.kernels.int4``), the embedding / LM head in int8. CPU only.
+    4-bit weights (``hybridrt.kernels.int4``), the embedding / LM head in 6 bits. CPU only.
     async_scheduling: launch a decode step before the previous step's tokens reach the host,
     so that the host prepares it while the device runs (the same tokens; a request that stops
     has one extra token computed and dropped). Default: on for CUDA, off on CPU (where the

@@ -107,19 +107,32 @@ def _read(handles: dict, file_of: dict, name: str) -> torch.Tensor:
 
 
 QUANT_METADATA = "hybridrt.quantization"  # safetensors metadata key of save_quantized's files
-# the stored tensors of each quantized weight: int8 .qs and .scales, 4-bit .qs, .codes, .scales
-_QUANT_PARTS = (".qs", ".codes", ".scales")
+# the stored tensors of each quantized weight: int8 .qs and .scales, 4-bit .qs, .codes, .scales,
+# 6-bit .qs, .hs, .codes, .scales
+_QUANT_PARTS = (".qs", ".hs", ".codes", ".scales")
 # per format: the weight class, its tensors' shapes and dtypes, the quantizer
 _FORMATS = {
     "int8": (quant.QuantWeight, quant.packed_shapes, (torch.int8, torch.float16), quant.quantize),
     "int4": (int4.Int4Weight, int4.packed_shapes, (torch.uint8, torch.uint8, torch.bfloat16),
              int4.quantize),
+    "int6": (int4.Int6Weight, lambda shape: int4.packed_shapes(shape, 6),
+             (torch.uint8, torch.uint8, torch.uint8, torch.bfloat16),
+             lambda w: int4.quantize(w, 6)),
 }
 
 
-def _format_of(quantization: str, name: str) -> str:
-    """The format parameter ``name`` takes under ``quantization``: int4 keeps some in int8."""
-    return "int8" if quantization == "int8" or int4.kept_int8(name) else "int4"
+def _format_of(quantization: str, name: str, stored: dict | None = None) -> str:
+    """The format parameter ``name`` takes under ``quantization``: int4 takes 6 bits for the
+    embedding / LM head. ``stored``: a stored checkpoint's tensors, by name: an int4 one written
+    before the 6-bit head (its .qs without .hs or .codes) holds it in int8."""
+    if quantization == "int8":
+        return "int8"
+    if not int4.six_bit(name):
+        return "int4"
+    if stored is not None and f"{name}.qs" in stored and not {f"{name}.hs", f"{name}.codes"} & \
+            stored.keys():
+        return "int8"
+    return "int6"
 
 
 def _prequantized(opened: list, path: Path) -> str | None:
@@ -141,9 +154,10 @@ def save_quantized(model: str | os.PathLike, out: str | os.PathLike,
     """Write ``model`` (a checkpoint directory or hub id) with its weights quantized as
     ``quantization`` ("int8" or "int4") quantizes them at load, into the new directory ``out``:
     one model.safetensors (quantized weights in the kernels' layout, ``<name>.qs``,
-    ``<name>.scales`` and for 4 bits ``<name>.codes``; the other tensors in the checkpoint's
-    dtype) and the source's other files (config, tokenizer). ``load_model`` reads it without
-    quantizing again; the model computes the same. -> {"path", "bytes", "tensors"}."""
+    ``<name>.scales``, for 4 bits ``<name>.codes`` and for 6 bits also ``<name>.hs``; the other
+    tensors in the checkpoint's dtype) and the source's other files (config, tokenizer).
+    ``load_model`` reads it without quantizing again; the model computes the same. -> {"path",
+    "bytes", "tensors"}."""
     import shutil
 
     from safetensors.torch import save_file
@@ -214,7 +228,7 @@ def load_model(
     Missing, unexpected and mis-shaped text tensors fail together in one CheckpointError.
     ``quantization="int8"``: every linear weight and the embedding are quantized as they are
     read (``kernels.quant``), without keeping the full-precision copy; ``"int4"``: the same in
-    4 bits (``kernels.int4``; the embedding / LM head in int8). A checkpoint written by
+    4 bits (``kernels.int4``; the embedding / LM head in 6 bits). A checkpoint written by
     ``save_quantized`` (``hybridrt quantize``) holds them quantized already: it loads in its
     own quantization whatever ``quantization`` says, with no quantization at start-up.
     """
@@ -258,7 +272,7 @@ def load_model(
     to_quantize = quant.quantized_names(net) if quantization else set()
     if prequantized:  # each quantized weight is stored as its tensors, in the kernels' layout
         for name in to_quantize & set(expected):
-            cls, shapes, _, _ = _FORMATS[_format_of(quantization, name)]
+            cls, shapes, _, _ = _FORMATS[_format_of(quantization, name, handles)]
             for part, shape in zip(cls.names, shapes(expected.pop(name))):
                 expected[f"{name}.{part}"] = shape
 
@@ -289,7 +303,7 @@ def load_model(
     state, quantized = {}, {}
     if prequantized:
         for name in to_quantize & {n.removesuffix(".qs") for n in expected}:
-            fmt = _format_of(quantization, name)
+            fmt = _format_of(quantization, name, handles)
             cls, _, dtypes, _ = _FORMATS[fmt]
             parts = [_read(handles, file_of, f"{name}.{part}") for part in cls.names]
             if [t.dtype for t in parts] != list(dtypes):

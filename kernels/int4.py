@@ -13,8 +13,11 @@ Q4_0-style symmetric groups (docs/performance.md). ``Int4Weight`` keeps the thre
 the kernels' layout (panels of 16 output columns, see csrc/int4_gemm.c); ``dequantize`` and
 ``rows`` give the values back.
 
-Which weights stay int8 (``kept_int8``): the tied embedding / LM head, by measurement (at
-4 bits it alone doubled the perplexity cost; docs/performance.md).
+The tied embedding / LM head (``six_bit``) takes 6 bits instead, by measurement (at 4 bits
+it alone doubled the perplexity cost; in int8 it was half the bytes a decoded token reads;
+docs/performance.md): ``Int6Weight``, the same format with q in [0, 63], its low 4 bits where
+the 4-bit format keeps them and a plane of the high 2 bits beside (6.625 bits a weight, as
+llama.cpp's Q4_K_M keeps it at Q6_K's 6.5625).
 
 ``linear`` multiplies on the CPU with the kernels: each row of x is quantized to int8 per group
 of 32 as for int8 weights (``quant.quantize_activations``), the group dot products are exact
@@ -38,6 +41,7 @@ GROUP = 32  # inputs per group (one scale code and one minimum code)
 SUPER = 8  # groups per superblock (one D and one M)
 PANEL = 16  # output columns per panel
 CODES = 255  # the codes' largest value
+QMAX = {4: 15, 6: 63}  # q's largest value, by bits a weight
 ISAS = {"ref": 1, "avx2": 2, "avxvnni": 8, "vnni": 4}  # csrc/int4_gemm.c's ISA_* flags, best last
 _CHUNK_ROWS = 1024  # rows quantized at a time (bounds the fp32 temporaries)
 # the grids past the min/max one that the quantizer tries per group, minus one (see _fit):
@@ -59,6 +63,7 @@ class Int4Weight(quant.PackedWeight):
     __slots__ = ("qs", "codes", "scales", "shape", "_ptrs")
     kind = "int4"
     names = ("qs", "codes", "scales")
+    bits = 4
 
     def __init__(self, qs: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                  shape: tuple[int, int]):
@@ -66,11 +71,11 @@ class Int4Weight(quant.PackedWeight):
         self.shape = (int(shape[0]), int(shape[1]))
         self._ptrs = None
 
-    def ptrs(self) -> tuple[int, int, int, int]:
-        """(qs, codes, scales) data pointers and the packed width 32 G, for the kernels."""
+    def ptrs(self) -> tuple[int, ...]:
+        """The tensors' data pointers (``names``' order) and the packed width 32 G, for the
+        kernels."""
         if self._ptrs is None:
-            self._ptrs = (self.qs.data_ptr(), self.codes.data_ptr(), self.scales.data_ptr(),
-                          self.codes.shape[1] * GROUP)
+            self._ptrs = (*(t.data_ptr() for t in self.tensors()), self.codes.shape[1] * GROUP)
         return self._ptrs
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -89,8 +94,14 @@ class Int4Weight(quant.PackedWeight):
         return dw, mw
 
     def values(self) -> torch.Tensor:
-        """q [P * 16, G * 32] uint8 in [0, 15], unpacked."""
+        """q [P * 16, G * 32] uint8 in [0, 15] (6 bits: [0, 63]), unpacked."""
         return unpack(self.qs)
+
+    def _row_values(self, p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """q of columns 16 p + c -> [n, G, 32] uint8."""
+        P, G = self.codes.shape[:2]
+        b = self.qs.view(P, G, 4, PANEL, 4)[p, :, :, c, :]  # [n, G, 4, 4]
+        return torch.stack([b & 15, b >> 4], dim=2).view(len(p), G, GROUP)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """-> W [N, K] as dw * q - mw (computed in fp32)."""
@@ -105,8 +116,7 @@ class Int4Weight(quant.PackedWeight):
         flat = ids.reshape(-1)
         p, c = flat // PANEL, flat % PANEL
         P, G = self.codes.shape[:2]
-        b = self.qs.view(P, G, 4, PANEL, 4)[p, :, :, c, :]  # [n, G, 4, 4]
-        q = torch.stack([b & 15, b >> 4], dim=2).float().view(len(flat), G, GROUP)
+        q = self._row_values(p, c).float()
         sup = self.scales.float().repeat_interleave(SUPER, dim=1)[:, :G]  # [P, G, 2, 16]
         both = sup[p, :, :, c] * self.codes[p, :, :, c].float()  # [n, G, 2]
         w = q * both[..., 0, None] - both[..., 1, None]
@@ -114,11 +124,46 @@ class Int4Weight(quant.PackedWeight):
         return w.view(*ids.shape, self.shape[1])
 
 
-def packed_shapes(shape: tuple[int, int]) -> tuple[tuple[int, ...], ...]:
-    """The shapes of ``qs``, ``codes`` and ``scales`` of an Int4Weight of a weight [N, K]."""
+class Int6Weight(Int4Weight):
+    """A weight [N, K] in 6 bits: an Int4Weight's tensors, q in [0, 63] with its low 4 bits in
+    ``qs`` as there, and ``hs`` [P, G, 2, 64] uint8 the high 2: bits 2 r and 2 r + 1 of byte
+    4 c + j of hs[p, g, h] are q(W[16 p + c, 32 g + 16 h + 4 r + j]) >> 4 (hs[p, g, 0] goes
+    with the low nibbles of qs[p, g, r], hs[p, g, 1] with the high ones: each 64-byte row of
+    hs completes the 4 vectors a kernel unpacks from one half of a group's qs)."""
+
+    __slots__ = ("hs",)
+    kind = "int6"
+    names = ("qs", "hs", "codes", "scales")
+    bits = 6
+
+    def __init__(self, qs: torch.Tensor, hs: torch.Tensor, codes: torch.Tensor,
+                 scales: torch.Tensor, shape: tuple[int, int]):
+        super().__init__(qs, codes, scales, shape)
+        self.hs = hs
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.qs, self.hs, self.codes, self.scales
+
+    def replace(self, *tensors: torch.Tensor) -> Int6Weight:
+        return Int6Weight(*tensors, self.shape)
+
+    def values(self) -> torch.Tensor:
+        return unpack(self.qs) | unpack_high(self.hs) << 4
+
+    def _row_values(self, p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        P, G = self.codes.shape[:2]
+        b = self.hs.view(P, G, 2, PANEL, 4)[p, :, :, c, :]  # [n, G, 2, 4]
+        h = torch.stack([b >> 2 * r & 3 for r in range(4)], dim=3)  # [n, G, 2 h, 4 r, 4 j]
+        return super()._row_values(p, c) | (h << 4).view(len(p), G, GROUP)
+
+
+def packed_shapes(shape: tuple[int, int], bits: int = 4) -> tuple[tuple[int, ...], ...]:
+    """The shapes of the tensors (``names``) of an Int4Weight (``bits`` 6: an Int6Weight) of a
+    weight [N, K]."""
     P, G = -(-shape[0] // PANEL), -(-shape[1] // GROUP)
     S = -(-G // SUPER)
-    return (P, G, 4, 4 * PANEL), (P, G, 2, PANEL), (P, S, 2, PANEL)
+    high = ((P, G, 2, 4 * PANEL),) if bits == 6 else ()
+    return (P, G, 4, 4 * PANEL), *high, (P, G, 2, PANEL), (P, S, 2, PANEL)
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
@@ -137,17 +182,34 @@ def unpack(qs: torch.Tensor) -> torch.Tensor:
     return q.permute(0, 4, 1, 2, 3, 5).reshape(P * PANEL, G * GROUP)
 
 
-def quantize(weight: torch.Tensor) -> Int4Weight:
-    """W [N, K] (any float dtype, finite) -> its Int4Weight. Per column and group of 32 a step
-    dw and a minimum mw (``_fit``), then per superblock D = max dw / 255 and M = max mw / 255
-    rounded to bf16, the codes sc = round(dw / D) (at least 1 for a group with a range) and mc =
-    round(mw / M), and q = round((w + M mc) / (D sc)) clamped to [0, 15]. By the compiled
-    csrc/int4_quant.c where it runs (the same bytes as ``quantize_reference``, some 50x
-    faster), else by ``quantize_reference``."""
-    _check_quantizable(weight)
+def pack_high(h: torch.Tensor) -> torch.Tensor:
+    """The high 2 bits h [16 P, 32 G] (values in [0, 3]) of 6-bit q -> hs [P, G, 2, 64]."""
+    rows, cols = h.shape
+    P, G = rows // PANEL, cols // GROUP
+    h = h.to(torch.uint8).view(P, PANEL, G, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # p g h r c j
+    return (h[:, :, :, 0] | h[:, :, :, 1] << 2 | h[:, :, :, 2] << 4 | h[:, :, :, 3] << 6
+            ).reshape(P, G, 2, 4 * PANEL)
+
+
+def unpack_high(hs: torch.Tensor) -> torch.Tensor:
+    """``pack_high``'s inverse: hs [P, G, 2, 64] -> h [16 P, 32 G] uint8."""
+    P, G = hs.shape[:2]
+    b = hs.view(P, G, 2, PANEL, 4)
+    h = torch.stack([b >> 2 * r & 3 for r in range(4)], dim=3)  # p g h r c j
+    return h.permute(0, 4, 1, 2, 3, 5).reshape(P * PANEL, G * GROUP)
+
+
+def quantize(weight: torch.Tensor, bits: int = 4) -> Int4Weight:
+    """W [N, K] (any float dtype, finite) -> its Int4Weight (``bits`` 6: its Int6Weight). Per
+    column and group of 32 a step dw and a minimum mw (``_fit``), then per superblock D = max
+    dw / 255 and M = max mw / 255 rounded to bf16, the codes sc = round(dw / D) (at least 1 for
+    a group with a range) and mc = round(mw / M), and q = round((w + M mc) / (D sc)) clamped
+    to [0, 15] ([0, 63]). By the compiled csrc/int4_quant.c where it runs (the same bytes as
+    ``quantize_reference``, some 50x faster), else by ``quantize_reference``."""
+    _check_quantizable(weight, bits)
     lib = _lib()
     if lib is None or weight.device.type != "cpu":
-        return quantize_reference(weight)
+        return quantize_reference(weight, bits)
     w = weight.detach()
     if w.dtype not in (torch.float32, torch.bfloat16):
         w = w.float()
@@ -155,30 +217,40 @@ def quantize(weight: torch.Tensor) -> Int4Weight:
     if not torch.isfinite(w).all():
         raise ValueError("int4 quantize: the weight holds inf or NaN")
     N, K = w.shape
-    qs, codes, scales = (torch.empty(shape, dtype=dtype) for shape, dtype in zip(
-        packed_shapes((N, K)), (torch.uint8, torch.uint8, torch.bfloat16)))
+    shapes = packed_shapes((N, K), bits)
+    t = [torch.empty(s, dtype=torch.uint8) for s in shapes[:-1]]
+    t.append(torch.empty(shapes[-1], dtype=torch.bfloat16))
+    qs, hs, codes, scales = t if bits == 6 else (t[0], None, *t[1:])
     if lib.int4_quantize(w.data_ptr(), int(w.dtype == torch.bfloat16), N, K, qs.data_ptr(),
-                         codes.data_ptr(), scales.data_ptr(), _SEARCH_STEPS,
-                         torch.get_num_threads()):
+                         None if hs is None else hs.data_ptr(), codes.data_ptr(),
+                         scales.data_ptr(), QMAX[bits], _SEARCH_STEPS, torch.get_num_threads()):
         raise MemoryError("int4 quantize: no memory for the quantizer's scratch")
-    return Int4Weight(qs, codes, scales, (N, K))
+    return _weight(bits)(*t, (N, K))
 
 
-def _check_quantizable(weight: torch.Tensor) -> None:
+def _weight(bits: int) -> type[Int4Weight]:
+    return Int6Weight if bits == 6 else Int4Weight
+
+
+def _check_quantizable(weight: torch.Tensor, bits: int = 4) -> None:
+    if bits not in QMAX:
+        raise ValueError(f"int4 quantize: bits must be 4 or 6, got {bits}")
     if weight.dim() != 2 or not weight.is_floating_point() or 0 in weight.shape:
         raise ValueError(f"int4 quantize: expected a non-empty float matrix, got {weight.dtype} "
                          f"{list(weight.shape)}")
 
 
-def quantize_reference(weight: torch.Tensor) -> Int4Weight:
+def quantize_reference(weight: torch.Tensor, bits: int = 4) -> Int4Weight:
     """``quantize`` in torch ops (the definition the compiled quantizer is held to; the path
     without it)."""
-    _check_quantizable(weight)
+    _check_quantizable(weight, bits)
     N, K = weight.shape
-    qs_shape, codes_shape, scales_shape = packed_shapes((N, K))
+    qs_shape, *hs_shape, codes_shape, scales_shape = packed_shapes((N, K), bits)
     P, G = codes_shape[:2]
     S = scales_shape[1]
+    qmax = QMAX[bits]
     qs = torch.empty(qs_shape, dtype=torch.uint8, device=weight.device)
+    hs = [torch.empty(s, dtype=torch.uint8, device=weight.device) for s in hs_shape]
     codes = torch.empty(codes_shape, dtype=torch.uint8, device=weight.device)
     scales = torch.empty(scales_shape, dtype=torch.bfloat16, device=weight.device)
     step = max(PANEL, _CHUNK_ROWS // PANEL * PANEL)
@@ -188,23 +260,26 @@ def quantize_reference(weight: torch.Tensor) -> Int4Weight:
             raise ValueError("int4 quantize: the weight holds inf or NaN")
         rows = -(-w.shape[0] // PANEL) * PANEL
         w = F.pad(w, (0, G * GROUP - K, 0, rows - w.shape[0])).view(rows, G, GROUP)
-        sc, mc, D, M = _codes(w, S, K)
+        sc, mc, D, M = _codes(w, S, K, qmax)
         dw = (D.repeat_interleave(SUPER, dim=1)[:, :G] * sc)  # exact: bf16 x 8 bits
         mw = (M.repeat_interleave(SUPER, dim=1)[:, :G] * mc)
         inv = torch.where(dw > 0, 1 / dw, 0)
-        q = ((w + mw[..., None]) * inv[..., None]).round_().clamp_(0, 15)
+        q = ((w + mw[..., None]) * inv[..., None]).round_().clamp_(0, qmax)
+        q = q.to(torch.uint8).view(rows, G * GROUP)
         p0, p1 = n0 // PANEL, n0 // PANEL + rows // PANEL
-        qs[p0:p1] = pack(q.view(rows, G * GROUP))
+        qs[p0:p1] = pack(q & 15)
+        if hs:
+            hs[0][p0:p1] = pack_high(q >> 4)
         codes[p0:p1] = torch.stack([sc, mc], 1).view(-1, PANEL, 2, G).permute(0, 3, 2, 1)
         scales[p0:p1] = torch.stack([D, M], 1).view(-1, PANEL, 2, S).permute(0, 3, 2, 1)
-    return Int4Weight(qs, codes, scales, (N, K))
+    return _weight(bits)(qs, *hs, codes, scales, (N, K))
 
 
-def _codes(w: torch.Tensor, S: int, K: int):
+def _codes(w: torch.Tensor, S: int, K: int, qmax: int):
     """w [rows, G, 32] fp32 (zeros past input K) -> (sc, mc [rows, G] as float, D, M [rows,
     S] bf16 values as float)."""
     rows, G = w.shape[:2]
-    d, m = _fit(w, K)
+    d, m = _fit(w, K, qmax)
     pad = S * SUPER - G
     D, M = (F.pad(v, (0, pad)).view(rows, S, SUPER).amax(-1) / torch.tensor(float(CODES))
             for v in (d, m))
@@ -216,14 +291,16 @@ def _codes(w: torch.Tensor, S: int, K: int):
     return sc, mc, D, M
 
 
-def _fit(w: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each group's step and minimum (w ~= d q - m, q in [0, 15], d, m >= 0) -> d, m [rows, G].
+def _fit(w: torch.Tensor, K: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's step and minimum (w ~= d q - m, q in [0, qmax], d, m >= 0) -> d, m [rows,
+    G].
 
     llama.cpp's Q4_K search (make_qkx2_quants), vectorised: the squared error weighted by
-    ``rms(group) + |w|`` (large weights count more), over the min/max grid and 5 grids of 14,
-    14.5, ... 16 steps over the range, each refitted by weighted least squares (the minimum kept
-    <= 0); the best one. The inputs past K (padding) weigh nothing. The same operations as
-    csrc/int4_quant.c (sums in fp64, the rest in fp32)."""
+    ``rms(group) + |w|`` (large weights count more), over the min/max grid and 5 grids of qmax
+    - 1, qmax - 0.5, ... qmax + 1 steps over the range (14 .. 16 at 4 bits), each refitted by
+    weighted least squares (the minimum kept <= 0); the best one. The inputs past K (padding)
+    weigh nothing. The same operations as csrc/int4_quant.c (sums in fp64, the rest in
+    fp32)."""
     lo, hi = w.amin(-1).clamp_(max=0), w.amax(-1)
     rng = hi - lo
     t = w - lo[..., None]
@@ -232,14 +309,15 @@ def _fit(w: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
     if K % GROUP:
         wt[:, -1, K % GROUP:] = 0
     sw, swx, swxx = wt.sum(-1), (wt * wd).sum(-1), (wt * wd * wd).sum(-1)
-    d0 = rng / torch.full_like(rng, 15)  # a true division, as the C code (not x * (1 / 15))
-    q0 = torch.where(d0[..., None] > 0, t / d0[..., None], 0).round_().clamp_(0, 15)
+    d0 = rng / torch.full_like(rng, qmax)  # a true division, as the C code (not x * (1 / 15))
+    q0 = torch.where(d0[..., None] > 0, t / d0[..., None], 0).round_().clamp_(0, qmax)
     best_err = (wt * (q0.double() * d0.double()[..., None] + lo.double()[..., None] - wd) ** 2
                 ).sum(-1)
     best_d, best_mn = d0.double(), lo.double()
     for i in range(_SEARCH_STEPS + 1):
-        iscale = torch.where(rng > 0, torch.full_like(rng, 14 + 2 * i / _SEARCH_STEPS) / rng, 0)
-        q = (t * iscale[..., None]).round_().clamp_(0, 15).double()
+        iscale = torch.where(rng > 0, torch.full_like(rng, qmax - 1 + 2 * i / _SEARCH_STEPS)
+                             / rng, 0)
+        q = (t * iscale[..., None]).round_().clamp_(0, qmax).double()
         wq = wt * q
         s1, s2, sx = wq.sum(-1), (wq * q).sum(-1), (wq * wd).sum(-1)
         den = sw * s2 - s1 * s1
@@ -298,12 +376,13 @@ def _lib():
         _typed = True
         lib.int4_isas.restype = ctypes.c_int
         lib.int4_isas.argtypes = []
-        lib.int4_gemm.restype = ctypes.c_int
-        lib.int4_gemm.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4
-                                  + [ctypes.c_int] + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2)
+        for f, ptrs in ((lib.int4_gemm, 4), (lib.int6_gemm, 5)):  # the weight's, and y
+            f.restype = ctypes.c_int
+            f.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * ptrs
+                          + [ctypes.c_int] + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2)
         lib.int4_quantize.restype = ctypes.c_int
         lib.int4_quantize.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 2
-                                      + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2)
+                                      + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3)
     return lib
 
 
@@ -337,11 +416,11 @@ def gemm(x: torch.Tensor, qw: Int4Weight, isa: str,
         x = x.float()
     x = x.contiguous()
     y = torch.empty(x.shape[0], N, dtype=out_dtype)
-    Kp = qw.codes.shape[1] * GROUP
-    if x.shape[0] and N and lib.int4_gemm(
-            x.data_ptr(), int(x.dtype == torch.bfloat16), qw.qs.data_ptr(), qw.codes.data_ptr(),
-            qw.scales.data_ptr(), y.data_ptr(), int(out_dtype == torch.bfloat16), x.shape[0], N,
-            K, Kp, ISAS[isa], torch.get_num_threads()):
+    *ptrs, Kp = qw.ptrs()
+    if x.shape[0] and N and _entry(lib, qw)(
+            x.data_ptr(), int(x.dtype == torch.bfloat16), *ptrs, y.data_ptr(),
+            int(out_dtype == torch.bfloat16), x.shape[0], N, K, Kp, ISAS[isa],
+            torch.get_num_threads()):
         raise RuntimeError(f"int4 gemm: kernel path {isa!r} failed (not in this build, or out "
                            f"of memory)")
     return y
@@ -369,14 +448,19 @@ def _gemm_bf16(x: torch.Tensor, qw: Int4Weight, flag: int) -> torch.Tensor:
     if x.shape[1] != K:
         raise ValueError(f"int4 gemm: x must be [M, {K}], got {list(x.shape)}")
     y = torch.empty(x.shape[0], N, dtype=torch.bfloat16)
-    qs, codes, scales, Kp = qw.ptrs()
-    if _lib().int4_gemm(x.data_ptr(), 1, qs, codes, scales, y.data_ptr(), 1, x.shape[0], N, K,
-                        Kp, flag, torch.get_num_threads()):
+    *ptrs, Kp = qw.ptrs()
+    if _entry(_lib(), qw)(x.data_ptr(), 1, *ptrs, y.data_ptr(), 1, x.shape[0], N, K, Kp, flag,
+                          torch.get_num_threads()):
         raise RuntimeError("int4 gemm: kernel path failed (not in this build, or out of memory)")
     return y
 
 
-def kept_int8(name: str) -> bool:
-    """Whether ``quantization="int4"`` stores the parameter ``name`` in int8 rather than 4 bits:
+def _entry(lib, qw: Int4Weight):
+    """The kernels' entry point for ``qw``'s format (its ``ptrs`` are the arguments it takes)."""
+    return lib.int6_gemm if qw.bits == 6 else lib.int4_gemm
+
+
+def six_bit(name: str) -> bool:
+    """Whether ``quantization="int4"`` stores the parameter ``name`` in 6 bits rather than 4:
     the token embedding (the tied LM head) and an untied LM head."""
     return name in ("model.embed_tokens.weight", "lm_head.weight")

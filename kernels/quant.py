@@ -37,7 +37,7 @@ class PackedWeight:
     indexed by panels of 16 output columns first), ``dequantize`` and ``rows``."""
 
     __slots__ = ()
-    kind = ""  # the quantization's name: "int8", "int4"
+    kind = ""  # the format's name: "int8", "int4", "int6" (int4's LM head)
     names: tuple[str, ...] = ()  # the tensors' names, as stored (``<param>.<name>``)
     shape: tuple[int, int]
 

@@ -6,7 +6,8 @@ compiled side by side and called on the same weights; the outputs must be identi
 
 kinds: vnni avx2 bf16dot fma (int8 and half weights); int4-vnni int4-avxvnni int4-avx2 int4-ref
 (4-bit weights: int4_gemm.c linked with its tree's int8_gemm.c, random packed bytes, the LM
-head in int8 on the int8 path of the same level, as ``quantization="int4"`` keeps it). Times:
+head in int8 on the int8 path of the same level, as ``quantization="int4"`` kept it before its
+6-bit head, so that older trees compare; scripts/head_ab.py times the two heads). Times:
 process CPU ms of one decode step's products (0.8B shape, one thread; ``NL=n`` the first n
 layers only, ``HEAD=0`` without the LM head), per row count, every variant and row count in
 each round. E.g. ``python scripts/gemv_ab.py 1,2,3,4,8 int4-vnni old=/path/to/old/tree new=.``
@@ -91,7 +92,7 @@ def _int4_random(n, k):
     return qs, codes, scales, G * 32
 
 
-# int4: every product of the layers in 4 bits, the LM head in int8 (as quantization="int4")
+# int4: every product of the layers in 4 bits, the LM head in int8 (an older tree has no 6-bit one)
 q4s = [_int4_random(n, k) for n, k in layers] if set(ISA4) & set(kinds) else []
 q4head = ([quant.quantize(ws[-1].float())] if q4s and len(shapes) > len(layers) else [])
 

@@ -88,15 +88,16 @@ def test_int8_rows_every_row_as_alone(isa):
 @pytest.mark.parametrize("isa", int4.available_isas() or ["none"])
 def test_int4_rows_every_row_as_alone(isa):
     """The 4-bit products likewise (the GEMV's tiles up to 8 rows, the GEMM's of 4 rows by 2
-    panels beyond, x quantized by the threads past 2^16 activations): 40 and 70 rows against
-    each row alone, bf16 and fp32 activations, 2 threads."""
+    panels beyond, x quantized by the threads past 2^16 activations), and the 6-bit LM head's:
+    40 and 70 rows against each row alone, bf16 and fp32 activations, 2 threads."""
     if isa == "none":
         pytest.skip("compiled CPU kernels unavailable")
     g = torch.Generator().manual_seed(3)
-    qw = int4.quantize(torch.randn(200, 1000, generator=g).bfloat16())
+    w = torch.randn(200, 1000, generator=g).bfloat16()
     torch.set_num_threads(2)
     try:
-        for dtype in (torch.bfloat16, torch.float32):
+        for qw, dtype in ((int4.quantize(w, b), d) for b in (4, 6)
+                          for d in (torch.bfloat16, torch.float32)):
             x = torch.randn(70, 1000, generator=g).to(dtype)
             alone = torch.cat([int4.linear(x[i:i + 1], qw, isa) for i in range(70)])
             for m in (40, 70):

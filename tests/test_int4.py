@@ -1,7 +1,8 @@
-"""4-bit weights (kernels/int4.py, csrc/int4_gemm.c): the format (nibble order, codes, round
-trips), every kernel path bit for bit against the torch emulation of the format for every tile
-shape and tail, the 4-bit model against a model holding the dequantized weights, the compiled
-decode layers, speculation, stored checkpoints, the build target switch, bad input."""
+"""4-bit weights (kernels/int4.py, csrc/int4_gemm.c) and the 6-bit LM head: the formats (nibble
+order, the high bits' plane, codes, round trips), every kernel path bit for bit against the torch
+emulation of the format for every tile shape and tail, the 4-bit model against a model holding
+the dequantized weights, the compiled decode layers, speculation, stored checkpoints (those
+written with the int8 LM head too), the build target switch, bad input."""
 
 from __future__ import annotations
 
@@ -44,23 +45,46 @@ def test_nibbles_sit_where_the_kernels_read_them():
     assert torch.equal(int4.unpack(qs), q)
 
 
+def test_high_bits_sit_where_the_kernels_read_them():
+    """6 bits: bits 2 r, 2 r + 1 of byte 4 c + j of hs[p, g, h] hold the high 2 bits of
+    q(W[16 p + c, 32 g + 16 h + 4 r + j]), whose low 4 sit in qs as at 4 bits; unpack_high
+    inverts it, and an Int6Weight's values() and rows() put both together."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 64, (32, 96), generator=g, dtype=torch.uint8)
+    hs = int4.pack_high(q >> 4)
+    assert hs.shape == (2, 3, 2, 64) and hs.dtype == torch.uint8
+    for p, gr, h, r, c, j in [(0, 0, 0, 0, 0, 0), (1, 2, 1, 3, 15, 3), (0, 1, 0, 2, 7, 1),
+                              (1, 0, 1, 1, 9, 2), (0, 2, 1, 0, 4, 3)]:
+        b = int(hs[p, gr, h, 4 * c + j])
+        assert b >> 2 * r & 3 == q[16 * p + c, 32 * gr + 16 * h + 4 * r + j] >> 4
+    assert torch.equal(int4.unpack_high(hs), q >> 4)
+    qw = int4.Int6Weight(int4.pack(q & 15), hs, torch.ones(2, 3, 2, 16, dtype=torch.uint8),
+                         torch.ones(2, 1, 2, 16, dtype=torch.bfloat16), (32, 96))
+    assert torch.equal(qw.values(), q)
+    assert torch.equal(qw.rows(torch.tensor([0, 17, 31])), q[[0, 17, 31]].float() - 1)
+
+
+@pytest.mark.parametrize("bits", [4, 6])
 @pytest.mark.parametrize("shape", [(1, 32), (16, 64), (17, 40), (50, 300), (33, 7), (3, 520)],
                          ids=lambda s: f"N{s[0]}-K{s[1]}")
-def test_quantize_round_trip(shape):
+def test_quantize_round_trip(shape, bits):
     """Every weight comes back as the nearest point of its group's grid dw * q - mw, q in
-    [0, 15] (within half a step inside the grid, its end outside: the search may clip); dw and
-    mw are the codes times their superblock's D and M; an all-zero group gives zeros; rows()
-    agrees with dequantize()."""
+    [0, 15] (6 bits: [0, 63]; within half a step inside the grid, its end outside: the search
+    may clip); dw and mw are the codes times their superblock's D and M; an all-zero group
+    gives zeros; rows() agrees with dequantize()."""
     N, K = shape
     g = torch.Generator().manual_seed(N * K)
     w = torch.randn(shape, generator=g) * torch.rand(N, 1, generator=g) * 3
     w[:, :min(32, K)] += torch.rand(N, 1, generator=g) * 2  # a group above zero: the min clamps
     w[0, :min(32, K)] = 0
-    qw = int4.quantize(w.bfloat16())
+    qw = int4.quantize(w.bfloat16(), bits)
+    assert type(qw) is (int4.Int6Weight if bits == 6 else int4.Int4Weight)
     deq = qw.dequantize()
     assert deq.shape == w.shape
-    qs_shape, codes_shape, scales_shape = int4.packed_shapes(shape)
+    qs_shape, *hs_shape, codes_shape, scales_shape = int4.packed_shapes(shape, bits)
     assert qw.qs.shape == qs_shape and qw.qs.dtype == torch.uint8
+    if bits == 6:
+        assert qw.hs.shape == hs_shape[0] == qs_shape[:2] + (2, 64) and qw.hs.dtype == torch.uint8
     assert qw.codes.shape == codes_shape and qw.codes.dtype == torch.uint8
     assert qw.scales.shape == scales_shape and qw.scales.dtype == torch.bfloat16
     G = codes_shape[1]
@@ -71,7 +95,7 @@ def test_quantize_round_trip(shape):
     wp = F.pad(w.bfloat16().float(), (0, G * 32 - K)).view(N, G, 32)
     dp = F.pad(deq, (0, G * 32 - K)).view(N, G, 32)
     valid = (torch.arange(G * 32) < K).view(1, G, 32).expand(N, G, 32)
-    lo, hi = (-mw).expand_as(wp), (15 * dw - mw).expand_as(wp)
+    lo, hi = (-mw).expand_as(wp), (int4.QMAX[bits] * dw - mw).expand_as(wp)
     inside, below, above = (wp >= lo) & (wp <= hi) & valid, (wp < lo) & valid, (wp > hi) & valid
     assert ((dp - wp).abs() <= dw / 2 * (1 + 1e-5) + 1e-7)[inside].all()
     assert torch.equal(dp[below], lo[below]) and torch.equal(dp[above], hi[above])
@@ -79,8 +103,9 @@ def test_quantize_round_trip(shape):
     assert deq[0, :min(32, K)].abs().max() == 0
     ids = torch.tensor([[N - 1, 0], [N // 2, N - 1]])
     assert torch.equal(qw.rows(ids), deq[ids])
+    assert qw.values().max() <= int4.QMAX[bits]
     before = w.clone()
-    assert torch.equal(int4.quantize(w).qs, int4.quantize(w.double()).qs)
+    assert torch.equal(int4.quantize(w, bits).qs, int4.quantize(w.double(), bits).qs)
     assert torch.equal(w, before)  # the input is left as it was
 
 
@@ -88,16 +113,19 @@ def test_quantize_round_trip(shape):
 @pytest.mark.parametrize("shape", [(17, 45), (50, 300), (33, 1000), (40, 2048)],
                          ids=lambda s: f"N{s[0]}-K{s[1]}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_compiled_quantizer_is_the_reference(shape, dtype):
+@pytest.mark.parametrize("bits", [4, 6])
+def test_compiled_quantizer_is_the_reference(shape, dtype, bits):
     """csrc/int4_quant.c gives quantize_reference's bytes (the same search and roundings, in C),
-    for tails of rows, groups and superblocks, all-zero, all-positive and -0.0 groups."""
+    4 and 6 bits, for tails of rows, groups and superblocks, all-zero, all-positive and -0.0
+    groups."""
     g = torch.Generator().manual_seed(shape[1])
     w = torch.randn(shape, generator=g) * 0.02 * torch.rand(shape[0], 1, generator=g)
     w[0, :32] = 0
     w[1, :32] = w[1, :32].abs()
     w[2, :32] = -0.0
     w = w.to(dtype)
-    a, b = int4.quantize(w), int4.quantize_reference(w)
+    a, b = int4.quantize(w, bits), int4.quantize_reference(w, bits)
+    assert type(a) is type(b) and len(a.tensors()) == len(b.tensors()) == 1 + bits // 2
     for name, x, y in zip(a.names, a.tensors(), b.tensors()):
         assert torch.equal(x, y), name
 
@@ -124,6 +152,23 @@ def test_quantization_error_is_that_of_4_bits():
     assert 0.06 < err < 0.09, err
 
 
+def test_quantization_error_is_that_of_6_bits():
+    """6 bits: 4x finer steps, about a quarter of 4 bits' error (1.7%), the search as useful;
+    the values use all 64 levels."""
+    w = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1))
+    qw = int4.quantize(w, 6)
+    err = ((qw.dequantize() - w).norm() / w.norm()).item()
+    assert 0.014 < err < 0.019, err
+    assert torch.equal(qw.values().unique(), torch.arange(64, dtype=torch.uint8))
+    steps = int4._SEARCH_STEPS
+    try:
+        int4._SEARCH_STEPS = -1
+        plain = ((int4.quantize(w, 6).dequantize() - w).norm() / w.norm()).item()
+    finally:
+        int4._SEARCH_STEPS = steps
+    assert err < 0.95 * plain, (err, plain)
+
+
 def test_quantize_rejects_what_the_format_cannot_hold():
     for bad in (torch.ones(4, 32, dtype=torch.int32), torch.ones(32), torch.ones(0, 32),
                 torch.ones(4, 0)):
@@ -134,6 +179,8 @@ def test_quantize_rejects_what_the_format_cannot_hold():
         w[2, 5] = v
         with pytest.raises(ValueError, match="inf or NaN"):
             int4.quantize(w)
+    with pytest.raises(ValueError, match="bits must be 4 or 6, got 5"):
+        int4.quantize(torch.ones(4, 32), 5)
 
 
 def test_concat_stacks_panels_and_refuses_what_it_cannot_stack():
@@ -167,33 +214,35 @@ INPUTS = [32, 45, 96, 290, 1024]
 
 
 @needs_kernels
+@pytest.mark.parametrize("bits", [4, 6])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("K", INPUTS, ids=lambda k: f"K{k}")
-def test_kernel_matches_the_emulation_bit_for_bit(isa, K):
-    """Each path, every (rows, columns) shape: bit for bit the format's math done in torch
-    (``int4.emulate``), and near plain dequantize-then-matmul (within what quantizing the
-    activations costs)."""
+def test_kernel_matches_the_emulation_bit_for_bit(isa, K, bits):
+    """Each path, 4 and 6 bits, every (rows, columns) shape: bit for bit the format's math done
+    in torch (``int4.emulate``), and near plain dequantize-then-matmul (within what quantizing
+    the activations costs)."""
     g = torch.Generator().manual_seed(K)
     for N in COLS:
         w = torch.randn(N, K, generator=g)
-        qw = int4.quantize(w)
+        qw = int4.quantize(w, bits)
         deq = qw.dequantize()
         for M in ROWS:
             x = torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 4
             y = int4.gemm(x, qw, isa)
-            what = f"{isa} M{M} N{N} K{K}"
+            what = f"{isa} {bits} bits M{M} N{N} K{K}"
             assert torch.equal(y, int4.emulate(x, qw)), what
             ref = x @ deq.T
             assert ((y - ref).norm() / ref.norm()).item() < 2e-2, what
 
 
 @needs_kernels
+@pytest.mark.parametrize("bits", [4, 6])
 @pytest.mark.parametrize("isa", ISAS)
-def test_kernel_rows_do_not_depend_on_the_batch(isa):
+def test_kernel_rows_do_not_depend_on_the_batch(isa, bits):
     """A row's output is bit-identical whether it runs alone, in the GEMV with up to 7 others
     or in any GEMM tile (what makes speculative verification reproduce plain decoding)."""
     g = torch.Generator().manual_seed(1)
-    qw = int4.quantize(torch.randn(50, 300, generator=g))
+    qw = int4.quantize(torch.randn(50, 300, generator=g), bits)
     x = torch.randn(23, 300, generator=g)
     whole = int4.gemm(x, qw, isa)
     for m in (1, 2, 3, 4, 5, 7, 8, 9, 12):
@@ -202,13 +251,14 @@ def test_kernel_rows_do_not_depend_on_the_batch(isa):
 
 
 @needs_kernels
+@pytest.mark.parametrize("bits", [4, 6])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("K", [45, 96], ids=lambda k: f"K{k}")
-def test_bf16_activations_in_one_call(isa, K):
+def test_bf16_activations_in_one_call(isa, K, bits):
     """bf16 x [M, K] in one call (the decode loop's products): bit for bit the fp32 path's
     result rounded to bf16, the padding of K to a multiple of 32 included."""
     g = torch.Generator().manual_seed(K)
-    qw = int4.quantize(torch.randn(37, K, generator=g))
+    qw = int4.quantize(torch.randn(37, K, generator=g), bits)
     for M in (1, 3, 6, 9):
         x = (torch.randn(M, K, generator=g) * 0.05).bfloat16()  # |x| < 1: padding shows
         y = int4.linear(x, qw, isa)
@@ -232,6 +282,12 @@ def test_kernel_bad_input():
     y = int4.gemm(torch.randn(0, 45), qw, ISAS[-1])
     assert y.shape == (0, 20)
     assert int4.linear(torch.randn(0, 45).bfloat16(), qw, ISAS[-1]).shape == (0, 20)
+    q6 = int4.quantize(torch.randn(20, 45), 6)
+    y = torch.zeros(1, 20)
+    assert native.load().int6_gemm(torch.ones(1, 45).data_ptr(), 0, q6.qs.data_ptr(), None,
+                                   q6.codes.data_ptr(), q6.scales.data_ptr(), y.data_ptr(), 0, 1,
+                                   20, 45, 64, 1, 1) == -1  # no high plane: refused
+    assert not y.any()
 
 
 @needs_kernels
@@ -271,13 +327,12 @@ def _logits(net, prompts):
 
 def _dequantized_model(ckpt):
     """The checkpoint in fp32 with every weight replaced by its dequantized values as int4
-    quantizes it (4 bits, the embedding in int8), on the reference backend."""
+    quantizes it (4 bits, the embedding in 6), on the reference backend."""
     net, config, _ = load_model(ckpt, torch.float32)
     names = quant.quantized_names(net)
     for name, p in net.named_parameters():
         if name in names:
-            mod = quant if int4.kept_int8(name) else int4
-            p.copy_(mod.quantize(p.bfloat16()).dequantize())
+            p.copy_(int4.quantize(p.bfloat16(), 6 if int4.six_bit(name) else 4).dequantize())
     net.set_backend(ReferenceBackend(config))
     return net
 
@@ -287,7 +342,8 @@ class _EmulatedBackend(ReferenceBackend):
     quantized weights."""
 
     def linear(self, x, w):
-        emulate = {int4.Int4Weight: int4.emulate, quant.QuantWeight: quant.emulate}.get(type(w))
+        emulate = {int4.Int4Weight: int4.emulate, int4.Int6Weight: int4.emulate,
+                   quant.QuantWeight: quant.emulate}.get(type(w))
         if emulate is None:
             return super().linear(x, w)
         return emulate(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1).to(x.dtype)
@@ -327,29 +383,39 @@ def test_int4_demo_model_near_its_dequantized_weights():
 
 def test_which_weights_are_4_bit_and_the_memory(ckpt, tmp_path):
     """Every linear weight (MTP included) in 4 bits, the tied embedding / LM head (or an untied
-    LM head) in int8; 4-bit weights take about 0.29x of bf16's bytes, plus this tiny model's
-    padding."""
+    LM head and the embedding) in 6; 4-bit weights take about 0.29x of bf16's bytes, 6-bit
+    0.41x, plus this tiny model's padding; the bytes a decoded token reads count the 6-bit
+    head's high plane."""
+    from hybridrt.bench import ceilings
+
     net, _, _ = load_model(ckpt, torch.bfloat16, quantization="int4", with_mtp=True)
     full, _, _ = load_model(ckpt, torch.bfloat16, with_mtp=True)
     names = quant.quantized_names(full)
     assert {n for n, _ in net.named_parameters()}.isdisjoint(names)
     assert isinstance(net.model.embed_tokens, quant.QuantEmbedding)
-    assert isinstance(net.model.embed_tokens.qweight, quant.QuantWeight)
-    fours = {n: m for n, m in net.named_modules() if isinstance(getattr(m, "qweight", None),
-                                                               int4.Int4Weight)}
+    head = net.model.embed_tokens.qweight
+    assert type(head) is int4.Int6Weight and head.shape == (131, 48)
+    assert head.nbytes == 9 * 2 * (256 + 128 + 32) + 9 * 64  # 9 panels, 2 groups, 1 superblock
+    fours = {n: m for n, m in net.named_modules()
+             if type(getattr(m, "qweight", None)) is int4.Int4Weight}
     assert len(fours) == len(names) - 1 and any(n.startswith("mtp.") for n in fours)
     assert quant.quantization_of(net) == "int4" and net.dtype == torch.bfloat16
     bf16 = sum(p.numel() * 2 for n, p in full.named_parameters()
-               if n in names and not int4.kept_int8(n))
+               if n in names and not int4.six_bit(n))
     four = sum(m.qweight.nbytes for m in fours.values())
     assert 0.29 < four / bf16 < 0.5, four / bf16
     big = int4.quantize(torch.randn(1024, 1024))
     assert big.nbytes == 1024 * 1024 * 4.625 / 8
+    assert int4.quantize(torch.randn(1024, 1024), 6).nbytes == 1024 * 1024 * 6.625 / 8
+    layers = sum(m.qweight.nbytes for n, m in fours.items() if not n.startswith("mtp."))
+    rest = sum(p.numel() * p.element_size() for n, p in net.named_parameters()
+               if not n.startswith("mtp."))
+    assert ceilings.weight_bytes_per_token(net) == layers + head.nbytes + rest
     cfg = tiny_text_config(vocab_size=131, tie_word_embeddings=False)
     path = write_random_checkpoint(tmp_path, cfg, seed=6, dtype=torch.bfloat16)
     untied, config, _ = load_model(path, torch.float32, quantization="int4")
-    assert isinstance(untied.lm_head.qweight, quant.QuantWeight)
-    assert isinstance(untied.model.embed_tokens.qweight, quant.QuantWeight)
+    assert type(untied.lm_head.qweight) is int4.Int6Weight
+    assert type(untied.model.embed_tokens.qweight) is int4.Int6Weight
 
 
 PANEL_CONFIG = dict(vocab_size=131, linear_num_key_heads=4, linear_num_value_heads=16,
@@ -486,6 +552,47 @@ def test_saved_int4_checkpoint_errors(saved, tmp_path):
         save_file(t, str(bad / "model.safetensors"), metadata=md)
         with pytest.raises(CheckpointError, match=match):
             load_model(bad)
+
+
+def test_int4_checkpoint_with_the_int8_head_still_loads(ckpt, saved, tmp_path):
+    """An int4 checkpoint stored before the LM head took 6 bits (its embedding's .qs and .scales
+    in int8, no .hs or .codes) loads with that int8 head and computes what the int4 model with
+    its head swapped for the int8 one does; a 6-bit head missing its high plane is an error."""
+    from safetensors.torch import load_file, save_file
+
+    from hybridrt.loader import QUANT_METADATA, CheckpointError
+
+    tensors = load_file(str(saved / "model.safetensors"))
+    emb = "model.embed_tokens.weight"
+    source, _, _ = load_model(ckpt, torch.bfloat16)
+    int8 = quant.quantize(source.model.embed_tokens.weight)
+    old = {k: v for k, v in tensors.items() if not k.startswith(emb + ".")}
+    old.update({f"{emb}.qs": int8.qs, f"{emb}.scales": int8.scales})
+    for d, t in (("old", old), ("bad", {k: v for k, v in tensors.items() if k != f"{emb}.hs"})):
+        (tmp_path / d).mkdir()
+        for f in saved.iterdir():
+            if f.suffix != ".safetensors":
+                (tmp_path / d / f.name).write_bytes(f.read_bytes())
+        save_file(t, str(tmp_path / d / "model.safetensors"),
+                  metadata={"format": "pt", QUANT_METADATA: "int4"})
+    net, config, _ = load_model(tmp_path / "old", torch.float32)
+    head = net.model.embed_tokens.qweight
+    assert type(head) is quant.QuantWeight
+    assert torch.equal(head.qs, int8.qs) and torch.equal(head.scales, int8.scales)
+    assert type(net.model.layers[0].mlp.down_proj.qweight) is int4.Int4Weight
+    ref, _, _ = load_model(ckpt, torch.float32, quantization="int4")
+    ref.model.embed_tokens.qweight = int8
+    for m in (net, ref):
+        m.set_backend(CPUBackend(config))
+    assert torch.equal(_logits(net, PROMPTS), _logits(ref, PROMPTS))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(tmp_path / "old", cache_memory=16 << 20)
+    assert llm.quantization == "int4"
+    assert len(llm.generate([{"prompt_token_ids": [5, 9, 2]}], sp,
+                            use_tqdm=False)[0].outputs[0].token_ids) == 6
+    with pytest.raises(CheckpointError,
+                       match=rf"missing tensor: {emb}\.hs \(expected \[9, 2, 2, 64\]\)"):
+        load_model(tmp_path / "bad")
 
 
 def test_cli_quantize_int4(ckpt, tmp_path):

@@ -11,8 +11,8 @@ avxvnni / avx2), for 1, 2, 3, 4 and 8 rows of x, against two bounds measured in 
 A product of M rows reads each weight once, so at the bandwidth bound its time does not grow
 with M until the arithmetic bound passes the bandwidth bound. Each path is called as the decode
 loop calls it (``native.gemv_bf16``, ``quant.linear`` / ``int4.linear`` on bf16 x). The int4
-paths multiply the layers' weights in 4 bits and the LM head in int8 (as ``quantization="int4"``
-keeps it), the 4-bit bytes random (the kernels' time does not depend on them; quantizing the
+paths multiply the layers' weights in 4 bits and the LM head in 6 bits (as ``quantization="int4"``
+keeps it), the bytes random (the kernels' time does not depend on them; quantizing the
 step's weights would take minutes). Rounds alternate every path, row count and the read loop;
 each figure is the median of its rounds.
 """
@@ -111,14 +111,15 @@ def run_gemv_bench(rows=ROWS, threads: int = 2, repeats: int = 5, paths=None, se
     return report
 
 
-def _random_int4(n: int, k: int, g: torch.Generator):
-    """A 4-bit weight [n, k] of random bytes (codes, and steps small enough to keep sums finite)."""
+def _random_int4(n: int, k: int, g: torch.Generator, bits: int = 4):
+    """A 4-bit (or 6-bit) weight [n, k] of random bytes (codes, and steps small enough to keep
+    sums finite)."""
     from hybridrt.kernels import int4
 
-    qs_shape, codes_shape, scales_shape = int4.packed_shapes((n, k))
-    return int4.Int4Weight(torch.randint(0, 256, qs_shape, generator=g, dtype=torch.uint8),
-                           torch.randint(0, 256, codes_shape, generator=g, dtype=torch.uint8),
-                           (torch.rand(scales_shape, generator=g) * 1e-4).bfloat16(), (n, k))
+    *planes, scales_shape = int4.packed_shapes((n, k), bits)
+    tensors = [torch.randint(0, 256, s, generator=g, dtype=torch.uint8) for s in planes]
+    scales = (torch.rand(scales_shape, generator=g) * 1e-4).bfloat16()
+    return (int4.Int6Weight if bits == 6 else int4.Int4Weight)(*tensors, scales, (n, k))
 
 
 def _run(rows, threads, repeats, paths, seed, config, clock) -> dict:
@@ -129,9 +130,9 @@ def _run(rows, threads, repeats, paths, seed, config, clock) -> dict:
     weights = [(torch.randn(n, k, generator=g) * 0.02).bfloat16() for n, k in shapes]
     qws = [quant.quantize(w) for w in weights] if any(p.startswith("int8") for p in paths) else []
     q4s = []
-    if any(p.startswith("int4") for p in paths):  # the layers in 4 bits, the LM head in int8
+    if any(p.startswith("int4") for p in paths):  # the layers in 4 bits, the LM head in 6
         q4s = [_random_int4(n, k, g) for n, k in shapes[:-1]]
-        q4s.append(qws[-1] if qws else quant.quantize(weights[-1]))
+        q4s.append(_random_int4(*shapes[-1], g, 6))
     xs = {(m, k): torch.randn(m, k, generator=g).bfloat16()
           for m in rows for k in {k for _, k in shapes}}
     macs = sum(n * k for n, k in shapes)
@@ -139,10 +140,7 @@ def _run(rows, threads, repeats, paths, seed, config, clock) -> dict:
     for p in paths:
         if p.startswith("int4"):
             isa = p.split("-")[1]
-            isa8 = isa if isa in quant.available_isas() else "avx2"  # avxvnni: the head on avx2
-            fns[p] = lambda m, isa=isa, isa8=isa8: [
-                int4.linear(xs[m, q.shape[1]], q, isa) if isinstance(q, int4.Int4Weight)
-                else quant.linear(xs[m, q.shape[1]], q, isa8) for q in q4s]
+            fns[p] = lambda m, isa=isa: [int4.linear(xs[m, q.shape[1]], q, isa) for q in q4s]
             nbytes[p] = sum(q.nbytes for q in q4s)
         elif p.startswith("int8"):
             isa = p.split("-")[1]

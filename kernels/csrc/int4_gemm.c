@@ -1,5 +1,6 @@
-/* y = x W^T with 4-bit weights (kernels/int4.py's format) and fp32 or bf16 activations, for every
- * number of rows: a GEMV for up to 8 rows (decode, draft verification), a tiled GEMM beyond.
+/* y = x W^T with 4-bit or 6-bit weights (kernels/int4.py's formats) and fp32 or bf16 activations,
+ * for every number of rows: a GEMV for up to 8 rows (decode, draft verification), a tiled GEMM
+ * beyond.
  *
  * The format. W [N, K] is cut into groups of 32 inputs (G = ceil(K / 32) per row, zeros past K)
  * and superblocks of 8 groups (SB = ceil(G / 8)). A weight is W ~= dw * q - mw with q in
@@ -11,6 +12,11 @@
  *       or shifting out a nibble) by 4 bytes of x broadcast to every lane;
  *   codes[p][g][0][c] = sc, codes[p][g][1][c] = mc;
  *   scales[p][s][0][c] = D, scales[p][s][1][c] = M (bf16 bits).
+ * The 6-bit format (int6_gemm; the LM head) has q in [0, 63]: its low 4 bits in qs as above,
+ * the high 2 in
+ *   hs[p][g][h][4 c + j] (uint8, h < 2): bits 2 r, 2 r + 1 are q(W[16 p + c][32 g + 16 h + 4 r +
+ *       j]) >> 4; 128 bytes per panel and group (6.625 bits a weight), OR-ed at bits 4-5 into
+ *       the nibbles qs[p][g][r] unpacks to (h = 0 its low, 1 its high): still unsigned bytes.
  *
  * Each row of x is quantized per group of 32 as for int8 (csrc/int8_gemm.c's
  * int8_quantize_rows: d = amax / 127, q = round(x * 127 / amax), s = sum of q), every group's
@@ -24,7 +30,8 @@
  * Paths (``int4_isas`` says which this build has; the caller picks one per call):
  *   ISA_REF     plain C;
  *   ISA_AVX2    AVX2: vpmaddubsw (nibbles unsigned, x signed; a group's 8 products stay within
- *               int16: 8 * 2 * 15 * 127 = 30480), widened once a group by vpmaddwd;
+ *               int16: 8 * 2 * 15 * 127 = 30480), widened once a group by vpmaddwd; 6 bits:
+ *               widened every 4 products (4 * 63 * 127 = 32004);
  *   ISA_AVXVNNI 256-bit vpdpbusd (AVX-VNNI, or AVX512-VNNI + VL), otherwise as AVX2;
  *   ISA_VNNI    AVX-512 VNNI: 512-bit vpdpbusd, 16 columns a vector.
  * Threads (OpenMP) take blocks of panels: one panel a block up to 8 rows (each weight read from
@@ -92,7 +99,7 @@ int int4_isas(void)
 typedef struct {
     const int8_t *xq;
     const float *xd, *xds;
-    const uint8_t *qs, *codes;
+    const uint8_t *qs, *hs, *codes; /* hs: NULL for 4 bits */
     const uint16_t *scales;
     void *y; /* [M, N], fp32 or bf16 (y_bf) */
     int64_t N, Kp, G, SB;
@@ -102,6 +109,11 @@ typedef struct {
 static inline const uint8_t *qs_at(const Args *a, int64_t p, int64_t g)
 {
     return a->qs + (p * a->G + g) * QB;
+}
+
+static inline const uint8_t *hs_at(const Args *a, int64_t p, int64_t g)
+{
+    return a->hs + (p * a->G + g) * (QB / 2);
 }
 
 static inline const uint8_t *codes_at(const Args *a, int64_t p, int64_t g)
@@ -128,8 +140,12 @@ static void tile_ref(const Args *a, int64_t i, int64_t p, int mr, int np)
                 for (int c = 0; c < NR; ++c) {
                     int32_t dot = 0;
                     for (int k = 0; k < QK; ++k) {
-                        const uint8_t b = qg[(k % 16 / 4) * 64 + 4 * c + k % 4];
-                        dot += xr[g * QK + k] * (k < 16 ? b & 15 : b >> 4);
+                        const int at = (k % 16 / 4) * 64 + 4 * c + k % 4;
+                        int q = k < 16 ? qg[at] & 15 : qg[at] >> 4;
+                        if (a->hs)
+                            q |= (hs_at(a, p + t, g)[(k / 16) * 64 + 4 * c + k % 4]
+                                  >> (2 * (k % 16 / 4)) & 3) << 4;
+                        dot += xr[g * QK + k] * q;
                     }
                     const float dw = bf16_to_f32(sg[c]) * (float)cg[c];
                     const float mw = bf16_to_f32(sg[NR + c]) * (float)cg[NR + c];
@@ -156,10 +172,18 @@ static inline __m512 codes16(const uint8_t *c)
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
 }
 
+/* bits 2 r, 2 r + 1 of each byte of h (a row of hs) at bits 4-5, the rest 0 (r a literal) */
+static inline __m512i high16(__m512i h, int r)
+{
+    const __m512i v = r == 0 ? _mm512_slli_epi16(h, 4) : r == 1 ? _mm512_slli_epi16(h, 2)
+                    : r == 2 ? h : _mm512_srli_epi16(h, 2);
+    return _mm512_and_si512(v, _mm512_set1_epi8(0x30));
+}
+
 /* the GEMM's tile: rows [i, i + mr) (mr <= 4) by panels [p, p + np) (np <= 2; the GEMV's tile,
- * of one panel, is gemv_vnni) */
+ * of one panel, is gemv_vnni); ``six``: the 6-bit format (a literal at every call) */
 static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64_t i, int64_t p,
-                                                            int mr, int np)
+                                                            int mr, int np, int six)
 {
     const __m512i low = _mm512_set1_epi8(0x0f);
     const int8_t *xq = a->xq + i * a->Kp;
@@ -195,6 +219,12 @@ static inline __attribute__((always_inline)) void tile_vnni(const Args *a, int64
                         const __m512i v = _mm512_loadu_si512(qs_at(a, p + t, g) + 64 * k4);
                         wl[t] = _mm512_and_si512(v, low);
                         wh[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                        if (six) {
+                            const uint8_t *h = hs_at(a, p + t, g);
+                            wl[t] = _mm512_or_si512(wl[t], high16(_mm512_loadu_si512(h), k4));
+                            wh[t] = _mm512_or_si512(wh[t],
+                                                    high16(_mm512_loadu_si512(h + 64), k4));
+                        }
                     }
                 }
                 #pragma GCC unroll 8
@@ -259,10 +289,19 @@ static inline __m256 codes8(const uint8_t *c)
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c)));
 }
 
-/* rows [i, i + mr) (mr <= 8) by columns 8 h .. 8 h + 7 of panel p. ``vnni``: vpdpbusd (a
- * literal at every call) */
+/* high16 on 256 bits */
+static inline __m256i high8(__m256i h, int r)
+{
+    const __m256i v = r == 0 ? _mm256_slli_epi16(h, 4) : r == 1 ? _mm256_slli_epi16(h, 2)
+                    : r == 2 ? h : _mm256_srli_epi16(h, 2);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x30));
+}
+
+/* rows [i, i + mr) (mr <= 8) by columns 8 h .. 8 h + 7 of panel p. ``vnni``: vpdpbusd; ``six``:
+ * the 6-bit format, its int32 sums widened every k4 without vnni (literals at every call) */
 static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64_t i, int64_t p,
-                                                            int h, int mr, int vnni, int pf)
+                                                            int h, int mr, int vnni, int six,
+                                                            int pf)
 {
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const int8_t *xq = a->xq + i * a->Kp;
@@ -275,17 +314,30 @@ static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64
         const __m256 D = bf16x8(s), M = bf16x8(s + NR);
         const int64_t g1 = (sb + 1) * SBG < a->G ? (sb + 1) * SBG : a->G;
         for (int64_t g = sb * SBG; g < g1; ++g) {
-            __m256i acc[GEMV_MAX];
+            __m256i acc[GEMV_MAX], h0 = _mm256_setzero_si256(), h1 = h0;
             #pragma GCC unroll 8
             for (int r = 0; r < GEMV_MAX; ++r) acc[r] = _mm256_setzero_si256();
+            if (six) {
+                const uint8_t *hq = hs_at(a, p, g);
+                if (pf) {
+                    _mm_prefetch((const char *)hq + PF_AHEAD / 2, _MM_HINT_T1);
+                    _mm_prefetch((const char *)hq + 64 + PF_AHEAD / 2, _MM_HINT_T1);
+                }
+                h0 = _mm256_loadu_si256((const __m256i *)(hq + 32 * h));
+                h1 = _mm256_loadu_si256((const __m256i *)(hq + 64 + 32 * h));
+            }
             #pragma GCC unroll 4
             for (int k4 = 0; k4 < 4; ++k4) {
                 if (pf)
                     _mm_prefetch((const char *)qs_at(a, p, g) + 64 * k4 + PF_AHEAD, _MM_HINT_T1);
                 const __m256i v = _mm256_loadu_si256(
                     (const __m256i *)(qs_at(a, p, g) + 64 * k4 + 32 * h));
-                const __m256i wl = _mm256_and_si256(v, low);
-                const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                __m256i wl = _mm256_and_si256(v, low);
+                __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                if (six) {
+                    wl = _mm256_or_si256(wl, high8(h0, k4));
+                    wh = _mm256_or_si256(wh, high8(h1, k4));
+                }
                 #pragma GCC unroll 8
                 for (int r = 0; r < GEMV_MAX; ++r) {
                     if (r < mr) {
@@ -298,8 +350,10 @@ static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64
                             continue;
                         }
 #endif
-                        acc[r] = _mm256_add_epi16(acc[r], _mm256_add_epi16(
-                            _mm256_maddubs_epi16(wl, xl), _mm256_maddubs_epi16(wh, xh)));
+                        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(wl, xl),
+                                                             _mm256_maddubs_epi16(wh, xh));
+                        acc[r] = six ? _mm256_add_epi32(acc[r], _mm256_madd_epi16(s16, ones))
+                                     : _mm256_add_epi16(acc[r], s16);
                     }
                 }
             }
@@ -308,7 +362,7 @@ static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64
             #pragma GCC unroll 8
             for (int r = 0; r < GEMV_MAX; ++r) {
                 if (r < mr) {
-                    const __m256i dot = vnni ? acc[r] : _mm256_madd_epi16(acc[r], ones);
+                    const __m256i dot = vnni || six ? acc[r] : _mm256_madd_epi16(acc[r], ones);
                     const __m256 dx = _mm256_set1_ps(xd[r * a->G + g]);
                     const __m256 ndxs = _mm256_set1_ps(-xds[r * a->G + g]);
                     accf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, dx),
@@ -334,7 +388,8 @@ static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64
     }
 }
 
-static void panel_avx2(const Args *a, int64_t i, int64_t p, int mr, int vnni)
+static inline __attribute__((always_inline)) void panel_avx2(const Args *a, int64_t i, int64_t p,
+                                                             int mr, int vnni, int six)
 {
     /* rows in tiles of up to AVX2_ROWS (their int16 and fp32 sums in registers; the panel's
      * bytes again from L1 for the next tile), the weight stream prefetched by the first; mr
@@ -345,17 +400,27 @@ static void panel_avx2(const Args *a, int64_t i, int64_t p, int mr, int vnni)
             const int n = mr - r0 < AVX2_ROWS ? mr - r0 : AVX2_ROWS, pf = h == 0 && r0 == 0;
 #define AVX2_CASE(n)                                                  \
     case n:                                                           \
-        if (vnni) tile_avx2(a, i + r0, p, h, n, 1, pf);               \
-        else tile_avx2(a, i + r0, p, h, n, 0, pf);                    \
+        if (vnni) tile_avx2(a, i + r0, p, h, n, 1, six, pf);          \
+        else tile_avx2(a, i + r0, p, h, n, 0, six, pf);               \
         break;
             switch (n) {
             AVX2_CASE(1) AVX2_CASE(2) AVX2_CASE(3) AVX2_CASE(4)
             AVX2_CASE(5) AVX2_CASE(6) AVX2_CASE(7)
-            default: tile_avx2(a, i + r0, p, h, 8, vnni, pf); break;
+            default: tile_avx2(a, i + r0, p, h, 8, vnni, six, pf); break;
             }
 #undef AVX2_CASE
         }
     }
+}
+
+static void panel_avx2_4(const Args *a, int64_t i, int64_t p, int mr, int vnni)
+{
+    panel_avx2(a, i, p, mr, vnni, 0);
+}
+
+static void panel_avx2_6(const Args *a, int64_t i, int64_t p, int mr, int vnni)
+{
+    panel_avx2(a, i, p, mr, vnni, 1);
 }
 #endif
 
@@ -377,7 +442,7 @@ static inline __m512i dpbusd_x4(__m512i acc, __m512i w, const int8_t *x)
  * step's one-row products took 0.83x the time of the hardware prefetcher alone, and with a few
  * rows' work per byte the loads waited without it (docs/performance.md, "int4 few rows"). */
 static inline __attribute__((always_inline)) void gemv_vnni(const Args *a, int64_t i, int64_t p,
-                                                            int mr)
+                                                            int mr, int six)
 {
     const __m512i low = _mm512_set1_epi8(0x0f);
     const int8_t *xq = a->xq + i * a->Kp;
@@ -391,13 +456,24 @@ static inline __attribute__((always_inline)) void gemv_vnni(const Args *a, int64
         const int64_t g1 = (sb + 1) * SBG < a->G ? (sb + 1) * SBG : a->G;
         for (int64_t g = sb * SBG; g < g1; ++g) {
             const uint8_t *q = qs_at(a, p, g);
-            __m512i w[8];
+            __m512i w[8], h0 = _mm512_setzero_si512(), h1 = h0;
+            if (six) { /* the hs stream: half of qs's bytes, prefetched as far ahead */
+                const uint8_t *hq = hs_at(a, p, g);
+                _mm_prefetch((const char *)hq + PF_AHEAD / 2, _MM_HINT_T1);
+                _mm_prefetch((const char *)hq + 64 + PF_AHEAD / 2, _MM_HINT_T1);
+                h0 = _mm512_loadu_si512(hq);
+                h1 = _mm512_loadu_si512(hq + 64);
+            }
             #pragma GCC unroll 4
             for (int k4 = 0; k4 < 4; ++k4) {
                 _mm_prefetch((const char *)q + 64 * k4 + PF_AHEAD, _MM_HINT_T1);
                 const __m512i v = _mm512_loadu_si512(q + 64 * k4);
                 w[k4] = _mm512_and_si512(v, low);
                 w[4 + k4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                if (six) {
+                    w[k4] = _mm512_or_si512(w[k4], high16(h0, k4));
+                    w[4 + k4] = _mm512_or_si512(w[4 + k4], high16(h1, k4));
+                }
             }
             __m512i acc[GEMV_MAX];
             #pragma GCC unroll 8
@@ -437,27 +513,39 @@ static inline __attribute__((always_inline)) void gemv_vnni(const Args *a, int64
         if (r < mr) act_st16(a->y, (i + r) * a->N + n0, accf[r], a->y_bf, m);
 }
 
-static void tile_vnni_any(const Args *a, int64_t i, int64_t p, int mr, int np)
+static inline __attribute__((always_inline)) void tile_vnni_any(const Args *a, int64_t i,
+                                                                int64_t p, int mr, int np, int six)
 {
     if (np == 1) {
         switch (mr) {
-        case 1: gemv_vnni(a, i, p, 1); break;
-        case 2: gemv_vnni(a, i, p, 2); break;
-        case 3: gemv_vnni(a, i, p, 3); break;
-        case 4: gemv_vnni(a, i, p, 4); break;
-        case 5: gemv_vnni(a, i, p, 5); break;
-        case 6: gemv_vnni(a, i, p, 6); break;
-        case 7: gemv_vnni(a, i, p, 7); break;
-        default: gemv_vnni(a, i, p, 8); break;
+        case 1: gemv_vnni(a, i, p, 1, six); break;
+        case 2: gemv_vnni(a, i, p, 2, six); break;
+        case 3: gemv_vnni(a, i, p, 3, six); break;
+        case 4: gemv_vnni(a, i, p, 4, six); break;
+        case 5: gemv_vnni(a, i, p, 5, six); break;
+        case 6: gemv_vnni(a, i, p, 6, six); break;
+        case 7: gemv_vnni(a, i, p, 7, six); break;
+        default: gemv_vnni(a, i, p, 8, six); break;
         }
         return;
     }
     switch (mr) {
-    case 1: tile_vnni(a, i, p, 1, 2); break;
-    case 2: tile_vnni(a, i, p, 2, 2); break;
-    case 3: tile_vnni(a, i, p, 3, 2); break;
-    default: tile_vnni(a, i, p, 4, 2); break;
+    case 1: tile_vnni(a, i, p, 1, 2, six); break;
+    case 2: tile_vnni(a, i, p, 2, 2, six); break;
+    case 3: tile_vnni(a, i, p, 3, 2, six); break;
+    default: tile_vnni(a, i, p, 4, 2, six); break;
     }
+}
+
+/* the 4-bit and 6-bit tiles apart, so that the 4-bit code is what it was without the format */
+static void tile_vnni4(const Args *a, int64_t i, int64_t p, int mr, int np)
+{
+    tile_vnni_any(a, i, p, mr, np, 0);
+}
+
+static void tile_vnni6(const Args *a, int64_t i, int64_t p, int mr, int np)
+{
+    tile_vnni_any(a, i, p, mr, np, 1);
 }
 #endif
 
@@ -465,11 +553,18 @@ static void tile_vnni_any(const Args *a, int64_t i, int64_t p, int mr, int np)
 static void tile(const Args *a, int64_t i, int64_t p, int mr, int np, int isa)
 {
 #ifdef HAVE_VNNI
-    if (isa == ISA_VNNI) { tile_vnni_any(a, i, p, mr, np); return; }
+    if (isa == ISA_VNNI) {
+        if (a->hs) tile_vnni6(a, i, p, mr, np);
+        else tile_vnni4(a, i, p, mr, np);
+        return;
+    }
 #endif
 #ifdef HAVE_AVX2
     if (isa == ISA_AVX2 || isa == ISA_AVXVNNI) {
-        for (int t = 0; t < np; ++t) panel_avx2(a, i, p + t, mr, isa == ISA_AVXVNNI);
+        for (int t = 0; t < np; ++t) {
+            if (a->hs) panel_avx2_6(a, i, p + t, mr, isa == ISA_AVXVNNI);
+            else panel_avx2_4(a, i, p + t, mr, isa == ISA_AVXVNNI);
+        }
         return;
     }
 #endif
@@ -477,13 +572,9 @@ static void tile(const Args *a, int64_t i, int64_t p, int mr, int np, int isa)
     tile_ref(a, i, p, mr, np);
 }
 
-/* y [M, N] = x [M, K] W^T: x fp32 or bf16 (x_bf) with K inputs a row (zeros past K up to
- * Kp = 32 G, the packed width), y fp32 or bf16 (y_bf; the fp32 sums rounded to nearest even
- * once). Returns 0, or -1 when the path ``isa`` is not in this build, Kp is not the packed width
- * or memory runs out (y untouched). */
-int int4_gemm(const void *x, int x_bf, const uint8_t *qs, const uint8_t *codes,
-              const uint16_t *scales, void *y, int y_bf, int64_t M, int64_t N, int64_t K,
-              int64_t Kp, int isa, int num_threads)
+static int gemm(const void *x, int x_bf, const uint8_t *qs, const uint8_t *hs,
+                const uint8_t *codes, const uint16_t *scales, void *y, int y_bf, int64_t M,
+                int64_t N, int64_t K, int64_t Kp, int isa, int num_threads)
 {
     if (!(isa & int4_isas()) || (isa & (isa - 1)) || Kp % QK || K > Kp || Kp - K >= QK) return -1;
     const int64_t G = Kp / QK, SB = (G + SBG - 1) / SBG, P = (N + NR - 1) / NR;
@@ -501,7 +592,7 @@ int int4_gemm(const void *x, int x_bf, const uint8_t *qs, const uint8_t *codes,
         return -1;
     }
     float *xds = xd + M * G;
-    const Args a = {xq, xd, xds, qs, codes, scales, y, N, Kp, G, SB, y_bf};
+    const Args a = {xq, xd, xds, qs, hs, codes, scales, y, N, Kp, G, SB, y_bf};
     const int64_t xb = x_bf ? 2 : 4;
     /* Few rows: x is quantized here, so that the threads meet once, not twice. Small products
      * run on this thread alone. */
@@ -542,4 +633,24 @@ int int4_gemm(const void *x, int x_bf, const uint8_t *qs, const uint8_t *codes,
     }
     free(xq); free(xd); free(xs);
     return failed ? -1 : 0;
+}
+
+/* y [M, N] = x [M, K] W^T: x fp32 or bf16 (x_bf) with K inputs a row (zeros past K up to
+ * Kp = 32 G, the packed width), y fp32 or bf16 (y_bf; the fp32 sums rounded to nearest even
+ * once). Returns 0, or -1 when the path ``isa`` is not in this build, Kp is not the packed width
+ * or memory runs out (y untouched). */
+int int4_gemm(const void *x, int x_bf, const uint8_t *qs, const uint8_t *codes,
+              const uint16_t *scales, void *y, int y_bf, int64_t M, int64_t N, int64_t K,
+              int64_t Kp, int isa, int num_threads)
+{
+    return gemm(x, x_bf, qs, NULL, codes, scales, y, y_bf, M, N, K, Kp, isa, num_threads);
+}
+
+/* int4_gemm for the 6-bit format: W's high bits in hs (not NULL) */
+int int6_gemm(const void *x, int x_bf, const uint8_t *qs, const uint8_t *hs,
+              const uint8_t *codes, const uint16_t *scales, void *y, int y_bf, int64_t M,
+              int64_t N, int64_t K, int64_t Kp, int isa, int num_threads)
+{
+    if (!hs) return -1;
+    return gemm(x, x_bf, qs, hs, codes, scales, y, y_bf, M, N, K, Kp, isa, num_threads);
 }

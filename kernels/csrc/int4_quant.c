@@ -1,16 +1,17 @@
-/* Quantization of a weight [N, K] into kernels/int4.py's 4-bit format (csrc/int4_gemm.c
- * describes it): the same operations as int4.py's torch code (``quantize_reference``), so that
+/* Quantization of a weight [N, K] into kernels/int4.py's 4-bit or 6-bit format (csrc/int4_gemm.c
+ * describes them): the same operations as int4.py's torch code (``quantize_reference``), so that
  * both give the same bytes, here in C because the search below makes several passes over every
  * weight (minutes at the 0.8B shape in torch).
  *
- * Per column and group of 32 inputs: the step d and minimum m (w ~= d q - m, q in [0, 15]) that
- * minimise the squared error weighted by rms(group) + |w| over the min/max grid and steps + 1
- * grids of 14 .. 16 steps over the range, each refitted by weighted least squares with the
- * minimum kept <= 0 (llama.cpp's Q4_K search, make_qkx2_quants). The fit's sums are in double:
- * their order (vector lanes here, pairwise in torch) then moves them by ~1e-16, which can change a
- * choice only on an exact tie. Then per superblock of 8 groups D = bf16(max d / 255), M = bf16(max m / 255),
- * codes sc = round(d / D) (at least 1 where d > 0), mc = round(m / M), and q = round((w + M mc)
- * / (D sc)), all in fp32 as torch does them.
+ * Per column and group of 32 inputs: the step d and minimum m (w ~= d q - m, q in [0, qmax]:
+ * 15 for 4 bits, 63 for 6) that minimise the squared error weighted by rms(group) + |w| over the
+ * min/max grid and steps + 1 grids of qmax - 1 .. qmax + 1 steps over the range, each refitted
+ * by weighted least squares with the minimum kept <= 0 (llama.cpp's Q4_K search,
+ * make_qkx2_quants). The fit's sums are in double: their order (vector lanes here, pairwise in
+ * torch) then moves them by ~1e-16, which can change a choice only on an exact tie. Then per
+ * superblock of 8 groups D = bf16(max d / 255), M = bf16(max m / 255), codes sc = round(d / D)
+ * (at least 1 where d > 0), mc = round(m / M), and q = round((w + M mc) / (D sc)), all in fp32
+ * as torch does them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,7 +25,7 @@
 #define SBG 8
 
 /* w's group [32] (zeros and weight 0 past ``valid``) -> *d, *m */
-static void fit(const float *x, int valid, int steps, float *d_out, float *m_out)
+static void fit(const float *x, int valid, int qmax, int steps, float *d_out, float *m_out)
 {
     float lo = 0.0f, hi = x[0];
     for (int i = 0; i < QK; ++i) {
@@ -45,20 +46,21 @@ static void fit(const float *x, int valid, int steps, float *d_out, float *m_out
         swxx += wt[i] * x[i] * x[i];
         t[i] = x[i] - lo;
     }
-    const float d0 = rng / 15.0f;
+    const float d0 = rng / (float)qmax, fq = (float)qmax;
     double best_err = 0.0, best_d = d0, best_mn = lo;
     for (int i = 0; i < QK; ++i) {
-        const float q = d0 > 0.0f ? fminf(fmaxf(nearbyintf(t[i] / d0), 0.0f), 15.0f) : 0.0f;
+        const float q = d0 > 0.0f ? fminf(fmaxf(nearbyintf(t[i] / d0), 0.0f), fq) : 0.0f;
         const double e = (double)q * d0 + lo - x[i];
         best_err += wt[i] * e * e;
     }
     for (int s = 0; s <= steps; ++s) {
-        const float iscale = rng > 0.0f ? (float)(14.0 + 2.0 * s / steps) / rng : 0.0f;
+        const float iscale = rng > 0.0f ? (float)((double)(qmax - 1) + 2.0 * s / steps) / rng
+                                        : 0.0f;
         double s1 = 0.0, s2 = 0.0, sx = 0.0;
         /* vector lanes of partial sums (in double, their order moves the sums by ~1e-16) */
         #pragma omp simd reduction(+:s1, s2, sx)
         for (int i = 0; i < QK; ++i) {
-            const double q = fminf(fmaxf(nearbyintf(t[i] * iscale), 0.0f), 15.0f);
+            const double q = fminf(fmaxf(nearbyintf(t[i] * iscale), 0.0f), fq);
             const double wq = wt[i] * q;
             s1 += wq;
             s2 += wq * q;
@@ -83,10 +85,11 @@ static void fit(const float *x, int valid, int steps, float *d_out, float *m_out
     *m_out = (float)(0.0 - best_mn);
 }
 
-/* One panel: rows 16 p .. 16 p + 15 of w (fp32, or bf16 when w_bf; zeros past N) into qs, codes
- * and scales at the panel. d, m, x: scratch [16 G], [16 G], [32]. */
+/* One panel: rows 16 p .. 16 p + 15 of w (fp32, or bf16 when w_bf; zeros past N) into qs, hs
+ * (6 bits), codes and scales at the panel. d, m: scratch [16 G], [16 G]. */
 static void panel(const void *w, int w_bf, int64_t N, int64_t K, int64_t p, int64_t G, int64_t S,
-                  int steps, uint8_t *qs, uint8_t *codes, uint16_t *scales, float *d, float *m)
+                  int qmax, int steps, uint8_t *qs, uint8_t *hs, uint8_t *codes,
+                  uint16_t *scales, float *d, float *m)
 {
     for (int c = 0; c < NR; ++c) {
         const int64_t n = p * NR + c;
@@ -94,13 +97,15 @@ static void panel(const void *w, int w_bf, int64_t N, int64_t K, int64_t p, int6
             float x[QK];
             const int valid = n < N ? (int)(K - g * QK < QK ? K - g * QK : QK) : 0;
             for (int i = 0; i < QK; ++i) x[i] = i < valid ? act_ld(w, n * K + g * QK + i, w_bf) : 0.0f;
-            if (n < N) fit(x, valid, steps, &d[c * G + g], &m[c * G + g]);
+            if (n < N) fit(x, valid, qmax, steps, &d[c * G + g], &m[c * G + g]);
             else d[c * G + g] = m[c * G + g] = 0.0f;
         }
     }
     uint8_t *qp = qs + p * G * 256, *cp = codes + p * G * 2 * NR;
     uint16_t *sp = scales + p * S * 2 * NR;
+    uint8_t *hp = hs ? hs + p * G * 128 : NULL;
     memset(qp, 0, (size_t)(G * 256));
+    if (hp) memset(hp, 0, (size_t)(G * 128));
     for (int c = 0; c < NR; ++c) {
         const int64_t n = p * NR + c;
         for (int64_t s = 0; s < S; ++s) {
@@ -125,20 +130,25 @@ static void panel(const void *w, int w_bf, int64_t N, int64_t K, int64_t p, int6
                 for (int k = 0; k < QK; ++k) {
                     const int64_t kk = g * QK + k;
                     const float x = n < N && kk < K ? act_ld(w, n * K + kk, w_bf) : 0.0f;
-                    const int q = (int)fminf(fmaxf(nearbyintf((x + mw) * inv), 0.0f), 15.0f);
-                    uint8_t *b = qp + g * 256 + (k % 16 / 4) * 64 + 4 * c + k % 4;
-                    *b |= (uint8_t)(k < 16 ? q : q << 4);
+                    const int q = (int)fminf(fmaxf(nearbyintf((x + mw) * inv), 0.0f),
+                                             (float)qmax);
+                    const int at = (k % 16 / 4) * 64 + 4 * c + k % 4;
+                    qp[g * 256 + at] |= (uint8_t)(k < 16 ? q & 15 : (q & 15) << 4);
+                    /* 6 bits: the high 2 in hs[p][g][k / 16], bits 2 (k % 16 / 4) and up */
+                    if (hp) hp[g * 128 + (k / 16) * 64 + 4 * c + k % 4] |=
+                        (uint8_t)((q >> 4) << (2 * (k % 16 / 4)));
                 }
             }
         }
     }
 }
 
-/* w [N, K] fp32 or bf16 (w_bf) -> qs [P, G, 4, 64], codes [P, G, 2, 16], scales [P, S, 2, 16]
- * (P = ceil(N / 16), G = ceil(K / 32), S = ceil(G / 8)); ``steps``: the grids searched past the
- * min/max one, minus one. Returns 0, or -1 when scratch memory runs out. */
-int int4_quantize(const void *w, int w_bf, int64_t N, int64_t K, uint8_t *qs, uint8_t *codes,
-                  uint16_t *scales, int steps, int num_threads)
+/* w [N, K] fp32 or bf16 (w_bf) -> qs [P, G, 4, 64], hs [P, G, 2, 64] (6 bits, qmax 63; NULL
+ * for 4, qmax 15), codes [P, G, 2, 16], scales [P, S, 2, 16] (P = ceil(N / 16), G = ceil(K /
+ * 32), S = ceil(G / 8)); ``steps``: the grids searched past the min/max one, minus one. Returns
+ * 0, or -1 when scratch memory runs out. */
+int int4_quantize(const void *w, int w_bf, int64_t N, int64_t K, uint8_t *qs, uint8_t *hs,
+                  uint8_t *codes, uint16_t *scales, int qmax, int steps, int num_threads)
 {
     const int64_t P = (N + NR - 1) / NR, G = (K + QK - 1) / QK, S = (G + SBG - 1) / SBG;
     int failed = 0;
@@ -153,7 +163,7 @@ int int4_quantize(const void *w, int w_bf, int64_t N, int64_t K, uint8_t *qs, ui
                 failed = 1;
                 continue;
             }
-            panel(w, w_bf, N, K, p, G, S, steps, qs, codes, scales, d, d + NR * G);
+            panel(w, w_bf, N, K, p, G, S, qmax, steps, qs, hs, codes, scales, d, d + NR * G);
         }
         free(d);
     }
