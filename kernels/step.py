@@ -133,7 +133,7 @@ class StepProgram:
         x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
         if w.shape[1] != K:
             raise ValueError(f"a product of width {K} for a weight {list(w.shape)}")
-        if isinstance(w, int4.Int4Weight):
+        if isinstance(w, int4.Int4Weight) and w.bits == 4:  # (6 bits: the LM head only)
             qs, codes, scales, Kp = w.ptrs()
             return [OP_INT4, x_ptr, qs, codes, scales, y_ptr, M, w.shape[0], w.shape[1], Kp,
                     int4.ISAS[backend.int4_isa]]
