@@ -117,11 +117,16 @@ class Int4Weight(quant.PackedWeight):
         p, c = flat // PANEL, flat % PANEL
         P, G = self.codes.shape[:2]
         q = self._row_values(p, c).float()
-        sup = self.scales.float().repeat_interleave(SUPER, dim=1)[:, :G]  # [P, G, 2, 16]
-        both = sup[p, :, :, c] * self.codes[p, :, :, c].float()  # [n, G, 2]
+        # the rows' superblock scales only (the whole table widened is 63 MB at the 0.8B
+        # embedding: 3.6 ms a decode step)
+        sup = self.scales[p, :, :, c].float().repeat_interleave(SUPER, dim=1)[:, :G]  # [n, G, 2]
+        both = sup * self.codes[p, :, :, c].float()  # [n, G, 2]
         w = q * both[..., 0, None] - both[..., 1, None]
         w = w.view(len(flat), -1)[:, :self.shape[1]].to(dtype).contiguous()
         return w.view(*ids.shape, self.shape[1])
+
+
+_HIGH_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)  # r -> bits 2 r, 2 r + 1
 
 
 class Int6Weight(Int4Weight):
@@ -152,8 +157,8 @@ class Int6Weight(Int4Weight):
 
     def _row_values(self, p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         P, G = self.codes.shape[:2]
-        b = self.hs.view(P, G, 2, PANEL, 4)[p, :, :, c, :]  # [n, G, 2, 4]
-        h = torch.stack([b >> 2 * r & 3 for r in range(4)], dim=3)  # [n, G, 2 h, 4 r, 4 j]
+        b = self.hs.view(P, G, 2, PANEL, 4)[p, :, :, c, None, :]  # [n, G, 2, 1, 4]
+        h = b >> _HIGH_SHIFTS & 3  # [n, G, 2 h, 4 r, 4 j]
         return super()._row_values(p, c) | (h << 4).view(len(p), G, GROUP)
 
 
