@@ -178,11 +178,11 @@ def load(cache_dir: str | None = None, march: str | None = None) -> ctypes.CDLL 
     lib.f32_gemm_rows.restype = None
     lib.f32_gemm_rows.argtypes = [P] * 3 + [I64] * 3 + [INT]
     lib.silu_mul.restype = None
+    lib.silu_mul.argtypes = [P, I64, P, I64, P, I64, I64, INT, INT]
     lib.run_step.restype = ctypes.c_int  # csrc/step.c: kernels/step.py builds its list
     lib.run_step.argtypes = [P, I64, INT]
     lib.argmax_rows.restype = None
     lib.argmax_rows.argtypes = [P, I64, I64, I64, INT, P, INT]
-    lib.silu_mul.argtypes = [P, I64, P, I64, P, I64, I64, INT, INT]
     _simd = bool(lib.half_gemm_simd())
     _bf16dot = _simd and bool(lib.half_gemm_bf16dot())
     _lib = lib

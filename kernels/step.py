@@ -36,12 +36,14 @@ def _ptr(t: torch.Tensor | None) -> int:
 class StepProgram:
     """The operations of one step shape over ``fast`` (the backend's ``_FastLayer``s) and
     ``cache`` (its tensors), or ``ValueError`` from the constructor where a product has no
-    operation here (a bf16 weight with more rows than the GEMV takes, an unknown weight)."""
+    operation here (a bf16 weight with more rows than the GEMV takes, an unknown weight).
+    ``buffers``: the activation buffers, shared by every program of the backend (one step runs
+    at a time): ``buffers(name, numel, dtype)`` -> a flat tensor of at least ``numel``."""
 
-    def __init__(self, backend, fast, final_norm, cache, rows: int, L: int, keeps: bool):
+    def __init__(self, backend, fast, final_norm, cache, rows: int, L: int, keeps: bool,
+                 buffers):
         self.rows, self.L = rows, L
         self.cache = cache  # the pools its operations point into
-        self.isas = (backend.int4_isa, backend.int8_isa, backend.half_path)
         bf = torch.bfloat16
         D = final_norm[0].shape[0]
         widths = dict(mixer=max(sum(f.mixer_sizes) for f in fast),
@@ -52,10 +54,11 @@ class StepProgram:
         # the activations: X the norms' outputs, R the residual (updated in place), H the
         # mixer's and the MLP's outputs, MIX / MLP the merged projections, Y the mixer's
         # output and the MLP's activation
-        self.buffers = {name: torch.empty(rows, n, dtype=bf)
+        self.buffers = {name: buffers(name, rows * n, bf)[:rows * n].view(rows, n)
                         for name, n in dict(X=D, R=D, H=D, MIX=widths["mixer"],
                                             MLP=widths["mlp"], Y=widths["act"]).items()}
-        self.xf = torch.empty(rows, max(D, widths["act"]), dtype=torch.float32)  # GEMV_F32X
+        xf = rows * max(D, widths["act"])
+        self.xf = buffers("XF", xf, torch.float32)[:xf]  # GEMV_F32X's widened x
         X, R, H = (self.buffers[n] for n in "XRH")
         MIX, MLP, Y = (self.buffers[n] for n in ("MIX", "MLP", "Y"))
         ops: list[list[int]] = []

@@ -76,3 +76,25 @@ def test_a_failed_operation_is_an_error_naming_it(ckpt, monkeypatch):
     program.ops[2, 0] = 99
     with pytest.raises(RuntimeError, match=r"operation 2 \(code 99\) failed"):
         llm.generate([[3, 4, 5]], sp, use_tqdm=False)
+
+
+def test_programs_share_their_buffers(ckpt, monkeypatch):
+    """Every shape's program writes into the backend's one set of buffers, grown (and the
+    programs pointing into the old ones dropped) when a step has more rows than they hold:
+    one sequence, then three, then one again give the loop's bits, and the last two
+    programs use the same buffers."""
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    runs = {}
+    for program in (True, False):
+        monkeypatch.setenv("HYBRIDRT_STEP_PROGRAM", "1" if program else "0")
+        llm = LLM(ckpt, dtype="bfloat16", tokenizer=None, max_model_len=64, max_num_seqs=3,
+                  cache_memory=8 << 20, quantization="int8")
+        be = llm.engine.runner.model.backend
+        runs[program] = [[output_bytes(o) for o in llm.generate(p, sp, use_tqdm=False)]
+                         for p in (PROMPTS[:1], PROMPTS, PROMPTS[:1])]
+        if program:
+            one, three = (next(p for (rows, *_), p in be.programs.items() if rows == n)
+                          for n in (1, 3))
+            assert one.buffers["X"].data_ptr() == three.buffers["X"].data_ptr()
+            assert be.step_buffers["X"].numel() >= 3 * one.D
+    assert runs[True] == runs[False]

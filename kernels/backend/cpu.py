@@ -52,6 +52,7 @@ class CPUBackend(ReferenceBackend):
         # the same loop as one compiled call per step shape (kernels/step.py); None where a
         # shape has none (the loop in Python then)
         self.programs: dict[tuple, StepProgram | None] = {}
+        self.step_buffers: dict[str, torch.Tensor] = {}  # their activations, shared
         # batch-invariant mode (docs/batch_invariance.md): every product, attention and
         # activation through the kernels whose per-row arithmetic is fixed
         self.invariant = opts.batch_invariant
@@ -64,12 +65,12 @@ class CPUBackend(ReferenceBackend):
     def bind(self, model, groups) -> None:
         self.groups = groups
         self.fast = self._fast_layers(model)
-        self.programs = {}
+        self.programs, self.step_buffers = {}, {}
 
     def attach(self, cache) -> None:
         t = cache.tensors
         self.num_slots = t.num_slots
-        self.programs = {}
+        self.programs, self.step_buffers = {}, {}
         if self.native:  # plan_step checks the slots once per step: the step need not
             self.gdn_step = _checked_step
         if t.key_caches:
@@ -189,11 +190,24 @@ class CPUBackend(ReferenceBackend):
         key = (rows, L, keeps, id(cache))
         if key not in self.programs:
             final = model.model.norm
+            grown = []
+
+            def buffer(name, numel, dtype):
+                t = self.step_buffers.get(name)
+                if t is None or t.numel() < numel:  # room for twice as many rows
+                    old = 0 if t is None else t.numel()
+                    t = self.step_buffers[name] = torch.empty(max(numel, 2 * old), dtype=dtype)
+                    grown.append(name)
+                return t
+
             try:
-                self.programs[key] = StepProgram(self, self.fast, (final.weight, final.eps),
-                                                 cache, rows, L, keeps)
+                program = StepProgram(self, self.fast, (final.weight, final.eps), cache, rows,
+                                      L, keeps, buffer)
             except ValueError:
-                self.programs[key] = None
+                program = None
+            if grown:  # the other programs point into the buffers replaced
+                self.programs = {}
+            self.programs[key] = program
         return self.programs[key]
 
     def gated_attention(self, meta, batch, layer, qg, k, v, key_cache, value_cache, cos, sin):
