@@ -112,7 +112,12 @@ class Int4Weight(quant.PackedWeight):
         return w[:self.shape[0], :self.shape[1]].to(dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows ``ids`` (any shape) of the dequantized W -> [*ids.shape, K], contiguous."""
+        """Rows ``ids`` (any shape) of the dequantized W -> [*ids.shape, K], contiguous: by
+        csrc/int4_quant.c's ``int4_rows`` where this process has loaded the kernels (the
+        embedding's lookup each step), else in torch; the same values."""
+        if (native._lib is not None and dtype in (torch.float32, torch.bfloat16)
+                and ids.device.type == self.qs.device.type == "cpu"):
+            return self._rows_native(ids, dtype)
         flat = ids.reshape(-1)
         p, c = flat // PANEL, flat % PANEL
         P, G = self.codes.shape[:2]
@@ -124,6 +129,18 @@ class Int4Weight(quant.PackedWeight):
         w = q * both[..., 0, None] - both[..., 1, None]
         w = w.view(len(flat), -1)[:, :self.shape[1]].to(dtype).contiguous()
         return w.view(*ids.shape, self.shape[1])
+
+    def _rows_native(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        K = self.shape[1]
+        out = torch.empty(len(flat), K, dtype=dtype)
+        hs = getattr(self, "hs", None)
+        if _lib().int4_rows(self.qs.data_ptr(), None if hs is None else hs.data_ptr(),
+                            self.codes.data_ptr(), self.scales.data_ptr(), flat.data_ptr(),
+                            len(flat), self.shape[0], self.codes.shape[1], self.scales.shape[1],
+                            K, int(dtype == torch.bfloat16), out.data_ptr()):
+            raise IndexError(f"rows: ids must be in [0, {self.shape[0]})")
+        return out.view(*ids.shape, K)
 
 
 _HIGH_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)  # r -> bits 2 r, 2 r + 1
@@ -388,6 +405,9 @@ def _lib():
         lib.int4_quantize.restype = ctypes.c_int
         lib.int4_quantize.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 2
                                       + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3)
+        lib.int4_rows.restype = ctypes.c_int
+        lib.int4_rows.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
+                                  + [ctypes.c_int, ctypes.c_void_p])
     return lib
 
 

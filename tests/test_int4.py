@@ -64,6 +64,27 @@ def test_high_bits_sit_where_the_kernels_read_them():
     assert torch.equal(qw.rows(torch.tensor([0, 17, 31])), q[[0, 17, 31]].float() - 1)
 
 
+@pytest.mark.skipif(native.load() is None, reason="compiled kernels unavailable")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 6])
+def test_rows_compiled_equal_the_torch_rows(bits, dtype, monkeypatch):
+    """The embedding lookup's rows by csrc/int4_quant.c equal the torch form's and
+    dequantize()'s bit for bit (odd N, K past the last whole group), in any shape of ids;
+    an id outside [0, N) is an IndexError, also inside the last panel's padding."""
+    g = torch.Generator().manual_seed(4)
+    qw = int4.quantize(torch.randn(77, 300, generator=g) * 0.05, bits)
+    ids = torch.tensor([[0, 76, 15], [16, 33, 5]])
+    fast = qw.rows(ids, dtype)
+    assert torch.equal(fast, qw.dequantize(dtype)[ids])
+    with monkeypatch.context() as m:
+        m.setattr(native, "_lib", None)
+        slow = qw.rows(ids, dtype)
+    assert fast.shape == slow.shape == (2, 3, 300) and torch.equal(fast, slow)
+    for bad in (77, 79, -1):
+        with pytest.raises(IndexError, match=r"ids must be in \[0, 77\)"):
+            qw.rows(torch.tensor([3, bad]), dtype)
+
+
 @pytest.mark.parametrize("bits", [4, 6])
 @pytest.mark.parametrize("shape", [(1, 32), (16, 64), (17, 40), (50, 300), (33, 7), (3, 520)],
                          ids=lambda s: f"N{s[0]}-K{s[1]}")

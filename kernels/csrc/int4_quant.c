@@ -169,3 +169,41 @@ int int4_quantize(const void *w, int w_bf, int64_t N, int64_t K, uint8_t *qs, ui
     }
     return failed ? -1 : 0;
 }
+
+/* Rows ``ids`` [n] of a 4-bit (hs NULL) or 6-bit weight of N columns dequantized (the embedding
+ * lookup): out [n, K] bf16 (out_bf16) or fp32, each value q * (D sc) - M mc in fp32 as
+ * Int4Weight.rows computes it (the products are exact, q of 6 bits times D sc of 16, so the
+ * subtraction's is the one rounding, fused or not). G
+ * groups and S superblocks a column. -> 0, or -1 for an id outside [0, N) (nothing written). */
+int int4_rows(const uint8_t *qs, const uint8_t *hs, const uint8_t *codes, const uint16_t *scales,
+              const int64_t *ids, int64_t n, int64_t N, int64_t G, int64_t S, int64_t K,
+              int out_bf16, void *out)
+{
+    for (int64_t i = 0; i < n; ++i)
+        if (ids[i] < 0 || ids[i] >= N) return -1;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t p = ids[i] / NR, c = ids[i] % NR;
+        for (int64_t g = 0; g < G; ++g) {
+            const uint8_t *q4 = qs + ((p * G + g) * 4) * 64;
+            const uint8_t *cd = codes + ((p * G + g) * 2) * NR;
+            const uint16_t *sc = scales + ((p * S + g / SBG) * 2) * NR;
+            const float dw = bf16_to_f32(sc[c]) * (float)cd[c];
+            const float mw = bf16_to_f32(sc[NR + c]) * (float)cd[NR + c];
+            for (int h = 0; h < 2; ++h)
+                for (int r = 0; r < 4; ++r)
+                    for (int j = 0; j < 4; ++j) {
+                        const int64_t k = g * QK + 16 * h + 4 * r + j;
+                        if (k >= K) continue;
+                        int q = (q4[r * 64 + 4 * c + j] >> (4 * h)) & 15;
+                        if (hs)
+                            q |= ((hs[((p * G + g) * 2 + h) * 64 + 4 * c + j] >> (2 * r)) & 3)
+                                 << 4;
+                        const float prod = (float)q * dw;
+                        const float w = prod - mw;
+                        if (out_bf16) ((uint16_t *)out)[i * K + k] = f32_to_bf16(w);
+                        else ((float *)out)[i * K + k] = w;
+                    }
+        }
+    }
+    return 0;
+}
