@@ -117,6 +117,76 @@ def test_bench_serve_runs_hybridrt_serve_replicas_and_stops_it(tmp_path, monkeyp
         r["reused_tokens"]
 
 
+class _Dies:
+    """A replica's ``generate`` stream that sends ``before`` batches, then dies as a killed
+    replica's does (RayActorError); with nothing to send before, the next call answers."""
+
+    def __init__(self, before):
+        self.before, self.calls = before, 0
+
+    def options(self, stream):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, payload):
+        self.calls += 1
+        return self._stream(self.calls)
+
+    async def _stream(self, call):
+        from ray.exceptions import RayActorError
+
+        if call == 1:
+            for batch in self.before:
+                yield batch
+            raise RayActorError()
+        yield [(0, [7, 8], None, 0, "ab", "length", None, 3, 0)]
+
+
+def _pump(stream: bool, before) -> tuple[list, dict, int]:
+    """RayServer._pump of one request against ``_Dies(before)`` -> (what its handle got, the
+    failover counters, the replica calls)."""
+    import types
+
+    from hybridrt.ray_serve import RayServer
+
+    got = []
+    handle = types.SimpleNamespace(post=got.append, index=0)
+    engine = _Dies(before)
+    server = types.SimpleNamespace(engine=engine, max_retries=2,
+                                   failover={"retries": 0, "errors": 0})
+    job = {"ids": [1, 2, 3], "params": SamplingParams(max_tokens=2), "prompt": None,
+           "snapshot_at": None, "id": "r", "stream": stream}
+    asyncio.run(RayServer._pump(server, [handle], job))
+    return got, server.failover, engine.calls
+
+
+def test_failover_sends_a_plain_request_again():
+    """A non-streaming request whose replica dies is sent again, even after the replica had
+    produced part of it (held, never delivered), and delivered whole, once."""
+    partial = [[(0, [7], None, 0, "a", None, None, 3, 0)]]
+    for before in ([], partial):
+        got, failover, calls = _pump(False, before)
+        assert failover == {"retries": 1, "errors": 0} and calls == 2
+        assert [(p.new_token_ids, p.text, p.finish_reason) for p in got] == [([7, 8], "ab",
+                                                                              "length")]
+
+
+def test_failover_cuts_a_stream_that_began():
+    """A stream whose replica dies after sending something is not sent again (that would
+    repeat what the client has): what came stays, then an error, once; a stream that had sent
+    nothing is sent again."""
+    got, failover, calls = _pump(True, [[(0, [7], None, 0, "a", None, None, 3, 0)]])
+    assert failover == {"retries": 0, "errors": 1} and calls == 1
+    assert [p.text for p in got] == ["a", "a"] and got[0].error is None
+    assert got[1].finish_reason == "error" and "replica" in str(got[1].error)
+    got, failover, calls = _pump(True, [])
+    assert failover == {"retries": 1, "errors": 0} and calls == 2
+    assert [p.text for p in got] == ["ab"]
+
+
 def test_the_application_passes_replicas_threads_device_and_autoscaling_through():
     """``build_app``'s deployments as Ray Serve will run them (nothing started): per-replica
     CPUs and GPU, a fixed count or Ray Serve's autoscaling config, the ingress's arena."""
@@ -357,8 +427,6 @@ def test_killed_replica_loses_no_request_and_comes_back(cluster, ref):
               for o in outs]
     retries_before = cluster.metrics()["hybridrt_failover_retries_total"]
     started: set[int] = set()
-    # streams at 0, 3, 4, 7, ...: a router that alternates between the two replicas gives
-    # each both kinds (with every other request a stream, one replica would get all streams)
     streams = {i for i in range(n) if i % 4 in (0, 3)}
 
     async def one(client, i, prompt):
@@ -414,9 +482,10 @@ def test_killed_replica_loses_no_request_and_comes_back(cluster, ref):
         assert tokens == pieces[i][:len(tokens)], (i, tokens)
         assert all(not isinstance(e, dict) or not e.get("choices") for e in body[errors[0]:])
     retries = cluster.metrics()["hybridrt_failover_retries_total"] - retries_before
-    # both kinds were on the killed replica (8 + 8 spread over two: all on one side is
-    # 1 in 12,870): some plain request went again, some stream was cut
-    assert retries >= 1 and cut >= 1, (retries, cut)
+    # the kill hit work in flight: a plain request sent again or a stream cut. Which kinds the
+    # killed replica held is the prefix router's choice, so not both are asserted here; each
+    # branch is pinned without a cluster (test_failover_*)
+    assert retries + cut >= 1, (retries, cut)
 
     cluster.wait_healthy(2, 240, not_pid=victim_pid)
     before = cluster.served()
