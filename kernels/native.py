@@ -61,7 +61,8 @@ _SRCS = [Path(__file__).parent / "csrc" / name
          for name in ("gdn_decode.c", "gdn_fused.c", "attn_decode.c", "norm.c", "half_gemm.c",
                       "int8_gemm.c", "int4_gemm.c", "int4_quant.c",
                       "argmax.c", "step.c", "stream.c")]
-_HEADERS = [Path(__file__).parent / "csrc" / "bf16.h"]  # included by the sources above
+_HEADERS = [Path(__file__).parent / "csrc" / name  # included by the sources above
+            for name in ("bf16.h", "kernels.h")]
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]  # and -march=<the target>
 _lib: ctypes.CDLL | None = None
 _march: str | None = None  # the target the loaded library was built for

@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 /* y[0:D] = rope(round(rmsnorm(x))) for one head of token (row) b, as rounded values in fp32 */
 static void norm_rope(const void *x, int64_t off, const void *w, float eps, const void *cos,

@@ -28,6 +28,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 static inline int64_t src_slot(const int64_t *slots, const int64_t *slots_out, int64_t b,
                                int64_t t, int64_t L)

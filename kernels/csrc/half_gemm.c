@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 #define NR 16
 #define MR 6

@@ -44,6 +44,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>

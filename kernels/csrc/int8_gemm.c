@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 static inline void norm_row_bf16(const uint16_t *x, const uint16_t *res, uint16_t *out,
                                  uint16_t *res_out, const uint16_t *w, float eps, int64_t D,
