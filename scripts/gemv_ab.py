@@ -97,6 +97,25 @@ q4s = [_int4_random(n, k) for n, k in layers] if set(ISA4) & set(kinds) else []
 q4head = ([quant.quantize(ws[-1].float())] if q4s and len(shapes) > len(layers) else [])
 
 
+def _int8(lib, q, M, isa):
+    """One int8 product of M rows on path ``isa`` (one thread) -> y [M, N] bf16."""
+    N, K = q.shape
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    lib.int8_gemm_bf16(
+        ctypes.c_void_p(xs[M][K].data_ptr()),
+        ctypes.c_void_p(q.qs.data_ptr()),
+        ctypes.c_void_p(q.scales.data_ptr()),
+        ctypes.c_void_p(y.data_ptr()),
+        ctypes.c_int64(M),
+        ctypes.c_int64(N),
+        ctypes.c_int64(K),
+        ctypes.c_int64(q.scales.shape[1] * 32),
+        isa,
+        1,
+    )
+    return y
+
+
 def run(libs, kind, M):
     outs = []
     if kind in ISA4:
@@ -119,41 +138,12 @@ def run(libs, kind, M):
                 1,
             )
             outs.append(y)
+        isa8 = 4 if kind == "int4-vnni" else 2 if kind != "int4-ref" else 1
         for q in q4head:  # the int8 LM head on the int8 path of the same level
-            N, K = q.shape
-            y = torch.empty(M, N, dtype=torch.bfloat16)
-            libs["int8_gemm.c"].int8_gemm_bf16(
-                ctypes.c_void_p(xs[M][K].data_ptr()),
-                ctypes.c_void_p(q.qs.data_ptr()),
-                ctypes.c_void_p(q.scales.data_ptr()),
-                ctypes.c_void_p(y.data_ptr()),
-                ctypes.c_int64(M),
-                ctypes.c_int64(N),
-                ctypes.c_int64(K),
-                ctypes.c_int64(q.scales.shape[1] * 32),
-                4 if kind == "int4-vnni" else 2 if kind != "int4-ref" else 1,
-                1,
-            )
-            outs.append(y)
+            outs.append(_int8(libs["int8_gemm.c"], q, M, isa8))
     elif kind in ISA:
-        L = libs["int8_gemm.c"]
         for q in qws:
-            N, K = q.shape
-            y = torch.empty(M, N, dtype=torch.bfloat16)
-            x = xs[M][K]
-            L.int8_gemm_bf16(
-                ctypes.c_void_p(x.data_ptr()),
-                ctypes.c_void_p(q.qs.data_ptr()),
-                ctypes.c_void_p(q.scales.data_ptr()),
-                ctypes.c_void_p(y.data_ptr()),
-                ctypes.c_int64(M),
-                ctypes.c_int64(N),
-                ctypes.c_int64(K),
-                ctypes.c_int64(q.scales.shape[1] * 32),
-                ISA[kind],
-                1,
-            )
-            outs.append(y)
+            outs.append(_int8(libs["int8_gemm.c"], q, M, ISA[kind]))
     else:
         L = libs["half_gemm.c"]
         for w in ws:
