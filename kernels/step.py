@@ -5,8 +5,9 @@ rows) and makes one ctypes call instead of some 250. The same kernels in the sam
 the same bits as the loop (tests/test_step_program.py); what goes is the Python around each
 call, which the weights' stream through the caches makes slow (docs/performance.md).
 
-A program is built per step shape: rows (sequences x tokens each), tokens per sequence, and
-whether the step keeps the state after each token (``slots_out``, verification). It holds the
+A program is built per step shape: rows (sequences x tokens each) and tokens per sequence;
+whether a step keeps the state after each token (``slots_out``, verification) is one of the
+pointers it sets per step. It holds the
 products' weights as the loop does: 4-bit and int8 weights for any number of rows, bf16 ones up
 to ``native.HALF_GEMV_MAX_ROWS`` (the GEMV; past it the loop's GEMM choice stays in Python).
 """
@@ -40,8 +41,7 @@ class StepProgram:
     ``buffers``: the activation buffers, shared by every program of the backend (one step runs
     at a time): ``buffers(name, numel, dtype)`` -> a flat tensor of at least ``numel``."""
 
-    def __init__(self, backend, fast, final_norm, cache, rows: int, L: int, keeps: bool,
-                 buffers):
+    def __init__(self, backend, fast, final_norm, cache, rows: int, L: int, buffers):
         self.rows, self.L = rows, L
         self.cache = cache  # the pools its operations point into
         bf = torch.bfloat16
@@ -125,7 +125,6 @@ class StepProgram:
         self.ops = np.zeros((len(ops), WORDS), dtype=np.int64)
         for i, op in enumerate(ops):
             self.ops[i, :len(op)] = op
-        self.keeps = keeps
         self._gdn = np.array(self.gdn_ops, dtype=np.int64)
         self._attn = np.array(self.attn_ops, dtype=np.int64)
 

@@ -54,12 +54,12 @@ def test_program_gives_the_loops_bits(ckpt, weights, monkeypatch):
     off, none = _run(ckpt, quantization, False, monkeypatch)
     assert on == off
     assert none == {}
-    built = {(rows, L, keeps) for (rows, L, keeps, _), p in programs.items() if p is not None}
-    assert (3, 1, False) in built
+    built = {(rows, L) for (rows, L, _), p in programs.items() if p is not None}
+    assert (3, 1) in built
     if quantization:
-        assert (9, 3, True) in built
+        assert (9, 3) in built
     else:
-        assert (9, 3, True) not in built and any(
+        assert (9, 3) not in built and any(
             p is None for (rows, *_), p in programs.items() if rows == 9)
 
 

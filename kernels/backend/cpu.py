@@ -149,7 +149,7 @@ class CPUBackend(ReferenceBackend):
         cos, sin = model.rope(batch.positions, h.dtype)
         grp = meta.gdn.groups[0]
         L = meta.uniform_tokens
-        program = self._program(model, cache, h.shape[0], L, grp.slots_out is not None)
+        program = self._program(model, cache, h.shape[0], L)
         if program is not None:
             return program.run(h, grp, cos, sin, batch)
         product, norm, simd = self._product, native.rms_norm, self.fused_simd
@@ -181,13 +181,13 @@ class CPUBackend(ReferenceBackend):
         final = model.model.norm
         return norm(h, final.weight, final.eps, residual)[0]
 
-    def _program(self, model, cache, rows: int, L: int, keeps: bool) -> StepProgram | None:
+    def _program(self, model, cache, rows: int, L: int) -> StepProgram | None:
         """The step program of this shape (built at its first step), or None: the option is
         off, the batch-invariant mode (its own products), or a product it has no operation
         for."""
         if self.invariant or not self.options.step_program:
             return None
-        key = (rows, L, keeps, id(cache))
+        key = (rows, L, id(cache))
         if key not in self.programs:
             final = model.model.norm
             grown = []
@@ -202,7 +202,7 @@ class CPUBackend(ReferenceBackend):
 
             try:
                 program = StepProgram(self, self.fast, (final.weight, final.eps), cache, rows,
-                                      L, keeps, buffer)
+                                      L, buffer)
             except ValueError:
                 program = None
             if grown:  # the other programs point into the buffers replaced
