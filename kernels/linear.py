@@ -8,8 +8,11 @@ which is what a half GEMM with fp32 accumulation returns, by the first of these 
 - where the compiled kernels run (``csrc/half_gemm.c``), on the weight as the model holds it:
   up to ``native.HALF_GEMV_MAX_ROWS`` (8) rows ``half_gemv``, each element read and widened once
   (decode at small batch, draft verification), each row's result independent of the rows
-  beside it; from 9 rows on ``half_gemm``, which widens
-  blocks of the weight into L1 once and runs register tiles over them;
+  beside it; from 9 rows on the same tiles over L2-sized panels of the weight
+  (``native.gemv_rows``, the batch-invariant product) where they beat ``half_gemm``: bf16 x
+  bf16 on the bf16 dot-product path at any row count, the ``fma`` path up to
+  ``ROWS_KERNEL_MAX_ROWS["fma"]`` rows; past that ``half_gemm``, which widens blocks of the
+  weight into L1 once and runs register tiles over them;
 - without them, from ``CPU_HALF_GEMM_MIN_ROWS`` rows on: an fp32 copy of the weight made once
   by ``pack_weight`` (the caller keeps it), in oneDNN's blocked layout when PyTorch has oneDNN
   (``_reorder_linear_weight``, the op behind PyTorch's own CPU inference freezing), else plain;
@@ -26,23 +29,34 @@ import torch.nn.functional as F
 from . import native
 
 CPU_HALF_GEMM_MIN_ROWS = 2
+# the most rows for which the GEMV's tiles over panels (gemv_rows) beat half_gemm, by path
+# (None: any); `hybridrt bench gemm` and docs/performance.md
+ROWS_KERNEL_MAX_ROWS = {"bf16dot": None, "fma": 32}
 CPU_FP32_WXT_MIN_ROWS = 12  # fp32 weights: W x^T instead of F.linear from this many rows
 HALF = (torch.bfloat16, torch.float16)
 _PACK_HINT_ROWS = 32  # oneDNN picks its blocking for this many rows; any count works
 
 
 def _half_cpu_path(x: torch.Tensor, weight: torch.Tensor,
-                   simd: bool | None = None) -> str | None:
-    """Which CPU half-weight path ``linear`` takes: "gemv" / "gemm" (the compiled kernels on
-    the weight as it is), "packed" (``pack_weight``'s fp32 copy, from ``CPU_HALF_GEMM_MIN_ROWS``
-    rows on, where the compiled kernels do not run) or None (torch)."""
+                   simd: bool | None = None, half_path: str | None = None) -> str | None:
+    """Which CPU half-weight path ``linear`` takes: "gemv" / "rows" / "gemm" (the compiled
+    kernels on the weight as it is), "packed" (``pack_weight``'s fp32 copy, from
+    ``CPU_HALF_GEMM_MIN_ROWS`` rows on, where the compiled kernels do not run) or None
+    (torch)."""
     if x.device.type != "cpu" or weight.dtype not in HALF or weight.dim() != 2:
         return None
     k = weight.shape[1]
     if simd is None:
         simd = native.half_gemm_available()
     if simd and weight.is_contiguous() and x.numel():
-        return "gemv" if x.numel() <= native.HALF_GEMV_MAX_ROWS * k else "gemm"
+        rows = x.numel() // k if k else 0
+        if rows <= native.HALF_GEMV_MAX_ROWS:
+            return "gemv"
+        path = half_path or native.half_path()
+        if path == "bf16dot" and not (x.dtype == weight.dtype == torch.bfloat16):
+            path = "fma"  # what half_gemm / gemv_rows run for other operands
+        most = ROWS_KERNEL_MAX_ROWS.get(path, 0)
+        return "rows" if most is None or rows <= most else "gemm"
     return "packed" if x.numel() >= CPU_HALF_GEMM_MIN_ROWS * k else None
 
 
@@ -84,12 +98,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = 
     ``simd``: whether the compiled half kernels run here, as the CPU backend decided at
     start-up (asked of ``native`` on every call when not given); ``half_path``: theirs for
     bf16 x bf16 (``native.half_path``; the fastest built when not given)."""
-    path = _half_cpu_path(x, weight, simd)
-    if path == "gemv" and x.dtype == torch.bfloat16:  # rounded to bf16 by the kernel
-        y = native.half_gemv(x.reshape(-1, x.shape[-1]), weight, half_path, out_dtype=x.dtype)
+    path = _half_cpu_path(x, weight, simd, half_path)
+    if path in ("gemv", "rows") and x.dtype == torch.bfloat16:  # rounded to bf16 by the kernel
+        gemv = native.half_gemv if path == "gemv" else native.gemv_rows
+        y = gemv(x.reshape(-1, x.shape[-1]), weight, half_path, out_dtype=x.dtype)
         return y.view(*x.shape[:-1], weight.shape[0])
-    if path in ("gemv", "gemm"):
-        gemm = native.half_gemv if path == "gemv" else native.half_gemm
+    if path in ("gemv", "rows", "gemm"):
+        gemm = {"gemv": native.half_gemv, "rows": native.gemv_rows, "gemm": native.half_gemm}[path]
         y = gemm(x.reshape(-1, x.shape[-1]), weight, half_path)
         return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
     if path == "packed":

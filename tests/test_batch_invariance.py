@@ -42,10 +42,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 # Kernels ------------------------------------------------------------------------------------
 @needs_kernels
 @pytest.mark.parametrize("path", HALF_PATHS)
-@pytest.mark.parametrize("N, K", [(100, 64), (77, 200), (1000, 1030), (30, 7)])
+@pytest.mark.parametrize("N, K", [(100, 64), (77, 200), (1000, 1030), (30, 7), (130, 2100),
+                                  (50, 3100)])
 def test_gemv_rows_every_row_as_alone(path, N, K):
     """native.gemv_rows over 9 to 70 rows: each row the bits half_gemv gives it alone (1 row),
-    in bf16 and fp32 outputs, weights of several panels and K tails; near the fp64 product."""
+    in bf16 and fp32 outputs, weights of several panels and K tails, K in blocks (past 1024:
+    the sums carried from block to block); near the fp64 product."""
     g = torch.Generator().manual_seed(N + K)
     w = torch.randn(N, K, generator=g).bfloat16()
     x = torch.randn(70, K, generator=g).bfloat16()

@@ -50,6 +50,30 @@ def test_linear_half_weights_match_fp32_product(rows, half_gemm_impl):
     assert torch.equal(linear(x3, w, packed, native_).view(rows, 67), got)
 
 
+@pytest.mark.parametrize("path", native.half_paths())
+def test_linear_many_rows_take_the_gemv_tiles_where_they_win(path):
+    """From 9 rows on, bf16 x bf16 on the bf16 dot-product path takes ``gemv_rows`` (the GEMV's
+    tiles over panels) at any row count, the fma path up to ``ROWS_KERNEL_MAX_ROWS["fma"]``
+    rows, then ``half_gemm``: where it does, every row's bits are what the GEMV gives that row
+    alone (the product is batch-invariant without the batch-invariant mode)."""
+    import importlib
+
+    lin = importlib.import_module("hybridrt.kernels.linear")
+    gen = generator(32)
+    w = (torch.randn(70, 1100, generator=gen) / 30).bfloat16()
+    x = torch.randn(80, 1100, generator=gen).bfloat16()
+    paths = {"bf16dot": {9: "rows", 32: "rows", 33: "rows", 80: "rows"},  # measured choices
+             "fma": {9: "rows", 32: "rows", 33: "gemm", 80: "gemm"}}[path]
+    alone = torch.cat([native.half_gemv(x[i:i + 1], w, path, torch.bfloat16) for i in range(80)])
+    for rows, expect in paths.items():
+        assert lin._half_cpu_path(x[:rows], w, True, path) == expect, rows
+        got = linear(x[:rows], w, None, True, path)
+        if expect == "rows":
+            assert torch.equal(got.view(torch.int16), alone[:rows].view(torch.int16)), rows
+        torch.testing.assert_close(got.float(), alone[:rows].float(), rtol=8e-3, atol=1e-3)
+    assert lin._half_cpu_path(x[:33].float(), w, True, "bf16dot") == "gemm"  # fp32 x: fma's
+
+
 def test_packed_weight_layouts_compute_the_same_product(monkeypatch):
     """oneDNN's packed layout and the plain fp32 fallback (the copies kept where the compiled
     half kernels do not run) and the compiled ``half_gemm`` on the weight: the same product."""

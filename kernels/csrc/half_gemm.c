@@ -7,7 +7,10 @@
  * (widen_rows), into a thread-local buffer buf[k][c] that stays in L1, and every tile of up to 6
  * rows of x runs over it with a 6 x 16 register tile (12 ymm accumulators, one broadcast of x per
  * row and k). Blocks of MC rows keep the part of x that is re-read for every panel within about
- * 1 MiB. half_gemv (up to 8 rows): each weight element read and widened once.
+ * 1 MiB. half_gemv (up to 8 rows): each weight element read and widened once; half_gemv_rows
+ * (any number of rows): half_gemv's tiles over L2-sized panels of W, which kernels/linear.py
+ * takes over half_gemm where it measured faster (bf16 dot products at any row count, the fma
+ * path up to 32 rows).
  */
 #include <stdint.h>
 #include <string.h>
@@ -239,14 +242,15 @@ static inline __m256 reduce8(const __m256 v[8])
 
 static inline __attribute__((always_inline)) void gemv_tile(
     const float *x, const uint16_t *w, void *y, int64_t N, int64_t K, int M, int NB,
-    int is_fp16, int out_bf16)
+    int64_t k0, int64_t k1, float *part, int is_fp16, int out_bf16)
 {
     __m256 acc[24];
     #pragma GCC unroll 24
-    for (int i = 0; i < M * NB; ++i) acc[i] = _mm256_setzero_ps();
-    const int64_t K8 = K & ~(int64_t)7;
+    for (int i = 0; i < M * NB; ++i)
+        acc[i] = k0 ? _mm256_load_ps(part + 8 * i) : _mm256_setzero_ps();
+    const int64_t K8 = K & ~(int64_t)7, kend = k1 < K8 ? k1 : K8;
     const char *ahead = prefetch_base(w, K, NB);
-    for (int64_t k = 0; k < K8; k += 8) {
+    for (int64_t k = k0; k < kend; k += 8) {
         if ((k & 31) == 0)
             #pragma GCC unroll 8
             for (int j = 0; j < NB; ++j) _mm_prefetch(ahead + (k * NB + 32 * j) * 2, _MM_HINT_T1);
@@ -258,6 +262,11 @@ static inline __attribute__((always_inline)) void gemv_tile(
                 acc[m * NB + j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), wv,
                                                   acc[m * NB + j]);
         }
+    }
+    if (k1 < K) {  /* a block of K: the sums so far, lane by lane, for the next block */
+        #pragma GCC unroll 24
+        for (int i = 0; i < M * NB; ++i) _mm256_store_ps(part + 8 * i, acc[i]);
+        return;
     }
     if (K8 < K) {  /* the last K % 8 inputs, zeros past K */
         const int r = (int)(K - K8);
@@ -301,10 +310,11 @@ static inline __attribute__((always_inline)) void gemv_tile(
         _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                \
         for (int64_t t = 0; t < tiles; ++t) {                                                \
             if (t < full)                                                                    \
-                TILE(x, w + t * NB * K, yb + t * NB * ys, N, K, MM, NB, __VA_ARGS__);        \
+                TILE(x, w + t * NB * K, yb + t * NB * ys, N, K, MM, NB, 0, K, NULL,          \
+                     __VA_ARGS__);                                                           \
             else                                                                             \
                 TILE(x, w + (full * NB + t - full) * K, yb + (full * NB + t - full) * ys, N, \
-                     K, MM, 1, __VA_ARGS__);                                                 \
+                     K, MM, 1, 0, K, NULL, __VA_ARGS__);                                     \
         }                                                                                    \
     } while (0)
 
@@ -345,35 +355,55 @@ static inline int64_t panel_rows(int64_t K, int64_t elem)
     return p > 24 ? p : 24;
 }
 
+/* Where K is longer than ROWS_KC, each tile runs over blocks of K, so that the 8 rows of x
+ * it reads stay in L1 (16 KiB of bf16 x; fp32 x blocked at 512 ran slower at K = 1024)
+ * instead of coming from L2 for every weight row: a tile's sums carry from block to block in
+ * `part`, lane by lane, so every lane adds the same products in the same order as without
+ * blocks (the same results, bit for bit). Panels are then ROWS_BLOCK_PANEL weight rows, their
+ * sums (8 rows x 48 vectors) on the stack. */
+#define ROWS_KC 1024
+#define ROWS_BLOCK_PANEL 48
+
 #define SPAN_ROWS(MM, TILE, ...)                                                             \
     do {                                                                                     \
         const int NB = NB_OF(MM);                                                            \
         int64_t n = n0;                                                                      \
         for (; n + NB <= n1; n += NB)                                                        \
-            TILE(xr, w + n * K, yr + n * ys, N, K, MM, NB, __VA_ARGS__);                     \
+            TILE(xr, w + n * K, yr + n * ys, N, K, MM, NB, k0, k1,                           \
+                 blocked ? part + (n - n0) * 8 * vw : NULL, __VA_ARGS__);                     \
         for (; n < n1; ++n)                                                                  \
-            TILE(xr, w + n * K, yr + n * ys, N, K, MM, 1, __VA_ARGS__);                      \
+            TILE(xr, w + n * K, yr + n * ys, N, K, MM, 1, k0, k1,                            \
+                 blocked ? part + (n - n0) * 8 * vw : NULL, __VA_ARGS__);                     \
     } while (0)
 
-#define ROWS_OVER_PANELS(TILE, ...)                                                          \
+/* V: the floats of one accumulator vector */
+#define ROWS_OVER_PANELS(TILE, V, ...)                                                       \
     do {                                                                                     \
-        const int64_t P = panel_rows(K, 2), panels = (N + P - 1) / P;                        \
+        const int64_t kc = ROWS_KC, vw = (V);                                                \
+        const int blocked = K > kc;                                                          \
+        int64_t P = panel_rows(K, 2);                                                        \
+        if (blocked && P > ROWS_BLOCK_PANEL) P = ROWS_BLOCK_PANEL;                           \
+        const int64_t panels = (N + P - 1) / P;                                              \
         _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                \
         for (int64_t p = 0; p < panels; ++p) {                                               \
+            float part[ROWS_BLOCK_PANEL * 8 * (V)] __attribute__((aligned(64)));             \
             const int64_t n0 = p * P, n1 = n0 + P < N ? n0 + P : N;                          \
             for (int64_t r0 = 0; r0 < M; r0 += 8) {                                          \
                 const int64_t mm = M - r0 < 8 ? M - r0 : 8;                                  \
                 const __typeof__(x) xr = x + r0 * K;                                         \
                 char *yr = yb + r0 * N * ys;                                                 \
-                switch (mm) {                                                                \
-                case 1: SPAN_ROWS(1, TILE, __VA_ARGS__); break;                              \
-                case 2: SPAN_ROWS(2, TILE, __VA_ARGS__); break;                              \
-                case 3: SPAN_ROWS(3, TILE, __VA_ARGS__); break;                              \
-                case 4: SPAN_ROWS(4, TILE, __VA_ARGS__); break;                              \
-                case 5: SPAN_ROWS(5, TILE, __VA_ARGS__); break;                              \
-                case 6: SPAN_ROWS(6, TILE, __VA_ARGS__); break;                              \
-                case 7: SPAN_ROWS(7, TILE, __VA_ARGS__); break;                              \
-                default: SPAN_ROWS(8, TILE, __VA_ARGS__); break;                             \
+                for (int64_t k0 = 0; k0 < K; k0 += kc) {                                     \
+                    const int64_t k1 = K - k0 <= kc ? K : k0 + kc;                           \
+                    switch (mm) {                                                            \
+                    case 1: SPAN_ROWS(1, TILE, __VA_ARGS__); break;                          \
+                    case 2: SPAN_ROWS(2, TILE, __VA_ARGS__); break;                          \
+                    case 3: SPAN_ROWS(3, TILE, __VA_ARGS__); break;                          \
+                    case 4: SPAN_ROWS(4, TILE, __VA_ARGS__); break;                          \
+                    case 5: SPAN_ROWS(5, TILE, __VA_ARGS__); break;                          \
+                    case 6: SPAN_ROWS(6, TILE, __VA_ARGS__); break;                          \
+                    case 7: SPAN_ROWS(7, TILE, __VA_ARGS__); break;                          \
+                    default: SPAN_ROWS(8, TILE, __VA_ARGS__); break;                         \
+                    }                                                                        \
                 }                                                                            \
             }                                                                                \
         }                                                                                    \
@@ -385,7 +415,7 @@ void half_gemv_rows(const float *x, const uint16_t *w, void *y, int64_t M, int64
     char *yb = y;
     const int64_t ys = out_bf16 ? 2 : 4;
 #define NB_OF(MM) FMA_NB(MM)
-    ROWS_OVER_PANELS(gemv_tile, is_fp16, out_bf16);
+    ROWS_OVER_PANELS(gemv_tile, 8, is_fp16, out_bf16);
 #undef NB_OF
 }
 
@@ -565,14 +595,15 @@ static inline __m512 reduce16(const __m512 v[16])
  * for the tail); the same promise, each row's sums independent of M. */
 static inline __attribute__((always_inline)) void gemv_tile16(
     const uint16_t *x, const uint16_t *w, void *y, int64_t N, int64_t K, int M, int NB,
-    int out_bf16)
+    int64_t k0, int64_t k1, float *part, int out_bf16)
 {
     __m512 acc[24];
     #pragma GCC unroll 24
-    for (int i = 0; i < M * NB; ++i) acc[i] = _mm512_setzero_ps();
-    const int64_t K32 = K & ~(int64_t)31;
+    for (int i = 0; i < M * NB; ++i)
+        acc[i] = k0 ? _mm512_load_ps(part + 16 * i) : _mm512_setzero_ps();
+    const int64_t K32 = K & ~(int64_t)31, kend = k1 < K32 ? k1 : K32;
     const char *ahead = prefetch_base(w, K, NB);
-    for (int64_t k = 0; k < K32; k += 32) {
+    for (int64_t k = k0; k < kend; k += 32) {
         __m512i wv[8];
         #pragma GCC unroll 8
         for (int j = 0; j < NB; ++j) {
@@ -586,6 +617,11 @@ static inline __attribute__((always_inline)) void gemv_tile16(
             for (int j = 0; j < NB; ++j)
                 acc[m * NB + j] = _mm512_dpbf16_ps(acc[m * NB + j], xv, (__m512bh)wv[j]);
         }
+    }
+    if (k1 < K) {  /* a block of K: the sums so far, lane by lane, for the next block */
+        #pragma GCC unroll 24
+        for (int i = 0; i < M * NB; ++i) _mm512_store_ps(part + 16 * i, acc[i]);
+        return;
     }
     if (K32 < K) {  /* the last K % 32 inputs, zeros past K */
         const __mmask32 mk = (__mmask32)((1u << (K - K32)) - 1);
@@ -635,7 +671,7 @@ void half_gemv_bf16_rows(const uint16_t *x, const uint16_t *w, void *y, int64_t 
     char *yb = y;
     const int64_t ys = out_bf16 ? 2 : 4;
 #define NB_OF(MM) DOT_NB(MM)
-    ROWS_OVER_PANELS(gemv_tile16, out_bf16);
+    ROWS_OVER_PANELS(gemv_tile16, 16, out_bf16);
 #undef NB_OF
 }
 #else  /* no AVX512-BF16: half_gemm_bf16dot() says so */
