@@ -589,7 +589,7 @@ static inline __m512 reduce16(const __m512 v[16])
  * registers allow, the dot products' latency and the tile's loads hidden); one row: one weight
  * row at a time, unprefetched, a single sequential stream (8 rows side by side and prefetched
  * made a decode step's one-row products slower than that; docs/performance.md) */
-#define DOT_NB(M) ((M) == 1 ? 1 : (M) <= 2 ? 8 : (M) == 3 ? 6 : (M) <= 5 ? 4 : (M) <= 7 ? 3 : 2)
+#define DOT_NB(M) ((M) <= 4 ? 1 : (M) == 5 ? 4 : (M) <= 7 ? 3 : 2)
 
 /* Up to 8 rows of bf16 x: half_gemv's tiles with 32 inputs a step and no widening (masked loads
  * for the tail); the same promise, each row's sums independent of M. */
