@@ -7,8 +7,10 @@ the target's, its own cache tensor) covers every position. The output at the las
 gives the first draft; drafts 2..k reuse the layer on its own output, one position further each.
 
 With a draft vocabulary (``draft_vocab``: token ids, see ``specdec.draft_vocab``) the drafts'
-logits are computed over those ids only, from a copy of the LM head's rows made once; every
-other token gets -inf, so the draft distribution is zero there. Verification is unchanged.
+logits are computed over those ids only, from a copy of the LM head's rows made once (int8
+where the CPU backend has int8 products, ``DraftHead``); every other token gets -inf, so the
+draft distribution is zero there. Verification is unchanged. Greedy rows take the argmax of
+the draft vocabulary's logits directly (``_greedy``), without the full-vocabulary tensor.
 
 The one extension point, ``draft_filter`` (a constructor argument, None in the engine):
 ``draft_filter(request, j, token) -> token`` replaces draft j of a request after the MTP picked
@@ -25,10 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridrt.kernels import quant
 from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.request import Request
 from hybridrt.runner import build_batch
-from hybridrt.sampler import Sampler
+from hybridrt.sampler import Sampler, _plain_greedy, argmax_rows
 from hybridrt.scheduler import StepPlan
 from hybridrt.statecache import HybridCacheManager
 
@@ -127,17 +130,34 @@ class MTPProposer:
         full = small.new_full((small.shape[0], self.model.config.vocab_size), float("-inf"))
         return full.index_copy_(1, head.token_ids, small)
 
+    def _greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """The argmax of ``_logits(h)`` per row (rows that are greedy and nothing else), without
+        the full-vocabulary tensor: over the draft vocabulary's logits, a tie going to the
+        lowest token id as the full argmax takes it."""
+        head = self.draft_head
+        if head is None:
+            return argmax_rows(self.model.compute_logits(h))
+        small = self.model.backend.linear(h, head.weight)
+        best = argmax_rows(small)
+        ids = head.token_ids[best]
+        top = small.gather(1, best[:, None])
+        for r in (small == top).sum(dim=1).gt(1).nonzero().flatten().tolist():  # ties
+            ids[r] = head.token_ids[small[r] == top[r]].min()
+        return ids
+
     def _draft(self, reqs: list, h: torch.Tensor) -> list[Drafts]:
         budget = [self.num_drafts_for(r) for r in reqs]
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         active = list(range(len(reqs)))
         for j in range(max(budget)):
-            logits = self._logits(h)
             rows = [reqs[i].sampling_row(drafts[i]) for i in active]
-            prepared = self.sampler.processed_logits(logits, rows)
-            picked = prepared.argmax(dim=-1)
-            rand = [n for n, r in enumerate(rows) if not r.params.greedy]
+            if all(_plain_greedy(r) for r in rows):
+                picked, rand = self._greedy(h), []
+            else:
+                prepared = self.sampler.processed_logits(self._logits(h), rows)
+                picked = prepared.argmax(dim=-1)
+                rand = [n for n, r in enumerate(rows) if not r.params.greedy]
             if rand:
                 sel = torch.tensor(rand, device=prepared.device)
                 p = self.sampler.probs(prepared[sel], [rows[n] for n in rand])
@@ -167,14 +187,23 @@ class MTPProposer:
 
 class DraftHead:
     """The LM head's rows for the draft vocabulary: ``weight`` [N, hidden], a copy gathered
-    once from the head (the tied embedding when there is no lm_head), and ``token_ids`` [N]."""
+    once from the head (the tied embedding when there is no lm_head), and ``token_ids`` [N].
 
-    def __init__(self, model: Qwen35ForCausalLM, token_ids: list[int]):
+    Where the model's backend has compiled int8 products (the CPU backend), the copy is kept in
+    int8 (``kernels.quant``, one scale per 32 inputs) whatever the model's own format: a draft
+    pass reads it whole, so this halves its bytes against bf16, and a draft only decides what
+    verification checks, never what is emitted. ``quantize``: False keeps the model's dtype,
+    True asks for int8 where it can run."""
+
+    def __init__(self, model: Qwen35ForCausalLM, token_ids: list[int],
+                 quantize: bool | None = None):
         head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
         qweight = getattr(head, "qweight", None)  # a quantized head: its rows dequantized
         device = (qweight if qweight is not None else head.weight).device
         self.token_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         if qweight is not None:
-            self.weight = qweight.rows(self.token_ids, model.dtype).contiguous()
+            rows = qweight.rows(self.token_ids, model.dtype).contiguous()
         else:
-            self.weight = head.weight.detach()[self.token_ids].contiguous()
+            rows = head.weight.detach()[self.token_ids].contiguous()
+        can = device.type == "cpu" and getattr(model.backend, "int8_isa", None) is not None
+        self.weight = quant.quantize(rows) if (can and quantize is not False) else rows

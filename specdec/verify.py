@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridrt.sampler import Sampler, SamplingRow
+from hybridrt.sampler import Sampler, SamplingRow, _plain_greedy, argmax_rows
 
 
 @dataclass(slots=True)
@@ -34,9 +34,14 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, items: list[VerifyItem
     """logits: [sum(k_i + 1), V] target rows, item after item -> per item (emitted tokens,
     number of drafts accepted); emitted = accepted drafts + one target token."""
     rows = [r for it in items for r in it.rows]
-    prepared = sampler.processed_logits(logits, rows)
-    random_items = [i for i, it in enumerate(items) if not it.rows[0].params.greedy]
-    probs = sampler.probs(prepared, rows) if random_items else None
+    if all(_plain_greedy(r) for r in rows):  # the argmax of the logits as they are
+        argmax = argmax_rows(logits).tolist()
+        prepared = probs = None
+    else:
+        prepared = sampler.processed_logits(logits, rows)
+        random_items = [i for i, it in enumerate(items) if not it.rows[0].params.greedy]
+        probs = sampler.probs(prepared, rows) if random_items else None
+        argmax = None
     out: list[tuple[list[int], int]] = []
     r = 0
     for it in items:
@@ -44,7 +49,8 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, items: list[VerifyItem
         if sampler.positional and it.rows[0].generator is not None:
             out.append(_coupled(sampler, probs[r:r + k + 1], it))
         elif it.rows[0].params.greedy:
-            target = prepared[r:r + k + 1].argmax(dim=-1).tolist()
+            target = (argmax[r:r + k + 1] if argmax is not None
+                      else prepared[r:r + k + 1].argmax(dim=-1).tolist())
             a = 0
             while a < k and it.drafts[a] == target[a]:
                 a += 1
@@ -122,7 +128,8 @@ def verify_requests(sampler: Sampler, logits: torch.Tensor, entries) -> list[Set
         items.append(VerifyItem([req.sampling_row(d[:i]) for i in range(k + 1)], d,
                                 req.draft_probs))
         idx.extend(range(r0, r0 + k + 1))
-    vlogits = logits[torch.tensor(idx, device=logits.device)]
+    whole = idx == list(range(logits.shape[0]))  # every row verifies: no copy
+    vlogits = logits if whole else logits[torch.tensor(idx, device=logits.device)]
     out, off = [], 0
     for it, (toks, a) in zip(items, verify_drafts(sampler, vlogits, items)):
         lp = None

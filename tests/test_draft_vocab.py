@@ -23,6 +23,7 @@ from hybridrt.bench.spec import (
     format_table,
     run_spec_bench,
 )
+from hybridrt.kernels import quant
 from hybridrt.llm import LLM
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.specdec.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab, rank_tokens
@@ -30,6 +31,17 @@ from hybridrt.specdec.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab, ran
 TEXT_CONFIG = tiny_text_config()
 VOCAB = TEXT_CONFIG["vocab_size"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def assert_head_copy(dh, rows: torch.Tensor) -> None:
+    """The draft head's copy is ``rows``: in int8 (those rows quantized) where the CPU backend
+    has int8 products, else the rows themselves."""
+    if isinstance(dh.weight, quant.QuantWeight):
+        want = quant.quantize(rows)
+        assert all(torch.equal(a, b) for a, b in zip(dh.weight.tensors(), want.tensors(),
+                                                       strict=True))
+    else:
+        assert torch.equal(dh.weight, rows)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tests/conftest.py
@@ -91,7 +103,7 @@ def test_draft_vocabulary_from_the_model_directory_table(ckpt, prompts, tmp_path
     llm = make_llm(d, 2, draft_vocab_size=5)
     assert llm.engine.proposer.draft_head.token_ids.tolist() == table[:5]
     head = llm.model.model.embed_tokens.weight  # tied: the head's rows are the embedding's
-    assert torch.equal(llm.engine.proposer.draft_head.weight, head[table[:5]])
+    assert_head_copy(llm.engine.proposer.draft_head, head[table[:5]])
     drafts = spy_drafts(llm)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     base = make_llm(ckpt).generate(prompts, GREEDY, use_tqdm=False)
@@ -106,16 +118,49 @@ def test_draft_logits_are_the_full_heads_on_the_draft_vocabulary(ckpt):
     full = llm.model.compute_logits(h)
     ids = proposer.draft_head.token_ids
     got = proposer._logits(h)
-    assert torch.allclose(got[:, ids], full[:, ids], rtol=1e-5, atol=1e-5)
+    small = llm.model.backend.linear(h, proposer.draft_head.weight).float()
+    assert torch.equal(got[:, ids], small)  # the copy's product (int8 where it runs)
+    assert torch.allclose(got[:, ids], full[:, ids], rtol=0.03, atol=0.03 * full.abs().max())
     outside = torch.ones(VOCAB, dtype=torch.bool)
     outside[ids] = False
     assert torch.isneginf(got[:, outside]).all()
 
 
+def test_greedy_drafts_are_the_argmax_of_the_draft_logits(ckpt, tmp_path):
+    """``_greedy`` (all rows greedy, no full-vocabulary tensor) picks ``_logits``' argmax,
+    a tie going to the lowest token id as over the full vocabulary: the head's rows in a
+    shuffled order, and rows of zeros, where every draft logit ties."""
+    d = tmp_path / "shuffled"
+    d.mkdir()
+    for f in ckpt.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    table = random.Random(1).sample(range(VOCAB), VOCAB)
+    (d / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": table}))
+    proposer = make_llm(d, 1, draft_vocab_size=11).engine.proposer
+    h = torch.randn(4, TEXT_CONFIG["hidden_size"])
+    h[1] = 0  # every logit 0: the lowest of the 11 ids
+    want = proposer._logits(h).argmax(dim=-1)
+    assert want[1] == min(table[:11]) != table[0]
+    assert torch.equal(proposer._greedy(h), want)
+    assert torch.equal(make_llm(ckpt, 1).engine.proposer._greedy(h),  # the full head
+                       make_llm(ckpt, 1).engine.proposer._logits(h).argmax(dim=-1))
+
+
+def test_draft_head_stays_in_the_models_dtype_when_asked(ckpt):
+    from hybridrt.specdec.mtp import DraftHead
+
+    llm = make_llm(ckpt, 1, draft_vocab_size=9)
+    own = DraftHead(llm.model, list(range(9)), quantize=False)
+    assert isinstance(own.weight, torch.Tensor) and own.weight.dtype == llm.model.dtype
+    assert isinstance(llm.engine.proposer.draft_head.weight, quant.QuantWeight) == (
+        llm.model.backend.__class__.__name__ == "CPUBackend"
+        and llm.model.backend.int8_isa is not None)
+
+
 @pytest.mark.parametrize("untie", [False, True])
 def test_int8_draft_vocabulary_head_is_the_dequantized_rows(ckpt, prompts, untie, tmp_path):
     """An int8 model's draft head: the rows of its quantized head (the tied embedding, or an
-    untied lm_head), dequantized; greedy output equal to its own k=0."""
+    untied lm_head), dequantized (and kept in int8); greedy output equal to its own k=0."""
     src = ckpt
     if untie:
         src = tmp_path / "untied"
@@ -138,7 +183,8 @@ def test_int8_draft_vocabulary_head_is_the_dequantized_rows(ckpt, prompts, untie
     ids = torch.tensor([2, 0, 5, 1])
     want = head.qweight.rows(torch.arange(7), model.dtype)
     dh = llm.engine.proposer.draft_head
-    assert torch.equal(dh.weight, want) and dh.token_ids.tolist() == list(range(7))
+    assert_head_copy(dh, want)
+    assert dh.token_ids.tolist() == list(range(7))
     assert not torch.equal(want[ids], want[ids.flip(0)])  # distinct rows: order is checked
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     base = llm.generate(prompts, GREEDY, use_tqdm=False, speculative_tokens=0)
