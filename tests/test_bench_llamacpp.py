@@ -199,9 +199,38 @@ def test_side_by_side_report_with_stand_in_binaries(tiny, tmp_path):
     assert c["fraction"]["llamacpp"] == pytest.approx(6.0 / c["batch1_decode_tok_s"])
     assert c["fraction"]["hybridrt"] == pytest.approx(
         r["hybridrt"]["decode_b1_tok_s"] / c["batch1_decode_tok_s"])
+    # each round against the read loop run just before it
+    reads = c["read_gb_s_by_round"]
+    assert len(reads) == 3 and all(g > 0 for g in reads)
+    label = next(x["gguf"] for x in r["rounds"] if x["engine"] == "llamacpp")
+    assert c["fraction_by_round"]["llama.cpp " + label] == [
+        pytest.approx(x["results"]["decode_b1_tok_s"] * c["weight_bytes_per_token"] / (g * 1e9))
+        for x, g in zip(r["rounds"], reads, strict=True) if x["engine"] == "llamacpp"]
+    assert c["fraction_by_round"]["hybridrt"] == [pytest.approx(
+        r["rounds"][1]["results"]["decode_b1_tok_s"] * c["weight_bytes_per_token"]
+        / (reads[1] * 1e9))]
+    assert c["state_bytes_per_token"] > 0
     for text in ("llama.cpp", "own random prompt tokens", "llama.cpp peak RSS",
-                 "batch-1 ceiling", "read bandwidth"):
+                 "batch-1 ceiling", "read bandwidth", "just before each round",
+                 "recurrent state each token reads and writes"):
         assert text in res.stdout
+
+
+def test_state_bytes_per_token_is_one_sequences_gdn_state_read_and_written():
+    """Every GDN layer's conv state ((kernel - 1) x conv dim, the model's dtype) and ssm state
+    (value heads x key dim x value dim, fp32) of one sequence, twice."""
+    from hybridrt.config import ModelConfig
+    from statecache.tensors import CacheTensors
+
+    cfg = ModelConfig.from_dict(tiny_text_config())
+    t = CacheTensors.allocate(cfg, num_blocks=2, block_size=16, num_slots=3,
+                              dtype=torch.bfloat16)
+    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + (
+        cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+    one = len(cfg.linear_attention_layers) * (
+        (cfg.linear_conv_kernel_dim - 1) * conv_dim * 2
+        + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
+    assert ceilings.state_bytes_per_token(t) == 2 * one
 
 
 def test_several_ggufs_each_in_every_llamacpp_round(tiny, tmp_path):

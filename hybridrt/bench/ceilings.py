@@ -150,3 +150,13 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     if getattr(model, "lm_head", None) is not None:
         total -= nbytes(model.model.embed_tokens)
     return total
+
+
+def state_bytes_per_token(tensors) -> int:
+    """Bytes of recurrent state one batch-1 decode step reads and writes besides the weights:
+    every GDN layer's conv and ssm state of one sequence (statecache.CacheTensors), read once
+    and written once."""
+    one = 0
+    for t in (tensors.conv_states, tensors.ssm_states):
+        one += t.shape[0] * (t[0, 0].numel() * t.element_size())
+    return 2 * one

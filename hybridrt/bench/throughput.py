@@ -269,9 +269,13 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
     llm = load_ours(path, dtype, prefill_len, decode_tokens, concurrency, prompt_len,
                     quantization, batch_invariant)
     rounds, our_work, their_work, their_run = [], None, {}, {}
+    def read_gb_s() -> float:  # the read loop just before a round: its own ceiling
+        return ceilings.stream_read(threads, stream_bytes, passes=3)["gb_s"]
+
     for engine in order:
         load = list(os.getloadavg())
         if engine == "hybridrt":
+            read = read_gb_s()
             res, our_work = bench_ours(llm, prefill_len, decode_tokens, concurrency, prompt_len,
                                        repeats, interleave=not rounds)
         else:
@@ -279,12 +283,14 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
                 load = list(os.getloadavg())
                 print(f"llama.cpp ({label}): llama-bench, llama-batched-bench ...",
                       file=sys.stderr)
+                read = read_gb_s()
                 res, their_work[label], their_run[label] = llamacpp.bench(
                     gguf, bins, threads, prefill_len, prompt_len, decode_tokens, concurrency)
                 rounds.append({"engine": engine, "gguf": label, "load_average": load,
-                               "results": res})
+                               "read_gb_s": read, "results": res})
             continue
-        rounds.append({"engine": engine, "load_average": load, "results": res})
+        rounds.append({"engine": engine, "load_average": load, "read_gb_s": read,
+                       "results": res})
     interleaved = {k: rounds[0]["results"].pop(k) for k in list(rounds[0]["results"])
                    if k.startswith("interleaved_")}
     ours = _medians([r["results"] for r in rounds if r["engine"] == "hybridrt"])
@@ -323,15 +329,24 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
     print("measuring the read bandwidth and the fp32 matmul rate ...", file=sys.stderr)
     stream = ceilings.stream_read(threads, stream_bytes)
     per_token = ceilings.weight_bytes_per_token(llm.model)
+    state = ceilings.state_bytes_per_token(llm.engine.cache.tensors)
     ceiling = stream["gb_s"] * 1e9 / per_token
     report["ceilings"] = {
         "stream_read": stream, "matmul_fp32": ceilings.matmul_rate(threads),
-        "weight_bytes_per_token": per_token, "batch1_decode_tok_s": ceiling,
+        "weight_bytes_per_token": per_token, "state_bytes_per_token": state,
+        "batch1_decode_tok_s": ceiling,
         "fraction": {e: report[e]["decode_b1_tok_s"] / ceiling
                      for e in ENGINES if e in report}}
     for label, other in report.get("llamacpp_others", {}).items():
         report["ceilings"]["fraction"][f"llamacpp {label}"] = (
             other["results"]["decode_b1_tok_s"] / ceiling)
+    by_round: dict[str, list[float]] = {}  # each round against the read loop just before it
+    for r in rounds:
+        name = "hybridrt" if r["engine"] == "hybridrt" else f"llama.cpp {r['gguf']}"
+        by_round.setdefault(name, []).append(
+            r["results"]["decode_b1_tok_s"] * per_token / (r["read_gb_s"] * 1e9))
+    report["ceilings"]["fraction_by_round"] = by_round
+    report["ceilings"]["read_gb_s_by_round"] = [r["read_gb_s"] for r in rounds]
     if transformers:
         import copy
         import json as _json
@@ -451,6 +466,19 @@ def format_table(report: dict) -> str:
                     f"GB -> batch-1 ceiling {ceil['batch1_decode_tok_s']:.2f} tok/s; "
                     + ", ".join(f"{'llama.cpp' if e == 'llamacpp' else e} {f:.0%}"
                                 for e, f in ceil["fraction"].items()) + " of it")
+        if ceil.get("fraction_by_round"):
+            rows.append("batch 1 against the read loop run just before each round ("
+                        + ", ".join(f"{g:.1f}" for g in ceil["read_gb_s_by_round"])
+                        + " GB/s): " + "; ".join(
+                            f"{name} {statistics.median(f):.0%} (rounds "
+                            + ", ".join(f"{x:.0%}" for x in f) + ")"
+                            for name, f in ceil["fraction_by_round"].items()))
+            w, st = ceil["weight_bytes_per_token"], ceil.get("state_bytes_per_token") or 0
+            if st:
+                rows.append(f"with the recurrent state each token reads and writes too "
+                            f"({st / 1e6:.1f} MB, {(w + st) / 1e9:.3f} GB a token): "
+                            + "; ".join(f"{name} {statistics.median(f) * (w + st) / w:.0%}"
+                                        for name, f in ceil["fraction_by_round"].items()))
     return "\n".join(rows)
 
 
