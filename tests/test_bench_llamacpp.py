@@ -216,6 +216,17 @@ def test_side_by_side_report_with_stand_in_binaries(tiny, tmp_path):
         assert text in res.stdout
 
 
+def test_read_loop_apart_leaves_this_processs_peak_rss_alone():
+    """The read loop a benchmark runs before each round: in a child process, its buffer (here
+    larger than this process's peak so far) never in this process's peak RSS."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    size = (before + (256 << 20)) // 4 * 4
+    assert ceilings.stream_read_apart(1, size, passes=1) > 0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < before + (64 << 20)
+
+
 def test_state_bytes_per_token_is_one_sequences_gdn_state_read_and_written():
     """Every GDN layer's conv state ((kernel - 1) x conv dim, the model's dtype) and ssm state
     (value heads x key dim x value dim, fp32) of one sequence, twice."""

@@ -270,7 +270,7 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
                     quantization, batch_invariant)
     rounds, our_work, their_work, their_run = [], None, {}, {}
     def read_gb_s() -> float:  # the read loop just before a round: its own ceiling
-        return ceilings.stream_read(threads, stream_bytes, passes=3)["gb_s"]
+        return ceilings.stream_read_apart(threads, stream_bytes)
 
     for engine in order:
         load = list(os.getloadavg())
