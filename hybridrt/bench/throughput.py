@@ -485,7 +485,8 @@ def format_table(report: dict) -> str:
 @_restores_threads
 def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9) -> list[dict]:
     """ms per weight of the CPU GEMM paths for bf16 weights at the 0.8B shapes (kernels/linear.py):
-    the compiled GEMM on the weight as it is, oneDNN's fp32 copy, for up to 4 rows the compiled
+    the compiled GEMM on the weight as it is, the GEMV's tiles over panels (``gemv_rows``, bf16
+    x), oneDNN's fp32 copy, for up to 4 rows the compiled
     GEMV, and for 1-2 rows bf16 ``F.linear``; and the int8 and 4-bit kernels on the weight
     quantized (kernels/quant.py, kernels/int4.py). Several weights in turn so each streams
     from memory as in a model; median of interleaved rounds."""
@@ -501,7 +502,11 @@ def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9
         ws = [torch.randn(n, k).bfloat16() for _ in range(copies)]
         paths = {}
         if native.half_gemm_available():
-            paths["half_gemm"] = lambda x, ws=ws: [native.half_gemm(x, w) for w in ws]
+            # bf16 x, as in a bf16 model (the bf16 dot-product path where the CPU has one)
+            paths["half_gemm"] = lambda x, ws=ws: [native.half_gemm(x.bfloat16(), w) for w in ws]
+            # the GEMV's tiles over panels, which linear takes from 9 rows on where they win
+            paths["gemv_rows"] = lambda x, ws=ws: [native.gemv_rows(x.bfloat16(), w)
+                                                   for w in ws]
         if _onednn_available():
             od = [torch.ops.mkldnn._reorder_linear_weight(w.float().contiguous(), 32) for w in ws]
             paths["onednn_fp32"] = lambda x, od=od: [_cpu_gemm(x, p) for p in od]
