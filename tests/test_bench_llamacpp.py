@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -210,9 +211,15 @@ def test_side_by_side_report_with_stand_in_binaries(tiny, tmp_path):
         r["rounds"][1]["results"]["decode_b1_tok_s"] * c["weight_bytes_per_token"]
         / (reads[1] * 1e9))]
     assert c["state_bytes_per_token"] > 0
+    # each of our batch-1 runs against the read loop run just before it
+    ours = r["rounds"][1]
+    assert len(ours["b1_pairs"]) == 5 and ours["results"]["decode_b1_tok_s"] == (
+        statistics.median(rate for rate, _ in ours["b1_pairs"]))
+    assert c["fraction_by_run"] == [pytest.approx(rate * c["weight_bytes_per_token"] / (g * 1e9))
+                                    for rate, g in ours["b1_pairs"]]
     for text in ("llama.cpp", "own random prompt tokens", "llama.cpp peak RSS",
                  "batch-1 ceiling", "read bandwidth", "just before each round",
-                 "recurrent state each token reads and writes"):
+                 "recurrent state each token reads and writes", "batch-1 runs, each against"):
         assert text in res.stdout
 
 
