@@ -238,7 +238,7 @@ def test_state_bytes_per_token_is_one_sequences_gdn_state_read_and_written():
     """Every GDN layer's conv state ((kernel - 1) x conv dim, the model's dtype) and ssm state
     (value heads x key dim x value dim, fp32) of one sequence, twice."""
     from hybridrt.config import ModelConfig
-    from statecache.tensors import CacheTensors
+    from hybridrt.statecache.tensors import CacheTensors
 
     cfg = ModelConfig.from_dict(tiny_text_config())
     t = CacheTensors.allocate(cfg, num_blocks=2, block_size=16, num_slots=3,
