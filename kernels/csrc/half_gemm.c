@@ -318,17 +318,20 @@ static inline __attribute__((always_inline)) void gemv_tile(
         }                                                                                    \
     } while (0)
 
-#define GEMV_SWITCH(TILE, ...)                                                               \
-    switch (M) {                                                                             \
-    case 1: GEMV_ROWS(1, TILE, __VA_ARGS__); break;                                          \
-    case 2: GEMV_ROWS(2, TILE, __VA_ARGS__); break;                                          \
-    case 3: GEMV_ROWS(3, TILE, __VA_ARGS__); break;                                          \
-    case 4: GEMV_ROWS(4, TILE, __VA_ARGS__); break;                                          \
-    case 5: GEMV_ROWS(5, TILE, __VA_ARGS__); break;                                          \
-    case 6: GEMV_ROWS(6, TILE, __VA_ARGS__); break;                                          \
-    case 7: GEMV_ROWS(7, TILE, __VA_ARGS__); break;                                          \
-    default: GEMV_ROWS(8, TILE, __VA_ARGS__); break;                                         \
+/* ROWS(m, ...) with m the literal 1..8 that n is (8 for more) */
+#define SWITCH_ROWS(n, ROWS, ...)                                                            \
+    switch (n) {                                                                             \
+    case 1: ROWS(1, __VA_ARGS__); break;                                                     \
+    case 2: ROWS(2, __VA_ARGS__); break;                                                     \
+    case 3: ROWS(3, __VA_ARGS__); break;                                                     \
+    case 4: ROWS(4, __VA_ARGS__); break;                                                     \
+    case 5: ROWS(5, __VA_ARGS__); break;                                                     \
+    case 6: ROWS(6, __VA_ARGS__); break;                                                     \
+    case 7: ROWS(7, __VA_ARGS__); break;                                                     \
+    default: ROWS(8, __VA_ARGS__); break;                                                    \
     }
+
+#define GEMV_SWITCH(TILE, ...) SWITCH_ROWS(M, GEMV_ROWS, TILE, __VA_ARGS__)
 
 void half_gemv(const float *x, const uint16_t *w, void *y, int64_t M, int64_t N, int64_t K,
                int is_fp16, int out_bf16, int num_threads)
@@ -394,16 +397,7 @@ static inline int64_t panel_rows(int64_t K, int64_t elem)
                 char *yr = yb + r0 * N * ys;                                                 \
                 for (int64_t k0 = 0; k0 < K; k0 += kc) {                                     \
                     const int64_t k1 = K - k0 <= kc ? K : k0 + kc;                           \
-                    switch (mm) {                                                            \
-                    case 1: SPAN_ROWS(1, TILE, __VA_ARGS__); break;                          \
-                    case 2: SPAN_ROWS(2, TILE, __VA_ARGS__); break;                          \
-                    case 3: SPAN_ROWS(3, TILE, __VA_ARGS__); break;                          \
-                    case 4: SPAN_ROWS(4, TILE, __VA_ARGS__); break;                          \
-                    case 5: SPAN_ROWS(5, TILE, __VA_ARGS__); break;                          \
-                    case 6: SPAN_ROWS(6, TILE, __VA_ARGS__); break;                          \
-                    case 7: SPAN_ROWS(7, TILE, __VA_ARGS__); break;                          \
-                    default: SPAN_ROWS(8, TILE, __VA_ARGS__); break;                         \
-                    }                                                                        \
+                    SWITCH_ROWS(mm, SPAN_ROWS, TILE, __VA_ARGS__);                           \
                 }                                                                            \
             }                                                                                \
         }                                                                                    \
