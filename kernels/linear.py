@@ -49,7 +49,7 @@ def _half_cpu_path(x: torch.Tensor, weight: torch.Tensor,
     if simd is None:
         simd = native.half_gemm_available()
     if simd and weight.is_contiguous() and x.numel():
-        rows = x.numel() // k  # k > 0: x has elements
+        rows = x.numel() // k if k else 0
         if rows <= native.HALF_GEMV_MAX_ROWS:
             return "gemv"
         path = half_path or native.half_path()
