@@ -28,6 +28,37 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+class RopeRows:
+    """``rope_cos_sin``'s own rows, computed for blocks of positions once and looked up after:
+    a step's RoPE in one index per table instead of some six torch ops (slow in a decode step,
+    the weights' stream having evicted their code and data). A block is 256 positions, 16384
+    values: under torch's parallel grain, so one thread's vectorized cos and sin cover it whole,
+    as they do a step's [T, R] rows for any T (R a multiple of 32: whole vector pairs): the same
+    bits as ``rope_cos_sin`` (tests/test_rope.py), except where torch splits a long prompt's
+    rows among more threads than two and a share ends in a scalar tail (the table's values are
+    then the vectorized ones, the same in every step)."""
+
+    BLOCK = 256
+
+    def __init__(self, rotary_dim: int, theta: float):
+        self.key = (rotary_dim, theta)
+        self.tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
+        key = (dtype, positions.device)
+        cos, sin = self.tables.get(key, (None, None))
+        have = 0 if cos is None else cos.shape[0]
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > have:
+            end = -(-need // self.BLOCK) * self.BLOCK
+            blocks = [rope_cos_sin(torch.arange(b, b + self.BLOCK, device=positions.device),
+                                   *self.key, dtype) for b in range(have, end, self.BLOCK)]
+            cos = torch.cat(([] if cos is None else [cos]) + [c for c, _ in blocks])
+            sin = torch.cat(([] if sin is None else [sin]) + [s for _, s in blocks])
+            self.tables[key] = (cos, sin)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+
 class RopeTable:
     """cos and sin by absolute position, each entry computed once and looked up after: the
     batch-invariant mode's RoPE (docs/batch_invariance.md). ``rope_cos_sin`` computes them per

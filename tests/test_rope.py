@@ -8,6 +8,7 @@ import torch
 from kernel_helpers import generator
 
 from hybridrt.kernels import apply_partial_rope, rope_cos_sin
+from hybridrt.kernels.rope import RopeRows
 
 
 def _hf_rotary(text_config):
@@ -68,3 +69,39 @@ def test_rope_position_zero_is_identity():
     x = torch.randn(1, 2, 12)
     cos, sin = rope_cos_sin(torch.tensor([0]), 6, 1e7, torch.float32)
     assert torch.equal(apply_partial_rope(x, cos, sin), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rope_rows_are_rope_cos_sins_bits(dtype, threads):
+    """RopeRows (the CPU backend's RoPE): by position the bits rope_cos_sin gives for the same
+    positions in a step of any length, across the table's blocks and its growth; the Qwen3.5
+    rotary width (64) and its own rows when asked in any order."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows = RopeRows(64, 10_000_000.0)
+        for pos in (torch.tensor([3]), torch.tensor([255, 256, 0]), torch.arange(700),
+                    torch.tensor([1000, 7, 999]), torch.arange(513, 530)):
+            cos, sin = rows(pos, dtype)
+            rc, rs = rope_cos_sin(pos, 64, 10_000_000.0, dtype)
+            assert cos.dtype == dtype and cos.shape == (len(pos), 64)
+            assert torch.equal(cos, rc) and torch.equal(sin, rs)
+            assert cos.is_contiguous() and sin.is_contiguous()
+        assert rows.tables[(dtype, pos.device)][0].shape[0] == 1024  # four blocks, no more
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cpu_backend_rope_by_table_where_its_width_allows():
+    """The CPU backend looks RoPE up (RopeRows) where the width is a multiple of 32, else
+    computes it; the batch-invariant mode keeps its own table."""
+    from hybridrt.kernels.backend.cpu import CPUBackend
+    from hybridrt.kernels.options import KernelOptions
+    b = CPUBackend(None, options=KernelOptions())
+    pos = torch.tensor([5, 9])
+    b.rope(pos, 64, 1e6, torch.bfloat16)
+    assert isinstance(b.rope_table, RopeRows)
+    b2 = CPUBackend(None, options=KernelOptions())
+    c, s = b2.rope(pos, 12, 1e6, torch.bfloat16)
+    assert b2.rope_table is None and torch.equal(c, rope_cos_sin(pos, 12, 1e6, torch.bfloat16)[0])

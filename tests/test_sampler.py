@@ -405,7 +405,8 @@ def argmax_path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("V", [1, 63, 64, 65, 100, 2048, 2049, 3 * 2048 + 7, 248320])
+@pytest.mark.parametrize("V", [1, 63, 64, 65, 100, 255, 256, 257, 513, 2048, 2049, 3 * 2048 + 7,
+                               248320])
 def test_argmax_rows_equals_torch_argmax(V, dtype, argmax_path):
     """The greedy pick returns exactly torch's argmax: first maximum on ties, NaN as maximal,
     rows of -inf, maxima in the short tail block, +0 tied with -0, rows with a stride."""

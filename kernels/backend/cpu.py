@@ -13,7 +13,7 @@ from ..linear import linear as cpu_linear
 from ..linear import pack_weight, use_fp32_gemm
 from ..memory import huge_pages_available
 from ..options import KernelOptions
-from ..rope import RopeTable
+from ..rope import RopeRows, RopeTable
 from ..step import StepProgram
 from .plan import StepMeta
 from .reference import ReferenceBackend
@@ -56,7 +56,7 @@ class CPUBackend(ReferenceBackend):
         # batch-invariant mode (docs/batch_invariance.md): every product, attention and
         # activation through the kernels whose per-row arithmetic is fixed
         self.invariant = opts.batch_invariant
-        self.rope_table: RopeTable | None = None
+        self.rope_table: RopeTable | RopeRows | None = None
         if self.invariant and not self.half_simd:
             raise ValueError("batch_invariant=True needs hybridrt's compiled CPU kernels (a C "
                              "compiler with OpenMP, a CPU with AVX2 + FMA + F16C, "
@@ -253,10 +253,12 @@ class CPUBackend(ReferenceBackend):
         return cpu_linear(x, w, None, self.half_simd, self.half_path).split(sizes, dim=-1)
 
     def rope(self, positions, rotary_dim, theta, dtype):
-        if not self.invariant:
+        """By position from a table (the batch-invariant mode's own, else ``rope_cos_sin``'s
+        rows: the same bits as computing them)."""
+        if positions.device.type != "cpu" or not self.invariant and rotary_dim % 32:
             return super().rope(positions, rotary_dim, theta, dtype)
         if self.rope_table is None or self.rope_table.key != (rotary_dim, theta):
-            self.rope_table = RopeTable(rotary_dim, theta)
+            self.rope_table = (RopeTable if self.invariant else RopeRows)(rotary_dim, theta)
         return self.rope_table(positions, dtype)
 
     def silu_mul(self, gate, up):

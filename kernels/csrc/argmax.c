@@ -1,57 +1,69 @@
 /* The greedy token of each row of logits (fp32 or bf16), as torch's argmax gives it: the first
- * index of the row's maximum, or of its first NaN where it has one. Two passes over a row that
- * stays in cache: the maximum (a vectorised reduction, NaNs noted on the way), then the first
- * block of 64 holding it. ATen's CPU argmax runs one scalar comparison per element, and the torch
- * two-pass form (kernels' callers: hybridrt/sampler.py) spends more in its small ops than in the
- * passes (docs/performance.md).
+ * index of the row's maximum, or of its first NaN where it has one. One pass over the row by
+ * blocks of 256: a block's maximum (a vectorised reduction, NaNs noted on the way) kept with the
+ * block where it is larger than every earlier block's, the first NaN's block answered at once;
+ * then the first index of the maximum inside the block kept. ATen's CPU argmax runs one scalar
+ * comparison per element, and the torch two-pass form (kernels' callers: hybridrt/sampler.py)
+ * spends more in its small ops than in the passes (docs/performance.md).
  */
 #include <math.h>
 #include <stdint.h>
 
 #include "bf16.h"
 
-#define BLOCK 64
+#define BLOCK 256
 
 static inline float at(const void *row, int64_t i, int bf)
 {
     return bf ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
 }
 
-static int64_t argmax_row(const void *row, int64_t V, int bf)
+/* the largest value of row[b, e) -> *m, and whether one is a NaN (the return) */
+static inline int block_max(const void *row, int64_t b, int64_t e, int bf, float *m)
 {
-    float m = -INFINITY;
+    float x = -INFINITY;
     int nan = 0;
     if (bf) {
         const uint16_t *h = row;
-        #pragma omp simd reduction(max:m) reduction(|:nan)
-        for (int64_t i = 0; i < V; ++i) {
+        #pragma omp simd reduction(max:x) reduction(|:nan)
+        for (int64_t i = b; i < e; ++i) {
             const float v = bf16_to_f32(h[i]);
             nan |= v != v;
-            m = v > m ? v : m;
+            x = v > x ? v : x;
         }
     } else {
         const float *f = row;
-        #pragma omp simd reduction(max:m) reduction(|:nan)
-        for (int64_t i = 0; i < V; ++i) {
+        #pragma omp simd reduction(max:x) reduction(|:nan)
+        for (int64_t i = b; i < e; ++i) {
             const float v = f[i];
             nan |= v != v;
-            m = v > m ? v : m;
+            x = v > x ? v : x;
         }
     }
+    *m = x;
+    return nan;
+}
+
+static int64_t argmax_row(const void *row, int64_t V, int bf)
+{
+    float m = -INFINITY;
+    int64_t best = 0;  /* the first block holding m (block 0 where every value is -inf) */
     for (int64_t b = 0; b < V; b += BLOCK) {
         const int64_t e = b + BLOCK < V ? b + BLOCK : V;
-        int hit = 0;
-        #pragma omp simd reduction(|:hit)
-        for (int64_t i = b; i < e; ++i) {
-            const float v = at(row, i, bf);
-            hit |= nan ? v != v : v == m;
-        }
-        if (hit)
+        float x;
+        if (block_max(row, b, e, bf, &x))
             for (int64_t i = b; i < e; ++i) {
                 const float v = at(row, i, bf);
-                if (nan ? v != v : v == m) return i;
+                if (v != v) return i;
             }
+        if (x > m) {
+            m = x;
+            best = b;
+        }
     }
+    const int64_t e = best + BLOCK < V ? best + BLOCK : V;
+    for (int64_t i = best; i < e; ++i)
+        if (at(row, i, bf) == m) return i;
     return 0;  /* V == 0 */
 }
 
