@@ -22,7 +22,7 @@ class ForwardBatch:
     | block_tables | [B, M] | KV blocks of each sequence, in order (pad with any valid id) |
     | state_slots | [B] | GDN state slot a sequence starts from (and, unless verifying, ends in) |
     | has_initial_state | [B] | False for a sequence's first chunk (start from zero state) |
-    | logits_indices | [N] | rows of the hidden states whose logits are wanted |
+    | logits_indices | [N] | rows of the hidden states whose logits are wanted, ascending |
     | verify_slots | B lists or None | per-token state slots of verifying sequences (see below) |
 
     ``verify_slots``: for a verifying sequence, the slot receiving the state after each of its

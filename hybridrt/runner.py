@@ -164,6 +164,9 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """-> fp32 logits [N, vocab] for the rows in ``batch.logits_indices`` only."""
-        if batch.logits_indices.numel() == 0:
+        n = batch.logits_indices.numel()
+        if n == 0:
             return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        # ascending distinct rows: as many as the hidden states' are all of them, in order
+        return self.model.compute_logits(hidden if n == hidden.shape[0] else
+                                         hidden[batch.logits_indices])
