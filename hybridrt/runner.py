@@ -37,6 +37,10 @@ def build_batch(
     arr = arrays if arrays is not None else FreshArrays(device)
     B = len(token_lists)
     q_lens_list = [len(t) for t in token_lists]
+    if B and q_lens_list.count(1) == B and (logits_rows is None
+                                            or logits_rows.count("last") == B):
+        return _decode_batch(token_lists, starts, block_tables, block_size, state_slots,
+                             verify_slots, arr)
     q_lens = np.asarray(q_lens_list, dtype=np.int64)
     computed = np.asarray(starts, dtype=np.int64)
     T = int(q_lens.sum())
@@ -84,6 +88,38 @@ def build_batch(
         verify_slots=verify_slots,
         query_lens=q_lens_list,
         context_lens=[c + n for c, n in zip(starts, q_lens_list)],
+        state_slot_list=slot_list,
+        initial_list=initial,
+        arrays=arr,
+    )
+
+
+def _decode_batch(token_lists, starts, block_tables, block_size, state_slots, verify_slots,
+                  arr) -> ForwardBatch:
+    """``build_batch`` where every sequence has one new token and wants its logits (a decode
+    step): the same batch, its few values computed in Python (the array ops' fixed costs were
+    most of a decode step's preparation)."""
+    B = len(token_lists)
+    tables = arr.longs(B * max(len(t) for t in block_tables)).reshape(B, -1)
+    tables.fill(0)
+    for b, t in enumerate(block_tables):
+        tables[b, :len(t)] = t
+    slot_list = list(state_slots) if state_slots is not None else [0] * B
+    initial = [c > 0 for c in starts]
+    return ForwardBatch(
+        input_ids=arr.tensor(arr.put([t[0] for t in token_lists])),
+        positions=arr.tensor(arr.put(starts)),
+        cu_seqlens=arr.tensor(arr.put(range(B + 1))),
+        seq_lens=arr.tensor(arr.put([c + 1 for c in starts])),
+        slot_mapping=arr.tensor(arr.put([t[c // block_size] * block_size + c % block_size
+                                         for t, c in zip(block_tables, starts)])),
+        block_tables=arr.tensor(tables),
+        state_slots=arr.tensor(arr.put(slot_list)),
+        has_initial_state=arr.tensor(arr.put(initial, np.bool_)),
+        logits_indices=arr.tensor(arr.put(range(B))),
+        verify_slots=verify_slots,
+        query_lens=[1] * B,
+        context_lens=[c + 1 for c in starts],
         state_slot_list=slot_list,
         initial_list=initial,
         arrays=arr,

@@ -681,3 +681,33 @@ def test_layer_records_follow_the_parameters():
     assert attn.spec.q_norm_weight is attn.q_norm.weight and attn.spec.scale == attn.scale
     net.load_state_dict({n: t.clone() for n, t in sd.items()}, assign=True)
     assert gdn.spec.A_log is gdn.A_log and attn.spec.k_norm_weight is attn.k_norm.weight
+
+
+@pytest.mark.parametrize("buffers", [False, True])
+def test_decode_batch_fields(buffers):
+    """build_batch's decode path (one token a sequence, every logits row): each field as the
+    general path defines it, KV slots across block boundaries included."""
+    from hybridrt.kernels.meta import StepBuffers
+
+    arr = StepBuffers.for_limits(4, 64, 8) if buffers else None
+    if arr is not None:
+        arr.begin()
+    tables = [[4, 9, 2], [7], [3, 5]]
+    starts, bs = [16, 3, 15], 8  # 16: the first slot of the third block; 15: the last of the 2nd
+    b = build_batch([[11], [12], [13]], starts, tables, bs, [2, 0, 1], None, None, "cpu", arr)
+    assert b.input_ids.tolist() == [11, 12, 13] and b.positions.tolist() == starts
+    assert b.slot_mapping.tolist() == [2 * bs + 0, 7 * bs + 3, 5 * bs + 7]
+    assert b.seq_lens.tolist() == [17, 4, 16] and b.cu_seqlens.tolist() == [0, 1, 2, 3]
+    assert b.block_tables.tolist() == [[4, 9, 2], [7, 0, 0], [3, 5, 0]]
+    assert b.state_slots.tolist() == [2, 0, 1] and b.logits_indices.tolist() == [0, 1, 2]
+    assert b.has_initial_state.tolist() == [True, True, True]
+    assert b.query_lens == [1, 1, 1] and b.context_lens == [17, 4, 16]
+    assert b.query_starts == [0, 1, 2] and b.num_tokens == 3
+    # the same sequences with one wanting no logits take the general path: the same fields
+    g = build_batch([[11], [12], [13]], starts, tables, bs, [2, 0, 1], ["last", "none", "last"])
+    for name in ("input_ids", "positions", "cu_seqlens", "seq_lens", "slot_mapping",
+                 "block_tables", "state_slots", "has_initial_state"):
+        assert torch.equal(getattr(b, name), getattr(g, name)), name
+    assert g.logits_indices.tolist() == [0, 2]
+    first = build_batch([[5]], [0], [[6]], bs)  # a first token: no initial state
+    assert first.has_initial_state.tolist() == [False] and first.slot_mapping.tolist() == [48]
