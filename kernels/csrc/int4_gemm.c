@@ -59,6 +59,7 @@
 #define NP 2       /* panels per tile beyond that (AVX-512) */
 #define AVX2_ROWS 4   /* rows per tile on the 256-bit paths (16 ymm registers on AVX2) */
 #define PF_AHEAD 8192 /* bytes of the weight stream prefetched ahead of a few-row tile's loads */
+#define PF_START 16384 /* bytes of it a thread prefetches before its first panel of a GEMV */
 
 enum { ISA_REF = 1, ISA_AVX2 = 2, ISA_VNNI = 4, ISA_AVXVNNI = 8 };
 
@@ -573,6 +574,21 @@ static void tile(const Args *a, int64_t i, int64_t p, int mr, int np, int isa)
     tile_ref(a, i, p, mr, np);
 }
 
+/* The start of a thread's share of the GEMV's weight stream, from panel p on, prefetched into
+ * L2 at once: the tile's prefetches run PF_AHEAD bytes ahead of its loads, so that a thread's
+ * first ones would otherwise wait for memory one by one (at one row, a step's products took
+ * 0.96-0.975x the time with these). */
+static void prefetch_start(const Args *a, int64_t p, int64_t P)
+{
+    const int64_t left = (P - p) * a->G * QB, n = PF_START < left ? PF_START : left;
+    for (int64_t o = 0; o < n; o += 64) {
+        __builtin_prefetch(qs_at(a, p, 0) + o, 0, 2); /* 2: into L2, as _MM_HINT_T1 */
+        if (o % 128 == 0 && a->hs) __builtin_prefetch(hs_at(a, p, 0) + o / 2, 0, 2);
+        if (o % 512 == 0) __builtin_prefetch(codes_at(a, p, 0) + o / 8, 0, 2);
+    }
+    __builtin_prefetch(scales_at(a, p, 0), 0, 2);
+}
+
 static int gemm(const void *x, int x_bf, const uint8_t *qs, const uint8_t *hs,
                 const uint8_t *codes, const uint16_t *scales, void *y, int y_bf, int64_t M,
                 int64_t N, int64_t K, int64_t Kp, int isa, int num_threads)
@@ -617,10 +633,15 @@ static int gemm(const void *x, int x_bf, const uint8_t *qs, const uint8_t *hs,
                         xds[j] = xd[j] * (float)xs[j];
                 }
             }
+            int started = 0;
             #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; ++b) {
                 const int64_t p = b * np_max;
                 const int np = P - p < np_max ? (int)(P - p) : np_max;
+                if (gemv && isa != ISA_REF && !started) {
+                    prefetch_start(&a, p, P);
+                    started = 1;
+                }
                 if (gemv) {
                     tile(&a, 0, p, (int)M, np, isa);
                     continue;
