@@ -404,12 +404,22 @@ def argmax_path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=[1, 3])
+def argmax_threads(request):
+    """Torch's thread count (the kernel's): 3 splits one row in parts (a part per thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("V", [1, 63, 64, 65, 100, 255, 256, 257, 513, 2048, 2049, 3 * 2048 + 7,
-                               248320])
-def test_argmax_rows_equals_torch_argmax(V, dtype, argmax_path):
+                               65536 + 1000, 248320])
+def test_argmax_rows_equals_torch_argmax(V, dtype, argmax_path, argmax_threads):
     """The greedy pick returns exactly torch's argmax: first maximum on ties, NaN as maximal,
-    rows of -inf, maxima in the short tail block, +0 tied with -0, rows with a stride."""
+    rows of -inf, maxima in the short tail block, +0 tied with -0, rows with a stride; one row
+    split among threads too (ties and NaNs across the parts)."""
     from hybridrt.sampler import argmax_rows
 
     x = torch.randn(7, V, generator=torch.Generator().manual_seed(V)).to(dtype)
@@ -427,7 +437,22 @@ def test_argmax_rows_equals_torch_argmax(V, dtype, argmax_path):
     wide[:, :V] = x
     view = wide[:, :V]  # rows V + 5 apart
     assert torch.equal(argmax_rows(view), x.argmax(-1))
-    assert torch.equal(argmax_rows(x[2:3]), x[2:3].argmax(-1))  # one row: no threads
+    for r in range(7):  # one row: in parts where there are threads
+        assert torch.equal(argmax_rows(x[r:r + 1]), x[r:r + 1].argmax(-1)), r
+    if V >= 3 * 256:  # across the parts of three threads: a tie, a NaN in the last part only
+        y = torch.zeros(1, V, dtype=dtype)
+        y[0, [V // 3 + 5, V - 2]] = 7.0
+        assert argmax_rows(y).item() == V // 3 + 5
+        y[0, V - 1] = float("nan")
+        assert argmax_rows(y).item() == V - 1
+        y[0, 1] = float("nan")
+        assert argmax_rows(y).item() == 1
+        y = torch.zeros(1, V, dtype=dtype)  # one maximum at either side of every block edge
+        for p in sorted({q for k in range(1, V // 256 + 1) for q in (256 * k - 1, 256 * k)}
+                        - {V}):
+            y[0, p] = 1.0
+            assert argmax_rows(y).item() == p
+            y[0, p] = 0.0
 
 
 def test_greedy_fast_path_is_the_full_pipeline(argmax_path):

@@ -44,35 +44,81 @@ static inline int block_max(const void *row, int64_t b, int64_t e, int bf, float
     return nan;
 }
 
-static int64_t argmax_row(const void *row, int64_t V, int bf)
+/* The first index of the maximum of row[b0, e0), or of its first NaN (*nan set then), its
+ * value in *m; b0 a multiple of BLOCK; *m = -inf and b0 where the range is empty */
+static int64_t argmax_range(const void *row, int64_t b0, int64_t e0, int bf, float *m, int *nan)
 {
-    float m = -INFINITY;
-    int64_t best = 0;  /* the first block holding m (block 0 where every value is -inf) */
-    for (int64_t b = 0; b < V; b += BLOCK) {
-        const int64_t e = b + BLOCK < V ? b + BLOCK : V;
+    float best_m = -INFINITY;
+    int64_t best = b0;  /* the first block holding best_m (the first where all are -inf) */
+    *nan = 0;
+    for (int64_t b = b0; b < e0; b += BLOCK) {
+        const int64_t e = b + BLOCK < e0 ? b + BLOCK : e0;
         float x;
         if (block_max(row, b, e, bf, &x))
             for (int64_t i = b; i < e; ++i) {
                 const float v = at(row, i, bf);
-                if (v != v) return i;
+                if (v != v) {
+                    *nan = 1;
+                    *m = v;
+                    return i;
+                }
             }
-        if (x > m) {
-            m = x;
+        if (x > best_m) {
+            best_m = x;
             best = b;
         }
     }
-    const int64_t e = best + BLOCK < V ? best + BLOCK : V;
+    *m = best_m;
+    const int64_t e = best + BLOCK < e0 ? best + BLOCK : e0;
     for (int64_t i = best; i < e; ++i)
-        if (at(row, i, bf) == m) return i;
-    return 0;  /* V == 0 */
+        if (at(row, i, bf) == best_m) return i;
+    return b0;  /* an empty range */
 }
 
-/* out[r] for rows r of V logits, rows ld apart (elements); bf: bf16, else fp32 */
+#define SPLIT_MIN 65536 /* values a row needs before its parts go to threads */
+#define MAX_PARTS 64
+
+/* out[r] for rows r of V logits, rows ld apart (elements); bf: bf16, else fp32. Fewer rows than
+ * threads (a decode step's one row): each row in parts, one a thread, the parts' answers then
+ * taken in order (the first NaN, else the first part holding the largest maximum) */
 void argmax_rows(const void *x, int64_t ld, int64_t rows, int64_t V, int bf, int64_t *out,
                  int num_threads)
 {
     const int64_t esize = bf ? 2 : 4;
-    #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 2)
-    for (int64_t r = 0; r < rows; ++r)
-        out[r] = argmax_row((const char *)x + r * ld * esize, V, bf);
+    int parts = num_threads < MAX_PARTS ? num_threads : MAX_PARTS;
+    if (rows >= num_threads || V < SPLIT_MIN || parts < 2) {
+        float m;
+        int nan;
+        #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 2) \
+            private(m, nan)
+        for (int64_t r = 0; r < rows; ++r)
+            out[r] = argmax_range((const char *)x + r * ld * esize, 0, V, bf, &m, &nan);
+        return;
+    }
+    const int64_t blocks = (V + BLOCK - 1) / BLOCK, per = (blocks + parts - 1) / parts;
+    for (int64_t r = 0; r < rows; ++r) {
+        const char *row = (const char *)x + r * ld * esize;
+        int64_t idx[MAX_PARTS];
+        float val[MAX_PARTS];
+        int isnan_[MAX_PARTS];
+        #pragma omp parallel for num_threads(parts) schedule(static)
+        for (int t = 0; t < parts; ++t) {
+            const int64_t b0 = t * per * BLOCK < V ? t * per * BLOCK : V;
+            const int64_t e0 = (t + 1) * per * BLOCK < V ? (t + 1) * per * BLOCK : V;
+            idx[t] = argmax_range(row, b0, e0, bf, &val[t], &isnan_[t]);
+        }
+        int64_t best = idx[0];
+        float m = val[0];
+        int done = isnan_[0];
+        for (int t = 1; t < parts && !done; ++t) {
+            if (isnan_[t]) {
+                best = idx[t];
+                done = 1;
+            } else if (val[t] > m) {
+                m = val[t];
+                best = idx[t];
+            }
+        }
+        out[r] = best;
+    }
 }
