@@ -49,8 +49,8 @@ class RopeRows:
         cos, sin = self.tables.get(key, (None, None))
         have = 0 if cos is None else cos.shape[0]
         need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > have:
-            end = -(-need // self.BLOCK) * self.BLOCK
+        if need > have:  # at least twice as many rows: a long decode copies the table rarely
+            end = max(-(-need // self.BLOCK) * self.BLOCK, 2 * have)
             blocks = [rope_cos_sin(torch.arange(b, b + self.BLOCK, device=positions.device),
                                    *self.key, dtype) for b in range(have, end, self.BLOCK)]
             cos = torch.cat(([] if cos is None else [cos]) + [c for c, _ in blocks])
