@@ -28,52 +28,20 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-class RopeRows:
-    """``rope_cos_sin``'s own rows, computed for blocks of positions once and looked up after:
-    a step's RoPE in one index per table instead of some six torch ops (slow in a decode step,
-    the weights' stream having evicted their code and data). A block is 256 positions, 16384
-    values: under torch's parallel grain, so one thread's vectorized cos and sin cover it whole,
-    as they do a step's [T, R] rows for any T (R a multiple of 32: whole vector pairs): the same
-    bits as ``rope_cos_sin`` (tests/test_rope.py), except where torch splits a long prompt's
-    rows among more threads than two and a share ends in a scalar tail (the table's values are
-    then the vectorized ones, the same in every step)."""
-
-    BLOCK = 256
-
-    def __init__(self, rotary_dim: int, theta: float):
-        self.key = (rotary_dim, theta)
-        self.tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
-        key = (dtype, positions.device)
-        cos, sin = self.tables.get(key, (None, None))
-        have = 0 if cos is None else cos.shape[0]
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > have:  # at least twice as many rows: a long decode copies the table rarely
-            end = max(-(-need // self.BLOCK) * self.BLOCK, 2 * have)
-            blocks = [rope_cos_sin(torch.arange(b, b + self.BLOCK, device=positions.device),
-                                   *self.key, dtype) for b in range(have, end, self.BLOCK)]
-            cos = torch.cat(([] if cos is None else [cos]) + [c for c, _ in blocks])
-            sin = torch.cat(([] if sin is None else [sin]) + [s for _, s in blocks])
-            self.tables[key] = (cos, sin)
-        return cos.index_select(0, positions), sin.index_select(0, positions)
-
-
-class RopeTable:
-    """cos and sin by absolute position, each entry computed once and looked up after: the
-    batch-invariant mode's RoPE (docs/batch_invariance.md). ``rope_cos_sin`` computes them per
-    step with torch's vectorized cos/sin, whose scalar tail (and thread split) falls on
-    different positions as the step's length changes; here each angle is the fp32 product
-    ``rope_cos_sin`` forms, its cos and sin taken by the C library in fp64 and rounded, so a
-    position's values do not depend on the step it is in."""
+class _ByPosition:
+    """cos and sin [positions, rotary_dim] per (dtype, device), computed for whole blocks of
+    positions as a step first reaches them (``_rows``) and looked up after."""
 
     BLOCK = 512  # positions added at a time
+    DOUBLE = False  # grow to at least twice the rows held (fewer copies of the table)
 
     def __init__(self, rotary_dim: int, theta: float):
         self.key = (rotary_dim, theta)
-        half = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
-        self.inv_freq = np.array([1.0 / theta ** float(e) for e in half], dtype=np.float32)
         self.tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _rows(self, start: int, end: int, dtype: torch.dtype, device) -> tuple:
+        """(cos, sin) of positions [start, end), multiples of BLOCK."""
+        raise NotImplementedError
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
         key = (dtype, positions.device)
@@ -82,15 +50,54 @@ class RopeTable:
         need = int(positions.max()) + 1 if positions.numel() else 0
         if need > have:
             end = -(-need // self.BLOCK) * self.BLOCK
-            freqs = np.arange(have, end, dtype=np.float32)[:, None] * self.inv_freq[None, :]
-            flat = freqs.astype(np.float64).ravel().tolist()
-            new = [torch.tensor([f(a) for a in flat], dtype=torch.float64).view(freqs.shape)
-                   for f in (math.cos, math.sin)]
-            new = [torch.cat([t, t], dim=-1).float().to(dtype).to(positions.device) for t in new]
-            cos = new[0] if cos is None else torch.cat([cos, new[0]])
-            sin = new[1] if sin is None else torch.cat([sin, new[1]])
+            if self.DOUBLE:
+                end = max(end, 2 * have)
+            c, s = self._rows(have, end, dtype, positions.device)
+            cos = c if cos is None else torch.cat([cos, c])
+            sin = s if sin is None else torch.cat([sin, s])
             self.tables[key] = (cos, sin)
-        return cos[positions], sin[positions]
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+
+class RopeRows(_ByPosition):
+    """``rope_cos_sin``'s own rows, computed for blocks of positions once and looked up after:
+    a step's RoPE in one index per table instead of some six torch ops (slow in a decode step,
+    the weights' stream having evicted their code and data). A block is 256 positions, 16384
+    values: under torch's parallel grain, so one thread's vectorized cos and sin cover it whole,
+    as they do a step's [T, R] rows for any T (R a multiple of 32: whole vector pairs): the same
+    bits as ``rope_cos_sin`` (tests/test_rope.py), except where torch splits a long prompt's
+    rows among more threads than two and a share ends in a scalar tail (the table's values are
+    then the vectorized ones, the same in every step). The table at least doubles as it grows:
+    a long decode copies it rarely."""
+
+    BLOCK = 256
+    DOUBLE = True
+
+    def _rows(self, start, end, dtype, device):
+        blocks = [rope_cos_sin(torch.arange(b, b + self.BLOCK, device=device), *self.key, dtype)
+                  for b in range(start, end, self.BLOCK)]
+        return torch.cat([c for c, _ in blocks]), torch.cat([s for _, s in blocks])
+
+
+class RopeTable(_ByPosition):
+    """cos and sin by absolute position, each entry computed once and looked up after: the
+    batch-invariant mode's RoPE (docs/batch_invariance.md). ``rope_cos_sin`` computes them per
+    step with torch's vectorized cos/sin, whose scalar tail (and thread split) falls on
+    different positions as the step's length changes; here each angle is the fp32 product
+    ``rope_cos_sin`` forms, its cos and sin taken by the C library in fp64 and rounded, so a
+    position's values do not depend on the step it is in."""
+
+    def __init__(self, rotary_dim: int, theta: float):
+        super().__init__(rotary_dim, theta)
+        half = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+        self.inv_freq = np.array([1.0 / theta ** float(e) for e in half], dtype=np.float32)
+
+    def _rows(self, start, end, dtype, device):
+        freqs = np.arange(start, end, dtype=np.float32)[:, None] * self.inv_freq[None, :]
+        flat = freqs.astype(np.float64).ravel().tolist()
+        new = [torch.tensor([f(a) for a in flat], dtype=torch.float64).view(freqs.shape)
+               for f in (math.cos, math.sin)]
+        return tuple(torch.cat([t, t], dim=-1).float().to(dtype).to(device) for t in new)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
