@@ -55,11 +55,7 @@ def build_batch(
     np.add(computed[seq_idx], np.arange(T) - cu[:-1][seq_idx], out=positions)
     seq_lens = arr.longs(B)
     np.add(computed, q_lens, out=seq_lens)
-    width = max(len(t) for t in block_tables)
-    tables = arr.longs(B * width).reshape(B, width)
-    tables.fill(0)
-    for b, t in enumerate(block_tables):
-        tables[b, :len(t)] = t
+    tables = _padded_tables(block_tables, arr)
     slot_mapping = arr.longs(T)
     np.add(tables[seq_idx, positions // block_size] * block_size, positions % block_size,
            out=slot_mapping)
@@ -94,16 +90,23 @@ def build_batch(
     )
 
 
+def _padded_tables(block_tables: list[list[int]], arr) -> np.ndarray:
+    """The sequences' block tables as one [B, longest] array from ``arr``, padded with 0."""
+    B = len(block_tables)
+    tables = arr.longs(B * max(len(t) for t in block_tables)).reshape(B, -1)
+    tables.fill(0)
+    for b, t in enumerate(block_tables):
+        tables[b, :len(t)] = t
+    return tables
+
+
 def _decode_batch(token_lists, starts, block_tables, block_size, state_slots, verify_slots,
                   arr) -> ForwardBatch:
     """``build_batch`` where every sequence has one new token and wants its logits (a decode
     step): the same batch, its few values computed in Python (the array ops' fixed costs were
     most of a decode step's preparation)."""
     B = len(token_lists)
-    tables = arr.longs(B * max(len(t) for t in block_tables)).reshape(B, -1)
-    tables.fill(0)
-    for b, t in enumerate(block_tables):
-        tables[b, :len(t)] = t
+    tables = _padded_tables(block_tables, arr)
     slot_list = list(state_slots) if state_slots is not None else [0] * B
     initial = [c > 0 for c in starts]
     return ForwardBatch(
