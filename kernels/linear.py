@@ -8,11 +8,13 @@ which is what a half GEMM with fp32 accumulation returns, by the first of these 
 - where the compiled kernels run (``csrc/half_gemm.c``), on the weight as the model holds it:
   up to ``native.HALF_GEMV_MAX_ROWS`` (8) rows ``half_gemv``, each element read and widened once
   (decode at small batch, draft verification), each row's result independent of the rows
-  beside it; from 9 rows on the same tiles over L2-sized panels of the weight
-  (``native.gemv_rows``, the batch-invariant product) where they beat ``half_gemm``: bf16 x
-  bf16 on the bf16 dot-product path at any row count, the ``fma`` path up to
-  ``ROWS_KERNEL_MAX_ROWS["fma"]`` rows; past that ``half_gemm``, which widens blocks of the
-  weight into L1 once and runs register tiles over them;
+  beside it; from 9 rows on, on the ``fma`` path, ``native.gemm_lanes`` (outer products with
+  the rows along the vector lanes) where the rows fill its lanes well enough (``LANES_WHERE``);
+  otherwise the GEMV's tiles over L2-sized panels of the weight (``native.gemv_rows``, the
+  batch-invariant product) where they beat ``half_gemm``: bf16 x bf16 on the bf16 dot-product
+  path at any row count, the ``fma`` path up to ``ROWS_KERNEL_MAX_ROWS["fma"]`` rows; past that
+  ``half_gemm``, which widens blocks of the weight into L1 once and runs register tiles over
+  them;
 - without them, from ``CPU_HALF_GEMM_MIN_ROWS`` rows on: an fp32 copy of the weight made once
   by ``pack_weight`` (the caller keeps it), in oneDNN's blocked layout when PyTorch has oneDNN
   (``_reorder_linear_weight``, the op behind PyTorch's own CPU inference freezing), else plain;
@@ -32,6 +34,10 @@ CPU_HALF_GEMM_MIN_ROWS = 2
 # the most rows for which the GEMV's tiles over panels (gemv_rows) beat half_gemm, by path
 # (None: any); `hybridrt bench gemm` and docs/performance.md
 ROWS_KERNEL_MAX_ROWS = {"bf16dot": None, "fma": 32}
+# the fma path takes native.gemm_lanes (rows along the vector lanes) where, by its vector width
+# (8 rows a vector on AVX2 builds, 16 on AVX-512), there are at least so many rows and they fill
+# at least this share of the lanes it computes (measured: docs/performance.md)
+LANES_WHERE = {8: (12, 0.75), 16: (32, 0.875)}
 CPU_FP32_WXT_MIN_ROWS = 12  # fp32 weights: W x^T instead of F.linear from this many rows
 HALF = (torch.bfloat16, torch.float16)
 _PACK_HINT_ROWS = 32  # oneDNN picks its blocking for this many rows; any count works
@@ -55,9 +61,16 @@ def _half_cpu_path(x: torch.Tensor, weight: torch.Tensor,
         path = half_path or native.half_path()
         if path == "bf16dot" and not (x.dtype == weight.dtype == torch.bfloat16):
             path = "fma"  # what half_gemm / gemv_rows run for other operands
+        if path == "fma" and _lanes_win(rows):
+            return "lanes"
         most = ROWS_KERNEL_MAX_ROWS.get(path, 0)
         return "rows" if most is None or rows <= most else "gemm"
     return "packed" if x.numel() >= CPU_HALF_GEMM_MIN_ROWS * k else None
+
+
+def _lanes_win(rows: int) -> bool:
+    least, fill = LANES_WHERE.get(native.lanes_width(), (None, 1.0))
+    return least is not None and rows >= least and rows >= fill * native.lanes_padded_rows(rows)
 
 
 def use_half_gemv(x: torch.Tensor, weight: torch.Tensor, simd: bool | None = None) -> bool:
@@ -99,10 +112,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = 
     start-up (asked of ``native`` on every call when not given); ``half_path``: theirs for
     bf16 x bf16 (``native.half_path``; the fastest built when not given)."""
     path = _half_cpu_path(x, weight, simd, half_path)
-    if path in ("gemv", "rows") and x.dtype == torch.bfloat16:  # rounded to bf16 by the kernel
+    if path in ("gemv", "rows", "lanes") and x.dtype == torch.bfloat16:  # rounded by the kernel
+        if path == "lanes":
+            y = native.gemm_lanes(x.reshape(-1, x.shape[-1]), weight, torch.bfloat16)
+            return y.view(*x.shape[:-1], weight.shape[0])
         gemv = native.half_gemv if path == "gemv" else native.gemv_rows
         y = gemv(x.reshape(-1, x.shape[-1]), weight, half_path, out_dtype=x.dtype)
         return y.view(*x.shape[:-1], weight.shape[0])
+    if path == "lanes":
+        y = native.gemm_lanes(x.reshape(-1, x.shape[-1]), weight)
+        return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
     if path in ("gemv", "rows", "gemm"):
         gemm = {"gemv": native.half_gemv, "rows": native.gemv_rows, "gemm": native.half_gemm}[path]
         y = gemm(x.reshape(-1, x.shape[-1]), weight, half_path)

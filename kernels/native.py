@@ -68,6 +68,7 @@ _lib: ctypes.CDLL | None = None
 _march: str | None = None  # the target the loaded library was built for
 _simd = False  # half_gemm / half_gemv built with AVX2 + FMA + F16C (asked once, at load)
 _bf16dot = False  # ... and the bf16 dot-product versions (AVX512-BF16) built too
+_lanes_width = 0  # rows a vector of half_gemm_lanes holds (0: not built)
 _tried = False
 HALF_PATHS = ("fma", "bf16dot")  # HYBRIDRT_HALF_PATH: "auto" (default) or one of these
 
@@ -121,7 +122,7 @@ def load(cache_dir: str | None = None, march: str | None = None) -> ctypes.CDLL 
     ``cache_dir`` (default ``~/.cache/hybridrt``) at the first call, for ``march`` (the
     compiler's ``-march``; None: "native", or whatever this process loaded already). Asking for
     another target than the loaded one is a RuntimeError: a process runs one build."""
-    global _lib, _simd, _bf16dot, _tried, _march
+    global _lib, _simd, _bf16dot, _tried, _march, _lanes_width
     if _tried:
         if march is not None and _march is not None and march != _march:
             raise RuntimeError(f"the CPU kernels are loaded for -march={_march} in this process; "
@@ -176,6 +177,10 @@ def load(cache_dir: str | None = None, march: str | None = None) -> ctypes.CDLL 
     lib.half_gemv_rows.argtypes = lib.half_gemv.argtypes
     lib.half_gemv_bf16_rows.restype = None
     lib.half_gemv_bf16_rows.argtypes = lib.half_gemv_bf16.argtypes
+    lib.half_gemm_lanes.restype = INT  # 0, or -1 where its buffers could not be allocated
+    lib.half_gemm_lanes.argtypes = [P, INT, P, P] + [I64] * 3 + [INT] * 3
+    lib.half_gemm_lanes_width.restype = INT
+    lib.half_gemm_lanes_width.argtypes = []
     lib.f32_gemm_rows.restype = None
     lib.f32_gemm_rows.argtypes = [P] * 3 + [I64] * 3 + [INT]
     lib.silu_mul.restype = None
@@ -186,6 +191,7 @@ def load(cache_dir: str | None = None, march: str | None = None) -> ctypes.CDLL 
     lib.argmax_rows.argtypes = [P, I64, I64, I64, INT, P, INT]
     _simd = bool(lib.half_gemm_simd())
     _bf16dot = _simd and bool(lib.half_gemm_bf16dot())
+    _lanes_width = lib.half_gemm_lanes_width()
     _lib = lib
     return _lib
 
@@ -364,6 +370,49 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, path: str | None = None,
     x = x.float().contiguous()
     lib.half_gemv_rows(x.data_ptr(), weight.data_ptr(), y.data_ptr(), M, N, K,
                        int(weight.dtype == torch.float16), out_bf16, torch.get_num_threads())
+    return y
+
+
+def lanes_width() -> int:
+    """Rows a vector of ``gemm_lanes`` holds in this build: 16 with AVX-512, 8 with AVX2 (0:
+    not built)."""
+    load()
+    return _lanes_width
+
+
+def lanes_padded_rows(M: int) -> int:
+    """The rows ``gemm_lanes`` computes for M rows of x: groups of two vectors of rows, the
+    last group one vector where its rows fit one (0 where the kernels are not built)."""
+    v = lanes_width()
+    if not v:
+        return 0
+    full, rest = divmod(M, 2 * v)
+    return full * 2 * v + (0 if rest == 0 else v if rest <= v else 2 * v)
+
+
+def gemm_lanes(x: torch.Tensor, weight: torch.Tensor,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, K] (fp32 or bf16; others widened) times a contiguous CPU bf16/fp16 weight [N, K]
+    on the fma path with the rows along the vector lanes (csrc/half_gemm.c
+    ``half_gemm_lanes``: outer products, the weight widened once per panel) -> [M, N] in
+    ``out_dtype`` (fp32, or bf16: the fp32 sums rounded). Each row's result is one FMA chain
+    over k, whatever M. Callers check ``half_gemm_available``."""
+    _check_half_weight("gemm_lanes", x, weight)
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"gemm_lanes: out_dtype must be float32 or bfloat16, got {out_dtype}")
+    M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
+    lib = _lib or load()
+    if lib is None:
+        raise RuntimeError("gemm_lanes: native CPU kernels unavailable")
+    y = torch.empty(M, N, dtype=out_dtype)
+    if not (M and N):
+        return y
+    x = (x if x.dtype == torch.bfloat16 else x.float()).contiguous()
+    if lib.half_gemm_lanes(x.data_ptr(), int(x.dtype == torch.bfloat16), weight.data_ptr(),
+                           y.data_ptr(), M, N, K, int(weight.dtype == torch.float16),
+                           int(out_dtype == torch.bfloat16), torch.get_num_threads()):
+        raise MemoryError(f"gemm_lanes: could not allocate buffers for x {list(x.shape)} and "
+                          f"a weight {list(weight.shape)}")
     return y
 
 

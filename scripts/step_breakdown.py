@@ -30,7 +30,7 @@ from hybridrt import LLM, SamplingParams
 from hybridrt.kernels import int4, native, quant
 from hybridrt.kernels.step import StepProgram
 
-CALLS = ("gdn_fused", "attn_decode", "rms_norm", "gemv_bf16", "half_gemm", "gemv_rows")
+CALLS = ("gdn_fused", "attn_decode", "rms_norm", "gemv_bf16", "half_gemm", "gemv_rows", "gemm_lanes")
 clock = time.perf_counter
 
 

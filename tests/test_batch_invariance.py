@@ -110,12 +110,14 @@ def test_int4_rows_every_row_as_alone(isa):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_silu_mul_by_column(dtype):
+@pytest.mark.parametrize("n", [37, 45])
+def test_silu_mul_by_column(dtype, n):
     """native.silu_mul: each element's result fixed by its column (one row alone, or among
-    others, the same bits), within one bf16 rounding (or 1e-6) of the torch ops."""
+    others, the same bits), within one bf16 rounding (or 1e-6) of the torch ops; 16-lane,
+    8-lane and scalar columns (45 = 16 + 16 + 8 + 5 on AVX-512 builds, 8 x 5 + 5 on AVX2)."""
     g = torch.Generator().manual_seed(3)
-    both = (3 * torch.randn(33, 2 * 37, generator=g)).to(dtype)
-    gate, up = both[:, :37], both[:, 37:]
+    both = (3 * torch.randn(33, 2 * n, generator=g)).to(dtype)
+    gate, up = both[:, :n], both[:, n:]
     y = native.silu_mul(gate, up)
     alone = torch.cat([native.silu_mul(gate[i:i + 1], up[i:i + 1]) for i in range(33)])
     assert torch.equal(_bits(y), _bits(alone))

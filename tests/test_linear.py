@@ -51,27 +51,40 @@ def test_linear_half_weights_match_fp32_product(rows, half_gemm_impl):
 
 
 @pytest.mark.parametrize("path", native.half_paths())
-def test_linear_many_rows_take_the_gemv_tiles_where_they_win(path):
+def test_linear_many_rows_take_the_kernel_that_wins(path):
     """From 9 rows on, bf16 x bf16 on the bf16 dot-product path takes ``gemv_rows`` (the GEMV's
-    tiles over panels) at any row count, the fma path up to ``ROWS_KERNEL_MAX_ROWS["fma"]``
-    rows, then ``half_gemm``: where it does, every row's bits are what the GEMV gives that row
-    alone (the product is batch-invariant without the batch-invariant mode)."""
+    tiles over panels) at any row count: every row's bits are what the GEMV gives that row alone
+    (batch-invariant without the batch-invariant mode). The fma path takes ``gemm_lanes`` where
+    the rows fill its vectors (``LANES_WHERE``, by this build's width: 8 rows a vector with
+    AVX2, 16 with AVX-512), else ``gemv_rows`` up to ``ROWS_KERNEL_MAX_ROWS["fma"]`` rows, then
+    ``half_gemm``; on ``gemm_lanes`` every row's bits are what it gives that row alone."""
     import importlib
 
     lin = importlib.import_module("hybridrt.kernels.linear")
     gen = generator(32)
     w = (torch.randn(70, 1100, generator=gen) / 30).bfloat16()
     x = torch.randn(80, 1100, generator=gen).bfloat16()
-    paths = {"bf16dot": {9: "rows", 32: "rows", 33: "rows", 80: "rows"},  # measured choices
-             "fma": {9: "rows", 32: "rows", 33: "gemm", 80: "gemm"}}[path]
+    width = native.lanes_width()
+    paths = {"bf16dot": {9: "rows", 12: "rows", 32: "rows", 33: "rows", 80: "rows"},
+             # measured choices (docs/performance.md)
+             "fma": {8: {9: "rows", 11: "rows", 12: "lanes", 17: "rows", 18: "lanes",
+                         32: "lanes", 33: "lanes", 80: "lanes"},
+                     16: {9: "rows", 16: "rows", 31: "rows", 32: "lanes", 33: "gemm",
+                          41: "gemm", 42: "lanes", 48: "lanes", 80: "lanes"}}[width]}[path]
     alone = torch.cat([native.half_gemv(x[i:i + 1], w, path, torch.bfloat16) for i in range(80)])
+    lanes_alone = torch.cat([native.gemm_lanes(x[i:i + 1], w, torch.bfloat16) for i in range(80)])
     for rows, expect in paths.items():
         assert lin._half_cpu_path(x[:rows], w, True, path) == expect, rows
         got = linear(x[:rows], w, None, True, path)
-        if expect == "rows":
-            assert torch.equal(got.view(torch.int16), alone[:rows].view(torch.int16)), rows
+        if expect in ("rows", "lanes"):
+            same = alone if expect == "rows" else lanes_alone
+            assert torch.equal(got.view(torch.int16), same[:rows].view(torch.int16)), rows
         torch.testing.assert_close(got.float(), alone[:rows].float(), rtol=8e-3, atol=1e-3)
-    assert lin._half_cpu_path(x[:33].float(), w, True, "bf16dot") == "gemm"  # fp32 x: fma's
+        if expect == "lanes":  # fp32 x too, through the same kernel
+            got = linear(x[:rows].float(), w, None, True, path)
+            assert torch.equal(got, native.gemm_lanes(x[:rows].float(), w)), rows
+    fp32_33 = lin._half_cpu_path(x[:33].float(), w, True, "bf16dot")  # fp32 x: fma's choice
+    assert fp32_33 == ("lanes" if width == 8 else "gemm")
 
 
 def test_packed_weight_layouts_compute_the_same_product(monkeypatch):

@@ -4,6 +4,9 @@ this CPU builds, and their shape checks."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -196,3 +199,95 @@ def test_native_half_gemm_rejects_bad_shapes():
         native.half_gemv(torch.randn(2, 40), w.t())
     empty = torch.randn(40, 0).bfloat16()
     assert torch.equal(native.half_gemm(torch.randn(2, 0), empty), torch.zeros(2, 40))
+
+
+# gemm_lanes: rows along the vector lanes (8 per vector on AVX2 builds, 16 on AVX-512), groups
+# of two vectors, the last group one vector where its rows fit; weight panels of 24 rows in
+# tiles of 6/12 (AVX2) or 12/24 (AVX-512) weight rows; inputs in blocks of 64, summed per 512.
+_LANES_M = [1, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 40, 47, 48, 49, 70]
+
+
+def _nan_after(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` at the start of a buffer whose elements after it are NaN."""
+    buf = torch.full((t.numel() + 64,), float("nan"), dtype=t.dtype)
+    buf[:t.numel()] = t.reshape(-1)
+    return buf[:t.numel()].view(t.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("N,K", [(1, 8), (5, 19), (23, 64), (25, 65), (37, 511), (50, 1100),
+                                 (24, 1)], ids=lambda v: str(v))
+def test_gemm_lanes_against_fp64(N, K, dtype):
+    """Every group shape of rows (one vector, two, and a last group of either; rows past M),
+    weight rows past the last panel and past a tile's width, K off a block of 64 and past the
+    512-input blocks, fp32 and bf16 x -> the fp64 product of the same values; bf16 outputs are
+    the fp32 sums rounded to nearest even."""
+    require_half_kernels()
+    w, x70, _ = _half_operands(70, N, K, dtype, seed=N * 7 + K)
+    w = _nan_after(w)  # a read past the last row or input shows as NaN
+    for xdt in (torch.float32, torch.bfloat16):
+        for M in _LANES_M:
+            x = _nan_after(x70[:M].to(xdt))
+            y = native.gemm_lanes(x, w)
+            assert y.dtype == torch.float32 and y.shape == (M, N)
+            ref = x.double() @ w.double().t()
+            assert_rel_close(y.double(), ref, TOL, f"M={M} N={N} K={K} x {xdt}")
+            assert torch.equal(native.gemm_lanes(x, w, torch.bfloat16), y.to(torch.bfloat16)), M
+
+
+def test_gemm_lanes_rows_do_not_depend_on_the_rows_beside_them():
+    """A row's sums are one chain of FMAs per block of inputs whichever group, vector and lane
+    it lands in: every row of 70 bit for bit what it gives alone, and at every M."""
+    require_half_kernels()
+    w, x, _ = _half_operands(70, 53, 1100, torch.bfloat16, seed=5)
+    alone = torch.cat([native.gemm_lanes(x[i:i + 1], w) for i in range(70)])
+    for M in _LANES_M:
+        for start in (0, 70 - M):
+            assert torch.equal(native.gemm_lanes(x[start:start + M], w),
+                               alone[start:start + M]), (M, start)
+
+
+def test_gemm_lanes_rejects_bad_shapes():
+    require_half_kernels()
+    w = torch.randn(40, 24).bfloat16()
+    with pytest.raises(ValueError, match=r"gemm_lanes: x must be \[M, 24\]"):
+        native.gemm_lanes(torch.randn(2, 23), w)
+    with pytest.raises(ValueError, match="gemm_lanes: weight must be a contiguous CPU bf16/fp16"):
+        native.gemm_lanes(torch.randn(2, 40), w.t())
+    with pytest.raises(ValueError, match="gemm_lanes: out_dtype must be float32 or bfloat16"):
+        native.gemm_lanes(torch.randn(2, 24), w, torch.float16)
+    assert native.gemm_lanes(torch.randn(0, 24), w).shape == (0, 40)
+    assert torch.equal(native.gemm_lanes(torch.randn(3, 0), torch.randn(5, 0).bfloat16()),
+                       torch.zeros(3, 5))
+
+
+_LANES_PROBE = """
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from hybridrt.kernels import native
+native.load(None, "haswell")
+import test_native as t
+for dtype in (torch.bfloat16, torch.float16):
+    for N, K in ((5, 19), (25, 65), (37, 511), (50, 1100)):
+        t.test_gemm_lanes_against_fp64(N, K, dtype)
+t.test_gemm_lanes_rows_do_not_depend_on_the_rows_beside_them()
+import test_batch_invariance as b
+for dtype in (torch.bfloat16, torch.float32):
+    for n in (37, 45):
+        b.test_silu_mul_by_column(dtype, n)
+print(native._march, native._lib.half_gemm_lanes_width())
+"""
+
+
+@pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= _cpu_flags() or native.load() is None,
+                    reason="no AVX2 + FMA + F16C here, or no compiled kernels")
+def test_gemm_lanes_on_the_avx2_build():
+    """The AVX2 build's gemm_lanes (8 rows a vector, 16-register tiles) and silu_mul (8 lanes)
+    through the same checks as the native build's (on an AVX-512 CPU the tests run in this
+    process take the 16-lane kernels)."""
+    out = subprocess.run([sys.executable, "-c", _LANES_PROBE, str(Path(__file__).parent)],
+                         env={**os.environ, "HYBRIDRT_MARCH": "haswell"}, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["haswell", "8"], out.stdout

@@ -13,6 +13,7 @@
  * path up to 32 rows).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -414,6 +415,214 @@ void half_gemv_rows(const float *x, const uint16_t *w, void *y, int64_t M, int64
 }
 
 
+/* Many rows on the fma path, rows along the vector lanes: y[M, N] = x[M, K] W^T as outer
+ * products of a vector of rows of x (x packed once per call, transposed into groups of XR rows:
+ * xp[g][k][XR], rows past M zero) and one weight element broadcast. Threads take contiguous
+ * ranges of panels of LP weight rows; a panel is widened to fp32 once (wb[j][k], plain
+ * conversion, no transpose), and every group of rows runs its tiles over it: MV vectors of rows
+ * by NB weight rows of accumulators, per input one load of each row vector and one broadcast of
+ * each weight element (half_gemm's tile mirrored: there the weight must be transposed, here x,
+ * which is small and read for every panel). Each (row, weight row) sum is one FMA chain over k
+ * in order from zero, in whichever tile the row lands: a row's result does not depend on M or
+ * on the rows beside it (but it is not half_gemv's order, so the batch-invariant mode keeps
+ * gemv_rows). */
+#ifdef __AVX512F__
+typedef __m512 lvec;
+#define LV 16
+#define LV_LOAD(p) _mm512_load_ps(p)
+#define LV_ZERO() _mm512_setzero_ps()
+#define LV_BCAST(p) _mm512_set1_ps(*(p))
+#define LV_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define LV_ADD(a, b) _mm512_add_ps(a, b)
+#define LV_STORE(p, v) _mm512_store_ps(p, v)
+#define LANES_NB1 24 /* weight rows per tile: one vector of rows (24 accumulators) */
+#define LANES_NB2 12 /* two vectors of rows */
+#else
+typedef __m256 lvec;
+#define LV 8
+#define LV_LOAD(p) _mm256_load_ps(p)
+#define LV_ZERO() _mm256_setzero_ps()
+#define LV_BCAST(p) _mm256_broadcast_ss(p)
+#define LV_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define LV_ADD(a, b) _mm256_add_ps(a, b)
+#define LV_STORE(p, v) _mm256_store_ps(p, v)
+#define LANES_NB1 12
+#define LANES_NB2 6
+#endif
+#define LANES_XR (2 * LV) /* rows of x per group */
+#define LANES_LP 24       /* weight rows per panel: a multiple of both NBs */
+#define LANES_KB 64       /* the panel's inputs in blocks of 64: wb[k / 64][j][k % 64] */
+#ifndef LANES_KC
+#define LANES_KC 512      /* inputs widened at a time (a multiple of LANES_KB) */
+#endif
+
+int half_gemm_lanes_width(void) { return LV; }
+
+static inline __attribute__((always_inline)) void lanes_tile(
+    const float *xp, const float *wb, int64_t kc, int MV, int NB, float *part, int first,
+    int last, int rows, int cols, void *y, int64_t ldy, int out_bf16, const char **pf,
+    const char *pf_end, int pf_lines)
+{
+    lvec acc[2][LANES_NB1];
+    #pragma GCC unroll 2
+    for (int v = 0; v < MV; ++v)
+        #pragma GCC unroll 24
+        for (int j = 0; j < NB; ++j) acc[v][j] = LV_ZERO();
+    const char *next = *pf;
+    for (int64_t kb = 0; kb < kc; kb += LANES_KB) {
+        const float *wk = wb + kb * LANES_LP;  /* this block's LANES_KB inputs of every row */
+        for (int i = 0; i < pf_lines && next < pf_end; ++i, next += 64)
+            _mm_prefetch(next, _MM_HINT_T1);
+        for (int kk = 0; kk < LANES_KB; ++kk) {
+            lvec a[2];
+            #pragma GCC unroll 2
+            for (int v = 0; v < MV; ++v) a[v] = LV_LOAD(xp + (kb + kk) * LANES_XR + v * LV);
+            #pragma GCC unroll 24
+            for (int j = 0; j < NB; ++j) {
+                const lvec b = LV_BCAST(wk + j * LANES_KB + kk);
+                #pragma GCC unroll 2
+                for (int v = 0; v < MV; ++v) acc[v][j] = LV_FMA(a[v], b, acc[v][j]);
+            }
+        }
+    }
+    *pf = next;
+    #pragma GCC unroll 2
+    for (int v = 0; v < MV; ++v)  /* this block's sums added to the blocks' before */
+        #pragma GCC unroll 24
+        for (int j = 0; j < NB; ++j) {
+            float *p = part + (v * NB + j) * LV;
+            LV_STORE(p, first ? acc[v][j] : LV_ADD(LV_LOAD(p), acc[v][j]));
+        }
+    if (last)  /* part[v][j][lane]: row v * LV + lane, weight row j */
+        for (int r = 0; r < rows; ++r)
+            for (int j = 0; j < cols; ++j)
+                act_st(y, r * ldy + j, part[((r / LV) * NB + j) * LV + r % LV], out_bf16);
+}
+
+/* w's rows n0 .. n0 + ncols (zeros up to LANES_LP), inputs k0 .. k0 + kc (kc a multiple of
+ * LANES_KB; zeros past K), widened into wb[k / LANES_KB][j][k % LANES_KB] */
+static void lanes_widen(const uint16_t *w, int64_t K, int64_t n0, int ncols, int64_t k0,
+                        int64_t kc, float *wb, int is_fp16)
+{
+    for (int j = 0; j < LANES_LP; ++j)  /* each row's kc inputs in order: one stream */
+        for (int64_t kb = 0; kb < kc; kb += LANES_KB) {
+            float *d = wb + kb * LANES_LP + j * LANES_KB;
+            const uint16_t *s = w + (n0 + j) * K + k0 + kb;
+            if (j < ncols && k0 + kb + LANES_KB <= K) {
+#ifdef __AVX512F__
+                #pragma GCC unroll 4
+                for (int k = 0; k < LANES_KB; k += 16) {
+                    const __m256i h = _mm256_loadu_si256((const __m256i *)(s + k));
+                    _mm512_store_ps(d + k, is_fp16 ? _mm512_cvtph_ps(h)
+                                    : _mm512_castsi512_ps(_mm512_slli_epi32(
+                                          _mm512_cvtepu16_epi32(h), 16)));
+                }
+#else
+                #pragma GCC unroll 8
+                for (int k = 0; k < LANES_KB; k += 8)
+                    _mm256_store_ps(d + k, widen8(s + k, is_fp16));
+#endif
+            } else {
+                for (int k = 0; k < LANES_KB; ++k)
+                    d[k] = j < ncols && k0 + kb + k < K ? half_to_float(s[k], is_fp16) : 0.0f;
+            }
+        }
+}
+
+int half_gemm_lanes(const void *x, int x_bf16, const uint16_t *w, void *y, int64_t M,
+                    int64_t N, int64_t K, int is_fp16, int out_bf16, int num_threads)
+{
+    if (K <= 0) {  /* empty sums */
+        memset(y, 0, (size_t)(M * N * (out_bf16 ? 2 : 4)));
+        return 0;
+    }
+    /* K padded with zeros to a whole block (x and w both zero there: each sum gains +0s) */
+    const int64_t Kp = (K + LANES_KB - 1) / LANES_KB * LANES_KB;
+    const int64_t G = (M + LANES_XR - 1) / LANES_XR, P = (N + LANES_LP - 1) / LANES_LP;
+    float *xp = aligned_alloc(64, (size_t)(G * Kp * LANES_XR * 4));
+    if (!xp) return -1;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        /* x transposed by blocks of 8 rows x 8 inputs, each thread a range of inputs */
+        #pragma omp for schedule(static)
+        for (int64_t k = 0; k < Kp; k += 8)
+            for (int64_t g = 0; g < G; ++g)
+                for (int rb = 0; rb < LANES_XR; rb += 8) {
+                    const int64_t m0 = g * LANES_XR + rb;
+                    __m256 r[8];
+                    for (int i = 0; i < 8; ++i) {
+                        const int64_t m = m0 + i;
+                        if (m < M && k + 8 <= K) {
+                            r[i] = x_bf16 ? widen8((const uint16_t *)x + m * K + k, 0)
+                                          : _mm256_loadu_ps((const float *)x + m * K + k);
+                        } else {
+                            float t[8];
+                            for (int c = 0; c < 8; ++c)
+                                t[c] = m >= M || k + c >= K ? 0.0f
+                                       : x_bf16 ? bf16_to_f32(((const uint16_t *)x)[m * K + k + c])
+                                                : ((const float *)x)[m * K + k + c];
+                            r[i] = _mm256_loadu_ps(t);
+                        }
+                    }
+                    transpose8(r);
+                    for (int c = 0; c < 8; ++c)
+                        _mm256_store_ps(xp + (g * Kp + k + c) * LANES_XR + rb, r[c]);
+                }
+        /* per thread: a block of the panel widened, and each tile's sums between blocks */
+        float *wb = aligned_alloc(64, (size_t)LANES_LP * LANES_KC * 4);
+        float *part = aligned_alloc(64, (size_t)(G * LANES_LP * LANES_XR * 4));
+        if (!wb || !part) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        const int64_t ys = out_bf16 ? 2 : 4;
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; ++p) {
+            if (!wb || !part) continue;
+            const int64_t n0 = p * LANES_LP;
+            const int ncols = (int)(N - n0 < LANES_LP ? N - n0 : LANES_LP);
+            /* the next panel's weights prefetched into L2 while this one's tiles run, spread
+             * over their blocks of inputs */
+            const char *pf = (const char *)(w + (n0 + LANES_LP < N ? n0 + LANES_LP : N) * K);
+            const char *pf_end =
+                (const char *)(w + (n0 + 2 * LANES_LP < N ? n0 + 2 * LANES_LP : N) * K);
+            const int64_t blocks = G * (LANES_LP / LANES_NB1) * (Kp / LANES_KB);
+            const int pf_lines = (int)(((pf_end - pf) / 64 + blocks - 1) / blocks) + 1;
+            for (int64_t k0 = 0; k0 < Kp; k0 += LANES_KC) {
+                const int64_t kc = Kp - k0 < LANES_KC ? Kp - k0 : LANES_KC;
+                const int first = k0 == 0, last = k0 + kc == Kp;
+                lanes_widen(w, K, n0, ncols, k0, kc, wb, is_fp16);
+                for (int64_t g = 0; g < G; ++g) {
+                    const int rows =
+                        (int)(M - g * LANES_XR < LANES_XR ? M - g * LANES_XR : LANES_XR);
+                    const float *xg = xp + (g * Kp + k0) * LANES_XR;
+                    float *pg = part + g * LANES_LP * LANES_XR;
+                    char *yg = (char *)y + (g * LANES_XR * N + n0) * ys;
+                    if (rows > LV) {
+                        for (int j = 0; j < ncols; j += LANES_NB2)
+                            lanes_tile(xg, wb + j * LANES_KB, kc, 2, LANES_NB2,
+                                       pg + j * LANES_XR, first, last, rows,
+                                       ncols - j < LANES_NB2 ? ncols - j : LANES_NB2,
+                                       yg + j * ys, N, out_bf16, &pf, pf_end, pf_lines);
+                    } else {
+                        for (int j = 0; j < ncols; j += LANES_NB1)
+                            lanes_tile(xg, wb + j * LANES_KB, kc, 1, LANES_NB1,
+                                       pg + j * LANES_XR, first, last, rows,
+                                       ncols - j < LANES_NB1 ? ncols - j : LANES_NB1,
+                                       yg + j * ys, N, out_bf16, &pf, pf_end, pf_lines);
+                    }
+                }
+            }
+        }
+        free(wb);
+        free(part);
+    }
+    free(xp);
+    return failed ? -1 : 0;
+}
+
 #else  /* no AVX2 + FMA + F16C: half_gemm_simd() says so and callers keep their own path */
 
 int half_gemm_simd(void) { return 0; }
@@ -437,6 +646,16 @@ void half_gemm(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N
                int64_t K, int is_fp16, int num_threads)
 {
     (void)x; (void)w; (void)y; (void)M; (void)N; (void)K; (void)is_fp16; (void)num_threads;
+}
+
+int half_gemm_lanes_width(void) { return 0; }
+
+int half_gemm_lanes(const void *x, int x_bf16, const uint16_t *w, void *y, int64_t M,
+                    int64_t N, int64_t K, int is_fp16, int out_bf16, int num_threads)
+{
+    (void)x; (void)x_bf16; (void)w; (void)y; (void)M; (void)N; (void)K; (void)is_fp16;
+    (void)out_bf16; (void)num_threads;
+    return -1;
 }
 
 #endif
