@@ -381,17 +381,26 @@ def _gather_logprobs(
     sampled_lp = lp.gather(1, sampled.unsqueeze(1))
     rank = (lp > sampled_lp).sum(dim=-1) + 1
     num_top = min(max(rows[i].params.logprobs for i in wanted), lp.shape[1])
-    top_lp, top_ids = lp.topk(num_top, dim=-1)
+    nth = lp.topk(num_top, dim=-1).values  # values only: their order among ties is topk's own
     sampled_l, sampled_lp_l, rank_l = sampled.tolist(), sampled_lp[:, 0].tolist(), rank.tolist()
-    top_ids_l, top_lp_l = top_ids.tolist(), top_lp.tolist()
     out: list[RowLogprobs | None] = [None] * len(rows)
     for j, i in enumerate(wanted):
-        n = rows[i].params.logprobs
+        n = min(rows[i].params.logprobs, lp.shape[1])
         out[i] = RowLogprobs(
             token_id=sampled_l[j], logprob=sampled_lp_l[j], rank=rank_l[j],
-            top=list(zip(top_ids_l[j][:n], top_lp_l[j][:n])),
+            top=_top(lp[j], nth[j, n - 1])[:n] if n else [],
         )
     return out
+
+
+def _top(row: torch.Tensor, least: torch.Tensor) -> list[tuple[int, float]]:
+    """The (token, logprob) pairs of ``row`` from its largest down to ``least``, equal values
+    by token id: the same list whatever rows are sampled beside it (topk's order among equal
+    values follows the batch's shape)."""
+    ids = (row >= least).nonzero().squeeze(1)  # ascending ids
+    vals = row[ids]
+    order = torch.sort(vals, descending=True, stable=True).indices
+    return list(zip(ids[order].tolist(), vals[order].tolist()))
 
 
 def find_stop(text: str, stop: list[str], start: int) -> int | None:

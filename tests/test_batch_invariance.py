@@ -427,14 +427,24 @@ def test_coupled_verification_follows_the_target(case):
 def test_as_accurate_as_the_default_mode(ckpt, dtype, tol):
     """The mode computes the model: four prompts' greedy tokens equal the reference backend's
     (plain torch) and their top-5 logprobs within tol of it, as the default CPU path's are
-    (fp32: 5e-5 measured; bf16: 0.05-0.06)."""
+    (fp32: 5e-5 measured; bf16: 0.05-0.06), except where the reference's two best tokens are
+    within tol of each other: there either may come first (on the fma path one prompt's do,
+    the default mode's choice the same as the mode's), and the sequences part there."""
     rng = random.Random(0)
     prompts = [_prompt(rng, n) for n in (45, 23, 70, 5)]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
-    ref, inv = (LLM(ckpt, dtype=dtype, max_model_len=160, cache_memory=64 << 20,
-                    max_num_batched_tokens=32, **kw).generate(prompts, sp, use_tqdm=False)
-                for kw in (dict(backend="reference"), dict(batch_invariant=True)))
-    for a, b in zip(ref, inv):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+    ref, inv, default = (LLM(ckpt, dtype=dtype, max_model_len=160, cache_memory=64 << 20,
+                             max_num_batched_tokens=32, **kw).generate(prompts, sp,
+                                                                       use_tqdm=False)
+                         for kw in (dict(backend="reference"), dict(batch_invariant=True), {}))
+    parted = 0
+    for a, b, c in zip(ref, inv, default):
+        a, b = a.outputs[0], b.outputs[0]
+        for ta, tb, la, lb in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
             assert all(abs(la[t] - lb[t]) < tol for t in la if t in lb)
+            if ta != tb:  # a near tie in the reference, and the default mode's choice too
+                assert tb in la and la[ta] - la[tb] < tol, (ta, tb, la)
+                assert c.outputs[0].token_ids == b.token_ids
+                parted += 1
+                break
+    assert parted <= 1

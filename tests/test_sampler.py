@@ -366,6 +366,23 @@ def test_logprobs_match_log_softmax_of_penalised_logits():
     assert out.logprobs[3].rank == 1  # greedy picks the best penalised token
 
 
+def test_top_logprobs_break_ties_by_token_id_whatever_the_batch():
+    """Equal logprobs (bf16 logits tie often) are listed lowest token id first, so a row's top
+    list is the same alone and beside rows asking for more of them or fewer; every value above
+    the last one listed is in it."""
+    row = torch.tensor([0.5, 2.0, 1.0, 2.0, 1.0, -1.0, 2.0, 1.0, 0.0, 1.0])
+    other = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
+    for n, ids in ((2, [1, 3]), (4, [1, 3, 6, 2]), (6, [1, 3, 6, 2, 4, 7])):
+        tops = []
+        for logits, wants in ((row[None], [n]), (torch.cat([other, row[None]]), [9, 1, 0, n]),
+                              (torch.cat([row[None], other]), [n, 3, 20, 5])):
+            rows = [SamplingRow(SamplingParams(logprobs=k, temperature=0.0)) for k in wants]
+            j = 0 if logits.shape[0] == 1 or wants[0] == n else logits.shape[0] - 1
+            tops.append(Sampler(seed=1).sample(logits, rows).logprobs[j].top)
+        assert [t for t, _ in tops[0]] == ids, n
+        assert tops[1] == tops[0] == tops[2], n
+
+
 # Stop strings ---------------------------------------------------------------------------------
 def test_find_stop_basic():
     assert find_stop("hello world", ["world"], 0) == 6
