@@ -5,7 +5,8 @@ is 1 token, a prompt is as many as the budget allows (long prompts are chunked a
 Running requests go first, then waiting ones in arrival order. A request being admitted starts
 from the longest prefix of its tokens the prefix cache holds (``HybridCacheManager.admit``),
 and each scheduled chunk saves the GDN checkpoints that fall inside it
-(``ScheduledSeq.checkpoints``). When KV blocks or state slots run out, cached blocks and
+(``ScheduledSeq.checkpoints``), with the state slots left once every request the step runs has
+its own. When KV blocks or state slots run out, cached blocks and
 checkpoints nobody holds are evicted first (inside the cache manager), then idle sessions' pins
 (least recently used first); then the newest running request is preempted: its blocks and state
 slots are released (its state kept as a checkpoint where there is room) and it is recomputed
@@ -113,7 +114,7 @@ class Scheduler:
                 i += 1
 
         if plan.preempted:
-            return plan
+            return self._reserve_checkpoints(plan)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if self._prefix_in_flight(req):
@@ -129,6 +130,22 @@ class Scheduler:
             self.running.append(req)
             plan.seqs.append(self._scheduled(req, n, 0))
             budget -= n
+        return self._reserve_checkpoints(plan)
+
+    def _reserve_checkpoints(self, plan: StepPlan) -> StepPlan:
+        """Slots for the checkpoints that fall inside the step's chunks, once every request
+        the step runs has its own: a checkpoint takes what is left (reserved as each request
+        was admitted, the pending checkpoints of one step's admissions held the slots the next
+        waiting requests needed, so that a burst of requests was admitted half at a time)."""
+        if not self.cache.prefix_caching:
+            return plan
+        for seq in plan.seqs:
+            req, c = seq.request, seq.start
+            for p in req.checkpoint_at or ():
+                if c < p <= c + seq.num_new_tokens - seq.num_drafts:
+                    pending = self.cache.reserve_checkpoint(req.token_ids, req.block_hashes, p)
+                    if pending is not None:
+                        seq.checkpoints.append(pending)
         return plan
 
     def finish(self, request: Request, reason: str | None = None,
@@ -253,15 +270,7 @@ class Scheduler:
         if req.metrics.first_scheduled_time is None:
             req.metrics.first_scheduled_time = time.perf_counter()
         sample = req.num_computed_tokens + n - num_drafts == len(req.token_ids)
-        seq = ScheduledSeq(req, n, sample, num_drafts, req.num_computed_tokens)
-        c = req.num_computed_tokens
-        if req.checkpoint_at and self.cache.prefix_caching:
-            for p in req.checkpoint_at:
-                if c < p <= c + n - num_drafts:
-                    pending = self.cache.reserve_checkpoint(req.token_ids, req.block_hashes, p)
-                    if pending is not None:
-                        seq.checkpoints.append(pending)
-        return seq
+        return ScheduledSeq(req, n, sample, num_drafts, req.num_computed_tokens)
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self._release(req, keep_state=True)

@@ -112,6 +112,28 @@ def tight(ckpt, k, num_blocks, num_checkpoint_slots, **kw) -> LLM:
     return llm
 
 
+def test_a_burst_is_admitted_at_once_when_checkpoints_hold_the_slots(tiny):
+    """Eight requests arriving together into a cache whose every state slot holds an earlier
+    request's checkpoint and none is set aside for checkpoints: all eight run from the first
+    step (their prompt-end checkpoints take only the slots left, here none), where reserving
+    each one's checkpoint as it was admitted let 4, then 2, 1 and 1 in; then answer as a cold
+    run does."""
+    llm = tight(tiny, 0, num_blocks=64, num_checkpoint_slots=0)
+    sp = [greedy()] * 8
+    llm.generate([msg(9, 40 + i) for i in range(8)], sp, use_tqdm=False)
+    assert llm.engine.cache.usage().num_checkpoints == 8  # every slot
+    eng = llm.engine
+    prompts = [msg(4 + i % 3, 60 + i) for i in range(8)]  # 5-7 tokens: one budget of 64
+    ids = [eng.add_request(p, greedy()) for p in prompts]
+    reqs = [eng.get_request(i) for i in ids]
+    eng.step()
+    assert len(eng.scheduler.running) == 8 and not eng.scheduler.waiting
+    while eng.has_unfinished_requests():
+        eng.step()
+    _, want = cold_run(tiny, 0, prompts, sp)
+    assert [r.output_token_ids for r in reqs] == [o.outputs[0].token_ids for o in want]
+
+
 def cold_run(ckpt, k, prompts, params, **kw):
     cold = make(ckpt, k, caching=False, **kw)
     return cold, cold.generate(prompts, params, use_tqdm=False)
