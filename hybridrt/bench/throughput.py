@@ -502,16 +502,20 @@ def format_table(report: dict) -> str:
 def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9) -> list[dict]:
     """ms per weight of the CPU GEMM paths for bf16 weights at the 0.8B shapes (kernels/linear.py):
     the compiled GEMM on the weight as it is, the GEMV's tiles over panels (``gemv_rows``, bf16
-    x), oneDNN's fp32 copy, for up to 4 rows the compiled
-    GEMV, and for 1-2 rows bf16 ``F.linear``; and the int8 and 4-bit kernels on the weight
-    quantized (kernels/quant.py, kernels/int4.py). Several weights in turn so each streams
-    from memory as in a model; median of interleaved rounds."""
+    x), on the fma path the rows-along-lanes GEMM (``gemm_lanes``), oneDNN's fp32 copy, for up
+    to 8 rows the compiled GEMV, and for 1-2 rows bf16 ``F.linear``; and the int8 and 4-bit
+    kernels on the weight quantized (kernels/quant.py, kernels/int4.py). Several weights in turn
+    so each streams from memory as in a model; median of interleaved rounds. The kernels are
+    built for ``HYBRIDRT_MARCH`` and run ``HYBRIDRT_HALF_PATH`` as a model's would."""
     import torch.nn.functional as F
 
     from hybridrt import env
     from hybridrt.kernels import int4, native, quant
     from hybridrt.kernels.linear import _cpu_gemm, _onednn_available
 
+    opts = env.kernel_options()
+    native.load(opts.cache_dir, opts.march)
+    hp = native.half_path(opts.half_path) if native.half_gemm_available() else None
     torch.set_num_threads(threads)
     results = []
     for n, k, copies in ((7168, 1024, 8), (1024, 3584, 16), (248320, 1024, 1)):
@@ -519,10 +523,14 @@ def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9
         paths = {}
         if native.half_gemm_available():
             # bf16 x, as in a bf16 model (the bf16 dot-product path where the CPU has one)
-            paths["half_gemm"] = lambda x, ws=ws: [native.half_gemm(x.bfloat16(), w) for w in ws]
-            # the GEMV's tiles over panels, which linear takes from 9 rows on where they win
-            paths["gemv_rows"] = lambda x, ws=ws: [native.gemv_rows(x.bfloat16(), w)
+            paths["half_gemm"] = lambda x, ws=ws: [native.half_gemm(x.bfloat16(), w, hp)
                                                    for w in ws]
+            # the GEMV's tiles over panels, which linear takes from 9 rows on where they win
+            paths["gemv_rows"] = lambda x, ws=ws: [native.gemv_rows(x.bfloat16(), w, hp)
+                                                   for w in ws]
+            if hp == "fma":  # rows along the lanes, which linear takes where they fill them
+                paths["gemm_lanes"] = lambda x, ws=ws: [
+                    native.gemm_lanes(x.bfloat16(), w, torch.bfloat16) for w in ws]
         if _onednn_available():
             od = [torch.ops.mkldnn._reorder_linear_weight(w.float().contiguous(), 32) for w in ws]
             paths["onednn_fp32"] = lambda x, od=od: [_cpu_gemm(x, p) for p in od]
@@ -539,7 +547,8 @@ def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9
             x = torch.randn(m, k)
             fs = dict(paths)
             if m <= native.HALF_GEMV_MAX_ROWS and native.half_gemm_available():
-                fs["gemv"] = lambda x, ws=ws: [native.half_gemv(x, w) for w in ws]
+                fs["gemv"] = lambda x, ws=ws: [native.half_gemv(x.bfloat16(), w, hp)
+                                               for w in ws]
             if m <= 2:
                 xb = x.bfloat16()
                 fs["bf16_linear"] = lambda x, xb=xb, ws=ws: [F.linear(xb, w) for w in ws]

@@ -416,16 +416,18 @@ void half_gemv_rows(const float *x, const uint16_t *w, void *y, int64_t M, int64
 
 
 /* Many rows on the fma path, rows along the vector lanes: y[M, N] = x[M, K] W^T as outer
- * products of a vector of rows of x (x packed once per call, transposed into groups of XR rows:
- * xp[g][k][XR], rows past M zero) and one weight element broadcast. Threads take contiguous
- * ranges of panels of LP weight rows; a panel is widened to fp32 once (wb[j][k], plain
- * conversion, no transpose), and every group of rows runs its tiles over it: MV vectors of rows
- * by NB weight rows of accumulators, per input one load of each row vector and one broadcast of
- * each weight element (half_gemm's tile mirrored: there the weight must be transposed, here x,
- * which is small and read for every panel). Each (row, weight row) sum is one FMA chain over k
- * in order from zero, in whichever tile the row lands: a row's result does not depend on M or
- * on the rows beside it (but it is not half_gemv's order, so the batch-invariant mode keeps
- * gemv_rows). */
+ * products of a vector of rows of x (x transposed once per call into groups of two vectors of
+ * rows, xp[g][k][LANES_XR], rows past M and inputs past K zero) and one weight element
+ * broadcast. Threads take contiguous ranges of panels of LANES_LP weight rows; a block of
+ * LANES_KC inputs of a panel is widened to fp32 once (plain conversion, no transpose: wb[k /
+ * 64][j][k % 64], so that a tile's broadcasts are one pointer and constant offsets), and every
+ * group of rows runs its tiles over it: MV vectors of rows by NB weight rows of accumulators,
+ * per input one load of each row vector and one broadcast of each weight element (half_gemm's
+ * tile mirrored: there the weight must be transposed, here x, which is small and read for every
+ * panel). The next panel is prefetched into L2 over the current one's tiles. Each (row, weight
+ * row) sum is one FMA chain over each block of inputs from zero, the blocks added in order, in
+ * whichever tile and lane the row lands: a row's result does not depend on M or on the rows
+ * beside it (but it is not half_gemv's order, so the batch-invariant mode keeps gemv_rows). */
 #ifdef __AVX512F__
 typedef __m512 lvec;
 #define LV 16
@@ -452,9 +454,7 @@ typedef __m256 lvec;
 #define LANES_XR (2 * LV) /* rows of x per group */
 #define LANES_LP 24       /* weight rows per panel: a multiple of both NBs */
 #define LANES_KB 64       /* the panel's inputs in blocks of 64: wb[k / 64][j][k % 64] */
-#ifndef LANES_KC
 #define LANES_KC 512      /* inputs widened at a time (a multiple of LANES_KB) */
-#endif
 
 int half_gemm_lanes_width(void) { return LV; }
 
