@@ -134,9 +134,9 @@ class Scheduler:
 
     def _reserve_checkpoints(self, plan: StepPlan) -> StepPlan:
         """Slots for the checkpoints that fall inside the step's chunks, once every request
-        the step runs has its own: a checkpoint takes what is left (reserved as each request
-        was admitted, the pending checkpoints of one step's admissions held the slots the next
-        waiting requests needed, so that a burst of requests was admitted half at a time)."""
+        the step runs has its own: a checkpoint takes what is left. (Reserved at each
+        admission, one admission's pending checkpoint would hold the slot the next waiting
+        request needs, and a burst of requests would be admitted half at a time.)"""
         if not self.cache.prefix_caching:
             return plan
         for seq in plan.seqs:

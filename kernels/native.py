@@ -395,8 +395,9 @@ def gemm_lanes(x: torch.Tensor, weight: torch.Tensor,
     """x [M, K] (fp32 or bf16; others widened) times a contiguous CPU bf16/fp16 weight [N, K]
     on the fma path with the rows along the vector lanes (csrc/half_gemm.c
     ``half_gemm_lanes``: outer products, the weight widened once per panel) -> [M, N] in
-    ``out_dtype`` (fp32, or bf16: the fp32 sums rounded). Each row's result is one FMA chain
-    over k, whatever M. Callers check ``half_gemm_available``."""
+    ``out_dtype`` (fp32, or bf16: the fp32 sums rounded). Each row's sums are one FMA chain
+    per block of 512 inputs, the blocks added in order, whatever M and the rows beside it.
+    Callers check ``half_gemm_available``."""
     _check_half_weight("gemm_lanes", x, weight)
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"gemm_lanes: out_dtype must be float32 or bfloat16, got {out_dtype}")
