@@ -112,16 +112,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = 
     start-up (asked of ``native`` on every call when not given); ``half_path``: theirs for
     bf16 x bf16 (``native.half_path``; the fastest built when not given)."""
     path = _half_cpu_path(x, weight, simd, half_path)
-    if path in ("gemv", "rows", "lanes") and x.dtype == torch.bfloat16:  # rounded by the kernel
-        if path == "lanes":
-            y = native.gemm_lanes(x.reshape(-1, x.shape[-1]), weight, torch.bfloat16)
-            return y.view(*x.shape[:-1], weight.shape[0])
+    if path == "lanes":  # bf16 x: rounded to bf16 by the kernel
+        out = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        y = native.gemm_lanes(x.reshape(-1, x.shape[-1]), weight, out)
+        return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+    if path in ("gemv", "rows") and x.dtype == torch.bfloat16:  # rounded to bf16 by the kernel
         gemv = native.half_gemv if path == "gemv" else native.gemv_rows
         y = gemv(x.reshape(-1, x.shape[-1]), weight, half_path, out_dtype=x.dtype)
         return y.view(*x.shape[:-1], weight.shape[0])
-    if path == "lanes":
-        y = native.gemm_lanes(x.reshape(-1, x.shape[-1]), weight)
-        return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
     if path in ("gemv", "rows", "gemm"):
         gemm = {"gemv": native.half_gemv, "rows": native.gemv_rows, "gemm": native.half_gemm}[path]
         y = gemm(x.reshape(-1, x.shape[-1]), weight, half_path)

@@ -302,17 +302,24 @@ def half_gemv(x: torch.Tensor, weight: torch.Tensor, path: str | None = None,
     as it is (row-major, contiguous) -> [M, N] in ``out_dtype`` (fp32, or bf16: the fp32 sums
     rounded): each weight element read once, for decode at small batch and draft verification.
     ``path`` as in ``half_gemm`` (bf16dot: any K). Callers check ``half_gemm_available``."""
-    _check_half_weight("half_gemv", x, weight, HALF_GEMV_MAX_ROWS)
-    if out_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"half_gemv: out_dtype must be float32 or bfloat16, got {out_dtype}")
-    N, K = weight.shape
-    lib = _lib or load()
-    if lib is None:
-        raise RuntimeError("half_gemv: native CPU kernels unavailable")
-    y = torch.empty(x.shape[0], N, dtype=out_dtype)
-    if x.shape[0] and N:
+    _, y = _half_output("half_gemv", x, weight, out_dtype, HALF_GEMV_MAX_ROWS)
+    if y.numel():
         _gemv(x, weight, y, path or half_path())
     return y
+
+
+def _half_output(name: str, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
+                 max_rows: int | None = None) -> tuple[ctypes.CDLL, torch.Tensor]:
+    """The checks and output of the half-weight products that write fp32 or bf16: x and the
+    weight checked, ``out_dtype`` one of the two, the kernels loaded -> (the library, an empty
+    [M, N] output)."""
+    _check_half_weight(name, x, weight, max_rows)
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{name}: out_dtype must be float32 or bfloat16, got {out_dtype}")
+    lib = _lib or load()
+    if lib is None:
+        raise RuntimeError(f"{name}: native CPU kernels unavailable")
+    return lib, torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
 
 
 def _gemv(x, weight, y, path) -> None:
@@ -348,15 +355,9 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, path: str | None = None,
     ``half_gemv`` gives it alone (csrc/half_gemm.c ``half_gemv_rows``): the batch-invariant
     product. x [M, K], weight a contiguous CPU bf16/fp16 [N, K] -> [M, N] in ``out_dtype``
     (fp32 or bf16). Callers check ``half_gemm_available``."""
-    _check_half_weight("gemv_rows", x, weight)
-    if out_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"gemv_rows: out_dtype must be float32 or bfloat16, got {out_dtype}")
-    M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
-    lib = _lib or load()
-    if lib is None:
-        raise RuntimeError("gemv_rows: native CPU kernels unavailable")
-    y = torch.empty(M, N, dtype=out_dtype)
-    if not (M and N):
+    lib, y = _half_output("gemv_rows", x, weight, out_dtype)
+    (M, N), K = y.shape, weight.shape[1]
+    if not y.numel():
         return y
     if M <= HALF_GEMV_MAX_ROWS:  # the decode kernel itself (the same sums)
         _gemv(x, weight, y, path or half_path())
@@ -398,15 +399,9 @@ def gemm_lanes(x: torch.Tensor, weight: torch.Tensor,
     ``out_dtype`` (fp32, or bf16: the fp32 sums rounded). Each row's sums are one FMA chain
     per block of 512 inputs, the blocks added in order, whatever M and the rows beside it.
     Callers check ``half_gemm_available``."""
-    _check_half_weight("gemm_lanes", x, weight)
-    if out_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"gemm_lanes: out_dtype must be float32 or bfloat16, got {out_dtype}")
-    M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
-    lib = _lib or load()
-    if lib is None:
-        raise RuntimeError("gemm_lanes: native CPU kernels unavailable")
-    y = torch.empty(M, N, dtype=out_dtype)
-    if not (M and N):
+    lib, y = _half_output("gemm_lanes", x, weight, out_dtype)
+    (M, N), K = y.shape, weight.shape[1]
+    if not y.numel():
         return y
     x = (x if x.dtype == torch.bfloat16 else x.float()).contiguous()
     if lib.half_gemm_lanes(x.data_ptr(), int(x.dtype == torch.bfloat16), weight.data_ptr(),
