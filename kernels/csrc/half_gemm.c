@@ -799,10 +799,11 @@ static inline __m512 reduce16(const __m512 v[16])
 }
 
 /* weight rows per tile for M rows of bf16 x: M * NB accumulators (16 or more where the 32
- * registers allow, the dot products' latency and the tile's loads hidden); one row: one weight
- * row at a time, unprefetched, a single sequential stream (8 rows side by side and prefetched
- * made a decode step's one-row products slower than that; docs/performance.md) */
-#define DOT_NB(M) ((M) <= 4 ? 1 : (M) == 5 ? 4 : (M) <= 7 ? 3 : 2)
+ * registers allow, the dot products' latency and the tile's loads hidden; 8 rows: 24, the x
+ * loads fewer per dot product than with 16); up to 4 rows: one weight row at a time, a single
+ * sequential stream (one row unprefetched; 8 rows side by side and prefetched made a decode
+ * step's one-row products slower than that; docs/performance.md) */
+#define DOT_NB(M) ((M) <= 4 ? 1 : (M) == 5 ? 4 : 3)
 
 /* Up to 8 rows of bf16 x: half_gemv's tiles with 32 inputs a step and no widening (masked loads
  * for the tail); the same promise, each row's sums independent of M. */
