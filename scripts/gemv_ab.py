@@ -12,7 +12,10 @@ process CPU ms of one decode step's products (0.8B shape, one thread; ``NL=n`` t
 layers only, ``HEAD=0`` without the LM head), per row count, every variant and row count in
 each round. E.g. ``python scripts/gemv_ab.py 1,2,3,4,8 int4-vnni old=/path/to/old/tree new=.``
 (a checkout of an older commit as the old tree). ``-mno-avx512f`` as a flag builds a tree as for
-an AVX2 CPU (16 ymm registers)."""
+an AVX2 CPU (16 ymm registers). ``THREADS=n``: the products on n threads, timed in wall seconds.
+``HOT=n``: instead of the step's products, 96 calls on one weight of n x 1024 (n = 384: 768 KiB
+in bf16, within a core's L2 here), so that the kernels' arithmetic alone is timed, not the
+read from memory (multiply-adds a second: n x 1024 x 96 x M over the time printed)."""
 
 import ctypes
 import hashlib
@@ -29,7 +32,9 @@ from hybridrt.bench.fixtures import QWEN35_08B_TEXT_CONFIG as cfg
 from hybridrt.bench.gemv import step_products
 from hybridrt.kernels import int4, quant
 
-torch.set_num_threads(1)
+THREADS = int(os.environ.get("THREADS", "1"))  # >1: wall time on that many threads
+torch.set_num_threads(THREADS)
+clock = time.process_time if THREADS == 1 else time.perf_counter
 BUILD = os.path.join(os.environ.get("TMPDIR", "/tmp"), "hybridrt-gemv-ab")
 os.makedirs(BUILD, exist_ok=True)
 MS = [int(m) for m in sys.argv[1].split(",")]
@@ -73,11 +78,17 @@ for spec in sys.argv[3:]:
 products = step_products(cfg)
 layers = products[:-1][: 4 * int(os.environ.get("NL", cfg["num_hidden_layers"]))]
 shapes = layers + (products[-1:] if os.environ.get("HEAD", "1") != "0" else [])
+HOT = int(os.environ.get("HOT", "0"))
+if HOT:  # one weight, called 96 times: it stays in cache
+    layers = shapes = [(HOT, 1024)] * 96
 g = torch.Generator().manual_seed(0)
 ws = [(torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16) for n, k in shapes]
+ws = ws[:1] * len(ws) if HOT else ws
 xs = {m: {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for _, k in shapes} for m in MS}
 xf = {m: {k: v.float() for k, v in x.items()} for m, x in xs.items()}
-qws = [quant.quantize(w.float()) for w in ws] if {"vnni", "avx2"} & set(kinds) else []
+qws = ([quant.quantize(w.float()) for w in (ws[:1] if HOT else ws)]
+       if {"vnni", "avx2"} & set(kinds) else [])
+qws = qws * len(ws) if HOT else qws
 ISA = {"vnni": 4, "avx2": 2}
 ISA4 = {"int4-ref": 1, "int4-avx2": 2, "int4-vnni": 4, "int4-avxvnni": 8}
 
@@ -94,7 +105,9 @@ def _int4_random(n, k):
 
 # int4: every product of the layers in 4 bits, the LM head in int8 (an older tree has no 6-bit one)
 q4s = [_int4_random(n, k) for n, k in layers] if set(ISA4) & set(kinds) else []
-q4head = ([quant.quantize(ws[-1].float())] if q4s and len(shapes) > len(layers) else [])
+q4s = q4s[:1] * len(q4s) if HOT else q4s
+q4head = ([quant.quantize(ws[-1].float())] if q4s and len(shapes) > len(layers) and not HOT
+          else [])
 
 
 def _int8(lib, q, M, isa):
@@ -111,7 +124,7 @@ def _int8(lib, q, M, isa):
         ctypes.c_int64(K),
         ctypes.c_int64(q.scales.shape[1] * 32),
         isa,
-        1,
+        THREADS,
     )
     return y
 
@@ -135,7 +148,7 @@ def run(libs, kind, M):
                 ctypes.c_int64(K),
                 ctypes.c_int64(Kp),
                 ISA4[kind],
-                1,
+                THREADS,
             )
             outs.append(y)
         isa8 = 4 if kind == "int4-vnni" else 2 if kind != "int4-ref" else 1
@@ -159,7 +172,7 @@ def run(libs, kind, M):
                     ctypes.c_int64(N),
                     ctypes.c_int64(K),
                     1,
-                    1,
+                    THREADS,
                 )
             else:
                 x = xf[M][K]
@@ -172,7 +185,7 @@ def run(libs, kind, M):
                     ctypes.c_int64(K),
                     0,
                     1,
-                    1,
+                    THREADS,
                 )
             outs.append(y)
     return outs
@@ -193,16 +206,16 @@ for kind in kinds:
     for _ in range(reps):  # every variant and row count in each round
         for M in MS:
             for name, libs in variants:
-                t0 = time.process_time()
+                t0 = clock()
                 run(libs, kind, M)
-                times[name, M].append(time.process_time() - t0)
+                times[name, M].append(clock() - t0)
     med = {key: statistics.median(t) for key, t in times.items()}
     first = variants[0][0]
     for M in MS:
         print(
             f"M={M} {kind}: "
             + "  ".join(
-                f"{n} {1e3 * med[n, M]:.1f}ms ({med[n, M] / med[first, M]:.3f}"
+                f"{n} {1e3 * med[n, M]:.2f}ms ({med[n, M] / med[first, M]:.3f}"
                 + (f"; {med[n, M] / med[n, MS[0]]:.2f}x M={MS[0]})" if MS[0] != M else ")")
                 for n, _ in variants
             ),
