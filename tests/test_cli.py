@@ -902,6 +902,19 @@ def test_demo_template_keeps_chat_turns_incremental():
             tokenize=False, add_generation_prompt=True, **kwargs)
 
 
+def test_bench_gemv_sizes_its_cache_weights_from_the_l2(tmp_path):
+    """The kernels' time from cache is taken on a weight sized from one core's L2 as Linux
+    reports it ("1024K", "2M"); where it does not, 512 KiB."""
+    from hybridrt.bench.gemv import l2_bytes
+
+    f = tmp_path / "size"
+    for text, size in (("1024K\n", 1 << 20), ("2M", 2 << 20), ("48K", 48 << 10),
+                       ("65536", 65536), ("", 512 << 10), ("big", 512 << 10)):
+        f.write_text(text)
+        assert l2_bytes(str(f)) == size, text
+    assert l2_bytes(str(tmp_path / "missing")) == 512 << 10
+
+
 def test_bench_gemv_reports_every_path_and_row_count(tmp_path):
     """``hybridrt bench gemv`` on a tiny shape: every path built here and row count, each against
     the read loop over the same bytes and the path's peak; bad --paths / --rows: one error line,
@@ -931,7 +944,8 @@ def test_bench_gemv_reports_every_path_and_row_count(tmp_path):
                                 config=TINY_TEXT_CONFIG, paths=[one])
         assert [r["path"] for r in report["results"]] == [one]
         assert report["read_gb_s"].keys() == {"int4"}
-    assert all(r["ms"] > 0 and r["share_of_read_bound"] > 0 for r in report["results"])
+    assert all(r["ms"] > 0 and r["share_of_read_bound"] > 0 and r["from_cache_ms"] > 0
+               for r in report["results"])
     assert json.loads((tmp_path / "g.json").read_text())["rows"] == [1, 3]
     for args, msg in ((["--paths", "bf16,fma"], "unknown path(s) bf16"),
                       (["--rows", "1,9"], "at most 8 rows")):

@@ -6,7 +6,13 @@ avxvnni / avx2), for 1, 2, 3, 4 and 8 rows of x, against two bounds measured in 
 - the bandwidth bound: the read loop (kernels/csrc/stream.c) over the same weight bytes, in the
   same order, with the same threads, alternated with the products;
 - the arithmetic bound: the step's multiply-adds over the path's dot-product peak (its inner
-  instructions in a register-only loop, ``ceilings.dot_peak``).
+  instructions in a register-only loop, ``ceilings.dot_peak``);
+
+and beside them the kernel's own time from cache: the same product on a weight that stays in
+each core's L2 (half of it a thread), called over and over, its time per byte (the slope between
+that weight and one of 16 rows, so that the per-call cost drops out) times the step's bytes, plus
+the step's calls at the small weight's cost each. Where that exceeds the read loop's time, no
+overlap of loads and arithmetic can bring M rows down to the bandwidth bound.
 
 A product of M rows reads each weight once, so at the bandwidth bound its time does not grow
 with M until the arithmetic bound passes the bandwidth bound. Each path is called as the decode
@@ -33,6 +39,17 @@ from hybridrt.bench.fixtures import QWEN35_08B_TEXT_CONFIG
 
 PATHS = ("bf16dot", "fma", "int8-vnni", "int8-avx2", "int4-vnni", "int4-avxvnni", "int4-avx2")
 ROWS = (1, 2, 3, 4, 8)
+HOT_CALLS = 128  # calls a round on each weight that stays in cache
+WEIGHT_BYTES = {"bf16": 2.0, "int8": 1 + 2 / 32, "int4": 4.625 / 8}  # a weight's, with scales
+
+
+def l2_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache/index2/size") -> int:
+    """One core's L2 cache in bytes, as Linux reports it ("1024K", "2M"); 512 KiB elsewhere."""
+    try:
+        text = Path(sysfs).read_text().strip().upper()
+        return int(text[:-1]) << {"K": 10, "M": 20}[text[-1]] if text[-1] in "KM" else int(text)
+    except (OSError, ValueError, IndexError):
+        return 512 << 10
 
 
 def step_products(cfg: dict = QWEN35_08B_TEXT_CONFIG) -> list[tuple[int, int]]:
@@ -75,11 +92,11 @@ def run_gemv_bench(rows=ROWS, threads: int = 2, repeats: int = 5, paths=None, se
                    json_path: str | Path | None = None, verbose: bool = True,
                    config: dict | None = None, cpu_time: bool = False) -> dict:
     """Time one decode step's products per path and row count against the read loop over the
-    same weights and each path's dot-product peak -> report dict (printed as a table, written
-    to ``json_path`` when given). ``config``: the model shape (a text config; default the
-    0.8B one). ``cpu_time``: time in this process's CPU seconds (with one thread, what the run
-    takes on a core of its own; a busy machine's other processes then count only through the
-    memory bandwidth they take)."""
+    same weights, each path's dot-product peak and its own time from cache -> report dict
+    (printed as a table, written to ``json_path`` when given). ``config``: the model shape (a
+    text config; default the 0.8B one). ``cpu_time``: time in this process's CPU seconds (with
+    one thread, what the run takes on a core of its own; a busy machine's other processes then
+    count only through the memory bandwidth they take)."""
     from hybridrt import env
     from hybridrt.kernels import int4, native, quant
 
@@ -149,6 +166,24 @@ def _run(rows, threads, repeats, paths, seed, config, clock) -> dict:
         else:
             fns[p] = lambda m, p=p: [native.gemv_bf16(xs[m, w.shape[1]], w, p) for w in weights]
             nbytes[p] = sum(w.numel() * 2 for w in weights)
+    # the kernels from cache: per path a weight of half a core's L2 a thread, and one of 16 rows
+    K = config["hidden_size"]
+    hot_rows = {p: max(48, int(threads * l2_bytes() / 2 / (K * WEIGHT_BYTES[_read_of(p)]))
+                       // 48 * 48) for p in paths}
+    hot = {}
+    for p in paths:
+        sizes, isa = (hot_rows[p], 16), p.split("-")[-1]
+        if p.startswith("int4"):
+            ws = [_random_int4(n, K, g) for n in sizes]
+            one = lambda x, w, isa=isa: int4.linear(x, w, isa)  # noqa: E731
+        elif p.startswith("int8"):
+            ws = [quant.quantize(torch.randn(n, K, generator=g).bfloat16()) for n in sizes]
+            one = lambda x, w, isa=isa: quant.linear(x, w, isa)  # noqa: E731
+        else:
+            ws = [(torch.randn(n, K, generator=g) * 0.02).bfloat16() for n in sizes]
+            one = lambda x, w, p=p: native.gemv_bf16(x, w, p)  # noqa: E731
+        hot[p] = [lambda m, w=w, one=one: [one(xs[m, K], w) for _ in range(HOT_CALLS)]
+                  for w in ws]
     reads = {}  # the read loop of each weight format a path multiplies
     if any(_read_of(p) == "bf16" for p in paths):
         reads["bf16"] = _read_loop(weights, threads)
@@ -164,6 +199,8 @@ def _run(rows, threads, repeats, paths, seed, config, clock) -> dict:
     for p in paths:  # warm-up: the first call of a shape faults in its output's pages
         for m in rows:
             fns[p](m)
+            for f in hot[p]:
+                f(m)
     times: dict[str, list[float]] = {}
     for _ in range(repeats):
         for name, read in reads.items():
@@ -175,6 +212,10 @@ def _run(rows, threads, repeats, paths, seed, config, clock) -> dict:
                 t = clock()
                 fns[p](m)
                 times.setdefault(f"{p} {m}", []).append(clock() - t)
+                for name, f in zip(("hot", "small"), hot[p]):
+                    t = clock()
+                    f(m)
+                    times.setdefault(f"{p} {m} {name}", []).append(clock() - t)
     load["end"] = list(os.getloadavg())
     med = {key: statistics.median(v) for key, v in times.items()}
     results = []
@@ -184,11 +225,18 @@ def _run(rows, threads, repeats, paths, seed, config, clock) -> dict:
         for m in rows:
             t = med[f"{p} {m}"]
             arith = 2 * m * macs / (peak["gop_s"] * 1e9) if peak else None
+            # per round: the time a byte from cache (the slope between the two weights)
+            per_byte = statistics.median(
+                max(big - small, 0.0) for big, small in zip(times[f"{p} {m} hot"],
+                                                           times[f"{p} {m} small"]))
+            per_byte /= (hot_rows[p] - 16) * K * WEIGHT_BYTES[_read_of(p)] * HOT_CALLS
+            cache = nbytes[p] * per_byte + len(shapes) * med[f"{p} {m} small"] / HOT_CALLS
             results.append({
                 "path": p, "rows": m, "ms": t * 1e3, "gb_s": nbytes[p] / t / 1e9,
                 "read_bound_ms": bound * 1e3, "share_of_read_bound": bound / t,
                 "over_one_row": t / med[f"{p} {rows[0]}"] if rows[0] == 1 else None,
                 "arithmetic_bound_ms": None if arith is None else arith * 1e3,
+                "from_cache_ms": cache * 1e3,
                 "runs_ms": [v * 1e3 for v in times[f"{p} {m}"]],
             })
     return {
@@ -200,6 +248,7 @@ def _run(rows, threads, repeats, paths, seed, config, clock) -> dict:
         "read_gb_s": {name: _bytes_of(name, nbytes) / med[f"read {name}"] / 1e9
                       for name in reads},
         "dot_peak_gop_s": {p: None if v is None else v["gop_s"] for p, v in peaks.items()},
+        "from_cache_rows": hot_rows,
         "load_average": load, "results": results,
     }
 
@@ -227,15 +276,17 @@ def format_table(report: dict) -> str:
                  f"{p} {v:.0f} Gop/s" if v else f"{p} -"
                  for p, v in report["dot_peak_gop_s"].items())]
     head = (f"{'path':<12} {'rows':>4} {'ms':>8} {'GB/s':>6} {'of read bound':>13} "
-            f"{'x 1 row':>8} {'arith. bound ms':>15}")
+            f"{'x 1 row':>8} {'arith. bound ms':>15} {'from cache ms':>13}")
     lines += [head, "-" * len(head)]
     for r in report["results"]:
         x1 = "-" if r["over_one_row"] is None else f"{r['over_one_row']:.2f}"
         ar = "-" if r["arithmetic_bound_ms"] is None else f"{r['arithmetic_bound_ms']:.1f}"
         lines.append(f"{r['path']:<12} {r['rows']:>4} {r['ms']:>8.1f} {r['gb_s']:>6.1f} "
-                     f"{r['share_of_read_bound']:>13.2f} {x1:>8} {ar:>15}")
+                     f"{r['share_of_read_bound']:>13.2f} {x1:>8} {ar:>15} "
+                     f"{r['from_cache_ms']:>13.1f}")
     lines.append(f"one decode step's {report['products']} products ({report['weight_gb']:.3f} GB "
                  f"in bf16), the tied LM head included; of read bound: the read loop's time over "
                  f"the same bytes / the product's;\narith. bound: multiply-adds / the path's "
-                 f"dot-product peak")
+                 f"dot-product peak; from cache: the same kernel's time for the step's bytes "
+                 f"from each core's L2")
     return "\n".join(lines)
