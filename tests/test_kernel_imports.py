@@ -68,3 +68,33 @@ def test_only_select_backend_imports_the_cuda_backend_and_it_imports_no_select()
     assert {"kernels.backend.plan", "kernels.backend.reference"} <= cuda
     assert not {m for m in cuda if m.startswith("kernels.backend.select")
                 or m.startswith("kernels.backend.cpu") or m == "kernels.backend"}
+
+
+def _run_at_root(code: str, *flags: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, *flags, "-c", code], cwd=KERNELS.parent,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_top_level_kernels_import_at_the_clone_root_gets_the_installed_package(tmp_path):
+    """At the clone's root (first on sys.path) ``import kernels`` would find the folder that is
+    ``hybridrt.kernels``; transformers (>= 5.25) imports Hugging Face's ``kernels`` package by
+    that name. The folder hands the import over to an installed package of the name, and
+    ``hybridrt.kernels`` still imports as itself in the same process."""
+    other = tmp_path / "site" / "kernels"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("WHO = 'installed'\n")
+    out = _run_at_root(
+        f"import sys; sys.path.insert(1, {str(tmp_path / 'site')!r}); "
+        "import kernels; print(kernels.WHO); "
+        "import hybridrt.kernels as k; print(k.__name__, callable(k.rms_norm))")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["installed", "hybridrt.kernels", "True"]
+
+
+def test_a_top_level_kernels_import_at_the_clone_root_without_the_package_says_what_it_is():
+    out = _run_at_root("import kernels", "-S")  # -S: no site-packages, no installed kernels
+    assert out.returncode != 0
+    assert "is hybridrt.kernels, not the package 'kernels' (not installed)" in out.stderr
