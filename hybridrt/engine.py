@@ -51,7 +51,7 @@ from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.output_processor import OutputProcessor
 from hybridrt.request import Request, stop_token_ids, validate_prompt
 from hybridrt.runner import ModelRunner
-from hybridrt.sampler import Sampler, make_generator
+from hybridrt.sampler import Sampler, make_generator, plain_greedy
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.scheduler import Scheduler, StepPlan
 from hybridrt.session import Session
@@ -403,10 +403,15 @@ class LLMEngine:
 
     def _launch(self, plan: StepPlan, batch, rows: list | None = None) -> LaunchedStep:
         """Run the model on ``batch`` and sample, leaving the sampled tokens on the device."""
+        if rows is None and not any(s.num_drafts for s in plan.seqs):
+            rows = [s.request.sampling_row() for s in plan.seqs if s.sample]
+        # rows that only take the argmax need no fp32 copy of the logits: the argmax of the
+        # head's own dtype is the same token
+        fp32 = rows is None or not plain_greedy(rows)
         with self._phase("forward"):
             hidden = self.runner.forward(batch)
         with self._phase("logits"):
-            logits = self.runner.logits(hidden, batch)
+            logits = self.runner.logits(hidden, batch, fp32)
         with self._phase("sample"):
             sampled = sample_step(self.sampler, plan, logits, rows)
         return LaunchedStep(plan, batch, hidden, sampled)

@@ -318,11 +318,12 @@ class Qwen35ForCausalLM(nn.Module):
         x, residual = m.layers[0](x, None, batch, cache, cos, sin)
         return m.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows to sample) -> fp32 logits [N, vocab], rounded to
-        the model's dtype first (what a half-precision LM head returns)."""
+        the model's dtype first (what a half-precision LM head returns); ``fp32=False``: in
+        that dtype, not widened (enough for an argmax)."""
         head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
-        return self.backend.logits(hidden, kernel_weight(head))
+        return self.backend.logits(hidden, kernel_weight(head), fp32)
 
 
 def _forget_specs(model: nn.Module, incompatible_keys=None) -> None:

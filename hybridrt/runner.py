@@ -201,11 +201,13 @@ class ModelRunner:
         return hidden
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """-> fp32 logits [N, vocab] for the rows in ``batch.logits_indices`` only."""
+    def logits(self, hidden: torch.Tensor, batch: ForwardBatch,
+               fp32: bool = True) -> torch.Tensor:
+        """-> fp32 logits [N, vocab] for the rows in ``batch.logits_indices`` only (with
+        ``fp32=False`` in the LM head's dtype: for rows that only take the argmax)."""
         n = batch.logits_indices.numel()
         if n == 0:
             return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
         # ascending distinct rows: as many as the hidden states' are all of them, in order
         return self.model.compute_logits(hidden if n == hidden.shape[0] else
-                                         hidden[batch.logits_indices])
+                                         hidden[batch.logits_indices], fp32)

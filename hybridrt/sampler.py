@@ -417,6 +417,12 @@ def find_stop(text: str, stop: list[str], start: int) -> int | None:
     return min(found) if found else None
 
 
+def plain_greedy(rows: list[SamplingRow]) -> bool:
+    """Whether ``sample`` gives every row the argmax of its logits unchanged (so the logits
+    may come in the LM head's own dtype: ``_plain_greedy``)."""
+    return all(_plain_greedy(r) for r in rows)
+
+
 def _plain_greedy(row: SamplingRow) -> bool:
     """Whether ``sample`` gives ``row`` the argmax of its logits unchanged: greedy, no logprobs,
     grammar, penalties or min_tokens mask (fp32 holds every bf16 value, so the argmax is the

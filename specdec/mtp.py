@@ -136,7 +136,7 @@ class MTPProposer:
         lowest token id as the full argmax takes it."""
         head = self.draft_head
         if head is None:
-            return argmax_rows(self.model.compute_logits(h))
+            return argmax_rows(self.model.compute_logits(h, fp32=False))
         small = self.model.backend.linear(h, head.weight)
         best = argmax_rows(small)
         ids = head.token_ids[best]

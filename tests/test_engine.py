@@ -385,3 +385,45 @@ def test_observer_sees_a_chained_step_inside_the_step_launching_it(ckpt, prompts
     eng.step()  # applies the chained step, chaining the next one
     assert log.names == [*launched, "update"]
     assert eng.stats["num_chained_steps"] == 2
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_steps_take_the_argmax_of_the_heads_own_dtype(ckpt, prompts, monkeypatch,
+                                                             async_scheduling):
+    """A step whose rows all take the plain argmax gets the LM head's bf16 logits (no fp32 copy);
+    a step with a row that needs more (logprobs, temperature) gets fp32. The tokens are those
+    of fp32 logits everywhere."""
+    from hybridrt.runner import ModelRunner
+    from hybridrt.sampler import Sampler
+
+    def run(force_fp32: bool):
+        if force_fp32:
+            logits = ModelRunner.logits
+            monkeypatch.setattr(ModelRunner, "logits",
+                                lambda self, hidden, batch, fp32=True: logits(self, hidden, batch))
+        seen = []
+        sample = Sampler.sample
+
+        def spy(self, logits, rows):
+            seen.append((logits.dtype, tuple(r.params.logprobs is not None
+                                             or not r.params.greedy for r in rows)))
+            return sample(self, logits, rows)
+
+        monkeypatch.setattr(Sampler, "sample", spy)
+        llm = LLM(ckpt, dtype="bfloat16", max_model_len=128, max_num_seqs=8,
+                  cache_memory=32 << 20, async_scheduling=async_scheduling)
+        lp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+        hot = SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True, seed=5)
+        outs = llm.generate(prompts[:3], [GREEDY, lp, hot], use_tqdm=False)
+        greedy = llm.generate(prompts[3:5], GREEDY, use_tqdm=False)
+        monkeypatch.undo()
+        return [o.outputs[0] for o in outs + greedy], seen
+
+    fast, seen = run(False)
+    slow, seen_fp32 = run(True)
+    assert [o.token_ids for o in fast] == [o.token_ids for o in slow]
+    assert fast[1].logprobs == slow[1].logprobs
+    assert {d for d, _ in seen_fp32} == {torch.float32}
+    for dtype, needs in seen:  # bf16 exactly where no row needs more than the argmax
+        assert dtype == (torch.float32 if any(needs) else torch.bfloat16), (dtype, needs)
+    assert {d for d, _ in seen} == {torch.float32, torch.bfloat16}

@@ -63,9 +63,11 @@ class ReferenceBackend:
         groups it was bound with, keyed by the ids of their weights)."""
         return [self.linear(x, w) for w in weights]
 
-    def logits(self, hidden: torch.Tensor, head) -> torch.Tensor:
-        """The LM head's product (``head``: its weight, as ``linear`` takes it) in fp32."""
-        return self.linear(hidden, head).float()
+    def logits(self, hidden: torch.Tensor, head, fp32: bool = True) -> torch.Tensor:
+        """The LM head's product (``head``: its weight, as ``linear`` takes it) in fp32, or
+        with ``fp32=False`` in the product's own dtype (every value the same once widened)."""
+        y = self.linear(hidden, head)
+        return y.float() if fp32 else y
 
     def rope(self, positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
         """(cos, sin) [T, rotary_dim] of ``positions`` [T] in ``dtype``."""
