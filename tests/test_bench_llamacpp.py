@@ -335,6 +335,9 @@ def test_stream_read_and_matmul_rates_are_positive():
     s = ceilings.stream_read(2, size_bytes=16 << 20, passes=2)
     assert s["gb_s"] > 0 and s["bytes"] == 16 << 20 and s["threads"] == 2
     assert s["vector_bits"] in (512, 256, 32, None)
+    for huge in (True, False):  # every element read (a partial read raises), either memory
+        assert ceilings.stream_read(1, size_bytes=6 << 20, passes=1,
+                                    huge_pages=huge)["huge_pages"] is huge
     m = ceilings.matmul_rate(1, 64, 64, 64, reps=2)
     assert m["gflop_s"] > 0 and m["shape"] == [64, 64, 64]
 
@@ -389,3 +392,24 @@ def test_real_llamacpp_runs_the_work_asked():
     assert set(res) == {"prefill_tok_s", "decode_b1_tok_s", "decode_b2_tok_s"}
     assert all(v > 0 for v in res.values()) and run["peak_rss_gib"] > 0
     assert work["decode_b2_tok_s"] == {"requests": 2, "prompt_len": 4, "new_tokens": 2}
+
+
+def test_stream_read_takes_the_weights_kind_of_pages(monkeypatch):
+    """The read loop's buffer on the pages the loaded weights get: huge pages where the options
+    and the OS give the weights them (a 4 KiB-page buffer reads slower and would understate
+    the weights' ceiling), else 4 KiB pages."""
+    from hybridrt.kernels import memory
+
+    monkeypatch.setattr(memory, "huge_pages_available", lambda: True)
+    monkeypatch.delenv("HYBRIDRT_HUGE_PAGES", raising=False)
+    made = []
+    arena = memory.HugeArena
+    monkeypatch.setattr(memory, "HugeArena", lambda n: made.append(n) or arena(n))
+    assert ceilings.stream_read(1, size_bytes=4 << 20, passes=1)["huge_pages"] is True
+    assert made == [4 << 20]
+    monkeypatch.setenv("HYBRIDRT_HUGE_PAGES", "0")
+    assert ceilings.stream_read(1, size_bytes=4 << 20, passes=1)["huge_pages"] is False
+    monkeypatch.setattr(memory, "huge_pages_available", lambda: False)
+    monkeypatch.delenv("HYBRIDRT_HUGE_PAGES")
+    assert ceilings.stream_read(1, size_bytes=4 << 20, passes=1)["huge_pages"] is False
+    assert made == [4 << 20]

@@ -49,16 +49,26 @@ def stream_sum(x: torch.Tensor, threads: int) -> float:
     return lib.stream_sum(x.data_ptr(), x.numel(), threads)
 
 
-def stream_read(threads: int, size_bytes: int = 1 << 30, passes: int = 5) -> dict:
+def stream_read(threads: int, size_bytes: int = 1 << 30, passes: int = 5,
+                huge_pages: bool | None = None) -> dict:
     """Read bandwidth: ``size_bytes`` of fp32 (more than the caches hold) summed by the C
     streaming loop with ``threads`` threads, best of ``passes`` -> {"gb_s", "method",
-    "vector_bits", "bytes", "threads", "passes"}. Without the native library, a torch sum
-    (method "torch sum", slower than the loop)."""
+    "vector_bits", "bytes", "threads", "passes", "huge_pages"}. Without the native library, a
+    torch sum (method "torch sum", slower than the loop). ``huge_pages``: the buffer in
+    transparent-huge-page memory (``HugeArena``), as the loaded weights are; default: where
+    the weights get them (the kernel options and the OS). On 4 KiB pages the loop reads slower
+    (docs/performance.md), which would understate the weights' ceiling."""
     from hybridrt import env
     from hybridrt.kernels import native
+    from hybridrt.kernels.memory import HugeArena, huge_pages_available
 
-    buf = torch.ones(size_bytes // 4)  # written here: its pages are mapped before timing
     opts = env.kernel_options()
+    if huge_pages is None:
+        huge_pages = opts.huge_pages and huge_pages_available()
+    arena = HugeArena(size_bytes) if huge_pages else None
+    buf = (arena.empty((size_bytes // 4,), torch.float32) if arena is not None
+           else torch.empty(size_bytes // 4))
+    buf.fill_(1.0)  # written here: its pages are mapped before timing
     lib = native.load(opts.cache_dir, opts.march)
     if lib is not None:
         method, bits = "C read loop", lib.stream_vector_bytes() * 8
@@ -85,7 +95,8 @@ def stream_read(threads: int, size_bytes: int = 1 << 30, passes: int = 5) -> dic
     if total != buf.numel():  # every element is 1.0: a partial read shows here
         raise RuntimeError(f"stream read summed {total}, expected {buf.numel()}")
     return {"gb_s": buf.numel() * 4 / best / 1e9, "method": method, "vector_bits": bits,
-            "bytes": buf.numel() * 4, "threads": threads, "passes": passes}
+            "bytes": buf.numel() * 4, "threads": threads, "passes": passes,
+            "huge_pages": huge_pages}
 
 
 def stream_read_apart(threads: int, size_bytes: int = 1 << 30, passes: int = 3) -> float:

@@ -470,9 +470,10 @@ def format_table(report: dict) -> str:
     if ceil:
         s, mm = ceil["stream_read"], ceil["matmul_fp32"]
         how = f"{s['vector_bits']}-bit C read loop" if s["vector_bits"] else s["method"]
-        rows.append(f"read bandwidth: {s['gb_s']:.1f} GB/s ({how}, {s['bytes'] / 2**30:.2g} GiB, "
-                    f"best of {s['passes']}); fp32 matmul {'x'.join(map(str, mm['shape']))}: "
-                    f"{mm['gflop_s']:.1f} GFLOP/s")
+        pages = {True: ", huge pages", False: ", 4 KiB pages"}.get(s.get("huge_pages"), "")
+        rows.append(f"read bandwidth: {s['gb_s']:.1f} GB/s ({how}, {s['bytes'] / 2**30:.2g} GiB"
+                    f"{pages}, best of {s['passes']}); fp32 matmul "
+                    f"{'x'.join(map(str, mm['shape']))}: {mm['gflop_s']:.1f} GFLOP/s")
         rows.append(f"weights read per decoded token: {ceil['weight_bytes_per_token'] / 1e9:.3f} "
                     f"GB -> batch-1 ceiling {ceil['batch1_decode_tok_s']:.2f} tok/s; "
                     + ", ".join(f"{'llama.cpp' if e == 'llamacpp' else e} {f:.0%}"
