@@ -83,7 +83,8 @@ def sample_step(sampler: Sampler, plan: StepPlan, logits: torch.Tensor,
                 rows: list[SamplingRow] | None = None) -> SampledTokens:
     """Sample every sequence's tokens; the plain rows' stay on the device (their copy to the
     host is started), drafts are verified at once. ``rows``: the sampling rows of the plain
-    rows, when the requests' state is not theirs now (a chained step)."""
+    rows where the caller has them (the engine's, or a chained step's, whose requests' state is
+    not theirs yet); else taken from the requests."""
     normal, verify = [], []
     r = 0
     for b, s in enumerate(plan.seqs):
