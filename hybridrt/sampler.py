@@ -120,7 +120,7 @@ class Sampler:
     # Public pipeline ------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Pick one token per row; ``logits`` ``[N, V]`` is not modified."""
-        if all(_plain_greedy(r) for r in rows):  # the argmax of the logits as they are
+        if plain_greedy(rows):  # the argmax of the logits as they are
             _check_logits(logits, rows)
             return SamplerOutput(token_ids=argmax_rows(logits))
         penalised = self._penalise(logits, rows)
@@ -418,8 +418,8 @@ def find_stop(text: str, stop: list[str], start: int) -> int | None:
 
 
 def plain_greedy(rows: list[SamplingRow]) -> bool:
-    """Whether ``sample`` gives every row the argmax of its logits unchanged (so the logits
-    may come in the LM head's own dtype: ``_plain_greedy``)."""
+    """Whether ``sample`` gives every row the argmax of its logits unchanged (``_plain_greedy``;
+    the logits may then come in the LM head's own dtype)."""
     return all(_plain_greedy(r) for r in rows)
 
 

@@ -31,7 +31,7 @@ from hybridrt.kernels import quant
 from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.request import Request
 from hybridrt.runner import build_batch
-from hybridrt.sampler import Sampler, _plain_greedy, argmax_rows
+from hybridrt.sampler import Sampler, argmax_rows, plain_greedy
 from hybridrt.scheduler import StepPlan
 from hybridrt.statecache import HybridCacheManager
 
@@ -152,7 +152,7 @@ class MTPProposer:
         active = list(range(len(reqs)))
         for j in range(max(budget)):
             rows = [reqs[i].sampling_row(drafts[i]) for i in active]
-            if all(_plain_greedy(r) for r in rows):
+            if plain_greedy(rows):
                 picked, rand = self._greedy(h), []
             else:
                 prepared = self.sampler.processed_logits(self._logits(h), rows)

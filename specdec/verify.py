@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridrt.sampler import Sampler, SamplingRow, _plain_greedy, argmax_rows
+from hybridrt.sampler import Sampler, SamplingRow, argmax_rows, plain_greedy
 
 
 @dataclass(slots=True)
@@ -34,7 +34,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, items: list[VerifyItem
     """logits: [sum(k_i + 1), V] target rows, item after item -> per item (emitted tokens,
     number of drafts accepted); emitted = accepted drafts + one target token."""
     rows = [r for it in items for r in it.rows]
-    if all(_plain_greedy(r) for r in rows):  # the argmax of the logits as they are
+    if plain_greedy(rows):  # the argmax of the logits as they are
         argmax = argmax_rows(logits).tolist()
         prepared = probs = None
     else:
