@@ -80,11 +80,11 @@ class SampledTokens:
 
 
 def sample_step(sampler: Sampler, plan: StepPlan, logits: torch.Tensor,
-                rows: list[SamplingRow] | None = None) -> SampledTokens:
+                rows: list[SamplingRow]) -> SampledTokens:
     """Sample every sequence's tokens; the plain rows' stay on the device (their copy to the
     host is started), drafts are verified at once. ``rows``: the sampling rows of the plain
-    rows where the caller has them (the engine's, or a chained step's, whose requests' state is
-    not theirs yet); else taken from the requests."""
+    rows (sampling, not verifying), in the plan's order (a chained step's as if its input
+    token were emitted: ``lookahead_rows``)."""
     normal, verify = [], []
     r = 0
     for b, s in enumerate(plan.seqs):
@@ -99,8 +99,6 @@ def sample_step(sampler: Sampler, plan: StepPlan, logits: torch.Tensor,
         sel = logits
         if len(normal) < logits.shape[0]:  # verify rows follow: pick the sampling rows
             sel = logits[torch.tensor([r for _, r in normal], device=logits.device)]
-        if rows is None:
-            rows = [plan.seqs[b].request.sampling_row() for b, _ in normal]
         res = sampler.sample(sel, rows)
         out.tokens, out.logprobs = res.token_ids, res.logprobs
         out.start_copy()

@@ -403,11 +403,11 @@ class LLMEngine:
 
     def _launch(self, plan: StepPlan, batch, rows: list | None = None) -> LaunchedStep:
         """Run the model on ``batch`` and sample, leaving the sampled tokens on the device."""
-        if rows is None and not any(s.num_drafts for s in plan.seqs):
-            rows = [s.request.sampling_row() for s in plan.seqs if s.sample]
+        if rows is None:  # the plain rows' (sampling, not verifying), as sample_step orders them
+            rows = [s.request.sampling_row() for s in plan.seqs if s.sample and not s.num_drafts]
         # rows that only take the argmax need no fp32 copy of the logits: the argmax of the
-        # head's own dtype is the same token
-        fp32 = rows is None or not plain_greedy(rows)
+        # head's own dtype is the same token (verification keeps fp32)
+        fp32 = any(s.num_drafts for s in plan.seqs) or not plain_greedy(rows)
         with self._phase("forward"):
             hidden = self.runner.forward(batch)
         with self._phase("logits"):

@@ -721,3 +721,24 @@ def test_specbench_reports_what_it_ran(ckpt, tmp_path, capsys, monkeypatch):
     lossy = run_spec_bench(str(ckpt), ks=(0, 2), batch_sizes=(1,), threads=1, quick=True,
                            verbose=False)
     assert [r["identical_to_k0"] for r in lossy["rows"]] == [True, False]
+
+
+def test_verification_gets_fp32_logits_in_a_bf16_model(ckpt, prompts, monkeypatch):
+    """Plain greedy steps may sample the LM head's bf16 logits (test_engine.py); a step that
+    verifies drafts gets fp32 whatever its rows, as the rejection sampler computes in it."""
+    import hybridrt.async_chain as chain
+
+    seen = []
+    verify = chain.verify_requests
+
+    def spy(sampler, logits, entries):
+        seen.append(logits.dtype)
+        return verify(sampler, logits, entries)
+
+    monkeypatch.setattr(chain, "verify_requests", spy)
+    llm = LLM(ckpt, dtype="bfloat16", speculative_tokens=2, max_model_len=128, max_num_seqs=4,
+              cache_memory=32 << 20)
+    hot = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=1)
+    llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+    llm.generate(prompts[2:4], hot, use_tqdm=False)
+    assert seen and set(seen) == {torch.float32}
