@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from hybridrt.bench import ceilings, llamacpp
 from hybridrt.bench import throughput as bench
 from hybridrt.bench.fixtures import tiny_text_config, write_char_tokenizer, write_random_checkpoint
+from hybridrt.bench.throughput import steady_runs
 from hybridrt.cli.main import app
 
 DATA = Path(__file__).parent / "data"
@@ -214,13 +215,39 @@ def test_side_by_side_report_with_stand_in_binaries(tiny, tmp_path):
     # each of our batch-1 runs against the read loop run just before it
     ours = r["rounds"][1]
     assert len(ours["b1_pairs"]) == 5 and ours["results"]["decode_b1_tok_s"] == (
-        statistics.median(rate for rate, _ in ours["b1_pairs"]))
+        statistics.median(rate for rate, _, _ in ours["b1_pairs"]))
     assert c["fraction_by_run"] == [pytest.approx(rate * c["weight_bytes_per_token"] / (g * 1e9))
-                                    for rate, g in ours["b1_pairs"]]
+                                    for rate, g, _ in ours["b1_pairs"]]
+    # a run's read after it is the next run's read before it; the last one its own
+    pairs = ours["b1_pairs"]
+    assert [a for _, _, a in pairs[:-1]] == [g for _, g, _ in pairs[1:]] and pairs[-1][2] > 0
+    assert c["steady_runs"] == steady_runs([tuple(p) for p in pairs], c["weight_bytes_per_token"])
+    if c["steady_runs"]:
+        assert "read before and after within 10%" in res.stdout
     for text in ("llama.cpp", "own random prompt tokens", "llama.cpp peak RSS",
                  "batch-1 ceiling", "read bandwidth", "just before each round",
                  "recurrent state each token reads and writes", "batch-1 runs, each against"):
         assert text in res.stdout
+
+
+def test_steady_runs_keep_the_runs_whose_reads_agree_against_their_mean():
+    """A batch-1 run counts as steady when the read loops before and after it differ by at most
+    10% of the first (the machine did not change read level under it); its fraction is taken
+    against the two reads' mean; the steady runs come sorted by that read."""
+    per_token = 500_000_000
+    pairs = [(50.0, 30.0, 31.0),   # steady
+             (45.0, 30.0, 55.0),   # the read moved: left out
+             (60.0, 55.0, 56.0),   # steady, at a higher read
+             (52.0, 30.0, 33.0),   # exactly 10%: steady
+             (52.0, 30.0, 33.5),   # just over: left out
+             (40.0, 40.0, 36.0)]   # down by exactly 10%: steady
+    got = steady_runs(pairs, per_token)
+    kept = [(50.0, 30.5), (52.0, 31.5), (40.0, 38.0), (60.0, 55.5)]
+    assert [(r["tok_s"], r["read_gb_s"]) for r in got] == kept
+    assert [r["fraction"] for r in got] == [pytest.approx(rate * per_token / (read * 1e9))
+                                            for rate, read in kept]
+    assert steady_runs(pairs, per_token, tolerance=0.0) == []
+    assert steady_runs([], per_token) == []
 
 
 def test_read_loop_apart_leaves_this_processs_peak_rss_alone():

@@ -119,8 +119,9 @@ def bench_ours(llm, prefill_len: int, decode_tokens: int, concurrency: list[int]
                read=None, b1_pairs: list | None = None) -> tuple[dict, dict]:
     """One round of hybridrt's measurements -> (results, the work of each row); with
     ``interleave``, also the batching ratio from alternated runs. ``read``: a callable giving
-    the read bandwidth (GB/s), run just before each batch-1 run, its (tok/s, GB/s) pairs
-    appended to ``b1_pairs``."""
+    the read bandwidth (GB/s), run just before each batch-1 run and once after the last, each
+    run's (tok/s, GB/s before it, GB/s after it) appended to ``b1_pairs`` (a run's "after" is
+    the next run's "before")."""
     vocab = llm.config.vocab_size
     res: dict[str, float] = {}
     work: dict[str, dict] = {}
@@ -144,6 +145,9 @@ def bench_ours(llm, prefill_len: int, decode_tokens: int, concurrency: list[int]
         rates.append(out.metrics["decode_tokens_per_s"])
         if read is not None and b1_pairs is not None:
             b1_pairs.append((rates[-1], gb_s))
+    if read is not None and b1_pairs is not None:
+        after = [g for _, g in b1_pairs[1:]] + [read()]
+        b1_pairs[:] = [(rate, g, a) for (rate, g), a in zip(b1_pairs, after, strict=True)]
     res["decode_b1_tok_s"] = statistics.median(rates)
     work["decode_b1_tok_s"] = _work(1, prompt_len, [len(out.outputs[0].token_ids)])
 
@@ -212,6 +216,24 @@ def bench_transformers(state_dict: dict, text_config: dict, dtype: torch.dtype, 
         res[f"aggregate_b{c}_tok_s"] = c * decode_tokens / dt
         res[f"decode_b{c}_tok_s"] = c * (decode_tokens - 1) / max(dt - run(p, 1), 1e-9)
     return res, work
+
+
+STEADY = 0.10  # a batch-1 run whose read loops before and after differ by at most this share
+
+
+def steady_runs(pairs: list, per_token: int, tolerance: float = STEADY) -> list[dict]:
+    """The batch-1 runs during which the machine's read bandwidth held still: of ``pairs``
+    (tok/s, GB/s read before the run, GB/s read after it), those whose two reads differ by at
+    most ``tolerance`` of the first, each with its fraction of the ceiling against the mean of
+    its two reads, sorted by that read. (This machine's read moves between levels from one read
+    to the next; a run whose reads disagree may have run at either.)"""
+    out = []
+    for rate, before, after in pairs:
+        if abs(after - before) <= tolerance * before:
+            read = (before + after) / 2
+            out.append({"tok_s": rate, "read_gb_s": read,
+                        "fraction": rate * per_token / (read * 1e9)})
+    return sorted(out, key=lambda r: r["read_gb_s"])
 
 
 def _medians(rounds: list[dict]) -> dict:
@@ -355,9 +377,11 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
     report["ceilings"]["fraction_by_round"] = by_round
     report["ceilings"]["read_gb_s_by_round"] = [r["read_gb_s"] for r in rounds]
     # each batch-1 run of ours against the read loop run just before it
-    runs = [rate * per_token / (gb_s * 1e9) for r in rounds for rate, gb_s in r.get("b1_pairs", [])]
+    pairs = [p for r in rounds for p in r.get("b1_pairs", [])]
+    runs = [rate * per_token / (gb_s * 1e9) for rate, gb_s, _ in pairs]
     if runs:
         report["ceilings"]["fraction_by_run"] = runs
+        report["ceilings"]["steady_runs"] = steady_runs(pairs, per_token)
     if transformers:
         import copy
         import json as _json
@@ -491,6 +515,21 @@ def format_table(report: dict) -> str:
                             f"before it: median {statistics.median(runs):.0%} of {len(runs)} "
                             f"(from {min(runs):.0%} to {max(runs):.0%})")
             w, st = ceil["weight_bytes_per_token"], ceil.get("state_bytes_per_token") or 0
+            steady = ceil.get("steady_runs")
+            if steady:
+                half, mid = len(steady) // 2, statistics.median(r["fraction"] for r in steady)
+                line = (f"of them with the read before and after within {STEADY:.0%} of each "
+                        f"other: {len(steady)}, median {mid:.0%}")
+                if half:
+                    line += "; " + ", ".join(
+                        f"the {name} {len(part)} ({part[0]['read_gb_s']:.1f}-"
+                        f"{part[-1]['read_gb_s']:.1f} GB/s) "
+                        f"{statistics.median(r['fraction'] for r in part):.0%}"
+                        for name, part in (("lower-read", steady[:half]),
+                                           ("higher-read", steady[-half:])))
+                if st:
+                    line += f"; with the recurrent state {mid * (w + st) / w:.0%}"
+                rows.append(line)
             if st:
                 rows.append(f"with the recurrent state each token reads and writes too "
                             f"({st / 1e6:.1f} MB, {(w + st) / 1e9:.3f} GB a token): "
