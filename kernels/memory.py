@@ -102,6 +102,12 @@ def huge_pages_available() -> bool:
     return "[never]" not in mode and bool(_load_libc())
 
 
+def weights_on_huge_pages(opts) -> bool:
+    """Whether the CPU backend puts the loaded weights in a ``HugeArena``: its options
+    (``KernelOptions.huge_pages``) allow it and ``huge_pages_available``."""
+    return opts.huge_pages and huge_pages_available()
+
+
 class HugeArena:
     """One anonymous mapping, 2 MiB-aligned and advised for transparent huge pages
     (``madvise(MADV_HUGEPAGE)`` before anything touches it), handed out front to back by

@@ -60,11 +60,11 @@ def stream_read(threads: int, size_bytes: int = 1 << 30, passes: int = 5,
     (docs/performance.md), which would understate the weights' ceiling."""
     from hybridrt import env
     from hybridrt.kernels import native
-    from hybridrt.kernels.memory import HugeArena, huge_pages_available
+    from hybridrt.kernels.memory import HugeArena, weights_on_huge_pages
 
     opts = env.kernel_options()
     if huge_pages is None:
-        huge_pages = opts.huge_pages and huge_pages_available()
+        huge_pages = weights_on_huge_pages(opts)
     arena = HugeArena(size_bytes) if huge_pages else None
     buf = (arena.empty((size_bytes // 4,), torch.float32) if arena is not None
            else torch.empty(size_bytes // 4))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from .. import int4, native, quant
 from ..linear import linear as cpu_linear
 from ..linear import pack_weight, use_fp32_gemm
-from ..memory import huge_pages_available
+from ..memory import weights_on_huge_pages
 from ..options import KernelOptions
 from ..rope import RopeRows, RopeTable
 from ..step import StepProgram
@@ -42,7 +42,7 @@ class CPUBackend(ReferenceBackend):
         # without the compiled half kernels a half weight's products need an fp32 copy, kept
         # per module (``_packed``): the projections stay apart there
         self.merges_projections = self.half_simd
-        self.huge_pages = opts.huge_pages and huge_pages_available()
+        self.huge_pages = weights_on_huge_pages(opts)
         self.num_slots: int | None = None
         self.kv_shape: tuple[int, int] | None = None  # (blocks, block size) of the KV caches
         self.groups: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
