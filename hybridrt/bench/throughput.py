@@ -136,18 +136,17 @@ def bench_ours(llm, prefill_len: int, decode_tokens: int, concurrency: list[int]
     work["prefill_tok_s"] = _work(1, prefill_len, [len(o.outputs[0].token_ids) for o in outs])
 
     sp = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
-    rates = []
+    rates, reads = [], []
     # batch 1 is the denominator of the batching ratios and a short run: at least five runs,
     # so that one noisy stretch of a shared machine does not move the median
     for r in range(max(repeats, 5)):
-        gb_s = read() if read is not None else None
+        if read is not None:
+            reads.append(read())
         (out,) = llm.generate(_prompts(1, prompt_len, vocab, 200 + r), sp, use_tqdm=False)
         rates.append(out.metrics["decode_tokens_per_s"])
-        if read is not None and b1_pairs is not None:
-            b1_pairs.append((rates[-1], gb_s))
     if read is not None and b1_pairs is not None:
-        after = [g for _, g in b1_pairs[1:]] + [read()]
-        b1_pairs[:] = [(rate, g, a) for (rate, g), a in zip(b1_pairs, after, strict=True)]
+        reads.append(read())  # after the last run
+        b1_pairs.extend(zip(rates, reads, reads[1:]))
     res["decode_b1_tok_s"] = statistics.median(rates)
     work["decode_b1_tok_s"] = _work(1, prompt_len, [len(out.outputs[0].token_ids)])
 
