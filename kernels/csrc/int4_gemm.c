@@ -37,7 +37,8 @@
  * Threads (OpenMP) take blocks of panels: one panel a block up to 8 rows (each weight read from
  * memory once for all rows, each thread streaming its share of W; AVX-512: unpacked once for all
  * rows, the 256-bit paths: again from L1 for rows 5-8), two panels (AVX2: one) and tiles of 4 rows
- * beyond. The GEMV prefetches the weight stream ahead into L2 (PF_AHEAD).
+ * beyond. The GEMV prefetches the weight stream ahead: into L2 (PF_AHEAD), or at one row on
+ * AVX-512 into L1 only (PF_NTA).
  */
 #include <math.h>
 #include <stdint.h>
@@ -60,6 +61,7 @@
 #define AVX2_ROWS 4   /* rows per tile on the 256-bit paths (16 ymm registers on AVX2) */
 #define PF_AHEAD 8192 /* bytes of the weight stream prefetched ahead of a few-row tile's loads */
 #define PF_START 16384 /* bytes of it a thread prefetches before its first panel of a GEMV */
+#define PF_NTA 2048   /* bytes prefetched ahead, non-temporal, by the one-row AVX-512 tile */
 
 enum { ISA_REF = 1, ISA_AVX2 = 2, ISA_VNNI = 4, ISA_AVXVNNI = 8 };
 
@@ -440,13 +442,17 @@ static inline __m512i dpbusd_x4(__m512i acc, __m512i w, const int8_t *x)
  * loaded and unpacked once into 8 vectors (4 of low nibbles, 4 of high) and multiplied into
  * every row's int32 sums, a row's 8 products in two chains (low, high) up to 4 rows, one beyond
  * (the sums are exact: the split cannot change them); then the same fp32 steps per row and group
- * as every path. The weight stream ahead is prefetched into L2, one row included: a whole decode
- * step's one-row products took 0.83x the time of the hardware prefetcher alone, and with a few
- * rows' work per byte the loads waited without it (docs/performance.md, "int4 few rows"). */
+ * as every path. The weight stream ahead is prefetched: a whole decode step's one-row products
+ * took 0.83x the time of the hardware prefetcher alone, and with a few rows' work per byte the
+ * loads waited without it (docs/performance.md, "int4 few rows"). From 2 rows into L2, PF_AHEAD
+ * ahead; at one row PF_NTA ahead with the non-temporal hint (into L1, not kept by the outer
+ * caches), with which a whole one-row decode step took 0.88-0.90x the time of the L2 prefetch
+ * and 2-8 rows 0.98-1.07x ("The one-row int4 stream, non-temporal"). */
 static inline __attribute__((always_inline)) void gemv_vnni(const Args *a, int64_t i, int64_t p,
                                                             int mr, int six)
 {
     const __m512i low = _mm512_set1_epi8(0x0f);
+    const int nta = mr == 1; /* a literal at every call, as mr */
     const int8_t *xq = a->xq + i * a->Kp;
     const float *xd = a->xd + i * a->G, *xds = a->xds + i * a->G;
     __m512 accf[GEMV_MAX];
@@ -461,14 +467,22 @@ static inline __attribute__((always_inline)) void gemv_vnni(const Args *a, int64
             __m512i w[8], h0 = _mm512_setzero_si512(), h1 = h0;
             if (six) { /* the hs stream: half of qs's bytes, prefetched as far ahead */
                 const uint8_t *hq = hs_at(a, p, g);
-                _mm_prefetch((const char *)hq + PF_AHEAD / 2, _MM_HINT_T1);
-                _mm_prefetch((const char *)hq + 64 + PF_AHEAD / 2, _MM_HINT_T1);
+                if (nta) {
+                    _mm_prefetch((const char *)hq + PF_NTA / 2, _MM_HINT_NTA);
+                    _mm_prefetch((const char *)hq + 64 + PF_NTA / 2, _MM_HINT_NTA);
+                } else {
+                    _mm_prefetch((const char *)hq + PF_AHEAD / 2, _MM_HINT_T1);
+                    _mm_prefetch((const char *)hq + 64 + PF_AHEAD / 2, _MM_HINT_T1);
+                }
                 h0 = _mm512_loadu_si512(hq);
                 h1 = _mm512_loadu_si512(hq + 64);
             }
             #pragma GCC unroll 4
             for (int k4 = 0; k4 < 4; ++k4) {
-                _mm_prefetch((const char *)q + 64 * k4 + PF_AHEAD, _MM_HINT_T1);
+                if (nta)
+                    _mm_prefetch((const char *)q + 64 * k4 + PF_NTA, _MM_HINT_NTA);
+                else
+                    _mm_prefetch((const char *)q + 64 * k4 + PF_AHEAD, _MM_HINT_T1);
                 const __m512i v = _mm512_loadu_si512(q + 64 * k4);
                 w[k4] = _mm512_and_si512(v, low);
                 w[4 + k4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
