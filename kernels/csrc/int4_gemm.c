@@ -37,8 +37,8 @@
  * Threads (OpenMP) take blocks of panels: one panel a block up to 8 rows (each weight read from
  * memory once for all rows, each thread streaming its share of W; AVX-512: unpacked once for all
  * rows, the 256-bit paths: again from L1 for rows 5-8), two panels (AVX2: one) and tiles of 4 rows
- * beyond. The GEMV prefetches the weight stream ahead: into L2 (PF_AHEAD), or at one row on
- * AVX-512 into L1 only (PF_NTA).
+ * beyond (the 256-bit paths at one row: both halves of a panel in one pass). The GEMV prefetches
+ * the weight stream ahead: into L2 (PF_AHEAD), or at one row into L1 only (PF_NTA).
  */
 #include <math.h>
 #include <stdint.h>
@@ -61,7 +61,7 @@
 #define AVX2_ROWS 4   /* rows per tile on the 256-bit paths (16 ymm registers on AVX2) */
 #define PF_AHEAD 8192 /* bytes of the weight stream prefetched ahead of a few-row tile's loads */
 #define PF_START 16384 /* bytes of it a thread prefetches before its first panel of a GEMV */
-#define PF_NTA 2048   /* bytes prefetched ahead, non-temporal, by the one-row AVX-512 tile */
+#define PF_NTA 2048   /* bytes prefetched ahead, non-temporal, by the one-row tiles */
 
 enum { ISA_REF = 1, ISA_AVX2 = 2, ISA_VNNI = 4, ISA_AVXVNNI = 8 };
 
@@ -392,13 +392,105 @@ static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64
     }
 }
 
+/* tile_avx2 for one row, both halves of panel p in one pass: each 64-byte line of the weight
+ * stream used whole when it arrives (the two passes of tile_avx2 read it twice), x's 4-byte steps
+ * broadcast once for both halves, the stream prefetched PF_NTA ahead non-temporally as gemv_vnni
+ * does at one row. The same operations per column as tile_avx2, so the same bits. A whole
+ * one-row decode step took 0.87x the time of the two passes (AVX2 build; 0.81x on avxvnni; docs/
+ * performance.md, "The one-row int4 stream, non-temporal"). */
+static inline __attribute__((always_inline)) void row_avx2(const Args *a, int64_t i, int64_t p,
+                                                           int vnni, int six)
+{
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const int8_t *xq = a->xq + i * a->Kp;
+    const float *xd = a->xd + i * a->G, *xds = a->xds + i * a->G;
+    __m256 accf[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t sb = 0; sb < a->SB; ++sb) {
+        const uint16_t *s = scales_at(a, p, sb * SBG);
+        const __m256 D[2] = {bf16x8(s), bf16x8(s + 8)};
+        const __m256 M[2] = {bf16x8(s + NR), bf16x8(s + NR + 8)};
+        const int64_t g1 = (sb + 1) * SBG < a->G ? (sb + 1) * SBG : a->G;
+        for (int64_t g = sb * SBG; g < g1; ++g) {
+            __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            __m256i h0[2] = {acc[0], acc[0]}, h1[2] = {acc[0], acc[0]};
+            const uint8_t *q = qs_at(a, p, g);
+            if (six) {
+                const uint8_t *hq = hs_at(a, p, g);
+                _mm_prefetch((const char *)hq + PF_NTA / 2, _MM_HINT_NTA);
+                _mm_prefetch((const char *)hq + 64 + PF_NTA / 2, _MM_HINT_NTA);
+                #pragma GCC unroll 2
+                for (int hh = 0; hh < 2; ++hh) {
+                    h0[hh] = _mm256_loadu_si256((const __m256i *)(hq + 32 * hh));
+                    h1[hh] = _mm256_loadu_si256((const __m256i *)(hq + 64 + 32 * hh));
+                }
+            }
+            #pragma GCC unroll 4
+            for (int k4 = 0; k4 < 4; ++k4) {
+                _mm_prefetch((const char *)q + 64 * k4 + PF_NTA, _MM_HINT_NTA);
+                const int8_t *xg = xq + g * QK + 4 * k4;
+                const __m256i xl = _mm256_set1_epi32(*(const int32_t *)xg);
+                const __m256i xh = _mm256_set1_epi32(*(const int32_t *)(xg + 16));
+                #pragma GCC unroll 2
+                for (int hh = 0; hh < 2; ++hh) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * k4 + 32 * hh));
+                    __m256i wl = _mm256_and_si256(v, low);
+                    __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    if (six) {
+                        wl = _mm256_or_si256(wl, high8(h0[hh], k4));
+                        wh = _mm256_or_si256(wh, high8(h1[hh], k4));
+                    }
+#ifdef HAVE_AVXVNNI
+                    if (vnni) {
+                        acc[hh] = DPBUSD256(DPBUSD256(acc[hh], wl, xl), wh, xh);
+                        continue;
+                    }
+#endif
+                    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(wl, xl),
+                                                         _mm256_maddubs_epi16(wh, xh));
+                    acc[hh] = six ? _mm256_add_epi32(acc[hh], _mm256_madd_epi16(s16, ones))
+                                  : _mm256_add_epi16(acc[hh], s16);
+                }
+            }
+            const uint8_t *cg = codes_at(a, p, g);
+            const __m256 dx = _mm256_set1_ps(xd[g]);
+            const __m256 ndxs = _mm256_set1_ps(-xds[g]);
+            #pragma GCC unroll 2
+            for (int hh = 0; hh < 2; ++hh) {
+                const __m256 dw = _mm256_mul_ps(D[hh], codes8(cg + 8 * hh));
+                const __m256 mw = _mm256_mul_ps(M[hh], codes8(cg + NR + 8 * hh));
+                const __m256i dot = vnni || six ? acc[hh] : _mm256_madd_epi16(acc[hh], ones);
+                accf[hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, dx),
+                                           accf[hh]);
+                accf[hh] = _mm256_fmadd_ps(mw, ndxs, accf[hh]);
+            }
+        }
+    }
+    #pragma GCC unroll 2
+    for (int hh = 0; hh < 2; ++hh) {
+        const int64_t n0 = p * NR + 8 * hh;
+        if (n0 + 8 <= a->N) {
+            act_st8(a->y, i * a->N + n0, accf[hh], a->y_bf);
+        } else if (n0 < a->N) {
+            float v[8];
+            _mm256_storeu_ps(v, accf[hh]);
+            for (int c = 0; c < 8 && n0 + c < a->N; ++c)
+                act_st(a->y, i * a->N + n0 + c, v[c], a->y_bf);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void panel_avx2(const Args *a, int64_t i, int64_t p,
                                                              int mr, int vnni, int six)
 {
-    /* rows in tiles of up to AVX2_ROWS (their int16 and fp32 sums in registers; the panel's
-     * bytes again from L1 for the next tile), the weight stream prefetched by the first; mr
-     * and vnni as literals at every call, so that the unrolled loops keep the tile in
-     * registers; the second half of a panel past N is skipped */
+    /* one row: row_avx2. More: rows in tiles of up to AVX2_ROWS (their int16 and fp32 sums in
+     * registers; the panel's bytes again from L1 for the next tile), the weight stream
+     * prefetched by the first; mr and vnni as literals at every call, so that the unrolled
+     * loops keep the tile in registers; the second half of a panel past N is skipped */
+    if (mr == 1) {
+        if (vnni) row_avx2(a, i, p, 1, six);
+        else row_avx2(a, i, p, 0, six);
+        return;
+    }
     for (int h = 0; h < 2 && p * NR + 8 * h < a->N; ++h) {
         for (int r0 = 0; r0 < mr; r0 += AVX2_ROWS) {
             const int n = mr - r0 < AVX2_ROWS ? mr - r0 : AVX2_ROWS, pf = h == 0 && r0 == 0;
