@@ -395,9 +395,9 @@ static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64
 /* tile_avx2 for one row, both halves of panel p in one pass: each 64-byte line of the weight
  * stream used whole when it arrives (the two passes of tile_avx2 read it twice), x's 4-byte steps
  * broadcast once for both halves, the stream prefetched PF_NTA ahead non-temporally as gemv_vnni
- * does at one row. The same operations per column as tile_avx2, so the same bits. A whole
- * one-row decode step took 0.87x the time of the two passes (AVX2 build; 0.81x on avxvnni; docs/
- * performance.md, "The one-row int4 stream, non-temporal"). */
+ * does at one row. The same operations per column as tile_avx2, so the same bits; a one-row
+ * decode step takes less time than with the two passes (docs/performance.md, "The one-row int4
+ * stream, non-temporal"). */
 static inline __attribute__((always_inline)) void row_avx2(const Args *a, int64_t i, int64_t p,
                                                            int vnni, int six)
 {
@@ -538,8 +538,8 @@ static inline __m512i dpbusd_x4(__m512i acc, __m512i w, const int8_t *x)
  * took 0.83x the time of the hardware prefetcher alone, and with a few rows' work per byte the
  * loads waited without it (docs/performance.md, "int4 few rows"). From 2 rows into L2, PF_AHEAD
  * ahead; at one row PF_NTA ahead with the non-temporal hint (into L1, not kept by the outer
- * caches), with which a whole one-row decode step took 0.88-0.90x the time of the L2 prefetch
- * and 2-8 rows 0.98-1.07x ("The one-row int4 stream, non-temporal"). */
+ * caches), which makes a whole one-row decode step faster and a step of 2-8 rows no faster
+ * ("The one-row int4 stream, non-temporal"). */
 static inline __attribute__((always_inline)) void gemv_vnni(const Args *a, int64_t i, int64_t p,
                                                             int mr, int six)
 {
