@@ -96,7 +96,7 @@ class CPUBackend:
             return None
         layers = []
         for dl in record.decoder:
-            m = dl.mixer
+            m = dl.mixer_layer
             mixer_in = self.groups.get(tuple(id(w) for w in dl.mixer_in))
             mlp_in = self.groups.get(tuple(id(w) for w in dl.mlp_in))
             outs = [_weight_of(w) for w in (dl.mixer_out, dl.mlp_out)]
@@ -163,7 +163,7 @@ class CPUBackend:
             else:
                 x, residual = norm(h, f.in_norm, f.eps, residual)
             parts = product(x, f.mixer_in).split(f.mixer_sizes, dim=-1)
-            m = f.mixer
+            m = f.mixer_layer
             if f.gdn is not None:
                 mixed, z, b, a = parts
                 taps, neg_exp_a, dt_bias, norm_w = f.gdn
@@ -490,12 +490,12 @@ class _FastLayer:
     groups) and, for a GDN layer, ``gdn``: the tensors ``native.gdn_fused`` takes besides the
     activations (None for an attention layer)."""
 
-    __slots__ = ("gdn", "mixer", "in_norm", "post_norm", "eps", "mixer_in", "mixer_sizes",
+    __slots__ = ("gdn", "mixer_layer", "in_norm", "post_norm", "eps", "mixer_in", "mixer_sizes",
                  "mixer_out", "mlp_in", "mlp_sizes", "mlp_out")
 
     def __init__(self, layer: DecoderLayerRecord, mixer_in, mixer_out, mlp_in, mlp_out, gdn):
         self.gdn = gdn
-        self.mixer = layer.mixer
+        self.mixer_layer = layer.mixer_layer
         self.in_norm = layer.input_norm_weight
         self.post_norm = layer.post_norm_weight
         self.eps = layer.eps

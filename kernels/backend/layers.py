@@ -84,12 +84,13 @@ class GDNLayer:
 
 @dataclass(eq=False, slots=True)
 class DecoderLayerRecord:
-    """One decoder layer: its mixer's record, the input and post-mixer RMSNorm weights [D]
-    and their eps, and the weights its products read (``quant.kernel_weight`` of each
-    projection, in output order): ``mixer_in`` q|k|v (attention) or qkv|z|b|a (GDN),
-    ``mixer_out`` o_proj / out_proj, ``mlp_in`` gate|up, ``mlp_out`` down_proj."""
+    """One decoder layer: its mixer's record (``mixer_layer``), the input and post-mixer
+    RMSNorm weights [D] and their eps, and the weights its products read
+    (``quant.kernel_weight`` of each projection, in output order): ``mixer_in`` q|k|v
+    (attention) or qkv|z|b|a (GDN), ``mixer_out`` o_proj / out_proj, ``mlp_in`` gate|up,
+    ``mlp_out`` down_proj."""
 
-    mixer: AttentionLayer | GDNLayer
+    mixer_layer: AttentionLayer | GDNLayer
     input_norm_weight: torch.Tensor
     post_norm_weight: torch.Tensor
     eps: float
