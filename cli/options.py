@@ -119,7 +119,8 @@ def model_options(**defaults: typing.Any):
         own = inspect.signature(command).parameters
         if "options" not in own:
             raise TypeError(f"{command.__name__} has no 'options' parameter")
-        hints = typing.get_type_hints(command, include_extras=True)
+        hints = typing.get_type_hints(command, localns={"ModelOptions": ModelOptions},
+                                      include_extras=True)
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints[p.name])
                   for p in own.values() if p.name != "options"] + group
 
