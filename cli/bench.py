@@ -12,9 +12,12 @@ from typing import Annotated
 
 import typer
 
-from hybridrt.cli.common import (
+from hybridrt.cli.common import CliError
+from hybridrt.cli.options import (
     BatchInvariantOpt,
-    CliError,
+    DtypeOpt,
+    MaxNumBatchedTokensOpt,
+    MaxNumSeqsOpt,
     ModelArg,
     QuantizationOpt,
     ThreadsOpt,
@@ -502,7 +505,7 @@ def prefix(
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Alternated rounds.")] = 2,
     workloads: Annotated[str, typer.Option(
         "--workloads", help="Comma-separated: shared, disjoint.")] = "shared,disjoint",
-    dtype: Annotated[str, typer.Option("--dtype", help="auto, bfloat16 or float32.")] = "auto",
+    dtype: DtypeOpt = "auto",
     quantization: QuantizationOpt = None,
     cache_memory: Annotated[str, typer.Option(
         "--cache-memory", help="Cache budget of each of the two engines.")] = "4GiB",
@@ -554,11 +557,8 @@ def preemption(
         "small for the whole workload at once.")] = "12MiB",
     max_model_len: Annotated[int, typer.Option(
         "--max-model-len", min=2, help="Context length.")] = 4096,
-    max_num_seqs: Annotated[int, typer.Option(
-        "--max-num-seqs", min=1, help="Requests running at once.")] = 8,
-    max_num_batched_tokens: Annotated[int | None, typer.Option(
-        "--max-num-batched-tokens", min=1, help="Tokens per engine step (default: the "
-        "engine's).", show_default=False)] = None,
+    max_num_seqs: MaxNumSeqsOpt = 8,
+    max_num_batched_tokens: MaxNumBatchedTokensOpt = None,
     long: Annotated[str, typer.Option(
         "--long", help="The long request: PROMPT,GENERATED tokens.")] = "3000,1000",
     short: Annotated[str, typer.Option(
