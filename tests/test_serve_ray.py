@@ -151,14 +151,14 @@ def _pump(stream: bool, before) -> tuple[list, dict, int]:
     import types
 
     from hybridrt.ray_serve import RayServer
+    from hybridrt.server import Job
 
     got = []
     handle = types.SimpleNamespace(post=got.append, index=0)
     engine = _Dies(before)
     server = types.SimpleNamespace(engine=engine, max_retries=2,
                                    failover={"retries": 0, "errors": 0})
-    job = {"ids": [1, 2, 3], "params": SamplingParams(max_tokens=2), "prompt": None,
-           "snapshot_at": None, "id": "r", "stream": stream}
+    job = Job([1, 2, 3], SamplingParams(max_tokens=2), None, None, "r", stream=stream)
     asyncio.run(RayServer._pump(server, [handle], job))
     return got, server.failover, engine.calls
 
