@@ -26,6 +26,7 @@ from hybridrt.session import Session
 from hybridrt.specdec.draft_vocab import load_draft_vocab
 from hybridrt.statecache import HybridCacheManager, plan_cache
 from hybridrt.threads import ThreadGovernor, adaptive_threads_enabled
+from hybridrt.tokenizer import load_tokenizer
 from hybridrt.tool_calls import check_tool_choice, check_tools, template_messages, tool_constraint
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
@@ -629,29 +630,6 @@ class LLM:
             self.last_stream_output = self._output(req)
         if req.error is not None:
             raise req.error
-
-
-def load_tokenizer(model_path: str | os.PathLike):
-    """The checkpoint directory's tokenizer; None if it has none."""
-    path = Path(model_path)
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
-                                               "vocab.json")):
-        return None
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    if (path / "tokenizer.json").is_file():
-        # tokenizer.json is the whole pipeline; AutoTokenizer would swap in the
-        # model-type class and its own pre-tokenizer.
-        tok = PreTrainedTokenizerFast.from_pretrained(str(path))
-    else:
-        tok = AutoTokenizer.from_pretrained(str(path))
-    # hybridrt checks prompt lengths against max_model_len itself: transformers' "Token
-    # indices sequence length is longer than the specified maximum" (model_max_length)
-    # would only add a confusing line. This is the flag with which it warns only once.
-    warned = getattr(tok, "deprecation_warnings", None)
-    if isinstance(warned, dict):
-        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
-    return tok
 
 
 def apply_chat_template(tokenizer, conversation: list[dict], chat_template_kwargs=None,

@@ -304,7 +304,7 @@ class Ingress:
     """The ingress deployment: a ``RayServer`` whose prompt bounds come from a replica."""
 
     async def __init__(self, engine, model_path: str, model_name: str, options: dict):
-        from hybridrt.llm import load_tokenizer
+        from hybridrt.tokenizer import load_tokenizer
 
         info = await engine.describe.remote()
         front = Frontend(load_tokenizer(model_path), model_path, info["vocab_size"],

@@ -140,8 +140,10 @@ class StructuredOutputs:
         with self._lock:
             if self._compiler is None:
                 xgr = _import_xgrammar()
+                # hybridrt.tokenizer.Tokenizer hands over transformers' object of its files
+                tok = self.tokenizer.hf() if hasattr(self.tokenizer, "hf") else self.tokenizer
                 info = xgr.TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.vocab_size,
+                    tok, vocab_size=self.vocab_size,
                     stop_token_ids=self.stop_token_ids or None)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler

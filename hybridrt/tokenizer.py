@@ -94,6 +94,12 @@ class Tokenizer:
                                    if (t := _token_text(config.get(k))) is not None}
         self._hf = None
 
+    @property
+    def backend_tokenizer(self):
+        """The ``tokenizers.Tokenizer`` itself (transformers' name for it): its
+        ``encode_batch`` releases the GIL, which the server's encoding relies on."""
+        return self._backend
+
     # Special tokens ------------------------------------------------------------------------
     def __getattr__(self, name: str):
         # eos_token, pad_token, ... and their ids (None where the checkpoint has none)
