@@ -47,8 +47,9 @@ def _import_xgrammar():
         import xgrammar
     except ImportError as e:
         raise ValueError(
-            f"structured outputs need the xgrammar package ({e}): pip install "
-            f"'hybridrt[structured]'") from None
+            f"structured outputs (response_format, structured_outputs, tool_choice required or "
+            f"a named function) need the xgrammar package, which the serve extra leaves out "
+            f"({e}): pip install 'hybridrt[structured]'") from None
     return xgrammar
 
 
