@@ -5,7 +5,7 @@ batch size, rounds alternated (off, on) in one process; and a typical schema's c
 cold (the first compile also reads the vocabulary into xgrammar), a second schema, and cached.
 Decode steps are timed by the engine itself (``LLMEngine.step_costs``, kind "decode");
 ``cpu_time``: in this process's CPU time (a busy machine; with one thread). Needs xgrammar (the
-``serve`` extra). docs/structured_outputs.md has the figures.
+``structured`` extra). docs/structured_outputs.md has the figures.
 """
 
 from __future__ import annotations
