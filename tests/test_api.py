@@ -5,7 +5,7 @@ import torch
 
 from hybridrt import LLM, SamplingParams
 from hybridrt.bench.fixtures import tiny_text_config, write_char_tokenizer, write_random_checkpoint
-from hybridrt.llm import default_batched_tokens
+from hybridrt.engine_args import default_batched_tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
