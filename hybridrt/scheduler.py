@@ -22,14 +22,16 @@ preemption and the next finish (the workload behind this rule: docs/server.md).
 
 | invariant | |
 | --- | --- |
+| waiting for grammar | holds no cache; joins waiting once compiled (fails if it does not) |
 | running | holds KV blocks covering num_computed_tokens (+ this step's) and its state slots |
 | waiting | holds no cache resources; num_computed_tokens == 0 |
 | preempted | goes back to the front of waiting, oldest first; no admission until a finish |
 | finished | released by ``finish`` after the step's drafts (its MTP KV is final then) |
 
-Request progress has two writers: the scheduler (admission, preemption, finish: status,
-``num_computed_tokens`` reset or reused, speculation reset, finish reason) and the update step
-(``OutputProcessor.update``: tokens, ``num_computed_tokens``, drafts, stop).
+A step is applied in one place, ``update`` (nano-vllm's ``postprocess``, vLLM's
+``update_from_output``): the tokens into the requests (``OutputProcessor.update``: tokens,
+``num_computed_tokens``, stops), the proposer's next drafts, the prefix cache's commit
+(``HybridCacheManager.commit_step``), then the finished requests released (``finish``).
 """
 
 from __future__ import annotations
