@@ -49,7 +49,7 @@ from hybridrt.session_manager import SessionManager
 from hybridrt.specdec.mtp import MTPProposer
 from hybridrt.specdec.stats import StepCosts
 from hybridrt.statecache import HybridCacheManager
-from hybridrt.statecache.prefix import checkpoint_positions
+from hybridrt.statecache.prefix import checkpoint_positions, message_start_ids
 from hybridrt.structured_outputs import StructuredOutputs
 
 
@@ -67,7 +67,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.session_manager = SessionManager(cache, args.max_num_sessions)
         if checkpoint_boundary_ids is None:
-            checkpoint_boundary_ids = _message_start_ids(tokenizer)
+            checkpoint_boundary_ids = message_start_ids(tokenizer)
         self.checkpoint_boundary_ids = frozenset(checkpoint_boundary_ids)
         self.runner = ModelRunner(model, cache, args)
         self.scheduler = Scheduler(cache, args, OutputProcessor(tokenizer, args.max_model_len),
@@ -286,16 +286,3 @@ class LLMEngine:
 
 
 _NO_PHASE = contextlib.nullcontext()
-
-
-def _message_start_ids(tokenizer: Any) -> list[int]:
-    """The token a chat template starts each message with (ChatML's ``<|im_start|>``), if the
-    tokenizer has it: prefix-cache checkpoints go before each."""
-    if tokenizer is None:
-        return []
-    try:
-        tid = tokenizer.convert_tokens_to_ids("<|im_start|>")
-    except Exception:  # a tokenizer without that method or token: no message boundaries
-        return []
-    unk = getattr(tokenizer, "unk_token_id", None)
-    return [tid] if isinstance(tid, int) and tid != unk else []
