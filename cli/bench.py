@@ -12,9 +12,12 @@ from typing import Annotated
 
 import typer
 
-from hybridrt.cli.common import (
+from hybridrt.cli.common import CliError
+from hybridrt.cli.options import (
     BatchInvariantOpt,
-    CliError,
+    DtypeOpt,
+    MaxNumBatchedTokensOpt,
+    MaxNumSeqsOpt,
     ModelArg,
     QuantizationOpt,
     ThreadsOpt,
@@ -502,7 +505,7 @@ def prefix(
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Alternated rounds.")] = 2,
     workloads: Annotated[str, typer.Option(
         "--workloads", help="Comma-separated: shared, disjoint.")] = "shared,disjoint",
-    dtype: Annotated[str, typer.Option("--dtype", help="auto, bfloat16 or float32.")] = "auto",
+    dtype: DtypeOpt = "auto",
     quantization: QuantizationOpt = None,
     cache_memory: Annotated[str, typer.Option(
         "--cache-memory", help="Cache budget of each of the two engines.")] = "4GiB",
@@ -554,11 +557,8 @@ def preemption(
         "small for the whole workload at once.")] = "12MiB",
     max_model_len: Annotated[int, typer.Option(
         "--max-model-len", min=2, help="Context length.")] = 4096,
-    max_num_seqs: Annotated[int, typer.Option(
-        "--max-num-seqs", min=1, help="Requests running at once.")] = 8,
-    max_num_batched_tokens: Annotated[int | None, typer.Option(
-        "--max-num-batched-tokens", min=1, help="Tokens per engine step (default: the "
-        "engine's).", show_default=False)] = None,
+    max_num_seqs: MaxNumSeqsOpt = 8,
+    max_num_batched_tokens: MaxNumBatchedTokensOpt = None,
     long: Annotated[str, typer.Option(
         "--long", help="The long request: PROMPT,GENERATED tokens.")] = "3000,1000",
     short: Annotated[str, typer.Option(
@@ -594,3 +594,115 @@ def preemption(
                          max_num_batched_tokens=max_num_batched_tokens, long=long_pair,
                          short=short_pair, num_short=num_short, rounds=rounds,
                          check_alone=check_alone, threads=threads, json_path=json_path)
+
+
+# steps ---------------------------------------------------------------------------------------
+@bench_app.command("steps")
+def steps(
+    model: ModelArg = None,
+    batch: Annotated[str, typer.Option(
+        "--batch", help="Comma-separated batch sizes (sequences decoding side by side).")] = "1",
+    weights: Annotated[str, typer.Option(
+        "--weights", help="Comma-separated weight kinds: none (the checkpoint's dtype), int8, "
+        "int4; an engine each, rounds alternated.")] = "none",
+    num_steps: Annotated[int, typer.Option(
+        "--steps", min=1, help="Decode steps timed per round.")] = 32,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Alternated rounds.")] = 3,
+    dtype: Annotated[str, typer.Option("--dtype", help="Weight dtype.")] = "bfloat16",
+    cache_memory: Annotated[str, typer.Option(
+        "--cache-memory", help="Each engine's cache budget: it must hold every batch.")] = "0.2",
+    max_model_len: Annotated[int, typer.Option(
+        "--max-model-len", min=64, help="Context length of each engine.")] = 512,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="CPU threads.")] = 2,
+    cpu_time: Annotated[bool, typer.Option(
+        "--cpu-time", help="Every time in this process's CPU seconds (a busy machine; with "
+        "--threads 1) (default: off).")] = False,
+    no_program: Annotated[bool, typer.Option(
+        "--no-program", help="The decode layers called one by one (HYBRIDRT_STEP_PROGRAM=0): "
+        "each kernel's time shows (default: off).")] = False,
+    json_path: JsonOpt = None,
+) -> None:
+    """Where a decode step goes: ms a step in each compiled call (fused layers, norms,
+    products, LM head) per batch size and weight kind, rounds alternated."""
+    from hybridrt.cli.common import check_model_options, resolve_model
+
+    _check_dtype(dtype)
+    check_model_options(dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory)
+    batches = _int_list("--batch", batch, 1)
+    kinds = [w.strip().lower() for w in weights.split(",") if w.strip()]
+    bad = [w for w in kinds if w not in ("none", "bf16", "int8", "int4")]
+    if bad or not kinds:
+        raise CliError(f"--weights: unknown kind(s) {bad or kinds}; choose from none, int8, "
+                       f"int4", 2)
+    path = resolve_model(model)
+    from hybridrt.bench.steps import run
+
+    try:
+        run(path, batches=tuple(batches), steps=num_steps, rounds=rounds, threads=threads,
+            quantizations=tuple(None if w in ("none", "bf16") else w for w in kinds),
+            dtype=dtype, cache_memory=cache_memory, max_model_len=max_model_len,
+            cpu_time=cpu_time, no_program=no_program, json_path=json_path)
+    except ValueError as e:
+        raise CliError(str(e), 1) from None
+
+
+# prefix-policy -------------------------------------------------------------------------------
+@bench_app.command("prefix-policy")
+def prefix_policy(
+    model: ModelArg = None,
+    workloads: Annotated[str, typer.Option(
+        "--workloads", help="Comma-separated: shared, agent, chat, document.")
+    ] = "shared,agent,chat,document",
+    scale: Annotated[float, typer.Option(
+        "--scale", min=0.001, help="Every workload's message sizes times this.")] = 1.0,
+    max_tokens: Annotated[int, typer.Option(
+        "--max-tokens", min=1, help="Tokens generated per request.")] = 16,
+    cache_memory: Annotated[str, typer.Option(
+        "--cache-memory", help="Cache budget: large enough that nothing is evicted.")] = "6GiB",
+    threads: Annotated[int, typer.Option("--threads", min=1, help="CPU threads.")] = 2,
+    json_path: JsonOpt = None,
+) -> None:
+    """What each GDN checkpoint placement (message starts, a token interval) costs and buys on
+    four chat-shaped workloads: tokens prefilled, hit rate, checkpoints saved and held."""
+    from hybridrt.bench import prefix_policy as policybench
+    from hybridrt.cli.common import resolve_model
+
+    chosen = tuple(w.strip() for w in workloads.split(",") if w.strip())
+    bad = [w for w in chosen if w not in policybench.WORKLOADS]
+    if bad or not chosen:
+        raise CliError(f"--workloads: unknown workload(s) {bad or chosen}; choose from "
+                       f"{', '.join(policybench.WORKLOADS)}", 2)
+    try:
+        policybench.run(resolve_model(model), threads=threads, scale=scale,
+                        max_tokens=max_tokens, cache_memory=cache_memory, chosen=chosen,
+                        json_path=json_path)
+    except ValueError as e:
+        raise CliError(str(e), 2) from None
+
+
+# structured ----------------------------------------------------------------------------------
+@bench_app.command("structured")
+def structured(
+    model: ModelArg = None,
+    batch: Annotated[str, typer.Option(
+        "--batch", help="Comma-separated batch sizes.")] = "1,32",
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Alternated rounds.")] = 3,
+    tokens: Annotated[int, typer.Option(
+        "--tokens", min=2, help="Tokens generated per request.")] = 24,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="CPU threads.")] = 2,
+    cpu_time: Annotated[bool, typer.Option(
+        "--cpu-time", help="Decode steps timed in this process's CPU time (a busy machine; "
+        "with --threads 1) (default: off).")] = False,
+    json_path: JsonOpt = None,
+) -> None:
+    """The cost of structured outputs: decode-step time with a JSON schema on every request
+    against none, and a schema's compile time (cold, new, cached)."""
+    batches = _int_list("--batch", batch, 1)
+    if importlib.util.find_spec("xgrammar") is None:
+        raise CliError("hybridrt bench structured needs xgrammar: pip install "
+                       "'hybridrt[serve]'", 2)
+    from hybridrt.bench.structured import run
+    from hybridrt.cli.common import resolve_model
+
+    run(resolve_model(model), threads=threads, batches=tuple(batches), rounds=rounds,
+        tokens=tokens, cpu_time=cpu_time, json_path=json_path)

@@ -21,30 +21,17 @@ from typing import Annotated, Any
 import typer
 
 from hybridrt.cli.common import (
-    BatchInvariantOpt,
-    CacheMemoryOpt,
     CliError,
-    DeviceOpt,
-    DraftVocabOpt,
-    DtypeOpt,
     FrequencyOpt,
-    MaxModelLenOpt,
     MinPOpt,
-    ModelArg,
-    PrefixCachingOpt,
     PresenceOpt,
-    QuantizationOpt,
     RepetitionOpt,
     SeedOpt,
-    SpecOpt,
     StopOpt,
     TemperatureOpt,
     ThinkOpt,
-    ThreadsOpt,
     TopKOpt,
     TopPOpt,
-    check_draft_vocab,
-    check_model_options,
     error_line,
     load_llm,
     sampling_defaults,
@@ -52,6 +39,7 @@ from hybridrt.cli.common import (
     template_kwargs,
     weights_name,
 )
+from hybridrt.cli.options import ModelOptions, model_options
 from hybridrt.reasoning import ReasoningDelta
 
 _SENTINEL = "\x00hybridrt-answer\x00"
@@ -607,8 +595,9 @@ def _summary(s: dict, interrupted: bool) -> str:
 
 
 # The command ---------------------------------------------------------------------------------
+@model_options(max_num_seqs=2)
 def chat(
-    model: ModelArg = None,
+    options: ModelOptions,
     system: Annotated[str | None, typer.Option(
         "--system", help="System prompt (default: none).", show_default=False)] = None,
     temperature: TemperatureOpt = None,
@@ -626,16 +615,6 @@ def chat(
     show_thinking: Annotated[bool, typer.Option(
         "--show-thinking/--hide-thinking",
         help="Show the text between <think> and </think> (dimmed on a terminal).")] = True,
-    speculative_tokens: SpecOpt = 0,
-    draft_vocab: DraftVocabOpt = None,
-    dtype: DtypeOpt = "auto",
-    max_model_len: MaxModelLenOpt = None,
-    cache_memory: CacheMemoryOpt = None,
-    device: DeviceOpt = "cpu",
-    threads: ThreadsOpt = None,
-    quantization: QuantizationOpt = None,
-    prefix_caching: PrefixCachingOpt = True,
-    batch_invariant: BatchInvariantOpt = False,
 ) -> None:
     """Chat with a model; answers stream as they are generated.
 
@@ -644,11 +623,7 @@ def chat(
     """
     from hybridrt.sampling_params import SamplingParams
 
-    check_model_options(dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
-                        device=device, quantization=quantization,
-                        batch_invariant=batch_invariant)
-    check_draft_vocab(draft_vocab, speculative_tokens)
-
+    options = options.checked()
     flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                presence_penalty=presence_penalty,
                                frequency_penalty=frequency_penalty,
@@ -658,10 +633,6 @@ def chat(
         SamplingParams(**flags, max_tokens=max_tokens)
     except ValueError as e:
         raise CliError(f"invalid sampling option: {e}", 2) from None
-    llm = load_llm(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
-                   device=device, threads=threads, speculative_tokens=speculative_tokens,
-                   quantization=quantization, max_num_seqs=2, announce=False,
-                   draft_vocab_size=draft_vocab, enable_prefix_caching=prefix_caching,
-                   batch_invariant=batch_invariant)
+    llm = load_llm(options, announce=False)
     sampling = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
-    ChatLoop(llm, sampling, speculative_tokens, system, think, not show_thinking).run()
+    ChatLoop(llm, sampling, options.speculative_tokens, system, think, not show_thinking).run()

@@ -1,4 +1,5 @@
-"""What every command shares: model options, loading, sampling defaults, one-line errors."""
+"""What every command shares: option checks, loading the model, sampling options and defaults,
+one-line errors."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import errno
 import os
 import sys
 import time
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from typer.core import TyperGroup
 
 from hybridrt import env
+
+if TYPE_CHECKING:
+    from hybridrt.cli.options import ModelOptions
 
 try:  # typer >= 0.20 vendors click; older releases use click itself
     from typer.exceptions import TyperException as _ClickException
@@ -32,26 +36,10 @@ def error_line(message: object) -> None:
     typer.echo(f"error: {text}", err=True)
 
 
-# Options shared by chat / generate (typer reads them from the annotations) -------------------
+# Sampling options shared by chat / generate (typer reads them from the annotations) ----------
 # Every option's help states its default: typer prints "[default: ...]" where the default is a
 # value, and options whose default is decided later (None) say it in their help text.
 _GEN = "default: the model's generation_config.json, else"
-ModelArg = Annotated[str | None, typer.Argument(
-    metavar="MODEL", show_default=False,
-    help="Local checkpoint directory or Hugging Face id (default: the embedded demo model).")]
-DtypeOpt = Annotated[str, typer.Option(
-    "--dtype", help="auto (the checkpoint's dtype: bfloat16 for Qwen3.5 and the demo model), "
-    "bfloat16, float16 or float32.")]
-MaxModelLenOpt = Annotated[int | None, typer.Option(
-    "--max-model-len", help="Context length (prompt + answer) (default: min(the model's, "
-    "4096)).", show_default=False)]
-CacheMemoryOpt = Annotated[str | None, typer.Option(
-    "--cache-memory", help="KV + state cache budget: bytes, a fraction of free memory or a "
-    "size such as 2GiB (default: 0.3).", show_default=False)]
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
-ThreadsOpt = Annotated[int | None, typer.Option(
-    "--threads", min=1, help="CPU threads for torch (default: up to the number of physical "
-    "cores, fewer while other processes keep cores busy).", show_default=False)]
 TemperatureOpt = Annotated[float | None, typer.Option(
     "--temperature", help=f"0 = greedy ({_GEN} 1.0).", show_default=False)]
 TopPOpt = Annotated[float | None, typer.Option(
@@ -79,24 +67,6 @@ StopOpt = Annotated[list[str] | None, typer.Option(
 ThinkOpt = Annotated[bool | None, typer.Option(
     "--think/--no-think", help="enable_thinking for the chat template (default: the "
     "template's own default).", show_default=False)]
-QuantizationOpt = Annotated[str | None, typer.Option(
-    "--quantization", help="int8: weights quantized to int8 at load time, one scale per 32 "
-    "inputs (CPU; about half the memory of bfloat16, faster decoding); int4: 4-bit weights "
-    "(the embedding / LM head in 6 bits; about a third) (default: none).",
-    show_default=False)]
-BatchInvariantOpt = Annotated[bool, typer.Option(
-    "--batch-invariant", help="Each request's tokens and logprobs bit for bit the same "
-    "whatever runs beside it, however its prompt is chunked, and with greedy -k on or off "
-    "(slower prefill, docs/batch_invariance.md) (default: off).")]
-SpecOpt = Annotated[int, typer.Option(
-    "--speculative-tokens", "-k", help="MTP draft tokens per step (0 = off).", min=0)]
-PrefixCachingOpt = Annotated[bool, typer.Option(
-    "--prefix-caching/--no-prefix-caching", help="Reuse the longest cached prefix of every "
-    "prompt (KV blocks and GDN state checkpoints; the output is the one a cold run gives).")]
-DraftVocabOpt = Annotated[int | None, typer.Option(
-    "--draft-vocab", help="With -k: the MTP drafts from the N most frequent tokens only (the "
-    "model's draft_vocab.json, else the first N ids); outputs are unchanged (default: the "
-    "whole vocabulary).", show_default=False)]
 
 
 def check_draft_vocab(draft_vocab: int | None, speculative_tokens: int) -> None:
@@ -191,33 +161,23 @@ def check_port(host: str, port: int) -> None:
             raise CliError(f"cannot listen on {host}:{port}: {why}", 2) from None
 
 
-def load_llm(model: str | None, *, dtype: str, max_model_len: int | None,
-             cache_memory: str | None, device: str = "cpu", speculative_tokens: int = 0,
-             max_num_seqs: int = 32, threads: int | None = None, announce: bool = True,
-             draft_vocab_size: int | None = None, quantization: str | None = None,
-             enable_prefix_caching: bool = True, batch_invariant: bool = False):
-    """Build the LLM; option mistakes are CliErrors (exit 2) raised before the slow imports,
-    then MODEL is resolved (torch-free) and the device checked, before the model loads.
-    ``announce``: one 'loaded ...' line on stderr when it is a terminal. Sets
-    ``llm.load_seconds``."""
-    dtype = check_model_options(dtype=dtype, max_model_len=max_model_len,
-                                cache_memory=cache_memory, device=device,
-                                quantization=quantization, batch_invariant=batch_invariant)
-    model = resolve_model(model)
-    check_device_available(device)
+def load_llm(options: ModelOptions, *, announce: bool = True):
+    """Build the LLM ``options`` (cli/options.py) describe: option mistakes are CliErrors
+    (exit 2) raised before the slow imports, then MODEL is resolved (torch-free) and the device
+    checked, before the model loads. ``announce``: one 'loaded ...' line on stderr when it is a
+    terminal. Sets ``llm.load_seconds``."""
+    options = options.checked()
+    model = resolve_model(options.model)
+    check_device_available(options.device)
     from hybridrt.llm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(model, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
-              device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
-              threads=threads, draft_vocab_size=draft_vocab_size,
-              quantization=quantization, enable_prefix_caching=enable_prefix_caching,
-              batch_invariant=batch_invariant)
+    llm = LLM(model, **options.llm_kwargs())
     llm.load_seconds = time.perf_counter() - t0
     if announce and sys.stderr.isatty():
-        typer.echo(f"loaded {llm.model_path} ({weights_name(llm)}, {device}, max_model_len "
-                   f"{llm.engine.engine_config.max_model_len}) in {llm.load_seconds:.1f}s",
-                   err=True)
+        typer.echo(f"loaded {llm.model_path} ({weights_name(llm)}, {options.device}, "
+                   f"max_model_len {llm.engine.engine_config.max_model_len}) in "
+                   f"{llm.load_seconds:.1f}s", err=True)
     return llm
 
 

@@ -28,35 +28,23 @@ from typing import Annotated, Any, TextIO
 import typer
 
 from hybridrt.cli.common import (
-    BatchInvariantOpt,
-    CacheMemoryOpt,
     CliError,
-    DeviceOpt,
-    DraftVocabOpt,
-    DtypeOpt,
     FrequencyOpt,
-    MaxModelLenOpt,
     MinPOpt,
-    ModelArg,
-    PrefixCachingOpt,
     PresenceOpt,
-    QuantizationOpt,
     RepetitionOpt,
     SeedOpt,
-    SpecOpt,
     StopOpt,
     TemperatureOpt,
     ThinkOpt,
-    ThreadsOpt,
     TopKOpt,
     TopPOpt,
-    check_draft_vocab,
-    check_model_options,
     load_llm,
     sampling_defaults,
     sampling_overrides,
     template_kwargs,
 )
+from hybridrt.cli.options import ModelOptions, model_options
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 _JSON_KINDS = {str: "string", list: "list", int: "number", float: "number", bool: "boolean"}
@@ -242,8 +230,9 @@ def open_output(output: Path | None) -> TextIO:
         raise CliError(f"--output {output}: {e.strerror or e}", 2) from None
 
 
+@model_options()
 def generate(
-    model: ModelArg = None,
+    options: ModelOptions,
     prompt: Annotated[list[str] | None, typer.Option(
         "--prompt", "-p", help="A prompt (plain text); repeat for more (default: none).",
         show_default=False)
@@ -271,20 +260,8 @@ def generate(
         "message through the model's chat template (JSON lines choose with 'messages' or "
         "'prompt').")] = False,
     think: ThinkOpt = None,
-    speculative_tokens: SpecOpt = 0,
-    draft_vocab: DraftVocabOpt = None,
-    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1,
-                                              help="Requests run concurrently.")] = 32,
     progress: Annotated[bool, typer.Option("--progress/--no-progress",
                                            help="Progress bar on stderr.")] = True,
-    dtype: DtypeOpt = "auto",
-    max_model_len: MaxModelLenOpt = None,
-    cache_memory: CacheMemoryOpt = None,
-    device: DeviceOpt = "cpu",
-    threads: ThreadsOpt = None,
-    quantization: QuantizationOpt = None,
-    prefix_caching: PrefixCachingOpt = True,
-    batch_invariant: BatchInvariantOpt = False,
 ) -> None:
     """Generate for many prompts in one batch; writes one JSON line per prompt, in order.
 
@@ -304,11 +281,7 @@ def generate(
     """
     from hybridrt.sampling_params import SamplingParams
 
-    check_model_options(dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
-                        device=device, quantization=quantization,
-                        batch_invariant=batch_invariant)
-    check_draft_vocab(draft_vocab, speculative_tokens)
-
+    options = options.checked()
     flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                presence_penalty=presence_penalty,
                                frequency_penalty=frequency_penalty,
@@ -331,11 +304,7 @@ def generate(
             for it in items:
                 if it.plain and it.prompt:
                     it.messages = [{"role": "user", "content": it.prompt}]
-        llm = load_llm(model, dtype=dtype, max_model_len=max_model_len,
-                       cache_memory=cache_memory, device=device, threads=threads,
-                       speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
-                       draft_vocab_size=draft_vocab, quantization=quantization,
-                       enable_prefix_caching=prefix_caching, batch_invariant=batch_invariant)
+        llm = load_llm(options)
         defaults = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
         results = run_items(llm, items, defaults, template_kwargs(think), progress, None)
         written, failed = write_in_order(results, out, tally)

@@ -3,26 +3,19 @@ serve``, a load test of it, is in cli/bench.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated
 
 import typer
 
 from hybridrt.cli.common import (
-    BatchInvariantOpt,
-    CacheMemoryOpt,
     CliError,
-    DeviceOpt,
-    DtypeOpt,
-    MaxModelLenOpt,
-    ModelArg,
-    PrefixCachingOpt,
-    SpecOpt,
-    ThreadsOpt,
     check_device_available,
-    check_model_options,
     check_port,
+    load_llm,
     resolve_model,
 )
+from hybridrt.cli.options import ModelOptions, model_options
 
 NEEDS = "needs starlette, uvicorn and httpx: pip install 'hybridrt[serve]'"
 
@@ -36,8 +29,9 @@ def _check_deps(what: str) -> None:
         raise CliError(f"{what} {NEEDS}") from None
 
 
+@model_options()
 def serve(
-    model: ModelArg = None,
+    options: ModelOptions,
     host: Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every "
                                       "interface; then set --api-key).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port.")] = 8000,
@@ -71,16 +65,6 @@ def serve(
     served_model_name: Annotated[str | None, typer.Option(
         "--served-model-name", help="The model id clients send (default: MODEL as given, or "
         "hybridrt-demo).", show_default=False)] = None,
-    prefix_caching: PrefixCachingOpt = True,
-    max_num_seqs: Annotated[int, typer.Option(
-        "--max-num-seqs", min=1, help="Requests running at once.")] = 32,
-    dtype: DtypeOpt = "auto",
-    max_model_len: MaxModelLenOpt = None,
-    cache_memory: CacheMemoryOpt = None,
-    threads: ThreadsOpt = None,
-    device: DeviceOpt = "cpu",
-    speculative_tokens: SpecOpt = 0,
-    batch_invariant: BatchInvariantOpt = False,
     log_level: Annotated[str, typer.Option(
         "--log-level", help="uvicorn's log level: critical, error, warning, info, debug.")
     ] = "info",
@@ -122,14 +106,13 @@ def serve(
         key = resolve_api_key(api_key, api_key_file)
     except ValueError as e:
         raise CliError(str(e), 2) from None
-    dtype = check_model_options(dtype=dtype, max_model_len=max_model_len,
-                                cache_memory=cache_memory, device=device,
-                                batch_invariant=batch_invariant)
+    options = options.checked()
     if port != 0:
         check_port(host, port)
-    path = resolve_model(model)
-    check_device_available(device)
-    name = served_model_name or (model if model is not None else "hybridrt-demo")
+    path = resolve_model(options.model)
+    check_device_available(options.device)
+    name = served_model_name or (options.model if options.model is not None
+                                 else "hybridrt-demo")
     limits = Limits(max_body_bytes, max_prompt_chars, max_prompt_tokens, max_messages, max_stop,
                     max_stop_chars, max_json_depth)
     if replicas is not None:
@@ -139,10 +122,8 @@ def serve(
         if key is None and host not in ("127.0.0.1", "localhost", "::1"):
             typer.echo(f"warning: listening on {host} without --api-key: anyone who can reach "
                        f"this port can use the model", err=True)
-        llm_options = {"dtype": dtype, "max_model_len": max_model_len,
-                       "cache_memory": cache_memory, "speculative_tokens": speculative_tokens,
-                       "max_num_seqs": max_num_seqs, "enable_prefix_caching": prefix_caching,
-                       "batch_invariant": batch_invariant}
+        llm_options = options.llm_kwargs()  # but threads and device: per replica
+        threads, device = llm_options.pop("threads"), llm_options.pop("device")
         serve_replicas(path or default_model(), name, llm_options, host=host, port=port,
                        ray_address=ray_address, replicas=replicas,
                        autoscaling=autoscaling_config, threads=threads, device=device,
@@ -151,13 +132,9 @@ def serve(
                                        "metrics_public": metrics_public},
                        announce=lambda line: typer.echo(line, err=True))
         return
-    from hybridrt.llm import LLM
     from hybridrt.server import serve as run
 
-    llm = LLM(path, dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory,
-              device=device, speculative_tokens=speculative_tokens, max_num_seqs=max_num_seqs,
-              threads=threads, enable_prefix_caching=prefix_caching,
-              batch_invariant=batch_invariant)
+    llm = load_llm(dataclasses.replace(options, model=path), announce=False)
     typer.echo(f"hybridrt serve: {llm.model_path} as {name!r} on http://{host}:{port}/v1 "
                f"({llm.cache_sizing.describe()})", err=True)
     if key is None and host not in ("127.0.0.1", "localhost", "::1"):

@@ -18,21 +18,16 @@ from hybridrt.kernels import native, quant
 from hybridrt.kernels.memory import keep_freed_memory
 from hybridrt.loader import load_model, parse_dtype
 from hybridrt.options import check_device_name
+from hybridrt.output_pipeline import ChoiceStream, Shape, finish_message, holdback
 from hybridrt.outputs import CompletionOutput, RequestOutput
 from hybridrt.parallel_sampling import ParentRequest
-from hybridrt.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
+from hybridrt.reasoning import opens_thinking
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.session import Session
 from hybridrt.specdec.draft_vocab import load_draft_vocab
 from hybridrt.statecache import HybridCacheManager
 from hybridrt.threads import ThreadGovernor, adaptive_threads_enabled
-from hybridrt.tool_calls import (
-    check_tool_choice,
-    check_tools,
-    parse_tool_calls,
-    template_messages,
-    tool_constraint,
-)
+from hybridrt.tool_calls import check_tool_choice, check_tools, template_messages, tool_constraint
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 
@@ -355,8 +350,8 @@ class LLM:
         return self._generate_iter(prompts, params, use_tqdm, speculative_tokens)
 
     def _generate_iter(self, prompts: list, params: list, use_tqdm: bool,
-                       speculative_tokens: int | None, tools: list[dict] | None = None
-                       ) -> Iterator[tuple[int, RequestOutput]]:
+                       speculative_tokens: int | None, tools: list[dict] | None = None,
+                       parallel: bool = True) -> Iterator[tuple[int, RequestOutput]]:
         pending: dict[str, tuple[int, ParentRequest | None, int]] = {}
         rejected: list[tuple[int, RequestOutput]] = []
         try:
@@ -378,7 +373,7 @@ class LLM:
                 while pending:
                     for req in self.engine.step():
                         if req.is_finished and req.request_id in pending:
-                            done = self._pop_output(req.request_id, pending, tools)
+                            done = self._pop_output(req.request_id, pending, tools, parallel)
                             if done is not None:
                                 if bar is not None:
                                     bar.update(1)
@@ -386,7 +381,7 @@ class LLM:
                     if not self.engine.has_unfinished_requests():
                         break
                 for rid in list(pending):  # finished without a step reporting it
-                    done = self._pop_output(rid, pending, tools)
+                    done = self._pop_output(rid, pending, tools, parallel)
                     if done is not None:
                         yield done
             finally:
@@ -409,29 +404,30 @@ class LLM:
             raise ValueError(f"speculative_tokens must be an integer in [0, {limit}], got "
                              f"{k!r}{hint}")
 
-    def _pop_output(self, rid: str, pending: dict, tools: list[dict] | None = None
-                    ) -> tuple[int, RequestOutput] | None:
+    def _pop_output(self, rid: str, pending: dict, tools: list[dict] | None = None,
+                    parallel: bool = True) -> tuple[int, RequestOutput] | None:
         """The output of finished request ``rid`` as (prompt index, output); None while it is
         a choice whose siblings still run."""
         i, parent, j = pending.pop(rid)
-        out = self._output(self.engine.pop_request(rid), tools)
+        out = self._output(self.engine.pop_request(rid), tools, parallel)
         if parent is None:
             return i, out
         joined = parent.add(j, out)
         return None if joined is None else (i, joined)
 
-    def _output(self, req, tools: list[dict] | None = None) -> RequestOutput:
-        """The request's RequestOutput, its think block apart from the answer; with
-        ``tools``, the answer's tool calls parsed out of its text (``tool_calls``), and a
-        call begun inside the think block ends it (vLLM #39056)."""
+    def _output(self, req, tools: list[dict] | None = None,
+                parallel: bool = True) -> RequestOutput:
+        """The request's RequestOutput shaped by hybridrt.output_pipeline: its think block
+        apart from the answer; with ``tools``, the answer's tool calls parsed out of its text
+        (``tool_calls``; the first only unless ``parallel``), and a call begun inside the think
+        block ends it (vLLM #39056)."""
         out = self.engine.make_output(req)
         if self.tokenizer is not None:
             c = out.outputs[0]
-            c.reasoning_text, c.text = split_reasoning(c.text, self._prompt_thinks(req),
-                                                       tool_calls=tools is not None)
+            m = finish_message(c.text, Shape(self._prompt_thinks(req), tools, parallel))
+            c.reasoning_text, c.text = m.reasoning, m.content or ""
             if tools is not None:
-                content, calls = parse_tool_calls(c.text, tools)
-                c.text, c.tool_calls = content or "", calls
+                c.tool_calls = m.tool_calls
         return out
 
     def _prompt_thinks(self, req) -> bool:
@@ -474,12 +470,9 @@ class LLM:
         self._check_speculative_tokens(speculative_tokens)
         outs: list[RequestOutput | None] = [None] * len(prompts)
         for i, out in self._generate_iter(prompts, params, use_tqdm, speculative_tokens,
-                                          tools if choice != "none" else None):
+                                          tools if choice != "none" else None,
+                                          parallel_tool_calls):
             outs[i] = out
-        if not parallel_tool_calls:
-            for o in outs:
-                for c in o.outputs:
-                    c.tool_calls = c.tool_calls[:1] if c.tool_calls else c.tool_calls
         return outs
 
     def _with_tool_constraint(self, params, tools, choice, thinking: bool, parallel: bool):
@@ -515,19 +508,15 @@ class LLM:
                                               speculative_tokens, snapshot_at))
 
     def _stream_text(self, reqs) -> Iterator[str]:
-        sent, splitter = 0, None
+        """The request's text deltas as hybridrt.output_pipeline streams them: held back
+        while a stop string may still cut them off, the think block apart."""
+        stream = None
         for req in reqs:
-            if splitter is None:
-                splitter = ReasoningSplitter(self._prompt_thinks(req))
-            end = len(req.text)
-            p = req.params
-            if not req.is_finished and not p.include_stop_str_in_output:
-                end -= max(0, p.max_stop_len - 1)  # text a stop string may still cut off
-            if end > sent:
-                yield from splitter.feed(req.text[sent:end])
-                sent = end
-        if splitter is not None:
-            yield from splitter.flush()
+            if stream is None:
+                stream = ChoiceStream(Shape(self._prompt_thinks(req)), holdback(req.params))
+            yield from stream.split(stream.feed(req.text, req.is_finished), done=False)
+        if stream is not None:
+            yield from stream.split("", done=True)
 
     def stream_tokens(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                       session: Session | None = None, speculative_tokens: int | None = None,

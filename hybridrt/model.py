@@ -13,7 +13,14 @@ from torch import nn
 
 from hybridrt.config import ModelConfig
 from hybridrt.forward_batch import ForwardBatch
-from hybridrt.kernels.backend import AttentionLayer, GDNLayer, ReferenceBackend, StepMeta
+from hybridrt.kernels.backend import (
+    AttentionLayer,
+    DecoderLayerRecord,
+    GDNLayer,
+    ModelRecord,
+    ReferenceBackend,
+    StepMeta,
+)
 from hybridrt.kernels.quant import kernel_weight
 from hybridrt.statecache import CacheTensors
 from hybridrt.weights import place_weights
@@ -96,9 +103,18 @@ class GatedAttention(nn.Module):
                                         self.cache_index)
         return self._spec
 
+    @property
+    def in_projections(self) -> tuple[Linear, ...]:
+        """The projections of the layer's input, in output order: q (with the gate), k, v."""
+        return self.q_proj, self.k_proj, self.v_proj
+
+    @property
+    def out_projection(self) -> Linear:
+        return self.o_proj
+
     def forward(self, x, batch: ForwardBatch, cache: CacheTensors, cos, sin):
         be = self.backend
-        qg, k, v = be.project(x, _weights((self.q_proj, self.k_proj, self.v_proj)))
+        qg, k, v = be.project(x, _weights(self.in_projections))
         o = be.gated_attention(batch.meta, batch, self.spec, qg, k, v,
                                cache.key_caches[self.cache_index],
                                cache.value_caches[self.cache_index], cos, sin)
@@ -140,10 +156,18 @@ class GatedDeltaNet(nn.Module):
                                   self.num_v_heads, self.head_v_dim, self.state_index)
         return self._spec
 
+    @property
+    def in_projections(self) -> tuple[Linear, ...]:
+        """The projections of the layer's input, in output order: qkv, z, b, a."""
+        return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
+    @property
+    def out_projection(self) -> Linear:
+        return self.out_proj
+
     def forward(self, x, batch: ForwardBatch, cache: CacheTensors, cos=None, sin=None):
         be = self.backend
-        mixed, z, b, a = be.project(x, _weights((self.in_proj_qkv, self.in_proj_z,
-                                                  self.in_proj_b, self.in_proj_a)))
+        mixed, z, b, a = be.project(x, _weights(self.in_projections))
         y = be.gdn(batch.meta, self.spec, mixed, z, a, b, cache.conv_states[self.state_index],
                    cache.ssm_states[self.state_index])
         return self.out_proj(y)
@@ -175,6 +199,15 @@ class DecoderLayer(nn.Module):
     @property
     def mixer(self) -> nn.Module:
         return self.self_attn if self.layer_type == "full_attention" else self.linear_attn
+
+    def record(self) -> DecoderLayerRecord:
+        """What a backend's own decode loop reads of this layer (``DecoderLayerRecord``): the
+        mixer's record, the norms, the weights of its products as they are now."""
+        m, mlp = self.mixer, self.mlp
+        return DecoderLayerRecord(
+            m.spec, self.input_layernorm.weight, self.post_attention_layernorm.weight,
+            self.input_layernorm.eps, _weights(m.in_projections), kernel_weight(m.out_projection),
+            _weights((mlp.gate_proj, mlp.up_proj)), kernel_weight(mlp.down_proj))
 
     def forward(self, h, residual, batch, cache, cos, sin):
         """(h, residual) -> (mlp output, residual stream before it): the residual adds are
@@ -250,7 +283,13 @@ class Qwen35ForCausalLM(nn.Module):
             if "backend" in m.__dict__:
                 m.backend = backend
         groups = place_weights(self, backend.merges_projections, backend.huge_pages)
-        backend.bind(self, groups)
+        backend.bind(self.record(), groups)
+
+    def record(self) -> ModelRecord:
+        """What a backend reads of the decoder (``ModelRecord``), built from the weights as
+        they lie now (``set_backend`` hands it to ``bind`` after laying them out)."""
+        return ModelRecord([layer.record() for layer in self.model.layers],
+                           self.model.norm.weight, self.model.norm.eps)
 
     def projection_groups(self) -> list[tuple[Linear, ...]]:
         """The projections of each group that read the same input (a GDN layer's four,
@@ -258,10 +297,8 @@ class Qwen35ForCausalLM(nn.Module):
         product (``hybridrt.weights.merge_projections``)."""
         groups = []
         for m in self.modules():
-            if isinstance(m, GatedDeltaNet):
-                groups.append((m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a))
-            elif isinstance(m, GatedAttention):
-                groups.append((m.q_proj, m.k_proj, m.v_proj))
+            if isinstance(m, (GatedDeltaNet, GatedAttention)):
+                groups.append(m.in_projections)
             elif isinstance(m, MLP):
                 groups.append((m.gate_proj, m.up_proj))
         return groups
@@ -287,16 +324,29 @@ class Qwen35ForCausalLM(nn.Module):
         return self.backend.rope(positions, c.rotary_dim, c.rope_theta, dtype)
 
     def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
-        """-> final-normed hidden states [T, hidden] for every token of the batch."""
+        """-> final-normed hidden states [T, hidden] for every token of the batch: the
+        backend's replay of a captured step (``graph_step``), else its whole-step loop from
+        the embedded tokens (``forward``), else the layers here."""
         self.plan_step(batch)
-        out = self.backend.forward(self, batch, cache)
+        be = self.backend
+        out = be.graph_step(batch, cache, self.forward_eager)
         if out is not None:
             return out
-        return self.forward_eager(batch, cache)
+        h, cos, sin = self.step_inputs(batch)
+        out = be.forward(batch, cache, h, cos, sin)
+        return out if out is not None else self.run_layers(h, cos, sin, batch, cache)
 
     def forward_eager(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        """The step through the layers here (what a CUDA graph captures)."""
+        return self.run_layers(*self.step_inputs(batch), batch, cache)
+
+    def step_inputs(self, batch: ForwardBatch):
+        """(embedded tokens [T, hidden], cos, sin [T, rotary_dim]) of the batch."""
         h = self.model.embed_tokens(batch.input_ids)
-        cos, sin = self.rope(batch.positions, h.dtype)
+        return (h, *self.rope(batch.positions, h.dtype))
+
+    def run_layers(self, h, cos, sin, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        """The decoder layers and the final norm over the embedded tokens ``h``."""
         residual = None
         for layer in self.model.layers:
             h, residual = layer(h, residual, batch, cache, cos, sin)

@@ -26,6 +26,7 @@ from ray.serve.request_router import (
 
 import hybridrt.prefix_routing as routing
 from hybridrt.prefix_routing import PrefixTable, prompt_chain, rank
+from hybridrt.server.job import Job
 
 DECISIONS = ("prefix", "overloaded", "least_loaded")
 
@@ -147,6 +148,6 @@ class PrefixAwareRouter(RequestRouter):
 
 def _prompt_ids(pending: PendingRequest | None) -> list[int] | None:
     """The prompt ids of an ``EngineReplica.generate`` call (its one argument, the job)."""
-    if pending is None or not pending.args or not isinstance(pending.args[0], dict):
+    if pending is None or not pending.args or not isinstance(pending.args[0], Job):
         return None
-    return pending.args[0].get("ids")
+    return pending.args[0].ids

@@ -37,7 +37,10 @@ from ray.exceptions import RayActorError
 
 from hybridrt import openai_protocol as api
 from hybridrt.prefix_routing import ROUTERS
-from hybridrt.server import Frontend, Handle, Progress, Server, _internal_error, metrics_lines
+from hybridrt.server import Frontend, Handle, Job, Progress, metrics_lines
+from hybridrt.server.app import Server
+from hybridrt.server.errors import internal_error
+from hybridrt.server.metrics import family
 
 log = logging.getLogger("hybridrt.ray_serve")
 APP = "hybridrt"
@@ -64,10 +67,9 @@ class EngineReplica:
         return {"model_path": str(self.llm.model_path), "vocab_size": self.llm.config.vocab_size,
                 "max_model_len": self.llm.engine.engine_config.max_model_len}
 
-    async def generate(self, job: dict):
-        """The progress of one prepared request (``Server._prepare``'s ids, params, prompt,
-        snapshot_at, id), in batches of wire tuples (``_wire``); the request is aborted if the
-        caller goes away first."""
+    async def generate(self, job: Job):
+        """The progress of one prepared request (hybridrt.server.prepare's job), in batches of
+        wire tuples (``_wire``); the request is aborted if the caller goes away first."""
         from hybridrt.server import submit_job
 
         handles = submit_job(self.loop, job)
@@ -165,30 +167,29 @@ class RayServer(Server):
             self.pool.shutdown(wait=False, cancel_futures=True)
 
     # Requests -------------------------------------------------------------------------------
-    def _submit(self, job: dict) -> list[Handle]:
+    def submit(self, job: Job) -> list[Handle]:
         loop = asyncio.get_running_loop()
         shared: asyncio.Queue = asyncio.Queue()
-        handles = [Handle(loop, shared, index=i) for i in range(job["params"].n)]
+        handles = [Handle(loop, shared, index=i) for i in range(job.params.n)]
         key = id(shared)
         task = loop.create_task(self._pump(handles, job))
         self._pumps[key] = task
         task.add_done_callback(lambda _: self._pumps.pop(key, None))
         return handles
 
-    def _abort(self, handles: list[Handle]) -> None:
+    def abort(self, handles: list[Handle]) -> None:
         task = self._pumps.pop(id(handles[0].queue), None)
         if task is not None:
             task.cancel()
 
-    async def _pump(self, handles: list[Handle], job: dict) -> None:
+    async def _pump(self, handles: list[Handle], job: Job) -> None:
         """The request's progress from a replica into its handles. A stream's items go on as
         they come; a non-streaming request's are held until it is whole, so that a retry
         never follows something already delivered."""
-        payload = {k: job[k] for k in ("ids", "params", "prompt", "snapshot_at", "id")}
-        n, stream = len(handles), job["stream"]
+        n, stream = len(handles), job.stream
         for attempt in itertools.count():
             texts, held, finished, delivered = [""] * n, [], set(), False
-            gen = self.engine.options(stream=True).generate.remote(payload)
+            gen = self.engine.options(stream=True).generate.remote(job)
             try:
                 async for batch in gen:
                     for wire in batch:
@@ -211,17 +212,17 @@ class RayServer(Server):
                 if lost and not delivered and attempt < self.max_retries:
                     self.failover["retries"] += 1
                     log.warning("replica lost before %s sent anything: retrying (%s)",
-                                job["id"], type(e).__name__)
+                                job.id, type(e).__name__)
                     continue
                 if lost:
                     self.failover["errors"] += 1
-                    log.warning("request %s: its replica died (%s)", job["id"],
+                    log.warning("request %s: its replica died (%s)", job.id,
                                 type(e).__name__)
                     error = api.ApiError(503, "the replica serving this request failed; "
                                               "nothing more will come", kind="server_error")
                 else:  # a bug: logged whole, answered without internals
-                    log.error("request %s failed", job["id"], exc_info=e)
-                    error = _internal_error()
+                    log.error("request %s failed", job.id, exc_info=e)
+                    error = internal_error()
                 for i in range(n):
                     if i not in finished:
                         handles[i].post(Progress([], None, texts[i], "error", error))
@@ -275,34 +276,28 @@ class RayServer(Server):
                   "# TYPE hybridrt_replica_info gauge"]
         lines += [f'hybridrt_replica_info{{replica="{name}",pid="{s["pid"]}"}} 1'
                   for name, s in up.items()]
-        lines += _family("replicas", "gauge", "Replicas by state.",
+        lines += family("replicas", "gauge", "Replicas by state.",
                          [('state="healthy"', sum(s["alive"] for s in up.values())),
                           ('state="unreachable"', len(stats) - len(up)),
                           ('state="target"', self.target)])
-        lines += _family("failover_retries_total", "counter",
+        lines += family("failover_retries_total", "counter",
                          "Requests sent again after their replica died before they sent "
                          "anything.", [("", self.failover["retries"])])
-        lines += _family("failover_errors_total", "counter",
+        lines += family("failover_errors_total", "counter",
                          "Requests ended with an error because their replica died.",
                          [("", self.failover["errors"])])
         router = ROUTERS.get(self.engine.deployment_name)
         rs = getattr(router, "stats", None)
         if rs is not None:
-            lines += _family("router_decisions_total", "counter",
+            lines += family("router_decisions_total", "counter",
                              "Requests routed, by why their replica was chosen.",
                              [(f'decision="{k}"', v) for k, v in sorted(rs["decisions"].items())])
-            lines += _family("router_prompt_tokens_total", "counter",
+            lines += family("router_prompt_tokens_total", "counter",
                              "Prompt tokens of the routed requests.", [("", rs["prompt_tokens"])])
-            lines += _family("router_matched_tokens_total", "counter",
+            lines += family("router_matched_tokens_total", "counter",
                              "Prompt tokens the chosen replicas were believed to hold.",
                              [("", rs["matched_tokens"])])
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
-
-
-def _family(name: str, kind: str, text: str, samples: list[tuple[str, float]]) -> list[str]:
-    lines = [f"# HELP hybridrt_{name} {text}", f"# TYPE hybridrt_{name} {kind}"]
-    return lines + [f"hybridrt_{name}{{{labels}}} {v}" if labels else f"hybridrt_{name} {v}"
-                    for labels, v in samples]
 
 
 class Ingress:

@@ -50,7 +50,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -63,7 +65,8 @@ _SRCS = [Path(__file__).parent / "csrc" / name
                       "argmax.c", "step.c", "stream.c")]
 _HEADERS = [Path(__file__).parent / "csrc" / name  # included by the sources above
             for name in ("bf16.h", "kernels.h")]
-_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]  # and -march=<the target>
+_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-std=c11"]  # and -march=<the target>
+_BUILD_SECONDS = "20-60"  # what the first build takes on 2-16 cores (the announcement says so)
 _lib: ctypes.CDLL | None = None
 _march: str | None = None  # the target the loaded library was built for
 _simd = False  # half_gemm / half_gemv built with AVX2 + FMA + F16C (asked once, at load)
@@ -109,11 +112,24 @@ def _build(cc: str, cache_dir: str | None, march: str = "native") -> Path:
         if out.is_file():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)
+    # the first start on a machine compiles for a minute or less: say so, where, and for how long
+    print(f"hybridrt: compiling the CPU kernels for this CPU (-march={march}), once; about "
+          f"{_BUILD_SECONDS} s, cached in {out.parent}", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        subprocess.run([cc, *flags, "-o", str(part), *map(str, _SRCS)], check=True,
+        objs = [Path(tmp) / (f.stem + ".o") for f in _SRCS]
+        # one compiler per source, as many at once as there are cores, then one link
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            for r in pool.map(lambda so: subprocess.run(
+                    [cc, *flags, "-c", "-o", str(so[1]), str(so[0])], check=False,
+                    capture_output=True, text=True, timeout=300), zip(_SRCS, objs)):
+                r.check_returncode()
+        subprocess.run([cc, *flags, "-shared", "-o", str(part), *map(str, objs)], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(part, out)  # atomic: concurrent builders end with one complete file
+    print(f"hybridrt: CPU kernels compiled in {time.monotonic() - t0:.0f} s", file=sys.stderr,
+          flush=True)
     return out
 
 

@@ -49,7 +49,8 @@ class StepProgram:
         widths = dict(mixer=max(sum(f.mixer_sizes) for f in fast),
                       mlp=max(sum(f.mlp_sizes) for f in fast),
                       act=max(max(f.mixer_sizes[1] if f.gdn is not None
-                                   else f.mixer.num_heads * f.mixer.head_dim, f.mlp_sizes[0])
+                                   else f.mixer_layer.num_heads * f.mixer_layer.head_dim,
+                                   f.mlp_sizes[0])
                                for f in fast))
         # the activations: X the norms' outputs, R the residual (updated in place), H the
         # mixer's and the MLP's outputs, MIX / MLP the merged projections, Y the mixer's
@@ -75,7 +76,7 @@ class StepProgram:
                             f.in_norm.data_ptr(), _f(f.eps), rows, D])
             mixer_w = sum(f.mixer_sizes)
             ops.append(self._product(backend, X, D, f.mixer_in, MIX))
-            m = f.mixer
+            m = f.mixer_layer
             if f.gdn is not None:
                 C, Z, Bn, _ = f.mixer_sizes
                 taps, neg_exp_a, dt_bias, norm_w = f.gdn

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The prepared run for a lent GPU machine (docs/gpu.md): nothing can be downloaded there, so the
-# fla-core wheel travels in .whl (pip download --no-deps fla-core==0.6.0 -d .whl here) and
-# hybridrt is put on the path as a symlinked package tree. Writes under $OUT: gpu.txt (versions),
-# tests.log (tests/gpu/test_attention.py and test_cuda_backend.py on the GPU: the attention
-# kernels, the CUDA backend's steps and engine runs vs the reference, lossless speculation),
-# bench.json (python -m hybridrt.bench.cuda: figures, the decode step's phases, a profile).
+# The prepared run for a lent GPU machine (docs/cuda.md, "Measured on an H200"): nothing can be
+# downloaded there, so the fla-core wheel travels in .whl (pip download --no-deps fla-core==0.6.0
+# -d .whl here) and hybridrt is put on the path as a symlinked package tree. Writes under $OUT:
+# gpu.txt (versions), tests.log (tests/gpu/test_attention.py and test_cuda_backend.py on the GPU:
+# the attention kernels, the CUDA backend's steps and engine runs vs the reference, lossless
+# speculation), bench.json (python -m hybridrt.bench.cuda: figures, the decode step's phases, a profile).
 # Usage: OUT=dir bash scripts/device_check.sh
 # DRY_RUN=1 runs the same steps on a machine without a GPU: the tests under TRITON_INTERPRET=1
 # and the benchmark on a tiny model on the CPU (python3 must have torch and triton; the bench's

@@ -711,3 +711,54 @@ def test_decode_batch_fields(buffers):
     assert g.logits_indices.tolist() == [0, 2]
     first = build_batch([[5]], [0], [[6]], bs)  # a first token: no initial state
     assert first.has_initial_state.tolist() == [False] and first.slot_mapping.tolist() == [48]
+
+
+def test_backends_follow_the_protocol_and_compose():
+    """Every CPU-side backend offers what ``Backend`` names; the CPU backend holds a reference
+    backend for the steps it has no kernel for instead of deriving from it (no base class
+    calling back into its subclass), and its GDN fallback runs its own decode step."""
+    from hybridrt.kernels.backend import Backend
+
+    for backend in (ReferenceBackend(), CPUBackend()):
+        assert isinstance(backend, Backend), type(backend).__name__
+    cpu = CPUBackend()
+    assert not isinstance(cpu, ReferenceBackend) and isinstance(cpu.ref, ReferenceBackend)
+    assert cpu.ref.gdn_step is (native.gdn_decode_step if cpu.native else None)
+
+
+def test_model_record_holds_the_laid_out_weights():
+    """``bind`` gets the decoder as a record built after the weights were laid out: per layer
+    the mixer's own record, the norms' parameters and the weights each product reads (the
+    merged groups' views), in the model's order."""
+    from hybridrt.kernels.backend import AttentionLayer, GDNLayer, ModelRecord
+    from hybridrt.kernels.quant import kernel_weight
+
+    net, config, _ = build_model(tiny_text_config(), seed=4, dtype=torch.bfloat16)
+    bound = []
+
+    class Recording(CPUBackend):
+        def bind(self, record, groups):
+            bound.append(record)
+            super().bind(record, groups)
+
+    backend = Recording(config)
+    net.set_backend(backend)
+    (record,) = bound
+    assert isinstance(record, ModelRecord) and record.dtype == torch.bfloat16
+    assert record.norm_weight is net.model.norm.weight and record.norm_eps == net.model.norm.eps
+    assert len(record.decoder) == len(net.model.layers)
+    for r, layer in zip(record.decoder, net.model.layers):
+        m = layer.mixer
+        assert r.mixer_layer is m.spec
+        assert isinstance(r.mixer_layer, GDNLayer if layer.layer_type == "linear_attention"
+                          else AttentionLayer)
+        assert r.input_norm_weight is layer.input_layernorm.weight
+        assert r.post_norm_weight is layer.post_attention_layernorm.weight
+        assert [id(w) for w in r.mixer_in] == [id(kernel_weight(p)) for p in m.in_projections]
+        assert r.mixer_out is kernel_weight(m.out_projection)
+        assert r.mlp_out is kernel_weight(layer.mlp.down_proj)
+        if backend.half_simd:  # merged: the record's weights key the groups
+            assert tuple(id(w) for w in r.mixer_in) in backend.groups
+            assert tuple(id(w) for w in r.mlp_in) in backend.groups
+    if backend.fast is not None:
+        assert [f.mixer_layer for f in backend.fast] == [r.mixer_layer for r in record.decoder]

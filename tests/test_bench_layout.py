@@ -1,9 +1,12 @@
 """The benchmarks stay out of the product: nothing outside ``hybridrt/bench/`` imports it but the
-``hybridrt bench`` commands (cli/bench.py), and those only inside the commands."""
+``hybridrt bench`` commands (cli/bench.py), and those only inside the commands. And scripts/
+stands on its own: nothing in it imports from tests/, and every repository path it names
+exists."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +112,73 @@ def test_importing_the_library_and_the_cli_loads_no_benchmark(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=tmp_path).stdout  # (not the root: its hybridrt/ shadows)
     assert out.strip() == "[]"
+
+
+def test_scripts_hold_only_the_demo_pipeline_and_the_device_check():
+    names = {p.relative_to(ROOT / "scripts").as_posix() for p in (ROOT / "scripts").rglob("*")
+             if p.is_file() and "__pycache__" not in p.parts}
+    assert names == {"device_check.sh", "demo/make_corpus.py", "demo/train.py",
+                     "demo/evaluate.py"}, "a measurement belongs in hybridrt bench"
+
+
+def test_the_tests_check_sees_every_form_of_import():
+    """imports_of_tests on lines that do and do not reach into tests/."""
+    for line in ("import tests.helpers", "from tests import helpers", "from tests.gpu import x",
+                 "sys.path.insert(0, str(ROOT / 'tests'))", "sys.path.append('tests/gpu')",
+                 "def f():\n    import tests"):
+        assert imports_of_tests(line), line
+    for line in ("import testsuite", "from hybridrt import tests_x", "x = 'tests'",
+                 "sys.path.insert(0, '/tmp/pkg')"):
+        assert not imports_of_tests(line), line
+
+
+def imports_of_tests(source: str) -> list[str]:
+    """Imports of the tests package, and ``sys.path`` changes naming a tests folder, in one
+    file, as 'line: what'."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [f"{node.lineno}: {a.name}" for a in node.names
+                      if a.name.split(".")[0] == "tests"]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] == "tests":
+                found.append(f"{node.lineno}: {node.module}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("insert", "append", "extend")
+              and ast.unparse(node.func.value) == "sys.path"
+              and re.search(r"\btests\b", ast.unparse(node))):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_in_scripts_imports_from_tests():
+    files = sorted((ROOT / "scripts").rglob("*.py"))
+    assert files
+    bad = {f.relative_to(ROOT).as_posix(): hits for f in files
+           if (hits := imports_of_tests(f.read_text()))}
+    assert not bad, f"scripts/ reaches into tests/: {bad}"
+
+
+TOP = ("docs", "hybridrt", "kernels", "statecache", "specdec", "cli", "tests", "scripts")
+PATH = re.compile(r"(?<![\w.-])(?:\$REPO/|\$PWD/)?((?:" + "|".join(TOP) + r")/[\w./-]*)")
+
+
+def repo_paths(text: str) -> list[str]:
+    """The repository paths a file names: words starting with a top-level folder of the repo
+    (alone, or after $REPO/ or $PWD/), trailing dots dropped; not after another folder
+    (shared/docs/... lies outside the repo)."""
+    return [m.group(1).rstrip(".") for m in PATH.finditer(text)
+            if not text[:m.start()].endswith("/")]
+
+
+def test_repo_paths_finds_what_a_script_names():
+    assert repo_paths("see docs/cuda.md, and $REPO/tests/gpu/x.py; kernels/...") == [
+        "docs/cuda.md", "tests/gpu/x.py", "kernels/"]
+    assert repo_paths("shared/docs/qwen35.md my_docs/x hybridrt.bench") == []
+
+
+def test_every_path_a_script_names_exists():
+    files = sorted(p for p in (ROOT / "scripts").rglob("*") if p.suffix in (".py", ".sh"))
+    missing = {f.relative_to(ROOT).as_posix(): gone for f in files
+               if (gone := [p for p in repo_paths(f.read_text()) if not (ROOT / p).exists()])}
+    assert not missing, f"scripts/ names paths that do not exist: {missing}"

@@ -182,8 +182,7 @@ def test_chat_set_and_help_list_every_setting_and_chat_has_generates_flags(tiny)
     group = typer.main.get_command(app)
     opts = {name: {o for p in group.commands[name].params if p.param_type_name == "option"
                    for o in p.opts} for name in ("chat", "generate")}
-    io_only = {"--prompt", "-p", "--input", "-i", "--output", "-o", "--max-num-seqs",
-               "--progress", "--chat"}
+    io_only = {"--prompt", "-p", "--input", "-i", "--output", "-o", "--progress", "--chat"}
     assert opts["generate"] - io_only <= opts["chat"]
 
 
@@ -728,6 +727,126 @@ def test_every_option_has_a_help_line_with_its_default():
             assert shown or "default" in p.help, f"{where}: the help does not give the default"
         res = invoke(*path, "--help")
         assert res.exit_code == 0 and "<bool>" not in res.stdout, res.stdout
+
+
+# the model / engine option group (cli/options.py) --------------------------------------------
+LOADING_COMMANDS = ("chat", "generate", "serve")  # build their LLM from the whole group
+# Options spelled as one of the group's flags but not the group's, and why.
+NOT_THE_GROUPS = {
+    ("bench", "gemm", "--threads"): "a kernel benchmark, no model: 2 threads by default",
+    ("bench", "gemv", "--threads"): "a kernel benchmark, no model: 2 threads by default",
+    ("bench", "throughput", "--dtype"): "bfloat16 by default, no auto",
+    ("bench", "spec", "--dtype"): "float32 by default, no auto",
+    ("bench", "preemption", "--dtype"): "bfloat16 by default, no auto",
+    ("bench", "spec", "--draft-vocab"): "a list of draft-head sizes to compare",
+    ("bench", "prefix", "--cache-memory"): "the budget of each of its two engines",
+    ("bench", "preemption", "--cache-memory"): "a budget too small for its workload",
+    ("bench", "preemption", "--max-model-len"): "its workload's context, 4096",
+    ("quantize", "--quantization"): "which format to write: int8 by default",
+}
+
+
+def _model_option_group():
+    """The group's parameters as click builds them for a command that takes it."""
+    import dataclasses
+
+    import typer
+    import typer.main
+
+    from hybridrt.cli.options import ModelOptions, model_options
+
+    probe = typer.Typer(add_completion=False)
+
+    @probe.command()
+    @model_options()
+    def command(options: ModelOptions) -> None:
+        """A command that takes the group."""
+
+    fields = {f.name for f in dataclasses.fields(ModelOptions)}
+    params = {p.name: p for p in typer.main.get_command(probe).params if p.name in fields}
+    assert set(params) == fields
+    return params
+
+
+def _same_param(a, b) -> bool:
+    def what(p):
+        kind = getattr(getattr(p, "type", None), "name", None)
+        return p.param_type_name, p.opts, p.secondary_opts, p.help, kind
+
+    return what(a) == what(b)
+
+
+def test_chat_generate_serve_take_every_flag_of_the_model_option_group():
+    import typer.main
+
+    group = _model_option_group()
+    assert {"--quantization", "--dtype", "--max-num-seqs", "--max-num-batched-tokens",
+            "--device", "--threads", "--draft-vocab", "--batch-invariant"} <= {
+        o for p in group.values() for o in p.opts}
+    root = typer.main.get_command(app)
+    for name in LOADING_COMMANDS:
+        params = {p.name: p for p in root.commands[name].params}
+        for field, ref in group.items():
+            assert field in params, f"hybridrt {name} lacks {ref.opts[0]}"
+            assert _same_param(params[field], ref), f"hybridrt {name} {ref.opts[0]}"
+            default = 2 if (name, field) == ("chat", "max_num_seqs") else ref.default
+            assert params[field].default == default, f"hybridrt {name} {ref.opts[0]}"
+    assert "--quantization" in invoke("serve", "--help").stdout
+
+
+def test_every_option_named_as_a_group_flag_is_the_groups():
+    """No command declares its own --dtype, --threads, ... beside the group's (the drift the
+    group ends), but for the listed ones, which mean something else there."""
+    import typer.main
+
+    group = _model_option_group()
+    by_flag = {o: p for p in group.values() if p.param_type_name == "option" for o in p.opts}
+    seen = set()
+    for path, cmd in _all_commands(typer.main.get_command(app)):
+        for p in cmd.params:
+            flag = next((o for o in p.opts if o in by_flag), None)
+            if p.param_type_name != "option" or flag is None:
+                continue
+            if (*path, flag) in NOT_THE_GROUPS:
+                seen.add((*path, flag))
+                assert not _same_param(p, by_flag[flag]), (*path, flag)
+                continue
+            assert _same_param(p, by_flag[flag]), f"hybridrt {' '.join(path)} {flag}"
+    assert seen == set(NOT_THE_GROUPS)
+
+
+def test_every_model_option_reaches_llm(tiny, monkeypatch):
+    """The group's flags -> LLM's keyword arguments, the same for chat, generate and serve
+    (serve --quantization included); chat keeps its 2 sequences by default."""
+    import dataclasses
+    import inspect
+
+    import hybridrt.llm
+    from hybridrt.cli.options import ModelOptions
+
+    llm_kwargs = set(inspect.signature(hybridrt.llm.LLM).parameters) - {"self", "model"}
+    seen = []
+
+    def record(self, model=None, **kwargs):
+        seen.append((model, kwargs))
+        raise ValueError("recorded")
+
+    monkeypatch.setattr(hybridrt.llm.LLM, "__init__", record)
+    flags = ["--dtype", "float32", "--max-model-len", "512", "--max-num-batched-tokens", "64",
+             "--cache-memory", "64MiB", "--threads", "1", "--quantization", "int8", "-k", "2",
+             "--draft-vocab", "8", "--no-prefix-caching", "--batch-invariant"]
+    runs = {"chat": [], "generate": ["-p", "x"], "serve": ["--port", "0"]}
+    for name, extra in runs.items():
+        res = invoke(name, tiny, *flags, *extra, input="hi\n")
+        assert res.exit_code == 1 and "recorded" in one_error_line(res.stderr), res.output
+    want = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 32,
+            "max_num_batched_tokens": 64, "cache_memory": "64MiB", "device": "cpu",
+            "threads": 1, "quantization": "int8", "speculative_tokens": 2,
+            "draft_vocab_size": 8, "enable_prefix_caching": False, "batch_invariant": True}
+    assert set(want) == {f.name for f in dataclasses.fields(ModelOptions)} - {"model"}
+    assert set(want) <= llm_kwargs
+    assert len(seen) == 3 and all(Path(m).samefile(tiny) for m, _ in seen)
+    assert [kw for _, kw in seen] == [{**want, "max_num_seqs": 2}, want, want]
 
 
 # bench ---------------------------------------------------------------------------------------

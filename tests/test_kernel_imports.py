@@ -1,5 +1,6 @@
 """``kernels/`` is a leaf: nothing in it imports from ``hybridrt`` outside ``hybridrt.kernels``
-(the product imports the kernels, never the other way round)."""
+(the product imports the kernels, never the other way round); and the backends read the model
+only as records (``kernels/backend/layers.py``), never its module tree."""
 
 import ast
 from pathlib import Path
@@ -42,6 +43,77 @@ def test_kernels_import_nothing_from_hybridrt_outside_kernels():
     assert len(files) > 10
     offenders = {str(f.relative_to(KERNELS)): upward_imports(f) for f in files}
     assert {f: names for f, names in offenders.items() if names} == {}
+
+
+def _module_tree_names() -> set[str]:
+    """The attribute names that walk the model's module tree: every submodule's name in a
+    small model with its MTP head and an untied LM head (built on the meta device), the
+    properties of its modules below the top one (``mixer``, ``spec``, ``in_projections``...),
+    and nn.Module's own walks."""
+    import torch
+
+    from hybridrt.bench.fixtures import tiny_text_config
+    from hybridrt.config import ModelConfig
+    from hybridrt.model import Qwen35ForCausalLM
+
+    config = ModelConfig.from_dict(tiny_text_config(mtp_num_hidden_layers=1,
+                                                      tie_word_embeddings=False))
+    with torch.device("meta"):
+        net = Qwen35ForCausalLM(config, with_mtp=True)
+    names = {part for name, _ in net.named_modules() for part in name.split(".")
+             if part and not part.isdigit()}
+    names |= {attr for m in net.modules() if m is not net
+              for cls in type(m).__mro__ if cls.__module__ == "hybridrt.model"
+              for attr, value in vars(cls).items() if isinstance(value, property)}
+    return names | {"modules", "named_modules", "children", "named_children",
+                    "projection_groups", "forward_eager"}
+
+
+TREE_NAMES = _module_tree_names()
+
+
+def tree_reads(path: Path) -> list[str]:
+    """``line: .name`` for each attribute of ``path`` named like a part of the model's module
+    tree (``model.model.layers``, ``dl.mixer.in_proj_qkv``, ``layer.mlp.gate_proj``...), and
+    ``line: import hybridrt.model`` for an import of the model."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in TREE_NAMES:
+            found.append((node.lineno, f"{node.lineno}: .{node.attr}"))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""])
+            found += [(node.lineno, f"{node.lineno}: import {m}") for m in mods
+                      if m == "hybridrt.model" or m.startswith("hybridrt.model.")
+                      or m.endswith(".model") and node.level > 0]
+    return [text for _, text in sorted(found)]
+
+
+def test_tree_reads_are_found():
+    assert {"model", "layers", "mixer", "mlp", "in_proj_qkv", "embed_tokens", "lm_head",
+            "input_layernorm", "spec"} <= TREE_NAMES
+    bad = KERNELS / "backend" / "_probe_for_the_test.py"
+    try:
+        bad.write_text("from hybridrt.model import MLP\n"
+                       "def f(model, dl):\n"
+                       "    n = len(model.model.layers)\n"
+                       "    w = dl.mixer.in_proj_qkv.weight\n"
+                       "    return dl.mlp.gate_proj, dl.spec, n, w\n")
+        assert tree_reads(bad) == [
+            "1: import hybridrt.model", "3: .layers", "3: .model", "4: .in_proj_qkv",
+            "4: .mixer", "5: .gate_proj", "5: .mlp", "5: .spec"]
+    finally:
+        bad.unlink()
+
+
+def test_backends_read_records_not_the_model_tree():
+    """kernels/backend/ and kernels/cuda/ (and the CPU step program) read what the model
+    hands them (records, tensors), never its modules."""
+    files = sorted([*(KERNELS / "backend").glob("*.py"), *(KERNELS / "cuda").glob("*.py"),
+                    KERNELS / "step.py"])
+    assert len(files) > 10
+    offenders = {str(f.relative_to(KERNELS)): tree_reads(f) for f in files}
+    assert {f: reads for f, reads in offenders.items() if reads} == {}
 
 
 def _kernel_imports(path: Path) -> set[str]:

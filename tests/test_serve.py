@@ -251,6 +251,17 @@ def test_bad_requests_raw_and_through_the_client(srv):
         srv.client.chat.completions.create(model=MODEL, messages=user("hi"), top_p=0)
 
 
+
+def test_unknown_routes_and_methods_get_openai_json_errors(srv):
+    r = httpx.get(f"{srv.base}/v1/embeddings")
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["type"] == "not_found_error" and err["code"] == 404
+    assert "/v1/embeddings" in err["message"]
+    r = httpx.get(f"{srv.base}/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
 def test_api_key(srv):
     srv.server.api_key = "sekrit"
     try:

@@ -25,6 +25,8 @@ pytest.importorskip("openai")
 from test_serve import MODEL, Running, cold, make_llm, user  # noqa: E402
 
 from hybridrt import server as server_mod  # noqa: E402
+from hybridrt.openai_protocol import Limits  # noqa: E402
+from hybridrt.server import app as server_app  # noqa: E402
 from hybridrt.server import resolve_api_key  # noqa: E402
 
 MAX_MODEL_LEN = 512
@@ -48,7 +50,7 @@ def wide():
     """Character and body limits raised so that a megabyte prompt reaches the tokenizer (and
     is refused by the token limit after it)."""
     s = Running(make_llm(max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False),
-                limits=server_mod.api.Limits(max_body_bytes=8 << 20, max_prompt_chars=4 << 20))
+                limits=Limits(max_body_bytes=8 << 20, max_prompt_chars=4 << 20))
     yield s
     s.stop()
 
@@ -318,7 +320,7 @@ def test_unexpected_error_is_a_json_500_naming_nothing_and_the_connection_goes_o
     def broken(body, chat):
         raise KeyError("/secret/path/of/the/server")
 
-    monkeypatch.setattr(srv.server, "_prepare", broken)
+    monkeypatch.setattr(srv.server.preparer, "prepare", broken)
     conn = keep_alive(srv)
     try:
         status, err = post(conn, "/v1/completions", b'{"prompt": "hi"}')
@@ -349,13 +351,13 @@ def test_api_key_from_flag_file_and_environment(tmp_path):
 
 def test_key_is_compared_in_constant_time_and_guards_metrics(srv, monkeypatch):
     calls = []
-    real = server_mod.hmac.compare_digest
+    real = server_app.hmac.compare_digest
 
     def recording(a, b):
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(server_mod.hmac, "compare_digest", recording)
+    monkeypatch.setattr(server_app.hmac, "compare_digest", recording)
     monkeypatch.setattr(srv.server, "api_key", "sekrit-Key")
     for path in ("/v1/models", "/metrics"):
         for headers in ({}, {"Authorization": "Bearer sekrit-key"},
@@ -499,7 +501,7 @@ def test_memory_of_refused_requests_is_handed_back(command):
 
 CHURN = """
 import ctypes, sys, threading
-from hybridrt.server import _release_memory, one_malloc_arena
+from hybridrt.server import one_malloc_arena, release_memory
 if sys.argv[1] == "one":
     assert one_malloc_arena({})
 libc = ctypes.CDLL("libc.so.6")
@@ -524,7 +526,7 @@ before = rss()
 thread = threading.Thread(target=churn)
 thread.start()
 thread.join()
-_release_memory()
+release_memory()
 print((rss() - before) >> 20)
 """
 

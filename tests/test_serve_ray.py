@@ -151,14 +151,14 @@ def _pump(stream: bool, before) -> tuple[list, dict, int]:
     import types
 
     from hybridrt.ray_serve import RayServer
+    from hybridrt.server import Job
 
     got = []
     handle = types.SimpleNamespace(post=got.append, index=0)
     engine = _Dies(before)
     server = types.SimpleNamespace(engine=engine, max_retries=2,
                                    failover={"retries": 0, "errors": 0})
-    job = {"ids": [1, 2, 3], "params": SamplingParams(max_tokens=2), "prompt": None,
-           "snapshot_at": None, "id": "r", "stream": stream}
+    job = Job([1, 2, 3], SamplingParams(max_tokens=2), None, None, "r", stream=stream)
     asyncio.run(RayServer._pump(server, [handle], job))
     return got, server.failover, engine.calls
 
@@ -186,6 +186,20 @@ def test_failover_cuts_a_stream_that_began():
     assert failover == {"retries": 1, "errors": 0} and calls == 2
     assert [p.text for p in got] == ["ab"]
 
+
+
+def test_the_router_reads_the_prompt_of_a_generate_call():
+    """The prefix-aware router routes on the prompt ids of the ``Job`` a ``generate`` call
+    carries; a call without one (describe, stats) has none."""
+    import types
+
+    from hybridrt.ray_router import _prompt_ids
+    from hybridrt.server import Job
+
+    job = Job([1, 2, 3], SamplingParams(max_tokens=2), None, None, "r")
+    assert _prompt_ids(types.SimpleNamespace(args=(job,))) == [1, 2, 3]
+    assert _prompt_ids(types.SimpleNamespace(args=())) is None
+    assert _prompt_ids(None) is None
 
 def test_the_application_passes_replicas_threads_device_and_autoscaling_through():
     """``build_app``'s deployments as Ray Serve will run them (nothing started): per-replica

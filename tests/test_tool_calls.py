@@ -151,3 +151,58 @@ def test_n_choices_are_child_requests_with_their_own_seed(demo):
     assert demo.engine.cache.all_free() and not demo.engine.requests
     with pytest.raises(ValueError, match="n must be an int in"):
         SamplingParams(n=0)
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_the_output_pipeline_streams_what_it_finishes(step, parallel):
+    """hybridrt.output_pipeline, as the server and LLM use it: a choice streamed in pieces
+    (a stop string's hold-back, the think block apart, calls piece by piece; the first call
+    only unless parallel) joins to what ``finish_message`` makes of the whole text, and a
+    choice that called ends with finish_reason "tool_calls"."""
+    from hybridrt.output_pipeline import ChoiceStream, Shape, finish_message, finish_reason
+
+    text = "I should call.</think>\n\n" + ANSWER
+    shape = Shape(thinks=True, tools=TOOLS, parallel=parallel)
+    want = finish_message(text, shape)
+    assert want.reasoning == "I should call." and want.content == "Let me look."
+    assert [c.name for c in want.tool_calls] == ["get_weather", "compute"][:2 if parallel else 1]
+    stream, deltas = ChoiceStream(shape, holdback=3), []
+    for end in range(step, len(text) + step, step):
+        done = end >= len(text)
+        new = stream.feed(text[:end], done)
+        assert stream.sent == (len(text) if done else max(0, end - 3))
+        deltas.append(stream.delta(new, done))
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == want.reasoning
+    # the stream keeps the whitespace around the calls that the parse strips
+    assert "".join(d.get("content", "") for d in deltas).strip() == want.content
+    calls = {}
+    for d in deltas:
+        for c in d.get("tool_calls", []):
+            name = c["function"].get("name")
+            calls.setdefault(c["index"], [name, ""])[1] += c["function"]["arguments"]
+    assert [tuple(v) for _, v in sorted(calls.items())] == \
+        [(c.name, c.arguments) for c in want.tool_calls]
+    assert finish_reason("stop", stream.called) == "tool_calls"
+    assert finish_reason("length", stream.called) == "length"
+
+
+def test_the_output_pipeline_fans_in_choices_with_their_usage():
+    """``FanIn``: choices' progress in any order -> each one's tokens, its finishing item and
+    the request's usage (the prompt once, every choice's tokens, the most cached)."""
+    from types import SimpleNamespace as Item
+
+    from hybridrt.output_pipeline import FanIn
+
+    def item(index, ids, finish=None, prompt=0, cached=0):
+        return Item(index=index, new_token_ids=ids, new_logprobs=None, finish_reason=finish,
+                    num_prompt_tokens=prompt, num_reused_tokens=cached)
+
+    f = FanIn(2)
+    for it in (item(1, [5, 6]), item(0, [1]), item(1, [7], "stop", 9, 4), item(0, [2, 3])):
+        f.add(it)
+        assert not f.done
+    f.add(item(0, [], "length", 9, 3))
+    assert f.done and f.token_ids == [[1, 2, 3], [5, 6, 7]]
+    assert [f.final[i].finish_reason for i in (0, 1)] == ["length", "stop"]
+    assert (f.usage.prompt_tokens, f.usage.completion_tokens, f.usage.cached_tokens) == (9, 6, 4)

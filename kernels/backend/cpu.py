@@ -1,7 +1,8 @@
 """The CPU backend: the compiled kernels of ``kernels/csrc`` (GDN layer, attention decode,
 norms, half-precision and int8 GEMV/GEMM) where they built and run for the tensors at hand,
-the reference ops otherwise; and ``forward``'s loop over whole decode steps without the
-modules (``_FastLayer``)."""
+the reference's ops otherwise (a ``ReferenceBackend`` it holds, and ``reference.plan`` /
+``run_gdn``); and ``forward``'s loop over whole decode steps over the model's record
+(``_FastLayer``)."""
 
 from __future__ import annotations
 
@@ -15,21 +16,24 @@ from ..memory import weights_on_huge_pages
 from ..options import KernelOptions
 from ..rope import RopeRows, RopeTable
 from ..step import StepProgram
+from .layers import AttentionLayer, DecoderLayerRecord, GDNLayer, ModelRecord
 from .plan import StepMeta
-from .reference import ReferenceBackend
+from .reference import ReferenceBackend, plan, run_gdn
 
 
-class CPUBackend(ReferenceBackend):
+class CPUBackend:
     """The CPU path: the compiled GDN decode step and half-precision GEMV/GEMM
     (``kernels/csrc``, built at first use for this CPU's features, see ``kernels/native.py``)
-    where they built; the reference ops otherwise."""
+    where they built; the reference's ops otherwise (``ref``, a ``ReferenceBackend`` sharing
+    its GDN decode step)."""
 
     name = "cpu"
     fused_max_rows = 1024  # prompt tokens per compiled GDN call (bounds its fp32 scratch)
 
     def __init__(self, config=None, device: torch.device | str = "cpu",
                  options: KernelOptions | None = None):
-        super().__init__(config, device, options)
+        self.ref = ReferenceBackend(config, device, options)
+        self.config, self.device, self.options = config, self.ref.device, self.ref.options
         opts = self.options
         # every kernel choice decided once, here, from the options (not per call)
         self.native = opts.native and native.load(opts.cache_dir, opts.march) is not None
@@ -38,7 +42,8 @@ class CPUBackend(ReferenceBackend):
         self.int8_isa = quant.select_isa(opts.int8_isa, self.native)  # None: no compiled ones
         self.int4_isa = int4.select_isa(opts.int4_isa, self.native)
         self.fused_simd = opts.fused_simd  # the fused layers' vector loops
-        self.gdn_step = native.gdn_decode_step if self.native else None
+        # the in-place decode step the reference's recurrent GDN form runs
+        self.ref.gdn_step = native.gdn_decode_step if self.native else None
         # without the compiled half kernels a half weight's products need an fp32 copy, kept
         # per module (``_packed``): the projections stay apart there
         self.merges_projections = self.half_simd
@@ -49,6 +54,7 @@ class CPUBackend(ReferenceBackend):
         self.fp32_copies: dict[int, tuple] = {}  # id(weight) -> (weight, its fp32 copy)
         self.gdn_params: dict[int, tuple] = {}  # _gdn_weights, per layer: (layer, tensors)
         self.fast: list[_FastLayer] | None = None  # forward's decode loop (bind, attach)
+        self.final_norm: tuple[torch.Tensor, float] | None = None  # (weight, eps), bind's
         # the same loop as one compiled call per step shape (kernels/step.py); None where a
         # shape has none (the loop in Python then)
         self.programs: dict[tuple, StepProgram | None] = {}
@@ -62,9 +68,10 @@ class CPUBackend(ReferenceBackend):
                              "compiler with OpenMP, a CPU with AVX2 + FMA + F16C, "
                              "HYBRIDRT_NATIVE not 0)")
 
-    def bind(self, model, groups) -> None:
+    def bind(self, record: ModelRecord, groups) -> None:
         self.groups = groups
-        self.fast = self._fast_layers(model)
+        self.final_norm = (record.norm_weight, record.norm_eps)
+        self.fast = self._fast_layers(record)
         self.programs, self.step_buffers = {}, {}
 
     def attach(self, cache) -> None:
@@ -72,7 +79,7 @@ class CPUBackend(ReferenceBackend):
         self.num_slots = t.num_slots
         self.programs, self.step_buffers = {}, {}
         if self.native:  # plan_step checks the slots once per step: the step need not
-            self.gdn_step = _checked_step
+            self.ref.gdn_step = _checked_step
         if t.key_caches:
             self.kv_shape = tuple(t.key_caches[0].shape[:2])
         pools = [*t.key_caches, *t.value_caches, *t.conv_states]
@@ -80,41 +87,35 @@ class CPUBackend(ReferenceBackend):
                 and t.ssm_states.dtype == torch.float32 and t.ssm_states.is_contiguous()):
             self.fast = None
 
-    # Decode steps without the modules ------------------------------------------------------
-    def _fast_layers(self, model) -> list[_FastLayer] | None:
+    # Decode steps over the model's record -------------------------------------------------
+    def _fast_layers(self, record: ModelRecord) -> list[_FastLayer] | None:
         """Per decoder layer what ``forward``'s decode loop calls, or None where some layer's
         weights do not suit it (it needs a bf16 model, the compiled kernels, and every
         layer's projections merged: bf16 weights on the half kernels, or int8 ones)."""
-        if not (self.native and self.half_simd and model.dtype == torch.bfloat16):
+        if not (self.native and self.half_simd and record.dtype == torch.bfloat16):
             return None
         layers = []
-        for dl in model.model.layers:
-            m = dl.mixer
-            mods = ((m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a)
-                    if dl.layer_type == "linear_attention" else (m.q_proj, m.k_proj, m.v_proj))
-            mixer_in = self.groups.get(tuple(id(quant.kernel_weight(x)) for x in mods))
-            mlp_in = self.groups.get(tuple(id(quant.kernel_weight(x))
-                                           for x in (dl.mlp.gate_proj, dl.mlp.up_proj)))
-            outs = [_weight_of(x) for x in (m.out_proj if dl.layer_type == "linear_attention"
-                                            else m.o_proj, dl.mlp.down_proj)]
+        for dl in record.decoder:
+            m = dl.mixer_layer
+            mixer_in = self.groups.get(tuple(id(w) for w in dl.mixer_in))
+            mlp_in = self.groups.get(tuple(id(w) for w in dl.mlp_in))
+            outs = [_weight_of(w) for w in (dl.mixer_out, dl.mlp_out)]
             if mixer_in is None or mlp_in is None or None in outs:
                 return None
             if any(self._quant_isa(w) is None for w in (mixer_in[0], mlp_in[0], *outs)
                    if isinstance(w, quant.PackedWeight)):
                 return None
-            norms = [dl.input_layernorm.weight, dl.post_attention_layernorm.weight]
-            if dl.layer_type == "full_attention":
-                norms += [m.q_norm.weight, m.k_norm.weight]
+            norms = [dl.input_norm_weight, dl.post_norm_weight]
+            if isinstance(m, AttentionLayer):
+                norms += [m.q_norm_weight, m.k_norm_weight]
             if any(w.dtype != torch.bfloat16 for w in norms):
                 return None
             gdn = None
-            if dl.layer_type == "linear_attention":
+            if isinstance(m, GDNLayer):
                 if m.kernel_size > 16:  # csrc/gdn_fused.c's window
                     return None
-                gdn = self._gdn_weights(m.spec, torch.bfloat16)
-            layers.append(_FastLayer(dl, m.spec, mixer_in, outs[0], mlp_in, outs[1], gdn))
-        if model.model.norm.weight.dtype != torch.bfloat16:
-            return None
+                gdn = self._gdn_weights(m, torch.bfloat16)
+            layers.append(_FastLayer(dl, mixer_in, outs[0], mlp_in, outs[1], gdn))
         return layers
 
     def _quant_isa(self, w) -> str | None:
@@ -136,20 +137,22 @@ class CPUBackend(ReferenceBackend):
             return native.gemv_bf16(x, w, self.half_path)
         return cpu_linear(x, w, None, self.half_simd, self.half_path)
 
-    def forward(self, model, batch, cache):
+    def graph_step(self, batch, cache, eager):
+        return None
+
+    def forward(self, batch, cache, h, cos, sin):
         """Steps of only decodes (one new token per sequence from its state), or only
-        verifications of the same number of drafts, in a loop over ``_FastLayer``s: the same
-        compiled calls as the model's layers make for them, without the modules and backend
-        dispatch around each (a model step of the 0.8B shape makes some 250 module calls).
-        Other steps: None, the model's own loop."""
+        verifications of the same number of drafts, from the embedded tokens ``h`` and the RoPE
+        rows, in a loop over ``_FastLayer``s: the same compiled calls as the model's layers
+        make for them, without the modules and backend dispatch around each (a model step of
+        the 0.8B shape makes some 250 module calls). Other steps: None, the model's own
+        loop."""
         meta, fast = batch.meta, self.fast
         if fast is None or not _recurrent_only(meta):
             return None
-        h = model.model.embed_tokens(batch.input_ids)
-        cos, sin = model.rope(batch.positions, h.dtype)
         grp = meta.gdn.groups[0]
         L = meta.uniform_tokens
-        program = self._program(model, cache, h.shape[0], L)
+        program = self._program(cache, h.shape[0], L)
         if program is not None:
             return program.run(h, grp, cos, sin, batch)
         product, norm, simd = self._product, native.rms_norm, self.fused_simd
@@ -160,7 +163,7 @@ class CPUBackend(ReferenceBackend):
             else:
                 x, residual = norm(h, f.in_norm, f.eps, residual)
             parts = product(x, f.mixer_in).split(f.mixer_sizes, dim=-1)
-            m = f.mixer
+            m = f.mixer_layer
             if f.gdn is not None:
                 mixed, z, b, a = parts
                 taps, neg_exp_a, dt_bias, norm_w = f.gdn
@@ -178,10 +181,9 @@ class CPUBackend(ReferenceBackend):
             x, residual = norm(product(y, f.mixer_out), f.post_norm, f.eps, residual)
             gate, up = product(x, f.mlp_in).split(f.mlp_sizes, dim=-1)
             h = product(self.silu_mul(gate, up), f.mlp_out)
-        final = model.model.norm
-        return norm(h, final.weight, final.eps, residual)[0]
+        return norm(h, *self.final_norm, residual)[0]
 
-    def _program(self, model, cache, rows: int, L: int) -> StepProgram | None:
+    def _program(self, cache, rows: int, L: int) -> StepProgram | None:
         """The step program of this shape (built at its first step), or None: the option is
         off, the batch-invariant mode (its own products), or a product it has no operation
         for."""
@@ -189,7 +191,6 @@ class CPUBackend(ReferenceBackend):
             return None
         key = (rows, L, id(cache))
         if key not in self.programs:
-            final = model.model.norm
             grown = []
 
             def buffer(name, numel, dtype):
@@ -201,8 +202,7 @@ class CPUBackend(ReferenceBackend):
                 return t
 
             try:
-                program = StepProgram(self, self.fast, (final.weight, final.eps), cache, rows,
-                                      L, buffer)
+                program = StepProgram(self, self.fast, self.final_norm, cache, rows, L, buffer)
             except ValueError:
                 program = None
             if grown:  # the other programs point into the buffers replaced
@@ -230,8 +230,8 @@ class CPUBackend(ReferenceBackend):
                 and qg.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and cos.is_contiguous()
                 and sin.is_contiguous() and batch.slot_mapping.dtype == batch.seq_lens.dtype
                 == batch.block_tables.dtype == torch.int64):
-            return super().gated_attention(meta, batch, layer, qg, k, v, key_cache,
-                                           value_cache, cos, sin)
+            return self.ref.gated_attention(meta, batch, layer, qg, k, v, key_cache,
+                                            value_cache, cos, sin)
         return native.attn_decode(qg, k, v, layer.q_norm_weight, layer.k_norm_weight,
                                   layer.eps, cos, sin, key_cache, value_cache,
                                   batch.slot_mapping, batch.block_tables, batch.seq_lens,
@@ -252,11 +252,17 @@ class CPUBackend(ReferenceBackend):
             return native.gemv_bf16(x, w, self.half_path).split(sizes, dim=-1)
         return cpu_linear(x, w, None, self.half_simd, self.half_path).split(sizes, dim=-1)
 
+    def logits(self, hidden, head, fp32: bool = True):
+        """The LM head's product (``linear``) in fp32, or with ``fp32=False`` in its own
+        dtype."""
+        y = self.linear(hidden, head)
+        return y.float() if fp32 else y
+
     def rope(self, positions, rotary_dim, theta, dtype):
         """By position from a table (the batch-invariant mode's own, else ``rope_cos_sin``'s
         rows: the same bits as computing them)."""
         if positions.device.type != "cpu" or not self.invariant and rotary_dim % 32:
-            return super().rope(positions, rotary_dim, theta, dtype)
+            return self.ref.rope(positions, rotary_dim, theta, dtype)
         if self.rope_table is None or self.rope_table.key != (rotary_dim, theta):
             self.rope_table = (RopeTable if self.invariant else RopeRows)(rotary_dim, theta)
         return self.rope_table(positions, dtype)
@@ -342,8 +348,13 @@ class CPUBackend(ReferenceBackend):
                 or (residual is not None and (residual.dtype != x.dtype
                                               or residual.shape != x.shape
                                               or not residual.is_contiguous()))):
-            return super().rms_norm(x, weight, eps, residual)
+            return self.ref.rms_norm(x, weight, eps, residual)
         return native.rms_norm(x, weight, eps, residual)
+
+    def gdn(self, meta, layer, mixed, z, a, b, conv_states, ssm_states):
+        """The reference's routing (``run_gdn``) over ``gdn_group`` and ``gdn_prompts``."""
+        return run_gdn(meta, layer, mixed, z, a, b, conv_states, ssm_states, self.gdn_group,
+                       self.gdn_prompts)
 
     def gdn_group(self, layer, grp, mixed, z, a, b, conv_states, ssm_states):
         """The group in one compiled call (csrc/gdn_fused.c) where it runs for these tensors:
@@ -352,7 +363,7 @@ class CPUBackend(ReferenceBackend):
                                     (grp.slots, grp.slots_out))
         if params is None:
             self._no_invariant_gdn(mixed, conv_states)
-            return super().gdn_group(layer, grp, mixed, z, a, b, conv_states, ssm_states)
+            return self.ref.gdn_group(layer, grp, mixed, z, a, b, conv_states, ssm_states)
         taps, neg_exp_a, dt_bias, norm_w = params
         return native.gdn_fused(mixed, z, a, b, taps, conv_states, ssm_states, grp.slots,
                                 grp.slots_out, neg_exp_a, dt_bias, norm_w, layer.eps,
@@ -367,7 +378,7 @@ class CPUBackend(ReferenceBackend):
         params = self._fused_params(layer, mixed, z, a, b, conv_states, ssm_states, (c.slots,))
         if params is None:
             self._no_invariant_gdn(mixed, conv_states)
-            return super().gdn_prompts(layer, c, mixed, z, a, b, conv_states, ssm_states)
+            return self.ref.gdn_prompts(layer, c, mixed, z, a, b, conv_states, ssm_states)
         taps, neg_exp_a, dt_bias, norm_w = params
         # zeros into the slots of sequences without a state, in place: a copy of every slot
         # through index_select and where took 2 x 32 MiB a layer for 32 prompts at the 0.8B
@@ -435,7 +446,10 @@ class CPUBackend(ReferenceBackend):
         return params
 
     def plan_step(self, batch) -> StepMeta:
-        meta = super().plan_step(batch)
+        """The reference's plan (``reference.plan``); attached to an engine, the slots and KV
+        indices checked against its pools once here (the compiled kernels index them
+        unchecked) and ``uniform_tokens`` set where every sequence has the same few."""
+        meta = plan(batch, self.config.linear_conv_kernel_dim if self.config is not None else 4)
         if self.num_slots is not None:  # the compiled step indexes the pool unchecked
             slots = [s for v in (batch.verify_slots or ()) if v for s in v]
             slots += batch.state_slot_list
@@ -449,6 +463,7 @@ class CPUBackend(ReferenceBackend):
         return meta
 
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x W^T (``ReferenceBackend.linear``'s weights) on the compiled products."""
         if self.invariant:
             return self._invariant_product(x, w)
         if isinstance(w, quant.PackedWeight):
@@ -475,26 +490,25 @@ class _FastLayer:
     groups) and, for a GDN layer, ``gdn``: the tensors ``native.gdn_fused`` takes besides the
     activations (None for an attention layer)."""
 
-    __slots__ = ("gdn", "mixer", "in_norm", "post_norm", "eps", "mixer_in", "mixer_sizes",
+    __slots__ = ("gdn", "mixer_layer", "in_norm", "post_norm", "eps", "mixer_in", "mixer_sizes",
                  "mixer_out", "mlp_in", "mlp_sizes", "mlp_out")
 
-    def __init__(self, layer, mixer, mixer_in, mixer_out, mlp_in, mlp_out, gdn):
+    def __init__(self, layer: DecoderLayerRecord, mixer_in, mixer_out, mlp_in, mlp_out, gdn):
         self.gdn = gdn
-        self.mixer = mixer
-        self.in_norm = layer.input_layernorm.weight
-        self.post_norm = layer.post_attention_layernorm.weight
-        self.eps = layer.input_layernorm.eps
+        self.mixer_layer = layer.mixer_layer
+        self.in_norm = layer.input_norm_weight
+        self.post_norm = layer.post_norm_weight
+        self.eps = layer.eps
         self.mixer_in, self.mixer_sizes = mixer_in
         self.mixer_out = mixer_out
         self.mlp_in, self.mlp_sizes = mlp_in
         self.mlp_out = mlp_out
 
 
-def _weight_of(module):
-    """A Linear's quantized or bf16 weight for ``CPUBackend._product``, or None."""
-    if module.qweight is not None:
-        return module.qweight
-    w = module.weight
+def _weight_of(w):
+    """A product's quantized or bf16 weight for ``CPUBackend._product``, or None."""
+    if isinstance(w, quant.PackedWeight):
+        return w
     return w if w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous() else None
 
 

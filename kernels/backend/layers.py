@@ -1,7 +1,11 @@
-"""What a backend reads of one mixer layer: its small weights and its sizes, as tensors and
-ints (no model modules). The model builds one record per layer (``hybridrt/model.py``,
-``GatedAttention.spec`` / ``GatedDeltaNet.spec``) and passes it with the projections' outputs;
-the projections themselves stay with the model (``Linear``, merged at bind time).
+"""What a backend reads of the model: records of tensors and ints, never its modules.
+
+- ``AttentionLayer`` / ``GDNLayer``: one mixer layer's small weights and sizes. The model builds
+  one per layer (``hybridrt/model.py``, ``GatedAttention.spec`` / ``GatedDeltaNet.spec``) and
+  passes it with the projections' outputs.
+- ``DecoderLayerRecord`` / ``ModelRecord``: the whole decoder as a backend's own decode loop
+  runs it (norms, the weights each product reads, the mixer's record), handed to ``bind``
+  once (``Qwen35ForCausalLM.record``), after the weights were laid out.
 
 A record holds the layer's parameters themselves (not copies or views), so it follows a
 ``.to()`` of the model; the model builds it anew after a ``load_state_dict(assign=True)``.
@@ -76,3 +80,35 @@ class GDNLayer:
             k.reshape(n, self.num_k_heads, self.head_k_dim),
             v.reshape(n, self.num_v_heads, self.head_v_dim),
         )
+
+
+@dataclass(eq=False, slots=True)
+class DecoderLayerRecord:
+    """One decoder layer: its mixer's record (``mixer_layer``), the input and post-mixer
+    RMSNorm weights [D] and their eps, and the weights its products read
+    (``quant.kernel_weight`` of each projection, in output order): ``mixer_in`` q|k|v
+    (attention) or qkv|z|b|a (GDN), ``mixer_out`` o_proj / out_proj, ``mlp_in`` gate|up,
+    ``mlp_out`` down_proj."""
+
+    mixer_layer: AttentionLayer | GDNLayer
+    input_norm_weight: torch.Tensor
+    post_norm_weight: torch.Tensor
+    eps: float
+    mixer_in: tuple
+    mixer_out: object
+    mlp_in: tuple
+    mlp_out: object
+
+
+@dataclass(eq=False, slots=True)
+class ModelRecord:
+    """The decoder's layers in order and the final RMSNorm's weight [D] and eps; its dtype is
+    the activations' (that of the final norm's weight)."""
+
+    decoder: list[DecoderLayerRecord]
+    norm_weight: torch.Tensor
+    norm_eps: float
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm_weight.dtype

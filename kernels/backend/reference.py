@@ -1,7 +1,10 @@
 """The reference backend: plain torch everywhere, the definition of correct that the other
 backends are tested against. The math of one gated attention layer (``gated_attention``) and
-of one GDN layer (``gdn``: conv, gated delta rule, gated output norm) reads top to bottom here;
-the CPU and CUDA backends override single steps of it with compiled or Triton kernels."""
+of one GDN layer (``gdn``: conv, gated delta rule, gated output norm) reads top to bottom here.
+The step's plan (``plan``) and the GDN layer's routing over its recurrent groups and prompt
+chunks (``run_gdn``) are functions of their own, which the CPU backend calls with its own
+kernels (it holds a ``ReferenceBackend`` for the steps it has none for). The CUDA backend
+(``kernels/cuda/backend.py``) overrides single steps of it."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from ..delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from ..norm import gated_rms_norm, rms_norm
 from ..options import KernelOptions
 from ..rope import apply_partial_rope, rope_cos_sin
-from .layers import AttentionLayer, GDNLayer
+from .layers import AttentionLayer, GDNLayer, ModelRecord
 from .plan import ChunkedSeqs, GDNMeta, RecurrentGroup, StepMeta, gdn_split, step_arrays
 
 
@@ -35,9 +38,10 @@ class ReferenceBackend:
         self.gdn_step = None  # the in-place decode step recurrent_gated_delta_rule runs (torch's)
 
     # Binding ------------------------------------------------------------------------------
-    def bind(self, model: torch.nn.Module, groups: dict) -> None:
+    def bind(self, record: ModelRecord, groups: dict) -> None:
         """Called once by ``set_backend``, the weights laid out as ``merges_projections`` and
-        ``huge_pages`` ask: ``groups`` {ids of the modules: (merged weight, output sizes)}."""
+        ``huge_pages`` ask: ``record`` the model's layers (``layers.ModelRecord``), ``groups``
+        {ids of the projections' weights: (merged weight, output sizes)}."""
 
     def attach(self, cache) -> None:
         """Called once by the runner with the engine's cache manager (sizes, pools)."""
@@ -45,10 +49,7 @@ class ReferenceBackend:
     # Per step -----------------------------------------------------------------------------
     def plan_step(self, batch) -> StepMeta:
         """The step's metadata (plan.py), built once from ``batch``'s host lists."""
-        arr = step_arrays(batch)
-        K = self.config.linear_conv_kernel_dim if self.config is not None else 4
-        attn = attention_plan(batch.query_lens, batch.context_lens, batch.block_tables, arr)
-        return StepMeta(attn, gdn_split(batch, arr, True, K), batch.num_tokens)
+        return plan(batch, self.config.linear_conv_kernel_dim if self.config is not None else 4)
 
     # Linear layers and elementwise ops ----------------------------------------------------
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
@@ -121,28 +122,8 @@ class ReferenceBackend:
         projections -> [T, HV * DV]. Each recurrent group (``gdn_group``) and the prompt chunks
         (``gdn_prompts``; in rounds, with the states at their checkpoints copied between them)
         get their own rows of the inputs (no copy when they are the whole batch)."""
-        T = mixed.shape[0]
-        out = None
-        gm: GDNMeta = meta.gdn
-        parts = [(g.rows, self.gdn_group, g) for g in gm.groups]
-        c = gm.chunked
-        if c is not None:
-            parts += [(r.rows, self.gdn_prompts, r) for r in c.rounds or [c]]
-        for rows, kernel, part in parts:
-            x = [t if rows is None else t[rows] for t in (mixed, z, a, b)]
-            o = kernel(layer, part, *x, conv_states, ssm_states)
-            if rows is None:
-                out = o
-            else:
-                if out is None:
-                    out = o.new_empty(T, *o.shape[1:])
-                out[rows] = o
-            copies = getattr(part, "copies", None)
-            if copies is not None:
-                src, dst = copies
-                conv_states.index_copy_(0, dst, conv_states.index_select(0, src))
-                ssm_states.index_copy_(0, dst, ssm_states.index_select(0, src))
-        return out
+        return run_gdn(meta, layer, mixed, z, a, b, conv_states, ssm_states, self.gdn_group,
+                       self.gdn_prompts)
 
     def gdn_group(self, layer: GDNLayer, grp: RecurrentGroup, mixed, z, a, b, conv_states,
                   ssm_states):
@@ -186,11 +167,54 @@ class ReferenceBackend:
         return chunk_gated_delta_rule(q, k, v, g, beta, c.cu_seqlens, ssm_states, c.slots,
                                       c.has_initial_state, plan=c.delta)
 
-    # Whole steps (CUDA graphs) ------------------------------------------------------------
-    def forward(self, model, batch, cache) -> torch.Tensor | None:
-        """Run a whole model step another way (a captured graph) -> hidden, or None to let
-        the model run eagerly."""
+    # Whole steps --------------------------------------------------------------------------
+    def graph_step(self, batch, cache, eager) -> torch.Tensor | None:
+        """A whole step replayed from a capture of ``eager(batch, cache)`` -> hidden, or None:
+        none here."""
         return None
+
+    def forward(self, batch, cache, h, cos, sin) -> torch.Tensor | None:
+        """A whole step from the embedded tokens ``h`` and RoPE rows -> hidden, or None to
+        let the model run its layers: none here."""
+        return None
+
+
+def plan(batch, kernel_size: int) -> StepMeta:
+    """The reference's step metadata: the attention plan and the GDN routing with the conv and
+    chunked delta rule's plans (``kernel_size``: the conv window)."""
+    arr = step_arrays(batch)
+    attn = attention_plan(batch.query_lens, batch.context_lens, batch.block_tables, arr)
+    return StepMeta(attn, gdn_split(batch, arr, True, kernel_size), batch.num_tokens)
+
+
+def run_gdn(meta: StepMeta, layer: GDNLayer, mixed, z, a, b, conv_states, ssm_states, group,
+            prompts):
+    """A GDN layer's routing (``ReferenceBackend.gdn``): each recurrent group through
+    ``group(layer, RecurrentGroup, mixed, z, a, b, conv_states, ssm_states)``, the prompt
+    chunks (each round, the checkpoints' states copied after it) through ``prompts`` (same
+    arguments with a ``ChunkedSeqs``), every part on its own rows -> [T, HV * DV]."""
+    T = mixed.shape[0]
+    out = None
+    gm: GDNMeta = meta.gdn
+    parts = [(g.rows, group, g) for g in gm.groups]
+    c = gm.chunked
+    if c is not None:
+        parts += [(r.rows, prompts, r) for r in c.rounds or [c]]
+    for rows, kernel, part in parts:
+        x = [t if rows is None else t[rows] for t in (mixed, z, a, b)]
+        o = kernel(layer, part, *x, conv_states, ssm_states)
+        if rows is None:
+            out = o
+        else:
+            if out is None:
+                out = o.new_empty(T, *o.shape[1:])
+            out[rows] = o
+        copies = getattr(part, "copies", None)
+        if copies is not None:
+            src, dst = copies
+            conv_states.index_copy_(0, dst, conv_states.index_select(0, src))
+            ssm_states.index_copy_(0, dst, ssm_states.index_select(0, src))
+    return out
 
 
 def gates(layer: GDNLayer, a, b):

@@ -105,7 +105,7 @@ class CudaBackend(ReferenceBackend):
             self.tokens_per_tile = 1  # one program per query row, whatever the step
 
     # Binding ------------------------------------------------------------------------------
-    def bind(self, model, groups) -> None:
+    def bind(self, record, groups) -> None:
         """``groups``: the weights of projections that read the same input, concatenated (each
         module's weight a view into its group's: no extra memory)."""
         self.groups = groups
@@ -281,7 +281,9 @@ class CudaBackend(ReferenceBackend):
                                      cu_seqlens_cpu=c.cu_seqlens_cpu)
 
     # CUDA graphs --------------------------------------------------------------------------
-    def forward(self, model, batch, cache):
+    def graph_step(self, batch, cache, eager):
+        """The step as a replay of its shape's capture of ``eager(batch, cache)`` (the model's
+        layers), or None: run eagerly."""
         if not self.use_graphs or self.cache is None:
             return None
         meta: StepMeta = batch.meta
@@ -296,15 +298,16 @@ class CudaBackend(ReferenceBackend):
         if graph is None:
             if self.mempool is None:
                 self.mempool = torch.cuda.graph_pool_handle()
-            graph = _Graph(model, batch, cache, self, bs, L)
+            graph = _Graph(eager, batch, cache, self, bs, L)
             self.graphs[(bs, L)] = graph
         return graph.run(batch)
 
 
 class _Graph:
-    """One captured model step for ``bs`` sequences of ``L`` tokens each."""
+    """One captured model step (``eager(batch, cache)``) for ``bs`` sequences of ``L`` tokens
+    each."""
 
-    def __init__(self, model, batch, cache, backend: CudaBackend, bs: int, L: int):
+    def __init__(self, eager, batch, cache, backend: CudaBackend, bs: int, L: int):
         dev = backend.device
         block_size = cache.block_size
         width = -(-(backend.max_model_len + backend.max_drafts) // block_size) + 1
@@ -341,11 +344,11 @@ class _Graph:
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                model.forward_eager(self.batch, tensors)
+                eager(self.batch, tensors)
         torch.cuda.current_stream(dev).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=backend.mempool):
-            self.hidden = model.forward_eager(self.batch, tensors)
+            self.hidden = eager(self.batch, tensors)
 
     def run(self, batch) -> torch.Tensor:
         n = batch.num_seqs

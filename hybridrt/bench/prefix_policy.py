@@ -1,0 +1,154 @@
+"""``hybridrt bench prefix-policy``: what each GDN checkpoint placement costs and buys.
+
+Prompt tokens prefilled, hit rate and checkpoints saved / held for several placements, on four
+chat-shaped workloads of token ids (docs/prefix_cache.md, "The policy measured"). Counts only,
+no timing, so a busy machine gives the same figures.
+
+The placements: message starts (``<|im_start|>``) on or off, and the token interval (0: none);
+the position before a prompt's last token and the end of every request are saved in all of
+them. Workloads, each on an emptied cache large enough that nothing is evicted (the figures are
+the placement's, not the budget's), sizes scaled by ``scale`` (1.0: the sizes below):
+
+- ``shared``: 16 requests at once, a 1,500-token system message and a 64-token question each;
+- ``agent``: a 6-message history (1,400 tokens), branched 3 ways (a 100-token message each),
+  each branch answered, then continued by one more message;
+- ``chat``: 4 conversations x 6 turns, interleaved, each turn the previous prompt + its
+  answer + a 120-token user message;
+- ``document``: 8 requests sharing a 3,000-token text without messages, a 50-token tail each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from hybridrt.sampling_params import SamplingParams
+
+# (label, checkpoint at message starts, token interval)
+POLICIES = [("messages + 2048 (default)", True, 2048), ("messages only", True, 0),
+            ("2048 only", False, 2048), ("messages + 512", True, 512), ("512 only", False, 512)]
+WORKLOADS = ("shared", "agent", "chat", "document")
+
+
+def _ids(n: int, vocab: int, g: torch.Generator, start: int) -> list[int]:
+    ids = torch.randint(10, vocab, (max(1, n),), generator=g).tolist()
+    return [t if t != start else t + 1 for t in ids]
+
+
+def _msg(n: int, vocab: int, g: torch.Generator, start: int) -> list[int]:
+    return [start] + _ids(n - 1, vocab, g, start)
+
+
+def _run(llm, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    eng = llm.engine
+    rids = [eng.add_request(p, params) for p in prompts]
+    while eng.has_unfinished_requests():
+        eng.step()
+    return [list(eng.pop_request(r).output_token_ids) for r in rids]
+
+
+def workloads(vocab: int, start: int, scale: float = 1.0) -> dict:
+    """name -> fn(llm, params) running that workload; a fresh generator per call of this, so
+    every placement sees the same token ids."""
+    g = torch.Generator().manual_seed(0)
+    gen = [start, 11]  # the generation prompt's message start and one token
+
+    def n(tokens: int) -> int:
+        return max(2, round(tokens * scale))
+
+    def shared(llm, params):
+        system = _msg(n(1500), vocab, g, start)
+        _run(llm, [system + _msg(n(64), vocab, g, start) + gen for _ in range(16)], params)
+
+    def agent(llm, params):
+        history = _msg(n(400), vocab, g, start)
+        for _ in range(5):
+            history += _msg(n(200), vocab, g, start)
+        branches = [history + _msg(n(100), vocab, g, start) + gen for _ in range(3)]
+        answers = _run(llm, branches, params)
+        _run(llm, [b + a + _msg(n(100), vocab, g, start) + gen
+                   for b, a in zip(branches, answers)], params)
+
+    def chat(llm, params):
+        convs = [_msg(n(300), vocab, g, start) for _ in range(4)]
+        for _ in range(6):
+            prompts = [c + _msg(n(120), vocab, g, start) + gen for c in convs]
+            answers = _run(llm, prompts, params)
+            convs = [p + a for p, a in zip(prompts, answers)]
+
+    def document(llm, params):
+        doc = _ids(n(3000), vocab, g, start)
+        _run(llm, [doc + _ids(n(50), vocab, g, start) for _ in range(8)], params)
+
+    return {"shared": shared, "agent": agent, "chat": chat, "document": document}
+
+
+def run(model: str | None = None, threads: int | None = 2, scale: float = 1.0,
+        max_tokens: int = 16, cache_memory: str = "6GiB", max_model_len: int = 4096,
+        chosen: tuple[str, ...] = WORKLOADS, json_path: str | os.PathLike | None = None,
+        verbose: bool = True) -> dict:
+    """Every workload under every placement of ``POLICIES`` on one engine -> the report (one
+    row per workload and placement)."""
+    from hybridrt.llm import LLM
+
+    llm = LLM(model, threads=threads, max_model_len=max_model_len, max_num_seqs=16,
+              cache_memory=cache_memory, checkpoint_share=0.5)
+    eng = llm.engine
+    messages = frozenset(eng.checkpoint_boundary_ids)
+    if not messages:
+        raise ValueError("this model's tokenizer has no message-start token (<|im_start|>): "
+                         "the workloads need one")
+    start = min(messages)
+    sizing = eng.cache.sizing
+    per_ckpt = sizing.bytes_per_slot
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    report = {"model": str(llm.model_path), "bytes_per_checkpoint": per_ckpt,
+              "checkpoint_slots": sizing.num_checkpoint_slots,
+              "request_slots": sizing.num_request_slots, "scale": scale, "rows": []}
+    if verbose:
+        print(table(report), flush=True)  # the header; the rows as they come
+    interval0, boundaries0 = eng.checkpoint_interval, eng.checkpoint_boundary_ids
+    try:
+        for name in chosen:
+            for label, use_messages, interval in POLICIES:
+                llm.reset_prefix_cache()
+                eng.checkpoint_boundary_ids = messages if use_messages else frozenset()
+                eng.checkpoint_interval = interval
+                before = dict(eng.cache.prefix.stats)
+                pre0 = eng.stats["num_prefill_tokens"]
+                workloads(llm.config.vocab_size, start, scale)[name](llm, params)
+                st = {k: v - before.get(k, 0) for k, v in eng.cache.prefix.stats.items()}
+                held = eng.cache.usage().num_checkpoints
+                row = {"workload": name, "placement": label,
+                       "query_tokens": st["query_tokens"],
+                       "prefilled": eng.stats["num_prefill_tokens"] - pre0,
+                       "hit_rate": st["hit_tokens"] / max(1, st["query_tokens"]),
+                       "checkpoints_saved": st["checkpoints_saved"],
+                       "checkpoint_evictions": st["checkpoint_evictions"], "held": held,
+                       "mib_held": held * per_ckpt / 2**20}
+                report["rows"].append(row)
+                if verbose:
+                    print(_row(row), flush=True)
+    finally:
+        eng.checkpoint_interval, eng.checkpoint_boundary_ids = interval0, boundaries0
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _row(r: dict) -> str:
+    return (f"| {r['workload']} | {r['placement']} | {r['query_tokens']} | {r['prefilled']} | "
+            f"{r['hit_rate']:.3f} | {r['checkpoints_saved']} | {r['held']} | "
+            f"{r['mib_held']:.1f} |")
+
+
+def table(report: dict) -> str:
+    lines = [f"checkpoint: {report['bytes_per_checkpoint'] / 2**20:.2f} MiB; slots "
+             f"{report['checkpoint_slots']} + {report['request_slots']}",
+             "| workload | placement | tokens looked up | prefilled | hit rate | checkpoints "
+             "saved | held at the end | MiB held |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    return "\n".join(lines + [_row(r) for r in report["rows"]])

@@ -1,0 +1,173 @@
+"""A request body -> a ``Job`` (hybridrt.server.job), in a pool thread: the body parsed and
+validated (hybridrt.openai_protocol), the chat template applied, the prompt tokenized and
+fitted within max_model_len, tool choice turned into a constraint. Every refusal is an
+``ApiError`` (a 4xx); nothing here knows HTTP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hybridrt import openai_protocol as api
+from hybridrt.output_pipeline import Shape
+from hybridrt.reasoning import opens_thinking
+from hybridrt.sampling_params import SamplingParams
+from hybridrt.server.errors import too_many_tokens
+from hybridrt.server.job import Job
+from hybridrt.tool_calls import tool_constraint
+
+
+@dataclass(slots=True)
+class Frontend:
+    """What the HTTP side needs of a model, weights aside: its tokenizer (and chat template),
+    its directory (the generation defaults) and a prompt's bounds. ``of(llm)``: a loaded
+    model's; ``hybridrt.ray_serve``'s ingress builds one from the checkpoint's files."""
+
+    tokenizer: Any
+    model_path: str
+    vocab_size: int
+    max_model_len: int
+
+    @classmethod
+    def of(cls, llm) -> Frontend:
+        return cls(llm.tokenizer, str(llm.model_path), llm.config.vocab_size,
+                   llm.engine.engine_config.max_model_len)
+
+    def apply_chat_template(self, messages: list[dict], kwargs: dict | None,
+                            add_generation_prompt: bool) -> str:
+        from hybridrt.llm import apply_chat_template
+
+        return apply_chat_template(self.tokenizer, messages, kwargs, add_generation_prompt)
+
+    def validate_prompt(self, ids) -> list[int]:
+        from hybridrt.request import validate_prompt
+
+        return validate_prompt(ids, self.vocab_size, self.max_model_len)
+
+
+class Preparer:
+    """Prepares the requests of one server: its model's ``Frontend``, the name it serves,
+    the limits (resolved) and the checkpoint's generation defaults."""
+
+    def __init__(self, front: Frontend, model_name: str, limits: api.Limits):
+        from hybridrt.llm import generation_defaults
+
+        self.front, self.model_name, self.limits = front, model_name, limits
+        self.tokenizer, self.max_model_len = front.tokenizer, front.max_model_len
+        self.defaults = generation_defaults(front.model_path)
+
+    def parse(self, raw: bytes, chat: bool) -> Job:
+        """In a pool thread: the body -> the job (``prepare``). A refusal is raised without
+        the traceback of where it was found: those frames hold the parsed body and the
+        prompt's encoding, which must be freed before the server trims the heap."""
+        try:
+            return self.prepare(api.parse_body(raw, self.limits.max_json_depth), chat)
+        except api.ApiError as e:
+            error = e.with_traceback(None)
+        del raw
+        raise error
+
+    def prepare(self, body: Any, chat: bool) -> Job:
+        """Validate a request body -> its job: prompt ids, text, params, snapshot point,
+        shape."""
+        api.check_common(body, self.model_name)
+        api.check_limits(body, self.limits)
+        params = api.sampling_params(body, self.defaults, chat)
+        snapshot_at, tools, choice, parallel = None, None, "none", True
+        if chat:
+            if self.tokenizer is None:
+                raise api.bad("this model has no tokenizer, so it has no chat template")
+            messages = api.chat_messages(body)
+            kwargs = api.template_kwargs(body)
+            tools, choice, parallel = api.chat_tools(body)
+            if tools:
+                kwargs["tools"] = tools
+            gen = body.get("add_generation_prompt", True)
+            try:
+                text = self.front.apply_chat_template(messages, kwargs, gen)
+                base = self.front.apply_chat_template(messages, kwargs, False) if gen else None
+            except Exception as e:
+                raise api.bad(f"the chat template failed on these messages: {e}",
+                              "messages") from None
+            ids = self._encode(text, body, "messages")
+            if base is not None:
+                base_ids = self._encode(base, body, "messages")
+                if 0 < len(base_ids) < len(ids) and ids[:len(base_ids)] == base_ids:
+                    snapshot_at = len(base_ids)
+        else:
+            prompt = api.completion_prompt(body)
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise api.bad("this model has no tokenizer: send token ids", "prompt")
+                text, ids = prompt, self._encode(prompt, body, "prompt")
+            else:
+                text, ids = None, prompt
+        where, num_ids = "messages" if chat else "prompt", len(ids)
+        ids, params = self._fit(ids, params, body, where)
+        if len(ids) != num_ids:
+            snapshot_at = None  # truncated: the rendered prefix is no longer at the start
+        try:
+            ids = self.front.validate_prompt(ids)
+        except ValueError as e:
+            raise api.bad(str(e), where) from None
+        thinks = chat and text is not None and opens_thinking(text)
+        if choice not in ("none", "auto"):  # required / named: the output is made calls
+            if params.structured_outputs is not None:
+                raise api.bad(f"tool_choice {_short_choice(choice)} makes the output tool "
+                              f"calls: it cannot go with response_format or "
+                              f"structured_outputs", "tool_choice")
+            try:
+                params = params.clone(structured_outputs=tool_constraint(
+                    tools, choice, thinks, parallel))
+            except ValueError as e:
+                raise api.bad(str(e), "tools") from None
+        opts = body.get("stream_options") or {}
+        return Job(ids, params, text, snapshot_at, api.new_id("chatcmpl" if chat else "cmpl"),
+                   api.now(), Shape(thinks, tools if choice != "none" else None, parallel),
+                   params.logprobs or 0, bool(body.get("stream")),
+                   bool(opts.get("include_usage")))
+
+    def _fit(self, ids: list[int], params: SamplingParams, body: dict,
+             where: str) -> tuple[list[int], SamplingParams]:
+        """The prompt and max_tokens within max_model_len: a prompt cut to its last
+        ``truncate_prompt_tokens`` tokens (-1: as many as fit); a prompt over the token limit,
+        or whose client-given max_tokens cannot fit beside it, refused; a default max_tokens
+        lowered to the room left."""
+        n, cap = self.max_model_len, self.limits.max_prompt_tokens
+        explicit = any(body.get(k) is not None for k in ("max_tokens", "max_completion_tokens"))
+        truncate = body.get("truncate_prompt_tokens")
+        if truncate is not None:
+            keep = truncate if truncate > 0 else n - (params.max_tokens or 1)
+            ids = ids[-max(1, min(keep, cap)):]
+        if len(ids) > cap:
+            raise too_many_tokens(len(ids), cap, n, where)
+        room = n - len(ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            if explicit:
+                raise api.bad(f"the prompt has {len(ids)} tokens and max_tokens is "
+                              f"{params.max_tokens}: together over max_model_len {n} (at most "
+                              f"{room} for this prompt; or send truncate_prompt_tokens)",
+                              "max_tokens")
+            params = params.clone(max_tokens=max(1, room),
+                                  min_tokens=min(params.min_tokens, max(1, room)))
+        return ids, params
+
+    def _encode(self, text: str, body: dict, where: str) -> list[int]:
+        """The text's ids. A fast tokenizer's encoding is measured before its ids become a
+        Python list: a prompt over the token limit (and not to be truncated) is refused
+        without making a few hundred thousand int objects, whose memory would stay with the
+        process. ``encode_batch``, not ``encode``: only the batch call releases the GIL (a
+        3.5 MB prompt held it 3.1 s with ``encode``, stalling the event loop from the pool)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        (encoding,) = backend.encode_batch([text], add_special_tokens=False)
+        if len(encoding) > self.limits.max_prompt_tokens and \
+                body.get("truncate_prompt_tokens") is None:
+            raise too_many_tokens(len(encoding), self.limits.max_prompt_tokens,
+                                   self.max_model_len, where)
+        return encoding.ids
+
+
+def _short_choice(choice) -> str:
+    return repr(choice) if isinstance(choice, str) else repr(choice["function"]["name"])
