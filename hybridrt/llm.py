@@ -159,6 +159,7 @@ class LLM:
         checkpoint_share: float = 0.25,
         batch_invariant: bool = False,
     ):
+        # every keyword above, checked once (before anything loads)
         args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})
         if threads is not None:
             torch.set_num_threads(threads)
