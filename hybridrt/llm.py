@@ -12,11 +12,12 @@ from typing import Any
 import torch
 
 from hybridrt import env
-from hybridrt.engine import EngineConfig, LLMEngine
+from hybridrt.engine import LLMEngine
+from hybridrt.engine_args import EngineArgs
 from hybridrt.kernels import native, quant
 from hybridrt.kernels.memory import keep_freed_memory
 from hybridrt.loader import load_model, parse_dtype
-from hybridrt.options import check_device_name, check_quantization, parse_memory
+from hybridrt.options import check_device_name
 from hybridrt.output_pipeline import ChoiceStream, Shape, finish_message, holdback
 from hybridrt.outputs import CompletionOutput, RequestOutput
 from hybridrt.parallel_sampling import ParentRequest
@@ -24,7 +25,7 @@ from hybridrt.reasoning import opens_thinking
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.session import Session
 from hybridrt.specdec.draft_vocab import load_draft_vocab
-from hybridrt.statecache import HybridCacheManager, plan_cache
+from hybridrt.statecache import HybridCacheManager
 from hybridrt.threads import ThreadGovernor, adaptive_threads_enabled
 from hybridrt.tokenizer import load_tokenizer
 from hybridrt.tool_calls import check_tool_choice, check_tools, template_messages, tool_constraint
@@ -93,13 +94,6 @@ def default_model() -> str:
     return str(DEMO_MODEL_DIR)
 
 
-def default_batched_tokens(device: torch.device, block_size: int, max_model_len: int) -> int:
-    """The default token budget of a step: 8192 on CUDA (a long prompt in a few steps, like
-    vLLM's GPU defaults), 512 on CPU; at least a block, at most the context length."""
-    per_step = 8192 if device.type == "cuda" else 512
-    return min(max(per_step, block_size), max_model_len)
-
-
 class LLM:
     """Offline batch generation over the hybridrt engine.
 
@@ -166,50 +160,13 @@ class LLM:
         checkpoint_share: float = 0.25,
         batch_invariant: bool = False,
     ):
-        if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or (
-            speculative_tokens < 0
-        ):
-            raise ValueError(
-                f"speculative_tokens must be an integer >= 0, got {speculative_tokens!r}"
-            )
-        if not isinstance(max_num_sessions, int) or isinstance(max_num_sessions, bool) or (
-            max_num_sessions < 0
-        ):
-            raise ValueError(f"max_num_sessions must be an integer >= 0, got {max_num_sessions!r}")
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got "
-                             f"{enable_prefix_caching!r}")
-        if not isinstance(checkpoint_interval, int) or isinstance(checkpoint_interval, bool) or (
-            checkpoint_interval < 0
-        ):
-            raise ValueError(f"checkpoint_interval must be an integer >= 0, got "
-                             f"{checkpoint_interval!r}")
-        if not isinstance(checkpoint_share, (int, float)) or isinstance(checkpoint_share, bool) or (
-            not 0 <= checkpoint_share < 1
-        ):
-            raise ValueError(f"checkpoint_share must be a number in [0, 1), got "
-                             f"{checkpoint_share!r}")
-        if draft_vocab_size is not None:
-            if not isinstance(draft_vocab_size, int) or isinstance(draft_vocab_size, bool) or (
-                draft_vocab_size < 1
-            ):
-                raise ValueError(f"draft_vocab_size must be a positive integer, got "
-                                 f"{draft_vocab_size!r}")
-            if speculative_tokens == 0:
-                raise ValueError("draft_vocab_size is for MTP drafts: it needs "
-                                 "speculative_tokens > 0")
+        # every keyword above, checked once (before anything loads)
+        args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})
         if threads is not None:
-            if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-                raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
             torch.set_num_threads(threads)
         self.device = check_device(device)
-        if not isinstance(batch_invariant, bool):
-            raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
-        if batch_invariant and backend == "reference":
-            raise ValueError("batch_invariant=True runs on the cpu and cuda backends, not the "
-                             "reference one")
         self.batch_invariant = batch_invariant
-        self.quantization = check_quantization(quantization)
+        self.quantization = args.quantization
         if self.quantization:
             _check_cpu_backend(f"quantization={self.quantization!r}", self.device, backend)
         if self.device.type == "cpu":
@@ -217,13 +174,10 @@ class LLM:
             opts = env.kernel_options()
             if opts.native:  # the build the backend will ask for, before quantizing uses one
                 native.load(opts.cache_dir, opts.march)
-        if not (isinstance(dtype, str) and dtype.lower() == "auto"):
-            dtype = parse_dtype(dtype)
-        path = default_model() if model is None else model
         self.model, self.config, self.model_path = load_model(
-            path, dtype, with_mtp=speculative_tokens > 0, device=self.device,
-            quantization=self.quantization,
-        )
+            default_model() if model is None else model,
+            dtype if isinstance(dtype, str) and dtype.lower() == "auto" else parse_dtype(dtype),
+            with_mtp=speculative_tokens > 0, device=self.device, quantization=self.quantization)
         stored = quant.quantization_of(self.model)
         if stored is not None and stored != self.quantization:
             self.quantization = stored  # a checkpoint stored quantized (hybridrt quantize)
@@ -234,35 +188,11 @@ class LLM:
                 f"speculative_tokens={speculative_tokens} needs MTP weights, but the checkpoint "
                 f"at {self.model_path} has no mtp.* tensors (use speculative_tokens=0)"
             )
-        if max_model_len is None:
-            max_model_len = min(self.config.max_position_embeddings, 4096)
-        if not isinstance(max_model_len, int) or max_model_len <= 1:
-            raise ValueError(f"max_model_len must be an integer > 1, got {max_model_len!r}")
-        if max_model_len > self.config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                f"{self.config.max_position_embeddings}"
-            )
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = default_batched_tokens(self.device, block_size,
-                                                            max_model_len)
-        engine_config = EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens,
-                                     block_size)
-        mem_bytes, mem_fraction = parse_memory(cache_memory)
-        extra_layers = self.model.num_attention_caches - len(self.config.full_attention_layers)
-        sizing = plan_cache(
-            self.config, max_model_len, max_num_seqs, block_size, self.dtype,
-            memory_bytes=mem_bytes, memory_fraction=mem_fraction,
-            slots_per_request=1 + speculative_tokens, num_extra_attention_layers=extra_layers,
-            device=self.device, lookahead_tokens=speculative_tokens,
-            checkpoint_share=checkpoint_share if enable_prefix_caching else 0.0,
-        )
-        cache = HybridCacheManager(
-            self.config, sizing, self.dtype, self.device,
-            slots_per_request=1 + speculative_tokens, num_extra_attention_layers=extra_layers,
-            prefix_caching=bool(enable_prefix_caching),
-            salt=f"{self.dtype}|{self.quantization}|{block_size}|{self.model_path}",
-        )
+        self.args = args.resolved(self.config.max_position_embeddings, self.device)
+        cache = HybridCacheManager.for_engine(
+            self.args, self.config, self.dtype,
+            self.model.num_attention_caches - len(self.config.full_attention_layers),
+            salt=f"{self.dtype}|{self.quantization}|{block_size}|{self.model_path}")
         draft_vocab, self.draft_vocab_source = None, None
         if draft_vocab_size is not None:
             draft_vocab, self.draft_vocab_source = load_draft_vocab(
@@ -272,14 +202,8 @@ class LLM:
         if self.device.type == "cpu" and threads is None and adaptive_threads_enabled():
             governor = ThreadGovernor(torch.get_num_threads())
         self._parent_ids = itertools.count()  # n > 1: the parents' ids
-        self.engine = LLMEngine(self.model, self.config, cache, engine_config, self.tokenizer,
-                                seed=seed, device=self.device,
-                                speculative_tokens=speculative_tokens, backend=backend,
-                                draft_vocab=draft_vocab, thread_governor=governor,
-                                async_scheduling=async_scheduling,
-                                max_num_sessions=max_num_sessions,
-                                checkpoint_interval=checkpoint_interval,
-                                batch_invariant=batch_invariant)
+        self.engine = LLMEngine(self.model, self.config, cache, self.args, self.tokenizer,
+                                draft_vocab=draft_vocab, thread_governor=governor)
 
     # Set-up ------------------------------------------------------------------------------
     def _load_tokenizer(self, tokenizer: Any):

@@ -1,13 +1,14 @@
 """The update step: a step's sampled tokens written into its requests, and what a request
 returns.
 
-``OutputProcessor.update`` is where a step's progress lands (nano-vllm's ``postprocess``): per
-scheduled sequence it advances ``num_computed_tokens`` (for a verify step: by the accepted
-drafts, choosing the state slot verification settled on), drops the verified drafts and
-appends the emitted tokens; ``apply_drafts`` then hands
-the proposer's next drafts to their requests. ``append_token`` records one token, checks the stop
-conditions (stop tokens after ``min_tokens``, ``max_tokens``, the context length), grows the
-text by the token's piece (``hybridrt.detokenizer``) and cuts it at a stop string.
+``OutputProcessor.update`` is where a step's tokens land, called by the step's one applier
+(``Scheduler.update``, nano-vllm's ``postprocess``): per scheduled sequence it advances
+``num_computed_tokens`` (for a verify step: by the accepted drafts, choosing the state slot
+verification settled on), drops the verified drafts and appends the emitted tokens;
+``apply_drafts`` then hands the proposer's next drafts to their requests. ``append_token``
+records one token, checks the stop conditions (stop tokens after ``min_tokens``,
+``max_tokens``, the context length), grows the text by the token's piece
+(``hybridrt.detokenizer``) and cuts it at a stop string (``request.find_stop``).
 ``make_output`` turns a request into its ``RequestOutput``.
 """
 
@@ -18,22 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from hybridrt.detokenizer import IncrementalDetokenizer
 from hybridrt.outputs import CompletionOutput, RequestOutput
-from hybridrt.request import Request
-from hybridrt.sampler import find_stop
-from hybridrt.scheduler import StepPlan
+from hybridrt.request import Request, find_stop
 
 if TYPE_CHECKING:
+    from hybridrt.sampled_tokens import Emitted
     from hybridrt.specdec.mtp import Drafts
-    from hybridrt.specdec.verify import Settled
-
-
-@dataclass(slots=True)
-class Emitted:
-    """What one scheduled sequence emits in a step."""
-
-    token_ids: list[int]
-    logprobs: list | None  # RowLogprobs per token, when asked for
-    verified: Settled | None = None  # what verifying its drafts settled (verify steps only)
+    from hybridrt.step_plan import StepPlan
 
 
 @dataclass(slots=True)
@@ -44,6 +35,8 @@ class StepUpdate:
     finished: list[Request] = field(default_factory=list)  # hit a stop: for the scheduler
     num_prompt_tokens: int = 0  # prompt tokens computed
     num_output_tokens: int = 0  # tokens appended
+    applied_at: float = 0.0  # when the tokens were in (Scheduler.update's clock)
+    drafted_at: float | None = None  # when the next drafts were picked (None: no drafting)
 
 
 class OutputProcessor:

@@ -18,6 +18,7 @@ from hybridrt.statecache.prefix import BlockHashes
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # its structured-outputs grammar compiles
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -187,3 +188,18 @@ def stop_token_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> list
         if t not in ids:
             ids.append(t)
     return ids
+
+
+def find_stop(text: str, stop: list[str], start: int) -> int | None:
+    """Index in ``text`` where the earliest stop string begins, or None.
+
+    ``start`` is where the newly decoded text begins; a match that is new must end after it,
+    so only ``text[max(0, start - longest + 1):]`` is searched. The update step cuts the output at
+    the returned index (or after the stop string with include_stop_str_in_output):
+    ``OutputProcessor.append_token``.
+    """
+    if not stop:
+        return None
+    begin = max(0, min(start, len(text)) - max(len(s) for s in stop) + 1)
+    found = [i for i in (text.find(s, begin) for s in stop) if i >= 0]
+    return min(found) if found else None

@@ -1,19 +1,32 @@
-"""Turns a StepPlan into a flat ForwardBatch and runs the model on it."""
+"""The model runner: one call runs a scheduled step (``ModelRunner.execute``).
+
+``execute(plan)``: the step's flat ForwardBatch ("prepare"), the forward ("forward"), the
+logits of the rows that sample or verify ("logits", in the LM head's own dtype when every row
+only takes the argmax), sampling and draft verification ("sample") -> a ``LaunchedStep`` whose
+tokens stay on the device until the step is applied. Each of those phases runs inside
+``observer.phase(name)`` when an observer is set (see ``hybridrt.engine``). The runner owns
+the backend, the step's index buffers and the sampler (its shared generator).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
 import torch
 
 from hybridrt import env
+from hybridrt.async_chain import lookahead_rows
+from hybridrt.engine_args import EngineArgs
 from hybridrt.forward_batch import ForwardBatch
 from hybridrt.kernels.backend import select_backend
 from hybridrt.kernels.meta import FreshArrays, StepArrays, StepBuffers
 from hybridrt.model import Qwen35ForCausalLM
-from hybridrt.scheduler import StepPlan
+from hybridrt.sampled_tokens import LaunchedStep, sample_step
+from hybridrt.sampler import Sampler, plain_greedy
 from hybridrt.statecache import HybridCacheManager
+from hybridrt.step_plan import StepPlan
 
 
 def build_batch(
@@ -130,29 +143,57 @@ def _decode_batch(token_lists, starts, block_tables, block_size, state_slots, ve
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen35ForCausalLM, cache: HybridCacheManager,
-                 device: torch.device | str = "cpu", backend: str | None = None,
-                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                 max_model_len: int | None = None, batch_invariant: bool = False):
+    def __init__(self, model: Qwen35ForCausalLM, cache: HybridCacheManager, args: EngineArgs):
         options = env.kernel_options()
-        if batch_invariant:
+        if args.batch_invariant:
             options = dataclasses.replace(options, batch_invariant=True)
-        self.backend = select_backend(model.config, device, backend, options)
+        self.backend = select_backend(model.config, args.device, args.backend, options)
         model.set_backend(self.backend)
         self.backend.attach(cache)
         self.model = model
         self.cache = cache
-        self.device = torch.device(device)
+        self.device = torch.device(args.device)
         self.block_size = cache.block_size
+        # shared generator for requests without a seed; positional draws for seeded ones when
+        # batch-invariant (hybridrt/sampler.py)
+        self.sampler = Sampler(seed=args.seed, positional=args.batch_invariant)
+        self.observer = None  # sees the phases of each step (hybridrt.engine's docstring)
         # every step's index metadata in buffers sized here, once (kernels/meta.py); a device
         # other than the CPU copies fresh arrays over each step (its CUDA graphs keep their own
         # persistent inputs)
         self.arrays = FreshArrays(self.device)
-        if self.device.type == "cpu" and None not in (max_num_seqs, max_num_batched_tokens,
-                                                      max_model_len):
+        if self.device.type == "cpu":
             self.arrays = StepBuffers.for_limits(
-                max_num_seqs, max_num_batched_tokens, -(-max_model_len // self.block_size),
-                model.config.linear_conv_kernel_dim)
+                args.max_num_seqs, args.max_num_batched_tokens,
+                -(-args.max_model_len // self.block_size), model.config.linear_conv_kernel_dim)
+
+    def execute(self, plan: StepPlan, after: LaunchedStep | None = None) -> LaunchedStep:
+        """Run one scheduled step: build its batch, forward, logits, sample / verify -> the
+        launched step, its sampled tokens left on the device. ``after``: the step ``plan`` is
+        chained to (``Scheduler.schedule_chained``): its sampled tokens are ``plan``'s inputs,
+        copied on the device, and the sampling rows are as if they were emitted."""
+        with self._phase("prepare"):
+            batch = self.build_step_batch(plan)
+            if after is not None:
+                batch.input_ids.copy_(after.sampled.tokens, non_blocking=True)
+        if after is not None:
+            rows = lookahead_rows(plan)
+        else:  # the plain rows' (sampling, not verifying), as sample_step orders them
+            rows = [s.request.sampling_row() for s in plan.seqs if s.sample and not s.num_drafts]
+        # rows that only take the argmax need no fp32 copy of the logits: the argmax of the
+        # head's own dtype is the same token (verification keeps fp32)
+        fp32 = any(s.num_drafts for s in plan.seqs) or not plain_greedy(rows)
+        with self._phase("forward"):
+            hidden = self.forward(batch)
+        with self._phase("logits"):
+            logits = self.logits(hidden, batch, fp32)
+        with self._phase("sample"):
+            sampled = sample_step(self.sampler, plan, logits, rows)
+        return LaunchedStep(plan, batch, hidden, sampled)
+
+    def _phase(self, name: str):
+        """The observer's context for one phase of a step."""
+        return _NO_PHASE if self.observer is None else self.observer.phase(name)
 
     def build_step_batch(self, plan: StepPlan) -> ForwardBatch:
         """The step's batch: each request's uncomputed tokens (plus its drafts when verifying)
@@ -211,3 +252,6 @@ class ModelRunner:
         # ascending distinct rows: as many as the hidden states' are all of them, in order
         return self.model.compute_logits(hidden if n == hidden.shape[0] else
                                          hidden[batch.logits_indices], fp32)
+
+
+_NO_PHASE = contextlib.nullcontext()

@@ -47,7 +47,6 @@ __all__ = [
     "SamplerOutput",
     "SamplingRow",
     "apply_token_bitmask",
-    "find_stop",
     "make_generator",
 ]
 
@@ -401,20 +400,6 @@ def _top(row: torch.Tensor, least: torch.Tensor) -> list[tuple[int, float]]:
     vals = row[ids]
     order = torch.sort(vals, descending=True, stable=True).indices
     return list(zip(ids[order].tolist(), vals[order].tolist()))
-
-
-def find_stop(text: str, stop: list[str], start: int) -> int | None:
-    """Index in ``text`` where the earliest stop string begins, or None.
-
-    ``start`` is where the newly decoded text begins; a match that is new must end after it,
-    so only ``text[max(0, start - longest + 1):]`` is searched. The engine cuts the output at
-    the returned index (or after the stop string with include_stop_str_in_output).
-    """
-    if not stop:
-        return None
-    begin = max(0, min(start, len(text)) - max(len(s) for s in stop) + 1)
-    found = [i for i in (text.find(s, begin) for s in stop) if i >= 0]
-    return min(found) if found else None
 
 
 def plain_greedy(rows: list[SamplingRow]) -> bool:

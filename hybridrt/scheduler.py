@@ -22,76 +22,90 @@ preemption and the next finish (the workload behind this rule: docs/server.md).
 
 | invariant | |
 | --- | --- |
+| waiting for grammar | holds no cache; joins waiting once compiled (fails if it does not) |
 | running | holds KV blocks covering num_computed_tokens (+ this step's) and its state slots |
 | waiting | holds no cache resources; num_computed_tokens == 0 |
 | preempted | goes back to the front of waiting, oldest first; no admission until a finish |
 | finished | released by ``finish`` after the step's drafts (its MTP KV is final then) |
 
-Request progress has two writers: the scheduler (admission, preemption, finish: status,
-``num_computed_tokens`` reset or reused, speculation reset, finish reason) and the update step
-(``OutputProcessor.update``: tokens, ``num_computed_tokens``, drafts, stop).
+A step is applied in one place, ``update`` (nano-vllm's ``postprocess``, vLLM's
+``update_from_output``): the tokens into the requests (``OutputProcessor.update``: tokens,
+``num_computed_tokens``, stops), the proposer's next drafts, the prefix cache's commit
+(``HybridCacheManager.commit_step``), then the finished requests released (``finish``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING
 
+from hybridrt.async_chain import can_chain, chained_plan
+from hybridrt.output_processor import OutputProcessor, StepUpdate
 from hybridrt.request import Request, RequestStatus
 from hybridrt.session_manager import SessionManager
+from hybridrt.specdec.stats import SpecStats
 from hybridrt.statecache import CacheCapacityError, HybridCacheManager
-from hybridrt.statecache.manager import PendingCheckpoint
+from hybridrt.step_plan import ScheduledSeq, StepPlan
 
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    request: Request
-    num_new_tokens: int  # tokens fed this step, drafts included
-    sample: bool  # this step reaches the end of the known tokens: a new token is sampled
-    num_drafts: int = 0  # > 0: verify this many of the request's drafts
-    start: int = 0  # the first position fed (num_computed_tokens before the step)
-    # a chained step's (hybridrt.async_chain): its one input is the previous step's sampled
-    # token, still on the device, at the position after the request's known tokens
-    chained: bool = False
-    # prefix-cache checkpoints this step writes: the GDN state after ``num_tokens`` tokens
-    checkpoints: list[PendingCheckpoint] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class StepPlan:
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)  # can never be scheduled (req.error)
+if TYPE_CHECKING:
+    from hybridrt.engine_args import EngineArgs
+    from hybridrt.sampled_tokens import LaunchedStep
+    from hybridrt.specdec.mtp import MTPProposer
+    from hybridrt.structured_outputs import PendingGrammar
 
 
 class Scheduler:
-    def __init__(self, cache: HybridCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, sessions: SessionManager | None = None):
-        if max_num_batched_tokens <= 0:
-            raise ValueError(
-                f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}"
-            )
+    """Owns the request queues (waiting for a grammar, waiting, running) and applies each step
+    (``update``); counts what it did in ``stats`` and the finished requests' ``spec_stats``."""
+
+    def __init__(self, cache: HybridCacheManager, args: EngineArgs,
+                 output_processor: OutputProcessor, sessions: SessionManager | None = None):
         self.cache = cache
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = args.max_num_seqs
+        self.max_num_batched_tokens = args.max_num_batched_tokens
+        self.max_model_len = args.max_model_len
+        self.output_processor = output_processor
         self.sessions = sessions  # None: no sessions
+        self.waiting_for_grammar: list[tuple[Request, PendingGrammar]] = []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.under_pressure = False  # a preemption since the last finish: admit nothing
         # False: admit whatever this step's chunk fits (the earlier rule, and vLLM's);
         # tests of the preemption path set it to make preemptions happen
         self.admission_control = True
+        self.stats = {"num_steps": 0, "num_preemptions": 0, "num_prefill_tokens": 0,
+                      "num_decode_tokens": 0, "num_session_evictions": 0,
+                      "num_chained_steps": 0, "num_cached_tokens": 0}
+        self.spec_stats = SpecStats(args.speculative_tokens)  # of the finished requests
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, grammar: PendingGrammar | None = None) -> None:
+        """Queue a request; with ``grammar`` (its constraint compiling) it waits for that
+        first (``WAITING_FOR_GRAMMAR``), and ``schedule`` moves it on once compiled."""
+        if grammar is not None:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar.append((request, grammar))
+            return
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_grammar)
 
     def schedule(self) -> StepPlan:
+        """The next step: requests whose grammar compiled join the waiting queue, running
+        requests go first, then waiting ones in arrival order (the module docstring)."""
         plan = StepPlan()
+        self._admit_compiled(plan)
+        self._schedule(plan)
+        self._reserve_checkpoints(plan)
+        if self.sessions is not None:
+            self.stats["num_session_evictions"] = self.sessions.num_evictions
+        return plan
+
+    def _schedule(self, plan: StepPlan) -> None:
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -114,7 +128,7 @@ class Scheduler:
                 i += 1
 
         if plan.preempted:
-            return self._reserve_checkpoints(plan)
+            return
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if self._prefix_in_flight(req):
@@ -130,15 +144,89 @@ class Scheduler:
             self.running.append(req)
             plan.seqs.append(self._scheduled(req, n, 0))
             budget -= n
-        return self._reserve_checkpoints(plan)
 
-    def _reserve_checkpoints(self, plan: StepPlan) -> StepPlan:
+    def schedule_chained(self, plan: StepPlan) -> StepPlan | None:
+        """With async scheduling: the decode step after ``plan``, to launch before ``plan``'s
+        tokens are read (``hybridrt.async_chain``) -> it, or None when it is not known yet."""
+        if not can_chain(plan, self, self.max_model_len):
+            return None
+        chained = chained_plan(plan, self.cache)
+        if chained is not None:
+            self.stats["num_chained_steps"] += 1
+        return chained
+
+    def update(self, launched: LaunchedStep, proposer: MTPProposer | None = None,
+               keep_running: Collection[Request] = (),
+               clock: Callable[[], float] = time.perf_counter) -> StepUpdate:
+        """Apply a launched step, the one place a step's results land: its tokens into its
+        requests (``OutputProcessor.update``; waits for them to reach the host), the
+        proposer's next drafts, the prefix cache's commit (``HybridCacheManager.commit_step``,
+        after the drafts: the MTP layer's KV of the step's positions is written then), and
+        the requests that finished released (their state not kept where ``keep_running``, the
+        chained step launched after this one, still writes it). ``StepUpdate.applied_at`` /
+        ``drafted_at``: ``clock()`` when the tokens were in / the drafts were picked."""
+        plan = launched.plan
+        up = self.output_processor.update(plan, launched.sampled.emitted(), time.perf_counter())
+        up.applied_at = clock()
+        self.stats["num_prefill_tokens"] += up.num_prompt_tokens
+        self.stats["num_decode_tokens"] += up.num_output_tokens
+        if proposer is not None and any(s.request.spec_k for s in plan.seqs):
+            self.output_processor.apply_drafts(proposer.propose(
+                plan, launched.batch.query_starts, launched.hidden, up.settled))
+            up.drafted_at = clock()
+        kept = self.cache.commit_step(plan.seqs, launched.batch.query_starts, launched.hidden,
+                                      up.settled)
+        for s, hidden in zip(plan.seqs, kept):
+            s.request.mtp_carry = None  # a cache hit's carry: spent by the first drafts
+            if hidden is not None:
+                s.request.last_hidden = hidden
+        for req in up.finished:
+            self.finish(req, keep_state=req not in keep_running)
+        self.stats["num_steps"] += 1
+        return up
+
+    def spoil(self, plan: StepPlan) -> None:
+        """A step failed midway: what it was writing is not kept by the prefix cache (its
+        requests' states, the checkpoints it reserved)."""
+        for s in plan.seqs:
+            s.request.cache_dirty = True
+            for ck in s.checkpoints:
+                self.cache.drop_pending(ck)
+            s.checkpoints = []
+
+    def _admit_compiled(self, plan: StepPlan) -> None:
+        """Requests whose grammar is compiled join the waiting queue, each with its matcher;
+        those whose grammar failed or timed out finish with the error (``plan.failed``). When
+        nothing else is queued, waits up to 50 ms for a compile, rather than spin."""
+        if not self.waiting_for_grammar:
+            return
+        if not (self.waiting or self.running):
+            concurrent.futures.wait([g.future for _, g in self.waiting_for_grammar],
+                                    timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+        now, still = time.perf_counter(), []
+        for req, grammar in self.waiting_for_grammar:
+            try:
+                req.grammar = grammar.matcher(req.eos_token_ids,
+                                              now - req.metrics.arrival_time)
+            except ValueError as e:
+                req.error = e
+                self.finish(req, "error")
+                plan.failed.append(req)
+                continue
+            if req.grammar is None:
+                still.append((req, grammar))
+            else:
+                req.status = RequestStatus.WAITING
+                self.waiting.append(req)
+        self.waiting_for_grammar = still
+
+    def _reserve_checkpoints(self, plan: StepPlan) -> None:
         """Slots for the checkpoints that fall inside the step's chunks, once every request
         the step runs has its own: a checkpoint takes what is left. (Reserved at each
         admission, one admission's pending checkpoint would hold the slot the next waiting
         request needs, and a burst of requests would be admitted half at a time.)"""
         if not self.cache.prefix_caching:
-            return plan
+            return
         for seq in plan.seqs:
             req, c = seq.request, seq.start
             for p in req.checkpoint_at or ():
@@ -146,7 +234,6 @@ class Scheduler:
                     pending = self.cache.reserve_checkpoint(req.token_ids, req.block_hashes, p)
                     if pending is not None:
                         seq.checkpoints.append(pending)
-        return plan
 
     def finish(self, request: Request, reason: str | None = None,
                keep_state: bool = True) -> None:
@@ -160,11 +247,17 @@ class Scheduler:
         if request.session is not None:
             self.sessions.release(request)
             request.session = None
-        if request in self.running:
+        if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
+            self.waiting_for_grammar = [(r, g) for r, g in self.waiting_for_grammar
+                                        if r is not request]
+        elif request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
+        self.stats["num_cached_tokens"] += request.metrics.num_cached_tokens
+        if request.spec_stats is not None:
+            self.spec_stats.merge(request.spec_stats)
         self.under_pressure = False
         request.reset_speculation()
         request.metrics.finished_time = time.perf_counter()
@@ -264,6 +357,7 @@ class Scheduler:
             f"slots in all"
         )
         self.waiting.popleft()
+        self.finish(req, "error")
         plan.failed.append(req)
 
     def _scheduled(self, req: Request, n: int, num_drafts: int) -> ScheduledSeq:
@@ -281,6 +375,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
         self.under_pressure = True
+        self.stats["num_preemptions"] += 1
         self.waiting.appendleft(req)
         plan.preempted.append(req)
 

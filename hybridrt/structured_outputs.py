@@ -162,6 +162,10 @@ class StructuredOutputs:
             self._futures.pop(next(iter(self._futures)))
         return fut
 
+    def pending(self, so: StructuredOutputsParams) -> PendingGrammar:
+        """A request's grammar, its compile submitted (``PendingGrammar``)."""
+        return PendingGrammar(self, self.submit(so), so)
+
     def compile(self, so: StructuredOutputsParams, timeout: float | None = None):
         """Compile now (waiting at most ``timeout`` s, default ``compile_timeout``) -> the
         compiled grammar; ValueError if it does not compile in time."""
@@ -224,6 +228,25 @@ class StructuredOutputs:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class PendingGrammar:
+    """A request's grammar while it compiles (the request waits in the scheduler with status
+    ``WAITING_FOR_GRAMMAR``): the compile's Future and what the matcher is built from."""
+
+    __slots__ = ("compiler", "future", "params")
+
+    def __init__(self, compiler: StructuredOutputs, future: Future,
+                 params: StructuredOutputsParams):
+        self.compiler, self.future, self.params = compiler, future, params
+
+    def matcher(self, stop_token_ids: Sequence[int], waited: float) -> RequestGrammar | None:
+        """The request's matcher once compiled; None while it compiles and has waited less than
+        ``compile_timeout`` seconds; ValueError when it failed or timed out."""
+        if not self.future.done() and waited < self.compiler.compile_timeout:
+            return None
+        compiled = self.compiler.result(self.future, self.params)
+        return self.compiler.matcher(compiled, stop_token_ids, self.params.kind)
 
 
 def _key(so: StructuredOutputsParams) -> tuple:

@@ -18,20 +18,15 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
+from hybridrt.engine_args import check_int
+
 DRAFT_VOCAB_FILE = "draft_vocab.json"
-
-
-def check_draft_vocab_size(n, vocab_size: int) -> None:
-    """ValueError unless ``n`` is an integer in [1, vocab_size]."""
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= vocab_size:
-        raise ValueError(f"draft_vocab_size must be an integer in [1, {vocab_size}] (the "
-                         f"model's vocab_size), got {n!r}")
 
 
 def load_draft_vocab(model_dir: str | Path, vocab_size: int, n: int) -> tuple[list[int], str]:
     """-> (the N token ids to draft from, where they came from). Reads
     ``model_dir/draft_vocab.json`` when there is one, else the first N ids."""
-    check_draft_vocab_size(n, vocab_size)
+    check_int("draft_vocab_size", n, lo=1, hi=vocab_size, hint=" (the model's vocab_size)")
     path = Path(model_dir) / DRAFT_VOCAB_FILE
     if not path.is_file():
         return list(range(n)), f"the first {n} token ids (no {DRAFT_VOCAB_FILE} in {model_dir})"

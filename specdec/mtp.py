@@ -32,8 +32,8 @@ from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.request import Request
 from hybridrt.runner import build_batch
 from hybridrt.sampler import Sampler, argmax_rows, plain_greedy
-from hybridrt.scheduler import StepPlan
 from hybridrt.statecache import HybridCacheManager
+from hybridrt.step_plan import StepPlan
 
 
 @dataclass(slots=True)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridrt.config import ModelConfig
+from hybridrt.options import parse_memory
 
 from .pools import BlockPool, SlotPool
 from .prefix import BlockHashes, Checkpoint, Hit, PrefixIndex, root_hash
@@ -222,6 +223,24 @@ class HybridCacheManager:
             self._blocks.on_evict = self.prefix.forget_block
         self.on_checkpoint_evicted = None  # sessions: told which pinned checkpoint went
 
+    @classmethod
+    def for_engine(cls, args, config: ModelConfig, dtype: torch.dtype,
+                   num_extra_attention_layers: int, salt: str) -> HybridCacheManager:
+        """The cache of an engine run with ``args`` (a resolved ``EngineArgs``): sized by
+        ``plan_cache`` from its memory budget, 1 + speculative_tokens state slots a request."""
+        mem_bytes, mem_fraction = parse_memory(args.cache_memory)
+        k = args.speculative_tokens
+        sizing = plan_cache(
+            config, args.max_model_len, args.max_num_seqs, args.block_size, dtype,
+            memory_bytes=mem_bytes, memory_fraction=mem_fraction, slots_per_request=1 + k,
+            num_extra_attention_layers=num_extra_attention_layers, device=args.device,
+            lookahead_tokens=k,
+            checkpoint_share=args.checkpoint_share if args.enable_prefix_caching else 0.0,
+        )
+        return cls(config, sizing, dtype, args.device, slots_per_request=1 + k,
+                   num_extra_attention_layers=num_extra_attention_layers,
+                   prefix_caching=args.enable_prefix_caching, salt=salt)
+
     @property
     def prefix_caching(self) -> bool:
         return self.prefix is not None
@@ -383,6 +402,49 @@ class HybridCacheManager:
         for i, h in enumerate(hashes.upto(tokens, n)[done:], done):
             self.prefix.register_block(h, table[i])
         self._registered[owner] = n
+
+    def commit_step(self, seqs: Sequence, row_starts: Sequence[int], hidden: torch.Tensor,
+                    settled: Sequence[int]) -> list[torch.Tensor | None]:
+        """The prefix cache's part of a step's end, after the MTP layer has written its KV for
+        the step's positions. ``seqs``: the step's scheduled sequences (``ScheduledSeq``, read
+        only); ``row_starts[b]``: the first row of ``seqs[b]`` in ``hidden`` (the target's
+        final hidden states); ``settled[b]``: its positions the step computed. The GDN
+        checkpoints the step wrote are indexed (with the target's hidden state before each, the
+        MTP layer's input there) and each request's newly final full blocks -> per sequence,
+        the hidden state after its last computed token, to keep with its state when it is
+        released (None: nothing new to keep)."""
+        kept: list[torch.Tensor | None] = [None] * len(seqs)
+        if self.prefix is None:
+            return kept
+        rows, wants = [], []  # hidden rows to keep: (sequence index, checkpoint or None)
+        for b, s in enumerate(seqs):
+            req = s.request
+            if req.block_hashes is None or req.cache_dirty or settled[b] == 0 and not (
+                    s.checkpoints):
+                continue
+            mtp = req.block_hashes.lookahead > 0
+            for ck in s.checkpoints:
+                if mtp:
+                    rows.append(row_starts[b] + ck.num_tokens - s.start - 1)
+                    wants.append((b, ck))
+                else:
+                    self.save_checkpoint(ck, req.request_id, None)
+            if mtp and settled[b]:
+                rows.append(row_starts[b] + settled[b] - 1)
+                wants.append((b, None))
+        if rows:
+            got = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+            for (b, ck), h in zip(wants, got):
+                if ck is None:
+                    kept[b] = h
+                else:
+                    self.save_checkpoint(ck, seqs[b].request.request_id, h)
+        for s in seqs:
+            req = s.request
+            if req.block_hashes is not None and not req.cache_dirty:
+                self.commit_blocks(req.request_id, req.token_ids, req.block_hashes,
+                                   req.num_computed_tokens)
+        return kept
 
     # State slots -------------------------------------------------------------------------
     def _num_evictable_checkpoints(self, spare: Checkpoint | None = None) -> int:

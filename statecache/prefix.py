@@ -40,6 +40,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -246,3 +247,16 @@ def checkpoint_positions(prompt: Sequence[int], boundary_token_ids: frozenset[in
         at.update(range(interval, n, interval))
     at.update(p for p in requested if 0 < p < n)
     return sorted(at)
+
+
+def message_start_ids(tokenizer: Any) -> list[int]:
+    """The token a chat template starts each message with (ChatML's ``<|im_start|>``), if the
+    tokenizer has it: prefix-cache checkpoints go before each."""
+    if tokenizer is None:
+        return []
+    try:
+        tid = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    except Exception:  # a tokenizer without that method or token: no message boundaries
+        return []
+    unk = getattr(tokenizer, "unk_token_id", None)
+    return [tid] if isinstance(tid, int) and tid != unk else []

@@ -5,7 +5,7 @@ import torch
 
 from hybridrt import LLM, SamplingParams
 from hybridrt.bench.fixtures import tiny_text_config, write_char_tokenizer, write_random_checkpoint
-from hybridrt.llm import default_batched_tokens
+from hybridrt.engine_args import default_batched_tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -213,3 +213,43 @@ def test_default_step_budget_by_device(llm):
     assert default_batched_tokens(cuda, 16, 32768) == 8192
     assert default_batched_tokens(cuda, 16, 4096) == 4096
     assert default_batched_tokens(cpu, 1024, 4096) == 1024
+
+
+def test_engine_args_hold_every_llm_option_with_its_default(llm):
+    """``LLM(**options)`` builds one EngineArgs: the same keywords and defaults; the engine
+    holds the resolved copy (model-dependent defaults filled)."""
+    import dataclasses
+    import inspect
+
+    from hybridrt.engine_args import EngineArgs
+
+    params = inspect.signature(LLM.__init__).parameters
+    ours = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    assert ours == {n: p.default for n, p in params.items() if n != "self"}
+    args = llm.engine.args
+    assert (args.max_model_len, args.max_num_batched_tokens) == (256, 256)
+    assert args.device == torch.device("cpu") and llm.engine.engine_config is args
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        args.max_num_seqs = 8
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("max_num_seqs", 0, "max_num_seqs must be a positive integer, got 0"),
+    ("max_num_seqs", True, "max_num_seqs must be a positive integer, got True"),
+    ("block_size", 2.0, "block_size must be a positive integer"),
+    ("max_model_len", 1, "max_model_len must be an integer >= 2, got 1"),
+    ("speculative_tokens", -1, "speculative_tokens must be an integer >= 0"),
+    ("checkpoint_share", 1.0, r"checkpoint_share must be a number in \[0, 1\), got 1.0"),
+    ("enable_prefix_caching", 1, "enable_prefix_caching must be True or False"),
+    ("threads", 0, "threads must be a positive integer"),
+    ("draft_vocab_size", 4, "needs speculative_tokens > 0"),
+    ("cache_memory", -5, "cache_memory must be positive"),
+    ("device", "tpu", "device must be cpu, cuda or cuda:N"),
+])
+def test_engine_args_reject_out_of_range_options_before_loading(option, value, message):
+    from hybridrt.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**{option: value})
+    with pytest.raises(ValueError, match=message):
+        LLM("/nonexistent/checkpoint", **{option: value})  # checked before the load

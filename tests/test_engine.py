@@ -427,3 +427,51 @@ def test_greedy_steps_take_the_argmax_of_the_heads_own_dtype(ckpt, prompts, monk
     for dtype, needs in seen:  # bf16 exactly where no row needs more than the argmax
         assert dtype == (torch.float32 if any(needs) else torch.bfloat16), (dtype, needs)
     assert {d for d, _ in seen} == {torch.float32, torch.bfloat16}
+
+
+def test_a_step_is_one_runner_call_and_one_cache_commit(ckpt, prompts, dense_greedy,
+                                                        monkeypatch):
+    """schedule -> execute -> update: each step runs the model through one runner call
+    (``execute``) and commits the prefix cache through one call (``commit_step``): a step's
+    blocks and checkpoints are indexed there (or by ``release``, for a request that finished),
+    never by the engine; the tokens are the dense recompute's."""
+    llm = make_llm(ckpt, checkpoint_interval=16, max_num_batched_tokens=32)
+    eng, cache = llm.engine, llm.engine.cache
+    calls, inside = [], []
+
+    def entry(target, name):  # the calls the step makes into the runner and the cache
+        method = getattr(target, name)
+
+        def spy(*args, **kw):
+            calls.append(name)
+            inside.append(name)
+            try:
+                return method(*args, **kw)
+            finally:
+                inside.pop()
+        monkeypatch.setattr(target, name, spy)
+
+    def indexing(name):  # the cache's own indexing: only inside those calls
+        method = getattr(cache, name)
+
+        def spy(*args, **kw):
+            assert inside, f"{name} called outside commit_step / release"
+            calls.append(name)
+            return method(*args, **kw)
+        monkeypatch.setattr(cache, name, spy)
+
+    entry(eng.runner, "execute")
+    entry(cache, "commit_step")
+    entry(cache, "release")
+    indexing("save_checkpoint")
+    indexing("commit_blocks")
+    ids = [eng.add_request(p, GREEDY) for p in prompts[2:4]]
+    seen = set()
+    while eng.has_unfinished_requests():
+        calls.clear()
+        eng.step()
+        assert calls.count("execute") == 1 and calls.count("commit_step") == 1, calls
+        seen.update(calls)
+    assert {"save_checkpoint", "commit_blocks", "release"} <= seen
+    assert [eng.pop_request(r).output_token_ids for r in ids] == dense_greedy[2:4]
+    assert cache.all_free()

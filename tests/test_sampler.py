@@ -3,12 +3,12 @@ import math
 import pytest
 import torch
 
+from hybridrt.request import find_stop
 from hybridrt.sampler import (
     RowLogprobs,
     Sampler,
     SamplingRow,
     _inverse_cdf,
-    find_stop,
     make_generator,
 )
 from hybridrt.sampling_params import SamplingParams

@@ -261,7 +261,8 @@ def test_sessions_and_requests_under_pressure_all_finish_correctly(tmp_path_fact
 def test_a_request_that_can_never_be_scheduled_fails_with_a_clear_error(tmp_path_factory):
     """A cache smaller than the plan allows (built by hand): a request that cannot fit even
     in the empty cache fails with finish_reason 'error' instead of waiting forever."""
-    from hybridrt.engine import EngineConfig, LLMEngine
+    from hybridrt.engine import LLMEngine
+    from hybridrt.engine_args import EngineArgs
     from hybridrt.statecache import CacheCapacityError, CacheSizing, HybridCacheManager
 
     d = _ckpt(tmp_path_factory)
@@ -272,7 +273,9 @@ def test_a_request_that_can_never_be_scheduled_fails_with_a_clear_error(tmp_path
                          bytes_per_slot=CacheTensors.bytes_per_slot(cfg, dtype),
                          max_num_seqs=2, max_model_len=128, num_checkpoint_slots=1)
     cache = HybridCacheManager(cfg, sizing, dtype)
-    eng = LLMEngine(llm.model, cfg, cache, EngineConfig(128, 2, 512, 16))
+    args = EngineArgs(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=512,
+                      block_size=16, enable_prefix_caching=False)
+    eng = LLMEngine(llm.model, cfg, cache, args.resolved(cfg.max_position_embeddings, llm.device))
     small, large = _ids(20, 60), _ids(70, 61)  # 20 + 12 tokens fit in 3 blocks, 70 do not
     ids = [eng.add_request(p, SP) for p in (large, small)]
     for _ in range(100):

@@ -150,7 +150,7 @@ def test_mixed_batch_mixed_k_chunked_prefill(ckpt, prompts, reference, rounds):
 
     def spy(plan):
         batch = prepare(plan)
-        gdn = eng.model.plan_step(batch).gdn
+        gdn = eng.runner.model.plan_step(batch).gdn
         kinds.append({"verify" if g.slots_out is not None else "decode" for g in gdn.groups}
                      | ({"chunk"} if gdn.chunked is not None else set()))
         return batch
@@ -726,7 +726,7 @@ def test_specbench_reports_what_it_ran(ckpt, tmp_path, capsys, monkeypatch):
 def test_verification_gets_fp32_logits_in_a_bf16_model(ckpt, prompts, monkeypatch):
     """Plain greedy steps may sample the LM head's bf16 logits (test_engine.py); a step that
     verifies drafts gets fp32 whatever its rows, as the rejection sampler computes in it."""
-    import hybridrt.async_chain as chain
+    import hybridrt.sampled_tokens as chain
 
     seen = []
     verify = chain.verify_requests

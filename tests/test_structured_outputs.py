@@ -323,3 +323,45 @@ def test_apply_token_bitmask_equals_xgrammars_kernel(vocab):
         dev = logits.cuda()
         apply_token_bitmask(dev, bitmask.cuda(), torch.arange(1, n + 1, device="cuda"))
         assert torch.equal(dev.cpu(), ref)
+
+
+def test_a_request_waits_for_its_grammar_as_a_scheduler_status(demo, prompt, monkeypatch):
+    """Until its grammar is compiled a request waits in the scheduler (WAITING_FOR_GRAMMAR):
+    steps run the others without it; once compiled it is admitted with its matcher and its
+    output is valid; a compile that fails finishes it with the error."""
+    from concurrent.futures import Future
+
+    from hybridrt.request import RequestStatus
+
+    eng = demo.engine
+    compiler = eng.structured_outputs
+    compiled = compiler.compile(CONSTRAINTS["regex"])
+    held: list[Future] = []
+
+    def submit(params):  # the compile's Future, completed by the test
+        held.append(Future())
+        return held[-1]
+
+    monkeypatch.setattr(compiler, "submit", submit)
+    ids = demo.tokenizer.encode(prompt)
+    plain = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=4))
+    rid = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                              structured_outputs=CONSTRAINTS["regex"]))
+    bad = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=8,
+                                              structured_outputs=so(regex="[a-")))
+    req = eng.get_request(rid)
+    for _ in range(3):
+        assert eng.step()  # the plain request runs
+        assert req.status is RequestStatus.WAITING_FOR_GRAMMAR and not req.output_token_ids
+        assert req not in eng.scheduler.waiting and req.grammar is None
+    assert eng.has_unfinished_requests()
+    held[0].set_result(compiled)
+    held[1].set_exception(ValueError("structured_outputs.regex: cannot be compiled"))
+    done = eng.step()
+    assert eng.get_request(bad) in done and eng.get_request(bad).finish_reason == "error"
+    assert req.status is RequestStatus.RUNNING and req.grammar is not None
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert valid("regex", eng.pop_request(rid).text)
+    assert "cannot be compiled" in str(eng.pop_request(bad).error)
+    assert eng.pop_request(plain).finish_reason == "length"

@@ -1,0 +1,132 @@
+"""Every option of an engine in one dataclass, checked once (``EngineArgs``).
+
+``LLM(model, **options)`` builds one ``EngineArgs`` from its keywords; the options that depend
+on the model (``max_model_len``, ``max_num_batched_tokens``) are filled once it is loaded
+(``resolved``), and the engine, its runner, scheduler and cache take that resolved copy whole.
+The range checks (``check_int``, ``check_number``, ``check_bool``) are the ones every option of
+the engine goes through. Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from hybridrt.options import check_device_name, check_quantization, parse_memory
+
+
+def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None,
+              hint: str = "") -> int:
+    """``value`` if it is an int (not a bool) in [lo, hi] -> it; else ValueError
+    "``name`` must be ... got ``value``" (``hint`` follows the range)."""
+    if (not isinstance(value, int) or isinstance(value, bool)
+            or (lo is not None and value < lo) or (hi is not None and value > hi)):
+        if hi is not None:
+            want = f"an integer in [{lo}, {hi}]"
+        elif lo == 1:
+            want = "a positive integer"
+        else:
+            want = "an integer" if lo is None else f"an integer >= {lo}"
+        raise ValueError(f"{name} must be {want}{hint}, got {value!r}")
+    return value
+
+
+def check_number(name: str, value: Any, lo: float, hi: float) -> float:
+    """``value`` if it is a number (not a bool) in [lo, hi) -> it; else ValueError."""
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not lo <= value < hi):
+        raise ValueError(f"{name} must be a number in [{lo:g}, {hi:g}), got {value!r}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is True or False -> it; else ValueError."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def default_batched_tokens(device, block_size: int, max_model_len: int) -> int:
+    """The default token budget of a step: 8192 on CUDA (a long prompt in a few steps, like
+    vLLM's GPU defaults), 512 on CPU; at least a block, at most the context length."""
+    per_step = 8192 if device.type == "cuda" else 512
+    return min(max(per_step, block_size), max_model_len)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The options of ``LLM`` (its docstring says what each means), with its defaults."""
+
+    model: str | os.PathLike | None = None
+    dtype: Any = "auto"  # str or torch.dtype
+    max_model_len: int | None = None  # None: min(the model's max_position_embeddings, 4096)
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int | None = None  # None: default_batched_tokens
+    block_size: int = 16
+    cache_memory: int | float | str | None = None
+    seed: int | None = 0
+    tokenizer: Any = "auto"
+    device: Any = "cpu"  # str or torch.device
+    speculative_tokens: int = 0
+    backend: str | None = None
+    max_num_sessions: int = 64
+    threads: int | None = None
+    draft_vocab_size: int | None = None
+    quantization: str | None = None
+    async_scheduling: bool | None = None  # None: on for CUDA
+    enable_prefix_caching: bool = True
+    checkpoint_interval: int = 2048
+    checkpoint_share: float = 0.25
+    batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("speculative_tokens", self.speculative_tokens, lo=0)
+        check_int("max_num_sessions", self.max_num_sessions, lo=0)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_int("checkpoint_interval", self.checkpoint_interval, lo=0)
+        check_number("checkpoint_share", self.checkpoint_share, 0, 1)
+        if self.draft_vocab_size is not None:
+            check_int("draft_vocab_size", self.draft_vocab_size, lo=1)
+            if self.speculative_tokens == 0:
+                raise ValueError("draft_vocab_size is for MTP drafts: it needs "
+                                 "speculative_tokens > 0")
+        if self.threads is not None:
+            check_int("threads", self.threads, lo=1)
+        if isinstance(self.device, str):
+            check_device_name(self.device)
+        check_bool("batch_invariant", self.batch_invariant)
+        if self.batch_invariant and self.backend == "reference":
+            raise ValueError("batch_invariant=True runs on the cpu and cuda backends, not the "
+                             "reference one")
+        object.__setattr__(self, "quantization", check_quantization(self.quantization))
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, lo=2)
+        check_int("max_num_seqs", self.max_num_seqs, lo=1)
+        if self.max_num_batched_tokens is not None:
+            check_int("max_num_batched_tokens", self.max_num_batched_tokens, lo=1)
+        check_int("block_size", self.block_size, lo=1)
+        parse_memory(self.cache_memory)
+
+    def resolved(self, max_position_embeddings: int, device) -> EngineArgs:
+        """A copy with the model-dependent defaults filled for a model whose context is
+        ``max_position_embeddings`` tokens, on ``device`` (a torch.device, which it holds)."""
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = min(max_position_embeddings, 4096)
+        if max_model_len > max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings {max_position_embeddings}")
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = default_batched_tokens(device, self.block_size, max_model_len)
+        return dataclasses.replace(self, device=device, max_model_len=max_model_len,
+                                   max_num_batched_tokens=batched)
+
+    @property
+    def async_scheduling_on(self) -> bool:
+        """Whether decode steps are chained (``async_scheduling``; default: on for CUDA)."""
+        if self.async_scheduling is None:
+            return str(self.device).startswith("cuda")
+        return bool(self.async_scheduling)
