@@ -40,12 +40,13 @@ from hybridrt.cli.common import (
     weights_name,
 )
 from hybridrt.cli.options import ModelOptions, model_options
+from hybridrt.cli.terminal import quiet_input
 from hybridrt.reasoning import ReasoningDelta
 
 _SENTINEL = "\x00hybridrt-answer\x00"
 
 HELP = """commands:
-  /exit                 leave (Ctrl-D too)
+  /exit, /bye           leave (Ctrl-D too)
   /clear                forget the conversation (keeps the system prompt)
   /regen                regenerate the last answer
   /system [text]        set (or with no text, remove) the system prompt; starts over
@@ -58,7 +59,8 @@ HELP = """commands:
   /help                 this list
 A message is one line; a paste of several lines is one message; end a line with \\ to
 continue it, or put the text between two \"\"\" lines.
-Ctrl-C stops an answer (what was generated stays in the conversation)."""
+Ctrl-C stops an answer (what was generated stays in the conversation); keys typed while an
+answer streams are dropped."""
 
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
@@ -151,8 +153,7 @@ class Conversation:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def prompt_for(self, user_text: str) -> tuple[list[int], str]:
         """-> (prompt ids, prompt text) for a new user turn after the current messages."""
@@ -345,7 +346,7 @@ class ChatLoop:
         """Run a /command -> False to leave the chat."""
         name, _, arg = line.partition(" ")
         arg = arg.strip()
-        if name in ("/exit", "/quit"):
+        if name in ("/exit", "/quit", "/bye"):
             return False
         if name == "/help":
             self.say(HELP)
@@ -516,7 +517,7 @@ class ChatLoop:
         stream = self.llm.stream(ids, params, session=self.session, speculative_tokens=self.k,
                                  snapshot_at=self.conv.gen_start)
         interrupted = False
-        with _sigint_flag() as flag:
+        with quiet_input(self.stdin), _sigint_flag() as flag:
             try:
                 for delta in stream:
                     self.render.write([(isinstance(delta, ReasoningDelta), delta)])
