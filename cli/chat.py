@@ -332,11 +332,12 @@ class ChatLoop:
                 line = line.strip()
                 if not line:
                     continue
-                if line.startswith("/"):
-                    if not self.command(line):
-                        break
-                else:
-                    self.turn(line)
+                with quiet_input(self.stdin):  # until the answer (or command) is done
+                    if line.startswith("/"):
+                        if not self.command(line):
+                            break
+                    else:
+                        self.turn(line)
         finally:
             if not self.session.busy:
                 self.llm.close_session(self.session)
@@ -517,7 +518,7 @@ class ChatLoop:
         stream = self.llm.stream(ids, params, session=self.session, speculative_tokens=self.k,
                                  snapshot_at=self.conv.gen_start)
         interrupted = False
-        with quiet_input(self.stdin), _sigint_flag() as flag:
+        with _sigint_flag() as flag:
             try:
                 for delta in stream:
                     self.render.write([(isinstance(delta, ReasoningDelta), delta)])

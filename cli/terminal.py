@@ -32,5 +32,6 @@ def quiet_input(stdin: IO) -> Iterator[None]:
     try:
         yield
     finally:
-        with contextlib.suppress(OSError, termios.error):  # TCSAFLUSH: also drops the input not yet read
+        # TCSAFLUSH: also drops the input not yet read
+        with contextlib.suppress(OSError, termios.error):
             termios.tcsetattr(fd, termios.TCSAFLUSH, saved)
