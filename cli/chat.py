@@ -21,6 +21,7 @@ from typing import Annotated, Any
 import typer
 
 from hybridrt.cli.common import (
+    USAGE_ERROR,
     CliError,
     FrequencyOpt,
     MinPOpt,
@@ -247,9 +248,10 @@ class ChatLoop:
     def __init__(self, llm, sampling: dict, speculative_tokens: int, system: str | None,
                  think: bool | None, hide_thinking: bool, stdin=None, stdout=None):
         if llm.tokenizer is None:
-            raise CliError(f"{llm.model_path} has no tokenizer: chat needs one")
+            raise CliError(f"{llm.model_path} has no tokenizer: chat needs one", USAGE_ERROR)
         if not getattr(llm.tokenizer, "chat_template", None):
-            raise CliError(f"the tokenizer of {llm.model_path} has no chat template")
+            raise CliError(f"the tokenizer of {llm.model_path} has no chat template",
+                           USAGE_ERROR)
         self.llm = llm
         self.sampling = dict(sampling)
         self.k = speculative_tokens
@@ -634,7 +636,7 @@ def chat(
     try:
         SamplingParams(**flags, max_tokens=max_tokens)
     except ValueError as e:
-        raise CliError(f"invalid sampling option: {e}", 2) from None
+        raise CliError(f"invalid sampling option: {e}", USAGE_ERROR) from None
     llm = load_llm(options, announce=False)
     sampling = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
     ChatLoop(llm, sampling, options.speculative_tokens, system, think, not show_thinking).run()

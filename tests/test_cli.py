@@ -530,11 +530,11 @@ def _probe(*args, cwd=None, env=None) -> tuple[int, bool, str]:
 ], ids=["generate", "chat-empty", "serve-no-config", "quantize", "draft-vocab"])
 def test_model_not_found_is_one_line_before_torch_is_imported(tmp_path, command, model, needle):
     """A MODEL that is neither a checkpoint directory nor a hub id, an empty one, a directory
-    without config.json: exit 1 at once, torch never imported."""
+    without config.json: exit 2 at once, torch never imported."""
     (tmp_path / "empty").mkdir()
     where = {"MODEL": str(tmp_path / model) if model else "", "OUT": str(tmp_path / "q")}
     code, torch_loaded, err = _probe(*[where.get(a, a) for a in command], cwd=tmp_path)
-    assert (code, torch_loaded) == (1, False), err
+    assert (code, torch_loaded) == (2, False), err
     assert needle in one_error_line(err)
 
 
@@ -543,7 +543,7 @@ def test_offline_hub_id_is_one_line_naming_it(monkeypatch):
     exception chain; with HF_HUB_OFFLINE=1 before torch is imported."""
     code, torch_loaded, err = _probe("generate", "nobody-here/no-such-model", "-p", "x",
                                      env={"HF_HUB_OFFLINE": "1"})
-    assert (code, torch_loaded) == (1, False), err
+    assert (code, torch_loaded) == (2, False), err
     line = one_error_line(err)
     assert "'nobody-here/no-such-model' is not a local directory nor in the Hugging Face " \
            "cache" in line and "HF_HUB_OFFLINE" in line
@@ -559,7 +559,7 @@ def test_offline_hub_id_is_one_line_naming_it(monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
     res = invoke("generate", "nobody-here/no-such-model", "-p", "x")
-    assert res.exit_code == 1
+    assert res.exit_code == 2
     assert one_error_line(res.stderr) == (
         "error: model 'nobody-here/no-such-model' is not a local directory nor in the Hugging "
         "Face cache, and the Hugging Face Hub cannot be reached (Name or service not known)")
