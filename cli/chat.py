@@ -21,6 +21,7 @@ from typing import Annotated, Any
 import typer
 
 from hybridrt.cli.common import (
+    USAGE_ERROR,
     CliError,
     FrequencyOpt,
     MinPOpt,
@@ -40,12 +41,13 @@ from hybridrt.cli.common import (
     weights_name,
 )
 from hybridrt.cli.options import ModelOptions, model_options
+from hybridrt.cli.terminal import quiet_input
 from hybridrt.reasoning import ReasoningDelta
 
 _SENTINEL = "\x00hybridrt-answer\x00"
 
 HELP = """commands:
-  /exit                 leave (Ctrl-D too)
+  /exit, /bye           leave (Ctrl-D too)
   /clear                forget the conversation (keeps the system prompt)
   /regen                regenerate the last answer
   /system [text]        set (or with no text, remove) the system prompt; starts over
@@ -58,7 +60,8 @@ HELP = """commands:
   /help                 this list
 A message is one line; a paste of several lines is one message; end a line with \\ to
 continue it, or put the text between two \"\"\" lines.
-Ctrl-C stops an answer (what was generated stays in the conversation)."""
+Ctrl-C stops an answer (what was generated stays in the conversation); keys typed while an
+answer streams are dropped."""
 
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
@@ -151,8 +154,7 @@ class Conversation:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def prompt_for(self, user_text: str) -> tuple[list[int], str]:
         """-> (prompt ids, prompt text) for a new user turn after the current messages."""
@@ -246,9 +248,10 @@ class ChatLoop:
     def __init__(self, llm, sampling: dict, speculative_tokens: int, system: str | None,
                  think: bool | None, hide_thinking: bool, stdin=None, stdout=None):
         if llm.tokenizer is None:
-            raise CliError(f"{llm.model_path} has no tokenizer: chat needs one")
+            raise CliError(f"{llm.model_path} has no tokenizer: chat needs one", USAGE_ERROR)
         if not getattr(llm.tokenizer, "chat_template", None):
-            raise CliError(f"the tokenizer of {llm.model_path} has no chat template")
+            raise CliError(f"the tokenizer of {llm.model_path} has no chat template",
+                           USAGE_ERROR)
         self.llm = llm
         self.sampling = dict(sampling)
         self.k = speculative_tokens
@@ -331,11 +334,12 @@ class ChatLoop:
                 line = line.strip()
                 if not line:
                     continue
-                if line.startswith("/"):
-                    if not self.command(line):
-                        break
-                else:
-                    self.turn(line)
+                with quiet_input(self.stdin):  # until the answer (or command) is done
+                    if line.startswith("/"):
+                        if not self.command(line):
+                            break
+                    else:
+                        self.turn(line)
         finally:
             if not self.session.busy:
                 self.llm.close_session(self.session)
@@ -345,7 +349,7 @@ class ChatLoop:
         """Run a /command -> False to leave the chat."""
         name, _, arg = line.partition(" ")
         arg = arg.strip()
-        if name in ("/exit", "/quit"):
+        if name in ("/exit", "/quit", "/bye"):
             return False
         if name == "/help":
             self.say(HELP)
@@ -632,7 +636,7 @@ def chat(
     try:
         SamplingParams(**flags, max_tokens=max_tokens)
     except ValueError as e:
-        raise CliError(f"invalid sampling option: {e}", 2) from None
+        raise CliError(f"invalid sampling option: {e}", USAGE_ERROR) from None
     llm = load_llm(options, announce=False)
     sampling = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
     ChatLoop(llm, sampling, options.speculative_tokens, system, think, not show_thinking).run()

@@ -23,12 +23,24 @@ except ImportError:  # pragma: no cover
     from click import ClickException as _ClickException
 
 
+# Exit statuses: one per kind of failure, whichever command it is (main.EXIT_STATUS says them).
+RUNTIME_FAILURE = 1  # the command was right but something failed while it ran
+USAGE_ERROR = 2  # the command cannot run as given: a bad option or value, a MODEL not found,
+# a missing extra (the message says what to pip install), a device or port this machine lacks
+
+
 class CliError(Exception):
     """A user-facing failure: printed as one ``error: ...`` line, then exit ``exit_code``."""
 
-    def __init__(self, message: str, exit_code: int = 1):
+    def __init__(self, message: str, exit_code: int = RUNTIME_FAILURE):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def needs_extra(what: str, packages: str, extra: str) -> CliError:
+    """The one-line error for a missing optional dependency: what needs it and the pip
+    command that installs it (a usage error: exit 2)."""
+    return CliError(f"{what} needs {packages}: pip install 'hybridrt[{extra}]'", USAGE_ERROR)
 
 
 def error_line(message: object) -> None:
@@ -118,7 +130,7 @@ def check_model_options(*, dtype: str, max_model_len: int | None, cache_memory: 
 def resolve_model(model: str | None) -> str | None:
     """MODEL -> a checkpoint directory (None: the embedded demo model), by the loader's own
     rules (``hybridrt.model_path``), without importing torch: a wrong MODEL is one line at
-    once rather than after torch has loaded. Otherwise a CliError (exit 1) naming MODEL."""
+    once rather than after torch has loaded. Otherwise a CliError (exit 2) naming MODEL."""
     if model is None:
         return None
     from hybridrt.model_path import ModelNotFoundError, resolve_model_path
@@ -126,13 +138,20 @@ def resolve_model(model: str | None) -> str | None:
     try:
         return str(resolve_model_path(model))
     except ModelNotFoundError as e:
-        raise CliError(str(e)) from None
+        raise CliError(str(e), USAGE_ERROR) from None
 
 
 def check_device_available(device: str) -> None:
-    """--device cuda without a usable GPU -> CliError (exit 2): imports torch, not the model."""
+    """--device cuda without a usable GPU -> CliError (exit 2): at once where the machine has
+    no GPU driver at all, else after importing torch (not the model)."""
     if device == "cpu":
         return
+    from hybridrt.cli import cuda_driver
+
+    why = cuda_driver.missing_gpu_driver()
+    if why is not None:
+        raise CliError(f"--device {device}: CUDA is not available: {why}; use --device cpu",
+                       USAGE_ERROR)
     from hybridrt.llm import check_device
 
     try:
@@ -218,10 +237,20 @@ def user_errors() -> tuple[type[BaseException], ...]:
             NotADirectoryError)
 
 
+def exit_status(error: BaseException) -> int:
+    """A user error's exit status: CliError's own; 2 for a MODEL that resolves to nothing
+    (where a command hands MODEL to the loader itself); else 1."""
+    from hybridrt.model_path import ModelNotFoundError
+
+    if isinstance(error, CliError):
+        return error.exit_code
+    return USAGE_ERROR if isinstance(error, ModelNotFoundError) else RUNTIME_FAILURE
+
+
 class OneLineErrorGroup(TyperGroup):
     """Click's standalone error handling, but every failure is one ``error: ...`` line on
-    stderr: usage errors (exit 2), our own errors (exit 1, or CliError's code), and
-    unexpected ones (exit 1; HYBRIDRT_DEBUG=1 shows the traceback)."""
+    stderr: usage errors (exit 2), our own errors (exit_status), and unexpected ones (exit 1;
+    HYBRIDRT_DEBUG=1 shows the traceback)."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
              windows_expand_args=True, **extra):
@@ -249,7 +278,7 @@ class OneLineErrorGroup(TyperGroup):
                 raise
             if isinstance(e, user_errors()):
                 error_line(e)
-                sys.exit(getattr(e, "exit_code", 1))
+                sys.exit(exit_status(e))
             error_line(f"{type(e).__name__}: {e} (HYBRIDRT_DEBUG=1 shows the traceback)")
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)

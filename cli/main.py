@@ -22,10 +22,11 @@ from hybridrt.cli.generate import generate
 from hybridrt.cli.quantize import quantize
 from hybridrt.cli.serve import serve
 
-EXIT_STATUS = ("Exit status: 0 on success; 1 when something failed (a model not found, a "
-               "prompt that failed, an error while running); 2 for a usage error (a bad option "
-               "or value, --device cuda without a GPU, a port in use), reported before the "
-               "model loads; 130 when interrupted (Ctrl-C).")
+EXIT_STATUS = ("Exit status: 0 on success; 1 when something failed while running (a prompt "
+               "that failed, a broken checkpoint); 2 for a usage error (a bad option or value, "
+               "a MODEL not found, a missing extra: the message says what to pip install, "
+               "--device cuda without a GPU, a port in use), reported before the model loads; "
+               "130 when interrupted (Ctrl-C).")
 
 app = typer.Typer(
     name="hybridrt",

@@ -13,20 +13,20 @@ from hybridrt.cli.common import (
     check_device_available,
     check_port,
     load_llm,
+    needs_extra,
     resolve_model,
 )
 from hybridrt.cli.options import ModelOptions, model_options
 
-NEEDS = "needs starlette, uvicorn and httpx: pip install 'hybridrt[serve]'"
-
 
 def _check_deps(what: str) -> None:
+    """The server's stack not installed -> CliError (exit 2) with the pip command."""
     try:
         import httpx  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        raise CliError(f"{what} {NEEDS}") from None
+        raise needs_extra(what, "starlette, uvicorn and httpx", "serve") from None
 
 
 @model_options()
@@ -143,9 +143,6 @@ def serve(
     run(llm, name, host, port, key, log_level, limits=limits, metrics_public=metrics_public)
 
 
-RAY_NEEDS = "needs Ray Serve: pip install 'hybridrt[ray]'"
-
-
 def _check_replica_options(replicas: int | None, ray_address: str | None,
                            autoscaling: str | None, router: str, router_imbalance: int,
                            port: int) -> dict | None:
@@ -180,7 +177,7 @@ def _check_replica_options(replicas: int | None, ray_address: str | None,
         import ray  # noqa: F401
         from ray import serve  # noqa: F401
     except ImportError:
-        raise CliError(f"hybridrt serve --replicas {RAY_NEEDS}", 2) from None
+        raise needs_extra("hybridrt serve --replicas", "Ray Serve", "ray") from None
     if config is not None:
         from ray.serve.config import AutoscalingConfig
 

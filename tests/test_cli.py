@@ -18,6 +18,7 @@ from hybridrt import LLM, SamplingParams
 from hybridrt.bench.fixtures import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 from hybridrt.cli import bench as cli_bench
 from hybridrt.cli import chat as cli_chat
+from hybridrt.cli import cuda_driver as cli_cuda_driver
 from hybridrt.cli.chat import Conversation, Renderer
 from hybridrt.cli.main import app
 
@@ -530,11 +531,11 @@ def _probe(*args, cwd=None, env=None) -> tuple[int, bool, str]:
 ], ids=["generate", "chat-empty", "serve-no-config", "quantize", "draft-vocab"])
 def test_model_not_found_is_one_line_before_torch_is_imported(tmp_path, command, model, needle):
     """A MODEL that is neither a checkpoint directory nor a hub id, an empty one, a directory
-    without config.json: exit 1 at once, torch never imported."""
+    without config.json: exit 2 at once, torch never imported."""
     (tmp_path / "empty").mkdir()
     where = {"MODEL": str(tmp_path / model) if model else "", "OUT": str(tmp_path / "q")}
     code, torch_loaded, err = _probe(*[where.get(a, a) for a in command], cwd=tmp_path)
-    assert (code, torch_loaded) == (1, False), err
+    assert (code, torch_loaded) == (2, False), err
     assert needle in one_error_line(err)
 
 
@@ -543,7 +544,7 @@ def test_offline_hub_id_is_one_line_naming_it(monkeypatch):
     exception chain; with HF_HUB_OFFLINE=1 before torch is imported."""
     code, torch_loaded, err = _probe("generate", "nobody-here/no-such-model", "-p", "x",
                                      env={"HF_HUB_OFFLINE": "1"})
-    assert (code, torch_loaded) == (1, False), err
+    assert (code, torch_loaded) == (2, False), err
     line = one_error_line(err)
     assert "'nobody-here/no-such-model' is not a local directory nor in the Hugging Face " \
            "cache" in line and "HF_HUB_OFFLINE" in line
@@ -559,7 +560,7 @@ def test_offline_hub_id_is_one_line_naming_it(monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
     res = invoke("generate", "nobody-here/no-such-model", "-p", "x")
-    assert res.exit_code == 1
+    assert res.exit_code == 2
     assert one_error_line(res.stderr) == (
         "error: model 'nobody-here/no-such-model' is not a local directory nor in the Hugging "
         "Face cache, and the Hugging Face Hub cannot be reached (Name or service not known)")
@@ -627,6 +628,7 @@ def test_cuda_without_a_gpu_is_refused_before_the_model_loads(tiny, monkeypatch)
     def no_load(*a, **kw):
         raise AssertionError("the model was loaded")
 
+    monkeypatch.setattr(cli_cuda_driver, "missing_gpu_driver", lambda: None)  # torch's say
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(hybridrt.llm.LLM, "__init__", no_load)
     for args in (["generate", tiny, "-p", "x"], ["serve", tiny, "--port", "0"]):
@@ -660,6 +662,7 @@ def test_exit_statuses_are_documented_in_the_help():
 def test_cuda_on_a_cpu_only_torch_is_one_error_line_exit_2(tiny, monkeypatch):
     import torch
 
+    monkeypatch.setattr(cli_cuda_driver, "missing_gpu_driver", lambda: None)  # torch's say
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", None)
     res = invoke("generate", tiny, "-p", "x", "--device", "cuda")
@@ -1070,3 +1073,96 @@ def test_bench_gemv_reports_every_path_and_row_count(tmp_path):
                       (["--rows", "1,9"], "at most 8 rows")):
         res = invoke("bench", "gemv", *args)
         assert res.exit_code == 2 and msg in res.output, res.output
+
+
+# one exit status per kind of mistake ----------------------------------------------------------
+def _hiding(tmp_path: Path, *modules: str) -> dict[str, str]:
+    """Environment for a fresh interpreter in which ``modules`` are not installed (None in
+    sys.modules: import fails, importlib.util.find_spec says None)."""
+    shim = tmp_path / "hide"
+    shim.mkdir(exist_ok=True)
+    (shim / "sitecustomize.py").write_text(
+        "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in modules))
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(shim),
+                                                        os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.mark.parametrize("args, hidden, fix", [
+    (["serve", "--port", "0"], "starlette", "pip install 'hybridrt[serve]'"),
+    (["serve", "--port", "0"], "uvicorn", "pip install 'hybridrt[serve]'"),
+    (["bench", "serve"], "httpx", "pip install 'hybridrt[serve]'"),
+    (["serve", "--replicas", "2", "--port", "1"], "ray", "pip install 'hybridrt[ray]'"),
+    (["bench", "throughput", "--plot", "p.png"], "matplotlib", "pip install 'hybridrt[plot]'"),
+    (["bench", "structured"], "xgrammar", "pip install 'hybridrt["),
+], ids=["serve-starlette", "serve-uvicorn", "bench-serve-httpx", "replicas-ray", "plot",
+        "structured"])
+def test_a_missing_extra_is_exit_2_with_the_pip_command(tmp_path, args, hidden, fix):
+    code, torch_loaded, err = _probe(*args, cwd=tmp_path, env=_hiding(tmp_path, hidden))
+    assert (code, torch_loaded) == (2, False), err
+    assert fix in one_error_line(err)
+
+
+def test_each_kind_of_mistake_has_its_exit_status(tiny, tmp_path):
+    """2: a bad flag, a bad value, a MODEL not found (the CLI's own check and the loader's);
+    1: a failure while running (a broken checkpoint)."""
+    from hybridrt.cli.common import exit_status
+    from hybridrt.model_path import ModelNotFoundError
+
+    assert invoke("chat", "--no-such-flag").exit_code == 2
+    assert invoke("generate", tiny, "-p", "x", "--top-p", "0").exit_code == 2
+    assert invoke("chat", tmp_path / "no-such-model").exit_code == 2
+    assert exit_status(ModelNotFoundError("x")) == 2
+    assert exit_status(FileNotFoundError("x")) == exit_status(ValueError("x")) == 1
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(Path(tiny, "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{trunc")
+    assert invoke("generate", broken, "-p", "x").exit_code == 1
+
+
+def test_cuda_on_a_machine_without_a_gpu_driver_is_refused_before_torch_is_imported():
+    from hybridrt.cli.cuda_driver import missing_gpu_driver
+
+    if missing_gpu_driver() is None:
+        pytest.skip("this machine has a GPU driver")
+    for args in (["chat", "--device", "cuda"], ["serve", "--port", "0", "--device", "cuda:1"]):
+        code, torch_loaded, err = _probe(*args)
+        assert (code, torch_loaded) == (2, False), err
+        assert "CUDA is not available: no GPU driver on this machine" in one_error_line(err)
+
+
+@pytest.mark.parametrize("sign", [None, "/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg",
+                                  "/dev/kfd", "nvidia-smi", "LD_LIBRARY_PATH",
+                                  "/usr/lib/wsl/lib", "win32"])
+def test_only_a_sure_no_gpu_driver_refuses_cuda_early(monkeypatch, tmp_path, sign):
+    """No sign of a driver on Linux: refused. Any sign (NVIDIA's module or device nodes, WSL's
+    GPU bridge, ROCm's node, nvidia-smi, a libcuda.so), or a platform it does not know: the
+    answer is left to torch."""
+    import glob
+    import shutil
+
+    from hybridrt.cli import cuda_driver
+
+    libdir = tmp_path / "lib"
+    libdir.mkdir()
+    (libdir / "libcuda.so.1").write_text("")
+    monkeypatch.setattr(cuda_driver.sys, "platform", "win32" if sign == "win32" else "linux")
+    monkeypatch.setattr(cuda_driver.os.path, "exists", lambda p: p == sign)
+    monkeypatch.setattr(shutil, "which", lambda n: "/usr/bin/nvidia-smi"
+                        if sign == "nvidia-smi" and n == "nvidia-smi" else None)
+    real_glob = glob.glob
+    monkeypatch.setattr(glob, "glob", lambda p: real_glob(p) if str(libdir) in p else
+                        ["libcuda.so.1"] if sign and p.startswith(sign) else [])
+    if sign == "LD_LIBRARY_PATH":
+        monkeypatch.setenv("LD_LIBRARY_PATH", f"/nowhere{os.pathsep}{libdir}")
+    else:
+        monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
+    why = cuda_driver.missing_gpu_driver()
+    assert (why is not None) == (sign is None), why
+
+
+def test_bye_quits_the_chat_and_help_lists_it(tiny):
+    res = invoke("chat", tiny, *MODEL_FLAGS, *GREEDY, input="/help\n/bye\nnever read\n")
+    assert res.exit_code == 0, res.output
+    assert "/exit, /bye" in res.stdout
+    assert "[prompt" not in res.stdout and "unknown command" not in res.stderr  # not answered

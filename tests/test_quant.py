@@ -377,5 +377,5 @@ def test_cli_quantize(ckpt, tmp_path):
     assert res.exit_code == 2
     assert res.stderr.strip() == f"error: {out} exists and is not an empty directory"
     res = CliRunner().invoke(app, ["quantize", str(tmp_path / "nowhere"), str(tmp_path / "x")])
-    assert res.exit_code == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert res.stderr.startswith("error: ") and not (tmp_path / "x").exists()

@@ -491,4 +491,4 @@ def test_serve_without_the_extra_and_with_bad_options(monkeypatch):
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # not installed
     for args in (["serve"], ["bench", "serve"]):
         res = CliRunner().invoke(app, args)
-        assert res.exit_code == 1 and "pip install 'hybridrt[serve]'" in res.output
+        assert res.exit_code == 2 and "pip install 'hybridrt[serve]'" in res.output
