@@ -90,6 +90,8 @@ class Tokenizer:
         self.chat_template = _read_chat_template(self.path, config)
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces",
                                                             False))
+        self._bpe_keeps_spaces = type(self._backend.model).__name__ == "BPE" and not config.get(
+            "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
         self.special_tokens_map = {k: t for k in _SPECIAL
                                    if (t := _token_text(config.get(k))) is not None}
         self._hf = None
@@ -126,11 +128,17 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
+    def decode(self, token_ids, skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool | None = None) -> str:
+        """The text of ``token_ids`` (``clean_up_tokenization_spaces``: None takes the
+        tokenizer's own setting, as transformers does)."""
         if isinstance(token_ids, int):
             token_ids = [token_ids]
         text = self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-        if self.clean_up_tokenization_spaces:
+        if clean_up_tokenization_spaces is None:
+            clean_up_tokenization_spaces = self.clean_up_tokenization_spaces
+        # transformers skips the clean-up (made for WordPiece) on BPE models unless forced
+        if clean_up_tokenization_spaces and not self._bpe_keeps_spaces:
             text = _clean_up_tokenization(text)
         return text
 

@@ -61,6 +61,11 @@ class CacheSizing:
         return min(self.max_num_seqs, self.num_blocks / per_req)
 
     @property
+    def total_bytes(self) -> int:
+        """The budget both stores may fill (memory is taken as they fill it, on the CPU)."""
+        return self.num_blocks * self.bytes_per_block + self.num_slots * self.bytes_per_slot
+
+    @property
     def num_request_slots(self) -> int:
         return self.num_slots - 1 - self.num_checkpoint_slots
 

@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
 
 from hybridrt.config import ModelConfig
+
+
+def _zeros(*shape, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor whose memory is taken as it is used: on the CPU, anonymous memory the OS
+    maps as zero pages until a page is first written (a cache pool touches what its requests and
+    checkpoints use, not its whole budget up front); elsewhere ``torch.zeros``."""
+    if len(shape) == 1 and isinstance(shape[0], tuple):
+        shape = shape[0]
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if count == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # the tensor keeps the mapping alive (torch.frombuffer holds the buffer)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count).view(shape)
 
 
 @dataclass(slots=True)
@@ -51,19 +69,19 @@ class CacheTensors:
         kv_shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         tail_shape = (num_slots, block_size, config.num_key_value_heads, config.head_dim)
         return cls(
-            key_caches=[torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(n_attn)],
-            value_caches=[torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(n_attn)],
-            conv_states=torch.zeros(
+            key_caches=[_zeros(kv_shape, dtype=dtype, device=device) for _ in range(n_attn)],
+            value_caches=[_zeros(kv_shape, dtype=dtype, device=device) for _ in range(n_attn)],
+            conv_states=_zeros(
                 n_gdn, num_slots, config.linear_conv_kernel_dim - 1, config.conv_dim,
                 dtype=dtype, device=device,
             ),
-            ssm_states=torch.zeros(
+            ssm_states=_zeros(
                 n_gdn, num_slots, config.linear_num_value_heads, config.linear_key_head_dim,
                 config.linear_value_head_dim, dtype=torch.float32, device=device,
             ),
             block_size=block_size,
-            key_tails=[torch.zeros(tail_shape, dtype=dtype, device=device) for _ in range(n_attn)],
-            value_tails=[torch.zeros(tail_shape, dtype=dtype, device=device)
+            key_tails=[_zeros(tail_shape, dtype=dtype, device=device) for _ in range(n_attn)],
+            value_tails=[_zeros(tail_shape, dtype=dtype, device=device)
                          for _ in range(n_attn)],
         )
 

@@ -70,6 +70,10 @@ def test_decode_matches_transformers(pair, skip):
         ids = theirs.encode(text, add_special_tokens=False)
         assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
             ids, skip_special_tokens=skip)
+        for clean in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip,
+                               clean_up_tokenization_spaces=clean) == theirs.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=clean), (text, clean)
 
 
 def test_special_tokens_and_lookups_match(pair):
