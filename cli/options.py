@@ -165,16 +165,43 @@ def _refused(annotation, reason: str):
     return Annotated[base, info]
 
 
-def _group_parameters(defaults: dict[str, typing.Any],
-                      refuse: dict[str, str]) -> list[inspect.Parameter]:
+def without_default_text(text: str) -> str:
+    """A help text less its closing "(default: ...)", which a command's own default
+    replaces."""
+    cut = text.rfind(" (default:")
+    return text[:cut] + "." if cut >= 0 and text.endswith(").") else text
+
+
+def _own_help(annotation, help_text: str | None = None, default: typing.Any = None):
+    """The field's flag with this command's help (``help_text``) or its own default shown."""
+    base, info = typing.get_args(annotation)
+    info = copy.copy(info)
+    if help_text is not None:
+        info.help = help_text
+    else:
+        info.help, info.show_default = without_default_text(info.help), True
+    return Annotated[base, info]
+
+
+def _group_parameters(defaults: dict[str, typing.Any], refuse: dict[str, str],
+                      model_help: str | None) -> list[inspect.Parameter]:
     hints = typing.get_type_hints(ModelOptions, include_extras=True)
     unknown = (set(defaults) | set(refuse)) - {f.name for f in dataclasses.fields(ModelOptions)}
     if unknown:
         raise TypeError(f"not options of the group: {', '.join(sorted(unknown))}")
-    return [inspect.Parameter(
-        f.name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(f.name, f.default),
-        annotation=_refused(hints[f.name], refuse[f.name]) if f.name in refuse
-        else hints[f.name]) for f in dataclasses.fields(ModelOptions)]
+    params = []
+    for f in dataclasses.fields(ModelOptions):
+        annotation = hints[f.name]
+        if f.name in refuse:
+            annotation = _refused(annotation, refuse[f.name])
+        elif f.name == "model" and model_help is not None:
+            annotation = _own_help(annotation, model_help)
+        elif defaults.get(f.name, f.default) != f.default:
+            annotation = _own_help(annotation)
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
+                                        default=defaults.get(f.name, f.default),
+                                        annotation=annotation))
+    return params
 
 
 def flag_of(field: str) -> str:
@@ -192,14 +219,16 @@ def _check_refused(ctx: typer.Context, refuse: dict[str, str]) -> None:
                            f"{ctx.command_path.split(' ', 1)[-1]}: {reason}", 2)
 
 
-def model_options(*, refuse: dict[str, str] | None = None, **defaults: typing.Any):
+def model_options(*, refuse: dict[str, str] | None = None, model_help: str | None = None,
+                  **defaults: typing.Any):
     """Decorator: the command's ``options: ModelOptions`` parameter becomes the group's flags
     (listed in --help after the command's own options), and the command is called with the
     ModelOptions built from them. ``defaults``: this command's own default for a field (e.g.
     chat's max_num_seqs). ``refuse``: field -> why this command cannot take it (it sets that
-    itself); the flag still exists, and giving it is one error line (exit 2)."""
+    itself); the flag still exists, and giving it is one error line (exit 2). ``model_help``:
+    MODEL's help where this command's default model is another."""
     refuse = dict(refuse or {})
-    group = _group_parameters(defaults, refuse)
+    group = _group_parameters(defaults, refuse, model_help)
     names = [p.name for p in group]
 
     def add(command):

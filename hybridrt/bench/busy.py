@@ -27,8 +27,8 @@ import torch
 from hybridrt.llm import LLM
 from hybridrt.sampling_params import SamplingParams
 model, threads, tokens = sys.argv[1] or None, int(sys.argv[2]) or None, int(sys.argv[3])
-llm = LLM(model, **json.loads(sys.argv[4]), threads=threads, max_num_seqs=1, max_model_len=64, tokenizer=None,
-          cache_memory=64 << 20)
+llm = LLM(model, **json.loads(sys.argv[4]), threads=threads, max_num_seqs=1, max_model_len=64,
+          tokenizer=None, cache_memory=64 << 20)
 prompt = [list(range(10, 26))]
 llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
              use_tqdm=False)

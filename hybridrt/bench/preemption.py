@@ -131,7 +131,8 @@ def run_preemption_bench(model: str | None = None, dtype: str = "bfloat16",
     # no share of the budget set aside for prefix-cache checkpoints: the whole budget is the
     # requests' KV and state, as the issue's workload was sized (a preempted request still
     # resumes from its own state, kept in the slot it freed)
-    llm = LLM(model, **(engine or {}), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+    llm = LLM(model, **(engine or {}), dtype=dtype, max_model_len=max_model_len,
+              max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, cache_memory=cache_memory,
               threads=threads, tokenizer=None, checkpoint_share=0.0)
     prompts, params = workload(llm.config.vocab_size, long, short, num_short)

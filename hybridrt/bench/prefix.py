@@ -105,7 +105,8 @@ def run(model: str | None = None, threads: int | None = None, dtype: str = "auto
     if threads is not None:
         torch.set_num_threads(threads)
     max_len = max(system_tokens + question_tokens + 2, disjoint_tokens) + max_tokens + 8
-    kw = {**(engine or {}), "dtype": dtype, "quantization": quantization, "max_model_len": max(max_len, 256),
+    kw = {**(engine or {}), "dtype": dtype, "quantization": quantization,
+          "max_model_len": max(max_len, 256),
           "max_num_seqs": max(num_requests, disjoint_requests), "cache_memory": cache_memory,
           "threads": threads}
     engines = {True: LLM(model, enable_prefix_caching=True, **kw),

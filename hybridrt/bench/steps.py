@@ -143,7 +143,8 @@ def run(model: str | None = None, batches: tuple[int, ...] = (1,), steps: int = 
         llms = {}
         with _step_program(not no_program):
             for q in quantizations:
-                llms[q] = LLM(model, **(engine or {}), dtype=dtype, quantization=q, max_num_seqs=max(batches),
+                llms[q] = LLM(model, **(engine or {}), dtype=dtype, quantization=q,
+                              max_num_seqs=max(batches),
                               max_model_len=max_model_len, cache_memory=cache_memory,
                               threads=threads)
                 timers.wrap(llms[q].engine.runner.model.backend, "logits", "LM head (logits)")

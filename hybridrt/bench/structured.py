@@ -69,7 +69,8 @@ def run(model: str | None = None, threads: int | None = 2, batches: tuple[int, .
     from hybridrt.llm import LLM
 
     clock = time.process_time if cpu_time else time.perf_counter
-    llm = LLM(model, **(engine or {}), threads=threads, max_model_len=256, max_num_seqs=max(batches))
+    llm = LLM(model, **(engine or {}), threads=threads, max_model_len=256,
+              max_num_seqs=max(batches))
     report = {"model": str(llm.model_path), "threads": threads, "rounds": rounds,
               "tokens": tokens, "clock": "cpu" if cpu_time else "wall",
               **compile_times(llm), "batches": {}}
