@@ -1,12 +1,13 @@
-"""``hybridrt bench throughput`` / ``gemm`` / ``gemv`` / ``spec`` / ``quality`` / ``startup`` /
-``busy`` / ``serve`` / ``prefix`` / ``preemption``: the commands over ``hybridrt.bench``; each
-prints a table and, with ``--json`` / ``--plot``, writes the report and a chart. The benchmark
+"""``hybridrt bench``: the commands over ``hybridrt.bench``; each prints a table and, with
+``--json``, writes the report (``throughput`` and ``spec`` also draw a chart with ``--plot``).
+Those that load a model take the whole model option group (cli/options.py). The benchmark
 modules are imported inside the commands, so that ``hybridrt chat`` never loads them
 (tests/test_bench_layout.py)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -18,7 +19,8 @@ from hybridrt.cli.options import ModelOptions, ThreadsOpt, model_options
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                         help="Benchmarks: throughput vs transformers, speculative decoding, "
                              "the CPU GEMM paths, start-up, int8 and int4 quality, the server, "
-                             "preemption.")
+                             "preemption. Each prints a table; --json FILE writes its report, "
+                             "--plot PNG (throughput, spec) a chart.")
 
 PlotOpt = Annotated[Path | None, typer.Option(
     "--plot", help="Also draw a chart to this PNG (needs matplotlib, the 'plot' extra) "
@@ -157,12 +159,17 @@ def gemm(
     threads: Annotated[int, typer.Option("--threads", min=1, help="CPU threads.")] = 2,
     rounds: Annotated[int, typer.Option(
         "--rounds", min=1, help="Interleaved rounds per path (the median is reported).")] = 9,
+    json_path: JsonOpt = None,
 ) -> None:
     """ms per weight of the CPU half-weight GEMM paths at the 0.8B shapes (kernels/linear.py),
     and of the int8 kernels (kernels/quant.py)."""
     from hybridrt.bench import throughput as bench
 
-    bench.gemm(_int_list("--rows", rows, 1), threads=threads, rounds=rounds)
+    rows_report = bench.gemm(_int_list("--rows", rows, 1), threads=threads, rounds=rounds)
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps({"threads": threads, "rounds": rounds,
+                                               "rows": rows_report}, indent=2) + "\n")
+        typer.echo(f"wrote {json_path}", err=True)
 
 
 @bench_app.command("gemv")
@@ -469,9 +476,7 @@ def bench_serve(
     time_limit: Annotated[float, typer.Option(
         "--time-limit", min=1, help="Seconds per run; turns not started by then are "
         "skipped and reported.")] = 300.0,
-    json_path: Annotated[Path | None, typer.Option(
-        "--json", help="Also write the report to this file (default: none).",
-        show_default=False)] = None,
+    json_path: JsonOpt = None,
     replicas: Annotated[str | None, typer.Option(
         "--replicas", help="Replica counts to compare on Ray Serve, e.g. 1,2: a run per count "
         "(prefix-aware routing) and, beyond one, one with Ray Serve's power-of-two router "
