@@ -204,10 +204,10 @@ def _group_parameters(defaults: dict[str, typing.Any], refuse: dict[str, str],
     return params
 
 
-def flag_of(field: str) -> str:
-    """The group field's flag, e.g. '--max-num-seqs'."""
-    hints = typing.get_type_hints(ModelOptions, include_extras=True)
-    return typing.get_args(hints[field])[1].default.split("/")[0]
+def _declaration(field: str) -> str:
+    """The group field's flag as declared, e.g. '--prefix-caching/--no-prefix-caching'."""
+    return typing.get_args(typing.get_type_hints(ModelOptions, include_extras=True)[field])[
+        1].default
 
 
 def _check_refused(ctx: typer.Context, refuse: dict[str, str]) -> None:
@@ -215,7 +215,7 @@ def _check_refused(ctx: typer.Context, refuse: dict[str, str]) -> None:
     for field, reason in refuse.items():
         source = ctx.get_parameter_source(field)
         if source is not None and source.name != "DEFAULT":
-            raise CliError(f"{flag_of(field)} is not taken by "
+            raise CliError(f"{_declaration(field)} is not taken by "
                            f"{ctx.command_path.split(' ', 1)[-1]}: {reason}", 2)
 
 
