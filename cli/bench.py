@@ -1,32 +1,26 @@
-"""``hybridrt bench throughput`` / ``gemm`` / ``gemv`` / ``spec`` / ``quality`` / ``startup`` /
-``busy`` / ``serve`` / ``prefix`` / ``preemption``: the commands over ``hybridrt.bench``; each
-prints a table and, with ``--json`` / ``--plot``, writes the report and a chart. The benchmark
+"""``hybridrt bench``: the commands over ``hybridrt.bench``; each prints a table and, with
+``--json``, writes the report (``throughput`` and ``spec`` also draw a chart with ``--plot``).
+Those that load a model take the whole model option group (cli/options.py). The benchmark
 modules are imported inside the commands, so that ``hybridrt chat`` never loads them
 (tests/test_bench_layout.py)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from hybridrt.cli.common import CliError
-from hybridrt.cli.options import (
-    BatchInvariantOpt,
-    DtypeOpt,
-    MaxNumBatchedTokensOpt,
-    MaxNumSeqsOpt,
-    ModelArg,
-    QuantizationOpt,
-    ThreadsOpt,
-)
+from hybridrt.cli.options import ModelOptions, ThreadsOpt, model_options
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                         help="Benchmarks: throughput vs transformers, speculative decoding, "
                              "the CPU GEMM paths, start-up, int8 and int4 quality, the server, "
-                             "preemption.")
+                             "preemption. Each prints a table; --json FILE writes its report, "
+                             "--plot PNG (throughput, spec) a chart.")
 
 PlotOpt = Annotated[Path | None, typer.Option(
     "--plot", help="Also draw a chart to this PNG (needs matplotlib, the 'plot' extra) "
@@ -56,23 +50,6 @@ def _default_threads() -> int:
     return torch.get_num_threads()
 
 
-def _check_dtype(dtype: str) -> None:
-    from hybridrt.options import DTYPE_NAMES
-
-    if dtype.lower() not in DTYPE_NAMES:
-        raise CliError(f"--dtype: unknown dtype {dtype!r}; choose one of bfloat16, float16, "
-                       f"float32", 2)
-
-
-def _check_quantization(quantization: str | None) -> str | None:
-    from hybridrt.options import check_quantization
-
-    try:
-        return check_quantization(quantization)
-    except ValueError as e:
-        raise CliError(f"--quantization: {e}", 2) from None
-
-
 def _int_list(name: str, text: str, minimum: int) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -93,14 +70,25 @@ def _pyplot():
 
 
 # throughput ----------------------------------------------------------------------------------
+_SPEC = "hybridrt bench spec measures speculative decoding"
+THROUGHPUT_SETS = {
+    "max_model_len": "--prefill-len, --prompt-len and --decode-tokens set the context",
+    "max_num_seqs": "the largest --concurrency",
+    "max_num_batched_tokens": "max(--prefill-len, 512)",
+    "cache_memory": "the cache is sized to the workload, as llama.cpp's -c",
+    "block_size": "the cache is sized for 16-token blocks",
+    "max_num_sessions": "no session slots (0)",
+    "device": "a CPU benchmark beside transformers and llama.cpp on the CPU",
+    "speculative_tokens": _SPEC,
+    "draft_vocab_size": _SPEC,
+}
+
+
 @bench_app.command("throughput")
+@model_options(dtype="bfloat16", refuse=THROUGHPUT_SETS, model_help=(
+    "Checkpoint dir or hub id (default: a random-weight Qwen3.5-0.8B-shaped checkpoint)."))
 def throughput(
-    model: Annotated[str | None, typer.Argument(
-        metavar="MODEL", help="Checkpoint dir or hub id (default: a random-weight "
-        "Qwen3.5-0.8B-shaped checkpoint).", show_default=False)] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="Weight and cache dtype.")
-                     ] = "bfloat16",
-    threads: ThreadsOpt = None,
+    options: ModelOptions,
     prefill_len: Annotated[int, typer.Option(
         "--prefill-len", min=1, help="Prompt length of the prefill measurement.")] = 512,
     prompt_len: Annotated[int, typer.Option(
@@ -127,8 +115,6 @@ def throughput(
         "--order", help="With --against-llamacpp: the rounds, alternated so that a change in "
         "the machine's load reaches both engines; medians per engine.")
     ] = "hybridrt,llamacpp,hybridrt,llamacpp",
-    quantization: QuantizationOpt = None,
-    batch_invariant: BatchInvariantOpt = False,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
@@ -136,8 +122,9 @@ def throughput(
     --against-llamacpp, llama.cpp; the machine's read bandwidth and the batch-1 ceiling.
     With --quantization, transformers (which runs the unquantized weights) is left out."""
     _need_matplotlib(plot)
-    _check_dtype(dtype)
-    quantization = _check_quantization(quantization)
+    options = options.checked()
+    if options.dtype == "auto":
+        raise CliError("--dtype auto: name the dtype (transformers runs the same one)", 2)
     sizes = _int_list("--concurrency", concurrency, 1)
     from hybridrt.bench import llamacpp
 
@@ -151,11 +138,14 @@ def throughput(
     from hybridrt.bench import throughput as bench
 
     report = bench.throughput(
-        model=model, dtype=dtype, threads=threads or _default_threads(),
+        model=options.model, dtype=options.dtype, threads=options.threads or _default_threads(),
         prefill_len=prefill_len, prompt_len=prompt_len, decode_tokens=decode_tokens,
         concurrency=sizes, repeats=repeats, transformers=not no_transformers,
         json_path=json_path, against_llamacpp=against_llamacpp, llamacpp_bin=llamacpp_bin,
-        order=rounds, quantization=quantization, batch_invariant=batch_invariant,
+        order=rounds, quantization=options.quantization,
+        batch_invariant=options.batch_invariant,
+        engine=options.llm_kwargs(*THROUGHPUT_SETS, "dtype", "threads", "quantization",
+                                  "batch_invariant"),
     )
     if plot is not None:
         plot_throughput(report, plot)
@@ -169,12 +159,17 @@ def gemm(
     threads: Annotated[int, typer.Option("--threads", min=1, help="CPU threads.")] = 2,
     rounds: Annotated[int, typer.Option(
         "--rounds", min=1, help="Interleaved rounds per path (the median is reported).")] = 9,
+    json_path: JsonOpt = None,
 ) -> None:
     """ms per weight of the CPU half-weight GEMM paths at the 0.8B shapes (kernels/linear.py),
     and of the int8 kernels (kernels/quant.py)."""
     from hybridrt.bench import throughput as bench
 
-    bench.gemm(_int_list("--rows", rows, 1), threads=threads, rounds=rounds)
+    rows_report = bench.gemm(_int_list("--rows", rows, 1), threads=threads, rounds=rounds)
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps({"threads": threads, "rounds": rounds,
+                                               "rows": rows_report}, indent=2) + "\n")
+        typer.echo(f"wrote {json_path}", err=True)
 
 
 @bench_app.command("gemv")
@@ -238,9 +233,19 @@ def plot_throughput(report: dict, path: Path) -> None:
 
 
 # spec ----------------------------------------------------------------------------------------
+SPEC_SETS = {
+    "speculative_tokens": "--ks sets the draft lengths",
+    "draft_vocab_size": "--draft-vocabs sets the draft heads",
+    "enable_prefix_caching": "every run starts cold",
+    "max_num_seqs": "the largest --batch-sizes",
+    "max_model_len": "the model's, at most 4096",
+}
+
+
 @bench_app.command("spec")
+@model_options(dtype="float32", refuse=SPEC_SETS)
 def spec(
-    model: ModelArg = None,
+    options: ModelOptions,
     ks: Annotated[str, typer.Option("--ks", help="Draft lengths to compare (0 = no "
                                                  "speculation, the baseline).")] = "0,1,2,3,4",
     batch_sizes: Annotated[str, typer.Option(
@@ -257,10 +262,6 @@ def spec(
         "--temperature", min=0.0, help="0 (greedy) also checks every k reproduces k=0.")] = 0.0,
     ignore_eos: Annotated[bool, typer.Option(
         "--ignore-eos", help="Always generate --max-tokens tokens (default: off).")] = False,
-    dtype: Annotated[str, typer.Option("--dtype", help="Weight and cache dtype.")
-                     ] = "float32",
-    threads: ThreadsOpt = None,
-    quantization: QuantizationOpt = None,
     quick: Annotated[bool, typer.Option("--quick", help="A short smoke run (default: off).")
                      ] = False,
     num_prompts: Annotated[int, typer.Option(
@@ -271,8 +272,8 @@ def spec(
     cpu_time: Annotated[bool, typer.Option(
         "--cpu-time", help="Time in this process's CPU seconds instead of wall seconds: with "
         "--threads 1, the speed on a machine of its own (default: off).")] = False,
-    draft_vocab: Annotated[str, typer.Option(
-        "--draft-vocab", help="Comma-separated draft-head sizes to compare: N drafts from the "
+    draft_vocabs: Annotated[str, typer.Option(
+        "--draft-vocabs", help="Comma-separated draft-head sizes to compare: N drafts from the "
         "N most frequent tokens (the model's draft_vocab.json, else the first N ids), 0 from "
         "the full head.")] = "0",
     simulate_acceptance: Annotated[str | None, typer.Option(
@@ -290,11 +291,10 @@ def spec(
     acceptance rate at which k drafts break even.
     """
     _need_matplotlib(plot)
-    _check_dtype(dtype)
-    quantization = _check_quantization(quantization)
+    options = options.checked()
     k_list = _int_list("--ks", ks, 0)
     b_list = _int_list("--batch-sizes", batch_sizes, 1)
-    dv_list = _int_list("--draft-vocab", draft_vocab, 0)
+    dv_list = _int_list("--draft-vocabs", draft_vocabs, 0)
     alphas = None
     if simulate_acceptance is not None:
         try:
@@ -320,15 +320,18 @@ def spec(
     from hybridrt.bench.spec import run_spec_bench
     from hybridrt.llm import default_model
 
+    model = options.model
     report = run_spec_bench(default_model() if model is None else model, ks=tuple(k_list),
                             batch_sizes=tuple(b_list), prompts=prompts or None,
-                            max_tokens=max_tokens, dtype=dtype,
-                            threads=threads or _default_threads(),
+                            max_tokens=max_tokens, dtype=options.dtype,
+                            threads=options.threads or _default_threads(),
                             json_path=json_path, quick=quick, temperature=temperature,
                             ignore_eos=ignore_eos, draft_vocabs=tuple(dv_list),
                             simulate_acceptance=alphas, num_prompts=num_prompts,
                             repeats=repeats, cpu_time=cpu_time,
-                            quantization=quantization)
+                            quantization=options.quantization,
+                            engine=options.llm_kwargs(*SPEC_SETS, "dtype", "threads",
+                                                      "quantization"))
     if plot is not None:
         plot_spec(report, plot)
         typer.echo(f"wrote {plot}", err=True)
@@ -405,12 +408,12 @@ def quality(
 
 # startup --------------------------------------------------------------------------------------
 @bench_app.command("startup")
+@model_options()
 def startup(
-    model: ModelArg = None,
+    options: ModelOptions,
     runs: Annotated[int, typer.Option(
         "--runs", min=1, help="Runs of each measurement, alternated (the median is "
         "reported).")] = 5,
-    threads: ThreadsOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
     """Start-up: hybridrt generate -p hi --max-tokens 1 against python -c 'import torch'.
@@ -420,13 +423,24 @@ def startup(
     """
     from hybridrt.bench.startup import run_startup_bench
 
-    run_startup_bench(model, runs=runs, threads=threads, json_path=json_path)
+    options = options.checked()
+    run_startup_bench(options.model, runs=runs, threads=options.threads, json_path=json_path,
+                      engine=options.llm_kwargs("threads"), engine_flags=options.flags("threads"))
 
 
 # busy ----------------------------------------------------------------------------------------
+BUSY_SETS = {
+    "threads": "each variant sets it (the default's, then every explicit count)",
+    "max_num_seqs": "one sequence",
+    "max_model_len": "64 tokens",
+    "cache_memory": "64MiB",
+}
+
+
 @bench_app.command("busy")
+@model_options(refuse=BUSY_SETS)
 def busy(
-    model: ModelArg = None,
+    options: ModelOptions,
     tokens: Annotated[int, typer.Option(
         "--tokens", min=2, help="New tokens per decode run.")] = 64,
     rounds: Annotated[int, typer.Option(
@@ -438,13 +452,22 @@ def busy(
     machine as it is and beside one busy process (each run a fresh interpreter)."""
     from hybridrt.bench.busy import run_busy_bench
 
-    run_busy_bench(model, tokens=tokens, rounds=rounds, json_path=json_path)
+    options = options.checked()
+    run_busy_bench(options.model, tokens=tokens, rounds=rounds, json_path=json_path,
+                   engine=options.llm_kwargs(*BUSY_SETS))
 
 
 # serve ---------------------------------------------------------------------------------------
+SERVE_SETS = {
+    "enable_prefix_caching": "it runs with prefix caching on, then off",
+    "max_num_seqs": "--conversations sets it",
+}
+
+
 @bench_app.command("serve")
+@model_options(refuse=SERVE_SETS)
 def bench_serve(
-    model: ModelArg = None,
+    options: ModelOptions,
     conversations: Annotated[int, typer.Option(
         "--conversations", min=1, help="Concurrent clients, one conversation each.")] = 8,
     turns: Annotated[int, typer.Option("--turns", min=1, help="Turns per conversation.")] = 4,
@@ -453,10 +476,7 @@ def bench_serve(
     time_limit: Annotated[float, typer.Option(
         "--time-limit", min=1, help="Seconds per run; turns not started by then are "
         "skipped and reported.")] = 300.0,
-    threads: ThreadsOpt = None,
-    json_path: Annotated[Path | None, typer.Option(
-        "--json", help="Also write the report to this file (default: none).",
-        show_default=False)] = None,
+    json_path: JsonOpt = None,
     replicas: Annotated[str | None, typer.Option(
         "--replicas", help="Replica counts to compare on Ray Serve, e.g. 1,2: a run per count "
         "(prefix-aware routing) and, beyond one, one with Ray Serve's power-of-two router "
@@ -471,6 +491,7 @@ def bench_serve(
     from hybridrt.cli.serve import _check_deps
 
     _check_deps("hybridrt bench serve")
+    options = options.checked()
     counts = None
     if replicas is not None:
         counts = _int_list("--replicas", replicas, 1)
@@ -481,15 +502,24 @@ def bench_serve(
                            "'hybridrt[ray]'", 2) from None
     from hybridrt.bench import serve as servebench
 
-    servebench.run(model=model, conversations=conversations, turns=turns,
-                   max_tokens=max_tokens, time_limit=time_limit, threads=threads,
-                   json_path=json_path, replicas=counts, router_imbalance=router_imbalance)
+    servebench.run(model=options.model, conversations=conversations, turns=turns,
+                   max_tokens=max_tokens, time_limit=time_limit, threads=options.threads,
+                   json_path=json_path, replicas=counts, router_imbalance=router_imbalance,
+                   engine_flags=options.flags(*SERVE_SETS, "threads"))
 
 
 # prefix --------------------------------------------------------------------------------------
+PREFIX_SETS = {
+    "enable_prefix_caching": "it compares prefix caching on and off",
+    "max_model_len": "sized to the workload",
+    "max_num_seqs": "the larger of --requests and --disjoint-requests",
+}
+
+
 @bench_app.command("prefix")
+@model_options(cache_memory="4GiB", refuse=PREFIX_SETS)
 def prefix(
-    model: ModelArg = None,
+    options: ModelOptions,
     num_requests: Annotated[int, typer.Option(
         "--requests", min=1, help="Requests sharing the system prompt, submitted at once.")] = 32,
     system_tokens: Annotated[int, typer.Option(
@@ -505,36 +535,33 @@ def prefix(
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Alternated rounds.")] = 2,
     workloads: Annotated[str, typer.Option(
         "--workloads", help="Comma-separated: shared, disjoint.")] = "shared,disjoint",
-    dtype: DtypeOpt = "auto",
-    quantization: QuantizationOpt = None,
-    cache_memory: Annotated[str, typer.Option(
-        "--cache-memory", help="Cache budget of each of the two engines.")] = "4GiB",
-    threads: ThreadsOpt = None,
     cpu_time: Annotated[bool, typer.Option(
         "--cpu-time", help="Time the workloads in this process's CPU time (a busy machine; "
         "with --threads 1); TTFT stays wall time (default: off).")] = False,
     json_path: JsonOpt = None,
 ) -> None:
     """Prefix caching on vs off in one run: requests sharing a system prompt (prefilled
-    tokens, time to first token) and requests sharing nothing (throughput)."""
+    tokens, time to first token) and requests sharing nothing (throughput). --cache-memory is
+    the budget of each of the two engines."""
     chosen = tuple(w.strip() for w in workloads.split(",") if w.strip())
     bad = [w for w in chosen if w not in ("shared", "disjoint")]
     if bad or not chosen:
         raise CliError(f"--workloads: unknown workload(s) {bad or chosen}; choose from shared, "
                        f"disjoint", 2)
-    if dtype.lower() != "auto":
-        _check_dtype(dtype)
+    options = options.checked()
     from hybridrt.bench import prefix as prefixbench
     from hybridrt.cli.common import resolve_model
 
     try:
-        prefixbench.run(resolve_model(model) if model is not None else None, threads=threads,
-                        dtype=dtype, quantization=_check_quantization(quantization),
+        prefixbench.run(resolve_model(options.model), threads=options.threads,
+                        dtype=options.dtype, quantization=options.quantization,
                         num_requests=num_requests, system_tokens=system_tokens,
                         question_tokens=question_tokens, max_tokens=max_tokens,
                         disjoint_requests=disjoint_requests, disjoint_tokens=disjoint_tokens,
-                        rounds=rounds, cache_memory=cache_memory, workloads=chosen,
-                        json_path=json_path, cpu_time=cpu_time)
+                        rounds=rounds, cache_memory=options.cache_memory, workloads=chosen,
+                        json_path=json_path, cpu_time=cpu_time,
+                        engine=options.llm_kwargs(*PREFIX_SETS, "threads", "dtype",
+                                                  "quantization", "cache_memory"))
     except ValueError as e:
         raise CliError(str(e), 2) from None
 
@@ -547,18 +574,14 @@ def _pair(name: str, text: str) -> tuple[int, int]:
     return values[0], values[1]
 
 
+PREEMPTION_SETS = {"checkpoint_share": "the whole budget is the requests' (0)"}
+
+
 @bench_app.command("preemption")
+@model_options(dtype="bfloat16", cache_memory="12MiB", max_model_len=4096, max_num_seqs=8,
+               refuse=PREEMPTION_SETS)
 def preemption(
-    model: ModelArg = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="Weight and cache dtype.")
-                     ] = "bfloat16",
-    cache_memory: Annotated[str, typer.Option(
-        "--cache-memory", help="KV + state cache budget (bytes or a size such as 12MiB): too "
-        "small for the whole workload at once.")] = "12MiB",
-    max_model_len: Annotated[int, typer.Option(
-        "--max-model-len", min=2, help="Context length.")] = 4096,
-    max_num_seqs: MaxNumSeqsOpt = 8,
-    max_num_batched_tokens: MaxNumBatchedTokensOpt = None,
+    options: ModelOptions,
     long: Annotated[str, typer.Option(
         "--long", help="The long request: PROMPT,GENERATED tokens.")] = "3000,1000",
     short: Annotated[str, typer.Option(
@@ -571,35 +594,42 @@ def preemption(
     check_alone: Annotated[bool, typer.Option(
         "--check-alone", help="Also run each request alone and report whether both rules' "
         "greedy outputs equal those (exact in float32) (default: off).")] = False,
-    threads: ThreadsOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
     """Memory pressure: one long request beside short ones in a small cache, under the
     scheduler's admission control and the earlier chunk rule, alternated on one engine:
-    preemptions, tokens prefilled again, steps, wall time."""
-    from hybridrt.cli.common import check_model_options, resolve_model
+    preemptions, tokens prefilled again, steps, wall time. The default --cache-memory is too
+    small for the whole workload at once."""
+    from hybridrt.cli.common import resolve_model
 
-    _check_dtype(dtype)
-    check_model_options(dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory)
+    options = options.checked()
+    max_model_len = options.max_model_len
     long_pair, short_pair = _pair("--long", long), _pair("--short", short)
     need = max(sum(long_pair), sum(short_pair))
-    if need > max_model_len:
+    if max_model_len is not None and need > max_model_len:
         raise CliError(f"a request of {need} tokens does not fit --max-model-len "
                        f"{max_model_len}", 2)
-    path = resolve_model(model)
+    path = resolve_model(options.model)
     from hybridrt.bench.preemption import run_preemption_bench
 
-    run_preemption_bench(path, dtype=dtype, cache_memory=cache_memory,
-                         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=max_num_batched_tokens, long=long_pair,
+    own = ("dtype", "cache_memory", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+           "threads")
+    run_preemption_bench(path, **{k: getattr(options, k) for k in own}, long=long_pair,
                          short=short_pair, num_short=num_short, rounds=rounds,
-                         check_alone=check_alone, threads=threads, json_path=json_path)
+                         check_alone=check_alone, json_path=json_path,
+                         engine=options.llm_kwargs(*PREEMPTION_SETS, *own))
 
 
 # steps ---------------------------------------------------------------------------------------
+STEPS_SETS = {"quantization": "--weights sets each engine's",
+              "max_num_seqs": "the largest --batch"}
+
+
 @bench_app.command("steps")
+@model_options(dtype="bfloat16", cache_memory="0.2", max_model_len=512, threads=2,
+               refuse=STEPS_SETS)
 def steps(
-    model: ModelArg = None,
+    options: ModelOptions,
     batch: Annotated[str, typer.Option(
         "--batch", help="Comma-separated batch sizes (sequences decoding side by side).")] = "1",
     weights: Annotated[str, typer.Option(
@@ -608,12 +638,6 @@ def steps(
     num_steps: Annotated[int, typer.Option(
         "--steps", min=1, help="Decode steps timed per round.")] = 32,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Alternated rounds.")] = 3,
-    dtype: Annotated[str, typer.Option("--dtype", help="Weight dtype.")] = "bfloat16",
-    cache_memory: Annotated[str, typer.Option(
-        "--cache-memory", help="Each engine's cache budget: it must hold every batch.")] = "0.2",
-    max_model_len: Annotated[int, typer.Option(
-        "--max-model-len", min=64, help="Context length of each engine.")] = 512,
-    threads: Annotated[int, typer.Option("--threads", min=1, help="CPU threads.")] = 2,
     cpu_time: Annotated[bool, typer.Option(
         "--cpu-time", help="Every time in this process's CPU seconds (a busy machine; with "
         "--threads 1) (default: off).")] = False,
@@ -623,33 +647,44 @@ def steps(
     json_path: JsonOpt = None,
 ) -> None:
     """Where a decode step goes: ms a step in each compiled call (fused layers, norms,
-    products, LM head) per batch size and weight kind, rounds alternated."""
-    from hybridrt.cli.common import check_model_options, resolve_model
+    products, LM head) per batch size and weight kind, rounds alternated. Each engine (one per
+    --weights kind) has the --cache-memory budget: it must hold every batch."""
+    from hybridrt.cli.common import resolve_model
 
-    _check_dtype(dtype)
-    check_model_options(dtype=dtype, max_model_len=max_model_len, cache_memory=cache_memory)
+    options = options.checked()
     batches = _int_list("--batch", batch, 1)
     kinds = [w.strip().lower() for w in weights.split(",") if w.strip()]
     bad = [w for w in kinds if w not in ("none", "bf16", "int8", "int4")]
     if bad or not kinds:
         raise CliError(f"--weights: unknown kind(s) {bad or kinds}; choose from none, int8, "
                        f"int4", 2)
-    path = resolve_model(model)
+    path = resolve_model(options.model)
     from hybridrt.bench.steps import run
 
+    own = ("dtype", "cache_memory", "max_model_len", "threads")
     try:
-        run(path, batches=tuple(batches), steps=num_steps, rounds=rounds, threads=threads,
+        run(path, batches=tuple(batches), steps=num_steps, rounds=rounds,
             quantizations=tuple(None if w in ("none", "bf16") else w for w in kinds),
-            dtype=dtype, cache_memory=cache_memory, max_model_len=max_model_len,
-            cpu_time=cpu_time, no_program=no_program, json_path=json_path)
+            **{k: getattr(options, k) for k in own}, cpu_time=cpu_time,
+            no_program=no_program, json_path=json_path,
+            engine=options.llm_kwargs(*STEPS_SETS, *own))
     except ValueError as e:
         raise CliError(str(e), 1) from None
 
 
 # prefix-policy -------------------------------------------------------------------------------
+POLICY_SETS = {
+    "max_num_seqs": "16",
+    "enable_prefix_caching": "it measures the prefix cache",
+    "checkpoint_interval": "each placement sets it",
+    "checkpoint_share": "0.5",
+}
+
+
 @bench_app.command("prefix-policy")
+@model_options(cache_memory="6GiB", max_model_len=4096, threads=2, refuse=POLICY_SETS)
 def prefix_policy(
-    model: ModelArg = None,
+    options: ModelOptions,
     workloads: Annotated[str, typer.Option(
         "--workloads", help="Comma-separated: shared, agent, chat, document.")
     ] = "shared,agent,chat,document",
@@ -657,13 +692,11 @@ def prefix_policy(
         "--scale", min=0.001, help="Every workload's message sizes times this.")] = 1.0,
     max_tokens: Annotated[int, typer.Option(
         "--max-tokens", min=1, help="Tokens generated per request.")] = 16,
-    cache_memory: Annotated[str, typer.Option(
-        "--cache-memory", help="Cache budget: large enough that nothing is evicted.")] = "6GiB",
-    threads: Annotated[int, typer.Option("--threads", min=1, help="CPU threads.")] = 2,
     json_path: JsonOpt = None,
 ) -> None:
     """What each GDN checkpoint placement (message starts, a token interval) costs and buys on
-    four chat-shaped workloads: tokens prefilled, hit rate, checkpoints saved and held."""
+    four chat-shaped workloads: tokens prefilled, hit rate, checkpoints saved and held. The
+    default --cache-memory is large enough that nothing is evicted."""
     from hybridrt.bench import prefix_policy as policybench
     from hybridrt.cli.common import resolve_model
 
@@ -672,24 +705,29 @@ def prefix_policy(
     if bad or not chosen:
         raise CliError(f"--workloads: unknown workload(s) {bad or chosen}; choose from "
                        f"{', '.join(policybench.WORKLOADS)}", 2)
+    options = options.checked()
+    own = ("threads", "cache_memory", "max_model_len")
     try:
-        policybench.run(resolve_model(model), threads=threads, scale=scale,
-                        max_tokens=max_tokens, cache_memory=cache_memory, chosen=chosen,
-                        json_path=json_path)
+        policybench.run(resolve_model(options.model), **{k: getattr(options, k) for k in own},
+                        scale=scale, max_tokens=max_tokens, chosen=chosen, json_path=json_path,
+                        engine=options.llm_kwargs(*POLICY_SETS, *own))
     except ValueError as e:
         raise CliError(str(e), 2) from None
 
 
 # structured ----------------------------------------------------------------------------------
+STRUCTURED_SETS = {"max_model_len": "256", "max_num_seqs": "the largest --batch"}
+
+
 @bench_app.command("structured")
+@model_options(threads=2, refuse=STRUCTURED_SETS)
 def structured(
-    model: ModelArg = None,
+    options: ModelOptions,
     batch: Annotated[str, typer.Option(
         "--batch", help="Comma-separated batch sizes.")] = "1,32",
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Alternated rounds.")] = 3,
     tokens: Annotated[int, typer.Option(
         "--tokens", min=2, help="Tokens generated per request.")] = 24,
-    threads: Annotated[int, typer.Option("--threads", min=1, help="CPU threads.")] = 2,
     cpu_time: Annotated[bool, typer.Option(
         "--cpu-time", help="Decode steps timed in this process's CPU time (a busy machine; "
         "with --threads 1) (default: off).")] = False,
@@ -704,5 +742,7 @@ def structured(
     from hybridrt.bench.structured import run
     from hybridrt.cli.common import resolve_model
 
-    run(resolve_model(model), threads=threads, batches=tuple(batches), rounds=rounds,
-        tokens=tokens, cpu_time=cpu_time, json_path=json_path)
+    options = options.checked()
+    run(resolve_model(options.model), threads=options.threads, batches=tuple(batches),
+        rounds=rounds, tokens=tokens, cpu_time=cpu_time, json_path=json_path,
+        engine=options.llm_kwargs(*STRUCTURED_SETS, "threads"))

@@ -23,8 +23,8 @@ def draft_vocab(
 ) -> None:
     """Count the model's tokens in a corpus and write them most frequent first.
 
-    With the table in the model directory, --draft-vocab N (chat, generate, bench spec) and
-    LLM(draft_vocab_size=N) draft from its first N ids.
+    With the table in the model directory, --draft-vocab N (chat, generate; bench spec
+    --draft-vocabs N,...) and LLM(draft_vocab_size=N) draft from its first N ids.
     """
     path = Path(resolve_model(model))
     from hybridrt.loader import load_config

@@ -4,11 +4,13 @@ it, declared once here (flag, help text, default) as the fields of ``ModelOption
 ``@model_options()`` gives a command every flag of the group for its ``options: ModelOptions``
 parameter and hands it the one object built from them; ``options.llm_kwargs()``
 is the ``LLM(...)`` keyword arguments they stand for. chat, generate and serve take the whole
-group; the bench commands take the single aliases below for the flags their benchmark honours.
+group, and so does every ``hybridrt bench`` command that loads a model: a flag its benchmark
+must set itself is refused there (``refuse=``), with one error line, when given.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -17,7 +19,9 @@ from typing import Annotated
 
 import typer
 
-from hybridrt.cli.common import check_draft_vocab, check_model_options
+from hybridrt.cli.common import CliError, check_draft_vocab, check_model_options
+
+BACKENDS = ("reference", "cpu", "cuda", "triton")  # kernels/backend/select.py's names
 
 # Every option's help states its default: typer prints "[default: ...]" where the default is a
 # value, and options whose default is decided later (None) say it in their help text.
@@ -60,12 +64,35 @@ BatchInvariantOpt = Annotated[bool, typer.Option(
     "--batch-invariant", help="Each request's tokens and logprobs bit for bit the same "
     "whatever runs beside it, however its prompt is chunked, and with greedy -k on or off "
     "(slower prefill, docs/batch_invariance.md) (default: off).")]
+BlockSizeOpt = Annotated[int, typer.Option(
+    "--block-size", min=1, help="Tokens per KV cache block (the prefix cache's unit).")]
+BackendOpt = Annotated[str | None, typer.Option(
+    "--backend", help=f"Kernels: {', '.join(BACKENDS)} (triton: the CUDA kernels without CUDA "
+    "graphs) (default: the device's, cpu or cuda).", show_default=False)]
+AsyncSchedulingOpt = Annotated[bool | None, typer.Option(
+    "--async-scheduling/--no-async-scheduling", help="Launch a decode step before the "
+    "previous step's tokens reach the host (the same tokens) (default: on for CUDA, off on "
+    "CPU).", show_default=False)]
+CheckpointIntervalOpt = Annotated[int, typer.Option(
+    "--checkpoint-interval", min=0, help="With prefix caching: save the GDN state every N "
+    "prompt tokens too (0: only at message starts, a prompt's last token and a request's "
+    "end).")]
+CheckpointShareOpt = Annotated[float, typer.Option(
+    "--checkpoint-share", min=0.0, max=0.999, help="The share of --cache-memory for GDN "
+    "state checkpoints beyond the requests' own slots, in [0, 1).")]
+MaxNumSessionsOpt = Annotated[int, typer.Option(
+    "--max-num-sessions", min=0, help="Sessions open at once (each pins the prefix cache's "
+    "hold on its conversation).")]
+EngineSeedOpt = Annotated[int, typer.Option(
+    "--engine-seed", help="Seed of the engine's generator, which samples every request "
+    "without a --seed of its own.")]
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
     """MODEL and the engine options, as given on the command line. The fields but ``model``
-    are named as ``LLM``'s keyword arguments; each field's annotation is its flag."""
+    are ``LLM``'s keyword arguments (named as those, but for ``LLM_NAMES``); each field's
+    annotation is its flag."""
 
     model: ModelArg = None
     dtype: DtypeOpt = "auto"
@@ -80,6 +107,17 @@ class ModelOptions:
     draft_vocab_size: DraftVocabOpt = None
     enable_prefix_caching: PrefixCachingOpt = True
     batch_invariant: BatchInvariantOpt = False
+    block_size: BlockSizeOpt = 16
+    backend: BackendOpt = None
+    async_scheduling: AsyncSchedulingOpt = None
+    checkpoint_interval: CheckpointIntervalOpt = 2048
+    checkpoint_share: CheckpointShareOpt = 0.25
+    max_num_sessions: MaxNumSessionsOpt = 64
+    engine_seed: EngineSeedOpt = 0
+
+    # a field named otherwise than LLM's keyword argument: engine_seed, since chat's and
+    # generate's --seed is the per-request one (SamplingParams.seed)
+    LLM_NAMES: typing.ClassVar[dict[str, str]] = {"engine_seed": "seed"}
 
     def checked(self) -> ModelOptions:
         """Option mistakes -> CliError (exit 2), before anything imports torch; -> these
@@ -89,30 +127,108 @@ class ModelOptions:
                                     quantization=self.quantization,
                                     batch_invariant=self.batch_invariant)
         check_draft_vocab(self.draft_vocab_size, self.speculative_tokens)
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise CliError(f"--backend: unknown backend {self.backend!r}; choose one of "
+                           f"{', '.join(BACKENDS)}", 2)
         return dataclasses.replace(self, dtype=dtype)
 
-    def llm_kwargs(self) -> dict[str, typing.Any]:
-        """The ``LLM(model, **kwargs)`` keyword arguments these options stand for."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "model"}
+    def llm_kwargs(self, *without: str) -> dict[str, typing.Any]:
+        """The ``LLM(model, **kwargs)`` keyword arguments these options stand for, but the
+        fields ``without`` (those a benchmark sets itself)."""
+        return {self.LLM_NAMES.get(f.name, f.name): getattr(self, f.name)
+                for f in dataclasses.fields(self) if f.name != "model" and f.name not in without}
+
+    def flags(self, *without: str) -> list[str]:
+        """These options as another command's arguments (``hybridrt serve`` / ``generate``
+        run by a benchmark): the flags of the fields that differ from the group's default,
+        but the fields ``without``."""
+        hints = typing.get_type_hints(ModelOptions, include_extras=True)
+        out: list[str] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "model" or f.name in without or value == f.default:
+                continue
+            on, _, off = typing.get_args(hints[f.name])[1].default.partition("/")
+            out += ([on if value else off] if isinstance(value, bool) else [on, str(value)])
+        return out
 
 
-def _group_parameters(defaults: dict[str, typing.Any]) -> list[inspect.Parameter]:
+_CTX = "model_options_context"  # the click context, which says where each value came from
+REFUSED = "Not taken by this command: {reason} (default: the command's own)."
+
+
+def _refused(annotation, reason: str):
+    """The field's flag, its help saying why this command refuses it."""
+    base, info = typing.get_args(annotation)
+    info = copy.copy(info)
+    info.help, info.show_default = REFUSED.format(reason=reason), False
+    return Annotated[base, info]
+
+
+def without_default_text(text: str) -> str:
+    """A help text less its closing "(default: ...)", which a command's own default
+    replaces."""
+    cut = text.rfind(" (default:")
+    return text[:cut] + "." if cut >= 0 and text.endswith(").") else text
+
+
+def _own_help(annotation, help_text: str | None = None, default: typing.Any = None):
+    """The field's flag with this command's help (``help_text``) or its own default shown."""
+    base, info = typing.get_args(annotation)
+    info = copy.copy(info)
+    if help_text is not None:
+        info.help = help_text
+    else:
+        info.help, info.show_default = without_default_text(info.help), True
+    return Annotated[base, info]
+
+
+def _group_parameters(defaults: dict[str, typing.Any], refuse: dict[str, str],
+                      model_help: str | None) -> list[inspect.Parameter]:
     hints = typing.get_type_hints(ModelOptions, include_extras=True)
-    unknown = set(defaults) - set(hints)
+    unknown = (set(defaults) | set(refuse)) - {f.name for f in dataclasses.fields(ModelOptions)}
     if unknown:
         raise TypeError(f"not options of the group: {', '.join(sorted(unknown))}")
-    return [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[f.name],
-                              default=defaults.get(f.name, f.default))
-            for f in dataclasses.fields(ModelOptions)]
+    params = []
+    for f in dataclasses.fields(ModelOptions):
+        annotation = hints[f.name]
+        if f.name in refuse:
+            annotation = _refused(annotation, refuse[f.name])
+        elif f.name == "model" and model_help is not None:
+            annotation = _own_help(annotation, model_help)
+        elif defaults.get(f.name, f.default) != f.default:
+            annotation = _own_help(annotation)
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
+                                        default=defaults.get(f.name, f.default),
+                                        annotation=annotation))
+    return params
 
 
-def model_options(**defaults: typing.Any):
+def _declaration(field: str) -> str:
+    """The group field's flag as declared, e.g. '--prefix-caching/--no-prefix-caching'."""
+    return typing.get_args(typing.get_type_hints(ModelOptions, include_extras=True)[field])[
+        1].default
+
+
+def _check_refused(ctx: typer.Context, refuse: dict[str, str]) -> None:
+    """A refused flag given on the command line -> CliError (exit 2)."""
+    for field, reason in refuse.items():
+        source = ctx.get_parameter_source(field)
+        if source is not None and source.name != "DEFAULT":
+            raise CliError(f"{_declaration(field)} is not taken by "
+                           f"{ctx.command_path.split(' ', 1)[-1]}: {reason}", 2)
+
+
+def model_options(*, refuse: dict[str, str] | None = None, model_help: str | None = None,
+                  **defaults: typing.Any):
     """Decorator: the command's ``options: ModelOptions`` parameter becomes the group's flags
     (listed in --help after the command's own options), and the command is called with the
     ModelOptions built from them. ``defaults``: this command's own default for a field (e.g.
-    chat's max_num_seqs)."""
-    group = _group_parameters(defaults)
+    chat's max_num_seqs). ``refuse``: field -> why this command cannot take it (it sets that
+    itself); the flag still exists, and giving it is one error line (exit 2). ``model_help``:
+    MODEL's help where this command's default model is another."""
+    refuse = dict(refuse or {})
+    group = _group_parameters(defaults, refuse, model_help)
     names = [p.name for p in group]
 
     def add(command):
@@ -122,10 +238,12 @@ def model_options(**defaults: typing.Any):
         hints = typing.get_type_hints(command, localns={"ModelOptions": ModelOptions},
                                       include_extras=True)
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints[p.name])
-                  for p in own.values() if p.name != "options"] + group
+                  for p in own.values() if p.name != "options"] + group + [
+            inspect.Parameter(_CTX, inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]
 
         @functools.wraps(command)
         def run(**kwargs):
+            _check_refused(kwargs.pop(_CTX), refuse)
             options = ModelOptions(**{name: kwargs.pop(name) for name in names})
             return command(options=options, **kwargs)
 

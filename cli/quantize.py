@@ -16,7 +16,7 @@ def quantize(
         metavar="OUT", help="New (or empty) directory to write.")],
     quantization: Annotated[str, typer.Option(
         "--quantization", help="int8 or int4 (4-bit weights; the embedding / LM head in "
-        "int8).")] = "int8",
+        "6 bits).")] = "int8",
 ) -> None:
     """Write IN with its weights quantized (as --quantization int8 or int4 does at load time)
     into OUT, with IN's config and tokenizer files.

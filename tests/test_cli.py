@@ -733,18 +733,29 @@ def test_every_option_has_a_help_line_with_its_default():
 
 
 # the model / engine option group (cli/options.py) --------------------------------------------
-LOADING_COMMANDS = ("chat", "generate", "serve")  # build their LLM from the whole group
+# The commands that build an LLM take the whole group (bench busy / serve / startup: in the
+# processes they start). bench quality builds none (it loads the weights itself at each
+# quantization it compares) and takes the group's --threads only.
+LOADING_COMMANDS = (("chat",), ("generate",), ("serve",)) + tuple(("bench", c) for c in (
+    "throughput", "spec", "prefix", "prefix-policy", "preemption", "busy", "startup", "serve",
+    "steps", "structured"))
+# Every default that differs from the group's, by command.
+OWN_DEFAULTS = {
+    ("chat",): {"max_num_seqs": 2},
+    ("bench", "throughput"): {"dtype": "bfloat16"},
+    ("bench", "spec"): {"dtype": "float32"},
+    ("bench", "prefix"): {"cache_memory": "4GiB"},
+    ("bench", "prefix-policy"): {"cache_memory": "6GiB", "max_model_len": 4096, "threads": 2},
+    ("bench", "preemption"): {"dtype": "bfloat16", "cache_memory": "12MiB",
+                              "max_model_len": 4096, "max_num_seqs": 8},
+    ("bench", "steps"): {"dtype": "bfloat16", "cache_memory": "0.2", "max_model_len": 512,
+                         "threads": 2},
+    ("bench", "structured"): {"threads": 2},
+}
 # Options spelled as one of the group's flags but not the group's, and why.
 NOT_THE_GROUPS = {
     ("bench", "gemm", "--threads"): "a kernel benchmark, no model: 2 threads by default",
     ("bench", "gemv", "--threads"): "a kernel benchmark, no model: 2 threads by default",
-    ("bench", "throughput", "--dtype"): "bfloat16 by default, no auto",
-    ("bench", "spec", "--dtype"): "float32 by default, no auto",
-    ("bench", "preemption", "--dtype"): "bfloat16 by default, no auto",
-    ("bench", "spec", "--draft-vocab"): "a list of draft-head sizes to compare",
-    ("bench", "prefix", "--cache-memory"): "the budget of each of its two engines",
-    ("bench", "preemption", "--cache-memory"): "a budget too small for its workload",
-    ("bench", "preemption", "--max-model-len"): "its workload's context, 4096",
     ("quantize", "--quantization"): "which format to write: int8 by default",
 }
 
@@ -771,29 +782,51 @@ def _model_option_group():
     return params
 
 
-def _same_param(a, b) -> bool:
+def _same_param(a, b, help_too: bool = True) -> bool:
+    """The same flag (and, with help_too, the same help but for a default of its own)."""
+    from hybridrt.cli.options import without_default_text
+
     def what(p):
         kind = getattr(getattr(p, "type", None), "name", None)
-        return p.param_type_name, p.opts, p.secondary_opts, p.help, kind
+        text = without_default_text(p.help or "") if help_too else None
+        return p.param_type_name, p.opts, p.secondary_opts, text, kind
 
     return what(a) == what(b)
 
 
-def test_chat_generate_serve_take_every_flag_of_the_model_option_group():
+def _refused(p) -> bool:
+    return (p.help or "").startswith("Not taken by this command: ")
+
+
+def _command(path):
     import typer.main
 
+    cmd = typer.main.get_command(app)
+    for name in path:
+        cmd = cmd.commands[name]
+    return cmd
+
+
+def test_every_model_loading_command_takes_every_flag_of_the_model_option_group():
     group = _model_option_group()
     assert {"--quantization", "--dtype", "--max-num-seqs", "--max-num-batched-tokens",
-            "--device", "--threads", "--draft-vocab", "--batch-invariant"} <= {
-        o for p in group.values() for o in p.opts}
-    root = typer.main.get_command(app)
-    for name in LOADING_COMMANDS:
-        params = {p.name: p for p in root.commands[name].params}
+            "--device", "--threads", "--draft-vocab", "--batch-invariant", "--block-size",
+            "--backend", "--async-scheduling", "--checkpoint-interval", "--checkpoint-share",
+            "--max-num-sessions", "--engine-seed"} <= {o for p in group.values() for o in p.opts}
+    assert set(OWN_DEFAULTS) <= set(LOADING_COMMANDS)
+    for path in LOADING_COMMANDS:
+        where = f"hybridrt {' '.join(path)}"
+        params = {p.name: p for p in _command(path).params}
         for field, ref in group.items():
-            assert field in params, f"hybridrt {name} lacks {ref.opts[0]}"
-            assert _same_param(params[field], ref), f"hybridrt {name} {ref.opts[0]}"
-            default = 2 if (name, field) == ("chat", "max_num_seqs") else ref.default
-            assert params[field].default == default, f"hybridrt {name} {ref.opts[0]}"
+            assert field in params, f"{where} lacks {ref.opts[0] if ref.opts else field}"
+            p = params[field]
+            refused = _refused(p)
+            assert _same_param(p, ref, help_too=not refused and field != "model"), \
+                f"{where} {field}"
+            if refused:
+                continue
+            default = OWN_DEFAULTS.get(path, {}).get(field, ref.default)
+            assert p.default == default, f"{where} {field}"
     assert "--quantization" in invoke("serve", "--help").stdout
 
 
@@ -814,20 +847,30 @@ def test_every_option_named_as_a_group_flag_is_the_groups():
                 seen.add((*path, flag))
                 assert not _same_param(p, by_flag[flag]), (*path, flag)
                 continue
-            assert _same_param(p, by_flag[flag]), f"hybridrt {' '.join(path)} {flag}"
+            assert _same_param(p, by_flag[flag], help_too=not _refused(p)), \
+                f"hybridrt {' '.join(path)} {flag}"
     assert seen == set(NOT_THE_GROUPS)
 
 
-def test_every_model_option_reaches_llm(tiny, monkeypatch):
-    """The group's flags -> LLM's keyword arguments, the same for chat, generate and serve
-    (serve --quantization included); chat keeps its 2 sequences by default."""
-    import dataclasses
-    import inspect
+# every flag of the group but MODEL, given, and the LLM keyword arguments they stand for
+GROUP_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "3",
+               "--max-num-batched-tokens", "64", "--cache-memory", "64MiB", "--threads", "1",
+               "--device", "cpu", "--quantization", "int8", "-k", "2", "--draft-vocab", "8",
+               "--no-prefix-caching", "--batch-invariant", "--block-size", "32",
+               "--backend", "cpu", "--no-async-scheduling", "--checkpoint-interval", "256",
+               "--checkpoint-share", "0.5", "--max-num-sessions", "4", "--engine-seed", "7"]
+GROUP_KWARGS = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 3,
+                "max_num_batched_tokens": 64, "cache_memory": "64MiB", "device": "cpu",
+                "threads": 1, "quantization": "int8", "speculative_tokens": 2,
+                "draft_vocab_size": 8, "enable_prefix_caching": False, "batch_invariant": True,
+                "block_size": 32, "backend": "cpu", "async_scheduling": False,
+                "checkpoint_interval": 256, "checkpoint_share": 0.5, "max_num_sessions": 4,
+                "seed": 7}
 
+
+def _record_llm(monkeypatch):
     import hybridrt.llm
-    from hybridrt.cli.options import ModelOptions
 
-    llm_kwargs = set(inspect.signature(hybridrt.llm.LLM).parameters) - {"self", "model"}
     seen = []
 
     def record(self, model=None, **kwargs):
@@ -835,21 +878,150 @@ def test_every_model_option_reaches_llm(tiny, monkeypatch):
         raise ValueError("recorded")
 
     monkeypatch.setattr(hybridrt.llm.LLM, "__init__", record)
-    flags = ["--dtype", "float32", "--max-model-len", "512", "--max-num-batched-tokens", "64",
-             "--cache-memory", "64MiB", "--threads", "1", "--quantization", "int8", "-k", "2",
-             "--draft-vocab", "8", "--no-prefix-caching", "--batch-invariant"]
+    return seen
+
+
+def test_every_model_option_reaches_llm(tiny, monkeypatch):
+    """The group's flags -> LLM's keyword arguments, the same for chat, generate and serve
+    (serve --quantization included): every keyword argument of LLM but the tokenizer."""
+    import inspect
+
+    import hybridrt.llm
+    from hybridrt.cli.options import ModelOptions
+
+    llm_kwargs = set(inspect.signature(hybridrt.llm.LLM).parameters) - {"self", "model"}
+    assert set(GROUP_KWARGS) == llm_kwargs - {"tokenizer"}
+    assert set(ModelOptions().llm_kwargs()) == set(GROUP_KWARGS)
+    seen = _record_llm(monkeypatch)
     runs = {"chat": [], "generate": ["-p", "x"], "serve": ["--port", "0"]}
     for name, extra in runs.items():
-        res = invoke(name, tiny, *flags, *extra, input="hi\n")
+        res = invoke(name, tiny, *GROUP_FLAGS, *extra, input="hi\n")
         assert res.exit_code == 1 and "recorded" in one_error_line(res.stderr), res.output
-    want = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 32,
-            "max_num_batched_tokens": 64, "cache_memory": "64MiB", "device": "cpu",
-            "threads": 1, "quantization": "int8", "speculative_tokens": 2,
-            "draft_vocab_size": 8, "enable_prefix_caching": False, "batch_invariant": True}
-    assert set(want) == {f.name for f in dataclasses.fields(ModelOptions)} - {"model"}
-    assert set(want) <= llm_kwargs
     assert len(seen) == 3 and all(Path(m).samefile(tiny) for m, _ in seen)
-    assert [kw for _, kw in seen] == [{**want, "max_num_seqs": 2}, want, want]
+    assert [kw for _, kw in seen] == [GROUP_KWARGS] * 3
+
+
+def _without(flags: list[str], *drop: str) -> list[str]:
+    """GROUP_FLAGS less the flags ``drop`` (and their values)."""
+    out, skip = [], False
+    for i, f in enumerate(flags):
+        if skip:
+            skip = False
+            continue
+        if f in drop:
+            skip = i + 1 < len(flags) and not flags[i + 1].startswith("-")
+            continue
+        out.append(f)
+    return out
+
+
+# bench command -> (its own arguments, the group flags it refuses)
+BENCH_RUNS = {
+    "spec": (["--ks", "0,2"], ["-k", "--draft-vocab", "--no-prefix-caching", "--max-num-seqs",
+                               "--max-model-len"]),
+    "prefix": ([], ["--no-prefix-caching", "--max-model-len", "--max-num-seqs"]),
+    "prefix-policy": ([], ["--max-num-seqs", "--no-prefix-caching", "--checkpoint-interval",
+                           "--checkpoint-share"]),
+    "preemption": (["--long", "100,10", "--short", "50,10"], ["--checkpoint-share"]),
+    "steps": ([], ["--quantization", "--max-num-seqs"]),
+    "throughput": (["--no-transformers"], [
+        "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--cache-memory",
+        "--block-size", "--max-num-sessions", "--device", "-k", "--draft-vocab"]),
+}
+
+
+def test_bench_commands_pass_every_group_flag_they_take_to_llm(tiny, monkeypatch):
+    """A bench command builds its LLM from the group flags it takes (what it does not set
+    itself, e.g. --engine-seed, --backend, --block-size reach LLM as given)."""
+    seen = _record_llm(monkeypatch)
+    for name, (extra, refused) in BENCH_RUNS.items():
+        flags = _without(GROUP_FLAGS, *refused)
+        seen.clear()
+        res = invoke("bench", name, tiny, *flags, *extra)
+        assert "recorded" in res.output + str(res.exception), (name, res.output)
+        assert len(seen) == 1 and Path(seen[0][0]).samefile(tiny), name
+        given = {f for f in flags if f.startswith("-")}
+        for kwarg, value in GROUP_KWARGS.items():
+            if _flag_names(kwarg) & given:
+                assert seen[0][1].get(kwarg) == value, (name, kwarg, seen[0][1])
+
+
+def _flag_names(kwarg: str) -> set[str]:
+    group = _model_option_group()
+    field = {"seed": "engine_seed"}.get(kwarg, kwarg)
+    return set(group[field].opts) | set(group[field].secondary_opts)
+
+
+def test_bench_subprocess_commands_pass_the_group_on(monkeypatch):
+    """bench startup / busy / serve hand the group to the processes they start: startup as
+    generate's flags and the probe's kwargs, busy as the probe's kwargs, serve as its flags."""
+    import hybridrt.bench.busy
+    import hybridrt.bench.serve
+    import hybridrt.bench.startup
+
+    calls = {}
+    monkeypatch.setattr(hybridrt.bench.startup, "run_startup_bench",
+                        lambda *a, **kw: calls.setdefault("startup", kw))
+    monkeypatch.setattr(hybridrt.bench.busy, "run_busy_bench",
+                        lambda *a, **kw: calls.setdefault("busy", kw))
+    monkeypatch.setattr(hybridrt.bench.serve, "run", lambda **kw: calls.setdefault("serve", kw))
+    flags = ["--engine-seed", "7", "--block-size", "32", "--no-async-scheduling"]
+    for name in ("startup", "busy", "serve"):
+        res = invoke("bench", name, *flags, "--threads", "1") if name != "busy" else \
+            invoke("bench", name, *flags)
+        assert res.exit_code == 0, res.output
+    assert calls["startup"]["engine_flags"] == ["--block-size", "32", "--no-async-scheduling",
+                                                "--engine-seed", "7"]
+    assert calls["startup"]["threads"] == 1 and calls["serve"]["threads"] == 1
+    for name in ("startup", "busy"):
+        engine = calls[name]["engine"]
+        assert (engine["seed"], engine["block_size"], engine["async_scheduling"]) == (
+            7, 32, False), name
+        assert "threads" not in engine
+    assert calls["serve"]["engine_flags"] == calls["startup"]["engine_flags"]
+
+
+@pytest.mark.parametrize("args", [
+    ("spec", "--max-num-seqs", "4"), ("spec", "-k", "2"), ("throughput", "--device", "cuda"),
+    ("busy", "--threads", "2"), ("serve", "--no-prefix-caching"),
+    ("steps", "--quantization", "int8"), ("prefix", "--prefix-caching"),
+    ("prefix-policy", "--checkpoint-interval", "0"), ("structured", "--max-model-len", "64"),
+    ("preemption", "--checkpoint-share", "0.1"),
+])
+def test_a_bench_refuses_a_group_flag_it_sets_itself_in_one_line(args):
+    res = invoke("bench", *args)
+    assert res.exit_code == 2, res.output
+    line = one_error_line(res.stderr)
+    flag = {"-k": "--speculative-tokens"}.get(args[1], args[1]).replace("--no-", "--")
+    assert f"is not taken by bench {args[0]}: " in line and flag in line, line
+
+
+def test_every_bench_command_takes_json_and_the_charted_ones_plot():
+    """What README.md and `hybridrt bench --help` say of --json and --plot is true."""
+    import re
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    said = re.search(r"`hybridrt bench` also has (.*?); each prints a table, `--json FILE` "
+                     r"writes the report\s+\(`throughput` and `spec`: `--plot PNG`", readme, re.S)
+    assert said, "README's bench line changed: update this test"
+    listed = set(re.findall(r"`([a-z-]+)`", said.group(1)))
+    bench = _command(("bench",))
+    assert listed | {"throughput", "steps", "spec", "startup"} == set(bench.commands)
+    text = " ".join(invoke("bench", "--help").stdout.split())
+    assert "Each prints a table; --json FILE writes its report, --plot PNG (throughput, spec) " \
+           "a chart." in text
+    for name, cmd in bench.commands.items():
+        opts = {o for p in cmd.params for o in p.opts}
+        assert "--json" in opts, f"bench {name} lacks --json"
+        assert ("--plot" in opts) == (name in ("throughput", "spec")), f"bench {name} --plot"
+
+
+def test_quantize_help_gives_int4_head_bits_as_the_kernel_has_them():
+    from hybridrt.kernels import int4
+
+    assert int4.Int6Weight.bits == 6
+    text = " ".join(invoke("quantize", "--help").stdout.split())
+    assert "the embedding / LM head in 6 bits" in text
 
 
 # bench ---------------------------------------------------------------------------------------

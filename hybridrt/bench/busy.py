@@ -27,8 +27,8 @@ import torch
 from hybridrt.llm import LLM
 from hybridrt.sampling_params import SamplingParams
 model, threads, tokens = sys.argv[1] or None, int(sys.argv[2]) or None, int(sys.argv[3])
-llm = LLM(model, threads=threads, max_num_seqs=1, max_model_len=64, tokenizer=None,
-          cache_memory=64 << 20)
+llm = LLM(model, **json.loads(sys.argv[4]), threads=threads, max_num_seqs=1, max_model_len=64,
+          tokenizer=None, cache_memory=64 << 20)
 prompt = [list(range(10, 26))]
 llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
              use_tqdm=False)
@@ -70,11 +70,13 @@ def _variants(cores: int) -> dict[str, tuple[dict, int]]:
     return out
 
 
-def _probe(model: str | None, env: dict, threads: int, tokens: int) -> float:
+def _probe(model: str | None, env: dict, threads: int, tokens: int,
+           engine: dict | None = None) -> float:
     drop = ("OMP_WAIT_POLICY", "HYBRIDRT_ADAPTIVE_THREADS")
     full = {k: v for k, v in os.environ.items() if k not in drop}
     full.update(env)
-    proc = subprocess.run([sys.executable, "-c", _PROBE, model or "", str(threads), str(tokens)],
+    proc = subprocess.run([sys.executable, "-c", _PROBE, model or "", str(threads), str(tokens),
+                           json.dumps(engine or {})],
                           capture_output=True, text=True, env=full, stdin=subprocess.DEVNULL,
                           check=False)
     if proc.returncode != 0:
@@ -83,9 +85,10 @@ def _probe(model: str | None, env: dict, threads: int, tokens: int) -> float:
 
 
 def measure_busy(model: str | None = None, tokens: int = 64, rounds: int = 2,
-                 cores: int | None = None) -> dict:
+                 cores: int | None = None, engine: dict | None = None) -> dict:
     """-> the report: per condition and variant the median decode tok/s, and per condition the
-    default's ratio to the best explicit ``--threads``."""
+    default's ratio to the best explicit ``--threads``. ``engine``: further ``LLM`` keyword
+    arguments of every probe (the command line's model options but those it sets itself)."""
     cores = cores or len(os.sched_getaffinity(0))
     variants = _variants(cores)
     report: dict = {"model": model or "demo model", "tokens": tokens, "rounds": rounds,
@@ -98,7 +101,7 @@ def measure_busy(model: str | None = None, tokens: int = 64, rounds: int = 2,
             rates: dict[str, list[float]] = {name: [] for name in variants}
             for _ in range(rounds):
                 for name, (env, threads) in variants.items():
-                    rates[name].append(_probe(model, env, threads, tokens))
+                    rates[name].append(_probe(model, env, threads, tokens, engine))
         finally:
             if spin is not None:
                 spin.kill()
@@ -128,8 +131,8 @@ def format_report(r: dict) -> str:
 
 
 def run_busy_bench(model: str | None = None, tokens: int = 64, rounds: int = 2,
-                   json_path: str | Path | None = None) -> dict:
-    report = measure_busy(model, tokens, rounds)
+                   json_path: str | Path | None = None, engine: dict | None = None) -> dict:
+    report = measure_busy(model, tokens, rounds, engine=engine)
     print(format_report(report))
     if json_path is not None:
         Path(json_path).write_text(json.dumps(report, indent=2))

@@ -118,8 +118,11 @@ def run_preemption_bench(model: str | None = None, dtype: str = "bfloat16",
                          long: tuple[int, int] = (3000, 1000),
                          short: tuple[int, int] = (1000, 400), num_short: int = 6,
                          rounds: int = 1, check_alone: bool = False,
-                         threads: int | None = None, json_path: str | None = None) -> dict:
-    """Load the model, run ``bench`` -> the report; prints the table."""
+                         threads: int | None = None, json_path: str | None = None,
+                         engine: dict | None = None) -> dict:
+    """Load the model, run ``bench`` -> the report; prints the table. ``engine``: further
+    ``LLM`` keyword arguments (the command line's model options but those the benchmark sets
+    itself)."""
     from hybridrt.llm import LLM
 
     if max(long[0] + long[1], short[0] + short[1]) > max_model_len:
@@ -128,7 +131,8 @@ def run_preemption_bench(model: str | None = None, dtype: str = "bfloat16",
     # no share of the budget set aside for prefix-cache checkpoints: the whole budget is the
     # requests' KV and state, as the issue's workload was sized (a preempted request still
     # resumes from its own state, kept in the slot it freed)
-    llm = LLM(model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+    llm = LLM(model, **(engine or {}), dtype=dtype, max_model_len=max_model_len,
+              max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, cache_memory=cache_memory,
               threads=threads, tokenizer=None, checkpoint_share=0.0)
     prompts, params = workload(llm.config.vocab_size, long, short, num_short)

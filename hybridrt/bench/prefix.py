@@ -95,15 +95,18 @@ def run(model: str | None = None, threads: int | None = None, dtype: str = "auto
         disjoint_tokens: int = 128, rounds: int = 2, cache_memory: str = "4GiB",
         workloads: tuple[str, ...] = ("shared", "disjoint"),
         json_path: str | os.PathLike | None = None, verbose: bool = True,
-        cpu_time: bool = False) -> dict:
+        cpu_time: bool = False, engine: dict | None = None) -> dict:
     """``cpu_time``: the workloads' times (``wall_s``, hence output tok/s) in this process's CPU
-    time, for a machine other jobs keep busy (with ``threads=1``); TTFT stays wall time."""
+    time, for a machine other jobs keep busy (with ``threads=1``); TTFT stays wall time.
+    ``engine``: further ``LLM`` keyword arguments for both engines (the command line's model
+    options but those the benchmark sets itself)."""
     from hybridrt.llm import LLM
 
     if threads is not None:
         torch.set_num_threads(threads)
     max_len = max(system_tokens + question_tokens + 2, disjoint_tokens) + max_tokens + 8
-    kw = {"dtype": dtype, "quantization": quantization, "max_model_len": max(max_len, 256),
+    kw = {**(engine or {}), "dtype": dtype, "quantization": quantization,
+          "max_model_len": max(max_len, 256),
           "max_num_seqs": max(num_requests, disjoint_requests), "cache_memory": cache_memory,
           "threads": threads}
     engines = {True: LLM(model, enable_prefix_caching=True, **kw),

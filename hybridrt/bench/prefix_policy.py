@@ -89,12 +89,14 @@ def workloads(vocab: int, start: int, scale: float = 1.0) -> dict:
 def run(model: str | None = None, threads: int | None = 2, scale: float = 1.0,
         max_tokens: int = 16, cache_memory: str = "6GiB", max_model_len: int = 4096,
         chosen: tuple[str, ...] = WORKLOADS, json_path: str | os.PathLike | None = None,
-        verbose: bool = True) -> dict:
+        verbose: bool = True, engine: dict | None = None) -> dict:
     """Every workload under every placement of ``POLICIES`` on one engine -> the report (one
-    row per workload and placement)."""
+    row per workload and placement). ``engine``: further ``LLM`` keyword arguments (the
+    command line's model options but those the benchmark sets itself)."""
     from hybridrt.llm import LLM
 
-    llm = LLM(model, threads=threads, max_model_len=max_model_len, max_num_seqs=16,
+    llm = LLM(model, **(engine or {}), threads=threads, max_model_len=max_model_len,
+              max_num_seqs=16,
               cache_memory=cache_memory, checkpoint_share=0.5)
     eng = llm.engine
     messages = frozenset(eng.checkpoint_boundary_ids)

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 SYSTEM = ("You answer questions about the Python standard library in one or two sentences, "
@@ -144,13 +145,13 @@ def _wait_healthy(client, base: str, proc, log, seconds: float = 600.0) -> None:
 def _one_run(model: str | None, reuse: bool, conversations: int, turns: int,
              max_tokens: int, time_limit: float, threads: int | None,
              replicas: int | None = None, router: str = "prefix",
-             router_imbalance: int | None = None) -> dict:
+             router_imbalance: int | None = None, engine_flags: Sequence[str] = ()) -> dict:
     import httpx
 
     port = _free_port()
     cmd = [sys.executable, "-m", "hybridrt", "serve", "--port", str(port), "--log-level",
            "warning", "--prefix-caching" if reuse else "--no-prefix-caching", "--max-num-seqs",
-           str(conversations)]
+           str(conversations), *engine_flags]
     if model is not None:
         cmd.insert(4, model)  # after "serve"
     if threads is not None:
@@ -221,17 +222,19 @@ def table(rows: list[dict]) -> str:
 def run(model: str | None = None, conversations: int = 8, turns: int = 4, max_tokens: int = 32,
         time_limit: float = 300.0, threads: int | None = None,
         json_path: str | os.PathLike | None = None,
-        replicas: list[int] | None = None, router_imbalance: int | None = None) -> dict:
+        replicas: list[int] | None = None, router_imbalance: int | None = None,
+        engine_flags: Sequence[str] = ()) -> dict:
     """Both runs (reuse on, then off), or with ``replicas`` a run per replica count (and
-    per router beyond one replica) -> the report; prints the table."""
+    per router beyond one replica) -> the report; prints the table. ``engine_flags``: the
+    command line's model options but those the benchmark sets itself, as serve's flags."""
     if replicas:
         runs = [(n, router) for n in replicas for router in
                 (("prefix", "pow2") if n > 1 else ("prefix",))]
         rows = [_one_run(model, True, conversations, turns, max_tokens, time_limit, threads,
-                         n, router, router_imbalance) for n, router in runs]
+                         n, router, router_imbalance, engine_flags) for n, router in runs]
     else:
-        rows = [_one_run(model, reuse, conversations, turns, max_tokens, time_limit, threads)
-                for reuse in (True, False)]
+        rows = [_one_run(model, reuse, conversations, turns, max_tokens, time_limit, threads,
+                         engine_flags=engine_flags) for reuse in (True, False)]
     report = {"model": model or "demo", "conversations": conversations, "turns": turns,
               "max_tokens": max_tokens, "time_limit": time_limit, "threads": threads,
               "replicas": replicas, "router_imbalance": router_imbalance, "runs": rows}

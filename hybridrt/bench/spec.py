@@ -254,6 +254,7 @@ def run_spec_bench(
     repeats: int = 1,
     cpu_time: bool = False,
     quantization: str | None = None,
+    engine: dict | None = None,
 ) -> dict:
     """Run every (batch size, draft head, alpha, k) on the same prompts -> report dict (also
     printed as a table and written to ``json_path`` when given).
@@ -267,6 +268,8 @@ def run_spec_bench(
     reports the median tok/s. ``cpu_time``: time everything in this process's CPU seconds
     instead of wall seconds (with one thread, what the run takes on a machine it has to
     itself; on a shared one, wall time also counts the time other processes hold the core).
+    ``engine``: further ``LLM`` keyword arguments (the command line's model options but those
+    the benchmark sets itself).
     """
     from hybridrt.llm import LLM
 
@@ -301,7 +304,7 @@ def run_spec_bench(
         # depend on the order they ran in, and a simulated run follows its reference run (a
         # hit computes the prompt's last token in another step, which in half precision can
         # turn a near-tied greedy choice)
-        llm = LLM(model, dtype=dtype, speculative_tokens=max(ks), threads=threads,
+        llm = LLM(model, **(engine or {}), dtype=dtype, speculative_tokens=max(ks), threads=threads,
                   quantization=quantization, enable_prefix_caching=False,
                   max_num_seqs=max(batch_sizes), max_model_len=_max_len_hint(model, 4096),
                   draft_vocab_size=reduced if max(ks) > 0 else None)

@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 TARGET_EXCESS_S = 1.5
@@ -32,7 +33,7 @@ from hybridrt.llm import LLM
 from hybridrt.sampling_params import SamplingParams
 t2 = time.perf_counter()
 model, threads = sys.argv[1] or None, int(sys.argv[2]) or None
-llm = LLM(model, threads=threads)
+llm = LLM(model, **json.loads(sys.argv[3]), threads=threads)
 t3 = time.perf_counter()
 llm.generate("hi", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
 t4 = time.perf_counter()
@@ -50,13 +51,16 @@ def _timed(args: list[str]) -> tuple[float, subprocess.CompletedProcess]:
 
 
 def measure_startup(model: str | None = None, runs: int = 5,
-                    threads: int | None = None) -> dict:
+                    threads: int | None = None, engine: dict | None = None,
+                    engine_flags: Sequence[str] = ()) -> dict:
     """-> the report: per measurement the median and every run's seconds, and the excess of
-    generate over import torch."""
+    generate over import torch. ``engine`` / ``engine_flags``: the command line's model
+    options but --threads, as the phase probe's ``LLM`` keyword arguments / as generate's
+    flags (the same options both)."""
     py = sys.executable
     cli = [py, "-m", "hybridrt", "generate", *([model] if model else []), "-p", "hi",
            "--max-tokens", "1", "--temperature", "0", "--no-progress",
-           *(["--threads", str(threads)] if threads else [])]
+           *(["--threads", str(threads)] if threads else []), *engine_flags]
     commands = {
         "import_torch": [py, "-c", "import torch"],
         "generate": cli,
@@ -73,7 +77,8 @@ def measure_startup(model: str | None = None, runs: int = 5,
             times[name].append(dt)
     phases = []
     for _ in range(runs):
-        _, proc = _timed([py, "-c", _PHASES, model or "", str(threads or 0)])
+        _, proc = _timed([py, "-c", _PHASES, model or "", str(threads or 0),
+                             json.dumps(engine or {})])
         if proc.returncode != 0:
             raise RuntimeError(f"the phase probe failed: {proc.stderr.strip()[-500:]}")
         phases.append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -111,8 +116,9 @@ def format_report(r: dict) -> str:
 
 
 def run_startup_bench(model: str | None = None, runs: int = 5, threads: int | None = None,
-                      json_path: str | Path | None = None) -> dict:
-    report = measure_startup(model, runs, threads)
+                      json_path: str | Path | None = None, engine: dict | None = None,
+                      engine_flags: Sequence[str] = ()) -> dict:
+    report = measure_startup(model, runs, threads, engine, engine_flags)
     print(format_report(report))
     if json_path is not None:
         Path(json_path).write_text(json.dumps(report, indent=2))

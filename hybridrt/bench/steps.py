@@ -126,10 +126,13 @@ def run(model: str | None = None, batches: tuple[int, ...] = (1,), steps: int = 
         rounds: int = 3, threads: int | None = 2, quantizations: tuple[str | None, ...] = (None,),
         dtype: str = "bfloat16", cache_memory: str | float = 0.2, max_model_len: int = 512,
         cpu_time: bool = False, no_program: bool = False,
-        json_path: str | os.PathLike | None = None, verbose: bool = True) -> dict:
+        json_path: str | os.PathLike | None = None, verbose: bool = True,
+        engine: dict | None = None) -> dict:
     """One engine per weight kind (``None``: the checkpoint's dtype; ``"int8"``, ``"int4"``),
     a warm-up of every (kind, batch), then ``rounds`` alternated rounds -> the report: per
-    kind and batch the median step time, tok/s and ms a step per call."""
+    kind and batch the median step time, tok/s and ms a step per call. ``engine``: further
+    ``LLM`` keyword arguments (the command line's model options but those the benchmark sets
+    itself)."""
     from hybridrt.llm import LLM
 
     timers = CallTimers(time.process_time if cpu_time else time.perf_counter)
@@ -140,7 +143,8 @@ def run(model: str | None = None, batches: tuple[int, ...] = (1,), steps: int = 
         llms = {}
         with _step_program(not no_program):
             for q in quantizations:
-                llms[q] = LLM(model, dtype=dtype, quantization=q, max_num_seqs=max(batches),
+                llms[q] = LLM(model, **(engine or {}), dtype=dtype, quantization=q,
+                              max_num_seqs=max(batches),
                               max_model_len=max_model_len, cache_memory=cache_memory,
                               threads=threads)
                 timers.wrap(llms[q].engine.runner.model.backend, "logits", "LM head (logits)")

@@ -62,11 +62,15 @@ def compile_times(llm) -> dict:
 
 def run(model: str | None = None, threads: int | None = 2, batches: tuple[int, ...] = (1, 32),
         rounds: int = 3, tokens: int = 24, cpu_time: bool = False,
-        json_path: str | os.PathLike | None = None, verbose: bool = True) -> dict:
+        json_path: str | os.PathLike | None = None, verbose: bool = True,
+        engine: dict | None = None) -> dict:
+    """``engine``: further ``LLM`` keyword arguments (the command line's model options but
+    those the benchmark sets itself)."""
     from hybridrt.llm import LLM
 
     clock = time.process_time if cpu_time else time.perf_counter
-    llm = LLM(model, threads=threads, max_model_len=256, max_num_seqs=max(batches))
+    llm = LLM(model, **(engine or {}), threads=threads, max_model_len=256,
+              max_num_seqs=max(batches))
     report = {"model": str(llm.model_path), "threads": threads, "rounds": rounds,
               "tokens": tokens, "clock": "cpu" if cpu_time else "wall",
               **compile_times(llm), "batches": {}}

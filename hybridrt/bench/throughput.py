@@ -89,7 +89,7 @@ def cache_budget(model: str | Path, dtype: str, max_len: int, max_seqs: int, tok
 
 def load_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: int,
               concurrency: list[int], prompt_len: int, quantization: str | None = None,
-              batch_invariant: bool = False):
+              batch_invariant: bool = False, engine: dict | None = None):
     """The engine for ``bench_ours``, warmed up; its cache sized for the work
     (``cache_budget``), without session snapshot slots."""
     from hybridrt.bench.llamacpp import context_size
@@ -98,7 +98,7 @@ def load_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: in
     max_len = max(prefill_len, prompt_len) + decode_tokens + 8
     seqs = max(concurrency + [1])
     tokens = max(context_size(prompt_len, decode_tokens, concurrency or [1]), max_len)
-    llm = LLM(model, dtype=dtype, max_model_len=max_len, max_num_seqs=seqs,
+    llm = LLM(model, **(engine or {}), dtype=dtype, max_model_len=max_len, max_num_seqs=seqs,
               threads=torch.get_num_threads(),  # the benchmark's, fixed
               max_num_batched_tokens=max(prefill_len, 512), max_num_sessions=0,
               cache_memory=cache_budget(model, dtype, max_len, seqs, tokens),
@@ -259,7 +259,7 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
                against_llamacpp: str | Path | list[str | Path] | None = None,
                llamacpp_bin: str | Path | None = None, order: list[str] = DEFAULT_ORDER,
                stream_bytes: int = 1 << 30, quantization: str | None = None,
-               batch_invariant: bool = False) -> dict:
+               batch_invariant: bool = False, engine: dict | None = None) -> dict:
     """Run the throughput benchmark -> the report (also printed as a table and written to
     ``json_path``). ``model``: a checkpoint (default: a random-weight 0.8B-shaped one).
     ``against_llamacpp``: a GGUF of the same model (or a list of them), benchmarked by llama.cpp
@@ -269,7 +269,9 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
     file name). The read bandwidth (``stream_bytes`` streamed) and
     an fp32 matmul rate are measured in the same run, with the same threads.
     ``quantization``: hybridrt's weights in int8 or int4; transformers (unquantized) is left
-    out. ``batch_invariant``: hybridrt in its batch-invariant mode (docs/batch_invariance.md)."""
+    out. ``batch_invariant``: hybridrt in its batch-invariant mode (docs/batch_invariance.md).
+    ``engine``: further ``LLM`` keyword arguments (the command line's model options but those
+    the benchmark sets itself)."""
     from hybridrt.bench import ceilings, llamacpp
 
     ggufs = ([] if not against_llamacpp else [against_llamacpp]
@@ -294,7 +296,7 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
     if quantization:
         transformers = False
     llm = load_ours(path, dtype, prefill_len, decode_tokens, concurrency, prompt_len,
-                    quantization, batch_invariant)
+                    quantization, batch_invariant, engine)
     rounds, our_work, their_work, their_run = [], None, {}, {}
     def read_gb_s() -> float:  # the read loop just before a round: its own ceiling
         return ceilings.stream_read_apart(threads, stream_bytes)
