@@ -133,8 +133,14 @@ class LLGuidance:
 
         self.llg = llguidance
         self.eos = list(stop_token_ids) or [0]
-        self.tokenizer = llguidance.LLTokenizer(_text_added_tokens(tokenizer),
-                                                n_vocab=vocab_size, eos_token=self.eos)
+        try:
+            source = _text_added_tokens(tokenizer)
+            self.tokenizer = llguidance.LLTokenizer(source, n_vocab=vocab_size,
+                                                    eos_token=self.eos)
+        except ValueError:  # a decoder llguidance does not know: each token's decoded text
+            source = llguidance.TokenizerWrapper(_DecodedTokens(tokenizer, self.eos[0]))
+            self.tokenizer = llguidance.LLTokenizer(source, n_vocab=vocab_size,
+                                                    eos_token=self.eos)
 
     def grammar(self, so) -> str:
         """The constraint as llguidance's grammar text."""
@@ -197,6 +203,21 @@ def _text_added_tokens(tokenizer: Any) -> str:
                 vocab.setdefault(key, tok["id"])
         spec["added_tokens"] = [t for t in spec.get("added_tokens") or [] if t.get("special")]
     return json.dumps(spec)
+
+
+class _DecodedTokens:
+    """A tokenizer as llguidance's ``TokenizerWrapper`` reads one: each id's decoded text as
+    its bytes (right for tokenizers whose tokens are whole characters, where llguidance cannot
+    read the ``tokenizer.json`` decoder)."""
+
+    def __init__(self, tokenizer: Any, eos: int):
+        n = len(tokenizer)
+        self.tokens = [tokenizer.decode([i]).encode() for i in range(n)]
+        self.eos_token_id, self.bos_token_id = eos, None
+        self._encode = tokenizer.encode
+
+    def __call__(self, text: str) -> list[int]:
+        return self._encode(text, add_special_tokens=False)
 
 
 def _byte_level(text: str) -> str:
