@@ -10,9 +10,10 @@ always, optional ones where the model writes them). A value is constrained by it
 schema as ``typed_value`` reads it: a string parameter is text up to the first
 ``</parameter>`` (its enum / const as literals, its pattern as a regex, min/maxLength as a
 length); any other is JSON under the schema, laid out as ``json.dumps`` does, an integer
-without bounds held to ``INT_LIMIT`` (19 digits, within int64), so a weak model cannot write
-digits for ever. With thinking on, the reasoning comes first: any text without ``<think>`` or
-``</think>``, then ``</think>`` and a blank line.
+without bounds held to ``INT_LIMIT`` (19 digits, within int64) and an array without maxItems
+to ``MAX_ARRAY_ITEMS``, so a weak model cannot write digits or items for ever. With thinking
+on, the reasoning comes first: any text without ``<think>`` or ``</think>``, then
+``</think>`` and a blank line.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from hybridrt.tool_calls import (
 )
 
 INT_LIMIT = 10 ** 18  # magnitude of an unbounded integer parameter: 19 digits, within int64
+MAX_ARRAY_ITEMS = 16  # items of an array parameter whose schema sets no maxItems
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # text up to and with the first "\n</parameter>\n": no "</parameter>" before the last one
 _VALUE_END = "\\n<\\/parameter>\\n"
@@ -76,6 +78,8 @@ def _param_rules(rule: str, name: str, schema: Any) -> list[str]:
     if types == ["integer"] and not {"minimum", "maximum", "exclusiveMinimum",
                                      "exclusiveMaximum", "enum", "const"} & schema.keys():
         schema = {**schema, "minimum": -INT_LIMIT, "maximum": INT_LIMIT}
+    if types == ["array"] and "maxItems" not in schema:
+        schema = {**schema, "maxItems": max(MAX_ARRAY_ITEMS, schema.get("minItems", 0))}
     value = json.dumps({**schema, "x-guidance": JSON_LAYOUT}, ensure_ascii=False)
     close = _lit(f"\n{PARAM_CLOSE}\n")
     return [f"{rule}: {head} {rule}_v {close}",

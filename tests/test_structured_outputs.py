@@ -401,3 +401,30 @@ def test_a_request_waits_for_its_grammar_as_a_scheduler_status(demo, prompt, mon
     assert valid("regex", eng.pop_request(rid).text)
     assert "cannot be compiled" in str(eng.pop_request(bad).error)
     assert eng.pop_request(plain).finish_reason == "length"
+
+
+TAG_TOOLS = [{"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["n"]}}}]
+
+
+def test_structural_tag_runs_on_xgrammar_and_llguidance_names_the_extra(demo_on, prompt):
+    """xgrammar's structural tag (here its Qwen3.5 call tag) constrains on xgrammar; on
+    llguidance the request fails alone, naming the extra and the variable."""
+    from hybridrt.tool_calls import parse_tool_calls, tool_constraint
+
+    tag = tool_constraint(TAG_TOOLS, "required", thinking=False, parallel=False,
+                          engine="xgrammar") if demo_on.engine.structured_outputs.engine_name \
+        == "xgrammar" else {"type": "structural_tag", "format": {"type": "const_string",
+                                                                  "value": "x"}}
+    so_ = tag if isinstance(tag, StructuredOutputsParams) else so(structural_tag=tag)
+    out = run(demo_on, [prompt], [SamplingParams(temperature=1.0, seed=3, max_tokens=64,
+                                                 structured_outputs=so_)])[0]
+    if demo_on.engine.structured_outputs.engine_name == "xgrammar":
+        calls = parse_tool_calls(out.outputs[0].text, TAG_TOOLS)[1]
+        assert out.error is None and [c.name for c in calls] == ["pick"]
+        assert 0 <= json.loads(calls[0].arguments)["n"] <= 9
+    else:
+        assert out.outputs[0].finish_reason == "error"
+        assert "pip install 'hybridrt[xgrammar]'" in str(out.error)
+        assert "HYBRIDRT_GRAMMAR_ENGINE=xgrammar" in str(out.error)
