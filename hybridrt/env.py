@@ -14,6 +14,7 @@
 | HYBRIDRT_ADAPTIVE_THREADS | 0/false/no/off, else on | on | off: all cores, no thread governor |
 | HYBRIDRT_DEBUG | 1, else off | off | the CLI prints tracebacks of unexpected errors |
 | HYBRIDRT_API_KEY | any string | none | ``hybridrt serve``'s API key (docs/server.md) |
+| HYBRIDRT_GRAMMAR_ENGINE | auto, llguidance, xgrammar | auto | structured outputs' engine |
 
 Values are matched case-insensitively, surrounding blanks ignored. ``kernel_options`` parses
 the kernels' switches into the ``KernelOptions`` the backends get (the engine calls it once, at
@@ -42,6 +43,7 @@ class Variable:
 HALF_PATHS = ("fma", "bf16dot")  # kernels/native.py's HALF_PATHS
 INT8_ISAS = ("ref", "avx2", "vnni")  # kernels/quant.py's ISAS, best last
 INT4_ISAS = ("ref", "avx2", "avxvnni", "vnni")  # kernels/int4.py's ISAS, best last
+GRAMMAR_ENGINES = ("llguidance", "xgrammar")  # hybridrt/grammar_engine.py's EXTRAS
 FUSED_SIMD_LEVELS = {"": 2, "avx512": 2, "avx2": 1, "0": 0, "off": 0, "none": 0}
 
 VARIABLES = {v.name: v for v in (
@@ -57,6 +59,8 @@ VARIABLES = {v.name: v for v in (
     Variable("HYBRIDRT_ADAPTIVE_THREADS", "1", None, "0: all cores, no thread governor"),
     Variable("HYBRIDRT_DEBUG", "0", None, "1: the CLI shows tracebacks"),
     Variable("HYBRIDRT_API_KEY", "", None, "hybridrt serve's API key (kept out of ps)"),
+    Variable("HYBRIDRT_GRAMMAR_ENGINE", "auto", ("auto", *GRAMMAR_ENGINES),
+             "structured outputs' grammar engine"),
 )}
 RAW = ("HYBRIDRT_CACHE", "HYBRIDRT_API_KEY")  # read as given: a path, a secret
 
@@ -80,6 +84,8 @@ def _choices_error(name: str, raw: str) -> str:
                 f"CPU has), avx2 or 0")
     if name == "HYBRIDRT_HALF_PATH":
         return f"{name}={raw.strip().lower()!r}: use auto, {' or '.join(HALF_PATHS)}"
+    if name == "HYBRIDRT_GRAMMAR_ENGINE":
+        return f"{name}={raw.strip().lower()!r}: use auto, {' or '.join(GRAMMAR_ENGINES)}"
     if name == "HYBRIDRT_INT4_ISA":
         return f"{name}={raw.strip().lower()!r}: choose one of {', '.join(INT4_ISAS)}"
     return f"{name}={raw.strip().lower()!r}: choose one of {', '.join(INT8_ISAS)}"

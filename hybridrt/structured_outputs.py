@@ -1,11 +1,12 @@
 """Structured outputs: a request's constraint compiled to a grammar, and its token mask.
 
-The grammar engine is xgrammar (why it, and not llguidance: docs/structured_outputs.md),
+The grammar engine is llguidance, or xgrammar (``HYBRIDRT_GRAMMAR_ENGINE``; auto: llguidance
+when installed; ``hybridrt.grammar_engine`` holds both, docs/structured_outputs.md says why),
 imported on the first constrained request. ``StructuredOutputs`` (one per engine) compiles a
-request's ``StructuredOutputsParams`` in a worker thread (xgrammar releases the GIL), with a
+request's ``StructuredOutputsParams`` in a worker thread (both engines release the GIL), with a
 time limit, and caches what it compiled; a request waits outside the scheduler until its
 grammar is ready, and a constraint that fails to compile, or takes longer than the limit,
-fails that request alone. Each request then owns a ``RequestGrammar``: an xgrammar matcher
+fails that request alone. Each request then owns a ``RequestGrammar``: the engine's matcher
 that has accepted exactly the request's output tokens.
 
 The mask: ``RequestGrammar.fill_mask`` writes the tokens allowed after the output (plus
@@ -17,14 +18,13 @@ accepts each emitted token (``accept``); the request stops when its grammar has 
 
 | object | owner | lives |
 | --- | --- | --- |
-| StructuredOutputs | the engine | tokenizer info, compiler, cache, compile pool |
+| StructuredOutputs | the engine | the grammar engine (tokenizer prepared), cache, compile pool |
 | RequestGrammar | ``Request.grammar`` | the request's life; preemption keeps it (outputs stay) |
 """
 
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from collections.abc import Sequence
@@ -33,41 +33,19 @@ from typing import Any
 
 import torch
 
+from hybridrt.grammar_engine import choice_grammar, engine_name, make_engine
 from hybridrt.sampling_params import StructuredOutputsParams
 
+__all__ = ["StructuredOutputs", "RequestGrammar", "PendingGrammar", "bitmask_width",
+           "choice_grammar"]
+
 DEFAULT_COMPILE_TIMEOUT = 10.0  # seconds a constraint may take to compile
-# the longest run of whitespace between JSON tokens (llama.cpp's JSON grammars allow about as
-# much): pretty-printing stays possible, and a model cannot loop on whitespace for ever
-MAX_JSON_WHITESPACE = 20
 MAX_CONSTRAINT_CHARS = 1 << 20  # the text of one constraint (schema, regex, grammar)
-
-
-def _import_xgrammar():
-    try:
-        import xgrammar
-    except ImportError as e:
-        raise ValueError(
-            f"structured outputs (response_format, structured_outputs, tool_choice required or "
-            f"a named function) need the xgrammar package, which the serve extra leaves out "
-            f"({e}): pip install 'hybridrt[structured]'") from None
-    return xgrammar
 
 
 def bitmask_width(vocab_size: int) -> int:
     """int32 words of one row of a token bitmask."""
     return (vocab_size + 31) // 32
-
-
-def _clean(message: str) -> str:
-    """xgrammar's C++ error without its '[time] file.cc:line: ' prefix and check text."""
-    text = str(message).strip().splitlines()[0] if str(message).strip() else str(message)
-    text = re.sub(r"^\[[\d:]+\] [^ ]+:\d+: ", "", text)
-    return re.sub(r"^Check failed: \(.*?\) is false: ", "", text)
-
-
-def choice_grammar(choices: Sequence[str]) -> str:
-    """The EBNF grammar whose sentences are exactly ``choices``."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 class RequestGrammar:
@@ -119,10 +97,12 @@ class StructuredOutputs:
     grammar (cached by the constraint's text), ``matcher(compiled, stop_ids)`` -> a
     RequestGrammar. ``compile_timeout``: seconds after which a request stops waiting for its
     grammar and fails (the compile itself cannot be interrupted: it finishes in its worker
-    thread, and its result is cached)."""
+    thread, and its result is cached). ``engine``: "llguidance" or "xgrammar"; None takes
+    ``HYBRIDRT_GRAMMAR_ENGINE``'s (``grammar_engine.engine_name``) at the first compile."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 compile_timeout: float = DEFAULT_COMPILE_TIMEOUT, workers: int = 1):
+                 compile_timeout: float = DEFAULT_COMPILE_TIMEOUT, workers: int = 1,
+                 engine: str | None = None):
         if tokenizer is None:
             raise ValueError("structured outputs need a tokenizer (the grammar is on text)")
         self.tokenizer = tokenizer
@@ -131,23 +111,20 @@ class StructuredOutputs:
         self.compile_timeout = compile_timeout
         self._pool = ThreadPoolExecutor(max_workers=workers,
                                         thread_name_prefix="hybridrt-grammar")
-        self._compiler = None
-        self._lock = threading.Lock()  # the compiler is built once, by the first compile
-        self._futures: dict[tuple, Future] = {}  # in flight or done (xgrammar caches too)
+        self.engine_name = engine
+        self._engine = None
+        self._lock = threading.Lock()  # the engine is prepared once, by the first compile
+        self._futures: dict[tuple, Future] = {}  # in flight or done
         self.stats = {"compiled": 0, "cache_hits": 0, "errors": 0, "compile_s": 0.0}
 
     # Compiling ----------------------------------------------------------------------------
-    def _get_compiler(self):
+    def _get_engine(self):
         with self._lock:
-            if self._compiler is None:
-                xgr = _import_xgrammar()
-                # hybridrt.tokenizer.Tokenizer hands over transformers' object of its files
-                tok = self.tokenizer.hf() if hasattr(self.tokenizer, "hf") else self.tokenizer
-                info = xgr.TokenizerInfo.from_huggingface(
-                    tok, vocab_size=self.vocab_size,
-                    stop_token_ids=self.stop_token_ids or None)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-            return self._compiler
+            if self._engine is None:
+                self.engine_name = self.engine_name or engine_name()
+                self._engine = make_engine(self.engine_name, self.tokenizer, self.vocab_size,
+                                           self.stop_token_ids)
+            return self._engine
 
     def submit(self, so: StructuredOutputsParams) -> Future:
         """The compiled grammar of ``so``, as a Future (done at once when cached)."""
@@ -158,7 +135,7 @@ class StructuredOutputs:
             return fut
         fut = self._pool.submit(self._compile, so)
         self._futures[key] = fut
-        if len(self._futures) > 4096:  # xgrammar keeps the grammars; forget old futures
+        if len(self._futures) > 4096:  # forget the oldest compiled grammars
             self._futures.pop(next(iter(self._futures)))
         return fut
 
@@ -187,44 +164,27 @@ class StructuredOutputs:
 
     def _compile(self, so: StructuredOutputsParams):
         t0 = time.perf_counter()
-        compiler = self._get_compiler()
+        engine = self._get_engine()
         kind = so.kind
         try:
             value = getattr(so, kind)
             if isinstance(value, str) and len(value) > MAX_CONSTRAINT_CHARS:
                 raise ValueError(f"it has {len(value)} characters, over the limit of "
                                  f"{MAX_CONSTRAINT_CHARS}")
-            if kind in ("json", "json_object"):
-                schema = value if isinstance(value, str) else json.dumps(value)
-                if kind == "json_object":
-                    schema = '{"type": "object"}'
-                flexible = not so.disable_any_whitespace
-                g = compiler.compile_json_schema(
-                    schema, any_whitespace=flexible, strict_mode=kind == "json",
-                    max_whitespace_cnt=MAX_JSON_WHITESPACE if flexible else None)
-            elif kind == "regex":
-                g = compiler.compile_regex(value)
-            elif kind == "choice":
-                g = compiler.compile_grammar(choice_grammar(value))
-            elif kind == "grammar":
-                g = compiler.compile_grammar(value)
-            else:
-                g = compiler.compile_structural_tag(value)
-        except Exception as e:  # xgrammar raises RuntimeError / ValueError with its reason
+            compiled = engine.compile(so)
+        except ValueError as e:  # the engine's reason, one line
             self.stats["errors"] += 1
             raise ValueError(f"structured_outputs.{kind}: the constraint cannot be compiled: "
-                             f"{_clean(str(e))}") from None
+                             f"{e}") from None
         self.stats["compiled"] += 1
         self.stats["compile_s"] += time.perf_counter() - t0
-        return g
+        return compiled
 
     def matcher(self, compiled: Any, stop_token_ids: Sequence[int], kind: str) -> RequestGrammar:
         """A fresh matcher of ``compiled`` that ends on any of ``stop_token_ids`` (the
         request's; the model's eos ids when it has none)."""
-        xgr = _import_xgrammar()
         stops = list(stop_token_ids) or self.stop_token_ids
-        return RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None),
-                              kind)
+        return RequestGrammar(self._get_engine().matcher(compiled, stops), kind)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -24,9 +24,10 @@ parameter, closed by ``}`` at ``</function>``. The fragments of a call join to
 (``parse_tool_calls`` is the same parser fed at once).
 
 ``tool_choice`` (``tool_constraint``): ``"none"`` and ``"auto"`` leave generation free;
-``"required"`` and a named function constrain it with xgrammar's Qwen3.5 structural tag, so
-that the output is one or more well-formed calls whose arguments match the tool's schema
-(for ``"required"`` nothing but calls; for a named one exactly that call).
+``"required"`` and a named function constrain it, so that the output is one or more
+well-formed calls whose arguments match the tool's schema (for ``"required"`` nothing but
+calls; for a named one exactly that call): with llguidance by a Lark grammar of the calls
+(``hybridrt.tool_grammar``), with xgrammar by its Qwen3.5 structural tag.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ from hybridrt.sampling_params import StructuredOutputsParams
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 FUNC_OPEN, FUNC_CLOSE = "<function=", "</function>"
 PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
-# whitespace the call grammar allows around tags and values (the template's calls have one
-# newline there): a weak model otherwise fills each gap with as much as it may
+# whitespace xgrammar's call tag allows around tags and values (the template's calls have one
+# newline there, the Lark of llguidance exactly that): a weak model otherwise fills each gap
+# with as much as it may
 MAX_XML_WHITESPACE = 2
 
 
@@ -124,24 +126,32 @@ def check_tool_choice(tool_choice: Any, tools: list[dict] | None) -> str | dict:
 
 
 def tool_constraint(tools: list[dict], tool_choice: str | dict, thinking: bool,
-                    parallel: bool = True) -> StructuredOutputsParams | None:
+                    parallel: bool = True, engine: str | None = None
+                    ) -> StructuredOutputsParams | None:
     """The constraint that makes the output a call (``required``: one or more calls and
     nothing else; named: exactly that call), after the think block when the prompt opens
-    one; None for "none" and "auto"."""
+    one; None for "none" and "auto". ``engine``: the grammar engine it is for (None:
+    ``HYBRIDRT_GRAMMAR_ENGINE``'s; ValueError naming the extra when none is installed)."""
     if tool_choice in ("none", "auto"):
         return None
-    from hybridrt.structured_outputs import _import_xgrammar
+    from hybridrt.grammar_engine import engine_name
 
-    xgr = _import_xgrammar()
+    engine = engine or engine_name()
     forced = tools if tool_choice == "required" else [
         t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
     normalized = [{"type": "function", "function": {
         "name": t["function"]["name"],
         "parameters": t["function"].get("parameters") or {"type": "object", "properties": {}},
     }} for t in forced]
-    choice = "required" if tool_choice == "required" else tool_choice
+    if engine == "llguidance":
+        from hybridrt.tool_grammar import tool_lark
+
+        return StructuredOutputsParams(grammar=tool_lark(
+            normalized, named=tool_choice != "required", thinking=thinking, parallel=parallel))
+    import xgrammar as xgr
+
     tag = xgr.get_model_structural_tag(
-        "qwen_3_5", tools=normalized, tool_choice=choice,
+        "qwen_3_5", tools=normalized, tool_choice=tool_choice,
         reasoning="enabled" if thinking else "disabled", max_whitespace_cnt=MAX_XML_WHITESPACE,
         parallel_tool_calls=parallel).model_dump(mode="json")
     if tool_choice == "required":  # only calls: no free text before or between them

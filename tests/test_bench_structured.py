@@ -7,7 +7,7 @@ import pytest
 
 from hybridrt.bench import structured as structuredbench
 
-pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
 
 
 def test_structured_bench_reports_both_modes_per_batch(tmp_path):

@@ -11,7 +11,7 @@ from typing import Literal
 
 import pytest
 
-pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -2,18 +2,19 @@
 valid (greedy and sampled), the mask on the right row of a mixed batch, a bad constraint
 failing its own request only, preemption, abort and speculation with a constraint (greedy
 token-equal to k=0; sampled: the exact distribution of k=0 with the same constraint), the
-grammar cache, and the mask op against xgrammar's own kernel."""
+grammar cache, and the mask op against xgrammar's own kernel. The core cases run under both
+grammar engines (``engine``), the rest under the default one (llguidance)."""
 
 from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import torch
 from helpers import chi2_pvalue
 
-xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 from hybridrt.bench.fixtures import (  # noqa: E402
@@ -72,6 +73,33 @@ def demo():
                cache_memory=64 << 20)
 
 
+ENGINES = ["llguidance", "xgrammar"]
+
+
+@pytest.fixture(scope="module")
+def demos():
+    return {}
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request, monkeypatch):
+    """Each grammar engine in turn (HYBRIDRT_GRAMMAR_ENGINE set for the test)."""
+    pytest.importorskip(request.param)
+    monkeypatch.setenv("HYBRIDRT_GRAMMAR_ENGINE", request.param)
+    return request.param
+
+
+@pytest.fixture
+def demo_on(engine, demos):
+    """The demo model (as ``demo``) whose constraints compile with ``engine``."""
+    if engine not in demos:
+        llm = LLM(dtype="float32", max_model_len=512, max_num_seqs=16, speculative_tokens=2,
+                  cache_memory=64 << 20)
+        llm.engine.structured_outputs.engine_name = engine
+        demos[engine] = llm
+    return demos[engine]
+
+
 @pytest.fixture(scope="module")
 def prompt(demo):
     return demo.apply_chat_template([{"role": "user", "content": "Describe one user."}])
@@ -82,7 +110,8 @@ def run(llm, prompts, params, k=0):
 
 
 @pytest.mark.parametrize("kind", list(CONSTRAINTS))
-def test_outputs_always_valid_greedy_and_sampled(demo, prompt, kind):
+def test_outputs_always_valid_greedy_and_sampled(demo_on, prompt, kind):
+    demo = demo_on
     params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                              structured_outputs=CONSTRAINTS[kind])]
     params += [SamplingParams(temperature=1.0, seed=s, max_tokens=MAX_TOKENS,
@@ -118,7 +147,8 @@ def test_mask_lands_on_its_own_row_in_a_mixed_batch(demo, prompt):
     (so(grammar='root ::= "a" | b'), "structured_outputs.grammar: the constraint"),
     (so(json={"properties": {"a": {"$ref": "#/nope"}}}), "cannot be compiled"),
 ])
-def test_bad_constraint_fails_its_request_only(demo, prompt, bad, words):
+def test_bad_constraint_fails_its_request_only(demo_on, prompt, bad, words):
+    demo = demo_on
     good = SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                           structured_outputs=CONSTRAINTS["json"])
     free = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -144,11 +174,15 @@ def test_params_are_checked_at_construction():
     assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs.kind == "regex"
 
 
-def test_compile_time_is_bounded(demo, prompt):
+def test_compile_time_is_bounded(demo, prompt, monkeypatch):
     """A constraint that compiles for longer than the limit fails its request; the engine
-    goes on (the compile finishes in its worker thread)."""
+    goes on (the compile finishes in its worker thread). The engine's compile is slowed
+    down: llguidance compiles even a large enum in milliseconds."""
     slow = so(json={"enum": [f"value number {i}" for i in range(6000)]})
     so_ = demo.engine.structured_outputs
+    grammar_engine = so_._get_engine()
+    compile_ = grammar_engine.compile
+    monkeypatch.setattr(grammar_engine, "compile", lambda p: time.sleep(0.3) or compile_(p))
     before = so_.compile_timeout
     so_.compile_timeout = 0.05
     try:
@@ -221,7 +255,8 @@ def test_preemption_mid_constraint_resumes_the_matcher(prompt):
 
 
 @pytest.mark.parametrize("kind", ["json", "grammar"])
-def test_speculation_with_a_constraint_is_greedy_lossless(demo, prompt, kind):
+def test_speculation_with_a_constraint_is_greedy_lossless(demo_on, prompt, kind):
+    demo = demo_on
     params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                              structured_outputs=CONSTRAINTS[kind])]
     k0 = run(demo, [prompt], params, k=0)[0].outputs[0]
@@ -288,7 +323,7 @@ def _empirical(ckpt, params, k, n) -> tuple[list[torch.Tensor], LLM]:
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_speculation_with_a_constraint_keeps_the_constrained_distribution(small_ckpt,
+def test_speculation_with_a_constraint_keeps_the_constrained_distribution(small_ckpt, engine,
                                                                           temperature):
     """k = 2 MTP drafts under the alternating constraint: the marginals of tokens 1..3 match
     the exact constrained distribution of k = 0 (chi-square, p > 1e-3, fixed seed); drafts
@@ -308,6 +343,7 @@ def test_speculation_with_a_constraint_keeps_the_constrained_distribution(small_
 # The mask op ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("vocab", [101, 6144, 248320])
 def test_apply_token_bitmask_equals_xgrammars_kernel(vocab):
+    xgr = pytest.importorskip("xgrammar")
     g = torch.Generator().manual_seed(vocab)
     n, words = 5, (vocab + 31) // 32
     logits = torch.randn(n + 2, vocab, generator=g)
@@ -365,3 +401,30 @@ def test_a_request_waits_for_its_grammar_as_a_scheduler_status(demo, prompt, mon
     assert valid("regex", eng.pop_request(rid).text)
     assert "cannot be compiled" in str(eng.pop_request(bad).error)
     assert eng.pop_request(plain).finish_reason == "length"
+
+
+TAG_TOOLS = [{"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["n"]}}}]
+
+
+def test_structural_tag_runs_on_xgrammar_and_llguidance_names_the_extra(demo_on, prompt):
+    """xgrammar's structural tag (here its Qwen3.5 call tag) constrains on xgrammar; on
+    llguidance the request fails alone, naming the extra and the variable."""
+    from hybridrt.tool_calls import parse_tool_calls, tool_constraint
+
+    tag = tool_constraint(TAG_TOOLS, "required", thinking=False, parallel=False,
+                          engine="xgrammar") if demo_on.engine.structured_outputs.engine_name \
+        == "xgrammar" else {"type": "structural_tag", "format": {"type": "const_string",
+                                                                  "value": "x"}}
+    so_ = tag if isinstance(tag, StructuredOutputsParams) else so(structural_tag=tag)
+    out = run(demo_on, [prompt], [SamplingParams(temperature=1.0, seed=3, max_tokens=64,
+                                                 structured_outputs=so_)])[0]
+    if demo_on.engine.structured_outputs.engine_name == "xgrammar":
+        calls = parse_tool_calls(out.outputs[0].text, TAG_TOOLS)[1]
+        assert out.error is None and [c.name for c in calls] == ["pick"]
+        assert 0 <= json.loads(calls[0].arguments)["n"] <= 9
+    else:
+        assert out.outputs[0].finish_reason == "error"
+        assert "pip install 'hybridrt[xgrammar]'" in str(out.error)
+        assert "HYBRIDRT_GRAMMAR_ENGINE=xgrammar" in str(out.error)

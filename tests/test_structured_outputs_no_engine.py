@@ -1,6 +1,8 @@
-"""Without the grammar engine (the ``serve`` extra leaves xgrammar out): a constrained request,
-and a forced tool call, are refused with the extra that installs it; free requests run; the
-extras say so (``serve`` a web stack only, ``structured`` and ``test`` with xgrammar)."""
+"""Without a grammar engine (the ``serve`` extra leaves both out): a constrained request, and a
+forced tool call, are refused with the extra that installs one; free requests run; the extras
+say so (``serve`` a web stack only, ``structured`` llguidance, ``xgrammar`` its own, ``test``
+both). The engine choice (HYBRIDRT_GRAMMAR_ENGINE) and llguidance's refusal of xgrammar's
+structural tag."""
 
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from hybridrt.grammar_engine import engine_name
 from hybridrt.llm import LLM
 from hybridrt.sampling_params import SamplingParams, StructuredOutputsParams
-from hybridrt.structured_outputs import _import_xgrammar
 from hybridrt.tool_calls import tool_constraint
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tests/conftest.py
@@ -22,20 +24,35 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
 
 
 @pytest.fixture
-def no_xgrammar(monkeypatch):
-    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import raises ImportError
+def no_engine(monkeypatch):
+    for name in ("xgrammar", "llguidance"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
 
 
-def test_the_error_names_the_extra(no_xgrammar):
+def test_the_error_names_the_extra(no_engine):
     with pytest.raises(ValueError, match="serve extra leaves out") as e:
-        _import_xgrammar()
-    assert INSTALL in str(e.value)
+        engine_name({})
+    assert INSTALL in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ValueError, match=r"pip install 'hybridrt\[structured\]'"):
         tool_constraint(TOOLS, "required", thinking=False)
     assert tool_constraint(TOOLS, "auto", thinking=False) is None  # free: no engine needed
+    with pytest.raises(ValueError, match=r"^HYBRIDRT_GRAMMAR_ENGINE=xgrammar: xgrammar is not "
+                                         r"installed: pip install 'hybridrt\[xgrammar\]'$"):
+        engine_name({"HYBRIDRT_GRAMMAR_ENGINE": "xgrammar"})
 
 
-def test_a_constrained_request_fails_alone(no_xgrammar):
+def test_auto_prefers_llguidance_and_the_variable_chooses(monkeypatch):
+    pytest.importorskip("llguidance")
+    assert engine_name({}) == "llguidance"
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    pytest.importorskip("xgrammar")
+    assert engine_name({"HYBRIDRT_GRAMMAR_ENGINE": "auto"}) == "xgrammar"
+    with pytest.raises(ValueError, match="^HYBRIDRT_GRAMMAR_ENGINE='grammarly': use auto, "
+                                         "llguidance or xgrammar$"):
+        engine_name({"HYBRIDRT_GRAMMAR_ENGINE": "grammarly"})
+
+
+def test_a_constrained_request_fails_alone(no_engine):
     llm = LLM(max_model_len=128, max_num_seqs=2, cache_memory=16 << 20)
     so = StructuredOutputsParams(json={"type": "object"})
     outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=4, structured_outputs=so),
@@ -49,6 +66,8 @@ def test_serve_extra_is_a_web_stack_only():
     tomllib = pytest.importorskip("tomllib")
     extras = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())[
         "project"]["optional-dependencies"]
-    assert not any(d.startswith("xgrammar") for d in extras["serve"])
-    for name in ("structured", "test"):
-        assert any(d.startswith("xgrammar") for d in extras[name])
+    assert not any(d.startswith(("xgrammar", "llguidance")) for d in extras["serve"])
+    assert extras["structured"] == ["llguidance>=1.0"]
+    assert extras["xgrammar"] == ["xgrammar>=0.2.9"]
+    for engine in ("xgrammar", "llguidance"):
+        assert any(d.startswith(engine) for d in extras["test"])

@@ -4,6 +4,7 @@ n > 1 (hybridrt/parallel_sampling.py) on the demo model."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -104,12 +105,30 @@ def demo():
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
 
 
+@pytest.fixture(params=["llguidance", "xgrammar"])
+def engine(request, monkeypatch):
+    """Each grammar engine in turn (HYBRIDRT_GRAMMAR_ENGINE set for the test)."""
+    pytest.importorskip(request.param)
+    monkeypatch.setenv("HYBRIDRT_GRAMMAR_ENGINE", request.param)
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def demos():
+    return {}
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function",
                                                  "function": {"name": "get_weather"}}])
-def test_required_and_named_calls_are_valid_on_the_demo_model(demo, choice):
+def test_required_and_named_calls_are_valid_on_the_demo_model(demos, engine, choice):
     import jsonschema
 
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=200) for s in range(10)]
+    if engine not in demos:
+        demos[engine] = LLM(dtype="float32", max_model_len=1024, max_num_seqs=16,
+                            cache_memory=64 << 20)
+        demos[engine].engine.structured_outputs.engine_name = engine
+    demo = demos[engine]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=300) for s in range(10)]
     outs = demo.chat([MESSAGES] * 10, params, tools=TOOLS, tool_choice=choice,
                      parallel_tool_calls=False, use_tqdm=False)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -137,6 +156,46 @@ def test_tool_result_is_rendered_back_and_auto_answers(demo):
     out = demo.chat(follow, SamplingParams(temperature=0, max_tokens=30), tools=TOOLS,
                     use_tqdm=False)[0].outputs[0]
     assert out.tool_calls == [] and out.text
+
+
+def _walk(so, text: str) -> bool:
+    """Every token of ``text`` (then eos) allowed by llguidance under ``so``, and the end."""
+    from hybridrt.grammar_engine import LLGuidance
+    from hybridrt.tokenizer import Tokenizer
+
+    tok = Tokenizer(Path(__file__).resolve().parent.parent / "hybridrt" / "demo_model")
+    engine = LLGuidance(tok, 6144, [0, 2])
+    m = engine.matcher(engine.compile(so), [0, 2])
+    return all(m.accept_token(t) for t in tok.encode(text, add_special_tokens=False) + [2]) \
+        and m.is_terminated()
+
+
+def test_the_lark_of_the_calls_is_the_templates_format():
+    """llguidance's call grammar: the template's calls pass (after the think block when the
+    prompt opens one, not without it); an integer without bounds stops at 19 digits, a string
+    at its maxLength, a named call is that call alone."""
+    pytest.importorskip("llguidance")
+    from hybridrt.tool_calls import tool_constraint
+
+    calls = ANSWER.split("Let me look.\n")[1].replace("line one\nline two", "l 1\nl 2") \
+        .replace("True", "true")
+    assert parse_tool_calls(calls, TOOLS)[1]
+    required = tool_constraint(TOOLS, "required", thinking=False, engine="llguidance")
+    assert _walk(required, calls)
+    assert not _walk(required, calls.replace("San Jose", "San Jose, California"))
+    first = calls.split("\n<tool_call>\n<function=compute>")[0]
+    thinks = tool_constraint(TOOLS, "required", thinking=True, parallel=False,
+                             engine="llguidance")
+    assert _walk(thinks, "Paris, then.\n</think>\n\n" + first)
+    assert not _walk(thinks, first) and not _walk(thinks, "Hm.\n</think>\n\n" + calls)
+    named = tool_constraint(TOOLS, {"type": "function", "function": {"name": "compute"}},
+                            thinking=False, engine="llguidance")
+    assert not _walk(named, first)
+    wide = [{"type": "function", "function": {"name": "n", "parameters": {
+        "type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]}}}]
+    call = "<tool_call>\n<function=n>\n<parameter=k>\n%s\n</parameter>\n</function>\n</tool_call>"
+    wide_so = tool_constraint(wide, "required", thinking=False, engine="llguidance")
+    assert _walk(wide_so, call % ("-" + "9" * 18)) and not _walk(wide_so, call % ("9" * 20))
 
 
 # n > 1 ---------------------------------------------------------------------------------------

@@ -67,18 +67,6 @@ ADD = {"type": "object", "properties": {
     "b": {"type": "integer", "minimum": -99, "maximum": 99}}, "required": ["a", "b"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "add", "parameters": ADD}}]
-# llguidance has no Qwen3.5 tool-call tag: the same calls in its Lark, values as the tag
-# types them (integers through %json), one newline where xgrammar's tag allows 0-2 whitespace
-TOOL_LARK = r"""
-start: call ("\n" call)*
-call: "<tool_call>\n<function=" (weather | add) "</function>\n</tool_call>"
-weather: "get_weather>\n" "<parameter=city>\n" CITY end "<parameter=unit>\n" UNIT end
-add: "add>\n" "<parameter=a>\n" int99 end "<parameter=b>\n" int99 end
-end: "\n</parameter>\n"
-CITY: /[^<\n]{0,12}/
-UNIT: "celsius" | "fahrenheit"
-int99: %json {"type": "integer", "minimum": -99, "maximum": 99}
-"""
 TOOL_TEXT = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
              "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n"
              "<tool_call>\n<function=add>\n<parameter=a>\n-12\n</parameter>\n"
@@ -87,14 +75,14 @@ TOOL_TEXT = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</pa
 
 @dataclass(frozen=True)
 class Case:
-    """One constraint: ``kind`` as in StructuredOutputsParams, ``value`` its text or schema,
-    ``lark`` the llguidance grammar where it differs in form, ``text`` a valid output."""
+    """One constraint: ``kind`` as in StructuredOutputsParams (or "tool": ``value`` the
+    tools, called as ``tool_choice`` required), ``value`` its text or schema, ``text`` a valid
+    output."""
 
     name: str
     kind: str
     value: Any
     text: str
-    lark: str | None = None
 
 
 def _dumps(obj: Any) -> str:
@@ -119,7 +107,7 @@ CASES = [
     Case("choice", "choice", ["red", "green", "blue", "dark blue"], "dark blue"),
     Case("grammar (EBNF)", "grammar",
          'root ::= "[" item ("," item)? ("," item)? "]"\nitem ::= [0-9] [0-9]?', "[12,7,40]"),
-    Case("tool call: Qwen3.5 XML, 2 tools", "tool", TOOLS, TOOL_TEXT, lark=TOOL_LARK),
+    Case("tool call: Qwen3.5 XML, 2 tools", "tool", TOOLS, TOOL_TEXT),
 ]
 
 
@@ -231,7 +219,8 @@ class XGrammar:
             return c.compile_grammar(case.value)
         from hybridrt.tool_calls import tool_constraint
 
-        tag = tool_constraint(case.value, "required", thinking=False).structural_tag
+        tag = tool_constraint(case.value, "required", thinking=False,
+                              engine="xgrammar").structural_tag
         return c.compile_structural_tag(tag)
 
     def matcher(self, compiled):
@@ -265,8 +254,11 @@ class LLGuidance:
 
     def grammar(self, case: Case) -> str:
         M = self.llg.LLMatcher
-        if case.lark is not None:
-            return M.grammar_from_lark(case.lark)
+        if case.kind == "tool":  # hybridrt's Lark of the calls (hybridrt.tool_grammar)
+            from hybridrt.tool_calls import tool_constraint
+
+            return M.grammar_from_lark(tool_constraint(case.value, "required", thinking=False,
+                                                       engine="llguidance").grammar)
         if case.kind in ("json", "json_object"):
             schema = {"type": "object"} if case.kind == "json_object" else case.value
             return M.grammar_from_json_schema(schema, defaults={
