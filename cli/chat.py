@@ -558,9 +558,11 @@ def banner(llm) -> str:
     where = f"{device}, {torch.get_num_threads()} threads" if device.type == "cpu" \
         else str(device)
     loaded = getattr(llm, "load_seconds", None)
+    cache = llm.cache_sizing.total_bytes / 2**20
     lines = [f"hybridrt chat: {llm.model_path} ({weights_name(llm)}, {where}, context "
              f"{llm.engine.engine_config.max_model_len} tokens"
-             + (f", loaded in {loaded:.1f}s)" if loaded is not None else ")")]
+             + (f", loaded in {loaded:.1f}s)" if loaded is not None else ")"),
+             f"  cache: up to {cache:.0f} MiB of KV blocks and GDN states, taken as it is used"]
     if Path(llm.model_path).resolve() == DEMO_MODEL_DIR.resolve():
         lines.append(DEMO_NOTE)
     lines.append("/help lists the commands, Ctrl-D quits")

@@ -179,6 +179,11 @@ class LLM:
             dtype if isinstance(dtype, str) and dtype.lower() == "auto" else parse_dtype(dtype),
             with_mtp=speculative_tokens > 0, device=self.device, quantization=self.quantization)
         stored = quant.quantization_of(self.model)
+        if stored is not None and self.quantization not in (None, stored):
+            raise ValueError(
+                f"quantization={self.quantization!r}: the checkpoint at {self.model_path} is "
+                f"stored in {stored} and is not quantized again: leave quantization unset (or "
+                f"{stored!r}), or quantize the original checkpoint")
         if stored is not None and stored != self.quantization:
             self.quantization = stored  # a checkpoint stored quantized (hybridrt quantize)
             _check_cpu_backend(f"the {stored} checkpoint {self.model_path}", self.device, backend)

@@ -254,6 +254,9 @@ def test_chat_banner_names_the_model_and_how_it_runs(ref):
     demo = cli_chat.banner(LLM(default_model(), max_model_len=256, cache_memory=4 << 20))
     assert "bfloat16" in demo and "context 256 tokens" in demo
     assert "demo model" in demo and "not an\n  assistant" in demo
+    # what the cache may take, as sized (4 MiB asked: at most that)
+    mib = LLM(default_model(), max_model_len=256, cache_memory=4 << 20).cache_sizing.total_bytes
+    assert f"cache: up to {mib / 2**20:.0f} MiB" in demo and mib <= 4 << 20
 
 
 def test_incremental_prompt_is_the_template_for_chatml(ref):

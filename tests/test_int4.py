@@ -546,6 +546,18 @@ def test_saved_int4_checkpoint_generates_what_load_time_int4_does(ckpt, saved):
     assert outs[0] == outs[1]
 
 
+def test_another_quantization_of_a_stored_int4_checkpoint_is_refused(saved):
+    """int8 asked of a checkpoint stored in int4 is refused, never ignored; int4 or nothing
+    loads it as it is."""
+    with pytest.raises(ValueError, match=r"quantization='int8': the checkpoint at .* is stored "
+                                         r"in int4 and is not quantized again"):
+        LLM(saved, quantization="int8", cache_memory=16 << 20)
+    assert LLM(saved, quantization="int4", cache_memory=16 << 20).quantization == "int4"
+    res = CliRunner().invoke(app, ["generate", str(saved), "-p", "x", "--quantization", "int8",
+                                   "--max-tokens", "2", "--no-progress"])
+    assert res.exit_code == 1 and "stored in int4" in res.output, res.output
+
+
 def test_saved_int4_checkpoint_errors(saved, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -45,3 +45,26 @@ def test_ci_installs_torch_as_the_readme_says():
     assert "bash .ci/pip-torch" in (root / ".ci" / "run").read_text()
     fla = re.search(r"fla-core==(\S+)\"", (root / "pyproject.toml").read_text()).group(1)
     assert f"fla-core=={fla} " in triton_tests
+
+
+def test_the_readme_jsonl_example_answers_every_line(tmp_path):
+    """The Command line section's JSONL example, run verbatim (its printf and its generate):
+    every line gets an answer (a plain-text line without --chat would end at once)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    text = README.read_text()
+    section = text[text.index("## Command line"):]
+    lines = section.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("printf "))
+    cmd = "\n".join(lines[start:start + 3]).split("   #")[0]
+    cmd = cmd.replace("--chat  # text lines as chat", "--chat")
+    assert "generate --input prompts.jsonl --output out.jsonl" in cmd
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    res = subprocess.run(["bash", "-c", cmd + " --no-progress --seed 0"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = [json.loads(ln) for ln in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(out) == 2 and all(o["text"].strip() for o in out), out
