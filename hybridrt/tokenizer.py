@@ -115,6 +115,11 @@ class Tokenizer:
     def __len__(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def vocab_size(self) -> int:
+        """The base vocabulary's size, without added tokens (transformers' ``vocab_size``)."""
+        return self._backend.get_vocab_size(with_added_tokens=False)
+
     def get_vocab(self) -> dict[str, int]:
         return self._backend.get_vocab(with_added_tokens=True)
 

@@ -78,7 +78,7 @@ def test_decode_matches_transformers(pair, skip):
 
 def test_special_tokens_and_lookups_match(pair):
     ours, theirs = pair
-    assert len(ours) == len(theirs)
+    assert len(ours) == len(theirs) and ours.vocab_size == theirs.vocab_size
     for name in ("eos_token", "pad_token", "bos_token", "unk_token"):
         assert getattr(ours, name) == getattr(theirs, name), name
         assert getattr(ours, name + "_id") == getattr(theirs, name + "_id"), name

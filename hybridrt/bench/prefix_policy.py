@@ -19,6 +19,7 @@ the placement's, not the budget's), sizes scaled by ``scale`` (1.0: the sizes be
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -112,13 +113,13 @@ def run(model: str | None = None, threads: int | None = 2, scale: float = 1.0,
               "request_slots": sizing.num_request_slots, "scale": scale, "rows": []}
     if verbose:
         print(table(report), flush=True)  # the header; the rows as they come
-    interval0, boundaries0 = eng.checkpoint_interval, eng.checkpoint_boundary_ids
+    args0, boundaries0 = eng.args, eng.checkpoint_boundary_ids
     try:
         for name in chosen:
             for label, use_messages, interval in POLICIES:
                 llm.reset_prefix_cache()
                 eng.checkpoint_boundary_ids = messages if use_messages else frozenset()
-                eng.checkpoint_interval = interval
+                eng.args = dataclasses.replace(args0, checkpoint_interval=interval)
                 before = dict(eng.cache.prefix.stats)
                 pre0 = eng.stats["num_prefill_tokens"]
                 workloads(llm.config.vocab_size, start, scale)[name](llm, params)
@@ -135,7 +136,7 @@ def run(model: str | None = None, threads: int | None = 2, scale: float = 1.0,
                 if verbose:
                     print(_row(row), flush=True)
     finally:
-        eng.checkpoint_interval, eng.checkpoint_boundary_ids = interval0, boundaries0
+        eng.args, eng.checkpoint_boundary_ids = args0, boundaries0
     if json_path is not None:
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -8,11 +8,11 @@ ratios come from the same minutes of the machine.
 Each call is wrapped with a timer (a microsecond or two per call) for the run and unwrapped
 after it; the rest of a step is Python, sampling and scheduling. Where a step's layers run as
 one compiled call (kernels/step.py) that call is one row, "layers (one call)"; ``no_program``
-calls them one by one (``HYBRIDRT_STEP_PROGRAM=0`` while the engines start), each kernel its own
-row. The LM head's row counts its product again (half_gemm, gemv_bf16 or the int8 or int4
-products include it). Per (weights, batch) the figures are medians over the rounds; "x b1" is
-the tokens per second over batch 1's of the same weights. ``cpu_time``: every time in this
-process's CPU seconds (with one thread, the step on a core of its own, the other processes of a
+calls them one by one (the backend's step program off, as ``HYBRIDRT_STEP_PROGRAM=0`` has it),
+each kernel its own row. The LM head's row counts its product again (half_gemm, gemv_bf16 or
+the int8 or int4 products include it). Per (weights, batch) the figures are medians over the
+rounds; "x b1" is the tokens per second over batch 1's of the same weights. ``cpu_time``:
+every time in this process's CPU seconds (with one thread, the step on a core of its own, the other processes of a
 busy machine then counting only through the memory bandwidth they take). The cache must hold
 all B requests at once (``cache_memory``), else the run stops with a ``ValueError``.
 """
@@ -20,7 +20,7 @@ all B requests at once (``cache_memory``), else the run stops with a ``ValueErro
 from __future__ import annotations
 
 import collections
-import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -108,20 +108,6 @@ def measure(llm, batch: int, steps: int, timers: CallTimers) -> tuple[float, dic
     return step, ms, per
 
 
-@contextlib.contextmanager
-def _step_program(on: bool):
-    old = os.environ.get("HYBRIDRT_STEP_PROGRAM")
-    if not on:
-        os.environ["HYBRIDRT_STEP_PROGRAM"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("HYBRIDRT_STEP_PROGRAM", None)
-        else:
-            os.environ["HYBRIDRT_STEP_PROGRAM"] = old
-
-
 def run(model: str | None = None, batches: tuple[int, ...] = (1,), steps: int = 32,
         rounds: int = 3, threads: int | None = 2, quantizations: tuple[str | None, ...] = (None,),
         dtype: str = "bfloat16", cache_memory: str | float = 0.2, max_model_len: int = 512,
@@ -141,13 +127,15 @@ def run(model: str | None = None, batches: tuple[int, ...] = (1,), steps: int = 
     try:
         timers.wrap_kernels()
         llms = {}
-        with _step_program(not no_program):
-            for q in quantizations:
-                llms[q] = LLM(model, **(engine or {}), dtype=dtype, quantization=q,
-                              max_num_seqs=max(batches),
-                              max_model_len=max_model_len, cache_memory=cache_memory,
-                              threads=threads)
-                timers.wrap(llms[q].engine.runner.model.backend, "logits", "LM head (logits)")
+        for q in quantizations:
+            llms[q] = LLM(model, **(engine or {}), dtype=dtype, quantization=q,
+                          max_num_seqs=max(batches),
+                          max_model_len=max_model_len, cache_memory=cache_memory,
+                          threads=threads)
+            backend = llms[q].engine.runner.model.backend
+            if no_program:  # the decode layers called one by one (as HYBRIDRT_STEP_PROGRAM=0)
+                backend.options = dataclasses.replace(backend.options, step_program=False)
+            timers.wrap(backend, "logits", "LM head (logits)")
         for q in quantizations:  # warm-up: every shape once
             for b in batches:
                 measure(llms[q], b, 2, timers)
