@@ -12,8 +12,8 @@ calls them one by one (the backend's step program off, as ``HYBRIDRT_STEP_PROGRA
 each kernel its own row. The LM head's row counts its product again (half_gemm, gemv_bf16 or
 the int8 or int4 products include it). Per (weights, batch) the figures are medians over the
 rounds; "x b1" is the tokens per second over batch 1's of the same weights. ``cpu_time``:
-every time in this process's CPU seconds (with one thread, the step on a core of its own, the other processes of a
-busy machine then counting only through the memory bandwidth they take). The cache must hold
+every time in this process's CPU seconds (with one thread, the step on a core of its own, the
+other processes of a busy machine then counting only through the memory bandwidth they take). The cache must hold
 all B requests at once (``cache_memory``), else the run stops with a ``ValueError``.
 """
 
