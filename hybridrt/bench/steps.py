@@ -13,8 +13,9 @@ each kernel its own row. The LM head's row counts its product again (half_gemm, 
 the int8 or int4 products include it). Per (weights, batch) the figures are medians over the
 rounds; "x b1" is the tokens per second over batch 1's of the same weights. ``cpu_time``:
 every time in this process's CPU seconds (with one thread, the step on a core of its own, the
-other processes of a busy machine then counting only through the memory bandwidth they take). The cache must hold
-all B requests at once (``cache_memory``), else the run stops with a ``ValueError``.
+other processes of a busy machine then counting only through the memory bandwidth they take).
+The cache must hold all B requests at once (``cache_memory``), else the run stops with a
+``ValueError``.
 """
 
 from __future__ import annotations
