@@ -130,3 +130,35 @@ class EngineArgs:
         if self.async_scheduling is None:
             return str(self.device).startswith("cuda")
         return bool(self.async_scheduling)
+
+
+def check_device(device):
+    """-> the torch.device; ValueError saying why when it cannot run here (checked before
+    anything loads)."""
+    import torch
+
+    if isinstance(device, str):
+        check_device_name(device)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {str(device)!r}")
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            raise ValueError(f"CUDA is not available in this PyTorch build (torch "
+                             f"{torch.__version__} is CPU-only): use the CPU, or install a "
+                             f"CUDA build of torch")
+        raise ValueError(f"CUDA is not available: torch {torch.__version__} is built for CUDA "
+                         f"{torch.version.cuda} but sees no usable GPU (driver? "
+                         f"CUDA_VISIBLE_DEVICES?)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"no device {device}: {torch.cuda.device_count()} GPU(s) visible")
+    return device
+
+
+def check_cpu_backend(what: str, device, backend: str | None) -> None:
+    """Quantized weights run on the CPU backends only: ValueError naming ``what`` otherwise."""
+    if device.type != "cpu" or backend not in (None, "cpu", "reference"):
+        raise ValueError(f"{what} runs on the CPU backends only, not device={str(device)!r} "
+                         f"backend={backend!r}")

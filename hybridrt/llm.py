@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -13,13 +12,13 @@ import torch
 
 from hybridrt import env
 from hybridrt.engine import LLMEngine
-from hybridrt.engine_args import EngineArgs
+from hybridrt.engine_args import EngineArgs, check_cpu_backend, check_device  # noqa: F401
 from hybridrt.kernels import native, quant
 from hybridrt.kernels.memory import keep_freed_memory
 from hybridrt.loader import load_model, parse_dtype
-from hybridrt.options import check_device_name
+from hybridrt.model_path import DEMO_MODEL_DIR, default_model, generation_defaults  # noqa: F401
 from hybridrt.output_pipeline import ChoiceStream, Shape, finish_message, holdback
-from hybridrt.outputs import CompletionOutput, RequestOutput
+from hybridrt.outputs import RequestOutput, error_output
 from hybridrt.parallel_sampling import ParentRequest
 from hybridrt.reasoning import opens_thinking
 from hybridrt.sampling_params import SamplingParams
@@ -27,71 +26,10 @@ from hybridrt.session import Session
 from hybridrt.specdec.draft_vocab import load_draft_vocab
 from hybridrt.statecache import HybridCacheManager
 from hybridrt.threads import ThreadGovernor, adaptive_threads_enabled
-from hybridrt.tokenizer import load_tokenizer
+from hybridrt.tokenizer import apply_chat_template, load_tokenizer
 from hybridrt.tool_calls import check_tool_choice, check_tools, template_messages, tool_constraint
 
-DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
-
 PromptType = str | Sequence[int] | dict
-
-
-# generation_config.json fields that become SamplingParams defaults (vLLM reads the same)
-_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                      "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                      "max_new_tokens": "max_tokens"}
-
-
-def generation_defaults(model_path: str | os.PathLike) -> dict[str, Any]:
-    """The checkpoint's recommended sampling settings (``generation_config.json``) as
-    SamplingParams fields; {} without the file."""
-    path = Path(model_path) / "generation_config.json"
-    try:
-        raw = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, json.JSONDecodeError):
-        return {}
-    if not isinstance(raw, dict):
-        return {}
-    return {ours: raw[theirs] for theirs, ours in _GENERATION_FIELDS.items()
-            if isinstance(raw.get(theirs), (int, float)) and not isinstance(raw[theirs], bool)}
-
-
-def check_device(device: str | torch.device) -> torch.device:
-    """-> the torch.device; ValueError saying why when it cannot run here (checked before
-    anything loads)."""
-    if isinstance(device, str):
-        check_device_name(device)
-    device = torch.device(device)
-    if device.type == "cpu":
-        return device
-    if device.type != "cuda":
-        raise ValueError(f"device must be cpu, cuda or cuda:N, got {str(device)!r}")
-    if not torch.cuda.is_available():
-        if torch.version.cuda is None:
-            raise ValueError(f"CUDA is not available in this PyTorch build (torch "
-                             f"{torch.__version__} is CPU-only): use the CPU, or install a "
-                             f"CUDA build of torch")
-        raise ValueError(f"CUDA is not available: torch {torch.__version__} is built for CUDA "
-                         f"{torch.version.cuda} but sees no usable GPU (driver? "
-                         f"CUDA_VISIBLE_DEVICES?)")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"no device {device}: {torch.cuda.device_count()} GPU(s) visible")
-    return device
-
-
-def _check_cpu_backend(what: str, device: torch.device, backend: str | None) -> None:
-    """Quantized weights run on the CPU backends only: ValueError naming ``what`` otherwise."""
-    if device.type != "cpu" or backend not in (None, "cpu", "reference"):
-        raise ValueError(f"{what} runs on the CPU backends only, not device={str(device)!r} "
-                         f"backend={backend!r}")
-
-
-def default_model() -> str:
-    """The embedded demo checkpoint, the default model of every entry point."""
-    if not (DEMO_MODEL_DIR / "config.json").is_file():
-        raise FileNotFoundError(
-            f"no model given and the embedded demo checkpoint is missing at {DEMO_MODEL_DIR}"
-        )
-    return str(DEMO_MODEL_DIR)
 
 
 class LLM:
@@ -168,7 +106,7 @@ class LLM:
         self.batch_invariant = batch_invariant
         self.quantization = args.quantization
         if self.quantization:
-            _check_cpu_backend(f"quantization={self.quantization!r}", self.device, backend)
+            check_cpu_backend(f"quantization={self.quantization!r}", self.device, backend)
         if self.device.type == "cpu":
             keep_freed_memory()
             opts = env.kernel_options()
@@ -186,7 +124,7 @@ class LLM:
                 f"{stored!r}), or quantize the original checkpoint")
         if stored is not None and stored != self.quantization:
             self.quantization = stored  # a checkpoint stored quantized (hybridrt quantize)
-            _check_cpu_backend(f"the {stored} checkpoint {self.model_path}", self.device, backend)
+            check_cpu_backend(f"the {stored} checkpoint {self.model_path}", self.device, backend)
         self.dtype = self.model.dtype
         if speculative_tokens > 0 and self.model.mtp is None:
             raise ValueError(
@@ -368,7 +306,7 @@ class LLM:
                         pending[rid] = (i, parent, j)
                 except (ValueError, TypeError) as e:
                     err = e if isinstance(e, ValueError) else ValueError(str(e))
-                    rejected.append((i, _error_output(f"error-{i}", p, err)))
+                    rejected.append((i, error_output(f"error-{i}", p, err)))
             yield from rejected
             bar = None
             if use_tqdm and pending:
@@ -560,19 +498,3 @@ class LLM:
         if req.error is not None:
             raise req.error
 
-
-def apply_chat_template(tokenizer, conversation: list[dict], chat_template_kwargs=None,
-                        add_generation_prompt: bool = True) -> str:
-    return tokenizer.apply_chat_template(
-        conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-        **(chat_template_kwargs or {}),
-    )
-
-
-def _error_output(rid: str, prompt: Any, err: ValueError) -> RequestOutput:
-    text = prompt if isinstance(prompt, str) else None
-    ids = list(prompt) if isinstance(prompt, Sequence) and not isinstance(prompt, str) else []
-    return RequestOutput(
-        request_id=rid, prompt=text, prompt_token_ids=ids,
-        outputs=[CompletionOutput(0, "", [], "error", None, None)], finished=True, error=err,
-    )

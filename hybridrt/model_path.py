@@ -5,9 +5,11 @@ resolves it by the same rules."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer*"]
@@ -62,3 +64,35 @@ def _root_cause(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     text = lines[0] if lines else type(e).__name__
     return re.sub(r"^\[Errno -?\d+\] ", "", text)[:160]
+
+
+DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
+
+
+def default_model() -> str:
+    """The embedded demo checkpoint, the default model of every entry point."""
+    if not (DEMO_MODEL_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no model given and the embedded demo checkpoint is missing at {DEMO_MODEL_DIR}"
+        )
+    return str(DEMO_MODEL_DIR)
+
+
+# generation_config.json fields that become SamplingParams defaults (vLLM reads the same)
+_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                      "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                      "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint's recommended sampling settings (``generation_config.json``) as
+    SamplingParams fields; {} without the file."""
+    path = Path(model_path) / "generation_config.json"
+    try:
+        raw = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {ours: raw[theirs] for theirs, ours in _GENERATION_FIELDS.items()
+            if isinstance(raw.get(theirs), (int, float)) and not isinstance(raw[theirs], bool)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,3 +37,13 @@ class RequestOutput:
     metrics: dict[str, Any] = field(default_factory=dict)
     error: Exception | None = None  # set (a ValueError) when the request was rejected
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (vLLM's field)
+
+
+def error_output(rid: str, prompt: Any, err: ValueError) -> RequestOutput:
+    """The output of a request refused before it ran: finish reason "error", ``err`` kept."""
+    text = prompt if isinstance(prompt, str) else None
+    ids = list(prompt) if isinstance(prompt, Sequence) and not isinstance(prompt, str) else []
+    return RequestOutput(
+        request_id=rid, prompt=text, prompt_token_ids=ids,
+        outputs=[CompletionOutput(0, "", [], "error", None, None)], finished=True, error=err,
+    )

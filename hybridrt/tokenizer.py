@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Tokenizer", "load_tokenizer"]
+__all__ = ["Tokenizer", "apply_chat_template", "load_tokenizer"]
 
 # tokenizer_config.json's special-token fields, passed to the chat template by name (as
 # transformers' ``special_tokens_map`` is)
@@ -48,6 +48,16 @@ def load_tokenizer(model_path: str | os.PathLike):
     if isinstance(warned, dict):
         warned["sequence-length-is-longer-than-the-specified-maximum"] = True
     return tok
+
+
+def apply_chat_template(tokenizer, conversation: list[dict], chat_template_kwargs=None,
+                        add_generation_prompt: bool = True) -> str:
+    """The conversation as text through ``tokenizer``'s chat template (any tokenizer with
+    transformers' ``apply_chat_template``)."""
+    return tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+        **(chat_template_kwargs or {}),
+    )
 
 
 def _token_text(value: Any) -> str | None:

@@ -35,7 +35,7 @@ class Frontend:
 
     def apply_chat_template(self, messages: list[dict], kwargs: dict | None,
                             add_generation_prompt: bool) -> str:
-        from hybridrt.llm import apply_chat_template
+        from hybridrt.tokenizer import apply_chat_template
 
         return apply_chat_template(self.tokenizer, messages, kwargs, add_generation_prompt)
 
@@ -50,7 +50,7 @@ class Preparer:
     the limits (resolved) and the checkpoint's generation defaults."""
 
     def __init__(self, front: Frontend, model_name: str, limits: api.Limits):
-        from hybridrt.llm import generation_defaults
+        from hybridrt.model_path import generation_defaults
 
         self.front, self.model_name, self.limits = front, model_name, limits
         self.tokenizer, self.max_model_len = front.tokenizer, front.max_model_len
