@@ -97,11 +97,16 @@ def throughput(
         "--decode-tokens", min=2, help="New tokens per request when decoding.")] = 16,
     concurrency: Annotated[str, typer.Option("--concurrency",
                                              help="Comma-separated batch sizes.")] = "8,32",
-    repeats: Annotated[int, typer.Option(
-        "--repeats", min=1, help="Runs per measurement (the median is reported).")] = 2,
-    no_transformers: Annotated[bool, typer.Option(
-        "--no-transformers", help="Only hybridrt, skip the transformers side (default: off).")
-    ] = False,
+    repeats: Annotated[int | None, typer.Option(
+        "--repeats", min=1, help="Runs per measurement, the median reported (default: 1; "
+        "with --full 2).", show_default=False)] = None,
+    transformers: Annotated[bool | None, typer.Option(
+        "--transformers/--no-transformers", help="Also run transformers generate on the same "
+        "weights (default: only with --full).", show_default=False)] = None,
+    full: Annotated[bool, typer.Option(
+        "--full", help="The long run (several minutes on 2 cores): 2 repeats, transformers "
+        "side by side, and the batching ratio again from batch 1 and the largest batch "
+        "alternated three times (default: off, a short run).")] = False,
     against_llamacpp: Annotated[list[Path] | None, typer.Option(
         "--against-llamacpp", metavar="GGUF", help="Also run llama.cpp's llama-bench and "
         "llama-batched-bench on this GGUF of the same model, same work and threads, and add "
@@ -118,9 +123,10 @@ def throughput(
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
-    """Prefill, batch-1 decode and aggregate tok/s, side by side with transformers and, with
-    --against-llamacpp, llama.cpp; the machine's read bandwidth and the batch-1 ceiling.
-    With --quantization, transformers (which runs the unquantized weights) is left out."""
+    """Prefill, batch-1 decode and aggregate tok/s, side by side with llama.cpp
+    (--against-llamacpp) and transformers (--full or --transformers); the machine's read
+    bandwidth and the batch-1 ceiling. By default a short run; --full the long one. With
+    --quantization, transformers (which runs the unquantized weights) is left out."""
     _need_matplotlib(plot)
     options = options.checked()
     if options.dtype == "auto":
@@ -140,7 +146,8 @@ def throughput(
     report = bench.throughput(
         model=options.model, dtype=options.dtype, threads=options.threads or _default_threads(),
         prefill_len=prefill_len, prompt_len=prompt_len, decode_tokens=decode_tokens,
-        concurrency=sizes, repeats=repeats, transformers=not no_transformers,
+        concurrency=sizes, repeats=repeats or (2 if full else 1),
+        transformers=full if transformers is None else transformers, interleave=full,
         json_path=json_path, against_llamacpp=against_llamacpp, llamacpp_bin=llamacpp_bin,
         order=rounds, quantization=options.quantization,
         batch_invariant=options.batch_invariant,
