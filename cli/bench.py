@@ -753,3 +753,25 @@ def structured(
     run(resolve_model(options.model), threads=options.threads, batches=tuple(batches),
         rounds=rounds, tokens=tokens, cpu_time=cpu_time, json_path=json_path,
         engine=options.llm_kwargs(*STRUCTURED_SETS, "threads"))
+
+
+@bench_app.command("llamacpp-build")
+def llamacpp_build(
+    home: Annotated[Path | None, typer.Option(
+        "--home", metavar="DIR", help="Where the source and build go (default: $LLAMACPP_HOME, "
+        "else ~/.cache/hybridrt-llamacpp, where --llamacpp-bin looks).", show_default=False)
+    ] = None,
+    jobs: Annotated[int | None, typer.Option(
+        "--jobs", min=1, help="Parallel compile jobs (default: the CPU count).",
+        show_default=False)] = None,
+) -> None:
+    """Download llama.cpp's source as vendored in the llama-cpp-python sdist of a pinned version
+    and build llama-bench, llama-batched-bench, llama-quantize and llama-perplexity for this CPU
+    (cmake and a C++ compiler needed); what is already there is kept."""
+    from hybridrt.bench import llamacpp_build
+
+    try:
+        where = llamacpp_build.build(llamacpp_build.plan(home, jobs=jobs))
+    except llamacpp_build.LlamaCppBuildError as e:
+        raise CliError(str(e)) from None
+    typer.echo(str(where))
