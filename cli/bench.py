@@ -17,10 +17,11 @@ from hybridrt.cli.common import CliError
 from hybridrt.cli.options import ModelOptions, ThreadsOpt, model_options
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
-                        help="Benchmarks: throughput vs transformers, speculative decoding, "
-                             "the CPU GEMM paths, start-up, int8 and int4 quality, the server, "
-                             "preemption. Each prints a table; --json FILE writes its report, "
-                             "--plot PNG (throughput, spec) a chart.")
+                        help="Benchmarks: throughput vs llama.cpp and transformers, speculative "
+                             "decoding, the CPU GEMM paths, start-up, int8 and int4 quality, the "
+                             "server, preemption. Each prints a table; --json FILE writes its "
+                             "report, --plot PNG (throughput, spec) a chart. llamacpp-build "
+                             "builds llama.cpp for throughput --against-llamacpp.")
 
 PlotOpt = Annotated[Path | None, typer.Option(
     "--plot", help="Also draw a chart to this PNG (needs matplotlib, the 'plot' extra) "
