@@ -4,8 +4,9 @@
 Reports prefill tok/s (one 512-token prompt), decode tok/s at batch 1, and for 8 and 32
 concurrent requests the aggregate output tok/s (wall time of the whole batch, its prefill
 included) and the aggregate decode tok/s (prefill excluded, like the batch-1 figure), for both
-engines, and the ratios; then the batching ratio once more from batch-1 and 32-request runs
-alternated three times. Both engines get the same prompts and generate the same number of new
+engines, and the ratios; with ``interleave``, the batching ratio once more from batch-1 and
+32-request runs alternated three times. The printed report: hybridrt.bench.throughput_report.
+Both engines get the same prompts and generate the same number of new
 tokens in every row; ``work`` in the report records, per row and engine, the requests, prompt
 length and new tokens per request that were actually run. Timings on shared machines are noisy:
 read the ratios, measured side by side in the same process.
