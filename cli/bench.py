@@ -17,10 +17,11 @@ from hybridrt.cli.common import CliError
 from hybridrt.cli.options import ModelOptions, ThreadsOpt, model_options
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
-                        help="Benchmarks: throughput vs transformers, speculative decoding, "
-                             "the CPU GEMM paths, start-up, int8 and int4 quality, the server, "
-                             "preemption. Each prints a table; --json FILE writes its report, "
-                             "--plot PNG (throughput, spec) a chart.")
+                        help="Benchmarks: throughput vs llama.cpp and transformers, speculative "
+                             "decoding, the CPU GEMM paths, start-up, int8 and int4 quality, the "
+                             "server, preemption. Each prints a table; --json FILE writes its "
+                             "report, --plot PNG (throughput, spec) a chart. llamacpp-build "
+                             "builds llama.cpp for throughput --against-llamacpp.")
 
 PlotOpt = Annotated[Path | None, typer.Option(
     "--plot", help="Also draw a chart to this PNG (needs matplotlib, the 'plot' extra) "
@@ -97,11 +98,16 @@ def throughput(
         "--decode-tokens", min=2, help="New tokens per request when decoding.")] = 16,
     concurrency: Annotated[str, typer.Option("--concurrency",
                                              help="Comma-separated batch sizes.")] = "8,32",
-    repeats: Annotated[int, typer.Option(
-        "--repeats", min=1, help="Runs per measurement (the median is reported).")] = 2,
-    no_transformers: Annotated[bool, typer.Option(
-        "--no-transformers", help="Only hybridrt, skip the transformers side (default: off).")
-    ] = False,
+    repeats: Annotated[int | None, typer.Option(
+        "--repeats", min=1, help="Runs per measurement, the median reported (default: 1; "
+        "with --full 2).", show_default=False)] = None,
+    transformers: Annotated[bool | None, typer.Option(
+        "--transformers/--no-transformers", help="Also run transformers generate on the same "
+        "weights (default: only with --full).", show_default=False)] = None,
+    full: Annotated[bool, typer.Option(
+        "--full", help="The long run (several minutes on 2 cores): 2 repeats, transformers "
+        "side by side, and the batching ratio again from batch 1 and the largest batch "
+        "alternated three times (default: off, a short run).")] = False,
     against_llamacpp: Annotated[list[Path] | None, typer.Option(
         "--against-llamacpp", metavar="GGUF", help="Also run llama.cpp's llama-bench and "
         "llama-batched-bench on this GGUF of the same model, same work and threads, and add "
@@ -118,9 +124,10 @@ def throughput(
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
-    """Prefill, batch-1 decode and aggregate tok/s, side by side with transformers and, with
-    --against-llamacpp, llama.cpp; the machine's read bandwidth and the batch-1 ceiling.
-    With --quantization, transformers (which runs the unquantized weights) is left out."""
+    """Prefill, batch-1 decode and aggregate tok/s, side by side with llama.cpp
+    (--against-llamacpp) and transformers (--full or --transformers); the machine's read
+    bandwidth and the batch-1 ceiling. By default a short run; --full the long one. With
+    --quantization, transformers (which runs the unquantized weights) is left out."""
     _need_matplotlib(plot)
     options = options.checked()
     if options.dtype == "auto":
@@ -140,7 +147,8 @@ def throughput(
     report = bench.throughput(
         model=options.model, dtype=options.dtype, threads=options.threads or _default_threads(),
         prefill_len=prefill_len, prompt_len=prompt_len, decode_tokens=decode_tokens,
-        concurrency=sizes, repeats=repeats, transformers=not no_transformers,
+        concurrency=sizes, repeats=repeats or (2 if full else 1),
+        transformers=full if transformers is None else transformers, interleave=full,
         json_path=json_path, against_llamacpp=against_llamacpp, llamacpp_bin=llamacpp_bin,
         order=rounds, quantization=options.quantization,
         batch_invariant=options.batch_invariant,
@@ -746,3 +754,25 @@ def structured(
     run(resolve_model(options.model), threads=options.threads, batches=tuple(batches),
         rounds=rounds, tokens=tokens, cpu_time=cpu_time, json_path=json_path,
         engine=options.llm_kwargs(*STRUCTURED_SETS, "threads"))
+
+
+@bench_app.command("llamacpp-build")
+def llamacpp_build(
+    home: Annotated[Path | None, typer.Option(
+        "--home", metavar="DIR", help="Where the source and build go (default: $LLAMACPP_HOME, "
+        "else ~/.cache/hybridrt-llamacpp, where --llamacpp-bin looks).", show_default=False)
+    ] = None,
+    jobs: Annotated[int | None, typer.Option(
+        "--jobs", min=1, help="Parallel compile jobs (default: the CPU count).",
+        show_default=False)] = None,
+) -> None:
+    """Download llama.cpp's source as vendored in the llama-cpp-python sdist of a pinned version
+    and build llama-bench, llama-batched-bench, llama-quantize and llama-perplexity for this CPU
+    (cmake and a C++ compiler needed); what is already there is kept."""
+    from hybridrt.bench import llamacpp_build
+
+    try:
+        where = llamacpp_build.build(llamacpp_build.plan(home, jobs=jobs))
+    except llamacpp_build.LlamaCppBuildError as e:
+        raise CliError(str(e)) from None
+    typer.echo(str(where))

@@ -3,8 +3,9 @@ llama.cpp's own ``llama-bench`` (prefill, batch-1 decode) and ``llama-batched-be
 each concurrency, its S_TG figure) on the same work and threads, and reads their JSON lines.
 
 The binaries are looked up in ``--llamacpp-bin DIR``, else ``$LLAMACPP_HOME/llama.cpp/build/bin``
-(``LLAMACPP_HOME`` defaults to ``~/.cache/hybridrt-llamacpp``, where the shared
-``llamacpp-bench build`` tool puts them). llama.cpp benchmarks its own random prompt tokens."""
+(``LLAMACPP_HOME`` defaults to ``~/.cache/hybridrt-llamacpp``, where
+``hybridrt bench llamacpp-build`` puts them, hybridrt.bench.llamacpp_build). llama.cpp
+benchmarks its own random prompt tokens."""
 
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def bin_dir(explicit: str | Path | None = None) -> Path:
     """Where the llama.cpp binaries are expected (see the module docstring)."""
     if explicit is not None:
         return Path(explicit)
-    home = os.environ.get("LLAMACPP_HOME") or Path.home() / ".cache" / "hybridrt-llamacpp"
-    return Path(home) / "llama.cpp" / "build" / "bin"
+    from hybridrt.bench.llamacpp_build import plan
+
+    return plan().bin
 
 
 def check(gguf: str | Path, bins: str | Path | None = None) -> Path:
@@ -51,7 +53,7 @@ def check(gguf: str | Path, bins: str | Path | None = None) -> Path:
     missing = [b for b in BINARIES if not os.access(where / b, os.X_OK)]
     if missing:
         raise LlamaCppError(f"llama.cpp binaries not found: {', '.join(missing)} in {where} "
-                            f"(build llama.cpp and pass --llamacpp-bin DIR or set LLAMACPP_HOME)")
+                            f"(run hybridrt bench llamacpp-build, or pass --llamacpp-bin DIR)")
     return where
 
 

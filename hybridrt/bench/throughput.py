@@ -4,8 +4,9 @@
 Reports prefill tok/s (one 512-token prompt), decode tok/s at batch 1, and for 8 and 32
 concurrent requests the aggregate output tok/s (wall time of the whole batch, its prefill
 included) and the aggregate decode tok/s (prefill excluded, like the batch-1 figure), for both
-engines, and the ratios; then the batching ratio once more from batch-1 and 32-request runs
-alternated three times. Both engines get the same prompts and generate the same number of new
+engines, and the ratios; with ``interleave``, the batching ratio once more from batch-1 and
+32-request runs alternated three times. The printed report: hybridrt.bench.throughput_report.
+Both engines get the same prompts and generate the same number of new
 tokens in every row; ``work`` in the report records, per row and engine, the requests, prompt
 length and new tokens per request that were actually run. Timings on shared machines are noisy:
 read the ratios, measured side by side in the same process.
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 
 from hybridrt.bench.llamacpp import DEFAULT_ORDER, ENGINES, check_order
+from hybridrt.bench.throughput_report import format_table
 from hybridrt.sampling_params import SamplingParams
 
 
@@ -114,14 +116,30 @@ def load_ours(model: str | Path, dtype: str, prefill_len: int, decode_tokens: in
     return llm
 
 
+def _no_tick() -> None:
+    pass
+
+
+def our_runs(repeats: int, concurrency: list[int], interleave: bool) -> int:
+    """How many runs ``bench_ours`` measures (its ``tick`` calls)."""
+    return repeats + max(repeats, 5) + len(concurrency) + (6 if concurrency and interleave else 0)
+
+
+def transformers_runs(repeats: int, concurrency: list[int]) -> int:
+    """How many ``generate`` calls ``bench_transformers`` makes (its ``tick`` calls)."""
+    return 1 + 3 * repeats + 2 * len(concurrency)
+
+
 def bench_ours(llm, prefill_len: int, decode_tokens: int, concurrency: list[int],
                prompt_len: int, repeats: int, interleave: bool = True,
-               read=None, b1_pairs: list | None = None) -> tuple[dict, dict]:
+               read=None, b1_pairs: list | None = None, tick=None) -> tuple[dict, dict]:
     """One round of hybridrt's measurements -> (results, the work of each row); with
     ``interleave``, also the batching ratio from alternated runs. ``read``: a callable giving
     the read bandwidth (GB/s), run just before each batch-1 run and once after the last, each
     run's (tok/s, GB/s before it, GB/s after it) appended to ``b1_pairs`` (a run's "after" is
-    the next run's "before")."""
+    the next run's "before"). ``tick``: called after each measured run (``our_runs`` of
+    them)."""
+    tick = tick or _no_tick
     vocab = llm.config.vocab_size
     res: dict[str, float] = {}
     work: dict[str, dict] = {}
@@ -132,6 +150,7 @@ def bench_ours(llm, prefill_len: int, decode_tokens: int, concurrency: list[int]
         t = time.perf_counter()
         outs = llm.generate(p, one, use_tqdm=False)
         times.append(time.perf_counter() - t)
+        tick()
     res["prefill_tok_s"] = prefill_len / statistics.median(times)
     work["prefill_tok_s"] = _work(1, prefill_len, [len(o.outputs[0].token_ids) for o in outs])
 
@@ -144,6 +163,7 @@ def bench_ours(llm, prefill_len: int, decode_tokens: int, concurrency: list[int]
             reads.append(read())
         (out,) = llm.generate(_prompts(1, prompt_len, vocab, 200 + r), sp, use_tqdm=False)
         rates.append(out.metrics["decode_tokens_per_s"])
+        tick()
     if read is not None and b1_pairs is not None:
         reads.append(read())  # after the last run
         b1_pairs.extend(zip(rates, reads, reads[1:]))
@@ -155,6 +175,7 @@ def bench_ours(llm, prefill_len: int, decode_tokens: int, concurrency: list[int]
         t = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         dt = time.perf_counter() - t
+        tick()
         res[f"aggregate_b{c}_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / dt
         # the c requests decode side by side: the sum of their decode rates is the decode
         # throughput at c concurrent (prefill excluded, as in decode_b1_tok_s)
@@ -171,6 +192,7 @@ def bench_ours(llm, prefill_len: int, decode_tokens: int, concurrency: list[int]
             alone.append(out.metrics["decode_tokens_per_s"])
             outs = llm.generate(_prompts(c, prompt_len, vocab, 500 + r), sp, use_tqdm=False)
             batched.append(sum(o.metrics["decode_tokens_per_s"] for o in outs))
+            tick()
         res[f"interleaved_decode_b{c}_over_b1"] = (statistics.median(batched)
                                                    / statistics.median(alone))
     return res, work
@@ -178,8 +200,12 @@ def bench_ours(llm, prefill_len: int, decode_tokens: int, concurrency: list[int]
 
 def bench_transformers(state_dict: dict, text_config: dict, dtype: torch.dtype, prefill_len: int,
                        decode_tokens: int, concurrency: list[int], prompt_len: int,
-                       repeats: int, vocab: int) -> tuple[dict, dict]:
+                       repeats: int, vocab: int, tick=None) -> tuple[dict, dict]:
+    """transformers ``generate`` on the same work -> (results, the work of each row);
+    ``tick`` called after each measurement (``transformers_runs`` of them)."""
     from hybridrt.bench.fixtures import hf_reference_model
+
+    tick = tick or _no_tick
 
     ref = hf_reference_model(text_config, state_dict, dtype=dtype)
     gen = {"do_sample": False, "pad_token_id": 0}
@@ -192,6 +218,7 @@ def bench_transformers(state_dict: dict, text_config: dict, dtype: torch.dtype, 
             out = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                                min_new_tokens=n, **gen)
         dt = time.perf_counter() - t
+        tick()
         if row is not None:
             work[row] = _work(len(ids), x.shape[1], [out.shape[1] - x.shape[1]] * len(ids))
         return dt
@@ -259,7 +286,8 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
                against_llamacpp: str | Path | list[str | Path] | None = None,
                llamacpp_bin: str | Path | None = None, order: list[str] = DEFAULT_ORDER,
                stream_bytes: int = 1 << 30, quantization: str | None = None,
-               batch_invariant: bool = False, engine: dict | None = None) -> dict:
+               batch_invariant: bool = False, engine: dict | None = None,
+               interleave: bool = True) -> dict:
     """Run the throughput benchmark -> the report (also printed as a table and written to
     ``json_path``). ``model``: a checkpoint (default: a random-weight 0.8B-shaped one).
     ``against_llamacpp``: a GGUF of the same model (or a list of them), benchmarked by llama.cpp
@@ -271,7 +299,11 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
     ``quantization``: hybridrt's weights in int8 or int4; transformers (unquantized) is left
     out. ``batch_invariant``: hybridrt in its batch-invariant mode (docs/batch_invariance.md).
     ``engine``: further ``LLM`` keyword arguments (the command line's model options but those
-    the benchmark sets itself)."""
+    the benchmark sets itself). ``interleave``: also the batching ratio from batch-1 and
+    largest-batch runs alternated three times. What it will run and a progress bar over its
+    steps go to stderr before the first of them."""
+    from tqdm import tqdm
+
     from hybridrt.bench import ceilings, llamacpp
 
     ggufs = ([] if not against_llamacpp else [against_llamacpp]
@@ -283,20 +315,27 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
     order = check_order(order) if bins is not None else ["hybridrt"]
     torch.set_num_threads(threads)
     concurrency = list(concurrency)
+    if quantization:
+        transformers = False
+    print(plan(prefill_len, prompt_len, decode_tokens, concurrency, repeats, threads, order,
+               transformers, interleave, model is None), file=sys.stderr, flush=True)
+    steps = (2 + (model is None) + (transformers_runs(repeats, concurrency) if transformers else 0)
+             + sum(our_runs(repeats, concurrency, interleave and i == 0) if e == "hybridrt"
+                   else len(ggufs) for i, e in enumerate(order)))
+    bar = tqdm(total=steps, desc="throughput", unit="step", file=sys.stderr, mininterval=0.5)
+    tick = functools.partial(bar.update, 1)
     tmp = None
     path = model
     if path is None:
         tmp = tempfile.TemporaryDirectory(prefix="hybridrt-08b-")
-        print("writing a random-weight Qwen3.5-0.8B-shaped checkpoint (bf16) ...", file=sys.stderr)
+        bar.set_postfix_str("writing the random checkpoint")
         path = str(make_random_08b(tmp.name))
-    print(f"hybridrt: prefill {prefill_len}, decode {decode_tokens} tokens, "
-          f"concurrency {concurrency}, {threads} threads, rounds {','.join(order)}",
-          file=sys.stderr)
+        tick()
     load_start = list(os.getloadavg())
-    if quantization:
-        transformers = False
+    bar.set_postfix_str("loading hybridrt")
     llm = load_ours(path, dtype, prefill_len, decode_tokens, concurrency, prompt_len,
                     quantization, batch_invariant, engine)
+    tick()
     rounds, our_work, their_work, their_run = [], None, {}, {}
     def read_gb_s() -> float:  # the read loop just before a round: its own ceiling
         return ceilings.stream_read_apart(threads, stream_bytes)
@@ -305,17 +344,18 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
         load = list(os.getloadavg())
         if engine == "hybridrt":
             read, pairs = read_gb_s(), []
+            bar.set_postfix_str("hybridrt")
             res, our_work = bench_ours(llm, prefill_len, decode_tokens, concurrency, prompt_len,
-                                       repeats, interleave=not rounds, read=read_gb_s,
-                                       b1_pairs=pairs)
+                                       repeats, interleave=interleave and not rounds,
+                                       read=read_gb_s, b1_pairs=pairs, tick=tick)
         else:
             for gguf, label in zip(ggufs, labels):
                 load = list(os.getloadavg())
-                print(f"llama.cpp ({label}): llama-bench, llama-batched-bench ...",
-                      file=sys.stderr)
+                bar.set_postfix_str(f"llama.cpp {label}")
                 read = read_gb_s()
                 res, their_work[label], their_run[label] = llamacpp.bench(
                     gguf, bins, threads, prefill_len, prompt_len, decode_tokens, concurrency)
+                tick()
                 rounds.append({"engine": engine, "gguf": label, "load_average": load,
                                "read_gb_s": read, "results": res})
             continue
@@ -356,13 +396,15 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
                 report.setdefault("llamacpp_others", {})[label] = {
                     "results": theirs, "ratio": llamacpp.ratios(ours, theirs), "run": run}
         report["rounds"] = rounds
-    print("measuring the read bandwidth and the fp32 matmul rate ...", file=sys.stderr)
+    bar.set_postfix_str("read bandwidth, fp32 matmul")
     stream = ceilings.stream_read(threads, stream_bytes)
     per_token = ceilings.weight_bytes_per_token(llm.model)
     state = ceilings.state_bytes_per_token(llm.engine.cache.tensors)
     ceiling = stream["gb_s"] * 1e9 / per_token
+    matmul = ceilings.matmul_rate(threads)
+    tick()
     report["ceilings"] = {
-        "stream_read": stream, "matmul_fp32": ceilings.matmul_rate(threads),
+        "stream_read": stream, "matmul_fp32": matmul,
         "weight_bytes_per_token": per_token, "state_bytes_per_token": state,
         "batch1_decode_tok_s": ceiling,
         "fraction": {e: report[e]["decode_b1_tok_s"] / ceiling
@@ -396,16 +438,17 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
         vocab = llm.config.vocab_size
         del llm
         gc.collect()
-        print("transformers generate on the same weights ...", file=sys.stderr)
+        bar.set_postfix_str("transformers")
         theirs, their_work = bench_transformers(
             sd, text_cfg, torch.bfloat16 if dtype.startswith("b") else torch.float32,
-            prefill_len, decode_tokens, concurrency, prompt_len, repeats, vocab)
+            prefill_len, decode_tokens, concurrency, prompt_len, repeats, vocab, tick=tick)
         if their_work != our_work:
             raise RuntimeError(f"unequal work: hybridrt {our_work}, transformers {their_work}")
         report["transformers"] = theirs
         report["work"]["transformers"] = their_work
         report["ratio_vs_transformers"] = {k: ours[k] / theirs[k] for k in ours if k in theirs}
     report["load_average"]["end"] = list(os.getloadavg())
+    bar.close()
     if tmp is not None:
         tmp.cleanup()
     print(format_table(report))
@@ -413,6 +456,24 @@ def throughput(model: str | None = None, dtype: str = "bfloat16", threads: int =
         Path(json_path).write_text(json.dumps(report, indent=2))
         print(f"wrote {json_path}", file=sys.stderr)
     return report
+
+
+def plan(prefill_len: int, prompt_len: int, decode_tokens: int, concurrency: list[int],
+         repeats: int, threads: int, order: list[str], transformers: bool, interleave: bool,
+         random_model: bool) -> str:
+    """The one line saying what ``throughput`` will run, printed before it runs anything."""
+    parts = [f"prefill of a {prefill_len}-token prompt",
+             f"decode of {decode_tokens} tokens at batch 1"
+             + "".join(f", {c}" for c in concurrency) + f" ({prompt_len}-token prompts)",
+             f"median of {repeats} run{'s' if repeats > 1 else ''} (batch 1: of "
+             f"{max(repeats, 5)})", f"{threads} threads"]
+    if interleave and concurrency:
+        parts.append(f"batch 1 and {max(concurrency)} alternated 3 times")
+    engines = ["hybridrt"] + (["llama.cpp"] if "llamacpp" in order else []) + (
+        ["transformers"] if transformers else [])
+    model = "a random-weight Qwen3.5-0.8B-shaped checkpoint, " if random_model else ""
+    return (f"bench throughput: {model}{', '.join(engines)}; " + "; ".join(parts)
+            + (f"; rounds {','.join(order)}" if len(order) > 1 else ""))
 
 
 def _labels(ggufs: list) -> list[str]:
@@ -429,114 +490,6 @@ def _peak_rss_gib() -> float | None:
         return None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
-
-
-def _loads(values: list[float]) -> str:
-    return " ".join(f"{v:.2f}" for v in values)
-
-
-def format_table(report: dict) -> str:
-    """The report as text: the CPU, one row per measurement with each other engine's figure and
-    hybridrt's ratio to it, memory, batching ratios, the ceilings."""
-    ours = report["hybridrt"]
-    others = [(name, label) for name, label in (("llamacpp", "llama.cpp"),
-                                                ("transformers", "transformers"))
-              if name in report]
-    more = report.get("llamacpp_others", {})
-    if more:  # several GGUFs: each column named by its file
-        others = [(name, Path(report["llamacpp_run"]["gguf"]).name.removesuffix(".gguf")
-                   if name == "llamacpp" else label) for name, label in others]
-        report = {**report, **{f"llamacpp {k}": v["results"] for k, v in more.items()}}
-        others[1:1] = [(f"llamacpp {k}", k) for k in more]
-    rows = []
-    cpu = report.get("cpu")
-    if cpu:
-        load = report.get("load_average", {})
-        rows.append(f"CPU: {cpu['model']} ({' '.join(cpu['flags']) or 'no listed flags'}); "
-                    f"{report['threads']} threads; load average "
-                    + "; ".join(f"{k} {_loads(v)}" for k, v in load.items()))
-    if report.get("quantization"):
-        rows.append(f"hybridrt weights: {report['quantization']}")
-    if report.get("batch_invariant"):
-        rows.append("hybridrt mode: batch-invariant")
-    rows.append(f"{'metric':<24}{'hybridrt':>12}"
-                + "".join(f"{label:>14}{'ratio':>8}" for _, label in others))
-    for k, v in ours.items():
-        line = f"{k:<24}{v:>12.2f}"
-        for name, _ in others:
-            t = report[name].get(k)
-            line += f"{t:>14.2f}{v / t:>8.2f}" if t else f"{'-':>14}{'-':>8}"
-        rows.append(line)
-    for k, v in report.items():
-        if k.startswith("ratio_aggregate_b"):
-            c = k.split("_b")[1].split("_")[0]
-            rows.append(f"aggregate b{c} / our b1: {v:.2f}x (prefill included); decode b{c} / "
-                        f"our b1: {report[f'ratio_decode_b{c}_vs_b1']:.2f}x")
-    if report.get("peak_rss_gib") is not None:
-        rows.append(f"hybridrt peak RSS: {report['peak_rss_gib']:.2f} GiB")
-    if "llamacpp" in report:
-        runs = [("", report["llamacpp_run"])] + [(f" {k}", v["run"]) for k, v in more.items()]
-        for label, run in runs:
-            rss = (report["peak_rss_gib"] / run["peak_rss_gib"] if report.get("peak_rss_gib")
-                   else 0)
-            rows.append(f"llama.cpp{label} peak RSS: {run['peak_rss_gib']:.2f} GiB (hybridrt / "
-                        f"llama.cpp: {rss:.2f})")
-        rows.append("llama.cpp: llama-bench (prefill; batch 1, without a prompt) and "
-                    "llama-batched-bench (S_TG), on its own random prompt tokens")
-        rows.append("rounds (1-min load average before each): "
-                    + ", ".join(f"{r['engine']}{' ' + r['gguf'] if 'gguf' in r and more else ''} "
-                                f"{r['load_average'][0]:.2f}"
-                                for r in report["rounds"]) + "; medians per engine")
-    for k, v in report.items():
-        if k.startswith("interleaved_"):
-            c = k.split("_b")[1].split("_")[0]
-            rows.append(f"decode b{c} / our b1, three alternated runs of each: {v:.2f}x")
-    ceil = report.get("ceilings")
-    if ceil:
-        s, mm = ceil["stream_read"], ceil["matmul_fp32"]
-        how = f"{s['vector_bits']}-bit C read loop" if s["vector_bits"] else s["method"]
-        pages = {True: ", huge pages", False: ", 4 KiB pages"}.get(s.get("huge_pages"), "")
-        rows.append(f"read bandwidth: {s['gb_s']:.1f} GB/s ({how}, {s['bytes'] / 2**30:.2g} GiB"
-                    f"{pages}, best of {s['passes']}); fp32 matmul "
-                    f"{'x'.join(map(str, mm['shape']))}: {mm['gflop_s']:.1f} GFLOP/s")
-        rows.append(f"weights read per decoded token: {ceil['weight_bytes_per_token'] / 1e9:.3f} "
-                    f"GB -> batch-1 ceiling {ceil['batch1_decode_tok_s']:.2f} tok/s; "
-                    + ", ".join(f"{'llama.cpp' if e == 'llamacpp' else e} {f:.0%}"
-                                for e, f in ceil["fraction"].items()) + " of it")
-        if ceil.get("fraction_by_round"):
-            rows.append("batch 1 against the read loop run just before each round ("
-                        + ", ".join(f"{g:.1f}" for g in ceil["read_gb_s_by_round"])
-                        + " GB/s): " + "; ".join(
-                            f"{name} {statistics.median(f):.0%} (rounds "
-                            + ", ".join(f"{x:.0%}" for x in f) + ")"
-                            for name, f in ceil["fraction_by_round"].items()))
-            runs = ceil.get("fraction_by_run")
-            if runs:
-                rows.append(f"hybridrt's batch-1 runs, each against the read loop run just "
-                            f"before it: median {statistics.median(runs):.0%} of {len(runs)} "
-                            f"(from {min(runs):.0%} to {max(runs):.0%})")
-            w, st = ceil["weight_bytes_per_token"], ceil.get("state_bytes_per_token") or 0
-            steady = ceil.get("steady_runs")
-            if steady:
-                half, mid = len(steady) // 2, statistics.median(r["fraction"] for r in steady)
-                line = (f"of them with the read before and after within {STEADY:.0%} of each "
-                        f"other: {len(steady)}, median {mid:.0%}")
-                if half:
-                    line += "; " + ", ".join(
-                        f"the {name} {len(part)} ({part[0]['read_gb_s']:.1f}-"
-                        f"{part[-1]['read_gb_s']:.1f} GB/s) "
-                        f"{statistics.median(r['fraction'] for r in part):.0%}"
-                        for name, part in (("lower-read", steady[:half]),
-                                           ("higher-read", steady[-half:])))
-                if st:
-                    line += f"; with the recurrent state {mid * (w + st) / w:.0%}"
-                rows.append(line)
-            if st:
-                rows.append(f"with the recurrent state each token reads and writes too "
-                            f"({st / 1e6:.1f} MB, {(w + st) / 1e9:.3f} GB a token): "
-                            + "; ".join(f"{name} {statistics.median(f) * (w + st) / w:.0%}"
-                                        for name, f in ceil["fraction_by_round"].items()))
-    return "\n".join(rows)
 
 
 @_restores_threads
