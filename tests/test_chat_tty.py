@@ -97,7 +97,10 @@ def _ask_and_type_into_the_answer(term: Terminal, keys: str) -> None:
 def test_typing_and_ctrl_c_while_an_answer_streams_then_bye():
     term = Terminal()
     try:
+        # a line before torch and the model load (a new machine's compile says so after it),
+        # then the banner and the prompt
         term.wait_for(lambda t: t.endswith(">>> "))
+        assert 0 <= term.text.index("hybridrt: loading ") < term.text.index("hybridrt chat: ")
         _ask_and_type_into_the_answer(term, TYPED)
         time.sleep(0.3)
         term.type("\x03")  # Ctrl-C
