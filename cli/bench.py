@@ -744,9 +744,9 @@ def structured(
     """The cost of structured outputs: decode-step time with a JSON schema on every request
     against none, and a schema's compile time (cold, new, cached)."""
     batches = _int_list("--batch", batch, 1)
-    if importlib.util.find_spec("xgrammar") is None:
-        raise CliError("hybridrt bench structured needs xgrammar: pip install "
-                       "'hybridrt[serve]'", 2)
+    if all(importlib.util.find_spec(m) is None for m in ("llguidance", "xgrammar")):
+        raise CliError("hybridrt bench structured needs a grammar engine: pip install "
+                       "'hybridrt[structured]'", 2)
     from hybridrt.bench.structured import run
     from hybridrt.cli.common import resolve_model
 

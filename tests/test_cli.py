@@ -1269,11 +1269,12 @@ def _hiding(tmp_path: Path, *modules: str) -> dict[str, str]:
     (["bench", "serve"], "httpx", "pip install 'hybridrt[serve]'"),
     (["serve", "--replicas", "2", "--port", "1"], "ray", "pip install 'hybridrt[ray]'"),
     (["bench", "throughput", "--plot", "p.png"], "matplotlib", "pip install 'hybridrt[plot]'"),
-    (["bench", "structured"], "xgrammar", "pip install 'hybridrt["),
+    (["bench", "structured"], "xgrammar,llguidance", "pip install 'hybridrt[structured]'"),
 ], ids=["serve-starlette", "serve-uvicorn", "bench-serve-httpx", "replicas-ray", "plot",
         "structured"])
 def test_a_missing_extra_is_exit_2_with_the_pip_command(tmp_path, args, hidden, fix):
-    code, torch_loaded, err = _probe(*args, cwd=tmp_path, env=_hiding(tmp_path, hidden))
+    code, torch_loaded, err = _probe(*args, cwd=tmp_path,
+                                     env=_hiding(tmp_path, *hidden.split(",")))
     assert (code, torch_loaded) == (2, False), err
     assert fix in one_error_line(err)
 

@@ -2,10 +2,10 @@
 
 The mean decode-step time with a JSON-schema constraint on every request against none, at each
 batch size, rounds alternated (off, on) in one process; and a typical schema's compile time,
-cold (the first compile also reads the vocabulary into xgrammar), a second schema, and cached.
-Decode steps are timed by the engine itself (``LLMEngine.step_costs``, kind "decode");
-``cpu_time``: in this process's CPU time (a busy machine; with one thread). Needs xgrammar (the
-``structured`` extra). docs/structured_outputs.md has the figures.
+cold (the first compile also reads the vocabulary into the grammar engine), a second schema, and
+cached. Decode steps are timed by the engine itself (``LLMEngine.step_costs``, kind "decode");
+``cpu_time``: in this process's CPU time (a busy machine; with one thread). Needs a grammar engine
+(the ``structured`` extra). docs/structured_outputs.md has the figures.
 """
 
 from __future__ import annotations
