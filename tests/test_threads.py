@@ -19,14 +19,15 @@ def test_busy_bench_report(monkeypatch):
     ratio is to the best explicit --threads; the busy condition really has a busy process."""
     calls = []
 
-    def fake_probe(model, env, threads, tokens):
+    def fake_probe(model, env, threads, tokens, engine):
+        assert engine == {"block_size": 32}  # the option group's flags reach each probe
         spinning = subprocess.run(["pgrep", "-f", busybench._SPIN], capture_output=True,
                                   check=False).returncode == 0
         calls.append((dict(env), threads, spinning))
         return {0: 8.0, 1: 10.0, 2: 4.0}[threads] * (0.5 if spinning else 1.0)
 
     monkeypatch.setattr(busybench, "_probe", fake_probe)
-    report = busybench.measure_busy("m", tokens=5, rounds=2, cores=2)
+    report = busybench.measure_busy("m", tokens=5, rounds=2, cores=2, engine={"block_size": 32})
     cond = report["conditions"]
     assert set(cond) == {"as is", "one busy process"}
     assert cond["as is"]["default_over_best_explicit"] == pytest.approx(0.8)
