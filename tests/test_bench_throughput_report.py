@@ -99,3 +99,12 @@ def test_short_default_and_full(tiny, tmp_path, full):
     assert r["workload"]["repeats"] == (2 if full else 1)
     assert ("transformers" in r) == full
     assert ("interleaved_decode_b2_over_b1" in r) == full
+
+
+def test_a_figure_wider_than_its_column_never_runs_into_the_next():
+    """A stand-in llama.cpp's tiny peak RSS gave a six-figure ratio that ran into the next
+    column ('0.00687920.00'): every column keeps a space of its own."""
+    from hybridrt.bench.throughput_report import _row
+
+    line = _row("peak RSS (GiB)", 2.62, [("a", "x"), ("b", "y")], {"a": 3.8e-6, "b": 1.5e-3})
+    assert line.split()[3:] == ["2.62", "0.00", "689473.68", "0.00", "1746.67"]

@@ -53,11 +53,13 @@ def _peak_rss(report: dict) -> dict[str, float]:
 
 
 def _row(label: str, ours: float | None, others: list, theirs: dict) -> str:
-    line = f"{label:<38}" + (f"{ours:>10.2f}" if ours else f"{'-':>10}")
+    # every column after a space of its own: a figure wider than its column (a stand-in's
+    # ratio, say) never runs into the next
+    line = f"{label:<38}" + (f" {ours:>9.2f}" if ours else f" {'-':>9}")
     for name, _ in others:
         t = theirs.get(name)
-        line += (f"{t:>14.2f}{ours / t:>8.2f}" if t and ours else
-                 f"{t:>14.2f}{'-':>8}" if t else f"{'-':>14}{'-':>8}")
+        line += (f" {t:>13.2f} {ours / t:>7.2f}" if t and ours else
+                 f" {t:>13.2f} {'-':>7}" if t else f" {'-':>13} {'-':>7}")
     return line
 
 
@@ -76,8 +78,8 @@ def format_table(report: dict) -> str:
         rows.append(f"hybridrt weights: {report['quantization']}")
     if report.get("batch_invariant"):
         rows.append("hybridrt mode: batch-invariant")
-    rows.append(f"{'metric':<38}{'hybridrt':>10}"
-                + "".join(f"{label:>14}{RATIO:>8}" for _, label in others))
+    rows.append(f"{'metric':<38} {'hybridrt':>9}"
+                + "".join(f" {label:>13} {RATIO:>7}" for _, label in others))
     rows.append(f"{'(tok/s; ratio = hybridrt / that engine)':<38}")
     for k, v in ours.items():
         rows.append(_row(row_label(k, report), v, others,
