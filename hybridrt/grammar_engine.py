@@ -17,6 +17,7 @@ was.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import re
@@ -220,8 +221,9 @@ class _DecodedTokens:
         return self._encode(text, add_special_tokens=False)
 
 
-def _byte_level(text: str) -> str:
-    """``text`` in a byte-level BPE vocabulary's alphabet (GPT-2's byte -> character table)."""
+@functools.cache
+def byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE vocabularies), built once."""
     keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
     table, n = {}, 0
     for b in range(256):
@@ -230,6 +232,12 @@ def _byte_level(text: str) -> str:
         else:
             table[b] = chr(256 + n)
             n += 1
+    return table
+
+
+def _byte_level(text: str) -> str:
+    """``text`` in a byte-level BPE vocabulary's alphabet."""
+    table = byte_chars()
     return "".join(table[b] for b in text.encode())
 
 

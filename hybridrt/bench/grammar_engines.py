@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from hybridrt.grammar_engine import byte_chars
+
 ENGINES = ("xgrammar", "llguidance")
 QWEN35_VOCAB = 248_320  # Qwen3.5's embedding rows
 DEMO_DIR = Path(__file__).resolve().parent.parent / "demo_model"
@@ -112,19 +114,6 @@ CASES = [
 
 
 # Tokenizers ----------------------------------------------------------------------------------
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (byte-level BPE vocabularies)."""
-    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    table, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + n)
-            n += 1
-    return table
-
-
 def _synthetic_tokens(count: int, seed: int = 0) -> list[str]:
     """``count`` byte-level token strings of a large BPE vocabulary's kinds: words (bare, with
     a leading space, capitalised), CJK runs, code and JSON punctuation, digits."""
@@ -160,7 +149,7 @@ def load_tokenizer(vocab: int | None = None):
     config = json.loads((DEMO_DIR / "config.json").read_text())
     size = config.get("text_config", config).get("vocab_size") or config["vocab_size"]
     if vocab is not None and vocab > size:
-        table = _byte_chars()
+        table = byte_chars()
         words = spec["model"]["vocab"]
         taken = set(words) | {t["content"] for t in spec["added_tokens"]}
         next_id = max(max(words.values()), *(t["id"] for t in spec["added_tokens"])) + 1
