@@ -190,7 +190,7 @@ def load_llm(options: ModelOptions, *, announce: bool = True):
     check_device_available(options.device)
     if sys.stderr.isatty():  # within a second of start: torch, the model (and, on a new
         # machine, the kernels' compile, which says so itself) follow
-        typer.echo(f"hybridrt: loading {model} ...", err=True)
+        typer.echo(f"hybridrt: loading {model or 'the embedded demo model'} ...", err=True)
     from hybridrt.llm import LLM
 
     t0 = time.perf_counter()

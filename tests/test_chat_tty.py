@@ -4,6 +4,7 @@ stops the answer without a ``^C`` and gives a fresh prompt, ``/bye`` quits with 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import select
@@ -100,14 +101,21 @@ def test_typing_and_ctrl_c_while_an_answer_streams_then_bye():
         # a line before torch and the model load (a new machine's compile says so after it),
         # then the banner and the prompt
         term.wait_for(lambda t: t.endswith(">>> "))
-        assert 0 <= term.text.index("hybridrt: loading ") < term.text.index("hybridrt chat: ")
+        assert 0 <= term.text.index("hybridrt: loading the embedded demo model ...") \
+            < term.text.index("hybridrt chat: ")
         _ask_and_type_into_the_answer(term, TYPED)
         time.sleep(0.3)
         term.type("\x03")  # Ctrl-C
         term.wait_for(lambda t: "(interrupted)" in t and t.endswith(">>> "))
-        # Ctrl-C at the prompt: as before, a hint and a fresh prompt
+        # Ctrl-C at the prompt: as before, a hint and a fresh prompt. A SIGINT that lands
+        # between readline's prompt and its select() is seen only at the next key or signal
+        # (CPython's readline), so the key is pressed again until the hint shows, as a user would
         mark = len(term.text)
-        term.type("\x03")
+        for _ in range(12):
+            term.type("\x03")
+            with contextlib.suppress(AssertionError):
+                term.wait_for(lambda t: "(/exit or Ctrl-D to quit)" in t[mark:], timeout=5.0)
+                break
         term.wait_for(lambda t: "(/exit or Ctrl-D to quit)" in t[mark:] and t.endswith(">>> "))
         # keys typed into an answer that ends by itself are dropped too
         mark = len(term.text)
@@ -123,5 +131,7 @@ def test_typing_and_ctrl_c_while_an_answer_streams_then_bye():
         assert typed not in out, out
     answer = out[out.index(ASKED) + len(ASKED):out.index("(interrupted)")]
     assert "^C" not in answer, out
-    assert out.count(">>> ") == 4, out  # the first, after each answer, after Ctrl-C at it
+    hints = out.count("(/exit or Ctrl-D to quit)")
+    assert hints >= 1 and out.count(">>> ") == 3 + hints, out  # the first, after each answer,
+    # after each Ctrl-C at it
     assert out.endswith(">>> /bye\r\n"), out
