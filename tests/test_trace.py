@@ -1,0 +1,297 @@
+"""``hybridrt.trace``: the recorder's five variables, the invariants read from a trace (each one
+broken on purpose in a test double of the engine and in a doctored trace), and tracing off
+costing nothing."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hybridrt.llm import LLM
+from hybridrt.sampling_params import SamplingParams
+from hybridrt.trace import INVARIANTS, TraceRecorder, check_trace
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+BUDGET = 16  # tokens a step: the long prompt is prefilled in chunks beside the others' decodes
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread_module):
+    pass
+
+
+def make_llm(**kw) -> LLM:
+    kw.setdefault("max_model_len", 256)
+    kw.setdefault("max_num_seqs", 4)
+    kw.setdefault("max_num_batched_tokens", BUDGET)
+    kw.setdefault("cache_memory", 64 << 20)
+    return LLM(trace=kw.pop("trace", True), **kw)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """The demo tokenizer's ids of a short prompt, another one and a long one (> BUDGET)."""
+    llm = make_llm(trace=False)
+    tok = llm.tokenizer
+    return [tok.encode(t, add_special_tokens=False) for t in (
+        "What does json.dumps do?", "What does os.path.join do?",
+        "Return a new deque object initialized left-to-right with data from iterable. "
+        "If iterable is not specified, the new deque is empty.")]
+
+
+def drive(llm: LLM, prompts: list[list[int]], params=GREEDY) -> list[list[int]]:
+    """The scenario of docs/five-variables.md: the first prompt alone (a prefill, then decode
+    steps), the long one added two steps later (its chunks beside the first one's decodes),
+    the second one after that, then the first prompt again (a prefix-cache hit) -> the
+    requests' output tokens, in that order."""
+    eng = llm.engine
+    rids = [eng.add_request(prompts[0], params)]
+    for n in range(200):
+        if n == 2:
+            rids.append(eng.add_request(prompts[2], params))
+        if n == 3:
+            rids.append(eng.add_request(prompts[1], params))
+        if not eng.has_unfinished_requests():
+            break
+        eng.step()
+    rids.append(eng.add_request(prompts[0], params))
+    while eng.has_unfinished_requests():
+        eng.step()
+    return [eng.pop_request(r).output_token_ids for r in rids]
+
+
+@pytest.fixture(scope="module")
+def spec_trace(prompts):
+    """The scenario with 2 MTP drafts a step: (outputs, steps, llm)."""
+    llm = make_llm(speculative_tokens=2)
+    outs = drive(llm, prompts)
+    return outs, llm.trace.steps, llm
+
+
+def _seqs(steps, rid=None):
+    return [(r, s) for r in steps for s in r["seqs"] if rid is None or s["request"] == rid]
+
+
+# The recorder ---------------------------------------------------------------------------------
+def test_tracing_leaves_the_tokens_as_they_are(prompts, spec_trace):
+    outs, steps, _ = spec_trace
+    assert outs == drive(make_llm(speculative_tokens=2, trace=False), prompts)
+    assert outs[0] == outs[3]  # the prefix-cache hit continues as the cold run did
+
+
+def test_the_five_variables_of_a_prefill_a_decode_and_a_mixed_step(prompts, spec_trace):
+    _, steps, llm = spec_trace
+    first = steps[0]
+    (seq,) = first["seqs"]
+    n = len(prompts[0])
+    hidden = llm.config.hidden_size
+    # 1. hidden states: the prompt's ids enter, one row each, packed
+    assert seq["hidden"]["token_ids"] == prompts[0] == first["input_ids"]
+    assert seq["hidden"]["shape"] == [n, hidden] and seq["hidden"]["source"] == ["prompt"] * n
+    # 2. positions 0..n-1
+    assert seq["positions"]["positions"] == list(range(n)) and seq["positions"]["start"] == 0
+    # 3. attention: its rows of the packed batch, queries 0..n-1 over keys 0..n-1 in its blocks
+    att = seq["attention"]
+    assert att["rows"] == [0, n] and att["queries"] == [0, n - 1] and att["keys"] == [0, n - 1]
+    assert len(att["block_table"]) == 1 and att["context_len"] == n
+    # 4. caches: it writes its KV block, starts from a zero GDN state, writes its first slot
+    cache = seq["cache"]
+    assert cache["kv_written"] == cache["kv_read"] == att["block_table"]
+    assert cache["gdn"]["read"] is None and cache["gdn"]["written"] == cache["gdn"]["own_slots"][:1]
+    assert cache["admitted"] and cache["prefix"]["cached_tokens"] == 0
+    # 5. decoding: the last row's logits, greedy, the argmax chosen, drafts for the next step
+    dec = seq["decoding"]
+    assert dec["logits_rows"] == [n - 1] and dec["params"]["temperature"] == 0.0
+    assert dec["emitted"] == [dec["top"][0][0][0]] and len(dec["drafts_next"]) == 2
+    # a verify step of the same request: last token + 2 drafts at positions n, n+1, n+2
+    _, ver = next((r, s) for r, s in _seqs(steps[1:], "0"))
+    assert ver["positions"]["positions"] == [n, n + 1, n + 2]
+    assert ver["hidden"]["source"] == ["output", "draft", "draft"]
+    assert ver["decoding"]["drafts_verified"] == dec["drafts_next"]
+    assert len(ver["cache"]["gdn"]["written"]) == 3  # one state slot per verified position
+    # a step mixing a prompt chunk with another request's decode (verify) rows
+    mixed = [r for r in steps if {s["hidden"]["source"][0] for s in r["seqs"]} >= {
+        "prompt", "output"}]
+    assert mixed and all(r["kind"] == "prefill" for r in mixed)
+    chunks = [s for _, s in _seqs(steps, "1") if s["hidden"]["source"][0] == "prompt"]
+    assert len(chunks) > 1  # the long prompt took several steps
+    # the header: which layers are attention, which GDN
+    head = llm.trace.header()
+    assert [i for i, t in enumerate(head["layers"]) if t == "attention"] == (
+        llm.config.full_attention_layers)
+
+
+def test_a_prefix_hit_names_the_checkpoint_it_resumed_from(prompts, spec_trace):
+    _, steps, _ = spec_trace
+    _, seq = _seqs(steps, "3")[0]
+    prefix = seq["cache"]["prefix"]
+    ck = prefix["checkpoint"]
+    assert prefix["cached_tokens"] == ck["num_tokens"] == len(prompts[0]) - 1
+    assert seq["positions"]["positions"] == [len(prompts[0]) - 1]  # one token computed
+    assert seq["cache"]["gdn"]["read"] == seq["cache"]["gdn"]["own_slots"][0]
+    # the first run saved that checkpoint: its slot is the one the hit copied from
+    _, cold = _seqs(steps, "0")[0]
+    assert [ck["num_tokens"], ck["slot"]] in cold["cache"]["gdn"]["checkpoints"]
+
+
+def test_a_partly_accepted_draft_restores_the_accepted_slot(spec_trace):
+    _, steps, _ = spec_trace
+    partly = [(r, s) for r, s in _seqs(steps) if s["decoding"].get("accepted") == 1
+              and s["cache"]["gdn"]["restored"] is not None]
+    assert partly, "the scenario has no verification with exactly one of two drafts accepted"
+    for rec, seq in partly:
+        gdn = seq["cache"]["gdn"]
+        assert gdn["restored"] == gdn["written"][1] == gdn["own_slots"][1]
+        after = next(s for r, s in _seqs(steps, seq["request"]) if r["step"] > rec["step"])
+        assert after["cache"]["gdn"]["read"] == gdn["restored"]
+
+
+def test_a_clean_run_keeps_every_invariant(spec_trace, prompts):
+    _, steps, _ = spec_trace
+    assert check_trace(steps) == []
+    llm = make_llm()  # no speculation: decode steps instead of verifications
+    drive(llm, prompts)
+    assert check_trace(llm.trace.steps) == []
+
+
+# Each invariant broken on purpose: a doctored trace ---------------------------------------------
+def _doctor(steps: list[dict], invariant: str) -> list[dict]:
+    steps = copy.deepcopy(steps)
+    pairs = _seqs(steps)
+    if invariant == "positions":
+        _, seq = next((r, s) for r, s in pairs if s["positions"]["start"] > 0)
+        seq["positions"]["positions"][0] += 1
+    elif invariant == "isolation":
+        _, a = pairs[0]
+        _, b = next((r, s) for r, s in pairs if s["request"] != a["request"])
+        b["cache"]["kv_read"].append(a["cache"]["kv_written"][0])
+    elif invariant == "prefix_hit":
+        _, seq = next((r, s) for r, s in pairs if (s["cache"]["prefix"] or {}).get("checkpoint"))
+        seq["cache"]["prefix"]["checkpoint"]["num_tokens"] -= 1
+    else:
+        _, seq = next((r, s) for r, s in pairs if s["decoding"].get("accepted")
+                      and s["cache"]["gdn"]["restored"] is not None)
+        seq["cache"]["gdn"]["restored"] = seq["cache"]["gdn"]["written"][0]
+    return steps
+
+
+@pytest.mark.parametrize("invariant", INVARIANTS)
+def test_a_doctored_trace_breaks_the_invariant_it_changes(spec_trace, invariant):
+    _, steps, _ = spec_trace
+    found = check_trace(_doctor(steps, invariant))
+    assert found and {v.invariant for v in found} == {invariant}, found
+
+
+# Each invariant broken on purpose: a test double of the engine ---------------------------------
+def test_positions_shifted_by_the_runner_are_reported(prompts, monkeypatch):
+    import hybridrt.runner as runner
+
+    real = runner.build_batch
+
+    def shifted(*args, **kw):
+        batch = real(*args, **kw)
+        if batch.num_tokens > 1:
+            batch.positions[-1] += 1  # the step's last token one position too far
+        return batch
+
+    monkeypatch.setattr(runner, "build_batch", shifted)
+    llm = make_llm()
+    llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+    found = check_trace(llm.trace.steps)
+    assert found and {v.invariant for v in found} == {"positions"}
+    assert "row 0 has positions" in str(found[0])
+
+
+def test_a_request_given_another_ones_blocks_is_reported(prompts):
+    llm = make_llm()
+    cache = llm.engine.cache
+    real = cache.block_table
+    cache.block_table = lambda owner: (owner == "1" and real("0")) or real(owner)
+    llm.generate([prompts[0], prompts[1]], GREEDY, use_tqdm=False)
+    found = check_trace(llm.trace.steps)
+    assert "isolation" in {v.invariant for v in found}
+    assert any("that request 0 writes in the same step" in str(v) for v in found)
+
+
+def test_a_hit_computed_from_position_0_is_reported(prompts, monkeypatch):
+    from hybridrt.scheduler import Scheduler
+
+    real = Scheduler._admit
+
+    def from_zero(self, req, budget):  # the state restored, the positions not
+        n = real(self, req, budget)
+        if n is not None and req.num_computed_tokens:
+            n, req.num_computed_tokens = min(len(req.token_ids), budget), 0
+        return n
+
+    monkeypatch.setattr(Scheduler, "_admit", from_zero)
+    llm = make_llm()
+    llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+    assert check_trace(llm.trace.steps) == []
+    llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+    found = check_trace(llm.trace.steps)
+    assert found and found[0].invariant == "prefix_hit"
+    assert "first computed position 0 != num_cached_tokens" in found[0].message
+
+
+def test_a_rollback_to_the_wrong_slot_is_reported(prompts, monkeypatch):
+    from hybridrt.specdec.verify import Settled
+
+    monkeypatch.setattr(Settled, "slot_cursor", property(lambda self: 0))
+    llm = make_llm(speculative_tokens=2)
+    drive(llm, prompts)
+    assert any(s["decoding"].get("accepted") for _, s in _seqs(llm.trace.steps))
+    found = check_trace(llm.trace.steps)
+    assert found and {v.invariant for v in found} == {"draft_rollback"}
+
+
+# Tracing off ----------------------------------------------------------------------------------
+def test_tracing_off_calls_no_recorder(prompts, monkeypatch):
+    """Off (the default), the engine has no observer: the runner and the engine check one
+    attribute and call nothing (a recorder would fail here)."""
+    def boom(*a, **kw):
+        raise AssertionError("a recorder was called with tracing off")
+
+    for name in ("executed", "applied", "phase", "__init__"):
+        monkeypatch.setattr(TraceRecorder, name, boom)
+    llm = make_llm(trace=False)
+    assert llm.trace is None and llm.engine.observer is None
+    llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+
+
+def test_an_observer_without_the_hooks_is_not_called_for_them(prompts):
+    """A phase timer (``hybridrt.bench.cuda``) has ``phase`` only: the hooks are skipped."""
+    import contextlib
+
+    class Phases:
+        names: list = []
+
+        def phase(self, name):
+            self.names.append(name)
+            return contextlib.nullcontext()
+
+    llm = make_llm(trace=False)
+    llm.engine.observer = obs = Phases()
+    llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+    assert obs.names[:6] == ["schedule", "prepare", "forward", "logits", "sample", "update"]
+
+
+def test_one_observer_at_a_time():
+    llm = make_llm()
+    with pytest.raises(ValueError, match="already has an observer"):
+        TraceRecorder.attach(llm.engine)
+    with pytest.raises(ValueError, match="trace must be True or False"):
+        LLM(trace="yes")
+
+
+def test_the_recorder_reads_a_step_before_the_next_one_reuses_its_buffers(prompts):
+    """The runner's index buffers are reused each step (kernels/meta.py): a record holds
+    lists, not views of them."""
+    llm = make_llm()
+    llm.generate([prompts[0], prompts[1]], GREEDY, use_tqdm=False)
+    for rec in llm.trace.steps:
+        assert isinstance(rec["input_ids"], list) and not any(
+            isinstance(v, torch.Tensor) for v in rec.values())
+        assert sum(len(s["hidden"]["token_ids"]) for s in rec["seqs"]) == rec["num_tokens"]
