@@ -295,3 +295,61 @@ def test_the_recorder_reads_a_step_before_the_next_one_reuses_its_buffers(prompt
         assert isinstance(rec["input_ids"], list) and not any(
             isinstance(v, torch.Tensor) for v in rec.values())
         assert sum(len(s["hidden"]["token_ids"]) for s in rec["seqs"]) == rec["num_tokens"]
+
+
+# hybridrt trace ----------------------------------------------------------------------------------
+CLI_FLAGS = ("--cache-memory", "64MiB", "--max-model-len", "256", "--max-num-batched-tokens",
+             str(BUDGET), "--temperature", "0", "--max-tokens", "3")
+QUESTIONS = ("What does json.dumps do?", "Return a new deque object initialized left-to-right "
+             "with data from iterable.")
+
+
+def invoke(*args):
+    from typer.testing import CliRunner
+
+    from hybridrt.cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_cli_jsonl_is_the_recorders_trace_and_keeps_the_invariants(tmp_path):
+    import json
+
+    res = invoke("trace", "-p", QUESTIONS[0], "-p", QUESTIONS[1], "--chat", *CLI_FLAGS,
+                 "--jsonl", "-")
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(x) for x in res.stdout.splitlines()]
+    head, steps = lines[0], lines[1:]
+    assert head["trace"] == "hybridrt" and head["layers"].count("attention") == 2
+    assert [r["step"] for r in steps] == list(range(len(steps)))
+    assert {s["request"] for r in steps for s in r["seqs"]} == {"0", "1"}
+    assert any(s["decoding"]["emitted"] for r in steps for s in r["seqs"])
+    assert check_trace(steps) == []
+    assert "invariants: positions, isolation, prefix_hit, draft_rollback hold" in res.stderr
+
+
+def test_cli_table_filters_steps_and_requests_and_writes_the_html(tmp_path):
+    page = tmp_path / "trace.html"
+    res = invoke("trace", "-p", QUESTIONS[0], "-p", QUESTIONS[1], *CLI_FLAGS,
+                 "--steps", "1-2", "--request", "0", "--html", page)
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    assert "layers: attention 3,7" in out
+    shown = [ln.split(" · ")[0] for ln in out.splitlines() if ln.startswith("step ")]
+    assert shown == ["step 1", "step 2"]
+    assert "request 0" in out and "request 1" not in out
+    for var in ("1 hidden", "2 positions", "3 attention", "4 caches", "5 decoding"):
+        assert var in out
+    text = page.read_text()
+    assert text.startswith("<!doctype html>") and "<script src" not in text
+    assert "request 0</th>" in text and 'data-k="0/0"' in text and "4 caches" in text
+
+
+@pytest.mark.parametrize("flag, message", [
+    (("--steps", "3-1"), "--steps: '3-1' is not a range of steps"),
+    (("--steps", "x"), "--steps: 'x' is not a step"),
+    (("--jsonl", "/nonexistent/dir/t.jsonl"), "--jsonl /nonexistent/dir/t.jsonl"),
+])
+def test_cli_bad_options_are_one_error_line_before_the_model_loads(flag, message):
+    res = invoke("trace", "-p", "hi", *flag)
+    assert res.exit_code == 2 and message in res.stderr, res.output
