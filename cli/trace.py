@@ -88,9 +88,10 @@ def trace(
         "prompt); repeat for more (default: all).", show_default=False)] = None,
     jsonl: Annotated[Path | None, typer.Option(
         "--jsonl", help="Write the trace as JSON lines (a header, then one line per step) "
-        "('-': stdout, instead of the table).", show_default=False)] = None,
+        "('-': stdout, instead of the table) (default: none).", show_default=False)] = None,
     html_file: Annotated[Path | None, typer.Option(
-        "--html", help="Write one self-contained HTML page: the steps as a timeline.",
+        "--html", help="Write one self-contained HTML page: the steps as a timeline (default: "
+        "none).",
         show_default=False)] = None,
     check: Annotated[bool, typer.Option(
         "--check/--no-check", help="Check the trace's invariants (positions, isolation, "
