@@ -353,3 +353,19 @@ def test_cli_table_filters_steps_and_requests_and_writes_the_html(tmp_path):
 def test_cli_bad_options_are_one_error_line_before_the_model_loads(flag, message):
     res = invoke("trace", "-p", "hi", *flag)
     assert res.exit_code == 2 and message in res.stderr, res.output
+
+
+def test_the_decode_ab_script_runs_tracing_off_and_on():
+    """scripts/decode_ab.py (decode speed alternated between trees, tracing off / on) stays
+    runnable: one short round here."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "scripts/decode_ab.py", ".", "--trace-on", "--rounds",
+                          "1", "--steps", "2", "--batch", "1"], cwd=root, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 and "x1.000" in lines[0] and "(trace on)" in lines[1]
