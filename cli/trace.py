@@ -93,6 +93,8 @@ def trace(
         "--html", help="Write one self-contained HTML page: the steps as a timeline (default: "
         "none).",
         show_default=False)] = None,
+    times: Annotated[bool, typer.Option(
+        "--times/--no-times", help="Each step's phases' durations in the table.")] = True,
     check: Annotated[bool, typer.Option(
         "--check/--no-check", help="Check the trace's invariants (positions, isolation, "
         "prefix hits, draft rollback); a violation fails the command.")] = True,
@@ -142,7 +144,7 @@ def trace(
         if to_stdout or not _wanted(record["step"], ranges) or (
                 wanted is not None and not wanted & {s["request"] for s in record["seqs"]}):
             return
-        typer.echo("\n" + "\n".join(step_lines(record, wanted)))
+        typer.echo("\n" + "\n".join(step_lines(record, wanted, times)))
 
     rec.sink = show
     defaults = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}

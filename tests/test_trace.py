@@ -136,6 +136,16 @@ def test_a_prefix_hit_names_the_checkpoint_it_resumed_from(prompts, spec_trace):
     assert [ck["num_tokens"], ck["slot"]] in cold["cache"]["gdn"]["checkpoints"]
 
 
+def test_a_finished_requests_state_is_kept_as_a_checkpoint_once(spec_trace):
+    """The first run of a prompt keeps its final state from one of its own slots; the same
+    prompt again ends at the same tokens: the cache has that checkpoint already."""
+    _, steps, _ = spec_trace
+    last = {s["request"]: s for _, s in _seqs(steps) if s["decoding"]["finish_reason"]}
+    first, again = last["0"]["cache"]["kept_checkpoint"], last["3"]["cache"]["kept_checkpoint"]
+    assert first["own"] and first["slot"] in last["0"]["cache"]["gdn"]["own_slots"]
+    assert not again["own"] and again["slot"] == first["slot"]
+
+
 def test_a_partly_accepted_draft_restores_the_accepted_slot(spec_trace):
     _, steps, _ = spec_trace
     partly = [(r, s) for r, s in _seqs(steps) if s["decoding"].get("accepted") == 1

@@ -126,7 +126,7 @@ class TraceRecorder:
             dec["finish_reason"] = req.finish_reason
             if req.is_finished:
                 self._active.discard(req.request_id)
-                seq["cache"]["kept_checkpoint"] = self._kept(req)
+                seq["cache"]["kept_checkpoint"] = self._kept(req, seq["cache"]["gdn"])
         self.steps.append(rec)
         if self.sink is not None:
             self.sink(rec)
@@ -202,15 +202,18 @@ class TraceRecorder:
                                      "tail_len": ck.tail_len}
         return out
 
-    def _kept(self, req) -> dict | None:
-        """The checkpoint a finished request's state became on release (None: not kept)."""
+    def _kept(self, req, gdn: dict) -> dict | None:
+        """The checkpoint of a finished request's tokens the cache holds after its release
+        (None: none): ``own`` says whether it is the request's state, kept from one of its
+        slots, or one the cache held already (the same tokens computed by another request)."""
         cache = self.engine.cache
         n = req.num_computed_tokens
         if cache.prefix is None or req.block_hashes is None or n == 0:
             return None
         ck = cache.prefix.checkpoints.get(cache.checkpoint_key(req.token_ids, req.block_hashes,
                                                                n)[0])
-        return None if ck is None else {"num_tokens": ck.num_tokens, "slot": ck.slot}
+        return None if ck is None else {"num_tokens": ck.num_tokens, "slot": ck.slot,
+                                        "own": ck.slot in gdn["own_slots"]}
 
 
 def _unique(xs: list[int]) -> list[int]:

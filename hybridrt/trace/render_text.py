@@ -43,12 +43,16 @@ def header_lines(header: dict) -> list[str]:
     ]
 
 
-def step_lines(rec: dict, requests: Collection[str] | None = None) -> list[str]:
+def step_lines(rec: dict, requests: Collection[str] | None = None,
+               times: bool = True) -> list[str]:
+    """A step's lines (``times``: with its phases' durations)."""
     cu = rec["cu_seqlens"]
     packed = " | ".join(f"{a}:{b}" for a, b in zip(cu, cu[1:]))
-    phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rec["phase_s"].items() if v)
     out = [f"step {rec['step']} · {rec['kind']}{' (chained)' if rec['chained'] else ''} · "
-           f"{rec['num_tokens']} tokens packed as [{packed}] · {phases}"]
+           f"{rec['num_tokens']} tokens packed as [{packed}]"]
+    if times:
+        out[0] += " · " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rec["phase_s"].items()
+                                    if v)
     if rec["preempted"]:
         out.append(f"  preempted: {', '.join(rec['preempted'])} (recomputed later)")
     for seq in rec["seqs"]:
@@ -82,8 +86,12 @@ def seq_lines(seq: dict, rec: dict) -> list[str]:
     lines.append(f"  5 decoding   {_decoding(dec)}")
     if seq.get("progress"):
         kept = cache.get("kept_checkpoint")
-        tail = f"; its state kept as checkpoint {kept['num_tokens']}@slot {kept['slot']}" if (
-            kept) else ""
+        tail = ""
+        if kept:
+            tail = (f"; its state kept as the checkpoint after {kept['num_tokens']} tokens "
+                    f"(slot {kept['slot']})" if kept["own"] else
+                    f"; the cache has the checkpoint after {kept['num_tokens']} tokens already "
+                    f"(slot {kept['slot']})")
         lines.append(f"    -> {seq['progress']['num_computed_tokens']} tokens computed"
                      f"{tail}")
     return lines
