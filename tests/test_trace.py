@@ -379,3 +379,19 @@ def test_the_decode_ab_script_runs_tracing_off_and_on():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert len(lines) == 2 and "x1.000" in lines[0] and "(trace on)" in lines[1]
+
+
+def test_the_traces_in_docs_five_variables_are_what_their_commands_print():
+    """docs/five-variables.md shows three traces of the demo model, each under the command
+    that prints it: run again, each prints the same."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "five-variables.md").read_text()
+    blocks = re.findall(r"```text\n\$ hybridrt (trace .*?)\n(.*?)```", doc, re.S)
+    assert len(blocks) == 3
+    for command, shown in blocks:
+        res = invoke(*shlex.split(command))
+        assert res.exit_code == 0, res.output
+        assert res.stdout == shown, f"docs/five-variables.md is stale for: hybridrt {command}"
