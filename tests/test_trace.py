@@ -395,3 +395,17 @@ def test_the_traces_in_docs_five_variables_are_what_their_commands_print():
         res = invoke(*shlex.split(command))
         assert res.exit_code == 0, res.output
         assert res.stdout == shown, f"docs/five-variables.md is stale for: hybridrt {command}"
+
+
+def test_chained_decode_steps_are_traced_in_order(prompts):
+    """With async scheduling a decode step is launched before the previous one is applied:
+    each record is still completed by its own step's update."""
+    llm = make_llm(async_scheduling=True)
+    outs = drive(llm, prompts)
+    assert outs == drive(make_llm(async_scheduling=True, trace=False), prompts)
+    steps = llm.trace.steps
+    assert any(r["chained"] for r in steps)
+    assert [r["step"] for r in steps] == list(range(len(steps)))
+    chained = next(s for r in steps if r["chained"] for s in r["seqs"])
+    assert chained["hidden"]["source"] == ["chained"]
+    assert check_trace(steps) == []

@@ -81,13 +81,16 @@ class TraceRecorder:
 
     def executed(self, launched, logits) -> None:
         plan, batch = launched.plan, launched.batch
+        chained = any(s.chained for s in plan.seqs)
+        if not chained:  # a chained step still pending here was dropped by the engine (every
+            self._pending.clear()  # request of it finished): it is never applied
         for req in plan.preempted:
             self._active.discard(req.request_id)
         times, self._times = self._times, {}
         rec = {
-            "step": len(self.steps) + len(self._pending),
+            "step": None,  # numbered when applied: steps in the order they land
             "kind": plan.kind,
-            "chained": any(s.chained for s in plan.seqs),
+            "chained": chained,
             "num_tokens": batch.num_tokens,
             "input_ids": batch.input_ids.tolist(),
             "positions": batch.positions.tolist(),
@@ -108,6 +111,7 @@ class TraceRecorder:
         rec = self._pending.pop(id(launched.plan), None)
         if rec is None:  # the step was launched before the recorder was attached
             return
+        rec["step"] = len(self.steps)
         rec["phase_s"]["update"] = round(self._times.pop("update", 0.0), 6)
         emitted = launched.sampled.emitted()  # on the host already: the update read it
         for b, (s, seq) in enumerate(zip(launched.plan.seqs, rec["seqs"])):
