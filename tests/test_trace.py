@@ -409,3 +409,34 @@ def test_chained_decode_steps_are_traced_in_order(prompts):
     chained = next(s for r in steps if r["chained"] for s in r["seqs"])
     assert chained["hidden"]["source"] == ["chained"]
     assert check_trace(steps) == []
+
+
+def test_a_miss_says_how_many_leading_blocks_were_cached_without_a_checkpoint(prompts):
+    """Why a prompt did not hit: its first two blocks are cached (another prompt computed
+    them), but that prompt's GDN checkpoints lie past where the two diverge."""
+    from hybridrt.trace.render_text import seq_lines
+
+    llm = make_llm(max_num_batched_tokens=64)
+    base = (prompts[2] * 2)[:40]
+    llm.generate([base], GREEDY, use_tqdm=False)
+    llm.generate([base[:35] + [7, 8, 9]], GREEDY, use_tqdm=False)
+    rec = llm.trace.steps[-GREEDY.max_tokens]
+    (seq,) = rec["seqs"]
+    assert seq["cache"]["prefix"]["cached_tokens"] == 0
+    assert seq["cache"]["prefix"]["cached_blocks"] == 2
+    assert ("prefix cache miss (2 leading block(s) cached, but no GDN checkpoint to resume "
+            "from)") in seq_lines(seq, rec)[0]
+
+
+def test_positions_are_checked_row_by_row_where_there_are_three(spec_trace):
+    """M-RoPE's three rows (t, h, w): a record may carry a list of rows; each is checked."""
+    _, steps, _ = spec_trace
+    steps = copy.deepcopy(steps)
+    for _, seq in _seqs(steps):
+        p = seq["positions"]["positions"]
+        seq["positions"]["positions"] = [list(p), list(p), list(p)]
+    assert check_trace(steps) == []
+    _, seq = _seqs(steps)[1]
+    seq["positions"]["positions"][2][0] -= 1
+    (v,) = check_trace(steps)
+    assert v.invariant == "positions" and "row 2 has positions" in v.message

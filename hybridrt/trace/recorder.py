@@ -196,6 +196,15 @@ class TraceRecorder:
         cache = self.engine.cache
         n = req.metrics.num_cached_tokens
         out: dict[str, Any] = {"cached_tokens": n, "checkpoint_at": list(req.checkpoint_at)}
+        if cache.prefix is not None and req.block_hashes is not None:
+            # why a hit is no longer: the leading full blocks of its tokens the index held
+            # (a hit needs a GDN checkpoint at its end as well)
+            chain = req.block_hashes.upto(req.token_ids,
+                                          req.block_hashes.num_hashable(len(req.token_ids)))
+            run = 0
+            while run < len(chain) and chain[run] in cache.prefix.block_of:
+                run += 1
+            out["cached_blocks"] = run
         if n and cache.prefix is not None:
             key = cache.checkpoint_key(req.token_ids, req.block_hashes, n)[0]
             ck = cache.prefix.checkpoints.get(key)

@@ -102,8 +102,11 @@ def _prefix(prefix: dict | None) -> str:
         return "no prefix cache"
     ck = prefix.get("checkpoint")
     planned = prefix.get("checkpoint_at") or []
+    blocks = prefix.get("cached_blocks", 0)
     if not prefix["cached_tokens"]:
-        return f"prefix cache miss; checkpoints planned after {planned} tokens"
+        held = (f" ({blocks} leading block(s) cached, but no GDN checkpoint to resume from)"
+                if blocks else "")
+        return f"prefix cache miss{held}; checkpoints planned after {planned} tokens"
     if ck is None:
         return f"{prefix['cached_tokens']} tokens from the prefix cache"
     tail = f", KV tail of {ck['tail_len']} copied into block {ck['tail_block']}" if (
