@@ -16,7 +16,12 @@ import typer
 
 from hybridrt.cli.common import (
     CliError,
+    FrequencyOpt,
+    MinPOpt,
+    PresenceOpt,
+    RepetitionOpt,
     SeedOpt,
+    StopOpt,
     TemperatureOpt,
     ThinkOpt,
     TopKOpt,
@@ -52,6 +57,18 @@ def _wanted(step: int, ranges) -> bool:
     return not ranges or any(lo <= step and (hi is None or step <= hi) for lo, hi in ranges)
 
 
+def _check_filters(steps: list[dict], ranges, wanted: set[str] | None) -> None:
+    """A --steps or --request that matched nothing in the run -> CliError (exit 2)."""
+    if ranges and not any(_wanted(r["step"], ranges) for r in steps):
+        raise CliError(f"--steps: the run had {len(steps)} steps (0-{len(steps) - 1}), none "
+                       f"of them in the range given", 2)
+    seen = {s["request"] for r in steps for s in r["seqs"]}
+    missing = sorted(wanted - seen) if wanted else []
+    if missing:
+        raise CliError(f"--request: no request {', '.join(missing)} in the run (its requests: "
+                       f"{', '.join(sorted(seen, key=lambda x: (len(x), x)))})", 2)
+
+
 def _open(path: Path | None, flag: str):
     if path is None or str(path) == "-":
         return None
@@ -77,15 +94,21 @@ def trace(
     temperature: TemperatureOpt = None,
     top_p: TopPOpt = None,
     top_k: TopKOpt = None,
+    min_p: MinPOpt = None,
+    presence_penalty: PresenceOpt = None,
+    frequency_penalty: FrequencyOpt = None,
+    repetition_penalty: RepetitionOpt = None,
     seed: SeedOpt = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1,
                                             help="Most tokens per prompt.")] = 8,
+    stop: StopOpt = None,
     steps: Annotated[str | None, typer.Option(
         "--steps", help="Show these steps only: 3, 0-4, 10- or a comma list (default: all).",
         show_default=False)] = None,
     request: Annotated[list[str] | None, typer.Option(
-        "--request", "-r", help="Show this request only (its engine id: 0 is the first "
-        "prompt); repeat for more (default: all).", show_default=False)] = None,
+        "--request", "-r", help="Show this request only (its engine id, as the table shows "
+        "it: 0 is the first prompt that runs); repeat for more (default: all).",
+        show_default=False)] = None,
     jsonl: Annotated[Path | None, typer.Option(
         "--jsonl", help="Write the trace as JSON lines (a header, then one line per step) "
         "('-': stdout, instead of the table) (default: none).", show_default=False)] = None,
@@ -112,7 +135,11 @@ def trace(
 
     options = options.checked()
     ranges = parse_steps(steps) if steps is not None else ()
-    flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                               presence_penalty=presence_penalty,
+                               frequency_penalty=frequency_penalty,
+                               repetition_penalty=repetition_penalty, seed=seed,
+                               stop=stop or None)
     try:
         SamplingParams(**flags, max_tokens=max_tokens)
     except ValueError as e:
@@ -164,6 +191,7 @@ def trace(
     if html_file is not None:
         html_file.write_text(render_html(header, rec.steps, f"hybridrt trace: "
                                          f"{llm.model_path}"), encoding="utf-8")
+    _check_filters(rec.steps, ranges, wanted)
     broken = check_trace(rec.steps) if check else []
     for v in broken:
         typer.echo(f"invariant broken: {v}", err=True)

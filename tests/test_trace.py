@@ -353,6 +353,21 @@ def test_cli_table_filters_steps_and_requests_and_writes_the_html(tmp_path):
     text = page.read_text()
     assert text.startswith("<!doctype html>") and "<script src" not in text
     assert "request 0</th>" in text and 'data-k="0/0"' in text and "4 caches" in text
+    import json
+    import re
+
+    data = json.loads(re.search(r"id='data'>(.*?)</script>", text, re.S).group(1))
+    cells = set(re.findall(r'data-k="([^"]+)"', text))
+    assert cells == set(data) and all("5 decoding" in v for v in data.values())
+
+
+@pytest.mark.parametrize("flag, message", [
+    (("--request", "9"), "--request: no request 9 in the run (its requests: 0)"),
+    (("--steps", "99-"), "--steps: the run had 3 steps (0-2), none of them in the range"),
+])
+def test_cli_filters_that_match_nothing_in_the_run_are_refused(flag, message):
+    res = invoke("trace", "-p", QUESTIONS[0], *CLI_FLAGS, *flag)
+    assert res.exit_code == 2 and message in res.stderr, res.output
 
 
 @pytest.mark.parametrize("flag, message", [
