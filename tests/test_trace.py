@@ -398,7 +398,8 @@ def test_the_decode_ab_script_runs_tracing_off_and_on():
 
 def test_the_traces_in_docs_five_variables_are_what_their_commands_print():
     """docs/five-variables.md shows three traces of the demo model, each under the command
-    that prints it: run again, each prints the same."""
+    that prints it: run again, each prints the same (the logits' values compared to their
+    first decimal: a CPU with other kernel paths rounds bf16 products otherwise)."""
     import re
     import shlex
     from pathlib import Path
@@ -409,7 +410,12 @@ def test_the_traces_in_docs_five_variables_are_what_their_commands_print():
     for command, shown in blocks:
         res = invoke(*shlex.split(command))
         assert res.exit_code == 0, res.output
-        assert res.stdout == shown, f"docs/five-variables.md is stale for: hybridrt {command}"
+
+        def coarse(text: str) -> str:
+            return re.sub(r"\((-?\d+\.\d)\d\)", r"(\1)", text)
+
+        assert coarse(res.stdout) == coarse(shown), (
+            f"docs/five-variables.md is stale for: hybridrt {command}")
 
 
 def test_chained_decode_steps_are_traced_in_order(prompts):
