@@ -78,9 +78,11 @@ def seq_lines(seq: dict, rec: dict) -> list[str]:
                  f"{h['rows'][0]}:{h['rows'][1]} of [{rec['num_tokens']}, {h['shape'][1]}]")
     lines.append(f"  2 positions  {span(p[0], p[-1]) if p else '-'} (start C={pos['start']}, "
                  f"T={n}, rope delta {pos['rope_delta']})")
-    lines.append(f"  3 attention  queries {span(*att['queries'])} each see keys 0..itself of "
-                 f"0..{att['keys'][1]} (causal), in its blocks {att['block_table']}; GDN: its "
-                 f"state slot only")
+    q0, q1 = att["queries"]
+    sees = (f"query {q0} sees keys 0..{q0}" if q0 == q1 else
+            f"queries {q0}..{q1}: query p sees keys 0..p (causal)")
+    lines.append(f"  3 attention  {sees}, in its blocks {att['block_table']}; GDN: its state "
+                 f"slot only")
     lines.append(f"  4 caches     KV write blocks {cache['kv_written']}, read "
                  f"{cache['kv_read']}; GDN {_gdn(cache['gdn'])}")
     lines.append(f"  5 decoding   {_decoding(dec)}")
