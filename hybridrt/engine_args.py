@@ -80,7 +80,6 @@ class EngineArgs:
     checkpoint_interval: int = 2048
     checkpoint_share: float = 0.25
     batch_invariant: bool = False
-    trace: bool = False
 
     def __post_init__(self) -> None:
         check_int("speculative_tokens", self.speculative_tokens, lo=0)
@@ -98,7 +97,6 @@ class EngineArgs:
         if isinstance(self.device, str):
             check_device_name(self.device)
         check_bool("batch_invariant", self.batch_invariant)
-        check_bool("trace", self.trace)
         if self.batch_invariant and self.backend == "reference":
             raise ValueError("batch_invariant=True runs on the cpu and cuda backends, not the "
                              "reference one")

@@ -71,8 +71,6 @@ class LLM:
     beside it, however its prompt is chunked, after preemption, and with greedy speculation
     on or off (docs/batch_invariance.md). CPU and CUDA backends (CUDA: checked under the
     Triton interpreter only so far); costs some prefill speed.
-    trace: record the five variables of every step (``llm.trace``, a
-    ``hybridrt.trace.TraceRecorder``: its ``steps``; docs/five-variables.md). Off: no cost.
     """
 
     def __init__(
@@ -99,7 +97,6 @@ class LLM:
         checkpoint_interval: int = 2048,
         checkpoint_share: float = 0.25,
         batch_invariant: bool = False,
-        trace: bool = False,
     ):
         # every keyword above, checked once (before anything loads)
         args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})
@@ -150,11 +147,6 @@ class LLM:
         self._parent_ids = itertools.count()  # n > 1: the parents' ids
         self.engine = LLMEngine(self.model, self.config, cache, self.args, self.tokenizer,
                                 draft_vocab=draft_vocab, thread_governor=governor)
-        self.trace = None  # with trace=True: the TraceRecorder (hybridrt.trace) of every step
-        if trace:
-            from hybridrt.trace import TraceRecorder
-
-            self.trace = TraceRecorder.attach(self.engine)
 
     # Set-up ------------------------------------------------------------------------------
     def _load_tokenizer(self, tokenizer: Any):

@@ -28,10 +28,12 @@ def child(batch: int, steps: int, trace: bool) -> None:
     from hybridrt.llm import LLM
     from hybridrt.sampling_params import SamplingParams
 
-    kw = {"trace": True} if trace else {}
-    llm = LLM(max_model_len=512, cache_memory="256MiB", max_num_seqs=batch, threads=1,
-              **kw)
+    llm = LLM(max_model_len=512, cache_memory="256MiB", max_num_seqs=batch, threads=1)
     eng = llm.engine
+    if trace:
+        from hybridrt.trace import TraceRecorder
+
+        TraceRecorder.attach(eng)
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     rids = [eng.add_request([318, 353, 225 + i, 1808, 4698, 302, 35], params)
             for i in range(batch)]

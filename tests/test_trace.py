@@ -27,7 +27,11 @@ def make_llm(**kw) -> LLM:
     kw.setdefault("max_num_seqs", 4)
     kw.setdefault("max_num_batched_tokens", BUDGET)
     kw.setdefault("cache_memory", 64 << 20)
-    return LLM(trace=kw.pop("trace", True), **kw)
+    trace = kw.pop("trace", True)
+    llm = LLM(**kw)
+    if trace:  # the recorder is the engine's observer: llm.engine.observer.steps
+        TraceRecorder.attach(llm.engine)
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,7 @@ def spec_trace(prompts):
     """The scenario with 2 MTP drafts a step: (outputs, steps, llm)."""
     llm = make_llm(speculative_tokens=2)
     outs = drive(llm, prompts)
-    return outs, llm.trace.steps, llm
+    return outs, llm.engine.observer.steps, llm
 
 
 def _seqs(steps, rid=None):
@@ -118,7 +122,7 @@ def test_the_five_variables_of_a_prefill_a_decode_and_a_mixed_step(prompts, spec
     chunks = [s for _, s in _seqs(steps, "1") if s["hidden"]["source"][0] == "prompt"]
     assert len(chunks) > 1  # the long prompt took several steps
     # the header: which layers are attention, which GDN
-    head = llm.trace.header()
+    head = llm.engine.observer.header()
     assert [i for i, t in enumerate(head["layers"]) if t == "attention"] == (
         llm.config.full_attention_layers)
 
@@ -163,7 +167,7 @@ def test_a_clean_run_keeps_every_invariant(spec_trace, prompts):
     assert check_trace(steps) == []
     llm = make_llm()  # no speculation: decode steps instead of verifications
     drive(llm, prompts)
-    assert check_trace(llm.trace.steps) == []
+    assert check_trace(llm.engine.observer.steps) == []
 
 
 # Each invariant broken on purpose: a doctored trace ---------------------------------------------
@@ -209,7 +213,7 @@ def test_positions_shifted_by_the_runner_are_reported(prompts, monkeypatch):
     monkeypatch.setattr(runner, "build_batch", shifted)
     llm = make_llm()
     llm.generate([prompts[0]], GREEDY, use_tqdm=False)
-    found = check_trace(llm.trace.steps)
+    found = check_trace(llm.engine.observer.steps)
     assert found and {v.invariant for v in found} == {"positions"}
     assert "row 0 has positions" in str(found[0])
 
@@ -220,7 +224,7 @@ def test_a_request_given_another_ones_blocks_is_reported(prompts):
     real = cache.block_table
     cache.block_table = lambda owner: (owner == "1" and real("0")) or real(owner)
     llm.generate([prompts[0], prompts[1]], GREEDY, use_tqdm=False)
-    found = check_trace(llm.trace.steps)
+    found = check_trace(llm.engine.observer.steps)
     assert "isolation" in {v.invariant for v in found}
     assert any("that request 0 writes in the same step" in str(v) for v in found)
 
@@ -239,9 +243,9 @@ def test_a_hit_computed_from_position_0_is_reported(prompts, monkeypatch):
     monkeypatch.setattr(Scheduler, "_admit", from_zero)
     llm = make_llm()
     llm.generate([prompts[0]], GREEDY, use_tqdm=False)
-    assert check_trace(llm.trace.steps) == []
+    assert check_trace(llm.engine.observer.steps) == []
     llm.generate([prompts[0]], GREEDY, use_tqdm=False)
-    found = check_trace(llm.trace.steps)
+    found = check_trace(llm.engine.observer.steps)
     assert found and found[0].invariant == "prefix_hit"
     assert "first computed position 0 != num_cached_tokens" in found[0].message
 
@@ -252,8 +256,8 @@ def test_a_rollback_to_the_wrong_slot_is_reported(prompts, monkeypatch):
     monkeypatch.setattr(Settled, "slot_cursor", property(lambda self: 0))
     llm = make_llm(speculative_tokens=2)
     drive(llm, prompts)
-    assert any(s["decoding"].get("accepted") for _, s in _seqs(llm.trace.steps))
-    found = check_trace(llm.trace.steps)
+    assert any(s["decoding"].get("accepted") for _, s in _seqs(llm.engine.observer.steps))
+    found = check_trace(llm.engine.observer.steps)
     assert found and {v.invariant for v in found} == {"draft_rollback"}
 
 
@@ -267,7 +271,7 @@ def test_tracing_off_calls_no_recorder(prompts, monkeypatch):
     for name in ("executed", "applied", "phase", "__init__"):
         monkeypatch.setattr(TraceRecorder, name, boom)
     llm = make_llm(trace=False)
-    assert llm.trace is None and llm.engine.observer is None
+    assert llm.engine.observer is None
     llm.generate([prompts[0]], GREEDY, use_tqdm=False)
 
 
@@ -292,8 +296,6 @@ def test_one_observer_at_a_time():
     llm = make_llm()
     with pytest.raises(ValueError, match="already has an observer"):
         TraceRecorder.attach(llm.engine)
-    with pytest.raises(ValueError, match="trace must be True or False"):
-        LLM(trace="yes")
 
 
 def test_the_recorder_reads_a_step_before_the_next_one_reuses_its_buffers(prompts):
@@ -301,7 +303,7 @@ def test_the_recorder_reads_a_step_before_the_next_one_reuses_its_buffers(prompt
     lists, not views of them."""
     llm = make_llm()
     llm.generate([prompts[0], prompts[1]], GREEDY, use_tqdm=False)
-    for rec in llm.trace.steps:
+    for rec in llm.engine.observer.steps:
         assert isinstance(rec["input_ids"], list) and not any(
             isinstance(v, torch.Tensor) for v in rec.values())
         assert sum(len(s["hidden"]["token_ids"]) for s in rec["seqs"]) == rec["num_tokens"]
@@ -424,7 +426,7 @@ def test_chained_decode_steps_are_traced_in_order(prompts):
     llm = make_llm(async_scheduling=True)
     outs = drive(llm, prompts)
     assert outs == drive(make_llm(async_scheduling=True, trace=False), prompts)
-    steps = llm.trace.steps
+    steps = llm.engine.observer.steps
     assert any(r["chained"] for r in steps)
     assert [r["step"] for r in steps] == list(range(len(steps)))
     chained = next(s for r in steps if r["chained"] for s in r["seqs"])
@@ -441,7 +443,7 @@ def test_a_miss_says_how_many_leading_blocks_were_cached_without_a_checkpoint(pr
     base = (prompts[2] * 2)[:40]
     llm.generate([base], GREEDY, use_tqdm=False)
     llm.generate([base[:35] + [7, 8, 9]], GREEDY, use_tqdm=False)
-    rec = llm.trace.steps[-GREEDY.max_tokens]
+    rec = llm.engine.observer.steps[-GREEDY.max_tokens]
     (seq,) = rec["seqs"]
     assert seq["cache"]["prefix"]["cached_tokens"] == 0
     assert seq["cache"]["prefix"]["cached_blocks"] == 2
