@@ -292,10 +292,18 @@ def test_an_observer_without_the_hooks_is_not_called_for_them(prompts):
     assert obs.names[:6] == ["schedule", "prepare", "forward", "logits", "sample", "update"]
 
 
-def test_one_observer_at_a_time():
+def test_one_observer_at_a_time_and_a_detached_recorder_records_no_more(prompts):
     llm = make_llm()
+    rec = llm.engine.observer
     with pytest.raises(ValueError, match="already has an observer"):
         TraceRecorder.attach(llm.engine)
+    llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+    n = len(rec.steps)
+    rec.detach()
+    assert llm.engine.observer is None
+    llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+    assert len(rec.steps) == n
+    assert TraceRecorder.attach(llm.engine) is llm.engine.observer
 
 
 def test_the_recorder_reads_a_step_before_the_next_one_reuses_its_buffers(prompts):
