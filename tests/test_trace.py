@@ -471,3 +471,20 @@ def test_positions_are_checked_row_by_row_where_there_are_three(spec_trace):
     seq["positions"]["positions"][2][0] -= 1
     (v,) = check_trace(steps)
     assert v.invariant == "positions" and "row 2 has positions" in v.message
+
+
+def test_a_preempted_request_is_readmitted_from_its_checkpoint_and_keeps_the_invariants():
+    """A cache too small for four growing requests: one is preempted (its state kept as a
+    checkpoint) and admitted again later from it; the positions go on from its hit."""
+    llm = make_llm(cache_memory="3MiB", max_num_batched_tokens=64)
+    tok = llm.tokenizer
+    ps = [tok.encode(f"Return a new deque object number {i} initialized left-to-right with "
+                     f"data from iterable.") for i in range(4)]
+    llm.generate(ps, SamplingParams(temperature=0, max_tokens=120, ignore_eos=True),
+                 use_tqdm=False)
+    steps = llm.engine.observer.steps
+    assert llm.engine.stats["num_preemptions"] >= 1
+    gone = next(r for r in steps if r["preempted"])["preempted"][0]
+    again = [s for _, s in _seqs(steps, gone) if s["cache"]["admitted"]][1]
+    assert again["positions"]["start"] == again["cache"]["prefix"]["cached_tokens"] > 0
+    assert check_trace(steps) == []
