@@ -1,5 +1,5 @@
 """The ``hybridrt`` command line: ``chat``, ``generate``, ``serve``,
-``bench throughput|spec|gemm|serve``, ``draft-vocab``, ``quantize``.
+``bench throughput|spec|gemm|serve``, ``draft-vocab``, ``quantize``, ``trace``.
 
 Every failure is one ``error: ...`` line on stderr and a non-zero exit code (see EXIT_STATUS);
 what can be checked before the model loads (options, MODEL, --device, the server's port, the
@@ -21,6 +21,7 @@ from hybridrt.cli.draft_vocab import draft_vocab
 from hybridrt.cli.generate import generate
 from hybridrt.cli.quantize import quantize
 from hybridrt.cli.serve import serve
+from hybridrt.cli.trace import trace
 
 EXIT_STATUS = ("Exit status: 0 on success; 1 when something failed while running (a prompt "
                "that failed, a broken checkpoint); 2 for a usage error (a bad option or value, "
@@ -45,6 +46,7 @@ app.command("serve")(serve)
 app.add_typer(bench_app, name="bench")
 app.command("draft-vocab")(draft_vocab)
 app.command("quantize")(quantize)
+app.command("trace")(trace)
 
 
 def _print_version(value: bool) -> None:

@@ -24,7 +24,9 @@ scheduler's: tokens, drafts, cache commit, finishes). A decode step that async s
 chains (``async_chain``) is seen as "prepare", "forward", "logits", "sample" inside the step
 that launches it, between that step's "sample" and "update", and its own "update" in the next
 call. A benchmark uses it to time the phases (``python -m hybridrt.bench.cuda``); with None the
-cost is one attribute check per phase.
+cost is one attribute check per phase. An observer may also define ``executed(launched,
+logits)`` (the runner calls it after "sample") and ``applied(launched, update)`` (called after
+"update"): ``hybridrt.trace`` records the step's variables from them.
 """
 
 from __future__ import annotations
@@ -262,6 +264,8 @@ class LLMEngine:
         except BaseException:
             self.scheduler.spoil(plan)
             raise
+        if self.observer is not None and hasattr(self.observer, "applied"):
+            self.observer.applied(launched, up)  # a tracer (hybridrt.trace) reads it
         self.step_costs.record(plan.kind, up.applied_at - t0)
         if up.drafted_at is not None:
             self.step_costs.record("draft", up.drafted_at - up.applied_at)

@@ -189,7 +189,10 @@ class ModelRunner:
             logits = self.logits(hidden, batch, fp32)
         with self._phase("sample"):
             sampled = sample_step(self.sampler, plan, logits, rows)
-        return LaunchedStep(plan, batch, hidden, sampled)
+        launched = LaunchedStep(plan, batch, hidden, sampled)
+        if self.observer is not None and hasattr(self.observer, "executed"):
+            self.observer.executed(launched, logits)  # a tracer (hybridrt.trace) reads it
+        return launched
 
     def _phase(self, name: str):
         """The observer's context for one phase of a step."""
