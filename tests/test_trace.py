@@ -391,16 +391,16 @@ def test_cli_bad_options_are_one_error_line_before_the_model_loads(flag, message
 
 
 def test_the_decode_ab_script_runs_tracing_off_and_on():
-    """scripts/decode_ab.py (decode speed alternated between trees, tracing off / on) stays
-    runnable: one short round here."""
+    """python -m hybridrt.bench.decode_ab (decode speed alternated between trees, tracing off
+    and on) stays runnable: one short round here."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "scripts/decode_ab.py", ".", "--trace-on", "--rounds",
-                          "1", "--steps", "2", "--batch", "1"], cwd=root, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "hybridrt.bench.decode_ab", ".", "--trace-on",
+                          "--rounds", "1", "--steps", "2", "--batch", "1"], cwd=root,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert len(lines) == 2 and "x1.000" in lines[0] and "(trace on)" in lines[1]

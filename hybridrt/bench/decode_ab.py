@@ -1,8 +1,8 @@
 """Decode speed of the demo model, rounds alternated between source trees: tracing off here vs
 the code before it (another checkout), and, with ``--trace-on``, tracing on here.
 
-    python scripts/decode_ab.py /work/main . --rounds 5          # before vs tracing off
-    python scripts/decode_ab.py . --trace-on --rounds 3           # tracing off vs on
+    python -m hybridrt.bench.decode_ab /work/main . --rounds 5          # before vs tracing off
+    python -m hybridrt.bench.decode_ab . --trace-on --rounds 3           # tracing off vs on
 
 Each (round, tree) runs in a fresh process with the tree's own interpreter
 (``TREE/.venv/bin/python``, else this one) in the tree's directory, so that it imports that
