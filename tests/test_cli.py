@@ -1009,11 +1009,12 @@ def test_every_bench_command_takes_json_and_the_charted_ones_plot():
     assert said, "README's bench line changed: update this test"
     listed = set(re.findall(r"`([a-z-]+)`", said.group(1)))
     bench = _command(("bench",))
-    benchmarks = {n: c for n, c in bench.commands.items() if n != "llamacpp-build"}  # a build
+    benchmarks = {n: c for n, c in bench.commands.items()
+                  if n not in ("llamacpp-build", "llamacpp-convert")}  # tools, not benchmarks
     assert listed | {"throughput", "steps", "spec", "startup"} == set(benchmarks)
     text = " ".join(invoke("bench", "--help").stdout.split())
     assert "Each prints a table; --json FILE writes its report, --plot PNG (throughput, spec) " \
-           "a chart. llamacpp-build builds llama.cpp" in text
+           "a chart. llamacpp-build builds llama.cpp and llamacpp-convert a GGUF" in text
     for name, cmd in benchmarks.items():
         opts = {o for p in cmd.params for o in p.opts}
         assert "--json" in opts, f"bench {name} lacks --json"
