@@ -769,7 +769,8 @@ def llamacpp_build(
 ) -> None:
     """Download llama.cpp's source as vendored in the llama-cpp-python sdist of a pinned version
     and build llama-bench, llama-batched-bench, llama-quantize and llama-perplexity for this CPU
-    (cmake and a C++ compiler needed); what is already there is kept."""
+    without ggml's AMX kernels (cmake and a C++ compiler needed); what is already there is
+    kept, a build made with other settings is built again."""
     from hybridrt.bench import llamacpp_build
 
     try:
