@@ -21,7 +21,8 @@ bench_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_
                              "decoding, the CPU GEMM paths, start-up, int8 and int4 quality, the "
                              "server, preemption. Each prints a table; --json FILE writes its "
                              "report, --plot PNG (throughput, spec) a chart. llamacpp-build "
-                             "builds llama.cpp for throughput --against-llamacpp.")
+                             "builds llama.cpp and llamacpp-convert a GGUF for throughput "
+                             "--against-llamacpp.")
 
 PlotOpt = Annotated[Path | None, typer.Option(
     "--plot", help="Also draw a chart to this PNG (needs matplotlib, the 'plot' extra) "
@@ -768,7 +769,8 @@ def llamacpp_build(
 ) -> None:
     """Download llama.cpp's source as vendored in the llama-cpp-python sdist of a pinned version
     and build llama-bench, llama-batched-bench, llama-quantize and llama-perplexity for this CPU
-    (cmake and a C++ compiler needed); what is already there is kept."""
+    without ggml's AMX kernels (cmake and a C++ compiler needed); what is already there is
+    kept, a build made with other settings is built again."""
     from hybridrt.bench import llamacpp_build
 
     try:
@@ -776,3 +778,30 @@ def llamacpp_build(
     except llamacpp_build.LlamaCppBuildError as e:
         raise CliError(str(e)) from None
     typer.echo(str(where))
+
+
+@bench_app.command("llamacpp-convert")
+def llamacpp_convert(
+    ckpt: Annotated[Path, typer.Argument(help="A Qwen3.5 checkpoint folder with its "
+                                              "tokenizer.json.", show_default=False)],
+    out: Annotated[Path, typer.Argument(help="The GGUF file to write.", show_default=False)],
+    outtype: Annotated[str, typer.Argument(
+        help="f32, f16, bf16 or q8_0 (the converter's), or any type llama-quantize lists "
+        "(e.g. Q4_K_M, Q4_0: converted to bf16, then quantized).")] = "bf16",
+    home: Annotated[Path | None, typer.Option(
+        "--home", metavar="DIR", help="Where llamacpp-build put llama.cpp (default: "
+        "$LLAMACPP_HOME, else ~/.cache/hybridrt-llamacpp).", show_default=False)] = None,
+) -> None:
+    """Convert a checkpoint to GGUF with llama.cpp's own converter (from llamacpp-build's
+    source), a tokenizer that splits as Qwen3.5's but is unknown to it (the demo model's)
+    named qwen35; MTP layers left out. Prints the GGUF's path."""
+    from hybridrt.bench import llamacpp_convert as conv
+
+    try:
+        p = conv.plan(ckpt, out, outtype, home=home)
+    except conv.LlamaCppConvertError as e:
+        raise CliError(str(e), 2) from None
+    try:
+        typer.echo(str(conv.convert(p)))
+    except conv.LlamaCppConvertError as e:
+        raise CliError(str(e)) from None

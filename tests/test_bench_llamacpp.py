@@ -459,7 +459,9 @@ def test_build_plan_commands_and_paths(tmp_path, monkeypatch):
     src, build = tmp_path / "llama.cpp", tmp_path / "llama.cpp" / "build"
     assert p.configure[:5] == ["cmake", "-S", str(src), "-B", str(build)]
     for flag in ("-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                 "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release"):
+                 "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release",
+                 "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+                 "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"):
         assert flag in p.configure
     assert p.compile == ["cmake", "--build", str(build), "--config", "Release", "-j", "3",
                          "--target", "llama-bench", "llama-batched-bench", "llama-quantize",
@@ -486,8 +488,13 @@ def test_build_unpacks_llama_cpp_and_skips_what_is_there(tmp_path, monkeypatch):
 
     def fake_run(step, cmd):
         ran.append(cmd)
+        if cmd is p.configure:  # what cmake records of the settings
+            p.build.mkdir(parents=True, exist_ok=True)
+            (p.build / "CMakeCache.txt").write_text("".join(
+                f"{a[2:].split('=')[0]}:STRING={a.split('=', 1)[1]}\n" for a in cmd
+                if a.startswith("-D")))
         if cmd is p.compile:
-            p.bin.mkdir(parents=True)
+            p.bin.mkdir(parents=True, exist_ok=True)
             for t in lb.TARGETS:
                 (p.bin / t).write_text("")
                 (p.bin / t).chmod(0o755)
@@ -500,6 +507,10 @@ def test_build_unpacks_llama_cpp_and_skips_what_is_there(tmp_path, monkeypatch):
                   if "build" not in f.parts) == ["CMakeLists.txt", "tools/x.cpp"]
     ran.clear()
     assert lb.build(p) == p.bin and ran == []
+    cache = p.build / "CMakeCache.txt"  # a build made before NO_AMX: configured and built again
+    cache.write_text(cache.read_text().replace(lb.NO_AMX, ""))
+    assert not lb.built(p)
+    assert lb.build(p) == p.bin and ran == [p.configure, p.compile] and lb.built(p)
 
 
 def test_build_without_cmake_says_what_to_install(tmp_path, monkeypatch):

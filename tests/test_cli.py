@@ -1009,15 +1009,73 @@ def test_every_bench_command_takes_json_and_the_charted_ones_plot():
     assert said, "README's bench line changed: update this test"
     listed = set(re.findall(r"`([a-z-]+)`", said.group(1)))
     bench = _command(("bench",))
-    benchmarks = {n: c for n, c in bench.commands.items() if n != "llamacpp-build"}  # a build
+    benchmarks = {n: c for n, c in bench.commands.items()
+                  if n not in ("llamacpp-build", "llamacpp-convert")}  # tools, not benchmarks
     assert listed | {"throughput", "steps", "spec", "startup"} == set(benchmarks)
     text = " ".join(invoke("bench", "--help").stdout.split())
     assert "Each prints a table; --json FILE writes its report, --plot PNG (throughput, spec) " \
-           "a chart. llamacpp-build builds llama.cpp" in text
+           "a chart. llamacpp-build builds llama.cpp and llamacpp-convert a GGUF" in text
     for name, cmd in benchmarks.items():
         opts = {o for p in cmd.params for o in p.opts}
         assert "--json" in opts, f"bench {name} lacks --json"
         assert ("--plot" in opts) == (name in ("throughput", "spec")), f"bench {name} --plot"
+
+
+# bench command -> (module, the function it runs, its own arguments)
+BENCH_ENTRIES = {
+    "throughput": ("throughput", "throughput", ["--no-transformers"]),
+    "gemv": ("gemv", "run_gemv_bench", []),
+    "spec": ("spec", "run_spec_bench", []),
+    "quality": ("quality", "run_quality", []),
+    "startup": ("startup", "run_startup_bench", []),
+    "busy": ("busy", "run_busy_bench", []),
+    "serve": ("serve", "run", []),
+    "prefix": ("prefix", "run", []),
+    "preemption": ("preemption", "run_preemption_bench", []),
+    "steps": ("steps", "run", []),
+    "prefix-policy": ("prefix_policy", "run", []),
+    "structured": ("structured", "run", []),
+}
+
+
+def test_each_bench_hands_its_json_and_plot_paths_to_what_writes_them(monkeypatch, tmp_path):
+    """--json FILE reaches the function that writes the report (each one's writing is tested
+    with the benchmark: test_bench_*.py, test_preemption.py, test_serve.py), gemm's report is
+    written by the command, and --plot PNG is drawn from the report (throughput, spec)."""
+    import importlib
+
+    pytest.importorskip("matplotlib")
+    benchmarks = set(_command(("bench",)).commands) - {"llamacpp-build", "llamacpp-convert"}
+    assert set(BENCH_ENTRIES) | {"gemm"} == benchmarks
+    reports = {"throughput": {"model": "m", "dtype": "bf16", "threads": 1,
+                              "hybridrt": {"prefill_tok_s": 1.0, "decode_b1_tok_s": 2.0}},
+               "spec": {"model": "m", "rows": [{"k": 0, "batch_size": 1, "tok_s": 1.0},
+                                               {"k": 1, "batch_size": 1, "tok_s": 2.0,
+                                                "mean_acceptance_length": 1.5}]}}
+    for name, (module, func, extra) in BENCH_ENTRIES.items():
+        seen = {}
+
+        def record(*args, name=name, seen=seen, **kwargs):
+            seen.update(kwargs)
+            return reports.get(name, {})
+
+        monkeypatch.setattr(importlib.import_module(f"hybridrt.bench.{module}"), func, record)
+        if name == "serve":
+            monkeypatch.setattr("hybridrt.cli.serve._check_deps", lambda what: None)
+        if name == "structured":
+            monkeypatch.setattr(importlib.util, "find_spec", lambda m: object())
+        out, png = tmp_path / f"{name}.json", tmp_path / f"{name}.png"
+        plot = ["--plot", png] if name in reports else []
+        res = invoke("bench", name, *extra, "--json", out, *plot)
+        monkeypatch.undo()
+        assert res.exit_code == 0, (name, res.output)
+        assert str(seen.get("json_path")) == str(out), (name, seen)
+        if plot:
+            assert _is_png(png), name
+    monkeypatch.setattr("hybridrt.bench.throughput.gemm", lambda *a, **k: [{"rows": 1}])
+    res = invoke("bench", "gemm", "--rows", "1", "--json", tmp_path / "gemm.json")
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "gemm.json").read_text())["rows"] == [{"rows": 1}]
 
 
 def test_quantize_help_gives_int4_head_bits_as_the_kernel_has_them():

@@ -68,3 +68,70 @@ def test_the_readme_jsonl_example_answers_every_line(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     out = [json.loads(ln) for ln in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(out) == 2 and all(o["text"].strip() for o in out), out
+
+
+def command_lines(text: str) -> list[str]:
+    """The ``hybridrt ...`` and ``python -m hybridrt ...`` command lines of a markdown text's
+    bash blocks and inline code, continuation lines joined, comments dropped, from the word
+    after ``hybridrt`` on."""
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            found.append(line.split("  #")[0].split(" # ")[0])
+    found += re.findall(r"`((?:python -m )?hybridrt [^`\n]*)`", text)
+    out = []
+    for line in found:
+        m = re.search(r"(?:^|[\s;&|(])(?:python -m )?hybridrt ((?:[^;&|()`]|\$\()*)", line)
+        if m and not m.group(1).startswith(".") and "..." not in m.group(1):
+            out.append(m.group(1).strip())
+    return out
+
+
+def test_command_lines_finds_what_a_doc_runs():
+    text = ("```bash\nhybridrt chat --no-think   # a comment --bogus\nnice hybridrt bench "
+            "gemv \\\n    --threads 2\n```\nand `python -m hybridrt bench prefix /tmp/r --rounds"
+            " 1`; not `hybridrt.bench.spec`, `python -m hybridrt.bench.cuda --x`, `hybridrt "
+            "bench ...` nor `what hybridrt would do`.")
+    assert command_lines(text) == ["chat --no-think", "bench gemv      --threads 2",
+                                   "bench prefix /tmp/r --rounds 1"]
+
+
+def _unknown(words: list[str]) -> str | None:
+    """What of a command line (after ``hybridrt``) the CLI would not take: an unknown command
+    or an option its command lacks; None if it takes every word."""
+    import typer
+
+    from hybridrt.cli.main import app
+
+    cmd = typer.main.get_command(app)
+    path = []
+    while hasattr(cmd, "commands") and words and not words[0].startswith("-"):
+        if words[0] not in cmd.commands:
+            return f"no command {' '.join(path + [words[0]])}"
+        path.append(words[0])
+        cmd = cmd.commands[words.pop(0)]
+    opts = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help", "-h"}
+    for w in words:
+        flag = w.split("=")[0]
+        if flag.startswith("-") and not re.fullmatch(r"-\d.*", flag) and flag not in opts:
+            return f"hybridrt {' '.join(path)} takes no {flag}"
+    return None
+
+
+def test_every_command_line_in_the_docs_is_one_the_cli_takes():
+    """Each ``hybridrt ...`` line of README.md and docs/*.md (not docs/history/, whose lines
+    were run by earlier versions) names a command that exists and only options it has."""
+    import shlex
+
+    root = README.parent
+    docs = [README, *sorted((root / "docs").glob("*.md"))]
+    wrong = {}
+    for doc in docs:
+        for line in command_lines(doc.read_text()):
+            try:
+                words = shlex.split(line)
+            except ValueError:
+                words = line.split()
+            if (why := _unknown(words)) is not None:
+                wrong.setdefault(doc.relative_to(root).as_posix(), []).append(f"{line}: {why}")
+    assert not wrong, wrong

@@ -3,7 +3,8 @@
 throughput (against transformers and llama.cpp, and the CPU GEMM paths), spec (speculative
 decoding), serve (a loopback load test of ``hybridrt serve``), preemption (the scheduler's
 admission rules under memory pressure), busy (decode beside a busy process), startup, quality
-(int8 against bf16), ceilings (what the machine allows), llamacpp (the llama.cpp driver), cuda
+(int8 against bf16), ceilings (what the machine allows), llamacpp (the llama.cpp driver;
+llamacpp_build and llamacpp_convert build it and the GGUFs it runs), cuda
 (``python -m hybridrt.bench.cuda``, the GPU benchmark), fixtures (tiny and 0.8B-shaped
 configs, random checkpoints, a character tokenizer, the transformers reference model).
 

@@ -89,8 +89,11 @@ def measure_busy(model: str | None = None, tokens: int = 64, rounds: int = 2,
     """-> the report: per condition and variant the median decode tok/s, and per condition the
     default's ratio to the best explicit ``--threads``. ``engine``: further ``LLM`` keyword
     arguments of every probe (the command line's model options but those it sets itself)."""
+    from hybridrt.bench import progress
+
     cores = cores or len(os.sched_getaffinity(0))
     variants = _variants(cores)
+    pbar = progress.bar("busy", 2 * rounds * len(variants), unit="process")
     report: dict = {"model": model or "demo model", "tokens": tokens, "rounds": rounds,
                     "cores": cores, "load_before": os.getloadavg(), "conditions": {}}
     for condition in ("as is", "one busy process"):
@@ -99,9 +102,11 @@ def measure_busy(model: str | None = None, tokens: int = 64, rounds: int = 2,
             spin = _spinner()
         try:
             rates: dict[str, list[float]] = {name: [] for name in variants}
-            for _ in range(rounds):
+            for r in range(rounds):
                 for name, (env, threads) in variants.items():
+                    progress.step(pbar, f"{condition}, round {r + 1}: {name}")
                     rates[name].append(_probe(model, env, threads, tokens, engine))
+                    pbar.update()
         finally:
             if spin is not None:
                 spin.kill()
@@ -111,6 +116,7 @@ def measure_busy(model: str | None = None, tokens: int = 64, rounds: int = 2,
         report["conditions"][condition] = {
             "tok_s": med, "runs": rates, "default_over_best_explicit": med["default"] / best,
         }
+    pbar.close()
     report["load_after"] = os.getloadavg()
     return report
 

@@ -112,13 +112,17 @@ def run_gemv_bench(rows=ROWS, threads: int = 2, repeats: int = 5, paths=None, se
     missing = [p for p in paths if p not in built]
     if missing:
         raise ValueError(f"paths not built here: {', '.join(missing)} (built: {', '.join(built)})")
+    from hybridrt.bench import progress
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    pbar = progress.bar("gemv", 3 + repeats, enabled=verbose)
     try:
         report = _run(rows, threads, repeats, paths, seed, config or QWEN35_08B_TEXT_CONFIG,
-                      time.process_time if cpu_time else time.perf_counter)
+                      time.process_time if cpu_time else time.perf_counter, pbar)
     finally:
         torch.set_num_threads(before)
+        pbar.close()
     if verbose:
         print(format_table(report))
     if json_path is not None:
@@ -139,7 +143,10 @@ def _random_int4(n: int, k: int, g: torch.Generator, bits: int = 4):
     return (int4.Int6Weight if bits == 6 else int4.Int4Weight)(*tensors, scales, (n, k))
 
 
-def _run(rows, threads, repeats, paths, seed, config, clock) -> dict:
+def _run(rows, threads, repeats, paths, seed, config, clock, pbar) -> dict:
+    from hybridrt.bench import progress
+
+    progress.step(pbar, "making the weights")
     from hybridrt.kernels import int4, native, quant
 
     shapes = step_products(config)
@@ -194,15 +201,21 @@ def _run(rows, threads, repeats, paths, seed, config, clock) -> dict:
     load = {"start": list(os.getloadavg())}
     # int4 vnni: the same vpdpbusd as int8 vnni, one a row and 64 weights (the other 4-bit
     # paths' inner steps have no measured peak)
+    pbar.update()
+    progress.step(pbar, "dot-product peaks")
     peaks = {p: ceilings.dot_peak("int8-vnni" if p == "int4-vnni" else p, threads)
              if p in ceilings.DOT_KINDS or p == "int4-vnni" else None for p in paths}
+    pbar.update()
+    progress.step(pbar, "warm-up")
     for p in paths:  # warm-up: the first call of a shape faults in its output's pages
         for m in rows:
             fns[p](m)
             for f in hot[p]:
                 f(m)
+    pbar.update()
     times: dict[str, list[float]] = {}
-    for _ in range(repeats):
+    for r in range(repeats):
+        progress.step(pbar, f"round {r + 1}")
         for name, read in reads.items():
             t = clock()
             read()
@@ -216,6 +229,7 @@ def _run(rows, threads, repeats, paths, seed, config, clock) -> dict:
                     t = clock()
                     f(m)
                     times.setdefault(f"{p} {m} {name}", []).append(clock() - t)
+        pbar.update()
     load["end"] = list(os.getloadavg())
     med = {key: statistics.median(v) for key, v in times.items()}
     results = []

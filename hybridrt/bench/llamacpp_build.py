@@ -4,13 +4,15 @@ The source is llama.cpp as vendored in the llama-cpp-python sdist of ``VERSION``
 (``pip download``), unpacked from its ``vendor/llama.cpp`` into ``$LLAMACPP_HOME/llama.cpp``
 (``LLAMACPP_HOME`` defaulting to ``~/.cache/hybridrt-llamacpp``, where
 ``hybridrt bench throughput --against-llamacpp`` looks for the binaries), and ``TARGETS`` built
-with cmake for this CPU (``-DGGML_NATIVE=ON``), static, without tests or server. Each step is
-skipped when what it makes is already there. ``plan`` builds every command and path without
-running anything."""
+with cmake for this CPU (``-DGGML_NATIVE=ON``) but without ggml's AMX kernels (``NO_AMX``),
+static, without tests or server. Each step is skipped when what it makes is already there (a
+build configured with other settings is configured and built again). ``plan`` builds every
+command and path without running anything."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +24,10 @@ VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors the llama.cpp source
 PACKAGE = "llama-cpp-python"
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-perplexity")
 INSTALL_HINT = "apt-get install cmake build-essential"
+# ggml's AMX matrix products (compiled in by -march=native where the CPU has AMX) crash
+# llama-bench on Qwen3.5 GGUFs here (SIGSEGV in ggml_backend_amx_mul_mat, an Intel Xeon with AMX);
+# explicit -mno-* flags win over -march=native. hybridrt has no AMX path either.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
 class LlamaCppBuildError(RuntimeError):
@@ -64,14 +70,27 @@ def plan(home: str | Path | None = None, version: str = VERSION,
                   "--dest", str(sdist_dir), f"{PACKAGE}=={version}"],
         configure=["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
                    "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                   "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF"],
+                   "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF",
+                   f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"],
         compile=["cmake", "--build", str(build), "--config", "Release",
                  "-j", str(jobs or os.cpu_count() or 1), "--target", *TARGETS])
 
 
+def configured(p: Plan) -> bool:
+    """Whether ``p.build`` was configured with every ``-D`` setting of ``p.configure`` (its
+    CMakeCache.txt): a build made with other settings is configured and built again."""
+    try:
+        cache = (p.build / "CMakeCache.txt").read_text()
+    except OSError:
+        return False
+    values = dict(re.findall(r"^(\w+):\w+=(.*)$", cache, re.M))
+    want = dict(a[2:].split("=", 1) for a in p.configure if a.startswith("-D"))
+    return all(values.get(k) == v for k, v in want.items())
+
+
 def built(p: Plan) -> bool:
-    """Whether every target is already in ``p.bin``."""
-    return all(os.access(p.bin / t, os.X_OK) for t in TARGETS)
+    """Whether every target is already in ``p.bin``, built with ``p.configure``'s settings."""
+    return configured(p) and all(os.access(p.bin / t, os.X_OK) for t in TARGETS)
 
 
 def unpack(p: Plan) -> None:

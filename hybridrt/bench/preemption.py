@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -71,14 +72,20 @@ def run_rule(llm, prompts, params, rule: str) -> dict:
             "generated_tok_s": generated / wall, "outputs": tokens}
 
 
-def bench(llm, prompts, params, rounds: int = 1, check_alone: bool = False) -> dict:
+def bench(llm, prompts, params, rounds: int = 1, check_alone: bool = False,
+          pbar=None) -> dict:
     """Both rules, alternated ``rounds`` times -> {"rows": one per rule, "outputs_equal": the
     rules' greedy outputs equal, "alone_equal": {rule: equal to each request run alone} or
-    None}."""
+    None}. ``pbar``: a progress bar (hybridrt.bench.progress) counting each run."""
+    from hybridrt.bench import progress
+
+    pbar = pbar if pbar is not None else progress.silent()
     runs = {rule: [] for rule in RULES}
-    for _ in range(rounds):
+    for r in range(rounds):
         for rule in RULES:
+            progress.step(pbar, f"round {r + 1}: {rule} rule")
             runs[rule].append(run_rule(llm, prompts, params, rule))
+            pbar.update()
     rows = []
     for rule, rs in runs.items():
         wall = statistics.median(r["wall_s"] for r in rs)
@@ -90,9 +97,11 @@ def bench(llm, prompts, params, rounds: int = 1, check_alone: bool = False) -> d
     same = all(r["outputs"] == outputs[rule] for rule, rs in runs.items() for r in rs)
     alone_equal = None
     if check_alone:
-        alone = [llm.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids
-                 for p, sp in zip(prompts, params)]
-        alone = [list(ids) for ids in alone]
+        alone = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            progress.step(pbar, f"request {i + 1} alone")
+            alone.append(list(llm.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids))
+            pbar.update()
         alone_equal = {rule: out == alone for rule, out in outputs.items()}
     return {"rows": rows, "outputs_equal": same and outputs["chunk"] == outputs["admission"],
             "alone_equal": alone_equal}
@@ -123,11 +132,15 @@ def run_preemption_bench(model: str | None = None, dtype: str = "bfloat16",
     """Load the model, run ``bench`` -> the report; prints the table. ``engine``: further
     ``LLM`` keyword arguments (the command line's model options but those the benchmark sets
     itself)."""
+    from hybridrt.bench import progress
     from hybridrt.llm import LLM
 
     if max(long[0] + long[1], short[0] + short[1]) > max_model_len:
         raise ValueError(f"a request of {long[0]} + {long[1]} or {short[0]} + {short[1]} "
                          f"tokens does not fit max_model_len {max_model_len}")
+    pbar = progress.bar("preemption", 1 + rounds * len(RULES)
+                        + (1 + num_short if check_alone else 0), unit="run")
+    progress.step(pbar, "loading")
     # no share of the budget set aside for prefix-cache checkpoints: the whole budget is the
     # requests' KV and state, as the issue's workload was sized (a preempted request still
     # resumes from its own state, kept in the slot it freed)
@@ -135,8 +148,10 @@ def run_preemption_bench(model: str | None = None, dtype: str = "bfloat16",
               max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, cache_memory=cache_memory,
               threads=threads, tokenizer=None, checkpoint_share=0.0)
+    pbar.update()
     prompts, params = workload(llm.config.vocab_size, long, short, num_short)
-    result = bench(llm, prompts, params, rounds, check_alone)
+    result = bench(llm, prompts, params, rounds, check_alone, pbar)
+    pbar.close()
     report = {"model": model or "demo", "dtype": str(llm.dtype).removeprefix("torch."),
               "cache": llm.cache_sizing.describe(), "cache_memory": cache_memory,
               "max_num_seqs": max_num_seqs, "long": list(long), "short": list(short),
@@ -151,5 +166,5 @@ def run_preemption_bench(model: str | None = None, dtype: str = "bfloat16",
              f"; equal to each request alone: {result['alone_equal']}"))
     if json_path is not None:
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {json_path}")
+        print(f"wrote {json_path}", file=sys.stderr)
     return report

@@ -88,13 +88,17 @@ QUANTIZATIONS = ("int8", "int4")
 
 
 def demo_quality(max_tokens: int = 256, max_docs: int | None = None,
-                 quantizations=QUANTIZATIONS) -> dict:
+                 quantizations=QUANTIZATIONS, pbar=None) -> dict:
     """Perplexity and greedy agreement of the quantized demo models against bf16 on held-out
     text -> {"documents", "tokens", "ppl_bf16", and per quantization q "ppl_<q>",
-    "ppl_change_<q>", "greedy_agreement_<q>"}."""
+    "ppl_change_<q>", "greedy_agreement_<q>"}. ``pbar``: a progress bar
+    (hybridrt.bench.progress) counting each model scored."""
     from transformers import PreTrainedTokenizerFast
 
+    from hybridrt.bench import progress
     from hybridrt.llm import default_model
+
+    pbar = pbar if pbar is not None else progress.silent()
 
     path = default_model()
     tok = PreTrainedTokenizerFast.from_pretrained(path)
@@ -106,7 +110,9 @@ def demo_quality(max_tokens: int = 256, max_docs: int | None = None,
             seqs.append(list(ids)[:max_tokens])
     res = {}
     for name, q in (("bf16", None), *((q, q) for q in quantizations)):
+        progress.step(pbar, f"demo model, {name}")
         res[name] = score(_load(path, q), seqs)
+        pbar.update()
     nll = {n: -torch.cat([lp for lp, _ in r]).sum().item() for n, r in res.items()}
     tokens = sum(len(s) - 1 for s in seqs)
     ppl = {n: math.exp(v / tokens) for n, v in nll.items()}
@@ -224,15 +230,18 @@ def llamacpp_perplexity(gguf: str | Path, text_file: str | Path, bins: Path, thr
 
 
 def versus_llamacpp(ggufs: list, bins: Path | None, threads: int,
-                    quantizations=QUANTIZATIONS, n_ctx: int = 512) -> dict:
+                    quantizations=QUANTIZATIONS, n_ctx: int = 512, pbar=None) -> dict:
     """The demo model's held-out text scored as llama-perplexity scores it, by our bf16 and
     quantized models, by llama.cpp on each GGUF, and by our model holding each GGUF's tensors
     -> {"chunks", "tokens", "ours": {weights: ppl}, "gguf": {type: {"llamacpp": ppl,
     "dequantized_in_ours": ppl}}}; changes against bf16 and the GGUF of type BF16 added by
-    ``format_table``."""
+    ``format_table``. ``pbar``: as ``demo_quality``'s, counting each model and GGUF."""
     from transformers import PreTrainedTokenizerFast
 
+    from hybridrt.bench import progress
     from hybridrt.llm import default_model
+
+    pbar = pbar if pbar is not None else progress.silent()
 
     path = default_model()
     tok = PreTrainedTokenizerFast.from_pretrained(path)
@@ -240,12 +249,15 @@ def versus_llamacpp(ggufs: list, bins: Path | None, threads: int,
     ids = tok.encode(text)
     ours = {}
     for name, q in (("bf16", None), *((q, q) for q in quantizations)):
+        progress.step(pbar, f"chunked perplexity, {name}")
         ours[name], count = chunked_perplexity(_load(path, q), ids, n_ctx)
+        pbar.update()
     res = {"n_ctx": n_ctx, "tokens_scored": count, "ours": ours, "gguf": {}}
     with tempfile.TemporaryDirectory() as tmp:
         text_file = Path(tmp) / "held_out.txt"
         text_file.write_text(text)
         for g in ggufs:
+            progress.step(pbar, f"GGUF {Path(g).name}")
             kind, tensors = gguf_matrices(g)
             model = model_with_gguf_weights(path, tensors, "exact" if kind in ("BF16", "ALL_F32")
                                             else "close")
@@ -254,21 +266,28 @@ def versus_llamacpp(ggufs: list, bins: Path | None, threads: int,
             if bins is not None:
                 entry["llamacpp"] = llamacpp_perplexity(g, text_file, bins, threads, n_ctx)
             res["gguf"][kind] = entry
+            pbar.update()
     return res
 
 
 @torch.inference_mode()
 def logits_quality(path: str | Path, num_seqs: int = 4, length: int = 64, seed: int = 0,
-                   quantizations=QUANTIZATIONS) -> dict:
+                   quantizations=QUANTIZATIONS, pbar=None) -> dict:
     """Logits of the quantized models against bf16 on random token ids: relative error
     (``||q - bf16|| / ||bf16||``) and top-1 agreement; for scale, the same for bf16 against
-    fp32 weights (random-weight models amplify small differences layer after layer)."""
+    fp32 weights (random-weight models amplify small differences layer after layer).
+    ``pbar``: as ``demo_quality``'s, counting each model."""
     import gc
+
+    from hybridrt.bench import progress
+
+    pbar = pbar if pbar is not None else progress.silent()
 
     g = torch.Generator().manual_seed(seed)
     logits = {}
     for name, dtype, q in (("fp32", "float32", None), ("bf16", "bfloat16", None),
                            *((q, "bfloat16", q) for q in quantizations)):
+        progress.step(pbar, f"0.8B shape, {name}")
         model = _load(path, q, dtype)
         vocab = model.config.vocab_size
         seqs = [torch.randint(0, vocab, (length,), generator=g.manual_seed(seed + i)).tolist()
@@ -284,6 +303,7 @@ def logits_quality(path: str | Path, num_seqs: int = 4, length: int = 64, seed: 
         logits[name] = torch.cat(rows)
         del model, rows
         gc.collect()
+        pbar.update()
 
     def compare(a, b):
         x, y = logits[a].double(), logits[b].double()
@@ -305,10 +325,16 @@ def run_quality(model_08b: str | None = None, skip_08b: bool = False, threads: i
     ``model_08b``: a 0.8B-shaped checkpoint (default: random bf16 weights written to a temporary
     directory). ``llamacpp_ggufs``: GGUFs of the demo model (``versus_llamacpp``; its
     ``llama-perplexity`` from ``llamacpp_bin``, default as ``bench throughput``'s)."""
+    from hybridrt.bench import progress
+
+    models = 1 + len(QUANTIZATIONS)
+    pbar = progress.bar("quality", models + (models + len(llamacpp_ggufs) if llamacpp_ggufs
+                                             else 0)
+                        + (0 if skip_08b else 1 + models + (model_08b is None)), unit="model")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        report = {"threads": threads, "demo": demo_quality(max_docs=max_docs)}
+        report = {"threads": threads, "demo": demo_quality(max_docs=max_docs, pbar=pbar)}
         if llamacpp_ggufs:
             from hybridrt.bench import llamacpp
 
@@ -317,21 +343,23 @@ def run_quality(model_08b: str | None = None, skip_08b: bool = False, threads: i
                 bins = None
                 print(f"no llama-perplexity in {llamacpp.bin_dir(llamacpp_bin)}: the GGUFs are "
                       f"scored in our model only", file=sys.stderr)
-            report["versus_llamacpp"] = versus_llamacpp(llamacpp_ggufs, bins, threads)
+            report["versus_llamacpp"] = versus_llamacpp(llamacpp_ggufs, bins, threads,
+                                                        pbar=pbar)
         if not skip_08b:
             tmp = None
             if model_08b is None:
                 from hybridrt.bench.throughput import make_random_08b
 
                 tmp = tempfile.TemporaryDirectory(prefix="hybridrt-08b-")
-                print("writing a random-weight Qwen3.5-0.8B-shaped checkpoint (bf16) ...",
-                      file=sys.stderr)
+                progress.step(pbar, "writing a random-weight 0.8B-shaped checkpoint")
                 model_08b = str(make_random_08b(tmp.name))
-            report["random_08b"] = logits_quality(model_08b)
+                pbar.update()
+            report["random_08b"] = logits_quality(model_08b, pbar=pbar)
             if tmp is not None:
                 tmp.cleanup()
     finally:
         torch.set_num_threads(before)
+        pbar.close()
     print(format_table(report))
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2))

@@ -63,11 +63,12 @@ def _metrics(client, base: str) -> dict[str, float]:
 
 
 async def _conversation(client, base: str, c: int, turns: int, max_tokens: int,
-                        deadline: float, rec: dict) -> None:
+                        deadline: float, rec: dict, pbar) -> None:
     messages = [{"role": "system", "content": SYSTEM * 3}]
     for t in range(turns):
         if time.perf_counter() > deadline:
             rec["skipped"] += 1
+            pbar.update()
             continue
         messages.append({"role": "user", "content": QUESTIONS[(c + t) % len(QUESTIONS)]})
         body = {"model": rec["model"], "messages": messages, "stream": True,
@@ -78,6 +79,7 @@ async def _conversation(client, base: str, c: int, turns: int, max_tokens: int,
         async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
                 rec["errors"] += 1
+                pbar.update(turns - t)
                 return
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -102,11 +104,12 @@ async def _conversation(client, base: str, c: int, turns: int, max_tokens: int,
                 last = now
                 answer.append(piece)
         rec["requests"] += 1
+        pbar.update()
         messages.append({"role": "assistant", "content": "".join(answer)})
 
 
 async def _load(base: str, model: str, conversations: int, turns: int, max_tokens: int,
-                time_limit: float) -> dict:
+                time_limit: float, pbar) -> dict:
     import httpx
 
     rec = {"model": model, "ttft": [], "itl": [], "requests": 0, "tokens": 0, "skipped": 0,
@@ -115,7 +118,7 @@ async def _load(base: str, model: str, conversations: int, turns: int, max_token
     async with httpx.AsyncClient(timeout=time_limit + 60, limits=limits) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(_conversation(client, base, c, turns, max_tokens,
-                                             t0 + time_limit, rec)
+                                             t0 + time_limit, rec, pbar)
                                for c in range(conversations)))
         rec["seconds"] = time.perf_counter() - t0
     return rec
@@ -145,8 +148,16 @@ def _wait_healthy(client, base: str, proc, log, seconds: float = 600.0) -> None:
 def _one_run(model: str | None, reuse: bool, conversations: int, turns: int,
              max_tokens: int, time_limit: float, threads: int | None,
              replicas: int | None = None, router: str = "prefix",
-             router_imbalance: int | None = None, engine_flags: Sequence[str] = ()) -> dict:
+             router_imbalance: int | None = None, engine_flags: Sequence[str] = (),
+             pbar=None) -> dict:
     import httpx
+
+    from hybridrt.bench import progress
+
+    pbar = pbar if pbar is not None else progress.silent()
+    what = (f"{replicas} replica(s), {router} router" if replicas is not None
+            else f"prefix reuse {'on' if reuse else 'off'}")
+    progress.step(pbar, f"{what}: starting the server")
 
     port = _free_port()
     cmd = [sys.executable, "-m", "hybridrt", "serve", "--port", str(port), "--log-level",
@@ -169,8 +180,9 @@ def _one_run(model: str | None, reuse: bool, conversations: int, turns: int,
                 _wait_healthy(client, base, proc, log)
                 name = client.get(f"{base}/v1/models").json()["data"][0]["id"]
                 before = _metrics(client, base)
+                progress.step(pbar, f"{what}: requests")
                 rec = asyncio.run(_load(base, name, conversations, turns, max_tokens,
-                                        time_limit))
+                                        time_limit, pbar))
                 after = _metrics(client, base)
         finally:
             proc.terminate()
@@ -226,15 +238,20 @@ def run(model: str | None = None, conversations: int = 8, turns: int = 4, max_to
         engine_flags: Sequence[str] = ()) -> dict:
     """Both runs (reuse on, then off), or with ``replicas`` a run per replica count (and
     per router beyond one replica) -> the report; prints the table. ``engine_flags``: the
-    command line's model options but those the benchmark sets itself, as serve's flags."""
+    command line's model options but those the benchmark sets itself, as serve's flags.
+    A progress bar counts the requests of every run."""
+    from hybridrt.bench import progress
+
+    runs = ([(n, router) for n in replicas for router in
+             (("prefix", "pow2") if n > 1 else ("prefix",))] if replicas else [])
+    pbar = progress.bar("serve", (len(runs) or 2) * conversations * turns, unit="request")
     if replicas:
-        runs = [(n, router) for n in replicas for router in
-                (("prefix", "pow2") if n > 1 else ("prefix",))]
         rows = [_one_run(model, True, conversations, turns, max_tokens, time_limit, threads,
-                         n, router, router_imbalance, engine_flags) for n, router in runs]
+                         n, router, router_imbalance, engine_flags, pbar) for n, router in runs]
     else:
         rows = [_one_run(model, reuse, conversations, turns, max_tokens, time_limit, threads,
-                         engine_flags=engine_flags) for reuse in (True, False)]
+                         engine_flags=engine_flags, pbar=pbar) for reuse in (True, False)]
+    pbar.close()
     report = {"model": model or "demo", "conversations": conversations, "turns": turns,
               "max_tokens": max_tokens, "time_limit": time_limit, "threads": threads,
               "replicas": replicas, "router_imbalance": router_imbalance, "runs": rows}

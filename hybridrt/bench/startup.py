@@ -66,22 +66,30 @@ def measure_startup(model: str | None = None, runs: int = 5,
         "generate": cli,
         "usage_error": [py, "-m", "hybridrt", "generate", "-p", "hi", "--temperature", "-1"],
     }
+    from hybridrt.bench import progress
+
+    pbar = progress.bar("startup", runs * (len(commands) + 1), unit="process")
     times: dict[str, list[float]] = {name: [] for name in commands}
-    for _ in range(runs):
+    for r in range(runs):
         for name, args in commands.items():
+            progress.step(pbar, f"run {r + 1}: {name.replace('_', ' ')}")
             dt, proc = _timed(args)
+            pbar.update()
             want = 2 if name == "usage_error" else 0
             if proc.returncode != want:
                 raise RuntimeError(f"{' '.join(args)} exited {proc.returncode}, not {want}: "
                                    f"{proc.stderr.strip()[-500:]}")
             times[name].append(dt)
     phases = []
-    for _ in range(runs):
+    for r in range(runs):
+        progress.step(pbar, f"run {r + 1}: phases")
         _, proc = _timed([py, "-c", _PHASES, model or "", str(threads or 0),
                              json.dumps(engine or {})])
+        pbar.update()
         if proc.returncode != 0:
             raise RuntimeError(f"the phase probe failed: {proc.stderr.strip()[-500:]}")
         phases.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    pbar.close()
     med = {name: statistics.median(v) for name, v in times.items()}
     excess = [g - t for g, t in zip(times["generate"], times["import_torch"])]
     return {

@@ -120,8 +120,11 @@ def run(model: str | None = None, batches: tuple[int, ...] = (1,), steps: int = 
     kind and batch the median step time, tok/s and ms a step per call. ``engine``: further
     ``LLM`` keyword arguments (the command line's model options but those the benchmark sets
     itself)."""
+    from hybridrt.bench import progress
     from hybridrt.llm import LLM
 
+    shapes = len(quantizations) * len(batches)
+    pbar = progress.bar("steps", len(quantizations) + shapes * (1 + rounds), enabled=verbose)
     timers = CallTimers(time.process_time if cpu_time else time.perf_counter)
     load = [os.getloadavg()[0]]
     runs: dict[tuple, list] = collections.defaultdict(list)
@@ -129,6 +132,7 @@ def run(model: str | None = None, batches: tuple[int, ...] = (1,), steps: int = 
         timers.wrap_kernels()
         llms = {}
         for q in quantizations:
+            progress.step(pbar, f"loading {q or dtype}")
             llms[q] = LLM(model, **(engine or {}), dtype=dtype, quantization=q,
                           max_num_seqs=max(batches),
                           max_model_len=max_model_len, cache_memory=cache_memory,
@@ -137,15 +141,21 @@ def run(model: str | None = None, batches: tuple[int, ...] = (1,), steps: int = 
             if no_program:  # the decode layers called one by one (as HYBRIDRT_STEP_PROGRAM=0)
                 backend.options = dataclasses.replace(backend.options, step_program=False)
             timers.wrap(backend, "logits", "LM head (logits)")
+            pbar.update()
         for q in quantizations:  # warm-up: every shape once
             for b in batches:
+                progress.step(pbar, f"warm-up {q or dtype}, batch {b}")
                 measure(llms[q], b, 2, timers)
-        for _ in range(rounds):
+                pbar.update()
+        for r in range(rounds):
             for q in quantizations:
                 for b in batches:
+                    progress.step(pbar, f"round {r + 1}: {q or dtype}, batch {b}")
                     runs[q, b].append(measure(llms[q], b, steps, timers))
+                    pbar.update()
     finally:
         timers.restore()
+        pbar.close()
     load.append(os.getloadavg()[0])
     report = {"model": str(llms[quantizations[0]].model_path), "threads": threads,
               "steps": steps, "rounds": rounds, "clock": "cpu" if cpu_time else "wall",

@@ -66,25 +66,37 @@ def run(model: str | None = None, threads: int | None = 2, batches: tuple[int, .
         engine: dict | None = None) -> dict:
     """``engine``: further ``LLM`` keyword arguments (the command line's model options but
     those the benchmark sets itself)."""
+    from hybridrt.bench import progress
     from hybridrt.llm import LLM
 
+    pbar = progress.bar("structured", 2 + len(batches) * (1 + 2 * rounds), enabled=verbose)
     clock = time.process_time if cpu_time else time.perf_counter
+    progress.step(pbar, "loading")
     llm = LLM(model, **(engine or {}), threads=threads, max_model_len=256,
               max_num_seqs=max(batches))
+    pbar.update()
+    progress.step(pbar, "compiling the schema")
     report = {"model": str(llm.model_path), "threads": threads, "rounds": rounds,
               "tokens": tokens, "clock": "cpu" if cpu_time else "wall",
               **compile_times(llm), "batches": {}}
+    pbar.update()
     for batch in batches:
+        progress.step(pbar, f"warm-up, batch {batch}")
         decode_step_ms(llm, batch, True, 4)  # warm
+        pbar.update()
         res: dict[bool, list] = {False: [], True: []}
-        for _ in range(rounds):
+        for r in range(rounds):
             for constrained in (False, True):
+                progress.step(pbar, f"round {r + 1}, batch {batch}, schema "
+                                    f"{'on' if constrained else 'off'}")
                 res[constrained].append(decode_step_ms(llm, batch, constrained, tokens, clock))
+                pbar.update()
         off = statistics.median(ms for ms, _ in res[False])
         on = statistics.median(ms for ms, _ in res[True])
         report["batches"][batch] = {"decode_step_ms_off": off, "decode_step_ms_on": on,
                                     "ratio": on / off, "rounds_off": res[False],
                                     "rounds_on": res[True]}
+    pbar.close()
     if verbose:
         print(table(report))
     if json_path is not None:

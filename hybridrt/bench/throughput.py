@@ -504,6 +504,7 @@ def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9
     import torch.nn.functional as F
 
     from hybridrt import env
+    from hybridrt.bench import progress
     from hybridrt.kernels import int4, native, quant
     from hybridrt.kernels.linear import _cpu_gemm, _onednn_available
 
@@ -512,7 +513,10 @@ def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9
     hp = native.half_path(opts.half_path) if native.half_gemm_available() else None
     torch.set_num_threads(threads)
     results = []
-    for n, k, copies in ((7168, 1024, 8), (1024, 3584, 16), (248320, 1024, 1)):
+    shapes = ((7168, 1024, 8), (1024, 3584, 16), (248320, 1024, 1))
+    pbar = progress.bar("gemm", len(shapes) * (1 + len(rows)))
+    for n, k, copies in shapes:
+        progress.step(pbar, f"making the {n}x{k} weights")
         ws = [torch.randn(n, k).bfloat16() for _ in range(copies)]
         paths = {}
         if native.half_gemm_available():
@@ -537,7 +541,9 @@ def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9
         if isa4 is not None:
             q4 = [int4.quantize(w) for w in ws]
             paths[f"int4_{isa4}"] = lambda x, q4=q4, isa=isa4: [int4.gemm(x, q, isa) for q in q4]
+        pbar.update()
         for m in rows:
+            progress.step(pbar, f"{n}x{k}, {m} rows")
             x = torch.randn(m, k)
             fs = dict(paths)
             if m <= native.HALF_GEMV_MAX_ROWS and native.half_gemm_available():
@@ -557,6 +563,8 @@ def gemm(rows: list[int] = (1, 2, 8, 32, 512), threads: int = 2, rounds: int = 9
             row = {"weight": f"{n}x{k}", "rows": m}
             row.update({name: statistics.median(v) / copies * 1e3 for name, v in times.items()})
             results.append(row)
-            print("  ".join(f"{key} {val:.2f}" if isinstance(val, float) else f"{key} {val}"
-                            for key, val in row.items()), flush=True)
+            pbar.write("  ".join(f"{key} {val:.2f}" if isinstance(val, float) else f"{key} {val}"
+                                 for key, val in row.items()), file=sys.stdout)
+            pbar.update()
+    pbar.close()
     return results
