@@ -57,6 +57,8 @@ HELP = """commands:
                         max_tokens (int or none), stop (a string, \\n for a newline,
                         or none), speculative_tokens
   /stats                token counts and speeds of the last answer
+  /image PATH           show the model an image with the next message (a model with a
+                        vision tower only)
   /help                 this list
 A message is one line; a paste of several lines is one message; end a line with \\ to
 continue it, or put the text between two \"\"\" lines.
@@ -369,6 +371,8 @@ class ChatLoop:
             self.set_param(arg)
         elif name == "/stats":
             self.show_stats()
+        elif name == "/image":
+            error_line(f"/image {arg}: refused, {self.llm.vision_refusal}")
         else:
             error_line(f"unknown command {name} (/help lists them)")
         return True
@@ -621,6 +625,9 @@ def chat(
     show_thinking: Annotated[bool, typer.Option(
         "--show-thinking/--hide-thinking",
         help="Show the text between <think> and </think> (dimmed on a terminal).")] = True,
+    image: Annotated[list[str] | None, typer.Option(
+        "--image", help="An image file shown to the model with the first message (a model "
+                        "with a vision tower only; repeat for more).", show_default=False)] = None,
 ) -> None:
     """Chat with a model; answers stream as they are generated.
 
@@ -640,5 +647,7 @@ def chat(
     except ValueError as e:
         raise CliError(f"invalid sampling option: {e}", USAGE_ERROR) from None
     llm = load_llm(options, announce=False)
+    if image:
+        raise CliError(f"--image {image[0]}: refused, {llm.vision_refusal}", USAGE_ERROR)
     sampling = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
     ChatLoop(llm, sampling, options.speculative_tokens, system, think, not show_thinking).run()

@@ -28,6 +28,7 @@ from hybridrt.statecache import HybridCacheManager
 from hybridrt.threads import ThreadGovernor, adaptive_threads_enabled
 from hybridrt.tokenizer import apply_chat_template, load_tokenizer
 from hybridrt.tool_calls import check_tool_choice, check_tools, template_messages, tool_constraint
+from hybridrt.vision import inputs as vision_inputs
 
 PromptType = str | Sequence[int] | dict
 
@@ -141,6 +142,9 @@ class LLM:
             draft_vocab, self.draft_vocab_source = load_draft_vocab(
                 self.model_path, self.config.vocab_size, draft_vocab_size)
         self.tokenizer = self._load_tokenizer(tokenizer)
+        # why an image or video is refused (hybridrt.vision.inputs)
+        self.vision_refusal = vision_inputs.refusal_reason(
+            vision_inputs.has_vision_tower(self.model_path))
         governor = None
         if self.device.type == "cpu" and threads is None and adaptive_threads_enabled():
             governor = ThreadGovernor(torch.get_num_threads())
@@ -171,7 +175,12 @@ class LLM:
 
     # Inputs ------------------------------------------------------------------------------
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, vision_inputs.RefusedPrompt):
+            raise prompt.error
         if isinstance(prompt, dict):
+            refused = vision_inputs.multi_modal_refusal(prompt, self.vision_refusal)
+            if refused is not None:
+                raise ValueError(refused)
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
@@ -405,11 +414,11 @@ class LLM:
         kwargs = dict(chat_template_kwargs or {})
         if tools:
             kwargs["tools"] = tools
-        prompts = [self.apply_chat_template(template_messages(c), kwargs, add_generation_prompt)
-                   for c in convs]
+        prompts = [self._chat_prompt(c, kwargs, add_generation_prompt) for c in convs]
         params = self._params(sampling_params, len(prompts))
         if choice not in ("none", "auto"):
-            params = [self._with_tool_constraint(p, tools, choice, opens_thinking(text),
+            params = [self._with_tool_constraint(p, tools, choice,
+                                                 isinstance(text, str) and opens_thinking(text),
                                                  parallel_tool_calls)
                       for p, text in zip(params, prompts)]
         self._check_speculative_tokens(speculative_tokens)
@@ -419,6 +428,15 @@ class LLM:
                                           parallel_tool_calls):
             outs[i] = out
         return outs
+
+    def _chat_prompt(self, conversation: list[dict], kwargs: dict, add_generation_prompt: bool):
+        """One conversation's prompt text; a ``RefusedPrompt`` where it holds an image or
+        video part the model cannot take (its request alone fails)."""
+        refused = vision_inputs.media_refusal(conversation, self.vision_refusal)
+        if refused is not None:
+            return vision_inputs.RefusedPrompt(ValueError(refused))
+        return self.apply_chat_template(template_messages(conversation), kwargs,
+                                        add_generation_prompt)
 
     def _with_tool_constraint(self, params, tools, choice, thinking: bool, parallel: bool):
         if isinstance(params, dict):

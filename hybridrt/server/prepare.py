@@ -15,6 +15,7 @@ from hybridrt.sampling_params import SamplingParams
 from hybridrt.server.errors import too_many_tokens
 from hybridrt.server.job import Job
 from hybridrt.tool_calls import tool_constraint
+from hybridrt.vision import inputs as vision_inputs
 
 
 @dataclass(slots=True)
@@ -27,11 +28,12 @@ class Frontend:
     model_path: str
     vocab_size: int
     max_model_len: int
+    vision_refusal: str | None = None  # why images are refused (None: read the checkpoint)
 
     @classmethod
     def of(cls, llm) -> Frontend:
         return cls(llm.tokenizer, str(llm.model_path), llm.config.vocab_size,
-                   llm.engine.engine_config.max_model_len)
+                   llm.engine.engine_config.max_model_len, llm.vision_refusal)
 
     def apply_chat_template(self, messages: list[dict], kwargs: dict | None,
                             add_generation_prompt: bool) -> str:
@@ -55,6 +57,8 @@ class Preparer:
         self.front, self.model_name, self.limits = front, model_name, limits
         self.tokenizer, self.max_model_len = front.tokenizer, front.max_model_len
         self.defaults = generation_defaults(front.model_path)
+        self.vision_refusal = front.vision_refusal or vision_inputs.refusal_reason(
+            vision_inputs.has_vision_tower(front.model_path))
 
     def parse(self, raw: bytes, chat: bool) -> Job:
         """In a pool thread: the body -> the job (``prepare``). A refusal is raised without
@@ -77,6 +81,9 @@ class Preparer:
         if chat:
             if self.tokenizer is None:
                 raise api.bad("this model has no tokenizer, so it has no chat template")
+            refused = vision_inputs.media_refusal(body.get("messages"), self.vision_refusal)
+            if refused is not None:
+                raise api.bad(refused, "messages")
             messages = api.chat_messages(body)
             kwargs = api.template_kwargs(body)
             tools, choice, parallel = api.chat_tools(body)
@@ -95,6 +102,9 @@ class Preparer:
                 if 0 < len(base_ids) < len(ids) and ids[:len(base_ids)] == base_ids:
                     snapshot_at = len(base_ids)
         else:
+            refused = vision_inputs.multi_modal_refusal(body, self.vision_refusal)
+            if refused is not None:
+                raise api.bad(refused, "multi_modal_data")
             prompt = api.completion_prompt(body)
             if isinstance(prompt, str):
                 if self.tokenizer is None:
