@@ -49,7 +49,7 @@ def test_chat_refuses_image_and_video_parts_for_that_conversation_only(demo, par
     assert outs[1].error is None and outs[1].outputs[0].token_ids
 
 
-def test_a_checkpoint_with_a_tower_is_refused_as_not_supported_yet(tmp_path):
+def test_has_vision_tower_needs_the_config_and_the_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vision_config": {"depth": 1}}))
     save_file({"model.language_model.norm.weight": torch.ones(2)},
               str(tmp_path / "model.safetensors"))
@@ -57,7 +57,8 @@ def test_a_checkpoint_with_a_tower_is_refused_as_not_supported_yet(tmp_path):
     save_file({"model.visual.merger.norm.weight": torch.ones(2)},
               str(tmp_path / "model.safetensors"))
     assert inputs.has_vision_tower(tmp_path)
-    assert "not supported yet" in inputs.refusal_reason(True)
+    assert inputs.refusal_reason(True, language_model_only=True) == \
+        "the vision tower was not loaded (language_model_only)"
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {}}))
     assert not inputs.has_vision_tower(tmp_path)
 

@@ -32,8 +32,10 @@ class Frontend:
 
     @classmethod
     def of(cls, llm) -> Frontend:
+        refusal = llm.vision_refusal if llm.vision is None else \
+            "the server does not take images yet (LLM.chat and LLM.generate do)"
         return cls(llm.tokenizer, str(llm.model_path), llm.config.vocab_size,
-                   llm.engine.engine_config.max_model_len, llm.vision_refusal)
+                   llm.engine.engine_config.max_model_len, refusal)
 
     def apply_chat_template(self, messages: list[dict], kwargs: dict | None,
                             add_generation_prompt: bool) -> str:

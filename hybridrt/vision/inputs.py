@@ -42,12 +42,61 @@ def has_vision_tower(model_path: str | os.PathLike) -> bool:
     return any(n.startswith(("model.visual.", "visual.")) for n in names)
 
 
-def refusal_reason(has_tower: bool) -> str:
-    """Why a model refuses images and video."""
-    if has_tower:
-        return "images and video are not supported yet (hybridrt does not run this " \
-               "checkpoint's vision tower)"
+def refusal_reason(has_tower: bool, language_model_only: bool = False) -> str:
+    """Why a model without a loaded tower refuses images and video."""
+    if has_tower and language_model_only:
+        return "the vision tower was not loaded (language_model_only)"
     return "this model has no vision tower"
+
+
+def multi_modal_images(data: Any) -> list:
+    """``multi_modal_data`` (vLLM's shape: {"image": an image or a list of them}) -> the
+    images; ValueError for what is not taken."""
+    if not isinstance(data, dict):
+        raise ValueError(f"multi_modal_data must be a dict like {{'image': [...]}}, got "
+                         f"{type(data).__name__}")
+    other = sorted(str(k) for k in data if k != "image")
+    if other:
+        raise ValueError(f"multi_modal_data {other} refused: only 'image' is supported "
+                         f"(video is not supported yet)")
+    images = data["image"]
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def chat_images(messages: list[dict]) -> tuple[list[dict], list]:
+    """A conversation's image parts -> (the messages with each image part as ``{"type":
+    "image"}``, what a chat template renders as the image's placeholder; the images, in
+    order: PIL images, data URLs or paths). ValueError for video parts."""
+    out, images = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for j, p in enumerate(content):
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind in VIDEO_PART_TYPES:
+                raise ValueError(f"messages[{i}].content[{j}] is a {kind!r} part: refused, "
+                                 f"video is not supported yet")
+            if kind in IMAGE_PART_TYPES:
+                images.append(_part_image(p, kind, f"messages[{i}].content[{j}]"))
+                parts.append({"type": "image"})
+            else:
+                parts.append(p)
+        out.append({**m, "content": parts})
+    return out, images
+
+
+def _part_image(part: dict, kind: str, where: str):
+    value = part.get(kind)
+    if kind in ("image_url", "input_image") and isinstance(value, dict):
+        value = value.get("url")
+    if kind == "input_image" and value is None:
+        value = part.get("image_url")
+    if value is None:
+        raise ValueError(f"{where}: an {kind!r} part without its image")
+    return value
 
 
 def media_parts(messages: Any) -> list[tuple[int, int, str]]:

@@ -1,0 +1,107 @@
+"""The vision tower's parts against transformers (the encoder, M-RoPE positions), loading
+(``language_model_only``, a tower that does not fit its config) and the refusals of a model
+that has a tower: placeholders that do not pair with the images, video, undecodable bytes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from vision_helpers import VISION, image, write_vision_checkpoint
+
+from hybridrt import LLM, SamplingParams
+from hybridrt.loader import CheckpointError
+from hybridrt.vision.config import VisionConfig
+from hybridrt.vision.encoder import VisionEncoder
+from hybridrt.vision.positions import mrope_positions
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3)
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_vision_checkpoint(tmp_path_factory.mktemp("tower"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return LLM(ckpt[0], dtype="float32", max_model_len=256, cache_memory="32MiB")
+
+
+def test_encoder_matches_transformers_on_images_and_frames(ckpt):
+    """Grids of several shapes at once (per-image attention), one of two frames."""
+    ref = ckpt[1].model.visual
+    cfg = VisionConfig(**VISION, out_hidden_size=ref.merger.linear_fc2.out_features)
+    ours = VisionEncoder(cfg)
+    ours.load_state_dict(ref.state_dict())
+    grids = [(1, 6, 4), (1, 4, 10), (2, 2, 2), (1, 16, 16)]
+    n = sum(t * h * w for t, h, w in grids)
+    px = torch.randn(n, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ref(px, grid_thw=torch.tensor(grids)).pooler_output
+        got = ours(px, grids)
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_mrope_positions_match_get_rope_index(ckpt):
+    ref = ckpt[1].model
+    image_id = ref.config.image_token_id
+    # text, an image of merged grid 3x2, text, an image 2x5, text
+    grids = [(1, 6, 4), (1, 4, 10)]
+    ids = [5] * 4 + [image_id] * 6 + [7] * 3 + [image_id] * 10 + [9] * 2
+    want, delta = ref.get_rope_index(torch.tensor([ids]), torch.tensor([[int(t == image_id)
+                                                                          for t in ids]]),
+                                     image_grid_thw=torch.tensor(grids))
+    got, d = mrope_positions(len(ids), [(4, (1, 3, 2)), (13, (1, 2, 5))])
+    assert np.array_equal(got, want[:, 0].numpy())
+    assert d == int(delta) == int(got.max()) + 1 - len(ids)
+
+
+def test_language_model_only_skips_the_tower_and_refuses_images(ckpt, llm):
+    text_only = LLM(ckpt[0], dtype="float32", max_model_len=256, cache_memory="32MiB",
+                    language_model_only=True)
+    assert text_only.vision is None and llm.vision is not None
+    outs = text_only.generate(["hello", {"prompt": f"{IMG}hi", "multi_modal_data": {
+        "image": [image(8, 8, 0)]}}], GREEDY, use_tqdm=False)
+    assert str(outs[1].error) == ("multi_modal_data (image) refused: the vision tower was not "
+                                  "loaded (language_model_only)")
+    (same,) = llm.generate(["hello"], GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == same.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompt, data, words", [
+    (f"{IMG}{IMG}two?", {"image": [image(8, 8, 0)]}, "2 image placeholder(s)"),
+    ("none here", {"image": [image(8, 8, 0)]}, "0 image placeholder(s)"),
+    (f"{IMG}?", {"image": [b"not an image"]}, "cannot be decoded as an image"),
+    (f"{IMG}?", {"image": ["/no/such/file.png"]}, "does not exist"),
+    (f"{IMG}?", {"video": [[image(8, 8, 0)]]}, "video is not supported yet"),
+    ("<|vision_start|><|video_pad|><|vision_end|>?", {"image": []}, "video is not supported"),
+])
+def test_bad_image_input_fails_its_own_request(llm, prompt, data, words):
+    outs = llm.generate([{"prompt": prompt, "multi_modal_data": data}, "fine"], GREEDY,
+                        use_tqdm=False)
+    assert outs[0].error is not None and words in str(outs[0].error), outs[0].error
+    assert outs[1].error is None
+
+
+def test_chat_with_a_video_part_is_refused(llm):
+    conv = [{"role": "user", "content": [{"type": "video", "video": ["a.png"]},
+                                         {"type": "text", "text": "?"}]}]
+    (out,) = llm.chat(conv, GREEDY, use_tqdm=False)
+    assert "video is not supported yet" in str(out.error)
+
+
+def test_a_tower_that_does_not_fit_its_config_fails_to_load(ckpt, tmp_path):
+    import shutil
+
+    for f in ckpt[0].iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["vision_config"]["depth"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"missing \['model.visual.blocks.2"):
+        LLM(tmp_path, dtype="float32", max_model_len=64, cache_memory="16MiB")
