@@ -137,7 +137,8 @@ class LLMEngine:
         not compile finishes it with an error. ``parent_id``: the request is one choice of an
         n > 1 request (hybridrt.parallel_sampling); ``params.n`` must be 1 here. ``vision``:
         the prompt's images (hybridrt.vision.tower.VisionInputs, from ``VisionTower.prepare``);
-        such a request runs without speculation and outside the prefix cache."""
+        such a request runs without speculation; its image tokens are keyed in the prefix
+        cache by the images' content (``VisionInputs.keyed``)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if params.n != 1:
@@ -160,7 +161,9 @@ class LLMEngine:
         req = Request(rid, prompt, ids, params, stop_ids, spec_k=k,
                       generator=make_generator(params), session=session,
                       requested_snapshot_at=snapshot_at, parent_id=parent_id, vision=vision)
-        if self.cache.prefix_caching and vision is None:
+        if vision is not None:
+            req.token_ids = vision.keyed(ids)
+        if self.cache.prefix_caching:
             req.block_hashes = self.cache.block_hashes(mtp=k > 0)
             req.checkpoint_at = checkpoint_positions(
                 ids, self.checkpoint_boundary_ids, self.args.checkpoint_interval,

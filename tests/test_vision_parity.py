@@ -127,3 +127,33 @@ def test_an_image_split_across_prefill_chunks_is_encoded_once(ckpt):
     finally:
         vision.tower.encode = plain
     assert runs == [1]  # one image, encoded once although its 15 tokens span two chunks
+
+
+def test_prefix_cache_keys_image_tokens_by_content(llm, ckpt):
+    """Turn 2 of a chat about an image: the image's tokens come from the cache, neither
+    encoded nor prefilled again, and the output is exact; a different image of the same size
+    hits only the text before it."""
+    llm.reset_prefix_cache()
+    img, other = image(32, 48, 6), image(32, 48, 7)
+
+    def conv(picture, answer=None):
+        turn1 = [{"role": "user", "content": [{"type": "image", "image": picture},
+                                              {"type": "text", "text": "What is it?"}]}]
+        if answer is None:
+            return turn1
+        return turn1 + [{"role": "assistant", "content": answer},
+                        {"role": "user", "content": "And the colour?"}]
+
+    (first,) = llm.chat(conv(img), GREEDY, use_tqdm=False)
+    assert first.metrics["vision"]["encoder_runs"] == 1
+    answer = llm.tokenizer.decode(first.outputs[0].token_ids, skip_special_tokens=True)
+    start = first.prompt_token_ids.index(ckpt[1].config.image_token_id)
+    second = check(llm, ckpt, lambda: llm.chat(conv(img, answer), GREEDY, use_tqdm=False)[0],
+                   [img])
+    assert second  # compared with transformers
+    (again,) = llm.chat(conv(img, answer), GREEDY, use_tqdm=False)
+    assert again.metrics["vision"]["encoder_runs"] == 0
+    assert again.num_cached_tokens >= len(first.prompt_token_ids) - 1
+    (diff,) = llm.chat(conv(other, answer), GREEDY, use_tqdm=False)
+    assert diff.metrics["vision"]["encoder_runs"] == 1
+    assert diff.num_cached_tokens <= start

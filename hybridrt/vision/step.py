@@ -1,7 +1,8 @@
 """A model step's share of the requests' images (the runner's hook): each token of a request
 with images takes its M-RoPE position (its row t in ``batch.positions``: the prompt's text after
 an image, and every token after the prompt, sit at index + delta), and the step's image tokens
-their embeddings and (t, h, w) rotary rows (``VisionStep``, applied by the model)."""
+their embeddings and (t, h, w) rotary rows (``VisionStep``, applied by the model), and their
+token id back in place of the prefix cache's content key (``VisionInputs.keyed``)."""
 
 from __future__ import annotations
 
@@ -49,5 +50,6 @@ def vision_step(seqs, batch) -> VisionStep | None:
     if not rows:
         return None
     device = batch.positions.device
-    return VisionStep(tower, torch.cat(rows).to(device), torch.cat(embeds),
-                      torch.cat(positions, dim=1).to(device))
+    rows = torch.cat(rows).to(device)
+    batch.input_ids[rows] = tower.config.image_token_id  # the ids were the cache's keys
+    return VisionStep(tower, rows, torch.cat(embeds), torch.cat(positions, dim=1).to(device))

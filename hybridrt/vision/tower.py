@@ -16,6 +16,8 @@ from hybridrt.vision.encoder import VisionEncoder
 from hybridrt.vision.positions import mrope_cos_sin, mrope_positions
 from hybridrt.vision.preprocess import ImageProcessor, load_image
 
+_KEY_MASK = (1 << 62) - 1  # keyed image-token ids stay within int64 (the block hash packs them)
+
 
 @dataclass(frozen=True, slots=True)
 class TextRotary:
@@ -72,12 +74,25 @@ class VisionInputs:
             self.encoder_runs += 1
         return self._embeds
 
-    def digest(self) -> bytes:
-        """The hash of every image's pixels and grid, in order."""
-        h = hashlib.sha256()
+    def metrics(self) -> dict:
+        """The request's images, their tokens and how many times the encoder ran for them
+        (0 where the prefix cache held every image token)."""
+        return {"num_images": len(self.items), "num_image_tokens": self.num_image_tokens,
+                "encoder_runs": self.encoder_runs}
+
+    def keyed(self, ids: Sequence[int]) -> list[int]:
+        """The prompt as the request's ``token_ids`` hold it: each image token replaced by a
+        negative id drawn from its image's digest (pixels and grid) and its index in the image,
+        so that the prefix cache's block hashes and checkpoint keys cover the image's content:
+        the same image hits, another one of the same size does not. The runner puts the image
+        token's id back before embedding (``hybridrt.vision.step``)."""
+        out = list(ids)
+        merge = self.tower.config.spatial_merge_size
         for it in self.items:
-            h.update(it.offset.to_bytes(8, "little") + it.digest)
-        return h.digest()
+            base = int.from_bytes(it.digest[:8], "little") & _KEY_MASK
+            for i in range(it.num_tokens(merge)):
+                out[it.offset + i] = -1 - ((base + i) & _KEY_MASK)
+        return out
 
 
 class VisionTower:
