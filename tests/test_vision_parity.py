@@ -157,3 +157,57 @@ def test_prefix_cache_keys_image_tokens_by_content(llm, ckpt):
     (diff,) = llm.chat(conv(other, answer), GREEDY, use_tqdm=False)
     assert diff.metrics["vision"]["encoder_runs"] == 1
     assert diff.num_cached_tokens <= start
+
+
+def test_images_beside_text_requests_and_after_preemption(ckpt):
+    """A batch of two image requests and a text one, with preemptions (recompute from the
+    tokens): every output equal to its own run alone, the images' equal to transformers'."""
+    import random
+
+    from helpers import preempt_at
+
+    eng = LLM(ckpt[0], dtype="float32", max_model_len=256, cache_memory="32MiB",
+              max_num_batched_tokens=24, enable_prefix_caching=False)
+    imgs = [image(40, 24, 8), image(24, 40, 9)]
+    prompts = [{"prompt": f"<|im_start|>user\n{IMG}Which?<|im_end|>\n<|im_start|>assistant\n",
+                "multi_modal_data": {"image": [im]}} for im in imgs]
+    prompts.insert(1, "<|im_start|>user\nNo image here.<|im_end|>\n<|im_start|>assistant\n")
+    alone = [eng.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    preempt_at(eng, random.Random(0), {3, 6, 9, 12})
+    together = eng.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] == alone
+    assert sum(o.metrics["num_preemptions"] for o in together) > 0
+    for out, im in zip([together[0], together[2]], imgs):
+        assert out.outputs[0].token_ids == reference(ckpt, out.prompt_token_ids, [im])[0]
+
+
+def test_server_takes_image_url_data_urls(llm, ckpt):
+    """The OpenAI chat endpoint with an ``image_url`` data URL answers what LLM.chat does (and
+    so transformers); a path or http URL, or a placeholder without its image, is a 400."""
+    pytest.importorskip("starlette")
+    httpx = pytest.importorskip("httpx")
+    from test_serve import Running
+
+    img = image(24, 32, 10)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    conv = [{"role": "user", "content": [{"type": "text", "text": "Look: "},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+    (want,) = llm.chat(conv, GREEDY, use_tqdm=False)
+    srv = Running(llm)
+    try:
+        r = httpx.post(f"{srv.base}/v1/chat/completions", json={
+            "messages": conv, "max_tokens": STEPS, "temperature": 0,
+            "return_token_ids": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want.outputs[0].text
+        for bad, words in [("/etc/passwd", "data URLs"), ("http://example.com/a.png",
+                                                             "data URLs"),
+                           ("data:image/png;base64,!!", "not valid base64")]:
+            body = {"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": bad}}]}], "max_tokens": 2}
+            r = httpx.post(f"{srv.base}/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    finally:
+        srv.stop()
