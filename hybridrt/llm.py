@@ -242,6 +242,8 @@ class LLM:
         if params.n != 1:
             raise ValueError(f"n={params.n}: stream() runs one choice; use generate() or chat()")
         text, ids, vision = self._encode(prompt)
+        if vision is not None and snapshot_at is not None:  # a chat's images lie before it
+            snapshot_at += vision.num_added
         return self.engine.add_request(ids, params, prompt=text,
                                        speculative_tokens=speculative_tokens, session=session,
                                        snapshot_at=snapshot_at, vision=vision)

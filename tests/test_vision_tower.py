@@ -5,6 +5,7 @@ that has a tower: placeholders that do not pair with the images, video, undecoda
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -105,3 +106,36 @@ def test_a_tower_that_does_not_fit_its_config_fails_to_load(ckpt, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"missing \['model.visual.blocks.2"):
         LLM(tmp_path, dtype="float32", max_model_len=64, cache_memory="16MiB")
+
+
+def test_cli_chat_shows_images_from_the_flag_a_command_and_a_pasted_path(ckpt, llm, tmp_path):
+    from typer.testing import CliRunner
+
+    from hybridrt.cli.main import app
+
+    img = tmp_path / "cat.png"
+    image(40, 24, 11).save(img)
+    conv = [{"role": "user", "content": [{"type": "image", "image": str(img)},
+                                         {"type": "text", "text": "What is it?"}]}]
+    (want,) = llm.chat(conv, GREEDY, use_tqdm=False)
+    flags = ["--dtype", "float32", "--max-model-len", "256", "--cache-memory", "32MiB",
+             "--temperature", "0", "--max-tokens", "3"]
+    outs = []
+    for how, script in [(["--image", str(img)], "What is it?\n/stats\nAnd now?\n/stats\n"),
+                        ([], f"/image {img}\nWhat is it?\n"),
+                        ([], f"'{img}'\nWhat is it?\n")]:
+        res = CliRunner().invoke(app, ["chat", str(ckpt[0]), *flags, *how], input=script)
+        assert res.exit_code == 0, res.output
+        assert want.outputs[0].text + "\n[prompt" in res.stdout, res.stdout
+        assert "shown with the next message" in res.stdout
+        outs.append(res.stdout)
+    # the second turn resumes after the first turn's image and answer
+    reused = [int(v) for v in re.findall(r"reused tokens\s+(\d+)", outs[0])]
+    assert len(reused) == 2 and reused[1] >= len(want.prompt_token_ids) - 1, outs[0]
+    res = CliRunner().invoke(app, ["chat", str(ckpt[0]), *flags],
+                             input="/image /no/such.png\nhi\n")
+    assert res.exit_code == 0 and "error: /image: image file '/no/such.png' does not exist" \
+        in res.stderr
+    res = CliRunner().invoke(app, ["chat", str(ckpt[0]), *flags, "--image", "/no/such.png"])
+    assert res.exit_code == 2
+    assert res.stderr.strip() == "error: --image: image file '/no/such.png' does not exist"

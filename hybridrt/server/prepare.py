@@ -101,13 +101,12 @@ class Preparer:
                 if 0 < len(base_ids) < len(ids) and ids[:len(base_ids)] == base_ids:
                     snapshot_at = len(base_ids)
             if images is not None:  # each image's placeholder expanded to its tokens
-                unexpanded = len(ids)
                 try:
                     ids, vision = self.front.vision.prepare(ids, images)
                 except ValueError as e:
                     raise api.bad(str(e), "messages") from None
                 if snapshot_at is not None:  # the images are all before it
-                    snapshot_at += len(ids) - unexpanded
+                    snapshot_at += vision.num_added
         else:
             refused = vision_inputs.multi_modal_refusal(body, self.vision_refusal)
             if refused is not None:

@@ -64,6 +64,7 @@ class VisionInputs:
             self.embed_row[it.offset:it.offset + n] = np.arange(row, row + n)
             row += n
         self.num_image_tokens = row
+        self.num_added = 0  # tokens the placeholders' expansion added to the prompt
         self._embeds: torch.Tensor | None = None
         self.encoder_runs = 0  # how many times the encoder ran for this request
 
@@ -145,7 +146,9 @@ class VisionTower:
             at = start + length
             items.append(item)
         out += ids[at:]
-        return out, VisionInputs(self, items, len(out))
+        inputs = VisionInputs(self, items, len(out))
+        inputs.num_added = len(out) - len(ids)
+        return out, inputs
 
     def rope_rows(self, positions: torch.Tensor, dtype: torch.dtype):
         r = self.rotary
