@@ -679,7 +679,8 @@ def chat(
         help="Show the text between <think> and </think> (dimmed on a terminal).")] = True,
     image: Annotated[list[str] | None, typer.Option(
         "--image", help="An image file shown to the model with the first message (a model "
-                        "with a vision tower only; repeat for more).", show_default=False)] = None,
+                        "with a vision tower only; repeat for more) (default: none).",
+        show_default=False)] = None,
 ) -> None:
     """Chat with a model; answers stream as they are generated.
 

@@ -139,3 +139,43 @@ def test_cli_chat_shows_images_from_the_flag_a_command_and_a_pasted_path(ckpt, l
     res = CliRunner().invoke(app, ["chat", str(ckpt[0]), *flags, "--image", "/no/such.png"])
     assert res.exit_code == 2
     assert res.stderr.strip() == "error: --image: image file '/no/such.png' does not exist"
+
+
+def test_encoder_at_the_08b_vision_widths_in_bf16_is_within_bf16_of_transformers():
+    """The 0.8B's vision widths (hidden 768, 12 heads, MLP 3072, patch 16, out 1024, a 48x48
+    position grid; two blocks, not twelve, to keep it short), random bf16 weights, a 448x448
+    image: the merged embeddings within bf16 rounding of transformers' in bf16, and as close
+    to the fp32 result as transformers' own bf16 run is."""
+    import math
+
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    kw = dict(depth=2, hidden_size=768, num_heads=12, intermediate_size=3072,
+              out_hidden_size=1024, num_position_embeddings=2304, patch_size=16,
+              temporal_patch_size=2, spatial_merge_size=2)
+    hc = Qwen3_5VisionConfig(**kw)
+    hc._attn_implementation = "sdpa"
+    ref = Qwen3_5VisionModel(hc).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(math.prod(p.shape[1:])))
+            elif "norm" in n and n.endswith("weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        ours = VisionEncoder(VisionConfig(**kw))
+        ours.load_state_dict(ref.state_dict())
+        grid = torch.tensor([(1, 28, 28)])
+        px = torch.randn(784, 3 * 2 * 16 * 16, generator=g)
+        exact = ref(px, grid_thw=grid).pooler_output
+        want = ref.to(torch.bfloat16)(px.bfloat16(), grid_thw=grid).pooler_output.float()
+        got = ours.to(torch.bfloat16)(px, [(1, 28, 28)]).float()
+
+    def err(a, b):
+        return ((a - b).abs().max() / b.abs().max()).item()
+
+    assert err(got, want) < 2e-2
+    assert err(got, exact) < 2 * err(want, exact) + 1e-3
