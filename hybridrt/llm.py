@@ -190,14 +190,19 @@ class LLM:
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") not in (None, {}):
             if self.vision is None:
                 raise ValueError(vision_inputs.multi_modal_refusal(prompt, self.vision_refusal))
-            text, ids, _ = self._encode({k: v for k, v in prompt.items()
-                                         if k != "multi_modal_data"})
+            text, ids = self._encode_text(prompt)
             images = vision_inputs.multi_modal_images(prompt["multi_modal_data"])
             ids, vision = self.vision.prepare(ids, images)
             return text, ids, vision
+        text, ids = self._encode_text(prompt)
+        if self.vision is not None:
+            self.vision.check_text_only(ids)
+        return text, ids, None
+
+    def _encode_text(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"]), None
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -207,9 +212,9 @@ class LLM:
                 raise ValueError("this model has no tokenizer: pass prompt token ids instead")
             if not prompt:
                 raise ValueError("prompt is empty: it must contain at least one token")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False), None
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)):
-            return None, list(prompt), None
+            return None, list(prompt)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
     @staticmethod

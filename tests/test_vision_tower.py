@@ -81,10 +81,12 @@ def test_language_model_only_skips_the_tower_and_refuses_images(ckpt, llm):
     (f"{IMG}?", {"image": ["/no/such/file.png"]}, "does not exist"),
     (f"{IMG}?", {"video": [[image(8, 8, 0)]]}, "video is not supported yet"),
     ("<|vision_start|><|video_pad|><|vision_end|>?", {"image": []}, "video is not supported"),
+    (f"{IMG}?", None, "1 image/video placeholder token(s) but no images were given"),
+    (f"{IMG}?", {}, "1 image/video placeholder token(s) but no images were given"),
 ])
 def test_bad_image_input_fails_its_own_request(llm, prompt, data, words):
-    outs = llm.generate([{"prompt": prompt, "multi_modal_data": data}, "fine"], GREEDY,
-                        use_tqdm=False)
+    p = {"prompt": prompt} if data is None else {"prompt": prompt, "multi_modal_data": data}
+    outs = llm.generate([p, "fine"], GREEDY, use_tqdm=False)
     assert outs[0].error is not None and words in str(outs[0].error), outs[0].error
     assert outs[1].error is None
 

@@ -127,6 +127,8 @@ class Preparer:
             snapshot_at = None  # truncated: the rendered prefix is no longer at the start
         try:
             ids = self.front.validate_prompt(ids)
+            if vision is None and self.front.vision is not None:
+                self.front.vision.check_text_only(ids)
         except ValueError as e:
             raise api.bad(str(e), where) from None
         thinks = chat and text is not None and opens_thinking(text)

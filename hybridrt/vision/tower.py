@@ -150,6 +150,15 @@ class VisionTower:
         inputs.num_added = len(out) - len(ids)
         return out, inputs
 
+    def check_text_only(self, ids: Sequence[int]) -> None:
+        """A prompt given without images must not hold image or video tokens: they would be
+        read as text (ValueError naming them)."""
+        cfg = self.config
+        n = sum(1 for t in ids if t == cfg.image_token_id or t == cfg.video_token_id)
+        if n:
+            raise ValueError(f"the prompt holds {n} image/video placeholder token(s) but no "
+                             f"images were given (pass them in multi_modal_data)")
+
     def rope_rows(self, positions: torch.Tensor, dtype: torch.dtype):
         r = self.rotary
         return mrope_cos_sin(positions, r.rotary_dim, r.theta, r.section, dtype)
