@@ -106,8 +106,7 @@ class LLM:
         language_model_only: bool = False,
     ):
         # every keyword above, checked once (before anything loads)
-        args = EngineArgs(**{k: v for k, v in locals().items()
-                             if k not in ("self", "language_model_only")})
+        args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})
         if threads is not None:
             torch.set_num_threads(threads)
         self.device = check_device(device)
