@@ -181,3 +181,16 @@ def test_encoder_at_the_08b_vision_widths_in_bf16_is_within_bf16_of_transformers
 
     assert err(got, want) < 2e-2
     assert err(got, exact) < 2 * err(want, exact) + 1e-3
+
+
+def test_a_decompression_bomb_is_refused(llm, monkeypatch):
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    image(64, 64, 0).save(buf, format="PNG")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 4096 pixels are over it
+    outs = llm.generate([{"prompt": f"{IMG}?", "multi_modal_data": {"image": [buf.getvalue()]}}],
+                        GREEDY, use_tqdm=False)
+    assert "refused, too many pixels" in str(outs[0].error)

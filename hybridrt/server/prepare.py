@@ -58,8 +58,10 @@ class Preparer:
         self.front, self.model_name, self.limits = front, model_name, limits
         self.tokenizer, self.max_model_len = front.tokenizer, front.max_model_len
         self.defaults = generation_defaults(front.model_path)
-        self.vision_refusal = front.vision_refusal or vision_inputs.refusal_reason(
-            vision_inputs.has_vision_tower(front.model_path))
+        self.vision_refusal = front.vision_refusal or (
+            "this server's replicas do not take images yet"
+            if vision_inputs.has_vision_tower(front.model_path)
+            else vision_inputs.refusal_reason(False))
 
     def parse(self, raw: bytes, chat: bool) -> Job:
         """In a pool thread: the body -> the job (``prepare``). A refusal is raised without

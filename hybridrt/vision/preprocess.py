@@ -9,6 +9,7 @@ import base64
 import binascii
 import io
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +57,16 @@ def load_image(obj: Any):
 
 
 def _decode(raw: bytes, what: str):
+    """Pillow's decompression-bomb warning (over ``Image.MAX_IMAGE_PIXELS``) is a refusal
+    here, as its error (over twice that) is."""
     from PIL import Image
 
     try:
-        image = Image.open(io.BytesIO(raw))
-        image.load()
-    except Image.DecompressionBombError as e:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(raw))
+            image.load()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ValueError(f"{what}: refused, too many pixels ({e})") from None
     except Exception as e:
         raise ValueError(f"{what} cannot be decoded as an image: {e}") from None
