@@ -194,3 +194,13 @@ def test_a_decompression_bomb_is_refused(llm, monkeypatch):
     outs = llm.generate([{"prompt": f"{IMG}?", "multi_modal_data": {"image": [buf.getvalue()]}}],
                         GREEDY, use_tqdm=False)
     assert "refused, too many pixels" in str(outs[0].error)
+
+
+def test_encoder_bench_runs(capsys):
+    from hybridrt.bench import vision
+
+    tiny = json.dumps({**VISION, "out_hidden_size": 16})
+    vision.main(["--sizes", "40x24,64x64", "--dtype", "float32", "--config", tiny])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["grid"] for r in rows] == [[1, 10, 6], [1, 16, 16]]
+    assert [r["tokens"] for r in rows] == [15, 64] and all(r["seconds"] > 0 for r in rows)
