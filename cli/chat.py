@@ -57,6 +57,8 @@ HELP = """commands:
                         max_tokens (int or none), stop (a string, \\n for a newline,
                         or none), speculative_tokens
   /stats                token counts and speeds of the last answer
+  /image PATH           show the model an image with the next message (a model with a
+                        vision tower only; pasting the path of an image file does the same)
   /help                 this list
 A message is one line; a paste of several lines is one message; end a line with \\ to
 continue it, or put the text between two \"\"\" lines.
@@ -137,6 +139,8 @@ class Conversation:
     # so a template that re-renders the answer differently next turn still reuses the rest.
     gen_start: int | None = None
     _stable: bool | None = None  # see _prefix_stable
+    # images (paths) shown with the next user message, as image parts before its text
+    pending_images: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.clear()
@@ -156,9 +160,23 @@ class Conversation:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def user_message(self, user_text: str) -> dict:
+        """A user turn: its text, after the pending images' parts."""
+        if not self.pending_images:
+            return {"role": "user", "content": user_text}
+        return {"role": "user", "content": [
+            *({"type": "image", "image": p} for p in self.pending_images),
+            {"type": "text", "text": user_text}]}
+
+    def images(self) -> list[str]:
+        """The images of the conversation's messages, in order."""
+        return [p["image"] for m in self.messages if isinstance(m["content"], list)
+                for p in m["content"] if p.get("type") == "image"]
+
     def prompt_for(self, user_text: str) -> tuple[list[int], str]:
-        """-> (prompt ids, prompt text) for a new user turn after the current messages."""
-        messages = [*self.messages, {"role": "user", "content": user_text}]
+        """-> (prompt ids, prompt text) for a new user turn after the current messages (an
+        image's placeholder not yet expanded to its tokens: ``LLM`` expands it)."""
+        messages = [*self.messages, self.user_message(user_text)]
         text = self.template(messages)
         ids = None
         if self.prompt_ids is not None and self.answer_ids is not None:
@@ -192,7 +210,7 @@ class Conversation:
     def _incremental(self, user_text: str, text: str) -> list[int] | None:
         probe = self.template([*self.messages[:-1],
                                {"role": "assistant", "content": _SENTINEL},
-                               {"role": "user", "content": user_text}])
+                               self.user_message(user_text)])
         at = probe.rfind(_SENTINEL)
         if at < 0:
             return None
@@ -335,7 +353,11 @@ class ChatLoop:
                 if not line:
                     continue
                 with quiet_input(self.stdin):  # until the answer (or command) is done
-                    if line.startswith("/"):
+                    if _image_file(line) and self.llm.vision is not None:
+                        refused = self.attach(line)  # a pasted (or dropped) image path
+                        if refused:
+                            error_line(refused)
+                    elif line.startswith("/"):
                         if not self.command(line):
                             break
                     else:
@@ -369,9 +391,30 @@ class ChatLoop:
             self.set_param(arg)
         elif name == "/stats":
             self.show_stats()
+        elif name == "/image":
+            refused = self.attach(arg)
+            if refused:
+                error_line(refused)
         else:
             error_line(f"unknown command {name} (/help lists them)")
         return True
+
+    def attach(self, path: str, what: str = "/image") -> str | None:
+        """Show the image at ``path`` with the next message -> None, or why it was not
+        taken."""
+        from hybridrt.vision.preprocess import load_image
+
+        path = path.strip().strip("'\"")
+        if self.llm.vision is None:
+            return f"{what} {path}: refused, {self.llm.vision_refusal}"
+        try:
+            image = load_image(path)
+        except ValueError as e:
+            return f"{what}: {e}"
+        self.conv.pending_images.append(path)
+        self.say(self.render.dim(f"(image {path}, {image.width}x{image.height}: shown with "
+                                 f"the next message)"))
+        return None
 
     def settings(self) -> dict[str, Any]:
         """Every /set parameter -> its current value (the SamplingParams default if unset)."""
@@ -453,11 +496,12 @@ class ChatLoop:
         if fitted is None:
             return
         ids, user_text = fitted
-        self.conv.messages.append({"role": "user", "content": user_text})
+        self.conv.messages.append(self.conv.user_message(user_text))
         answer = self.answer(ids)
         if answer is None:
             self.conv.messages.pop()
             return
+        self.conv.pending_images = []
         self.conv.commit(ids, answer)
 
     def fit(self, user_text: str) -> tuple[list[int], str] | None:
@@ -517,8 +561,11 @@ class ChatLoop:
 
         params = SamplingParams(**self.sampling)
         self.render.start()
-        stream = self.llm.stream(ids, params, session=self.session, speculative_tokens=self.k,
-                                 snapshot_at=self.conv.gen_start)
+        images = self.conv.images()
+        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images \
+            else ids
+        stream = self.llm.stream(prompt, params, session=self.session,
+                                 speculative_tokens=self.k, snapshot_at=self.conv.gen_start)
         interrupted = False
         with _sigint_flag() as flag:
             try:
@@ -546,6 +593,15 @@ class ChatLoop:
 DEMO_NOTE = ("  the embedded demo model: 8.4M parameters trained for an hour on Python "
              "docstrings, not an\n  assistant. Ask it what a stdlib function does, e.g. "
              "What does json.dumps do?")
+
+
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
+
+
+def _image_file(line: str) -> bool:
+    """Is the line just the path of an image file (as a terminal pastes a dropped file)?"""
+    path = Path(line.strip().strip("'\"")).expanduser()
+    return path.suffix.lower() in _IMAGE_SUFFIXES and path.is_file()
 
 
 def banner(llm) -> str:
@@ -621,6 +677,10 @@ def chat(
     show_thinking: Annotated[bool, typer.Option(
         "--show-thinking/--hide-thinking",
         help="Show the text between <think> and </think> (dimmed on a terminal).")] = True,
+    image: Annotated[list[str] | None, typer.Option(
+        "--image", help="An image file shown to the model with the first message (a model "
+                        "with a vision tower only; repeat for more) (default: none).",
+        show_default=False)] = None,
 ) -> None:
     """Chat with a model; answers stream as they are generated.
 
@@ -641,4 +701,10 @@ def chat(
         raise CliError(f"invalid sampling option: {e}", USAGE_ERROR) from None
     llm = load_llm(options, announce=False)
     sampling = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
-    ChatLoop(llm, sampling, options.speculative_tokens, system, think, not show_thinking).run()
+    loop = ChatLoop(llm, sampling, options.speculative_tokens, system, think, not show_thinking)
+    for path in image or ():
+        refused = loop.attach(path, "--image")
+        if refused:
+            llm.close_session(loop.session)
+            raise CliError(refused, USAGE_ERROR)
+    loop.run()

@@ -83,6 +83,9 @@ CheckpointShareOpt = Annotated[float, typer.Option(
 MaxNumSessionsOpt = Annotated[int, typer.Option(
     "--max-num-sessions", min=0, help="Sessions open at once (each pins the prefix cache's "
     "hold on its conversation).")]
+LanguageModelOnlyOpt = Annotated[bool, typer.Option(
+    "--language-model-only", help="Do not load the checkpoint's vision tower (its memory "
+    "saved; images refused) (default: loaded where the checkpoint has one).")]
 EngineSeedOpt = Annotated[int, typer.Option(
     "--engine-seed", help="Seed of the engine's generator, which samples every request "
     "without a --seed of its own.")]
@@ -113,6 +116,7 @@ class ModelOptions:
     checkpoint_interval: CheckpointIntervalOpt = 2048
     checkpoint_share: CheckpointShareOpt = 0.25
     max_num_sessions: MaxNumSessionsOpt = 64
+    language_model_only: LanguageModelOnlyOpt = False
     engine_seed: EngineSeedOpt = 0
 
     # a field named otherwise than LLM's keyword argument: engine_seed, since chat's and

@@ -126,7 +126,8 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                     prompt: str | None = None, request_id: str | None = None,
                     speculative_tokens: int | None = None, session: Session | None = None,
-                    snapshot_at: int | None = None, parent_id: str | None = None) -> str:
+                    snapshot_at: int | None = None, parent_id: str | None = None,
+                    vision=None) -> str:
         """Validate and queue a request -> its id. Raises ValueError for bad input; nothing
         is queued then. ``speculative_tokens``: drafts per step for this request (default:
         the engine's; 0 turns speculation off for it). ``session``: continue a conversation,
@@ -136,7 +137,10 @@ class LLMEngine:
         turn diverge; a session pins it). ``params.structured_outputs``: the request waits in
         the scheduler (``WAITING_FOR_GRAMMAR``) until its constraint is compiled; one that does
         not compile finishes it with an error. ``parent_id``: the request is one choice of an
-        n > 1 request (hybridrt.parallel_sampling); ``params.n`` must be 1 here."""
+        n > 1 request (hybridrt.parallel_sampling); ``params.n`` must be 1 here. ``vision``:
+        the prompt's images (hybridrt.vision.tower.VisionInputs, from ``VisionTower.prepare``);
+        such a request runs without speculation; its image tokens are keyed in the prefix
+        cache by the images' content (``VisionInputs.keyed``)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if params.n != 1:
@@ -145,6 +149,8 @@ class LLMEngine:
         k = self.speculative_tokens if speculative_tokens is None else speculative_tokens
         check_int("speculative_tokens", k, lo=0, hi=self.speculative_tokens,
                   hint=" (the engine's speculative_tokens)")
+        if vision is not None:
+            k = 0  # the MTP layer does not see image embeddings
         ids = self.validate_prompt(prompt_token_ids)
         if snapshot_at is not None:
             check_int("snapshot_at", snapshot_at, lo=1)
@@ -156,7 +162,9 @@ class LLMEngine:
         stop_ids = stop_token_ids(params, self.config.eos_token_ids)
         req = Request(rid, prompt, ids, params, stop_ids, spec_k=k,
                       generator=make_generator(params), session=session,
-                      requested_snapshot_at=snapshot_at, parent_id=parent_id)
+                      requested_snapshot_at=snapshot_at, parent_id=parent_id, vision=vision)
+        if vision is not None:
+            req.token_ids = vision.keyed(ids)
         if self.cache.prefix_caching:
             req.block_hashes = self.cache.block_hashes(mtp=k > 0)
             req.checkpoint_at = checkpoint_positions(

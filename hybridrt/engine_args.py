@@ -80,6 +80,7 @@ class EngineArgs:
     checkpoint_interval: int = 2048
     checkpoint_share: float = 0.25
     batch_invariant: bool = False
+    language_model_only: bool = False  # the vision tower stays on disk (hybridrt.vision)
 
     def __post_init__(self) -> None:
         check_int("speculative_tokens", self.speculative_tokens, lo=0)
@@ -97,6 +98,7 @@ class EngineArgs:
         if isinstance(self.device, str):
             check_device_name(self.device)
         check_bool("batch_invariant", self.batch_invariant)
+        check_bool("language_model_only", self.language_model_only)
         if self.batch_invariant and self.backend == "reference":
             raise ValueError("batch_invariant=True runs on the cpu and cuda backends, not the "
                              "reference one")

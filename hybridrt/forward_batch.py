@@ -58,6 +58,7 @@ class ForwardBatch:
     query_starts: list[int] = field(default_factory=list)
     meta: Any = None
     arrays: Any = None  # where the backend's plans go (kernels/meta.py); new arrays if None
+    vision: Any = None  # image rows: embeddings and M-RoPE (hybridrt.vision.step.VisionStep)
 
     def __post_init__(self) -> None:
         B = self.cu_seqlens.numel() - 1

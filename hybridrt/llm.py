@@ -28,6 +28,8 @@ from hybridrt.statecache import HybridCacheManager
 from hybridrt.threads import ThreadGovernor, adaptive_threads_enabled
 from hybridrt.tokenizer import apply_chat_template, load_tokenizer
 from hybridrt.tool_calls import check_tool_choice, check_tools, template_messages, tool_constraint
+from hybridrt.vision import inputs as vision_inputs
+from hybridrt.vision.load import load_vision_tower
 
 PromptType = str | Sequence[int] | dict
 
@@ -71,6 +73,10 @@ class LLM:
     beside it, however its prompt is chunked, after preemption, and with greedy speculation
     on or off (docs/batch_invariance.md). CPU and CUDA backends (CUDA: checked under the
     Triton interpreter only so far); costs some prefill speed.
+    language_model_only: do not load the checkpoint's vision tower (``model.visual.*``; vLLM's
+    ``--language-model-only``): its memory saved, images refused. A checkpoint with a tower
+    takes images in ``generate`` (``multi_modal_data``) and ``chat`` (image parts): see
+    docs/vision.md.
     """
 
     def __init__(
@@ -97,6 +103,7 @@ class LLM:
         checkpoint_interval: int = 2048,
         checkpoint_share: float = 0.25,
         batch_invariant: bool = False,
+        language_model_only: bool = False,
     ):
         # every keyword above, checked once (before anything loads)
         args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})
@@ -141,6 +148,11 @@ class LLM:
             draft_vocab, self.draft_vocab_source = load_draft_vocab(
                 self.model_path, self.config.vocab_size, draft_vocab_size)
         self.tokenizer = self._load_tokenizer(tokenizer)
+        # the vision tower (None: text only) and why images are refused without it
+        self.vision = None if language_model_only else load_vision_tower(
+            self.model_path, self.config, self.dtype, self.device)
+        self.vision_refusal = vision_inputs.refusal_reason(
+            vision_inputs.has_vision_tower(self.model_path), language_model_only)
         governor = None
         if self.device.type == "cpu" and threads is None and adaptive_threads_enabled():
             governor = ThreadGovernor(torch.get_num_threads())
@@ -170,7 +182,23 @@ class LLM:
             raise ValueError(f"{Path(self.model_path) / 'generation_config.json'}: {e}") from None
 
     # Inputs ------------------------------------------------------------------------------
-    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _encode(self, prompt: PromptType):
+        """-> (text or None, token ids, the images' VisionInputs or None)."""
+        if isinstance(prompt, vision_inputs.RefusedPrompt):
+            raise prompt.error
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") not in (None, {}):
+            if self.vision is None:
+                raise ValueError(vision_inputs.multi_modal_refusal(prompt, self.vision_refusal))
+            text, ids = self._encode_text(prompt)
+            images = vision_inputs.multi_modal_images(prompt["multi_modal_data"])
+            ids, vision = self.vision.prepare(ids, images)
+            return text, ids, vision
+        text, ids = self._encode_text(prompt)
+        if self.vision is not None:
+            self.vision.check_text_only(ids)
+        return text, ids, None
+
+    def _encode_text(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -217,10 +245,12 @@ class LLM:
             params = SamplingParams(**params)
         if params.n != 1:
             raise ValueError(f"n={params.n}: stream() runs one choice; use generate() or chat()")
-        text, ids = self._encode(prompt)
+        text, ids, vision = self._encode(prompt)
+        if vision is not None and snapshot_at is not None:  # a chat's images lie before it
+            snapshot_at += vision.num_added
         return self.engine.add_request(ids, params, prompt=text,
                                        speculative_tokens=speculative_tokens, session=session,
-                                       snapshot_at=snapshot_at)
+                                       snapshot_at=snapshot_at, vision=vision)
 
     def _add_choices(self, prompt: PromptType, params, speculative_tokens: int | None
                      ) -> list[tuple[str, ParentRequest | None, int]]:
@@ -230,14 +260,14 @@ class LLM:
             params = SamplingParams(**params)
         if params.n == 1:
             return [(self._add(prompt, params, speculative_tokens), None, 0)]
-        text, ids = self._encode(prompt)
+        text, ids, vision = self._encode(prompt)
         parent = ParentRequest(f"n{next(self._parent_ids)}", params)
         added = []
         try:
             for j, (rid, child) in enumerate(parent.children()):
                 self.engine.add_request(ids, child, prompt=text, request_id=rid,
                                         speculative_tokens=speculative_tokens,
-                                        parent_id=parent.request_id)
+                                        parent_id=parent.request_id, vision=vision)
                 added.append((rid, parent, j))
         except ValueError:
             for rid, _, _ in added:
@@ -405,11 +435,10 @@ class LLM:
         kwargs = dict(chat_template_kwargs or {})
         if tools:
             kwargs["tools"] = tools
-        prompts = [self.apply_chat_template(template_messages(c), kwargs, add_generation_prompt)
-                   for c in convs]
+        prompts = [self._chat_prompt(c, kwargs, add_generation_prompt) for c in convs]
         params = self._params(sampling_params, len(prompts))
         if choice not in ("none", "auto"):
-            params = [self._with_tool_constraint(p, tools, choice, opens_thinking(text),
+            params = [self._with_tool_constraint(p, tools, choice, _opens_thinking(text),
                                                  parallel_tool_calls)
                       for p, text in zip(params, prompts)]
         self._check_speculative_tokens(speculative_tokens)
@@ -419,6 +448,24 @@ class LLM:
                                           parallel_tool_calls):
             outs[i] = out
         return outs
+
+    def _chat_prompt(self, conversation: list[dict], kwargs: dict, add_generation_prompt: bool):
+        """One conversation's prompt: its text, or with image parts {"prompt": text,
+        "multi_modal_data": {"image": [...]}}; a ``RefusedPrompt`` where it holds a part the
+        model cannot take (its request alone fails)."""
+        if not vision_inputs.media_parts(conversation):
+            return self.apply_chat_template(template_messages(conversation), kwargs,
+                                            add_generation_prompt)
+        if self.vision is None:
+            refused = vision_inputs.media_refusal(conversation, self.vision_refusal)
+            return vision_inputs.RefusedPrompt(ValueError(refused))
+        try:
+            messages, images = vision_inputs.chat_images(conversation)
+        except ValueError as e:
+            return vision_inputs.RefusedPrompt(e)
+        text = self.apply_chat_template(template_messages(messages), kwargs,
+                                        add_generation_prompt)
+        return {"prompt": text, "multi_modal_data": {"image": images}}
 
     def _with_tool_constraint(self, params, tools, choice, thinking: bool, parallel: bool):
         if isinstance(params, dict):
@@ -498,3 +545,9 @@ class LLM:
         if req.error is not None:
             raise req.error
 
+
+
+def _opens_thinking(prompt) -> bool:
+    """Does a chat's prompt (text, or a dict with its text) leave a <think> block open?"""
+    text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+    return isinstance(text, str) and opens_thinking(text)

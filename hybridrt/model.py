@@ -329,7 +329,7 @@ class Qwen35ForCausalLM(nn.Module):
         the embedded tokens (``forward``), else the layers here."""
         self.plan_step(batch)
         be = self.backend
-        out = be.graph_step(batch, cache, self.forward_eager)
+        out = be.graph_step(batch, cache, self.forward_eager) if batch.vision is None else None
         if out is not None:
             return out
         h, cos, sin = self.step_inputs(batch)
@@ -341,9 +341,13 @@ class Qwen35ForCausalLM(nn.Module):
         return self.run_layers(*self.step_inputs(batch), batch, cache)
 
     def step_inputs(self, batch: ForwardBatch):
-        """(embedded tokens [T, hidden], cos, sin [T, rotary_dim]) of the batch."""
+        """(embedded tokens [T, hidden], cos, sin [T, rotary_dim]) of the batch; image tokens
+        with their embeddings and M-RoPE rows (``batch.vision``)."""
         h = self.model.embed_tokens(batch.input_ids)
-        return (h, *self.rope(batch.positions, h.dtype))
+        cos, sin = self.rope(batch.positions, h.dtype)
+        if batch.vision is not None:
+            return batch.vision.apply(h, cos, sin)
+        return h, cos, sin
 
     def run_layers(self, h, cos, sin, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         """The decoder layers and the final norm over the embedded tokens ``h``."""

@@ -322,8 +322,10 @@ def chat_tools(body: dict) -> tuple[list[dict] | None, str | dict, bool]:
     return tools, choice, parallel
 
 
-def chat_messages(body: dict) -> list[dict]:
-    """``messages`` -> the list the chat template takes (text content parts joined)."""
+def chat_messages(body: dict, images: bool = False) -> list[dict]:
+    """``messages`` -> the list the chat template takes (text content parts joined; with
+    ``images``, a content holding ``{"type": "image"}`` parts stays a list of text and image
+    parts, as hybridrt.vision.inputs.chat_images leaves it)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list of {'role', 'content'} objects",
@@ -339,12 +341,19 @@ def chat_messages(body: dict) -> list[dict]:
         if isinstance(content, list):
             parts = []
             for p in content:
+                if images and p == {"type": "image"}:
+                    parts.append(p)
+                    continue
                 if not isinstance(p, dict) or p.get("type") != "text" or \
                         not isinstance(p.get("text"), str):
                     raise bad(f"messages[{i}].content: only text parts are supported",
                               "messages")
                 parts.append(p["text"])
-            content = "".join(parts)
+            if any(isinstance(p, dict) for p in parts):
+                content = [p if isinstance(p, dict) else {"type": "text", "text": p}
+                           for p in parts]
+            else:
+                content = "".join(parts)
         elif content is None:
             content = ""
         elif not isinstance(content, str):

@@ -139,6 +139,8 @@ class OutputProcessor:
         metrics = req.metrics.as_dict()
         if req.spec_stats is not None:
             metrics["spec"] = req.spec_stats.as_dict()
+        if req.vision is not None:
+            metrics["vision"] = req.vision.metrics()
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt,
             prompt_token_ids=list(req.prompt_token_ids), outputs=[out],

@@ -120,6 +120,8 @@ class Request:
     # parent request (hybridrt.parallel_sampling) this one is a choice of.
     grammar: object | None = None
     parent_id: str | None = None
+    # Images: the prompt's image inputs (hybridrt.vision.tower.VisionInputs), None without
+    vision: object | None = None
 
     def __post_init__(self) -> None:
         if self.spec_k > 0 and self.spec_stats is None:

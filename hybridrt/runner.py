@@ -27,6 +27,7 @@ from hybridrt.sampled_tokens import LaunchedStep, sample_step
 from hybridrt.sampler import Sampler, plain_greedy
 from hybridrt.statecache import HybridCacheManager
 from hybridrt.step_plan import StepPlan
+from hybridrt.vision.step import vision_step
 
 
 def build_batch(
@@ -233,6 +234,8 @@ class ModelRunner:
         if any(marks):
             batch.gdn_checkpoints = marks
         batch.state_copies = copies or None
+        if any(s.request.vision is not None for s in plan.seqs):
+            batch.vision = vision_step(plan.seqs, batch)
         return batch
 
     @torch.inference_mode()

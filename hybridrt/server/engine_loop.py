@@ -88,8 +88,8 @@ class EngineLoop:
                 cmd[2].set_exception(RuntimeError("the engine loop has stopped"))
 
     def submit(self, handle: Handle, ids: list[int], params: SamplingParams,
-               prompt: str | None, snapshot_at: int | None) -> None:
-        self.inbox.put(("add", handle, ids, params, prompt, snapshot_at))
+               prompt: str | None, snapshot_at: int | None, vision=None) -> None:
+        self.inbox.put(("add", handle, ids, params, prompt, snapshot_at, vision))
 
     def abort(self, handle: Handle) -> None:
         self.inbox.put(("abort", handle))
@@ -132,11 +132,11 @@ class EngineLoop:
 
     def _command(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, handle, ids, params, prompt, snapshot_at = cmd
+            _, handle, ids, params, prompt, snapshot_at, vision = cmd
             try:
                 rid = self.engine.add_request(ids, params, prompt=prompt,
                                               snapshot_at=snapshot_at,
-                                              parent_id=handle.parent_id)
+                                              parent_id=handle.parent_id, vision=vision)
             except Exception as e:
                 handle.post(Progress([], None, "", "error", e, len(ids)))
                 return
@@ -237,5 +237,5 @@ def submit_job(loop: EngineLoop, job: Job) -> list[Handle]:
                    for i in range(params.n)]
         children = [parent.child_params(i) for i in range(params.n)]
     for handle, child in zip(handles, children):
-        loop.submit(handle, job.ids, child, job.prompt, job.snapshot_at)
+        loop.submit(handle, job.ids, child, job.prompt, job.snapshot_at, job.vision)
     return handles

@@ -28,3 +28,4 @@ class Job:
     top: int = 0
     stream: bool = False
     usage: bool = False
+    vision: object | None = None  # the prompt's images (hybridrt.vision.tower.VisionInputs)

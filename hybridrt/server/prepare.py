@@ -15,6 +15,7 @@ from hybridrt.sampling_params import SamplingParams
 from hybridrt.server.errors import too_many_tokens
 from hybridrt.server.job import Job
 from hybridrt.tool_calls import tool_constraint
+from hybridrt.vision import inputs as vision_inputs
 
 
 @dataclass(slots=True)
@@ -27,11 +28,13 @@ class Frontend:
     model_path: str
     vocab_size: int
     max_model_len: int
+    vision_refusal: str | None = None  # why images are refused (None: read the checkpoint)
+    vision: object | None = None  # the loaded tower (hybridrt.vision.tower.VisionTower)
 
     @classmethod
     def of(cls, llm) -> Frontend:
         return cls(llm.tokenizer, str(llm.model_path), llm.config.vocab_size,
-                   llm.engine.engine_config.max_model_len)
+                   llm.engine.engine_config.max_model_len, llm.vision_refusal, llm.vision)
 
     def apply_chat_template(self, messages: list[dict], kwargs: dict | None,
                             add_generation_prompt: bool) -> str:
@@ -55,6 +58,10 @@ class Preparer:
         self.front, self.model_name, self.limits = front, model_name, limits
         self.tokenizer, self.max_model_len = front.tokenizer, front.max_model_len
         self.defaults = generation_defaults(front.model_path)
+        self.vision_refusal = front.vision_refusal or (
+            "this server's replicas do not take images yet"
+            if vision_inputs.has_vision_tower(front.model_path)
+            else vision_inputs.refusal_reason(False))
 
     def parse(self, raw: bytes, chat: bool) -> Job:
         """In a pool thread: the body -> the job (``prepare``). A refusal is raised without
@@ -73,11 +80,12 @@ class Preparer:
         api.check_common(body, self.model_name)
         api.check_limits(body, self.limits)
         params = api.sampling_params(body, self.defaults, chat)
-        snapshot_at, tools, choice, parallel = None, None, "none", True
+        snapshot_at, tools, choice, parallel, vision = None, None, "none", True, None
         if chat:
             if self.tokenizer is None:
                 raise api.bad("this model has no tokenizer, so it has no chat template")
-            messages = api.chat_messages(body)
+            images = self._images(body)
+            messages = api.chat_messages(body, images=images is not None)
             kwargs = api.template_kwargs(body)
             tools, choice, parallel = api.chat_tools(body)
             if tools:
@@ -94,7 +102,17 @@ class Preparer:
                 base_ids = self._encode(base, body, "messages")
                 if 0 < len(base_ids) < len(ids) and ids[:len(base_ids)] == base_ids:
                     snapshot_at = len(base_ids)
+            if images is not None:  # each image's placeholder expanded to its tokens
+                try:
+                    ids, vision = self.front.vision.prepare(ids, images)
+                except ValueError as e:
+                    raise api.bad(str(e), "messages") from None
+                if snapshot_at is not None:  # the images are all before it
+                    snapshot_at += vision.num_added
         else:
+            refused = vision_inputs.multi_modal_refusal(body, self.vision_refusal)
+            if refused is not None:
+                raise api.bad(refused, "multi_modal_data")
             prompt = api.completion_prompt(body)
             if isinstance(prompt, str):
                 if self.tokenizer is None:
@@ -105,9 +123,14 @@ class Preparer:
         where, num_ids = "messages" if chat else "prompt", len(ids)
         ids, params = self._fit(ids, params, body, where)
         if len(ids) != num_ids:
+            if vision is not None:
+                raise api.bad("truncate_prompt_tokens would cut a prompt with images",
+                              "truncate_prompt_tokens")
             snapshot_at = None  # truncated: the rendered prefix is no longer at the start
         try:
             ids = self.front.validate_prompt(ids)
+            if vision is None and self.front.vision is not None:
+                self.front.vision.check_text_only(ids)
         except ValueError as e:
             raise api.bad(str(e), where) from None
         thinks = chat and text is not None and opens_thinking(text)
@@ -125,7 +148,27 @@ class Preparer:
         return Job(ids, params, text, snapshot_at, api.new_id("chatcmpl" if chat else "cmpl"),
                    api.now(), Shape(thinks, tools if choice != "none" else None, parallel),
                    params.logprobs or 0, bool(body.get("stream")),
-                   bool(opts.get("include_usage")))
+                   bool(opts.get("include_usage")), vision)
+
+    def _images(self, body: dict) -> list[str] | None:
+        """A chat's images (data URLs), its image parts made ``{"type": "image"}`` in
+        ``body["messages"]``; None where it has none. Refused (400) where the model has no
+        tower, for video, and for anything but a data URL (no URL is fetched, no path read)."""
+        messages = body.get("messages")
+        if not vision_inputs.media_parts(messages):
+            return None
+        if self.front.vision is None:
+            raise api.bad(vision_inputs.media_refusal(messages, self.vision_refusal),
+                          "messages")
+        try:
+            body["messages"], images = vision_inputs.chat_images(messages)
+        except ValueError as e:
+            raise api.bad(str(e), "messages") from None
+        for i, url in enumerate(images):
+            if not (isinstance(url, str) and url.startswith("data:")):
+                raise api.bad(f"image {i}: refused, the server takes images as data URLs "
+                              f"(data:image/png;base64,...) only", "messages")
+        return images
 
     def _fit(self, ids: list[int], params: SamplingParams, body: dict,
              where: str) -> tuple[list[int], SamplingParams]:

@@ -1,0 +1,103 @@
+"""Images -> the vision tower's patches: decoding (Pillow) and transformers' Qwen2-VL image
+processor (resize to multiples of patch_size * spatial_merge_size within min/max pixels,
+rescale, normalize, the patches in merge-block order), as the checkpoint's
+``preprocessor_config.json`` sets it."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridrt.vision.config import VisionConfig
+
+
+def load_image(obj: Any):
+    """A PIL image from a PIL image, a numpy array (H, W, 3 uint8), bytes, a ``data:`` URL
+    or a local file path; ValueError naming what is wrong otherwise."""
+    from PIL import Image
+
+    if isinstance(obj, Image.Image):
+        image = obj
+    elif isinstance(obj, np.ndarray):
+        image = Image.fromarray(obj)
+    elif isinstance(obj, (bytes, bytearray)):
+        image = _decode(bytes(obj), "the image bytes")
+    elif isinstance(obj, (str, os.PathLike)):
+        s = str(obj)
+        if s.startswith("data:"):
+            head, _, data = s.partition(",")
+            if not head.endswith(";base64"):
+                raise ValueError("an image data URL must be base64 (data:image/...;base64,...)")
+            try:
+                raw = base64.b64decode(data, validate=True)
+            except (binascii.Error, ValueError):
+                raise ValueError("the image data URL is not valid base64") from None
+            image = _decode(raw, "the image data URL")
+        elif "://" in s:
+            raise ValueError(f"image {s[:60]!r}: only data URLs and local paths are accepted")
+        else:
+            path = Path(s).expanduser()
+            if not path.is_file():
+                raise ValueError(f"image file {s!r} does not exist")
+            image = _decode(path.read_bytes(), f"image file {s!r}")
+    else:
+        raise ValueError(f"an image must be a PIL image, numpy array, bytes, data URL or path, "
+                         f"got {type(obj).__name__}")
+    if image.width < 1 or image.height < 1:
+        raise ValueError(f"the image has no pixels ({image.width}x{image.height})")
+    return image
+
+
+def _decode(raw: bytes, what: str):
+    """Pillow's decompression-bomb warning (over ``Image.MAX_IMAGE_PIXELS``) is a refusal
+    here, as its error (over twice that) is."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(raw))
+            image.load()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ValueError(f"{what}: refused, too many pixels ({e})") from None
+    except Exception as e:
+        raise ValueError(f"{what} cannot be decoded as an image: {e}") from None
+    return image
+
+
+class ImageProcessor:
+    """One image -> (patches [n, channels * temporal_patch * patch^2] float32, grid (t, h, w)
+    in patches). The checkpoint's ``preprocessor_config.json`` where it has one, else the
+    processor's defaults with the tower's patch, temporal patch and merge sizes."""
+
+    def __init__(self, model_path: str | os.PathLike, cfg: VisionConfig):
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+
+        path = Path(model_path)
+        if (path / "preprocessor_config.json").is_file():
+            self.processor = Qwen2VLImageProcessorPil.from_pretrained(str(path))
+        else:
+            self.processor = Qwen2VLImageProcessorPil(
+                patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
+                merge_size=cfg.spatial_merge_size)
+        p = self.processor
+        if (p.patch_size, p.temporal_patch_size, p.merge_size) != (
+                cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size):
+            raise ValueError(f"{path / 'preprocessor_config.json'}: patch, temporal patch and "
+                             f"merge sizes {(p.patch_size, p.temporal_patch_size, p.merge_size)}"
+                             f" differ from the vision_config's")
+
+    def __call__(self, image) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        out = self.processor(images=[image], return_tensors="pt")
+        t, h, w = (int(v) for v in out["image_grid_thw"][0])
+        return out["pixel_values"].float(), (t, h, w)

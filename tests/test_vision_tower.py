@@ -1,0 +1,206 @@
+"""The vision tower's parts against transformers (the encoder, M-RoPE positions), loading
+(``language_model_only``, a tower that does not fit its config) and the refusals of a model
+that has a tower: placeholders that do not pair with the images, video, undecodable bytes."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from vision_helpers import VISION, image, write_vision_checkpoint
+
+from hybridrt import LLM, SamplingParams
+from hybridrt.loader import CheckpointError
+from hybridrt.vision.config import VisionConfig
+from hybridrt.vision.encoder import VisionEncoder
+from hybridrt.vision.positions import mrope_positions
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3)
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_vision_checkpoint(tmp_path_factory.mktemp("tower"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return LLM(ckpt[0], dtype="float32", max_model_len=256, cache_memory="32MiB")
+
+
+def test_encoder_matches_transformers_on_images_and_frames(ckpt):
+    """Grids of several shapes at once (per-image attention), one of two frames."""
+    ref = ckpt[1].model.visual
+    cfg = VisionConfig(**VISION, out_hidden_size=ref.merger.linear_fc2.out_features)
+    ours = VisionEncoder(cfg)
+    ours.load_state_dict(ref.state_dict())
+    grids = [(1, 6, 4), (1, 4, 10), (2, 2, 2), (1, 16, 16)]
+    n = sum(t * h * w for t, h, w in grids)
+    px = torch.randn(n, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ref(px, grid_thw=torch.tensor(grids)).pooler_output
+        got = ours(px, grids)
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_mrope_positions_match_get_rope_index(ckpt):
+    ref = ckpt[1].model
+    image_id = ref.config.image_token_id
+    # text, an image of merged grid 3x2, text, an image 2x5, text
+    grids = [(1, 6, 4), (1, 4, 10)]
+    ids = [5] * 4 + [image_id] * 6 + [7] * 3 + [image_id] * 10 + [9] * 2
+    want, delta = ref.get_rope_index(torch.tensor([ids]), torch.tensor([[int(t == image_id)
+                                                                          for t in ids]]),
+                                     image_grid_thw=torch.tensor(grids))
+    got, d = mrope_positions(len(ids), [(4, (1, 3, 2)), (13, (1, 2, 5))])
+    assert np.array_equal(got, want[:, 0].numpy())
+    assert d == int(delta) == int(got.max()) + 1 - len(ids)
+
+
+def test_language_model_only_skips_the_tower_and_refuses_images(ckpt, llm):
+    text_only = LLM(ckpt[0], dtype="float32", max_model_len=256, cache_memory="32MiB",
+                    language_model_only=True)
+    assert text_only.vision is None and llm.vision is not None
+    outs = text_only.generate(["hello", {"prompt": f"{IMG}hi", "multi_modal_data": {
+        "image": [image(8, 8, 0)]}}], GREEDY, use_tqdm=False)
+    assert str(outs[1].error) == ("multi_modal_data (image) refused: the vision tower was not "
+                                  "loaded (language_model_only)")
+    (same,) = llm.generate(["hello"], GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == same.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompt, data, words", [
+    (f"{IMG}{IMG}two?", {"image": [image(8, 8, 0)]}, "2 image placeholder(s)"),
+    ("none here", {"image": [image(8, 8, 0)]}, "0 image placeholder(s)"),
+    (f"{IMG}?", {"image": [b"not an image"]}, "cannot be decoded as an image"),
+    (f"{IMG}?", {"image": ["/no/such/file.png"]}, "does not exist"),
+    (f"{IMG}?", {"video": [[image(8, 8, 0)]]}, "video is not supported yet"),
+    ("<|vision_start|><|video_pad|><|vision_end|>?", {"image": []}, "video is not supported"),
+    (f"{IMG}?", None, "1 image/video placeholder token(s) but no images were given"),
+    (f"{IMG}?", {}, "1 image/video placeholder token(s) but no images were given"),
+])
+def test_bad_image_input_fails_its_own_request(llm, prompt, data, words):
+    p = {"prompt": prompt} if data is None else {"prompt": prompt, "multi_modal_data": data}
+    outs = llm.generate([p, "fine"], GREEDY, use_tqdm=False)
+    assert outs[0].error is not None and words in str(outs[0].error), outs[0].error
+    assert outs[1].error is None
+
+
+def test_chat_with_a_video_part_is_refused(llm):
+    conv = [{"role": "user", "content": [{"type": "video", "video": ["a.png"]},
+                                         {"type": "text", "text": "?"}]}]
+    (out,) = llm.chat(conv, GREEDY, use_tqdm=False)
+    assert "video is not supported yet" in str(out.error)
+
+
+def test_a_tower_that_does_not_fit_its_config_fails_to_load(ckpt, tmp_path):
+    import shutil
+
+    for f in ckpt[0].iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["vision_config"]["depth"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"missing \['model.visual.blocks.2"):
+        LLM(tmp_path, dtype="float32", max_model_len=64, cache_memory="16MiB")
+
+
+def test_cli_chat_shows_images_from_the_flag_a_command_and_a_pasted_path(ckpt, llm, tmp_path):
+    from typer.testing import CliRunner
+
+    from hybridrt.cli.main import app
+
+    img = tmp_path / "cat.png"
+    image(40, 24, 11).save(img)
+    conv = [{"role": "user", "content": [{"type": "image", "image": str(img)},
+                                         {"type": "text", "text": "What is it?"}]}]
+    (want,) = llm.chat(conv, GREEDY, use_tqdm=False)
+    flags = ["--dtype", "float32", "--max-model-len", "256", "--cache-memory", "32MiB",
+             "--temperature", "0", "--max-tokens", "3"]
+    outs = []
+    for how, script in [(["--image", str(img)], "What is it?\n/stats\nAnd now?\n/stats\n"),
+                        ([], f"/image {img}\nWhat is it?\n"),
+                        ([], f"'{img}'\nWhat is it?\n")]:
+        res = CliRunner().invoke(app, ["chat", str(ckpt[0]), *flags, *how], input=script)
+        assert res.exit_code == 0, res.output
+        assert want.outputs[0].text + "\n[prompt" in res.stdout, res.stdout
+        assert "shown with the next message" in res.stdout
+        outs.append(res.stdout)
+    # the second turn resumes after the first turn's image and answer
+    reused = [int(v) for v in re.findall(r"reused tokens\s+(\d+)", outs[0])]
+    assert len(reused) == 2 and reused[1] >= len(want.prompt_token_ids) - 1, outs[0]
+    res = CliRunner().invoke(app, ["chat", str(ckpt[0]), *flags],
+                             input="/image /no/such.png\nhi\n")
+    assert res.exit_code == 0 and "error: /image: image file '/no/such.png' does not exist" \
+        in res.stderr
+    res = CliRunner().invoke(app, ["chat", str(ckpt[0]), *flags, "--image", "/no/such.png"])
+    assert res.exit_code == 2
+    assert res.stderr.strip() == "error: --image: image file '/no/such.png' does not exist"
+
+
+def test_encoder_at_the_08b_vision_widths_in_bf16_is_within_bf16_of_transformers():
+    """The 0.8B's vision widths (hidden 768, 12 heads, MLP 3072, patch 16, out 1024, a 48x48
+    position grid; two blocks, not twelve, to keep it short), random bf16 weights, a 448x448
+    image: the merged embeddings within bf16 rounding of transformers' in bf16, and as close
+    to the fp32 result as transformers' own bf16 run is."""
+    import math
+
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    kw = dict(depth=2, hidden_size=768, num_heads=12, intermediate_size=3072,
+              out_hidden_size=1024, num_position_embeddings=2304, patch_size=16,
+              temporal_patch_size=2, spatial_merge_size=2)
+    hc = Qwen3_5VisionConfig(**kw)
+    hc._attn_implementation = "sdpa"
+    ref = Qwen3_5VisionModel(hc).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(math.prod(p.shape[1:])))
+            elif "norm" in n and n.endswith("weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        ours = VisionEncoder(VisionConfig(**kw))
+        ours.load_state_dict(ref.state_dict())
+        grid = torch.tensor([(1, 28, 28)])
+        px = torch.randn(784, 3 * 2 * 16 * 16, generator=g)
+        exact = ref(px, grid_thw=grid).pooler_output
+        want = ref.to(torch.bfloat16)(px.bfloat16(), grid_thw=grid).pooler_output.float()
+        got = ours.to(torch.bfloat16)(px, [(1, 28, 28)]).float()
+
+    def err(a, b):
+        return ((a - b).abs().max() / b.abs().max()).item()
+
+    assert err(got, want) < 2e-2
+    assert err(got, exact) < 2 * err(want, exact) + 1e-3
+
+
+def test_a_decompression_bomb_is_refused(llm, monkeypatch):
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    image(64, 64, 0).save(buf, format="PNG")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 4096 pixels are over it
+    outs = llm.generate([{"prompt": f"{IMG}?", "multi_modal_data": {"image": [buf.getvalue()]}}],
+                        GREEDY, use_tqdm=False)
+    assert "refused, too many pixels" in str(outs[0].error)
+
+
+def test_encoder_bench_runs(capsys):
+    from hybridrt.bench import vision
+
+    tiny = json.dumps({**VISION, "out_hidden_size": 16})
+    vision.main(["--sizes", "40x24,64x64", "--dtype", "float32", "--config", tiny])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["grid"] for r in rows] == [[1, 10, 6], [1, 16, 16]]
+    assert [r["tokens"] for r in rows] == [15, 64] and all(r["seconds"] > 0 for r in rows)

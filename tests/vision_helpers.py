@@ -1,0 +1,104 @@
+"""A tiny random Qwen3.5 checkpoint with a vision tower (fp32), its tokenizer with the vision
+tokens, and transformers' ``Qwen3_5ForConditionalGeneration`` holding the same weights."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybridrt.bench.fixtures import random_state_dict, tiny_text_config, write_char_tokenizer
+from hybridrt.config import ModelConfig
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# a ChatML template that renders image parts as Qwen's does
+TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+VISION = {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 40,
+          "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2,
+          "num_position_embeddings": 64, "hidden_act": "gelu_pytorch_tanh"}
+
+
+def text_config(**overrides) -> dict:
+    """Head dim 32 with half of it rotary: 8 frequencies, M-RoPE sections [3, 3, 2]."""
+    return tiny_text_config(**{
+        "vocab_size": 104, "head_dim": 32,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "partial_rotary_factor": 0.5, "mrope_section": [3, 3, 2],
+                            "mrope_interleaved": True},
+        **overrides})
+
+
+def hf_config(text: dict, ids: dict):
+    from transformers import Qwen3_5Config
+
+    text = copy.deepcopy(text)
+    text.pop("model_type", None)
+    vision = {**VISION, "out_hidden_size": text["hidden_size"]}
+    cfg = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    cfg._attn_implementation = "sdpa"
+    cfg.text_config._attn_implementation = "sdpa"
+    cfg.vision_config._attn_implementation = "sdpa"
+    return cfg
+
+
+def write_vision_checkpoint(directory, seed: int = 0, text: dict | None = None):
+    """-> (directory, transformers' model with the same fp32 weights)."""
+    from transformers import PreTrainedTokenizerFast, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    directory = Path(directory)
+    text = text or text_config()
+    write_char_tokenizer(directory)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(directory))
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(directory))
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                    "video_token_id"), tok.convert_tokens_to_ids(VISION_TOKENS)))
+    assert max(ids.values()) < text["vocab_size"]
+    ref = Qwen3_5ForConditionalGeneration(hf_config(text, ids)).eval()
+    sd = random_state_dict(ModelConfig.from_dict(text), seed, with_mtp=False)
+    full = {("model.language_model." + n[len("model."):]): t for n, t in sd.items()}
+    gen = torch.Generator().manual_seed(seed + 100)
+    for name, p in ref.model.visual.state_dict().items():
+        if name.endswith("bias"):
+            t = 0.1 * torch.randn(p.shape, generator=gen)
+        elif "norm" in name:
+            t = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+        elif p.dim() == 1:
+            t = torch.randn(p.shape, generator=gen)
+        else:
+            fan_in = math.prod(p.shape[1:])
+            t = torch.randn(p.shape, generator=gen) / math.sqrt(fan_in)
+        full["model.visual." + name] = t
+    full["lm_head.weight"] = full["model.language_model.embed_tokens.weight"]
+    missing, unexpected = ref.load_state_dict(full, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    ref.save_pretrained(str(directory))
+    Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                             min_pixels=8 * 8, max_pixels=64 * 64).save_pretrained(str(directory))
+    return directory, ref
+
+
+def image(h: int, w: int, seed: int):
+    """A random RGB PIL image of h x w pixels."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
