@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from hybridrt.model_path import DEMO_MODEL_DIR, default_model, generation_defaul
 from hybridrt.output_pipeline import ChoiceStream, Shape, finish_message, holdback
 from hybridrt.outputs import RequestOutput, error_output
 from hybridrt.parallel_sampling import ParentRequest
+from hybridrt.prompt_inputs import PromptEncoder, PromptType, as_prompt_list
 from hybridrt.reasoning import opens_thinking
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.session import Session
@@ -27,11 +28,9 @@ from hybridrt.specdec.draft_vocab import load_draft_vocab
 from hybridrt.statecache import HybridCacheManager
 from hybridrt.threads import ThreadGovernor, adaptive_threads_enabled
 from hybridrt.tokenizer import apply_chat_template, load_tokenizer
-from hybridrt.tool_calls import check_tool_choice, check_tools, template_messages, tool_constraint
+from hybridrt.tool_calls import check_tool_choice, check_tools, tool_constraint
 from hybridrt.vision import inputs as vision_inputs
 from hybridrt.vision.load import load_vision_tower
-
-PromptType = str | Sequence[int] | dict
 
 
 class LLM:
@@ -153,6 +152,7 @@ class LLM:
             self.model_path, self.config, self.dtype, self.device)
         self.vision_refusal = vision_inputs.refusal_reason(
             vision_inputs.has_vision_tower(self.model_path), language_model_only)
+        self.inputs = PromptEncoder(self.tokenizer, self.vision, self.vision_refusal)
         governor = None
         if self.device.type == "cpu" and threads is None and adaptive_threads_enabled():
             governor = ThreadGovernor(torch.get_num_threads())
@@ -182,53 +182,6 @@ class LLM:
             raise ValueError(f"{Path(self.model_path) / 'generation_config.json'}: {e}") from None
 
     # Inputs ------------------------------------------------------------------------------
-    def _encode(self, prompt: PromptType):
-        """-> (text or None, token ids, the images' VisionInputs or None)."""
-        if isinstance(prompt, vision_inputs.RefusedPrompt):
-            raise prompt.error
-        if isinstance(prompt, dict) and prompt.get("multi_modal_data") not in (None, {}):
-            if self.vision is None:
-                raise ValueError(vision_inputs.multi_modal_refusal(prompt, self.vision_refusal))
-            text, ids = self._encode_text(prompt)
-            images = vision_inputs.multi_modal_images(prompt["multi_modal_data"])
-            ids, vision = self.vision.prepare(ids, images)
-            return text, ids, vision
-        text, ids = self._encode_text(prompt)
-        if self.vision is not None:
-            self.vision.check_text_only(ids)
-        return text, ids, None
-
-    def _encode_text(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt token ids instead")
-            if not prompt:
-                raise ValueError("prompt is empty: it must contain at least one token")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)):
-            return None, list(prompt)
-        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
-
-    @staticmethod
-    def _as_list(prompts) -> list:
-        if prompts is None or not isinstance(prompts, (str, dict, Sequence, Iterator)):
-            raise ValueError(f"prompts must be a prompt (text, token ids or a dict) or a list "
-                             f"of them, got {type(prompts).__name__}")
-        if isinstance(prompts, (str, dict)):
-            return [prompts]
-        if isinstance(prompts, Sequence) and prompts and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompts
-        ):
-            return [prompts]
-        return list(prompts)
-
     def _params(self, params, n: int) -> list:
         if params is None:
             return [self.get_default_sampling_params()] * n
@@ -245,7 +198,7 @@ class LLM:
             params = SamplingParams(**params)
         if params.n != 1:
             raise ValueError(f"n={params.n}: stream() runs one choice; use generate() or chat()")
-        text, ids, vision = self._encode(prompt)
+        text, ids, vision = self.inputs.encode(prompt)
         if vision is not None and snapshot_at is not None:  # a chat's images lie before it
             snapshot_at += vision.num_added
         return self.engine.add_request(ids, params, prompt=text,
@@ -260,7 +213,7 @@ class LLM:
             params = SamplingParams(**params)
         if params.n == 1:
             return [(self._add(prompt, params, speculative_tokens), None, 0)]
-        text, ids, vision = self._encode(prompt)
+        text, ids, vision = self.inputs.encode(prompt)
         parent = ParentRequest(f"n{next(self._parent_ids)}", params)
         added = []
         try:
@@ -320,7 +273,7 @@ class LLM:
         finishes (rejected prompts first), so a caller can keep what is done if the run stops.
         Closing the iterator early aborts the requests still running."""
         self._check_speculative_tokens(speculative_tokens)
-        prompts = self._as_list(prompts)
+        prompts = as_prompt_list(prompts)
         params = self._params(sampling_params, len(prompts))
         return self._generate_iter(prompts, params, use_tqdm, speculative_tokens)
 
@@ -435,7 +388,7 @@ class LLM:
         kwargs = dict(chat_template_kwargs or {})
         if tools:
             kwargs["tools"] = tools
-        prompts = [self._chat_prompt(c, kwargs, add_generation_prompt) for c in convs]
+        prompts = [self.inputs.chat_prompt(c, kwargs, add_generation_prompt) for c in convs]
         params = self._params(sampling_params, len(prompts))
         if choice not in ("none", "auto"):
             params = [self._with_tool_constraint(p, tools, choice, _opens_thinking(text),
@@ -448,24 +401,6 @@ class LLM:
                                           parallel_tool_calls):
             outs[i] = out
         return outs
-
-    def _chat_prompt(self, conversation: list[dict], kwargs: dict, add_generation_prompt: bool):
-        """One conversation's prompt: its text, or with image parts {"prompt": text,
-        "multi_modal_data": {"image": [...]}}; a ``RefusedPrompt`` where it holds a part the
-        model cannot take (its request alone fails)."""
-        if not vision_inputs.media_parts(conversation):
-            return self.apply_chat_template(template_messages(conversation), kwargs,
-                                            add_generation_prompt)
-        if self.vision is None:
-            refused = vision_inputs.media_refusal(conversation, self.vision_refusal)
-            return vision_inputs.RefusedPrompt(ValueError(refused))
-        try:
-            messages, images = vision_inputs.chat_images(conversation)
-        except ValueError as e:
-            return vision_inputs.RefusedPrompt(e)
-        text = self.apply_chat_template(template_messages(messages), kwargs,
-                                        add_generation_prompt)
-        return {"prompt": text, "multi_modal_data": {"image": images}}
 
     def _with_tool_constraint(self, params, tools, choice, thinking: bool, parallel: bool):
         if isinstance(params, dict):
