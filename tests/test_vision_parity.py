@@ -118,7 +118,7 @@ def test_an_image_split_across_prefill_chunks_is_encoded_once(ckpt):
     img = image(40, 24, 1)
     text = f"<|im_start|>user\n{IMG}What is it?<|im_end|>\n<|im_start|>assistant\n"
     prompt = {"prompt": text, "multi_modal_data": {"image": [img]}}
-    _, ids, vision = small._encode(prompt)
+    _, ids, vision = small.inputs.encode(prompt)
     runs = []
     plain = vision.tower.encode
     vision.tower.encode = lambda items: runs.append(len(items)) or plain(items)
