@@ -7,16 +7,19 @@ own verify rounds (every draft tried is an accepted / rejected event) with a Bet
 and exponential forgetting, so the estimate follows a request whose text changes; a request
 that drafts nothing forgets a little each step, so it tries again later.
 
-Cost (``CostModel``): seconds of a step in units of a one-row decode step, ``1 + row * (rows -
-1)``, plus ``verify`` when the step verifies anything, ``ctx_row`` per row per 1024 tokens of
-its context (attention), and ``draft_pass`` per MTP draft pass. The defaults are the 0.8B
-shape's CPU measurements (docs/performance.md: a verify step of 2..5 rows 1.13..1.19 decode
-steps, a draft pass 0.075); ``hybridrt bench spec`` measures them on a machine.
+Cost (``CostModel``): a step in units of a one-row decode step: ``1 + row * (rows - 1)``
+while reading the weights bounds it, ``compute_row * rows`` once the rows' arithmetic does
+(whichever is larger), plus ``verify`` when the step verifies anything, ``ctx_row`` per row
+per 1024 tokens of its context (attention), and ``draft_pass`` per MTP draft. ``row``,
+``verify`` and ``draft_pass`` are the 0.8B shape's CPU measurements (docs/performance.md: a
+verify step of 2..5 rows 1.13..1.19 decode steps, a draft pass 0.075); ``compute_row`` and
+``ctx_row`` are estimates (two cores' bf16 arithmetic for a row of the 0.8B shape; the KV
+bytes of a row at 1024 tokens against the weights' bytes) that ``hybridrt bench spec``'s
+verify cost per row count checks on a machine.
 
-The choice (``choose_ks``): the batch's tokens per unit of cost, ``(B + sum E_i) / cost``, with
-E_i the expected accepted drafts of request i, ``sum_j prod_{m<=j} alpha_i(m)``; from k = 0 for
-every request, the best-paying extension of one request (any number of further drafts, so
-that a fixed cost paid once can pay) is taken while it raises the ratio.
+The choice (``choose_ks``): the ks that maximise the batch's expected tokens per unit of
+cost, ``(B + sum E_i) / cost``, with E_i the expected accepted drafts of request i,
+``sum_j prod_{m<=j} alpha_i(m)``; 0 for every request unless drafting raises that ratio.
 """
 
 from __future__ import annotations
@@ -56,12 +59,28 @@ class CostModel:
     """A step's cost in one-row decode steps (the module's docstring)."""
 
     row: float = 0.02
+    compute_row: float = 0.15
     verify: float = 0.11
     ctx_row: float = 0.008
     draft_pass: float = 0.075
 
-    def row_cost(self, context_len: int) -> float:
-        return self.row + self.ctx_row * context_len / 1024
+    def step(self, rows: int, ctx_rows: float = 0.0, verifying: bool = False) -> float:
+        """A step of ``rows`` rows whose contexts sum to ``ctx_rows`` tokens."""
+        t = max(1.0 + self.row * (rows - 1), self.compute_row * rows)
+        return t + self.ctx_row * ctx_rows / 1024 + (self.verify if verifying else 0.0)
+
+    @classmethod
+    def for_device(cls, device) -> CostModel:
+        """The defaults for a device (a torch.device or its name): the CPU's above; a GPU's
+        rows stay cheap to hundreds (its arithmetic is ~100x a CPU's, its bytes ~30x)."""
+        if str(device).startswith("cuda"):
+            return cls(row=0.005, compute_row=0.003, verify=0.05, ctx_row=0.004)
+        return cls()
+
+    def row_slope(self, rows: int) -> float:
+        """What one more row costs a step of ``rows`` rows (context aside)."""
+        memory_bound = 1.0 + self.row * (rows - 1) >= self.compute_row * rows
+        return self.row if memory_bound else self.compute_row
 
 
 @dataclass(slots=True)
@@ -86,34 +105,32 @@ def expected_gain(alphas: Sequence[float], k: int) -> float:
 
 
 def choose_ks(cands: Sequence[Candidate], batch_rows: int, cost: CostModel) -> list[int]:
-    """k per candidate for a step of ``batch_rows`` rows without drafts (the module's
-    docstring)."""
-    ks = [0] * len(cands)
-    tokens = float(batch_rows)
-    spent = 1.0 + cost.row * (batch_rows - 1) + sum(
-        cost.ctx_row * c.context_len / 1024 for c in cands)
-    verifying = False
-    passes = [0] * (max((c.cap for c in cands), default=0) + 1)  # MTP rows per draft depth
-    while True:
-        best = None
-        for i, c in enumerate(cands):
-            k0 = ks[i]
-            gain = extra = 0.0
-            depth = list(passes)
-            for k in range(k0 + 1, c.cap + 1):
-                gain = expected_gain(c.alphas, k) - expected_gain(c.alphas, k0)
-                extra += cost.row_cost(c.context_len)
-                if c.mtp[k - 1]:
-                    extra += cost.draft_pass if depth[k] == 0 else cost.row
-                    depth[k] += 1
-                total = extra + (0.0 if verifying else cost.verify)
-                ratio = (tokens + gain) / (spent + total)
-                if ratio > tokens / spent and (best is None or ratio > best[0]):
-                    best = (ratio, i, k, gain, total)
-        if best is None:
-            return ks
-        _, i, k, gain, total = best
-        for j in range(ks[i] + 1, k + 1):
-            if cands[i].mtp[j - 1]:
-                passes[j] += 1
-        ks[i], tokens, spent, verifying = k, tokens + gain, spent + total, True
+    """k per candidate for a step of ``batch_rows`` rows without drafts: the ks that maximise
+    the step's expected tokens per unit of cost, found by Dinkelbach's iteration (at the
+    current ratio every request alone picks the k that gains most over what its rows cost;
+    the ratio of that choice is the next one), the fixed verify cost and the
+    compute-bound slope checked on the whole choice. All 0 unless that pays."""
+    def ratio(ks: list[int]) -> float:
+        tokens = batch_rows + sum(expected_gain(c.alphas, k) for c, k in zip(cands, ks))
+        ctx = sum((1 + k) * c.context_len for c, k in zip(cands, ks))
+        passes = sum(sum(c.mtp[:k]) for c, k in zip(cands, ks))
+        spent = cost.step(batch_rows + sum(ks), ctx, any(ks)) + cost.draft_pass * passes
+        return tokens / spent
+
+    best = [0] * len(cands)
+    best_ratio = ratio(best)
+    lam, rows = best_ratio, batch_rows
+    for _ in range(8):
+        slope = cost.row_slope(rows)
+        ks = []
+        for c in cands:
+            row = slope + cost.ctx_row * c.context_len / 1024
+            value = [expected_gain(c.alphas, k)
+                     - lam * (k * row + cost.draft_pass * sum(c.mtp[:k]))
+                     for k in range(c.cap + 1)]
+            ks.append(max(range(c.cap + 1), key=lambda k: (value[k], -k)))
+        r = ratio(ks)
+        if r <= best_ratio:
+            break
+        best, best_ratio, lam, rows = ks, r, r, batch_rows + sum(ks)
+    return best

@@ -42,7 +42,8 @@ def build_proposer(args, model, cache, sampler, draft_vocab: list[int] | None = 
             return mtp
     ngram = (NgramDrafter(args.prompt_lookup_min, args.prompt_lookup_max, extend=mtp is None)
              if "ngram" in sources else None)
-    return SpecProposer(args.max_model_len, mtp, ngram, args.speculative_adaptive)
+    return SpecProposer(args.max_model_len, mtp, ngram, args.speculative_adaptive,
+                        CostModel.for_device(args.device))
 
 
 class SpecProposer:
