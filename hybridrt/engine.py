@@ -46,7 +46,6 @@ from hybridrt.sampling_params import SamplingParams
 from hybridrt.scheduler import Scheduler
 from hybridrt.session import Session
 from hybridrt.session_manager import SessionManager
-from hybridrt.specdec.methods import uses_mtp
 from hybridrt.specdec.proposer import build_proposer
 from hybridrt.specdec.stats import StepCosts
 from hybridrt.statecache import HybridCacheManager
@@ -76,7 +75,6 @@ class LLMEngine:
         self.speculative_tokens = args.speculative_tokens
         self.governor = thread_governor  # hybridrt/threads.py: CPU threads fitted each step
         self.proposer = build_proposer(args, model, cache, self.runner.sampler, draft_vocab)
-        self.mtp_drafts = uses_mtp(args.speculative_method)  # the MTP layer writes its KV
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         # decode steps launched before the previous step's tokens are read (GPU: the host
@@ -154,7 +152,7 @@ class LLMEngine:
                       generator=make_generator(params), session=session,
                       requested_snapshot_at=snapshot_at, parent_id=parent_id)
         if self.cache.prefix_caching:
-            req.block_hashes = self.cache.block_hashes(mtp=k > 0 and self.mtp_drafts)
+            req.block_hashes = self.cache.block_hashes(mtp=k > 0 and self.args.mtp_drafts)
             req.checkpoint_at = checkpoint_positions(
                 ids, self.checkpoint_boundary_ids, self.args.checkpoint_interval,
                 () if snapshot_at is None else (snapshot_at,))
@@ -215,7 +213,7 @@ class LLMEngine:
         if not self.cache.prefix_caching:
             return 0
         hit = self.cache.peek(list(prompt_token_ids),
-                              self.cache.block_hashes(mtp=k > 0 and self.mtp_drafts))
+                              self.cache.block_hashes(mtp=k > 0 and self.args.mtp_drafts))
         return 0 if hit is None else hit.num_tokens
 
     def reset_prefix_cache(self) -> bool:

@@ -118,6 +118,19 @@ class EngineArgs:
         check_int("block_size", self.block_size, lo=1)
         parse_memory(self.cache_memory)
 
+    @property
+    def mtp_drafts(self) -> bool:
+        """Whether the drafts need the checkpoint's MTP layer (it is loaded then)."""
+        return self.speculative_tokens > 0 and uses_mtp(self.speculative_method)
+
+    def check_mtp_weights(self, has_mtp: bool, path) -> None:
+        """ValueError when the drafts need MTP weights the checkpoint at ``path`` lacks."""
+        if self.mtp_drafts and not has_mtp:
+            raise ValueError(
+                f"speculative_tokens={self.speculative_tokens} needs MTP weights, but the "
+                f"checkpoint at {path} has no mtp.* tensors (use speculative_tokens=0, or "
+                f"speculative_method='ngram')")
+
     def resolved(self, max_position_embeddings: int, device) -> EngineArgs:
         """A copy with the model-dependent defaults filled for a model whose context is
         ``max_position_embeddings`` tokens, on ``device`` (a torch.device, which it holds)."""

@@ -24,7 +24,6 @@ from hybridrt.reasoning import opens_thinking
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.session import Session
 from hybridrt.specdec.draft_vocab import load_draft_vocab
-from hybridrt.specdec.methods import uses_mtp
 from hybridrt.statecache import HybridCacheManager
 from hybridrt.threads import ThreadGovernor, adaptive_threads_enabled
 from hybridrt.tokenizer import apply_chat_template, load_tokenizer
@@ -72,13 +71,8 @@ class LLM:
     beside it, however its prompt is chunked, after preemption, and with greedy speculation
     on or off (docs/batch_invariance.md). CPU and CUDA backends (CUDA: checked under the
     Triton interpreter only so far); costs some prefill speed.
-    speculative_method: where drafts come from (with speculative_tokens > 0): "mtp" (the
-    checkpoint's MTP layer), "ngram" (prompt lookup: the continuation of the latest earlier
-    occurrence of the context's last prompt_lookup_max..prompt_lookup_min tokens; needs no MTP
-    layer) or "mtp+ngram" (a prompt-lookup match extended by the MTP). speculative_adaptive:
-    speculative_tokens becomes the maximum, and each step every request drafts as many as its
-    own measured acceptance and the step's cost make pay, 0 when none do (specdec/adaptive.py).
-    Outputs are unchanged by any of these (docs/speculation.md).
+    speculative_method ("mtp", "ngram": prompt lookup, "mtp+ngram"), speculative_adaptive (k up
+    to speculative_tokens, chosen per request), prompt_lookup_min / _max: docs/speculation.md.
     """
 
     def __init__(
@@ -105,10 +99,8 @@ class LLM:
         checkpoint_interval: int = 2048,
         checkpoint_share: float = 0.25,
         batch_invariant: bool = False,
-        speculative_method: str = "mtp",
-        speculative_adaptive: bool = False,
-        prompt_lookup_min: int = 2,
-        prompt_lookup_max: int = 4,
+        speculative_method: str = "mtp", speculative_adaptive: bool = False,
+        prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
     ):
         # every keyword above, checked once (before anything loads)
         args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})
@@ -127,8 +119,7 @@ class LLM:
         self.model, self.config, self.model_path = load_model(
             default_model() if model is None else model,
             dtype if isinstance(dtype, str) and dtype.lower() == "auto" else parse_dtype(dtype),
-            with_mtp=speculative_tokens > 0 and uses_mtp(speculative_method), device=self.device,
-            quantization=self.quantization)
+            with_mtp=args.mtp_drafts, device=self.device, quantization=self.quantization)
         stored = quant.quantization_of(self.model)
         if stored is not None and self.quantization not in (None, stored):
             raise ValueError(
@@ -139,12 +130,7 @@ class LLM:
             self.quantization = stored  # a checkpoint stored quantized (hybridrt quantize)
             check_cpu_backend(f"the {stored} checkpoint {self.model_path}", self.device, backend)
         self.dtype = self.model.dtype
-        if speculative_tokens > 0 and uses_mtp(speculative_method) and self.model.mtp is None:
-            raise ValueError(
-                f"speculative_tokens={speculative_tokens} needs MTP weights, but the checkpoint "
-                f"at {self.model_path} has no mtp.* tensors (use speculative_tokens=0, or "
-                f"speculative_method='ngram')"
-            )
+        args.check_mtp_weights(self.model.mtp is not None, self.model_path)
         self.args = args.resolved(self.config.max_position_embeddings, self.device)
         cache = HybridCacheManager.for_engine(
             self.args, self.config, self.dtype,

@@ -113,8 +113,9 @@ def test_adaptive_greedy_equals_no_speculation(ckpt, reference, method):
 
 def test_each_request_k_follows_its_own_acceptance(ckpt):
     """Two requests side by side: A's drafts are always right, B's always wrong. A's k stays
-    at its maximum; B's falls to 0 after its first rounds, probing with a draft or two
-    now and then (a row costs little beside A's verification). Reading the other's acceptance (or the batch's) breaks one of the two."""
+    at its maximum; B's falls to 0 after its first rounds, probing with a draft or two now and
+    then (a row costs little beside A's verification). Reading the other's acceptance (or the
+    batch's) breaks one of the two."""
     k = 4
     llm = _llm(ckpt, k, speculative_method="ngram", speculative_adaptive=True)
     prompts = _prompts()

@@ -408,3 +408,26 @@ def test_per_request_and_metrics_counters_by_source(ckpt):
     assert read["spec_mtp_accepted_tokens_total"]({}, g) == 0
     assert read["spec_k_chosen_total"]({}, g) == sum(j * n for j, n in enumerate(total.k_chosen))
     assert read["spec_drafting_decisions_total"]({}, g) == sum(total.k_chosen) > 0
+
+
+# Benchmark ----------------------------------------------------------------------------------
+def test_specbench_runs_prompt_lookup_on_the_copy_workload(ckpt, capsys):
+    """``hybridrt bench spec --speculative-method ngram --workload copy`` stays runnable: every
+    k gives k = 0's tokens, drafts come from prompt lookup, the table says so; simulated
+    acceptance (which replaces MTP drafts) is refused without an MTP."""
+    from hybridrt.bench.spec import run_spec_bench
+
+    report = run_spec_bench(str(ckpt), ks=(0, 2), batch_sizes=(1, 2), threads=1, quick=True,
+                            engine={"speculative_method": "ngram", "speculative_adaptive": True,
+                                    "prompt_lookup_min": 1}, workload="copy")
+    assert report["speculative_method"] == "ngram" and report["workload"] == "copy"
+    rows = [r for r in report["rows"] if r["k"]]
+    assert all(r["identical_to_k0"] for r in report["rows"])
+    assert sum(r["drafts_by_source"]["ngram"] for r in rows) > 0
+    assert all(r["drafts_by_source"]["mtp"] == 0 for r in rows)
+    assert all(0 <= r["mean_k_chosen"] <= 2 for r in rows)
+    assert "drafts from ngram, k adaptive" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="simulated acceptance replaces the MTP's drafts"):
+        run_spec_bench(str(ckpt), ks=(0, 2), batch_sizes=(1,), threads=1, quick=True,
+                       engine={"speculative_method": "ngram"}, simulate_acceptance=(0.5,),
+                       verbose=False)
