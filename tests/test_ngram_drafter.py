@@ -431,3 +431,22 @@ def test_specbench_runs_prompt_lookup_on_the_copy_workload(ckpt, capsys):
         run_spec_bench(str(ckpt), ks=(0, 2), batch_sizes=(1,), threads=1, quick=True,
                        engine={"speculative_method": "ngram"}, simulate_acceptance=(0.5,),
                        verbose=False)
+
+
+def test_demo_model_greedy_equal_with_every_drafter():
+    """The embedded demo model (bf16, chat prompts, one of them asking for its code back):
+    prompt lookup, MTP + lookup and adaptive k all give k = 0's tokens."""
+    from hybridrt.llm import default_model
+
+    sp = SamplingParams(temperature=0, max_tokens=48)
+    kw = dict(max_model_len=512, cache_memory=16 << 20, max_num_seqs=4)
+    base = LLM(default_model(), **kw)
+    prompts = [base.apply_chat_template([{"role": "user", "content": c}]) for c in (
+        "Repeat exactly: def add(a, b):\n    return a + b\n\ndef add(a, b):",
+        "What does json.dumps do?", "Explain a list comprehension.")]
+    want = _ids(base.generate(prompts, sp, use_tqdm=False))
+    for method, adaptive in (("ngram", False), ("mtp+ngram", False), ("ngram", True)):
+        llm = LLM(default_model(), speculative_tokens=3, speculative_method=method,
+                  speculative_adaptive=adaptive, prompt_lookup_min=1, **kw)
+        assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == want, (method, adaptive)
+        assert llm.engine.spec_stats.drafts_by_source["ngram"] > 0

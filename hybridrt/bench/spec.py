@@ -347,7 +347,7 @@ def run_spec_bench(
                 rows.append({
                     "batch_size": b,
                     "k": k,
-                    "draft_vocab": n if k > 0 else None,
+                    "draft_vocab": n if k > 0 and proposer is not None else None,
                     "acceptance": "real" if alpha is None else "simulated",
                     "simulated_alpha": alpha if k > 0 else None,
                     "num_requests": len(outs),
