@@ -279,14 +279,20 @@ SAMPLE_PROMPT = [3, 7, 12, 5, 9, 4, 7]
 
 
 @pytest.fixture(scope="module")
-def small_ckpt(tmp_path_factory):
+def small_ckpts(tmp_path_factory):
+    """Vocabulary 16: without an MTP layer (for ngram) and with one (mtp+ngram)."""
     cfg = tiny_text_config(vocab_size=SMALL_VOCAB)
-    return write_random_checkpoint(tmp_path_factory.mktemp("ngram_v16"), cfg, seed=11,
-                                   with_mtp=False)
+    return {m: write_random_checkpoint(tmp_path_factory.mktemp("ngram_v16"), cfg, seed=11,
+                                       with_mtp=m != "ngram") for m in ("ngram", "mtp+ngram")}
 
 
-def _small_llm(small_ckpt, k):
-    return LLM(small_ckpt, dtype="float32", speculative_tokens=k, speculative_method="ngram",
+@pytest.fixture(scope="module")
+def small_ckpt(small_ckpts):
+    return small_ckpts["ngram"]
+
+
+def _small_llm(small_ckpt, k, method="ngram"):
+    return LLM(small_ckpt, dtype="float32", speculative_tokens=k, speculative_method=method,
                prompt_lookup_min=1, prompt_lookup_max=2, max_model_len=16, max_num_seqs=256,
                max_num_batched_tokens=2048, cache_memory=16 << 20, seed=1234)
 
@@ -319,24 +325,28 @@ def _rounds(monkeypatch) -> list[tuple[int, int]]:
     return log
 
 
-def _sampled(small_ckpt, params, n):
-    llm = _small_llm(small_ckpt, 2)
+def _sampled(small_ckpt, params, n, method="ngram"):
+    llm = _small_llm(small_ckpt, 2 if method == "ngram" else 3, method)
     outs = llm.generate([SAMPLE_PROMPT] * n, params, use_tqdm=False)
     toks = torch.tensor([o.outputs[0].token_ids[:3] for o in outs])
     assert llm.engine.cache.all_free()
+    assert all(n > 0 for src, n in llm.engine.spec_stats.drafts_by_source.items()
+               if src in method)
     return [torch.bincount(toks[:, i], minlength=SMALL_VOCAB).double() for i in range(3)]
 
 
-def test_point_mass_rejection_sampling_keeps_target_distribution(small_ckpt, monkeypatch):
+@pytest.mark.parametrize("method", ["ngram", "mtp+ngram"])
+def test_point_mass_rejection_sampling_keeps_target_distribution(small_ckpts, monkeypatch,
+                                                                 method):
     """Tokens 1..3 sampled at temperature 1 with up to 2 n-gram drafts a step (the prompt
-    has many 1- and 2-gram matches): each marginal matches the exact target marginal
-    (chi-square, p > 1e-3, fixed seed), with drafts accepted, rejected at position 0 and
-    at position 1."""
+    has many 1- and 2-gram matches), or mtp+ngram with k = 3 (a match's point masses then
+    the MTP's sampled drafts): each marginal matches the exact target marginal (chi-square,
+    p > 1e-3, fixed seed), with drafts accepted, rejected at position 0 and at position 1."""
     rounds = _rounds(monkeypatch)
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
-    exact = _exact_marginals(small_ckpt, params)
-    counts = _sampled(small_ckpt, params, 2048)
-    full = {a for d, a in rounds if d == 2}
+    exact = _exact_marginals(small_ckpts[method], params)
+    counts = _sampled(small_ckpts[method], params, 2048, method)
+    full = {a for d, a in rounds if d >= 2}
     assert {0, 1, 2} <= full, full
     for i, (c, p) in enumerate(zip(counts, exact)):
         stat, df, pval = chi2_pvalue(c, p)
