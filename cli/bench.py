@@ -290,10 +290,15 @@ def spec(
         "drafts at its real cost, then each draft is replaced by the target's own greedy token "
         "with that probability, a wrong one otherwise; rows are labelled simulated (default: "
         "off, the real acceptance).", show_default=False)] = None,
+    workload: Annotated[str, typer.Option(
+        "--workload", help="questions (generic chat questions) or copy (outputs that repeat "
+        "their prompts: a file rewritten; where --speculative-method ngram pays).")
+    ] = "questions",
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
-    """Speculative decoding with the checkpoint's MTP head, per k and batch size.
+    """Speculative decoding per k and batch size (drafts from the MTP head, or prompt lookup
+    with --speculative-method ngram / mtp+ngram; --speculative-adaptive: k up to each row's).
 
     Reports tok/s, speedup over k=0, mean acceptance length and per-position acceptance, and
     the measured cost of a draft pass and of a verify step against a k=0 decode step, with the
@@ -318,6 +323,8 @@ def spec(
                            "--temperature 0", 2)
         if 0 not in k_list:
             raise CliError("--simulate-acceptance needs k=0 in --ks (its reference run)", 2)
+    if workload not in ("questions", "copy"):
+        raise CliError(f"--workload must be questions or copy, got {workload!r}", 2)
     prompts = list(prompt or [])
     if prompts_file is not None:
         try:
@@ -340,7 +347,8 @@ def spec(
                             repeats=repeats, cpu_time=cpu_time,
                             quantization=options.quantization,
                             engine=options.llm_kwargs(*SPEC_SETS, "dtype", "threads",
-                                                      "quantization"))
+                                                      "quantization"),
+                            workload=workload)
     if plot is not None:
         plot_spec(report, plot)
         typer.echo(f"wrote {plot}", err=True)

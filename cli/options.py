@@ -20,6 +20,7 @@ from typing import Annotated
 import typer
 
 from hybridrt.cli.common import CliError, check_draft_vocab, check_model_options
+from hybridrt.engine_args import check_speculation
 
 BACKENDS = ("reference", "cpu", "cuda", "triton")  # kernels/backend/select.py's names
 
@@ -57,6 +58,18 @@ DraftVocabOpt = Annotated[int | None, typer.Option(
     "--draft-vocab", help="With -k: the MTP drafts from the N most frequent tokens only (the "
     "model's draft_vocab.json, else the first N ids); outputs are unchanged (default: the "
     "whole vocabulary).", show_default=False)]
+SpecMethodOpt = Annotated[str, typer.Option(
+    "--speculative-method", help="With -k: where drafts come from: mtp (the checkpoint's MTP "
+    "layer), ngram (prompt lookup in the request's own tokens; no MTP layer needed) or "
+    "mtp+ngram (a lookup match extended by the MTP).")]
+SpecAdaptiveOpt = Annotated[bool, typer.Option(
+    "--speculative-adaptive/--no-speculative-adaptive", help="With -k: k is the maximum; each "
+    "step a request drafts what its measured acceptance and the step's cost make pay (0 when "
+    "nothing does).")]
+PromptLookupMinOpt = Annotated[int, typer.Option(
+    "--prompt-lookup-min", min=1, help="ngram drafts: the shortest context suffix matched.")]
+PromptLookupMaxOpt = Annotated[int, typer.Option(
+    "--prompt-lookup-max", min=1, help="ngram drafts: the longest context suffix matched.")]
 PrefixCachingOpt = Annotated[bool, typer.Option(
     "--prefix-caching/--no-prefix-caching", help="Reuse the longest cached prefix of every "
     "prompt (KV blocks and GDN state checkpoints; the output is the one a cold run gives).")]
@@ -108,6 +121,10 @@ class ModelOptions:
     quantization: QuantizationOpt = None
     speculative_tokens: SpecOpt = 0
     draft_vocab_size: DraftVocabOpt = None
+    speculative_method: SpecMethodOpt = "mtp"
+    speculative_adaptive: SpecAdaptiveOpt = False
+    prompt_lookup_min: PromptLookupMinOpt = 2
+    prompt_lookup_max: PromptLookupMaxOpt = 4
     enable_prefix_caching: PrefixCachingOpt = True
     batch_invariant: BatchInvariantOpt = False
     block_size: BlockSizeOpt = 16
@@ -131,6 +148,10 @@ class ModelOptions:
                                     quantization=self.quantization,
                                     batch_invariant=self.batch_invariant)
         check_draft_vocab(self.draft_vocab_size, self.speculative_tokens)
+        try:
+            check_speculation(self)
+        except ValueError as e:
+            raise CliError(f"{e}", 2) from None
         if self.backend is not None and self.backend not in BACKENDS:
             raise CliError(f"--backend: unknown backend {self.backend!r}; choose one of "
                            f"{', '.join(BACKENDS)}", 2)

@@ -4,7 +4,7 @@
 | --- | --- |
 | Scheduler (scheduler.py) | the queues; admission, preemption, finish; applying a step |
 | ModelRunner (runner.py) | running a step: batch, forward, logits, sample / verify; the sampler |
-| MTPProposer (specdec/mtp.py) | the next drafts (the scheduler's update asks for them) |
+| MTPProposer / SpecProposer (specdec/) | the next drafts (the scheduler's update asks for them) |
 | SessionManager (session_manager.py) | open sessions and what they pin between turns |
 | StructuredOutputs (structured_outputs.py) | constraints compiled (requests wait in scheduler) |
 | HybridCacheManager (statecache/) | KV blocks, state slots, the prefix cache (engine: reads only) |
@@ -48,7 +48,7 @@ from hybridrt.sampling_params import SamplingParams
 from hybridrt.scheduler import Scheduler
 from hybridrt.session import Session
 from hybridrt.session_manager import SessionManager
-from hybridrt.specdec.mtp import MTPProposer
+from hybridrt.specdec.proposer import build_proposer
 from hybridrt.specdec.stats import StepCosts
 from hybridrt.statecache import HybridCacheManager
 from hybridrt.statecache.prefix import checkpoint_positions, message_start_ids
@@ -76,11 +76,7 @@ class LLMEngine:
                                    sessions=self.session_manager)
         self.speculative_tokens = args.speculative_tokens
         self.governor = thread_governor  # hybridrt/threads.py: CPU threads fitted each step
-        self.proposer = None
-        if args.speculative_tokens > 0:
-            self.proposer = MTPProposer(model, cache, self.runner.sampler, args.max_model_len,
-                                        args.device, draft_vocab=draft_vocab,
-                                        keep_kv=cache.prefix_caching)
+        self.proposer = build_proposer(args, model, cache, self.runner.sampler, draft_vocab)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         # decode steps launched before the previous step's tokens are read (GPU: the host
@@ -166,7 +162,7 @@ class LLMEngine:
         if vision is not None:
             req.token_ids = vision.keyed(ids)
         if self.cache.prefix_caching:
-            req.block_hashes = self.cache.block_hashes(mtp=k > 0)
+            req.block_hashes = self.cache.block_hashes(mtp=k > 0 and self.args.mtp_drafts)
             req.checkpoint_at = checkpoint_positions(
                 ids, self.checkpoint_boundary_ids, self.args.checkpoint_interval,
                 () if snapshot_at is None else (snapshot_at,))
@@ -226,7 +222,8 @@ class LLMEngine:
         k = self.speculative_tokens if speculative_tokens is None else speculative_tokens
         if not self.cache.prefix_caching:
             return 0
-        hit = self.cache.peek(list(prompt_token_ids), self.cache.block_hashes(mtp=k > 0))
+        hit = self.cache.peek(list(prompt_token_ids),
+                              self.cache.block_hashes(mtp=k > 0 and self.args.mtp_drafts))
         return 0 if hit is None else hit.num_tokens
 
     def reset_prefix_cache(self) -> bool:

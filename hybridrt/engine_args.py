@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridrt.options import check_device_name, check_quantization, parse_memory
+from hybridrt.specdec.methods import check_method, uses_mtp
 
 
 def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None,
@@ -81,9 +82,14 @@ class EngineArgs:
     checkpoint_share: float = 0.25
     batch_invariant: bool = False
     language_model_only: bool = False  # the vision tower stays on disk (hybridrt.vision)
+    speculative_method: str = "mtp"
+    speculative_adaptive: bool = False
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         check_int("speculative_tokens", self.speculative_tokens, lo=0)
+        check_speculation(self)
         check_int("max_num_sessions", self.max_num_sessions, lo=0)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_int("checkpoint_interval", self.checkpoint_interval, lo=0)
@@ -93,6 +99,9 @@ class EngineArgs:
             if self.speculative_tokens == 0:
                 raise ValueError("draft_vocab_size is for MTP drafts: it needs "
                                  "speculative_tokens > 0")
+            if not uses_mtp(self.speculative_method):
+                raise ValueError(f"draft_vocab_size is for MTP drafts: speculative_method "
+                                 f"{self.speculative_method!r} drafts none")
         if self.threads is not None:
             check_int("threads", self.threads, lo=1)
         if isinstance(self.device, str):
@@ -110,6 +119,19 @@ class EngineArgs:
             check_int("max_num_batched_tokens", self.max_num_batched_tokens, lo=1)
         check_int("block_size", self.block_size, lo=1)
         parse_memory(self.cache_memory)
+
+    @property
+    def mtp_drafts(self) -> bool:
+        """Whether the drafts need the checkpoint's MTP layer (it is loaded then)."""
+        return self.speculative_tokens > 0 and uses_mtp(self.speculative_method)
+
+    def check_mtp_weights(self, has_mtp: bool, path) -> None:
+        """ValueError when the drafts need MTP weights the checkpoint at ``path`` lacks."""
+        if self.mtp_drafts and not has_mtp:
+            raise ValueError(
+                f"speculative_tokens={self.speculative_tokens} needs MTP weights, but the "
+                f"checkpoint at {path} has no mtp.* tensors (use speculative_tokens=0, or "
+                f"speculative_method='ngram')")
 
     def resolved(self, max_position_embeddings: int, device) -> EngineArgs:
         """A copy with the model-dependent defaults filled for a model whose context is
@@ -132,6 +154,15 @@ class EngineArgs:
         if self.async_scheduling is None:
             return str(self.device).startswith("cuda")
         return bool(self.async_scheduling)
+
+
+def check_speculation(args: EngineArgs) -> None:
+    """speculative_method, speculative_adaptive and prompt_lookup_min / max (specdec)."""
+    check_method(args.speculative_method)
+    check_bool("speculative_adaptive", args.speculative_adaptive)
+    check_int("prompt_lookup_min", args.prompt_lookup_min, lo=1)
+    check_int("prompt_lookup_max", args.prompt_lookup_max, lo=args.prompt_lookup_min,
+              hint=" (at least prompt_lookup_min)")
 
 
 def check_device(device):

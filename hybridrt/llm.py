@@ -76,6 +76,8 @@ class LLM:
     ``--language-model-only``): its memory saved, images refused. A checkpoint with a tower
     takes images in ``generate`` (``multi_modal_data``) and ``chat`` (image parts): see
     docs/vision.md.
+    speculative_method ("mtp", "ngram": prompt lookup, "mtp+ngram"), speculative_adaptive (k up
+    to speculative_tokens, chosen per request), prompt_lookup_min / _max: docs/speculation.md.
     """
 
     def __init__(
@@ -103,6 +105,8 @@ class LLM:
         checkpoint_share: float = 0.25,
         batch_invariant: bool = False,
         language_model_only: bool = False,
+        speculative_method: str = "mtp", speculative_adaptive: bool = False,
+        prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
     ):
         # every keyword above, checked once (before anything loads)
         args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})
@@ -121,7 +125,7 @@ class LLM:
         self.model, self.config, self.model_path = load_model(
             default_model() if model is None else model,
             dtype if isinstance(dtype, str) and dtype.lower() == "auto" else parse_dtype(dtype),
-            with_mtp=speculative_tokens > 0, device=self.device, quantization=self.quantization)
+            with_mtp=args.mtp_drafts, device=self.device, quantization=self.quantization)
         stored = quant.quantization_of(self.model)
         if stored is not None and self.quantization not in (None, stored):
             raise ValueError(
@@ -132,11 +136,7 @@ class LLM:
             self.quantization = stored  # a checkpoint stored quantized (hybridrt quantize)
             check_cpu_backend(f"the {stored} checkpoint {self.model_path}", self.device, backend)
         self.dtype = self.model.dtype
-        if speculative_tokens > 0 and self.model.mtp is None:
-            raise ValueError(
-                f"speculative_tokens={speculative_tokens} needs MTP weights, but the checkpoint "
-                f"at {self.model_path} has no mtp.* tensors (use speculative_tokens=0)"
-            )
+        args.check_mtp_weights(self.model.mtp is not None, self.model_path)
         self.args = args.resolved(self.config.max_position_embeddings, self.device)
         cache = HybridCacheManager.for_engine(
             self.args, self.config, self.dtype,

@@ -83,6 +83,9 @@ class OutputProcessor:
         """Each request's next drafts, verified by its next step."""
         for d in drafts:
             d.request.draft_token_ids, d.request.draft_probs = d.token_ids, d.probs
+            if d.request.spec_stats is not None:
+                d.request.spec_stats.proposed(len(d.token_ids) if d.k is None else d.k,
+                                              d.num_ngram)
 
     def append_token(self, req: Request, tok: int, now: float) -> bool:
         """Record ``tok`` as the request's next output token -> whether the request finished

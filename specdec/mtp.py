@@ -12,6 +12,11 @@ where the CPU backend has int8 products, ``DraftHead``); every other token gets 
 draft distribution is zero there. Verification is unchanged. Greedy rows take the argmax of
 the draft vocabulary's logits directly (``_greedy``), without the full-vocabulary tensor.
 
+``propose(..., wanted=...)`` (``specdec.proposer.SpecProposer``): per drafting request the
+number of drafts and a prefix of them fixed beforehand (a prompt-lookup match): the MTP passes
+run through the prefix (the LM head skipped there) and draft the rest, extending the match; a
+sampled request's prefix positions get a point-mass draft distribution.
+
 The one extension point, ``draft_filter`` (a constructor argument, None in the engine):
 ``draft_filter(request, j, token) -> token`` replaces draft j of a request after the MTP picked
 it; the MTP passes still run, and the next one reads the returned token. Meant for greedy
@@ -36,14 +41,27 @@ from hybridrt.statecache import HybridCacheManager
 from hybridrt.step_plan import StepPlan
 
 
+def draft_cap(req, max_model_len: int) -> int:
+    """A request's k (``spec_k``), capped so that verification stays inside max_model_len
+    and max_tokens."""
+    k = min(req.spec_k, max_model_len - len(req.token_ids))
+    if req.params.max_tokens is not None:
+        k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
+    return max(k, 0)
+
+
 @dataclass(slots=True)
 class Drafts:
     """A request's next drafts, as the proposer picked them; the engine's update step hands
-    them to the request (the proposer writes no request field)."""
+    them to the request (the proposer writes no request field). ``probs`` None: greedy, or
+    every draft a point mass (prompt lookup); the first ``num_ngram`` drafts came from prompt
+    lookup, the rest from the MTP; ``k``: the drafts asked for (None: ``len(token_ids)``)."""
 
     request: object  # hybridrt.request.Request
     token_ids: list[int]
-    probs: torch.Tensor | None  # [len(token_ids), V] they were sampled from (None: greedy)
+    probs: torch.Tensor | None  # [len(token_ids), V] they were sampled from
+    num_ngram: int = 0
+    k: int | None = None
 
 
 class MTPProposer:
@@ -69,18 +87,16 @@ class MTPProposer:
         self.keep_kv = keep_kv  # prefix caching: see ``propose``
 
     def num_drafts_for(self, req) -> int:
-        """k, capped so that verification stays inside max_model_len and max_tokens."""
-        k = min(req.spec_k, self.max_model_len - len(req.token_ids))
-        if req.params.max_tokens is not None:
-            k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
-        return max(k, 0)
+        return draft_cap(req, self.max_model_len)
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan, row_starts: list[int], hidden: torch.Tensor,
-                settled: list[int]) -> list[Drafts]:
+                settled: list[int], wanted: dict | None = None) -> list[Drafts]:
         """``row_starts[b]``: the first row of plan.seqs[b] in ``hidden``; ``settled[b]``:
         positions of plan.seqs[b] the target settled this step (its accepted inputs)
-        -> the drafts of every unfinished request that sampled and may draft.
+        -> the drafts of every unfinished request that sampled and may draft. ``wanted``:
+        {request: (k, prefix)} of the requests that draft (the others' MTP KV is written
+        only); None: every request that may draft, ``num_drafts_for`` of them, no prefix.
 
         With ``keep_kv`` (prefix caching) the MTP layer's KV is written for the settled positions
         of requests that just finished too (their cached blocks hold it). A request admitted
@@ -107,8 +123,11 @@ class MTPProposer:
             starts.append(first)
             tables.append(self.cache.block_table(req.request_id))
             parts.append(rows)
-            drafting = (not done and (s.sample or s.num_drafts > 0)
-                        and self.num_drafts_for(req) > 0)
+            if wanted is None:
+                drafting = (not done and (s.sample or s.num_drafts > 0)
+                            and self.num_drafts_for(req) > 0)
+            else:
+                drafting = not done and req in wanted
             modes.append("last" if drafting else "none")
             if drafting:
                 reqs.append(req)
@@ -118,7 +137,11 @@ class MTPProposer:
                          device=self.device)
         h = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = self.model.mtp_forward(mb.input_ids, h.to(hidden.device), mb, self.cache.tensors)
-        return self._draft(reqs, out[mb.logits_indices]) if reqs else []
+        if not reqs:
+            return []
+        plans = ([(self.num_drafts_for(r), []) for r in reqs] if wanted is None
+                 else [wanted[r] for r in reqs])
+        return self._draft(reqs, out[mb.logits_indices], plans)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The drafts' fp32 logits [n, vocab]: the full LM head, or the draft vocabulary's rows
@@ -145,29 +168,31 @@ class MTPProposer:
             ids[r] = head.token_ids[small[r] == top[r]].min()
         return ids
 
-    def _draft(self, reqs: list, h: torch.Tensor) -> list[Drafts]:
-        budget = [self.num_drafts_for(r) for r in reqs]
+    def _draft(self, reqs: list, h: torch.Tensor,
+               plans: list[tuple[int, list[int]]]) -> list[Drafts]:
+        """``plans[i]``: (drafts of reqs[i], the prefix of them fixed beforehand)."""
+        budget = [k for k, _ in plans]
+        fixed = [list(prefix[:k]) for k, prefix in plans]
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         active = list(range(len(reqs)))
+        V = self.model.config.vocab_size
         for j in range(max(budget)):
-            rows = [reqs[i].sampling_row(drafts[i]) for i in active]
-            if plain_greedy(rows):
-                picked, rand = self._greedy(h), []
-            else:
-                prepared = self.sampler.processed_logits(self._logits(h), rows)
-                picked = prepared.argmax(dim=-1)
-                rand = [n for n, r in enumerate(rows) if not r.params.greedy]
-            if rand:
-                sel = torch.tensor(rand, device=prepared.device)
-                p = self.sampler.probs(prepared[sel], [rows[n] for n in rand])
-                picked[sel] = self.sampler.sample_from_probs(p, [rows[n] for n in rand])
-                for m, n in enumerate(rand):
-                    probs[active[n]].append(p[m])
-            for n, i in enumerate(active):
-                tok = int(picked[n])
-                if self.draft_filter is not None:
-                    tok = self.draft_filter(reqs[i], j, tok)
+            free = [n for n, i in enumerate(active) if j >= len(fixed[i])]
+            picked = self._pick(reqs, drafts, probs, [active[n] for n in free],
+                                h if len(free) == len(active) else
+                                h[torch.tensor(free, device=h.device)]) if free else []
+            it = iter(picked)
+            for i in active:
+                if j < len(fixed[i]):  # a fixed draft: a point mass
+                    tok = fixed[i][j]
+                    if not reqs[i].params.greedy:
+                        probs[i].append(torch.zeros(V, device=h.device).index_fill_(
+                            0, torch.tensor([tok], device=h.device), 1.0))
+                else:
+                    tok = next(it)
+                    if self.draft_filter is not None:
+                        tok = self.draft_filter(reqs[i], j, tok)
                 drafts[i].append(tok)
             keep = [n for n, i in enumerate(active) if budget[i] > j + 1]
             if not keep:
@@ -181,8 +206,27 @@ class MTPProposer:
                 self.cache.block_size, None, None, device=self.device,
             )
             h = self.model.mtp_forward(mb.input_ids, h[sel], mb, self.cache.tensors)
-        return [Drafts(r, drafts[i], torch.stack(probs[i]) if probs[i] else None)
+        return [Drafts(r, drafts[i], torch.stack(probs[i]) if probs[i] else None,
+                       num_ngram=len(fixed[i]), k=budget[i])
                 for i, r in enumerate(reqs)]
+
+    def _pick(self, reqs: list, drafts: list[list[int]], probs: list[list[torch.Tensor]],
+              idx: list[int], h: torch.Tensor) -> list[int]:
+        """The MTP's next draft of reqs[i] for each i in ``idx`` from its hidden row in ``h``
+        (a sampled request's draft distribution appended to ``probs[i]``)."""
+        rows = [reqs[i].sampling_row(drafts[i]) for i in idx]
+        if plain_greedy(rows):
+            return self._greedy(h).tolist()
+        prepared = self.sampler.processed_logits(self._logits(h), rows)
+        picked = prepared.argmax(dim=-1)
+        rand = [n for n, r in enumerate(rows) if not r.params.greedy]
+        if rand:
+            sel = torch.tensor(rand, device=prepared.device)
+            p = self.sampler.probs(prepared[sel], [rows[n] for n in rand])
+            picked[sel] = self.sampler.sample_from_probs(p, [rows[n] for n in rand])
+            for m, n in enumerate(rand):
+                probs[idx[n]].append(p[m])
+        return picked.tolist()
 
 
 class DraftHead:

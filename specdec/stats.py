@@ -1,7 +1,10 @@
 """Acceptance statistics for speculative decoding.
 
 mean acceptance length = 1 + accepted / rounds (the bonus or correction token included);
-per-position acceptance rate i = drafts accepted at position i / rounds.
+per-position acceptance rate i = drafts accepted at position i / rounds. Drafts and accepted
+drafts are also counted by source (``SOURCES``: prompt lookup, the MTP layer), and every
+drafting decision's k (``k_chosen``: how many steps asked for 0, 1, .. drafts; with adaptive
+speculation k moves between 0 and the request's maximum).
 """
 
 from __future__ import annotations
@@ -9,6 +12,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from .adaptive import Acceptance
+
+SOURCES = ("ngram", "mtp")
 
 
 @dataclass(slots=True)
@@ -18,10 +25,26 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    drafts_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    accepted_by_source: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    k_chosen: list[int] = field(default_factory=list)  # [j]: drafting decisions of k = j
+    pending_ngram: int = 0  # the pending drafts' leading prompt-lookup ones
+    acceptance: Acceptance = field(default_factory=Acceptance)  # adaptive k reads it
 
     def __post_init__(self) -> None:
         if not self.accepted_per_position:
             self.accepted_per_position = [0] * self.k
+        if not self.k_chosen:
+            self.k_chosen = [0] * (self.k + 1)
+
+    def proposed(self, k: int, num_ngram: int) -> None:
+        """A drafting decision: ``k`` drafts asked for, the first ``num_ngram`` of those
+        proposed from prompt lookup (the rest from the MTP)."""
+        self.k_chosen[k] += 1
+        self.pending_ngram = num_ngram
+        if k == 0:
+            self.acceptance.idle()
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.num_rounds += 1
@@ -29,6 +52,14 @@ class SpecStats:
         self.num_accepted += num_accepted
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
+        ngram = min(self.pending_ngram, num_drafts)
+        self.drafts_by_source["ngram"] += ngram
+        self.drafts_by_source["mtp"] += num_drafts - ngram
+        self.accepted_by_source["ngram"] += min(ngram, num_accepted)
+        self.accepted_by_source["mtp"] += num_accepted - min(ngram, num_accepted)
+        self.pending_ngram = 0
+        for i in range(min(num_accepted + 1, num_drafts)):  # the drafts tried
+            self.acceptance.observe("ngram" if i < ngram else "mtp", i < num_accepted)
 
     def merge(self, other: SpecStats) -> None:
         if other.k > self.k:
@@ -39,6 +70,12 @@ class SpecStats:
         self.num_accepted += other.num_accepted
         for i, a in enumerate(other.accepted_per_position):
             self.accepted_per_position[i] += a
+        for src in SOURCES:
+            self.drafts_by_source[src] += other.drafts_by_source[src]
+            self.accepted_by_source[src] += other.accepted_by_source[src]
+        self.k_chosen += [0] * (len(other.k_chosen) - len(self.k_chosen))
+        for j, n in enumerate(other.k_chosen):
+            self.k_chosen[j] += n
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -49,9 +86,26 @@ class SpecStats:
         return self.num_accepted / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
+    def mean_k_chosen(self) -> float:
+        """The mean k of the drafting decisions (0.0 when there was none)."""
+        n = sum(self.k_chosen)
+        return sum(j * c for j, c in enumerate(self.k_chosen)) / n if n else 0.0
+
+    @property
     def per_position_acceptance(self) -> list[float]:
         n = self.num_rounds
         return [a / n if n else 0.0 for a in self.accepted_per_position]
+
+    def counters(self) -> dict[str, int]:
+        """The /metrics counters (hybridrt.server.metrics reads them by these names)."""
+        out = {"spec_draft_tokens": self.num_draft_tokens,
+               "spec_accepted_tokens": self.num_accepted,
+               "spec_k_chosen": sum(j * c for j, c in enumerate(self.k_chosen)),
+               "spec_drafting_decisions": sum(self.k_chosen)}
+        for src in SOURCES:
+            out[f"spec_{src}_draft_tokens"] = self.drafts_by_source[src]
+            out[f"spec_{src}_accepted_tokens"] = self.accepted_by_source[src]
+        return out
 
     def as_dict(self) -> dict:
         return {
@@ -62,6 +116,10 @@ class SpecStats:
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_rate": self.acceptance_rate,
             "per_position_acceptance": self.per_position_acceptance,
+            "drafts_by_source": dict(self.drafts_by_source),
+            "accepted_by_source": dict(self.accepted_by_source),
+            "k_chosen": list(self.k_chosen),
+            "mean_k_chosen": self.mean_k_chosen,
         }
 
 

@@ -6,6 +6,8 @@ while d_{i+1} equals the target argmax; the target's own choice follows the acce
 Random requests accept d_{i+1} with probability min(1, p(d)/q(d)); on the first rejection a
 token is drawn from normalize(max(p - q, 0)); if all k are accepted a bonus token is drawn from
 the target at the last position. The emitted tokens are then distributed exactly as the target.
+A random request without draft probabilities drafted point masses (prompt lookup, q = 1 at
+the draft): d is accepted with probability p(d), and a rejection samples p with d removed.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from hybridrt.sampler import Sampler, SamplingRow, argmax_rows, plain_greedy
 class VerifyItem:
     rows: list[SamplingRow]  # k + 1 rows: position i's row sees the drafts before it
     drafts: list[int]
-    draft_probs: torch.Tensor | None  # [k, V] the drafts were sampled from (None: greedy)
+    draft_probs: torch.Tensor | None  # [k, V] the drafts were sampled from (None: greedy,
+    # or point masses)
 
 
 def acceptance_probability(p_draft: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:
@@ -76,9 +79,12 @@ def _coupled(sampler: Sampler, p: torch.Tensor, it: VerifyItem) -> tuple[list[in
 
 def _rejection_sample(sampler: Sampler, p: torch.Tensor, it: VerifyItem) -> tuple[list[int], int]:
     k = len(it.drafts)
-    q = it.draft_probs[:k].to(p.device)
     d = torch.tensor(it.drafts, device=p.device)
     idx = torch.arange(k, device=p.device)
+    if it.draft_probs is None:  # point masses at the drafts
+        q = torch.zeros_like(p[:k]).index_put_((idx, d), torch.ones(k, device=p.device))
+    else:
+        q = it.draft_probs[:k].to(p.device)
     accept = sampler.uniform(it.rows[:1], k, p.device)[0] < acceptance_probability(p[idx, d],
                                                                                    q[idx, d])
     rejected = (~accept).nonzero()

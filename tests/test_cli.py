@@ -862,14 +862,18 @@ GROUP_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs",
                "--no-prefix-caching", "--batch-invariant", "--block-size", "32",
                "--backend", "cpu", "--no-async-scheduling", "--checkpoint-interval", "256",
                "--checkpoint-share", "0.5", "--max-num-sessions", "4", "--engine-seed", "7",
-               "--language-model-only"]
+               "--language-model-only",
+               "--speculative-method", "mtp+ngram", "--speculative-adaptive",
+               "--prompt-lookup-min", "1", "--prompt-lookup-max", "3"]
 GROUP_KWARGS = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 3,
                 "max_num_batched_tokens": 64, "cache_memory": "64MiB", "device": "cpu",
                 "threads": 1, "quantization": "int8", "speculative_tokens": 2,
                 "draft_vocab_size": 8, "enable_prefix_caching": False, "batch_invariant": True,
                 "block_size": 32, "backend": "cpu", "async_scheduling": False,
                 "checkpoint_interval": 256, "checkpoint_share": 0.5, "max_num_sessions": 4,
-                "seed": 7, "language_model_only": True}
+                "seed": 7, "language_model_only": True, "speculative_method": "mtp+ngram",
+                "speculative_adaptive": True,
+                "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def _record_llm(monkeypatch):

@@ -217,7 +217,10 @@ def test_models_health_metrics(srv):
     m = srv.metrics()
     for name in ("hybridrt_prompt_tokens_total", "hybridrt_prefix_reused_tokens_total",
                  "hybridrt_prefill_tokens_total", "hybridrt_cache_usage",
-                 "hybridrt_spec_accepted_tokens_total", "hybridrt_requests_waiting"):
+                 "hybridrt_spec_accepted_tokens_total", "hybridrt_requests_waiting",
+                 "hybridrt_spec_ngram_draft_tokens_total",
+                 "hybridrt_spec_mtp_accepted_tokens_total", "hybridrt_spec_k_chosen_total",
+                 "hybridrt_spec_drafting_decisions_total"):
         assert name in m
 
 

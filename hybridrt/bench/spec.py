@@ -25,9 +25,7 @@ gives the verify step's cost per row count (k + 1 rows per sequence) against the
 
 from __future__ import annotations
 
-import contextlib
 import json
-import random
 import statistics
 import sys
 import time
@@ -36,6 +34,14 @@ from pathlib import Path
 
 import torch
 
+from hybridrt.bench.copy_workload import copy_prompts
+from hybridrt.bench.spec_sim import (
+    SimulatedDrafts,
+    drafts_through,
+    mtp_of,
+    reference_run,
+    sequences,
+)
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.specdec.stats import StepCosts
 
@@ -73,7 +79,8 @@ def _prompt_len(llm, p) -> int:
 
 
 def _spec_summary(outs, k: int) -> dict:
-    rounds = accepted = drafts = 0
+    rounds = accepted = drafts = decisions = chosen = 0
+    by_source = {"ngram": [0, 0], "mtp": [0, 0]}  # drafts, accepted
     per_pos = [0.0] * k
     for o in outs:
         s = o.metrics.get("spec")
@@ -82,6 +89,11 @@ def _spec_summary(outs, k: int) -> dict:
         rounds += s["num_rounds"]
         accepted += s["num_accepted"]
         drafts += s["num_draft_tokens"]
+        decisions += sum(s["k_chosen"])
+        chosen += sum(j * n for j, n in enumerate(s["k_chosen"]))
+        for src, pair in by_source.items():
+            pair[0] += s["drafts_by_source"][src]
+            pair[1] += s["accepted_by_source"][src]
         for i, r in enumerate(s["per_position_acceptance"][:k]):
             per_pos[i] += r * s["num_rounds"]
     if k == 0 or rounds == 0:
@@ -92,35 +104,11 @@ def _spec_summary(outs, k: int) -> dict:
         "mean_acceptance_length": 1.0 + accepted / rounds,
         "acceptance_rate": accepted / drafts if drafts else 0.0,
         "per_position_acceptance": [a / rounds for a in per_pos],
+        "drafts_by_source": {src: d for src, (d, _) in by_source.items()},
+        "acceptance_by_source": {src: (a / d if d else None)
+                                 for src, (d, a) in by_source.items()},
+        "mean_k_chosen": chosen / decisions if decisions else None,
     }
-
-
-class SimulatedDrafts:
-    """A ``draft_filter`` (``specdec.mtp``): draft j of a request becomes the reference
-    continuation's token at that position with probability ``alpha``, else a token that
-    differs from it. ``refs``: prompt ids -> prompt + a greedy output. Where the request has
-    left its reference (or run past its end) the MTP's own token stays; ``coverage`` is the
-    fraction of drafts that had a reference token."""
-
-    def __init__(self, refs: dict[tuple, list[int]], alpha: float, vocab_size: int,
-                 seed: int = 0):
-        self.refs, self.alpha, self.vocab_size = refs, alpha, vocab_size
-        self.rng = random.Random(seed)
-        self.num_drafts = self.num_known = 0
-
-    def __call__(self, req, j: int, token: int) -> int:
-        ref = self.refs.get(tuple(req.prompt_token_ids))
-        n = len(req.token_ids)
-        self.num_drafts += 1
-        if ref is None or n + j >= len(ref) or ref[:n] != req.token_ids:
-            return token
-        self.num_known += 1
-        right = ref[n + j]
-        return right if self.rng.random() < self.alpha else (right + 1) % self.vocab_size
-
-    @property
-    def coverage(self) -> float | None:
-        return self.num_known / self.num_drafts if self.num_drafts else None
 
 
 def _summary(runs: list) -> dict:
@@ -135,46 +123,6 @@ def _summary(runs: list) -> dict:
     return {"outs": outs, "sim": sim, "seconds": seconds, "tok_s": statistics.median(rates),
             "tok_s_runs": rates, "costs": costs, "token_ids": token_ids,
             "tokens": sum(len(t) for t in token_ids)}
-
-
-def _sequences(outs) -> dict[tuple, list[int]]:
-    return {tuple(o.prompt_token_ids): o.prompt_token_ids + o.outputs[0].token_ids
-            for o in outs}
-
-
-def _reference_run(llm, prompts, params, b: int, k: int, k0_refs) -> dict[tuple, list[int]]:
-    """The greedy continuations a k-draft run produces, for simulated acceptance: an untimed
-    run at k whose drafts are all wrong. In half precision a verify step's numerics differ
-    from a 1-token step's, so near-tied greedy choices can differ from k = 0's; every step of
-    this run verifies k + 1 rows per request as the simulated runs do, so theirs match it."""
-    outs = []
-    with _drafts_through(llm, SimulatedDrafts(k0_refs, 0.0, llm.config.vocab_size)):
-        for i in range(0, len(prompts), b):
-            outs += llm.generate(prompts[i:i + b], params, use_tqdm=False,
-                                 speculative_tokens=k)
-    return _sequences(outs)
-
-
-@contextlib.contextmanager
-def _drafts_through(llm, draft_filter: SimulatedDrafts | None):
-    """For the ``with`` block, the engine's proposer replaced by one whose drafts pass through
-    ``draft_filter`` (``specdec.mtp``'s extension point), with the same model, cache, sampler
-    and draft head; nothing changes when it is None or the engine does not speculate."""
-    engine = llm.engine
-    own = engine.proposer
-    if draft_filter is None or own is None:
-        yield
-        return
-    from hybridrt.specdec.mtp import MTPProposer
-
-    filtered = MTPProposer(own.model, own.cache, own.sampler, own.max_model_len, own.device,
-                           draft_filter=draft_filter, keep_kv=own.keep_kv)
-    filtered.draft_head = own.draft_head
-    engine.proposer = filtered
-    try:
-        yield
-    finally:
-        engine.proposer = own
 
 
 def expected_acceptance_length(alpha: float, k: int) -> float:
@@ -255,6 +203,7 @@ def run_spec_bench(
     cpu_time: bool = False,
     quantization: str | None = None,
     engine: dict | None = None,
+    workload: str = "questions",
 ) -> dict:
     """Run every (batch size, draft head, alpha, k) on the same prompts -> report dict (also
     printed as a table and written to ``json_path`` when given).
@@ -269,8 +218,13 @@ def run_spec_bench(
     instead of wall seconds (with one thread, what the run takes on a machine it has to
     itself; on a shared one, wall time also counts the time other processes hold the core).
     ``engine``: further ``LLM`` keyword arguments (the command line's model options but those
-    the benchmark sets itself).
+    the benchmark sets itself: ``speculative_method`` picks the drafter, e.g. "ngram",
+    ``speculative_adaptive`` lets each request choose k up to each row's). ``workload``:
+    "questions" (the default prompts) or "copy" (``copy_workload``: outputs that repeat their
+    prompts, where prompt lookup pays).
     """
+    if workload not in ("questions", "copy"):
+        raise ValueError(f"workload must be 'questions' or 'copy', got {workload!r}")
     from hybridrt.llm import LLM
 
     ks = sorted({int(k) for k in ks})
@@ -308,14 +262,20 @@ def run_spec_bench(
                   quantization=quantization, enable_prefix_caching=False,
                   max_num_seqs=max(batch_sizes), max_model_len=_max_len_hint(model, 4096),
                   draft_vocab_size=reduced if max(ks) > 0 else None)
-        proposer = llm.engine.proposer
+        proposer = mtp_of(llm.engine.proposer)
+        if simulate_acceptance is not None and proposer is None and max(ks) > 0:
+            raise ValueError("simulated acceptance replaces the MTP's drafts: "
+                             f"speculative_method {llm.engine.args.speculative_method!r} "
+                             "has none")
         heads = {0: None}
         if reduced and proposer is not None:
             from hybridrt.specdec.mtp import DraftHead
 
             ids = proposer.draft_head.token_ids.tolist()
             heads.update({n: DraftHead(llm.model, ids[:n]) for n in draft_vocabs if n})
-        if prompts is None:
+        if prompts is None and workload == "copy":
+            prompts = copy_prompts(llm, n=4 if quick else num_prompts)
+        elif prompts is None:
             prompts = default_prompts(llm, n=4 if quick else num_prompts)
         prompts = list(prompts)
         if quick:
@@ -366,14 +326,14 @@ def run_spec_bench(
                 for n, alpha, k in configs:
                     sim = None
                     if alpha is not None and k not in refs:
-                        refs[k] = _reference_run(llm, prompts, params, b, k, refs[0])
+                        refs[k] = reference_run(llm, prompts, params, b, k, refs[0])
                     if proposer is not None:
                         proposer.draft_head = heads[n]
                         if alpha is not None:
                             sim = SimulatedDrafts(refs[k], alpha, llm.config.vocab_size)
-                    with _drafts_through(llm, sim):
+                    with drafts_through(llm, sim):
                         outs, seconds, costs = run(b, k)
-                    refs.setdefault(0, _sequences(outs))
+                    refs.setdefault(0, sequences(outs))
                     runs[(n, alpha, k)].append((outs, seconds, costs, sim))
                     if verbose:
                         what = "" if k == 0 else (f" head {n or 'full'}" + (
@@ -387,7 +347,7 @@ def run_spec_bench(
                 rows.append({
                     "batch_size": b,
                     "k": k,
-                    "draft_vocab": n if k > 0 else None,
+                    "draft_vocab": n if k > 0 and proposer is not None else None,
                     "acceptance": "real" if alpha is None else "simulated",
                     "simulated_alpha": alpha if k > 0 else None,
                     "num_requests": len(outs),
@@ -422,6 +382,9 @@ def run_spec_bench(
             "draft_vocabs": draft_vocabs,
             "draft_vocab_source": llm.draft_vocab_source,
             "acceptance": "real" if simulate_acceptance is None else "simulated",
+            "workload": workload,
+            "speculative_method": llm.engine.args.speculative_method,
+            "speculative_adaptive": llm.engine.args.speculative_adaptive,
             "simulated_alphas": None if simulate_acceptance is None else alphas,
             "rows": rows,
             "verify_cost": verify_cost_by_rows(rows),
@@ -490,6 +453,17 @@ def format_table(report: dict) -> str:
                      f"{mine[0]['decode_ms']:.1f} ms): " + ", ".join(
                          f"{c['rows_per_sequence']} rows {c['verify_over_step']:.2f} "
                          f"({c['verify_ms']:.1f} ms)" for c in mine))
+    if report.get("speculative_method", "mtp") != "mtp" or report.get("speculative_adaptive"):
+        lines.append(f"drafts from {report['speculative_method']}"
+                     + (", k adaptive (up to the row's)" if report["speculative_adaptive"]
+                        else ""))
+        for r in report["rows"]:
+            if r["k"] and r.get("drafts_by_source"):
+                src = ", ".join(f"{s} {n} drafts, acceptance "
+                                f"{num(r['acceptance_by_source'][s], '.2f')}"
+                                for s, n in r["drafts_by_source"].items())
+                lines.append(f"  batch {r['batch_size']} k {r['k']}: {src}; mean k chosen "
+                             f"{num(r['mean_k_chosen'], '.2f')}")
     if any(r.get("draft_pass_over_step") is not None for r in report["rows"]):
         lines.append("accept len: measured (expected for simulated alpha); ref: drafts that had a "
                      "reference token; draft/step: one MTP draft pass, verify/step: one verify "

@@ -218,7 +218,7 @@ class EngineLoop:
             "checkpoint_evictions": prefix.get("checkpoint_evictions", 0),
             "checkpoints_saved": prefix.get("checkpoints_saved", 0),
             "preemptions": e.stats["num_preemptions"],
-            "spec_draft_tokens": spec.num_draft_tokens, "spec_accepted_tokens": spec.num_accepted,
+            **spec.counters(),
         }
 
 

@@ -36,6 +36,15 @@ _METRICS = [  # name, type, help, how to read it from (counters, gauges)
      lambda c, g: g["spec_draft_tokens"]),
     ("spec_accepted_tokens_total", "counter", "Speculative draft tokens accepted.",
      lambda c, g: g["spec_accepted_tokens"]),
+    *[(f"spec_{src}_{what}_tokens_total", "counter",
+       f"Speculative draft tokens from {text} {what}.",
+       lambda c, g, key=f"spec_{src}_{what}_tokens": g[key])
+      for src, text in (("ngram", "prompt lookup"), ("mtp", "the MTP layer"))
+      for what in ("draft", "accepted")],
+    ("spec_k_chosen_total", "counter", "The drafts asked for, summed over drafting decisions "
+     "(over spec_drafting_decisions_total: the mean k).", lambda c, g: g["spec_k_chosen"]),
+    ("spec_drafting_decisions_total", "counter", "Drafting decisions (a request's k chosen "
+     "after a step, 0 included).", lambda c, g: g["spec_drafting_decisions"]),
     ("requests_running", "gauge", "Requests running.", lambda c, g: g["running"]),
     ("requests_waiting", "gauge", "Requests waiting.", lambda c, g: g["waiting"]),
     ("cache_blocks_total", "gauge", "KV blocks in the cache.", lambda c, g: g["blocks_total"]),

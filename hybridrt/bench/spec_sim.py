@@ -1,0 +1,89 @@
+"""Simulated acceptance for ``hybridrt bench spec`` (its module docstring): the MTP's drafts
+replaced by the target's own greedy continuation with probability alpha, at the MTP's real
+cost, whichever proposer the engine runs (fixed-k MTP, or a ``SpecProposer``'s MTP: adaptive
+k and MTP + n-gram, whose lookup drafts stay as they are)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+from hybridrt.specdec.mtp import MTPProposer
+
+
+def mtp_of(proposer):
+    """The engine proposer's MTP layer drafter (None: it has none)."""
+    return proposer if isinstance(proposer, MTPProposer) or proposer is None else proposer.mtp
+
+
+class SimulatedDrafts:
+    """A ``draft_filter`` (``specdec.mtp``): draft j of a request becomes the reference
+    continuation's token at that position with probability ``alpha``, else a token that
+    differs from it. ``refs``: prompt ids -> prompt + a greedy output. Where the request has
+    left its reference (or run past its end) the MTP's own token stays; ``coverage`` is the
+    fraction of drafts that had a reference token."""
+
+    def __init__(self, refs: dict[tuple, list[int]], alpha: float, vocab_size: int,
+                 seed: int = 0):
+        self.refs, self.alpha, self.vocab_size = refs, alpha, vocab_size
+        self.rng = random.Random(seed)
+        self.num_drafts = self.num_known = 0
+
+    def __call__(self, req, j: int, token: int) -> int:
+        ref = self.refs.get(tuple(req.prompt_token_ids))
+        n = len(req.token_ids)
+        self.num_drafts += 1
+        if ref is None or n + j >= len(ref) or ref[:n] != req.token_ids:
+            return token
+        self.num_known += 1
+        right = ref[n + j]
+        return right if self.rng.random() < self.alpha else (right + 1) % self.vocab_size
+
+    @property
+    def coverage(self) -> float | None:
+        return self.num_known / self.num_drafts if self.num_drafts else None
+
+
+def sequences(outs) -> dict[tuple, list[int]]:
+    return {tuple(o.prompt_token_ids): o.prompt_token_ids + o.outputs[0].token_ids
+            for o in outs}
+
+
+def reference_run(llm, prompts, params, b: int, k: int, k0_refs) -> dict[tuple, list[int]]:
+    """The greedy continuations a k-draft run produces, for simulated acceptance: an untimed
+    run at k whose drafts are all wrong. In half precision a verify step's numerics differ
+    from a 1-token step's, so near-tied greedy choices can differ from k = 0's; every step of
+    this run verifies k + 1 rows per request as the simulated runs do, so theirs match it."""
+    outs = []
+    with drafts_through(llm, SimulatedDrafts(k0_refs, 0.0, llm.config.vocab_size)):
+        for i in range(0, len(prompts), b):
+            outs += llm.generate(prompts[i:i + b], params, use_tqdm=False,
+                                 speculative_tokens=k)
+    return sequences(outs)
+
+
+@contextlib.contextmanager
+def drafts_through(llm, draft_filter: SimulatedDrafts | None):
+    """For the ``with`` block, the engine's MTP drafter replaced by one whose drafts pass
+    through ``draft_filter`` (``specdec.mtp``'s extension point), with the same model, cache,
+    sampler and draft head; nothing changes when it is None or the engine has no MTP."""
+    engine = llm.engine
+    own = mtp_of(engine.proposer)
+    if draft_filter is None or own is None:
+        yield
+        return
+    filtered = MTPProposer(own.model, own.cache, own.sampler, own.max_model_len, own.device,
+                           draft_filter=draft_filter, keep_kv=own.keep_kv)
+    filtered.draft_head = own.draft_head
+    outer = engine.proposer
+    if outer is own:
+        engine.proposer = filtered
+    else:
+        outer.mtp = filtered
+    try:
+        yield
+    finally:
+        if outer is own:
+            engine.proposer = own
+        else:
+            outer.mtp = own

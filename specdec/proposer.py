@@ -1,0 +1,104 @@
+"""The engine's drafter for every speculative method but fixed-k MTP (which is ``MTPProposer``
+alone): which requests draft after a step, how many drafts, and from which source.
+
+| method | drafts |
+| --- | --- |
+| ``mtp`` | the MTP layer (``specdec.mtp``) |
+| ``ngram`` | prompt lookup (``specdec.ngram``): as many as the match gives, up to k, maybe none |
+| ``mtp+ngram`` | prompt lookup's match (up to the context's end) extended to k by the MTP |
+
+(``mtp+ngram`` without a match: the MTP alone.)
+
+k is ``speculative_tokens`` (the request's ``spec_k``) capped by the context and
+``max_tokens``; with ``adaptive`` it is chosen per request each step (``specdec.adaptive``),
+spec_k being its maximum. The drafts go to the requests through the update step
+(``Drafts``); a request that drafts nothing verifies nothing and its next step is a plain
+decode from its current state slot (the same verify and rollback path either way).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridrt.step_plan import StepPlan
+
+from .adaptive import Candidate, CostModel, choose_ks
+from .methods import uses_mtp
+from .mtp import Drafts, MTPProposer, draft_cap
+from .ngram import NgramDrafter
+
+
+def build_proposer(args, model, cache, sampler, draft_vocab: list[int] | None = None):
+    """The engine's proposer for ``args`` (resolved ``EngineArgs``): None without
+    speculation, ``MTPProposer`` for fixed-k MTP, else a ``SpecProposer``."""
+    if args.speculative_tokens == 0:
+        return None
+    sources = args.speculative_method.split("+")
+    mtp = None
+    if uses_mtp(args.speculative_method):
+        mtp = MTPProposer(model, cache, sampler, args.max_model_len, args.device,
+                          draft_vocab=draft_vocab, keep_kv=cache.prefix_caching)
+        if sources == ["mtp"] and not args.speculative_adaptive:
+            return mtp
+    ngram = (NgramDrafter(args.prompt_lookup_min, args.prompt_lookup_max, extend=mtp is None)
+             if "ngram" in sources else None)
+    return SpecProposer(args.max_model_len, mtp, ngram, args.speculative_adaptive,
+                        CostModel.for_device(args.device))
+
+
+class SpecProposer:
+    def __init__(self, max_model_len: int, mtp: MTPProposer | None = None,
+                 ngram: NgramDrafter | None = None, adaptive: bool = False,
+                 cost: CostModel | None = None):
+        if mtp is None and ngram is None:
+            raise ValueError("a speculative proposer needs the MTP layer or prompt lookup")
+        self.max_model_len = max_model_len
+        self.mtp = mtp
+        self.ngram = ngram
+        self.adaptive = adaptive
+        self.cost = cost or CostModel()
+
+    def num_drafts_for(self, req) -> int:
+        return draft_cap(req, self.max_model_len)
+
+    @torch.inference_mode()
+    def propose(self, plan: StepPlan, row_starts: list[int], hidden: torch.Tensor,
+                settled: list[int]) -> list[Drafts]:
+        """As ``MTPProposer.propose``: the next drafts of the requests that sampled."""
+        reqs, caps, prefixes = [], [], []
+        for b, s in enumerate(plan.seqs):
+            req = s.request
+            if (req.spec_k == 0 or req.is_finished or req.finish_reason is not None
+                    or settled[b] == 0 or not (s.sample or s.num_drafts > 0)):
+                continue
+            cap = self.num_drafts_for(req)
+            if cap == 0:
+                continue
+            reqs.append(req)
+            caps.append(cap)
+            prefixes.append(self.ngram.drafts(req, cap) if self.ngram is not None else [])
+        if self.ngram is not None:
+            self.ngram.prune()
+        ks = self._choose(plan, reqs, caps, prefixes)
+        wanted = {r: (k, p[:k]) for r, k, p in zip(reqs, ks, prefixes) if k > len(p)}
+        out = {}
+        if self.mtp is not None:
+            out = {d.request: d for d in self.mtp.propose(plan, row_starts, hidden, settled,
+                                                          wanted)}
+        return [out[r] if r in out else Drafts(r, p[:k], None, num_ngram=min(k, len(p)), k=k)
+                for r, k, p in zip(reqs, ks, prefixes)]
+
+    def _choose(self, plan: StepPlan, reqs: list, caps: list[int],
+                prefixes: list[list[int]]) -> list[int]:
+        """k per drafting request: fixed (the cap; prompt lookup alone: what its match gives)
+        or adaptive."""
+        limits = [cap if self.mtp is not None else len(p) for cap, p in zip(caps, prefixes)]
+        if not self.adaptive:
+            return limits
+        cands = []
+        for req, limit, p in zip(reqs, limits, prefixes):
+            acc = req.spec_stats.acceptance
+            mtp = [j >= len(p) for j in range(limit)]
+            alphas = [acc.alpha("mtp" if m else "ngram") for m in mtp]
+            cands.append(Candidate(limit, len(req.token_ids), alphas, mtp))
+        return choose_ks(cands, len(plan.seqs), self.cost)

@@ -1,0 +1,152 @@
+"""Adaptive speculation (specdec/adaptive.py): the choice of k from acceptance and step cost,
+each request's k from its own acceptance only, and outputs unchanged (greedy: k = 0's tokens)
+for every method."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridrt.bench.fixtures import tiny_text_config, write_random_checkpoint
+from hybridrt.llm import LLM
+from hybridrt.sampling_params import SamplingParams
+from hybridrt.specdec.adaptive import Acceptance, Candidate, CostModel, choose_ks, expected_gain
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tests/conftest.py
+
+CFG = tiny_text_config()
+VOCAB = CFG["vocab_size"]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+CPU = CostModel()
+
+
+def _cand(alpha, cap=4, ctx=100, mtp=False):
+    return Candidate(cap, ctx, [alpha] * cap, [mtp] * cap)
+
+
+# The choice ---------------------------------------------------------------------------------
+def test_expected_gain():
+    assert expected_gain([0.5, 0.5, 0.5], 2) == pytest.approx(0.75)
+    assert expected_gain([1.0, 0.0, 1.0], 3) == 1.0
+    assert expected_gain([0.9], 0) == 0.0
+
+
+def test_k_rises_with_acceptance_at_batch_one():
+    ks = [choose_ks([_cand(a, mtp=True)], 1, CPU)[0] for a in (0.05, 0.2, 0.5, 0.8, 0.95)]
+    assert ks[0] == 0 and ks[-1] == 4
+    assert ks == sorted(ks), ks
+
+
+def test_k_falls_to_zero_where_it_cannot_pay():
+    """Compute-bound batches (a verified row costs a decode row's arithmetic and gives less
+    than a token), a deep context at middling acceptance, and low acceptance: no drafts."""
+    for B in (8, 32):
+        assert choose_ks([_cand(0.95)] * B, B, CPU) == [0] * B
+    assert choose_ks([_cand(0.5, mtp=True, ctx=100)], 1, CPU) != [0]
+    assert choose_ks([_cand(0.25, mtp=True, ctx=16384)], 1, CPU) == [0]
+    assert choose_ks([_cand(0.1, mtp=True)], 1, CPU) == [0]
+
+
+def test_choice_is_per_request_and_beats_every_fixed_k():
+    """A batch of mixed acceptance: the good request drafts, the bad one does not, and the
+    choice's ratio of tokens to cost is at least every fixed k's (the model's own optimum)."""
+    gpu = CostModel.for_device("cuda")
+    cands = [_cand(0.9), _cand(0.01), _cand(0.6, ctx=8000), _cand(0.3)]
+    ks = choose_ks(cands, 4, gpu)
+    assert ks[0] == 4 and ks[1] == 0, ks
+
+    def ratio(ks):
+        tokens = 4 + sum(expected_gain(c.alphas, k) for c, k in zip(cands, ks))
+        ctx = sum((1 + k) * c.context_len for c, k in zip(cands, ks))
+        return tokens / gpu.step(4 + sum(ks), ctx, any(ks))
+
+    assert all(ratio(ks) >= ratio([k] * 4) - 1e-12 for k in range(5))
+
+
+def test_acceptance_estimate_follows_and_forgets():
+    acc = Acceptance()
+    assert acc.alpha("ngram") == 0.5
+    for _ in range(30):
+        acc.observe("ngram", True)
+        acc.observe("mtp", False)
+    assert acc.alpha("ngram") > 0.9 and acc.alpha("mtp") < 0.1
+    low = acc.alpha("mtp")
+    for _ in range(10):
+        acc.idle()
+    assert low < acc.alpha("mtp") < 0.5  # a request drafting nothing tries again later
+
+
+# The engine ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("adaptive"), CFG, seed=3)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (4, 9)]
+    return ([b * 3 + b[:2] for b in base]
+            + [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (1, 7, 33, 70)])
+
+
+def _llm(ckpt, k=0, **kw):
+    return LLM(ckpt, dtype="float32", speculative_tokens=k, max_model_len=256, max_num_seqs=8,
+               cache_memory=32 << 20, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    outs = _llm(ckpt).generate(_prompts(), GREEDY, use_tqdm=False)
+    return {tuple(p): o.outputs[0].token_ids for p, o in zip(_prompts(), outs)}
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp", "mtp+ngram"])
+def test_adaptive_greedy_equals_no_speculation(ckpt, reference, method):
+    llm = _llm(ckpt, 4, speculative_method=method, speculative_adaptive=True,
+               prompt_lookup_min=1, max_num_batched_tokens=32)
+    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference[tuple(p)] for p in _prompts()]
+    spec = llm.engine.spec_stats
+    assert spec.num_draft_tokens > 0 and spec.k_chosen[0] > 0  # drafted, and chose 0 too
+    assert llm.engine.cache.all_free()
+
+
+def test_each_request_k_follows_its_own_acceptance(ckpt):
+    """Two requests side by side: A's drafts are always right, B's always wrong. A's k stays
+    at its maximum; B's falls to 0 after its first rounds, probing with a draft or two now and
+    then (a row costs little beside A's verification). Reading the other's acceptance (or the
+    batch's) breaks one of the two."""
+    k = 4
+    llm = _llm(ckpt, k, speculative_method="ngram", speculative_adaptive=True)
+    prompts = _prompts()
+    a_prompt, b_prompt = prompts[2], prompts[4]
+    ref = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in _llm(ckpt).generate(
+        [a_prompt, b_prompt], SamplingParams(temperature=0, max_tokens=150, ignore_eos=True),
+        use_tqdm=False)}
+
+    def drafts(req, cap):
+        r = ref[tuple(req.prompt_token_ids)]
+        o = req.num_output_tokens
+        d = (r[o:o + cap] + [3] * cap)[:cap]
+        return d if req.prompt_token_ids == a_prompt else [(t + 1) % VOCAB for t in d]
+
+    llm.engine.proposer.ngram.drafts = drafts
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (150, 60)]
+    a, b = llm.generate([a_prompt, b_prompt], params, use_tqdm=False)
+    assert a.outputs[0].token_ids == ref[tuple(a_prompt)]
+    assert b.outputs[0].token_ids == ref[tuple(b_prompt)][:60]
+    ka, kb = a.metrics["spec"]["k_chosen"], b.metrics["spec"]["k_chosen"]
+    assert ka[k] >= 0.8 * sum(ka), ka
+    assert kb[0] >= 0.3 * sum(kb) and kb[3] == kb[4] == 0, kb  # probes of one draft or two
+    assert b.metrics["spec"]["mean_k_chosen"] < 1.0
+    assert a.metrics["spec"]["acceptance_rate"] == 1.0
+    assert b.metrics["spec"]["num_accepted"] == 0
+
+
+def test_fixed_k_stays_the_default(ckpt):
+    """Without speculative_adaptive a request drafts its k every step MTP drafts (k_chosen
+    has no other entry)."""
+    llm = _llm(ckpt, 3)
+    (out,) = llm.generate([_prompts()[3]], GREEDY, use_tqdm=False)
+    kc = out.metrics["spec"]["k_chosen"]
+    assert sum(kc[:3]) <= 2 and kc[3] > 0, kc  # only max_tokens' end cuts it
