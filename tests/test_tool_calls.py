@@ -68,10 +68,11 @@ def test_streamed_deltas_reassemble_to_the_parse(step):
     assert [(names[i], json.loads(args[i])) for i in sorted(names)] == EXPECTED
 
 
-def test_unfinished_call_is_closed_and_text_without_calls_passes():
+def test_unfinished_call_stays_incomplete_and_text_without_calls_passes():
     content, calls = parse_tool_calls("<tool_call>\n<function=get_weather>\n<parameter=city>\n"
                                       "Par", TOOLS)
-    assert content is None and [json.loads(c.arguments) for c in calls] == [{"city": "Par"}]
+    assert content is None and [(c.arguments, c.complete) for c in calls] == [
+        ('{"city": "Par', False)]
     assert parse_tool_calls("no calls here, <tool_ not one", TOOLS) == (
         "no calls here, <tool_ not one", [])
 

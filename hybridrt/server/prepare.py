@@ -56,12 +56,20 @@ class Preparer:
         self.tokenizer, self.max_model_len = front.tokenizer, front.max_model_len
         self.defaults = generation_defaults(front.model_path)
 
-    def parse(self, raw: bytes, chat: bool) -> Job:
-        """In a pool thread: the body -> the job (``prepare``). A refusal is raised without
-        the traceback of where it was found: those frames hold the parsed body and the
-        prompt's encoding, which must be freed before the server trims the heap."""
+    def parse(self, raw: bytes, chat: bool, translate=None) -> Job:
+        """In a pool thread: the body -> the job (``prepare``); ``translate``: another API's
+        body -> (the chat completion body it asks for, what its answer echoes: ``Job.api``).
+        A refusal is raised without the traceback of where it was found: those frames hold the
+        parsed body and the prompt's encoding, which must be freed before the server trims the
+        heap."""
         try:
-            return self.prepare(api.parse_body(raw, self.limits.max_json_depth), chat)
+            body = api.parse_body(raw, self.limits.max_json_depth)
+            if translate is None:
+                return self.prepare(body, chat)
+            body, echo = translate(body)
+            job = self.prepare(body, True)
+            job.api = echo
+            return job
         except api.ApiError as e:
             error = e.with_traceback(None)
         del raw
