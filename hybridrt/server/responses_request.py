@@ -7,9 +7,10 @@ Taken: model, input (a string, or items: messages with text parts, ``function_ca
 (``function``), tool_choice, parallel_tool_calls, text.format (text, json_schema,
 json_object), reasoning.effort (``none``: thinking off; another effort: on; absent: the
 template's default), max_output_tokens, temperature, top_p, stream, truncation (``auto``:
-the oldest tokens are cut to fit), and store, metadata, user, include (no effect: nothing
-is stored). Refused with a 400 naming the field: previous_response_id and conversation
-(nothing is stored), background, tools other than functions, input images and files, a
+the oldest tokens are cut to fit), ``seed`` (hybridrt's, as in chat completions), and store,
+metadata, user, include (no effect: nothing is stored).
+Refused with a 400 naming the field: previous_response_id and conversation (nothing is
+stored), background, tools other than functions, input images and files, a
 function_call_output for an unknown call_id, and unknown item types.
 """
 
@@ -38,7 +39,7 @@ def translate(body: Any) -> tuple[dict, dict]:
         if body.get(name) not in (None, False, ""):
             raise api.bad(f"{name}: {why}", name)
     chat: dict[str, Any] = {"model": body.get("model")}
-    for name in ("temperature", "top_p", "stream", "parallel_tool_calls"):
+    for name in ("temperature", "top_p", "stream", "parallel_tool_calls", "seed"):
         if body.get(name) is not None:
             chat[name] = body[name]
     if body.get("max_output_tokens") is not None:
