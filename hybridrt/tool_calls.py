@@ -28,7 +28,8 @@ text so far, never closed by ``}`` nor re-typed, so no client takes it for a val
 ``tool_choice`` (``tool_constraint``): ``"none"`` and ``"auto"`` leave generation free;
 ``"required"`` and a named function constrain it, so that the output is one or more
 well-formed calls whose arguments match the tool's schema (for ``"required"`` nothing but
-calls; for a named one exactly that call): with llguidance by a Lark grammar of the calls
+calls; for a named one exactly that call; integers and numbers bounded, hybridrt.json_bounds):
+with llguidance by a Lark grammar of the calls
 (``hybridrt.tool_grammar``), with xgrammar by its Qwen3.5 structural tag.
 """
 
@@ -144,9 +145,12 @@ def tool_constraint(tools: list[dict], tool_choice: str | dict, thinking: bool,
     engine = engine or engine_name()
     forced = tools if tool_choice == "required" else [
         t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
+    from hybridrt.json_bounds import bound_numbers
+
     normalized = [{"type": "function", "function": {
         "name": t["function"]["name"],
-        "parameters": t["function"].get("parameters") or {"type": "object", "properties": {}},
+        "parameters": bound_numbers(t["function"].get("parameters") or
+                                    {"type": "object", "properties": {}}),
     }} for t in forced]
     if engine == "llguidance":
         from hybridrt.tool_grammar import tool_lark
