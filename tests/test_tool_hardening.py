@@ -219,6 +219,43 @@ def test_forced_tool_call_starts_after_the_think_block(srv, api):
         jsonschema.validate(calls[0][1], WEATHER["function"]["parameters"])
 
 
+BODIES = {  # a json_schema request and a forced call, thinking on, in each API's words
+    "chat": ("/v1/chat/completions", None, lambda extra: {
+        "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": THINK,
+        **extra}),
+    "messages": ("/v1/messages", anthropic.translate, lambda extra: {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 50,
+        "thinking": {"type": "enabled", "budget_tokens": 10}, **extra}),
+    "responses": ("/v1/responses", responses.translate, lambda extra: {
+        "input": "x", "reasoning": {"effort": "low"}, **extra}),
+}
+JSON_EXTRA = {"chat": {"response_format": {"type": "json_schema", "json_schema": {
+    "name": "n", "schema": NUM}}},
+    "messages": {"output_config": {"format": {"type": "json_schema", "schema": NUM}}},
+    "responses": {"text": {"format": {"type": "json_schema", "name": "n", "schema": NUM}}}}
+TOOL_EXTRA = {"chat": {"tools": [WEATHER], "tool_choice": "required"},
+              "messages": {"tools": [{"name": "get_weather",
+                                      "input_schema": WEATHER["function"]["parameters"]}],
+                           "tool_choice": {"type": "any"}},
+              "responses": {"tools": [{"type": "function", "name": "get_weather",
+                                       "parameters": WEATHER["function"]["parameters"]}],
+                            "tool_choice": "required"}}
+
+
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+def test_each_apis_constraint_lets_the_think_block_close_first(srv, grammars, api):
+    """The job each API makes of a constrained request with <think> left open: its grammar
+    takes reasoning, then </think>, then the answer; the answer alone inside the think block
+    cannot end it."""
+    _, translate, body = BODIES[api]
+    for extra, answer in ((JSON_EXTRA[api], '{"n": 1, "x": 2.5}'), (TOOL_EXTRA[api], CALL)):
+        raw = json.dumps({"model": MODEL, **body(extra)}).encode()
+        job = srv.server.preparer.parse(raw, True, translate)
+        assert job.shape.thinks
+        assert walks(grammars, job.params.structured_outputs,
+                     "Let me think.</think>\n\n" + answer)
+
+
 # Shaping: fixed outputs through each API's answer and stream ---------------------------------
 def _job(thinks: bool, tools=(WEATHER,)) -> Job:
     echo = responses_translate({"input": "x"})[1]
