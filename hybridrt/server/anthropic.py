@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import logging
 
-from starlette.responses import JSONResponse
-
 from hybridrt import openai_protocol as api
 from hybridrt.output_pipeline import FanIn, holdback
 from hybridrt.server.anthropic_request import translate
@@ -23,7 +21,7 @@ from hybridrt.server.content_blocks import Block, ContentBlocks
 from hybridrt.server.errors import as_api_error, internal_error
 from hybridrt.server.job import Job
 
-__all__ = ["translate", "count_request", "answer", "events", "error_response", "error_body"]
+__all__ = ["translate", "count_request", "answer", "events", "error_body"]
 
 log = logging.getLogger("hybridrt.server")
 KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -39,13 +37,9 @@ def count_request(body) -> tuple[dict, dict]:
 
 
 def error_body(e: api.ApiError) -> dict:
+    """An ApiError as Anthropic's error body."""
     kind = KINDS.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": e.message}}
-
-
-def error_response(e: api.ApiError) -> JSONResponse:
-    close = {"connection": "close"} if e.status in (408, 413) else None
-    return JSONResponse(error_body(e), status_code=e.status, headers=close)
 
 
 def _block(b: Block) -> dict:

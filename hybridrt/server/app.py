@@ -69,9 +69,10 @@ class Server:
     def _build_app(self) -> Starlette:
         routes = [Route("/v1/chat/completions", _guarded(self.chat), methods=["POST"]),
                   Route("/v1/completions", _guarded(self.completions), methods=["POST"]),
-                  Route("/v1/messages", _guarded(self.messages), methods=["POST"]),
-                  Route("/v1/messages/count_tokens", _guarded(self.count_tokens),
+                  Route("/v1/messages", _guarded(self.messages, anthropic.error_body),
                         methods=["POST"]),
+                  Route("/v1/messages/count_tokens",
+                        _guarded(self.count_tokens, anthropic.error_body), methods=["POST"]),
                   Route("/v1/responses", _guarded(self.responses), methods=["POST"]),
                   Route("/v1/models", _guarded(self.models), methods=["GET"]),
                   Route("/health", _guarded(self.health), methods=["GET"]),
@@ -144,7 +145,7 @@ class Server:
         render them."""
         job = await self._prepare(request, anthropic.count_request)
         if isinstance(job, api.ApiError):
-            return anthropic.error_response(job)
+            return error_response(job, anthropic.error_body)
         return JSONResponse({"input_tokens": len(job.ids)})
 
     async def _prepare(self, request, translate=None, chat: bool = True):
@@ -168,8 +169,10 @@ class Server:
     async def _generate(self, request, chat: bool, dialect=None):
         """A generation route; ``dialect``: the module of another API (hybridrt.server's
         anthropic, responses) with its ``translate``, ``answer``, ``events`` and
-        ``error_response``."""
-        fail = error_response if dialect is None else dialect.error_response
+        ``error_body``."""
+        def fail(e: api.ApiError) -> JSONResponse:
+            return error_response(e, dialect and dialect.error_body)
+
         job = await self._prepare(request, dialect and dialect.translate, chat)
         if isinstance(job, api.ApiError):
             return fail(job)
@@ -298,15 +301,16 @@ def _message(text: str, job: Job, choice: dict) -> dict:
     return msg
 
 
-def _guarded(handler):
+def _guarded(handler, shape=None):
     """``handler`` with every unexpected exception logged and answered by a JSON 500 that
-    names nothing internal; returning it (not raising) keeps the connection open."""
+    names nothing internal (``shape``: its API's error body); returning it (not raising) keeps
+    the connection open."""
     async def run(request):
         try:
             return await handler(request)
         except Exception:
             log.exception("unexpected error in %s %s", request.method, request.url.path)
-            return error_response(internal_error())
+            return error_response(internal_error(), shape)
     return run
 
 
@@ -319,11 +323,13 @@ async def _http_error(request, exc: HTTPException) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=exc.headers)
 
 
-def error_response(e: api.ApiError) -> JSONResponse:
-    """The JSON answer of an ``ApiError`` (OpenAI's ``{"error": {...}}``)."""
+def error_response(e: api.ApiError, shape=None) -> JSONResponse:
+    """The JSON answer of an ``ApiError``: OpenAI's ``{"error": {...}}``, or ``shape(e)`` (an
+    API's own error body)."""
     # 413 / 408: the body was not read whole, so this connection cannot carry another request
     close = {"connection": "close"} if e.status in (408, 413) else None
-    return JSONResponse(e.body(), status_code=e.status, headers=close)
+    return JSONResponse(e.body() if shape is None else shape(e), status_code=e.status,
+                        headers=close)
 
 
 def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,

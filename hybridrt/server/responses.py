@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import logging
 
-from starlette.responses import JSONResponse
-
 from hybridrt import openai_protocol as api
 from hybridrt.output_pipeline import FanIn, holdback
 from hybridrt.server.content_blocks import Block, ContentBlocks
@@ -25,14 +23,14 @@ from hybridrt.server.errors import as_api_error, internal_error
 from hybridrt.server.job import Job
 from hybridrt.server.responses_request import translate
 
-__all__ = ["translate", "answer", "events", "error_response"]
+__all__ = ["translate", "answer", "events", "error_body"]
 
 log = logging.getLogger("hybridrt.server")
 
 
-def error_response(e: api.ApiError) -> JSONResponse:
-    close = {"connection": "close"} if e.status in (408, 413) else None
-    return JSONResponse(e.body(), status_code=e.status, headers=close)
+def error_body(e: api.ApiError) -> dict:
+    """An ApiError as OpenAI's error body."""
+    return e.body()
 
 
 def _item_id(job: Job, b: Block) -> str:
