@@ -193,6 +193,23 @@ def test_multi_turn_reads_the_prefix_cache_and_prefills_only_what_it_adds(srv):
     assert seen[1][0] < seen[0][0]  # a later turn prefills only what it adds
 
 
+def test_cache_reuse_is_the_same_through_messages_and_chat_completions(srv):
+    """llama.cpp #19494: the two APIs reuse the prefix cache alike. A conversation sent through
+    chat completions, then again through chat completions and through /v1/messages: both
+    repeats read the same number of tokens from the cache, and answer the same."""
+    msgs = [{"role": "user", "content": "Which standard module parses command-line options?"}]
+    first = srv.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6,
+                                               temperature=0)
+    again = srv.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6,
+                                               temperature=0)
+    r = srv.claude.messages.create(model=MODEL, messages=msgs, max_tokens=6,
+                                   extra_body=GREEDY)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and r.usage.cache_read_input_tokens == cached
+    assert r.usage.input_tokens + cached == first.usage.prompt_tokens
+    assert r.content[0].text == again.choices[0].message.content.strip()
+
+
 def test_count_tokens_equals_the_chat_prompt(srv):
     msgs = [{"role": "user", "content": "Count me."}]
     n = srv.claude.messages.count_tokens(model=MODEL, messages=msgs, system="Be brief.")
