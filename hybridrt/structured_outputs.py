@@ -6,8 +6,9 @@ imported on the first constrained request. ``StructuredOutputs`` (one per engine
 request's ``StructuredOutputsParams`` in a worker thread (both engines release the GIL), with a
 time limit, and caches what it compiled; a request waits outside the scheduler until its
 grammar is ready, and a constraint that fails to compile, or takes longer than the limit,
-fails that request alone. Each request then owns a ``RequestGrammar``: the engine's matcher
-that has accepted exactly the request's output tokens.
+fails that request alone. A JSON constraint's unbounded integers and numbers are bounded
+first (``bounded``, hybridrt.json_bounds). Each request then owns a ``RequestGrammar``: the
+engine's matcher that has accepted exactly the request's output tokens.
 
 The mask: ``RequestGrammar.fill_mask`` writes the tokens allowed after the output (plus
 drafts, for a speculative row: they are accepted, the mask is filled and they are rolled
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from hybridrt.grammar_engine import choice_grammar, engine_name, make_engine
+from hybridrt.json_bounds import ANY_JSON_OBJECT, bound_numbers
 from hybridrt.sampling_params import StructuredOutputsParams
 
 __all__ = ["StructuredOutputs", "RequestGrammar", "PendingGrammar", "bitmask_width",
@@ -171,7 +173,7 @@ class StructuredOutputs:
             if isinstance(value, str) and len(value) > MAX_CONSTRAINT_CHARS:
                 raise ValueError(f"it has {len(value)} characters, over the limit of "
                                  f"{MAX_CONSTRAINT_CHARS}")
-            compiled = engine.compile(so)
+            compiled = engine.compile(bounded(so))
         except ValueError as e:  # the engine's reason, one line
             self.stats["errors"] += 1
             raise ValueError(f"structured_outputs.{kind}: the constraint cannot be compiled: "
@@ -207,6 +209,26 @@ class PendingGrammar:
             return None
         compiled = self.compiler.result(self.future, self.params)
         return self.compiler.matcher(compiled, stop_token_ids, self.params.kind)
+
+
+def bounded(so: StructuredOutputsParams) -> StructuredOutputsParams:
+    """A JSON constraint with its unbounded integers and numbers bounded
+    (hybridrt.json_bounds); json_object as the schema of any object so bounded; other
+    constraints as they are."""
+    from dataclasses import replace
+
+    if so.kind == "json_object":
+        return StructuredOutputsParams(json=ANY_JSON_OBJECT,
+                                       disable_any_whitespace=so.disable_any_whitespace)
+    if so.kind != "json":
+        return so
+    schema = so.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            return so  # the engine names what is wrong with it
+    return replace(so, json=bound_numbers(schema))
 
 
 def _key(so: StructuredOutputsParams) -> tuple:

@@ -21,12 +21,15 @@ back while it may be the start of ``<tool_call>``), a call yields its name as so
 ``<function=NAME>`` is complete, then its arguments as JSON fragments, one per complete
 parameter, closed by ``}`` at ``</function>``. The fragments of a call join to
 ``json.dumps`` of its arguments, so a stream reassembles to the non-streaming answer
-(``parse_tool_calls`` is the same parser fed at once).
+(``parse_tool_calls`` is the same parser fed at once). A call the output ends inside (cut by
+``max_tokens``) is left incomplete (``ToolCall.complete`` False): its arguments are the raw
+text so far, never closed by ``}`` nor re-typed, so no client takes it for a valid call.
 
 ``tool_choice`` (``tool_constraint``): ``"none"`` and ``"auto"`` leave generation free;
 ``"required"`` and a named function constrain it, so that the output is one or more
 well-formed calls whose arguments match the tool's schema (for ``"required"`` nothing but
-calls; for a named one exactly that call): with llguidance by a Lark grammar of the calls
+calls; for a named one exactly that call; integers and numbers bounded, hybridrt.json_bounds):
+with llguidance by a Lark grammar of the calls
 (``hybridrt.tool_grammar``), with xgrammar by its Qwen3.5 structural tag.
 """
 
@@ -50,12 +53,14 @@ MAX_XML_WHITESPACE = 2
 
 @dataclass(slots=True)
 class ToolCall:
-    """One call, OpenAI's shape: ``arguments`` is a JSON object's text."""
+    """One call, OpenAI's shape: ``arguments`` is a JSON object's text once ``complete``
+    (closed by ``</function>``); an incomplete call's is the raw text the output ended in."""
 
     name: str
     arguments: str
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
     type: str = "function"
+    complete: bool = False
 
     def as_openai(self) -> dict:
         return {"id": self.id, "type": self.type,
@@ -65,12 +70,13 @@ class ToolCall:
 @dataclass(slots=True)
 class ToolDelta:
     """A streamed piece of call ``index``: its name (the first delta of a call, with its id)
-    or a fragment of its arguments."""
+    or a fragment of its arguments; ``cut``: the raw end of a call the output ended inside."""
 
     index: int
     name: str | None = None
     id: str | None = None
     arguments: str = ""
+    cut: bool = False
 
     def as_openai(self) -> dict:
         d: dict[str, Any] = {"index": self.index}
@@ -139,9 +145,12 @@ def tool_constraint(tools: list[dict], tool_choice: str | dict, thinking: bool,
     engine = engine or engine_name()
     forced = tools if tool_choice == "required" else [
         t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
+    from hybridrt.json_bounds import bound_numbers
+
     normalized = [{"type": "function", "function": {
         "name": t["function"]["name"],
-        "parameters": t["function"].get("parameters") or {"type": "object", "properties": {}},
+        "parameters": bound_numbers(t["function"].get("parameters") or
+                                    {"type": "object", "properties": {}}),
     }} for t in forced]
     if engine == "llguidance":
         from hybridrt.tool_grammar import tool_lark
@@ -350,15 +359,13 @@ class ToolCallParser:
         return content, [d for d in deltas if d is not None]
 
     def flush(self) -> tuple[str, list[ToolDelta]]:
-        """The end of the answer: text held back, and a call left open closed (a parameter
-        cut off by max_tokens is kept as far as it got)."""
+        """The end of the answer: text held back; a call left open stays incomplete (a
+        parameter cut off by max_tokens is added as its raw text, and nothing closes it)."""
         text, deltas = "", []
         if self._state == "text":
             text, self._buf = self._buf, ""
         elif self._state == "param":
-            deltas.append(self._add_param(self._buf))
-        if self._state in ("func", "param"):
-            deltas.append(self._close_call())
+            deltas.append(self._cut_param(self._buf))
         self._state, self._buf = "text", ""
         self._content.append(text)
         return text, [d for d in deltas if d is not None]
@@ -377,10 +384,23 @@ class ToolCallParser:
         self.calls[idx].arguments += piece
         return ToolDelta(idx, arguments=piece)
 
+    def _cut_param(self, raw: str) -> ToolDelta:
+        """A parameter the output ended inside: its name and raw text (less a partial closing
+        tag), a string's without its closing quote: the arguments stay unparseable."""
+        raw = raw[:len(raw) - _partial(raw, PARAM_CLOSE)].strip()
+        idx = len(self.calls) - 1
+        schema = self.schemas.get(self.calls[idx].name, {}).get(self._param)
+        value = json.dumps(raw, ensure_ascii=False)[:-1] if "string" in _types(schema) else raw
+        piece = ("{" if not self._args[idx] else ", ") + \
+            json.dumps(self._param, ensure_ascii=False) + ": " + value
+        self.calls[idx].arguments += piece
+        return ToolDelta(idx, arguments=piece, cut=True)
+
     def _close_call(self) -> ToolDelta:
         idx = len(self.calls) - 1
         piece = "}" if self._args[idx] else "{}"
         self.calls[idx].arguments += piece
+        self.calls[idx].complete = True
         return ToolDelta(idx, arguments=piece)
 
 

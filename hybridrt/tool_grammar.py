@@ -9,11 +9,11 @@ calls joined by one newline, parameters in the order of the schema's properties 
 always, optional ones where the model writes them). A value is constrained by its parameter's
 schema as ``typed_value`` reads it: a string parameter is text up to the first
 ``</parameter>`` (its enum / const as literals, its pattern as a regex, min/maxLength as a
-length); any other is JSON under the schema, laid out as ``json.dumps`` does, an integer
-without bounds held to ``INT_LIMIT`` (19 digits, within int64) and an array without maxItems
-to ``MAX_ARRAY_ITEMS``, so a weak model cannot write digits or items for ever. With thinking
-on, the reasoning comes first: any text without ``<think>`` or ``</think>``, then
-``</think>`` and a blank line.
+length); any other is JSON under the schema, laid out as ``json.dumps`` does, its integers and
+numbers without bounds bounded (hybridrt.json_bounds: 19 digits, within int64; 9 decimals) and
+an array without maxItems held to ``MAX_ARRAY_ITEMS``, so a weak model cannot write digits or
+items for ever. With thinking on, the reasoning comes first: any text without ``<think>`` or
+``</think>``, then ``</think>`` and a blank line.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from hybridrt.json_bounds import bound_numbers
 from hybridrt.tool_calls import (
     CALL_CLOSE,
     CALL_OPEN,
@@ -31,7 +32,6 @@ from hybridrt.tool_calls import (
     _types,
 )
 
-INT_LIMIT = 10 ** 18  # magnitude of an unbounded integer parameter: 19 digits, within int64
 MAX_ARRAY_ITEMS = 16  # items of an array parameter whose schema sets no maxItems
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # text up to and with the first "\n</parameter>\n": no "</parameter>" before the last one
@@ -75,9 +75,7 @@ def _param_rules(rule: str, name: str, schema: Any) -> list[str]:
     schema = schema if isinstance(schema, dict) else {}
     if not types or ("string" in types and not {"object", "array"} & set(types)):
         return [f"{rule}: {head} {rule.upper()}", f"{rule.upper()}: {_text(schema)}"]
-    if types == ["integer"] and not {"minimum", "maximum", "exclusiveMinimum",
-                                     "exclusiveMaximum", "enum", "const"} & schema.keys():
-        schema = {**schema, "minimum": -INT_LIMIT, "maximum": INT_LIMIT}
+    schema = bound_numbers(schema)
     if types == ["array"] and "maxItems" not in schema:
         schema = {**schema, "maxItems": max(MAX_ARRAY_ITEMS, schema.get("minItems", 0))}
     value = json.dumps({**schema, "x-guidance": JSON_LAYOUT}, ensure_ascii=False)

@@ -1,5 +1,6 @@
 """A bounded fuzz of `hybridrt serve` on loopback (issue 29): a fixed number of random mutations
-of valid requests (wrong types, sizes, encodings, truncated bodies, slow senders and readers),
+of valid requests (chat and text completions, Anthropic Messages and count_tokens, OpenAI
+Responses) (wrong types, sizes, encodings, truncated bodies, slow senders and readers),
 sent from a few threads within a time limit. The server never answers 500, /health never goes
 unanswered for a second, and a clean request afterwards is served exactly (greedy, fp32) with
 nothing left in the cache."""
@@ -31,7 +32,13 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
           "skip_special_tokens", "include_stop_str_in_output", "chat_template_kwargs",
           "enable_thinking", "add_generation_prompt", "truncate_prompt_tokens", "tools",
-          "response_format", "best_of", "echo", "user"]
+          "response_format", "best_of", "echo", "user",
+          # Anthropic Messages and OpenAI Responses
+          "system", "stop_sequences", "thinking", "tool_choice", "metadata", "output_config",
+          "input", "instructions", "max_output_tokens", "text", "reasoning",
+          "previous_response_id", "parallel_tool_calls", "truncation"]
+BLOCKS = ["text", "image", "tool_use", "tool_result", "thinking", "input_text", "output_text",
+          "function_call", "function_call_output", "reasoning", "message", "input_image"]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +70,9 @@ def random_value(rng: random.Random, depth: int = 0):
                  random_value(rng, depth + 1) for _ in range(rng.randrange(4))},
         lambda: [{"role": rng.choice(["user", "assistant", "system", "wizard", 7]),
                   "content": random_value(rng, depth + 1)} for _ in range(rng.randrange(3))],
-        lambda: [{"type": rng.choice(["text", "image_url"]), "text": random_value(rng, 3)}],
+        lambda: [{"type": rng.choice(["text", "image_url", *BLOCKS]), "text": random_value(rng, 3),
+                  rng.choice(["id", "tool_use_id", "call_id", "input", "content", "name"]):
+                  random_value(rng, 3)}],
     ][kind]()
 
 
@@ -71,11 +80,22 @@ def valid_request(rng: random.Random) -> tuple[str, dict]:
     stream = rng.random() < 0.3
     common = {"max_tokens": rng.randint(1, 4), "temperature": rng.choice([0, 0.7]),
               "stream": stream}
-    if rng.random() < 0.6:
-        return "/v1/chat/completions", {"model": "hybridrt-demo", "messages": user(
-            rng.choice(["hi", "What does json.dumps do?", "x " * 20])), **common}
-    return "/v1/completions", {"prompt": rng.choice(["import os\n", [5, 6, 7], "def f():"]),
-                               **common}
+    question = rng.choice(["hi", "What does json.dumps do?", "x " * 20])
+    route = rng.random()
+    if route < 0.45:
+        return "/v1/chat/completions", {"model": "hybridrt-demo", "messages": user(question),
+                                        **common}
+    if route < 0.6:
+        return "/v1/completions", {"prompt": rng.choice(["import os\n", [5, 6, 7], "def f():"]),
+                                   **common}
+    if route < 0.8:
+        path = rng.choice(["/v1/messages"] * 4 + ["/v1/messages/count_tokens"])
+        return path, {"model": "hybridrt-demo", "system": "Be brief.", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": question}]}], **common}
+    body = {"model": "hybridrt-demo", "instructions": "Be brief.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": question}]}], **common}
+    body["max_output_tokens"] = body.pop("max_tokens")
+    return "/v1/responses", body
 
 
 def mutate(rng: random.Random) -> tuple[str, bytes, str]:
@@ -185,11 +205,14 @@ def test_fuzzed_requests_never_get_a_500_and_the_server_stays_healthy(srv, ref):
     print(f"\n{len(results)} fuzzed requests: {summary}; /health worst "
           f"{watch.worst * 1000:.0f} ms over {watch.count} checks")
     assert len(results) >= COUNT // 2, "too few requests within the time limit"
-    fives = [r for r in results if r[2] >= 500 or b'"code":500' in r[3].replace(b" ", b"")]
+    fives = [r for r in results if r[2] >= 500 or b'"code":500' in r[3].replace(b" ", b"")
+             or b'"api_error"' in r[3] or b'"server_error"' in r[3]]
     assert not fives, fives[:3]
     unanswered = [r for r in results if r[2] == 0 and r[1] not in ("short", "slow-reader")]
     assert not unanswered, unanswered[:3]
     assert 200 in summary and 400 in summary
+    for path in ("/v1/messages", "/v1/responses"):  # the other APIs' routes were fuzzed too
+        assert {r[2] for r in results if r[0] == path} >= {200, 400}, path
     assert watch.worst < 1.0
     # afterwards: a clean request served exactly, nothing held but the cached prefixes
     msgs = user("What does json.dumps do?")

@@ -366,7 +366,9 @@ def test_key_is_compared_in_constant_time_and_guards_metrics(srv, monkeypatch):
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         r = httpx.get(f"{srv.base}{path}", headers={"Authorization": "Bearer sekrit-Key"})
         assert r.status_code == 200
-    assert (b"Bearer sekrit-Key", b"Bearer sekrit-Key") in calls and len(calls) == 8
+    # each request compares both headers (Authorization, and x-api-key), found or not
+    assert (b"Bearer sekrit-Key", b"Bearer sekrit-Key") in calls and len(calls) == 16
+    assert (b"", b"sekrit-Key") in calls
     r = httpx.post(f"{srv.base}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 401
     assert httpx.get(f"{srv.base}/health").status_code == 200

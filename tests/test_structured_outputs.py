@@ -418,11 +418,12 @@ def test_structural_tag_runs_on_xgrammar_and_llguidance_names_the_extra(demo_on,
         == "xgrammar" else {"type": "structural_tag", "format": {"type": "const_string",
                                                                   "value": "x"}}
     so_ = tag if isinstance(tag, StructuredOutputsParams) else so(structural_tag=tag)
-    out = run(demo_on, [prompt], [SamplingParams(temperature=1.0, seed=3, max_tokens=64,
+    out = run(demo_on, [prompt], [SamplingParams(temperature=1.0, seed=3, max_tokens=128,
                                                  structured_outputs=so_)])[0]
     if demo_on.engine.structured_outputs.engine_name == "xgrammar":
         calls = parse_tool_calls(out.outputs[0].text, TAG_TOOLS)[1]
         assert out.error is None and [c.name for c in calls] == ["pick"]
+        assert calls[0].complete, out.outputs[0].text  # not cut by max_tokens
         assert 0 <= json.loads(calls[0].arguments)["n"] <= 9
     else:
         assert out.outputs[0].finish_reason == "error"

@@ -68,10 +68,11 @@ def test_streamed_deltas_reassemble_to_the_parse(step):
     assert [(names[i], json.loads(args[i])) for i in sorted(names)] == EXPECTED
 
 
-def test_unfinished_call_is_closed_and_text_without_calls_passes():
+def test_unfinished_call_stays_incomplete_and_text_without_calls_passes():
     content, calls = parse_tool_calls("<tool_call>\n<function=get_weather>\n<parameter=city>\n"
                                       "Par", TOOLS)
-    assert content is None and [json.loads(c.arguments) for c in calls] == [{"city": "Par"}]
+    assert content is None and [(c.arguments, c.complete) for c in calls] == [
+        ('{"city": "Par', False)]
     assert parse_tool_calls("no calls here, <tool_ not one", TOOLS) == (
         "no calls here, <tool_ not one", [])
 
@@ -172,16 +173,18 @@ def _walk(so, text: str) -> bool:
 
 def test_the_lark_of_the_calls_is_the_templates_format():
     """llguidance's call grammar: the template's calls pass (after the think block when the
-    prompt opens one, not without it); an integer without bounds stops at 19 digits, a string
+    prompt opens one, not without it); an integer without bounds stops at 19 digits, a number
+is written without an exponent, a string
     at its maxLength, a named call is that call alone."""
     pytest.importorskip("llguidance")
     from hybridrt.tool_calls import tool_constraint
 
     calls = ANSWER.split("Let me look.\n")[1].replace("line one\nline two", "l 1\nl 2") \
-        .replace("True", "true")
+        .replace("True", "true").replace("-2.5e3", "-2500.5")
     assert parse_tool_calls(calls, TOOLS)[1]
     required = tool_constraint(TOOLS, "required", thinking=False, engine="llguidance")
     assert _walk(required, calls)
+    assert not _walk(required, calls.replace("-2500.5", "-2.5e3"))  # bounded: no exponent
     assert not _walk(required, calls.replace("San Jose", "San Jose, California"))
     first = calls.split("\n<tool_call>\n<function=compute>")[0]
     thinks = tool_constraint(TOOLS, "required", thinking=True, parallel=False,

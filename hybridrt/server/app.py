@@ -1,4 +1,6 @@
-"""The HTTP side of ``hybridrt serve``: the OpenAI routes (Starlette) over an engine loop
+"""The HTTP side of ``hybridrt serve``: the OpenAI routes, and Anthropic's Messages
+(hybridrt.server.anthropic) and OpenAI's Responses (hybridrt.server.responses) translated into
+chat completions, (Starlette) over an engine loop
 (hybridrt.server.engine_loop), or over Ray Serve replicas (hybridrt.ray_serve overrides
 ``submit`` and ``abort``).
 
@@ -8,8 +10,9 @@ and tokenizing (hybridrt.server.prepare) run in a small thread pool (``workers``
 one request each at a time) so the event loop keeps answering /health and other clients
 while a large request is parsed. An unexpected exception in a handler is logged and answered
 with a JSON 500 that names nothing internal; the connection stays usable; an unknown route
-is a JSON 404. The API key is compared in constant time (``hmac.compare_digest``) and guards
-/v1/* and /metrics (unless ``metrics_public``); /health is always open. Outputs are shaped
+is a JSON 404. The API key (``Authorization: Bearer``, or Anthropic's ``x-api-key``) is
+compared in constant time (``hmac.compare_digest``) and guards /v1/* and /metrics (unless
+``metrics_public``); /health is always open. Outputs are shaped
 by hybridrt.output_pipeline; streams are hybridrt.server.streaming's.
 """
 
@@ -30,6 +33,7 @@ from starlette.routing import Route
 
 from hybridrt import openai_protocol as api
 from hybridrt.output_pipeline import FanIn, finish_message, finish_reason
+from hybridrt.server import anthropic, responses
 from hybridrt.server.engine_loop import EngineLoop, Handle, submit_job
 from hybridrt.server.errors import as_api_error, internal_error, too_large
 from hybridrt.server.job import Job
@@ -65,6 +69,11 @@ class Server:
     def _build_app(self) -> Starlette:
         routes = [Route("/v1/chat/completions", _guarded(self.chat), methods=["POST"]),
                   Route("/v1/completions", _guarded(self.completions), methods=["POST"]),
+                  Route("/v1/messages", _guarded(self.messages, anthropic.error_body),
+                        methods=["POST"]),
+                  Route("/v1/messages/count_tokens",
+                        _guarded(self.count_tokens, anthropic.error_body), methods=["POST"]),
+                  Route("/v1/responses", _guarded(self.responses), methods=["POST"]),
                   Route("/v1/models", _guarded(self.models), methods=["GET"]),
                   Route("/health", _guarded(self.health), methods=["GET"]),
                   Route("/metrics", _guarded(self.metrics), methods=["GET"])]
@@ -100,16 +109,23 @@ class Server:
                                  media_type="text/plain; version=0.0.4")
 
     def _auth(self, request):
-        """None when the request may go on, else the 401 to answer. The key is compared as
-        bytes in constant time: how long the check takes tells nothing about the key."""
+        """None when the request may go on, else the 401 to answer."""
+        denied = self._denied(request)
+        return None if denied is None else error_response(denied)
+
+    def _denied(self, request) -> api.ApiError | None:
+        """None when the request may go on, else its 401. The key (``Authorization: Bearer``
+        or ``x-api-key``) is compared as bytes in constant time: how long the check takes
+        tells nothing about the key."""
         if self.api_key is None:
             return None
-        sent = next((v for k, v in request.scope["headers"] if k == b"authorization"), b"")
-        if hmac.compare_digest(sent, b"Bearer " + self.api_key.encode()):
+        headers = dict(request.scope["headers"])
+        key = self.api_key.encode()
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), b"Bearer " + key)
+        if hmac.compare_digest(headers.get(b"x-api-key", b""), key) | bearer:
             return None
-        return error_response(api.ApiError(401, "invalid or missing API key (send "
-                                                "Authorization: Bearer <key>)",
-                                           kind="authentication_error"))
+        return api.ApiError(401, "invalid or missing API key (send Authorization: Bearer "
+                                 "<key> or x-api-key: <key>)", kind="authentication_error")
 
     # Generation ---------------------------------------------------------------------------
     async def chat(self, request):
@@ -118,22 +134,48 @@ class Server:
     async def completions(self, request):
         return await self._generate(request, chat=False)
 
-    async def _generate(self, request, chat: bool):
-        if (denied := self._auth(request)) is not None:
+    async def messages(self, request):
+        return await self._generate(request, True, anthropic)
+
+    async def responses(self, request):
+        return await self._generate(request, True, responses)
+
+    async def count_tokens(self, request):
+        """Anthropic's /v1/messages/count_tokens: the prompt's tokens as /v1/messages would
+        render them."""
+        job = await self._prepare(request, anthropic.count_request)
+        if isinstance(job, api.ApiError):
+            return error_response(job, anthropic.error_body)
+        return JSONResponse({"input_tokens": len(job.ids)})
+
+    async def _prepare(self, request, translate=None, chat: bool = True):
+        """The request's job (its body read and prepared in the pool), or its refusal."""
+        if (denied := self._denied(request)) is not None:
             return denied
         big = False
         try:
             raw = await self._read_body(request)
             big = len(raw) > 1 << 20
             async with self.pool_slots:
-                job = await asyncio.get_running_loop().run_in_executor(
-                    self.pool, self.preparer.parse, raw, chat)
+                return await asyncio.get_running_loop().run_in_executor(
+                    self.pool, self.preparer.parse, raw, chat, translate)
         except api.ApiError as e:
-            return error_response(e.with_traceback(None))
+            return e.with_traceback(None)
         finally:
             raw = None  # hold only the job while the request runs
             if big:  # hand a large body's memory back to the system, refused or not
                 self.pool.submit(release_memory)
+
+    async def _generate(self, request, chat: bool, dialect=None):
+        """A generation route; ``dialect``: the module of another API (hybridrt.server's
+        anthropic, responses) with its ``translate``, ``answer``, ``events`` and
+        ``error_body``."""
+        def fail(e: api.ApiError) -> JSONResponse:
+            return error_response(e, dialect and dialect.error_body)
+
+        job = await self._prepare(request, dialect and dialect.translate, chat)
+        if isinstance(job, api.ApiError):
+            return fail(job)
         handles = self.submit(job)
         if job.stream:
             try:
@@ -143,10 +185,18 @@ class Server:
                 raise
             if first.error is not None:
                 self.abort(handles)
-                return error_response(as_api_error(first.error))
-            return StreamingResponse(events(self, handles, first, job, chat),
-                                     media_type="text/event-stream")
-        return await self._collect(request, handles, job, chat)
+                return fail(as_api_error(first.error))
+            stream = events(self, handles, first, job, chat) if dialect is None else \
+                dialect.events(self, handles, first, job)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        fan_in = await self._gather(request, handles)
+        if isinstance(fan_in, api.ApiError):
+            return fail(fan_in)
+        if not isinstance(fan_in, FanIn):
+            return fan_in  # 499: the client went away
+        if dialect is not None:
+            return JSONResponse(dialect.answer(self, job, fan_in))
+        return self._answer(job, chat, fan_in)
 
     def submit(self, job: Job) -> list[Handle]:
         """The job to the engine -> its choices' handles (one shared queue)."""
@@ -194,8 +244,9 @@ class Server:
             return api.chat_logprobs(ids, entries, top, self._piece)
         return api.completion_logprobs(ids, entries, top, self._piece, offset)
 
-    async def _collect(self, request, handles: list[Handle], job: Job, chat: bool):
-        """A non-streaming answer; aborts the request if the client goes away meanwhile."""
+    async def _gather(self, request, handles: list[Handle]):
+        """A non-streaming request's outputs (a finished ``FanIn``), or its refusal
+        (ApiError), or 499 when the client went away (the request aborted)."""
         fan_in = FanIn(len(handles))
         next_check = time.monotonic() + 0.5
         while not fan_in.done:
@@ -216,7 +267,11 @@ class Server:
             fan_in.add(item)
             if item.error is not None:
                 self.abort(handles)
-                return error_response(as_api_error(item.error))
+                return as_api_error(item.error)
+        return fan_in
+
+    def _answer(self, job: Job, chat: bool, fan_in: FanIn):
+        """A chat or text completion's JSON answer."""
         choices = []
         for i in range(fan_in.n):
             item = fan_in.final[i]
@@ -246,15 +301,16 @@ def _message(text: str, job: Job, choice: dict) -> dict:
     return msg
 
 
-def _guarded(handler):
+def _guarded(handler, shape=None):
     """``handler`` with every unexpected exception logged and answered by a JSON 500 that
-    names nothing internal; returning it (not raising) keeps the connection open."""
+    names nothing internal (``shape``: its API's error body); returning it (not raising) keeps
+    the connection open."""
     async def run(request):
         try:
             return await handler(request)
         except Exception:
             log.exception("unexpected error in %s %s", request.method, request.url.path)
-            return error_response(internal_error())
+            return error_response(internal_error(), shape)
     return run
 
 
@@ -267,11 +323,13 @@ async def _http_error(request, exc: HTTPException) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=exc.headers)
 
 
-def error_response(e: api.ApiError) -> JSONResponse:
-    """The JSON answer of an ``ApiError`` (OpenAI's ``{"error": {...}}``)."""
+def error_response(e: api.ApiError, shape=None) -> JSONResponse:
+    """The JSON answer of an ``ApiError``: OpenAI's ``{"error": {...}}``, or ``shape(e)`` (an
+    API's own error body)."""
     # 413 / 408: the body was not read whole, so this connection cannot carry another request
     close = {"connection": "close"} if e.status in (408, 413) else None
-    return JSONResponse(e.body(), status_code=e.status, headers=close)
+    return JSONResponse(e.body() if shape is None else shape(e), status_code=e.status,
+                        headers=close)
 
 
 def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,

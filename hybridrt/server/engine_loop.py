@@ -32,6 +32,7 @@ class Progress:
     num_prompt_tokens: int = 0
     num_reused_tokens: int = 0
     index: int = 0  # the choice (n > 1) it is of
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
 
 @dataclass(eq=False)
@@ -166,6 +167,7 @@ class EngineLoop:
         item = Progress(list(new), lps, req.text)
         if req.is_finished:
             item.finish_reason, item.error = req.finish_reason, req.error
+            item.stop_reason = req.stop_reason
             item.num_prompt_tokens = req.num_prompt_tokens
             item.num_reused_tokens = req.metrics.num_cached_tokens
             del self.active[req.request_id]

@@ -16,7 +16,9 @@ class Job:
     (where the rendered conversation ends before the generation prompt: a prefix-cache
     checkpoint) are the engine's; ``id`` and ``created`` name the response; ``shape`` says how
     its text is split and parsed; ``top``: top logprobs per token; ``stream``: server-sent
-    events; ``usage``: a stream ends with a usage chunk."""
+    events; ``usage``: a stream ends with a usage chunk; ``api``: for a request of another API
+translated into a chat completion (Anthropic Messages, OpenAI Responses), what its answer
+needs of the original request."""
 
     ids: list[int]
     params: SamplingParams
@@ -29,3 +31,4 @@ class Job:
     stream: bool = False
     usage: bool = False
     vision: object | None = None  # the prompt's images (hybridrt.vision.tower.VisionInputs)
+    api: dict | None = None

@@ -1,6 +1,7 @@
 """A request body -> a ``Job`` (hybridrt.server.job), in a pool thread: the body parsed and
 validated (hybridrt.openai_protocol), the chat template applied, the prompt tokenized and
-fitted within max_model_len, tool choice turned into a constraint. Every refusal is an
+fitted within max_model_len, tool choice turned into a constraint, a constraint put after the
+think block the prompt leaves open (hybridrt.think_constraint). Every refusal is an
 ``ApiError`` (a 4xx); nothing here knows HTTP."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from hybridrt.reasoning import opens_thinking
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.server.errors import too_many_tokens
 from hybridrt.server.job import Job
+from hybridrt.think_constraint import after_think
 from hybridrt.tool_calls import tool_constraint
 from hybridrt.vision import inputs as vision_inputs
 
@@ -63,12 +65,20 @@ class Preparer:
             if vision_inputs.has_vision_tower(front.model_path)
             else vision_inputs.refusal_reason(False))
 
-    def parse(self, raw: bytes, chat: bool) -> Job:
-        """In a pool thread: the body -> the job (``prepare``). A refusal is raised without
-        the traceback of where it was found: those frames hold the parsed body and the
-        prompt's encoding, which must be freed before the server trims the heap."""
+    def parse(self, raw: bytes, chat: bool, translate=None) -> Job:
+        """In a pool thread: the body -> the job (``prepare``); ``translate``: another API's
+        body -> (the chat completion body it asks for, what its answer echoes: ``Job.api``).
+        A refusal is raised without the traceback of where it was found: those frames hold the
+        parsed body and the prompt's encoding, which must be freed before the server trims the
+        heap."""
         try:
-            return self.prepare(api.parse_body(raw, self.limits.max_json_depth), chat)
+            body = api.parse_body(raw, self.limits.max_json_depth)
+            if translate is None:
+                return self.prepare(body, chat)
+            body, echo = translate(body)
+            job = self.prepare(body, True)
+            job.api = echo
+            return job
         except api.ApiError as e:
             error = e.with_traceback(None)
         del raw
@@ -144,6 +154,11 @@ class Preparer:
                     tools, choice, thinks, parallel))
             except ValueError as e:
                 raise api.bad(str(e), "tools") from None
+        elif thinks and params.structured_outputs is not None:  # the constraint after </think>
+            try:
+                params = params.clone(structured_outputs=after_think(params.structured_outputs))
+            except ValueError as e:
+                raise api.bad(str(e), "response_format") from None
         opts = body.get("stream_options") or {}
         return Job(ids, params, text, snapshot_at, api.new_id("chatcmpl" if chat else "cmpl"),
                    api.now(), Shape(thinks, tools if choice != "none" else None, parallel),
