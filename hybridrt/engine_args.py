@@ -81,6 +81,7 @@ class EngineArgs:
     checkpoint_interval: int = 2048
     checkpoint_share: float = 0.25
     batch_invariant: bool = False
+    trace: bool = False  # a TraceRecorder on the engine's observer (hybridrt.trace)
     language_model_only: bool = False  # the vision tower stays on disk (hybridrt.vision)
     speculative_method: str = "mtp"
     speculative_adaptive: bool = False
@@ -107,6 +108,7 @@ class EngineArgs:
         if isinstance(self.device, str):
             check_device_name(self.device)
         check_bool("batch_invariant", self.batch_invariant)
+        check_bool("trace", self.trace)
         check_bool("language_model_only", self.language_model_only)
         if self.batch_invariant and self.backend == "reference":
             raise ValueError("batch_invariant=True runs on the cpu and cuda backends, not the "

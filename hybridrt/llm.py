@@ -78,6 +78,8 @@ class LLM:
     docs/vision.md.
     speculative_method ("mtp", "ngram": prompt lookup, "mtp+ngram"), speculative_adaptive (k up
     to speculative_tokens, chosen per request), prompt_lookup_min / _max: docs/speculation.md.
+    trace: record the five variables of every step in ``llm.trace.steps`` (hybridrt.trace;
+    docs/five-variables.md); off (None), it costs nothing.
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class LLM:
         language_model_only: bool = False,
         speculative_method: str = "mtp", speculative_adaptive: bool = False,
         prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
+        trace: bool = False,
     ):
         # every keyword above, checked once (before anything loads)
         args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})
@@ -159,6 +162,11 @@ class LLM:
         self._parent_ids = itertools.count()  # n > 1: the parents' ids
         self.engine = LLMEngine(self.model, self.config, cache, self.args, self.tokenizer,
                                 draft_vocab=draft_vocab, thread_governor=governor)
+        self.trace = None
+        if trace:
+            from hybridrt.trace import TraceRecorder
+
+            self.trace = TraceRecorder.attach(self.engine)
 
     # Set-up ------------------------------------------------------------------------------
     def _load_tokenizer(self, tokenizer: Any):

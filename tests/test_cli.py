@@ -891,14 +891,15 @@ def _record_llm(monkeypatch):
 
 def test_every_model_option_reaches_llm(tiny, monkeypatch):
     """The group's flags -> LLM's keyword arguments, the same for chat, generate and serve
-    (serve --quantization included): every keyword argument of LLM but the tokenizer."""
+    (serve --quantization included): every keyword argument of LLM but the tokenizer and
+    trace (the ``hybridrt trace`` command)."""
     import inspect
 
     import hybridrt.llm
     from hybridrt.cli.options import ModelOptions
 
     llm_kwargs = set(inspect.signature(hybridrt.llm.LLM).parameters) - {"self", "model"}
-    assert set(GROUP_KWARGS) == llm_kwargs - {"tokenizer"}
+    assert set(GROUP_KWARGS) == llm_kwargs - {"tokenizer", "trace"}  # trace: hybridrt trace
     assert set(ModelOptions().llm_kwargs()) == set(GROUP_KWARGS)
     seen = _record_llm(monkeypatch)
     runs = {"chat": [], "generate": ["-p", "x"], "serve": ["--port", "0"]}

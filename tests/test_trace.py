@@ -27,10 +27,9 @@ def make_llm(**kw) -> LLM:
     kw.setdefault("max_num_seqs", 4)
     kw.setdefault("max_num_batched_tokens", BUDGET)
     kw.setdefault("cache_memory", 64 << 20)
-    trace = kw.pop("trace", True)
-    llm = LLM(**kw)
-    if trace:  # the recorder is the engine's observer: llm.engine.observer.steps
-        TraceRecorder.attach(llm.engine)
+    kw.setdefault("trace", True)
+    llm = LLM(**kw)  # traced: llm.trace is the engine's observer (llm.engine.observer.steps)
+    assert llm.trace is llm.engine.observer if kw["trace"] else llm.trace is None
     return llm
 
 
