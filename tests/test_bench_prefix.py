@@ -19,9 +19,10 @@ def test_prefix_bench_counts_exactly_what_the_cache_saves(tmp_path):
     shared = rep["workloads"]["shared"]
     prompt = 64 + 8 + 2  # system, question, generation-prompt start + one token
     assert shared["off"]["prefilled_tokens"] == 4 * prompt
-    # The first request computes all of it; the others resume where the system message ends.
-    assert shared["on"]["prefilled_tokens"] == prompt + 3 * (prompt - 64)
-    assert shared["on"]["cached_tokens"] == 3 * 64
+    # The first request computes all of it; the others resume where the prompts part: after
+    # the system message and the next message's start token (the queue's branch point).
+    assert shared["on"]["prefilled_tokens"] == prompt + 3 * (prompt - 65)
+    assert shared["on"]["cached_tokens"] == 3 * 65
     assert shared["cache"]["hits"] == 3
     disjoint = rep["workloads"]["disjoint"]
     assert disjoint["on"]["prefilled_tokens"] == disjoint["off"]["prefilled_tokens"] == 3 * 20
