@@ -101,6 +101,7 @@ class Checkpoint:
     last_used: int = 0
     pins: int = 0  # sessions holding it: evicted after every unpinned checkpoint
     sessions: list = field(default_factory=list)  # the pinning sessions (told on eviction)
+    restored: bool = False  # read from the disk tier, not hit since
 
 
 @dataclass(slots=True)
@@ -126,6 +127,7 @@ class PrefixIndex:
         self._order: tuple[OrderedDict, OrderedDict] = (OrderedDict(), OrderedDict())
         self._clock = itertools.count(1)
         self.stats = {"queries": 0, "hits": 0, "hit_tokens": 0, "query_tokens": 0,
+                      "disk_hits": 0, "disk_hit_tokens": 0,
                       "checkpoints_saved": 0, "checkpoint_evictions": 0, "block_evictions": 0}
 
     # Blocks ----------------------------------------------------------------------------------

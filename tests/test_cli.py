@@ -861,14 +861,15 @@ GROUP_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs",
                "--device", "cpu", "--quantization", "int8", "-k", "2", "--draft-vocab", "8",
                "--no-prefix-caching", "--batch-invariant", "--block-size", "32",
                "--backend", "cpu", "--no-async-scheduling", "--checkpoint-interval", "256",
-               "--checkpoint-share", "0.5", "--max-num-sessions", "4", "--engine-seed", "7"]
+               "--checkpoint-share", "0.5", "--max-num-sessions", "4", "--engine-seed", "7",
+               "--prefix-cache-dir", "/tmp/pc", "--prefix-cache-dir-size", "1GiB"]
 GROUP_KWARGS = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 3,
                 "max_num_batched_tokens": 64, "cache_memory": "64MiB", "device": "cpu",
                 "threads": 1, "quantization": "int8", "speculative_tokens": 2,
                 "draft_vocab_size": 8, "enable_prefix_caching": False, "batch_invariant": True,
                 "block_size": 32, "backend": "cpu", "async_scheduling": False,
                 "checkpoint_interval": 256, "checkpoint_share": 0.5, "max_num_sessions": 4,
-                "seed": 7}
+                "seed": 7, "prefix_cache_dir": "/tmp/pc", "prefix_cache_dir_size": "1GiB"}
 
 
 def _record_llm(monkeypatch):
