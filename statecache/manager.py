@@ -291,6 +291,20 @@ class HybridCacheManager:
                           self._slots.num_free + self._num_evictable_checkpoints(),
                           len(p.hash_of) if p else 0, len(p.checkpoints) if p else 0)
 
+    def tier_stats(self) -> dict[str, int]:
+        """The disk tier's counters and holdings, and the hits it gave (zeros when it is off;
+        memory's are ``prefix.stats`` and ``usage``)."""
+        disk, prefix = self.disk, self.prefix.stats if self.prefix is not None else {}
+        st = {"disk_hits": prefix.get("disk_hits", 0),
+              "disk_hit_tokens": prefix.get("disk_hit_tokens", 0),
+              "disk_blocks": len(disk.blocks) if disk else 0,
+              "disk_checkpoints": len(disk.checkpoints) if disk else 0,
+              "disk_bytes": disk.bytes if disk else 0}
+        for k in ("disk_block_writes", "disk_checkpoint_writes", "disk_block_restores",
+                  "disk_checkpoint_restores", "disk_evictions", "disk_bad_files"):
+            st[k] = disk.stats[k] if disk else 0
+        return st
+
     def all_free(self) -> bool:
         """Nothing is held: no owner has blocks or slots, no block is referenced, no checkpoint
         is pinned or pending (what the prefix cache keeps is evictable)."""

@@ -193,3 +193,41 @@ def test_options_refused():
         LLM(enable_prefix_caching=False, prefix_cache_dir="/tmp/x")
     with pytest.raises(ValueError, match="prefix_cache_dir_size must be bytes"):
         LLM(prefix_cache_dir="/tmp/x", prefix_cache_dir_size="lots")
+
+
+def test_a_restarted_server_resumes_the_chat_and_counts_it(tmp_path):
+    """The demo model served with a disk tier: a 6-turn chat, the server restarted on the same
+    directory after turn 3. Turn 4 reuses as many tokens as on a server that never stopped, and
+    every answer is the same; /metrics counts the disk tier's writes, restores and hits."""
+    pytest.importorskip("uvicorn")
+    from test_serve import MODEL, Running
+
+    questions = ["Name a prime.", "And another?", "Which is larger?", "Add them.",
+                 "Is the sum prime?", "Thanks."]
+    kw = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 4,
+          "cache_memory": 64 << 20, "batch_invariant": True}
+
+    def chat(srv, history, q):
+        history.append({"role": "user", "content": q})
+        r = srv.client.chat.completions.create(model=MODEL, messages=history, temperature=0,
+                                               max_tokens=12)
+        history.append({"role": "assistant", "content": r.choices[0].message.content})
+        return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+
+    def run(srv, turns, history):
+        got = [chat(srv, history, q) for q in turns]
+        metrics = srv.wait_idle()
+        srv.stop()
+        return got, metrics
+
+    want, _ = run(Running(LLM(**kw)), questions, [])
+    history = []
+    got, _ = run(Running(LLM(**kw, prefix_cache_dir=str(tmp_path))), questions[:3], history)
+    later, metrics = run(Running(LLM(**kw, prefix_cache_dir=str(tmp_path))), questions[3:],
+                         history)
+    assert got + later == want  # the answers, and the tokens reused each turn
+    assert want[3][1] > 0
+    assert metrics["hybridrt_prefix_cache_disk_hits_total"] == 1
+    assert metrics["hybridrt_prefix_cache_disk_restores_total"] >= 1
+    assert metrics["hybridrt_prefix_cache_disk_spills_total"] >= 3
+    assert metrics["hybridrt_prefix_cache_disk_checkpoints"] >= 3
