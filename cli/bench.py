@@ -703,8 +703,8 @@ POLICY_SETS = {
 def prefix_policy(
     options: ModelOptions,
     workloads: Annotated[str, typer.Option(
-        "--workloads", help="Comma-separated: shared, agent, chat, document.")
-    ] = "shared,agent,chat,document",
+        "--workloads", help="Comma-separated: shared, agent, chat, document, raw.")
+    ] = "shared,agent,chat,document,raw",
     scale: Annotated[float, typer.Option(
         "--scale", min=0.001, help="Every workload's message sizes times this.")] = 1.0,
     max_tokens: Annotated[int, typer.Option(
