@@ -52,12 +52,9 @@ class LLM:
     enable_prefix_caching: every request resumes from the longest cached prefix of its prompt
     (KV blocks shared by the hash of their tokens, GDN state checkpoints; the output is the one
     a cold run gives). checkpoint_interval: save the GDN state every N prompt tokens too (0:
-    only before each chat message, before a prompt's last token and at a request's end).
-    checkpoint_share: the share of ``cache_memory`` for checkpoints beyond the requests' own
-    state slots (docs/prefix_cache.md has the policy and what it costs).
-    prefix_cache_dir: the prefix cache's disk tier: evicted checkpoints and KV blocks, and the
-    end of every request, kept in this directory (at most ``prefix_cache_dir_size``, least
-    recently used first) and restored from it, also by an engine started later on it.
+    never). checkpoint_share: the share of ``cache_memory`` for checkpoints beyond the
+    requests' own state slots. prefix_cache_dir: the cache's disk tier, at most
+    prefix_cache_dir_size, kept across restarts (docs/prefix_cache.md: policy, costs, tiers).
     draft_vocab_size: with speculative_tokens, the MTP drafts from the N most frequent tokens
     only (the model directory's ``draft_vocab.json``, else the first N ids; see
     ``hybridrt.specdec.draft_vocab``, and ``draft_vocab_source`` for which); verification
@@ -98,10 +95,8 @@ class LLM:
         async_scheduling: bool | None = None,
         enable_prefix_caching: bool = True,
         checkpoint_interval: int = 2048,
-        checkpoint_share: float = 0.25,
-        batch_invariant: bool = False,
-        prefix_cache_dir: str | os.PathLike | None = None,
-        prefix_cache_dir_size: int | str = "16GiB",
+        checkpoint_share: float = 0.25, batch_invariant: bool = False,
+        prefix_cache_dir: str | None = None, prefix_cache_dir_size: int | str = "16GiB",
     ):
         # every keyword above, checked once (before anything loads)
         args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})
