@@ -529,7 +529,7 @@ def bench_serve(
 PREFIX_SETS = {
     "enable_prefix_caching": "it compares prefix caching on and off",
     "max_model_len": "sized to the workload",
-    "max_num_seqs": "the larger of --requests and --disjoint-requests",
+    "max_num_seqs": "the largest of --requests, --disjoint-requests, --document-questions",
 }
 
 
@@ -549,22 +549,30 @@ def prefix(
         "--disjoint-requests", min=1, help="Requests of the workload that shares nothing.")] = 64,
     disjoint_tokens: Annotated[int, typer.Option(
         "--disjoint-tokens", min=1, help="Prompt tokens of each of them.")] = 128,
+    document_tokens: Annotated[int, typer.Option(
+        "--document-tokens", min=2, help="Tokens of the document workload's shared text.")
+    ] = 3000,
+    document_questions: Annotated[int, typer.Option(
+        "--document-questions", min=1, help="Questions asked about it, submitted at once.")
+    ] = 16,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Alternated rounds.")] = 2,
     workloads: Annotated[str, typer.Option(
-        "--workloads", help="Comma-separated: shared, disjoint.")] = "shared,disjoint",
+        "--workloads", help="Comma-separated: shared, document, disjoint.")
+    ] = "shared,document,disjoint",
     cpu_time: Annotated[bool, typer.Option(
         "--cpu-time", help="Time the workloads in this process's CPU time (a busy machine; "
         "with --threads 1); TTFT stays wall time (default: off).")] = False,
     json_path: JsonOpt = None,
 ) -> None:
-    """Prefix caching on vs off in one run: requests sharing a system prompt (prefilled
-    tokens, time to first token) and requests sharing nothing (throughput). --cache-memory is
-    the budget of each of the two engines."""
+    """Prefix caching on, on with the policy before branch points, and off in one run:
+    requests sharing a system prompt, questions about one document in one user message
+    (prefilled tokens, time to first token) and requests sharing nothing (throughput).
+    --cache-memory is the budget of each of the three engines."""
     chosen = tuple(w.strip() for w in workloads.split(",") if w.strip())
-    bad = [w for w in chosen if w not in ("shared", "disjoint")]
+    bad = [w for w in chosen if w not in ("shared", "document", "disjoint")]
     if bad or not chosen:
         raise CliError(f"--workloads: unknown workload(s) {bad or chosen}; choose from shared, "
-                       f"disjoint", 2)
+                       f"document, disjoint", 2)
     options = options.checked()
     from hybridrt.bench import prefix as prefixbench
     from hybridrt.cli.common import resolve_model
@@ -575,6 +583,7 @@ def prefix(
                         num_requests=num_requests, system_tokens=system_tokens,
                         question_tokens=question_tokens, max_tokens=max_tokens,
                         disjoint_requests=disjoint_requests, disjoint_tokens=disjoint_tokens,
+                        document_tokens=document_tokens, document_questions=document_questions,
                         rounds=rounds, cache_memory=options.cache_memory, workloads=chosen,
                         json_path=json_path, cpu_time=cpu_time,
                         engine=options.llm_kwargs(*PREFIX_SETS, "threads", "dtype",
@@ -703,8 +712,8 @@ POLICY_SETS = {
 def prefix_policy(
     options: ModelOptions,
     workloads: Annotated[str, typer.Option(
-        "--workloads", help="Comma-separated: shared, agent, chat, document.")
-    ] = "shared,agent,chat,document",
+        "--workloads", help="Comma-separated: shared, agent, chat, document, raw.")
+    ] = "shared,agent,chat,document,raw",
     scale: Annotated[float, typer.Option(
         "--scale", min=0.001, help="Every workload's message sizes times this.")] = 1.0,
     max_tokens: Annotated[int, typer.Option(

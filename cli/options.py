@@ -93,6 +93,13 @@ CheckpointIntervalOpt = Annotated[int, typer.Option(
 CheckpointShareOpt = Annotated[float, typer.Option(
     "--checkpoint-share", min=0.0, max=0.999, help="The share of --cache-memory for GDN "
     "state checkpoints beyond the requests' own slots, in [0, 1).")]
+PrefixCacheDirOpt = Annotated[str | None, typer.Option(
+    "--prefix-cache-dir", help="The prefix cache's disk tier: evicted checkpoints and KV "
+    "blocks and the end of every request kept in this directory and restored from it, also "
+    "after a restart (default: none).", show_default=False)]
+PrefixCacheDirSizeOpt = Annotated[str, typer.Option(
+    "--prefix-cache-dir-size", help="The most the --prefix-cache-dir files take (least "
+    "recently used go first).")]
 MaxNumSessionsOpt = Annotated[int, typer.Option(
     "--max-num-sessions", min=0, help="Sessions open at once (each pins the prefix cache's "
     "hold on its conversation).")]
@@ -132,6 +139,8 @@ class ModelOptions:
     async_scheduling: AsyncSchedulingOpt = None
     checkpoint_interval: CheckpointIntervalOpt = 2048
     checkpoint_share: CheckpointShareOpt = 0.25
+    prefix_cache_dir: PrefixCacheDirOpt = None
+    prefix_cache_dir_size: PrefixCacheDirSizeOpt = "16GiB"
     max_num_sessions: MaxNumSessionsOpt = 64
     language_model_only: LanguageModelOnlyOpt = False
     engine_seed: EngineSeedOpt = 0

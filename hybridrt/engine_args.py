@@ -87,6 +87,8 @@ class EngineArgs:
     speculative_adaptive: bool = False
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    prefix_cache_dir: str | os.PathLike | None = None
+    prefix_cache_dir_size: int | str = "16GiB"
 
     def __post_init__(self) -> None:
         check_int("speculative_tokens", self.speculative_tokens, lo=0)
@@ -95,6 +97,17 @@ class EngineArgs:
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_int("checkpoint_interval", self.checkpoint_interval, lo=0)
         check_number("checkpoint_share", self.checkpoint_share, 0, 1)
+        if self.prefix_cache_dir is not None:
+            if not self.enable_prefix_caching:
+                raise ValueError("prefix_cache_dir is the prefix cache's disk tier: it needs "
+                                 "enable_prefix_caching=True")
+            try:
+                size = parse_memory(self.prefix_cache_dir_size)[0]
+            except ValueError:
+                size = None
+            if size is None or isinstance(self.prefix_cache_dir_size, float):
+                raise ValueError(f"prefix_cache_dir_size must be bytes or a size such as "
+                                 f"'16GiB', got {self.prefix_cache_dir_size!r}")
         if self.draft_vocab_size is not None:
             check_int("draft_vocab_size", self.draft_vocab_size, lo=1)
             if self.speculative_tokens == 0:

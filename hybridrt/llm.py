@@ -53,9 +53,9 @@ class LLM:
     enable_prefix_caching: every request resumes from the longest cached prefix of its prompt
     (KV blocks shared by the hash of their tokens, GDN state checkpoints; the output is the one
     a cold run gives). checkpoint_interval: save the GDN state every N prompt tokens too (0:
-    only before each chat message, before a prompt's last token and at a request's end).
-    checkpoint_share: the share of ``cache_memory`` for checkpoints beyond the requests' own
-    state slots (docs/prefix_cache.md has the policy and what it costs).
+    never). checkpoint_share: the share of ``cache_memory`` for checkpoints beyond the
+    requests' own state slots. prefix_cache_dir: the cache's disk tier, at most
+    prefix_cache_dir_size, kept across restarts (docs/prefix_cache.md: policy, costs, tiers).
     draft_vocab_size: with speculative_tokens, the MTP drafts from the N most frequent tokens
     only (the model directory's ``draft_vocab.json``, else the first N ids; see
     ``hybridrt.specdec.draft_vocab``, and ``draft_vocab_source`` for which); verification
@@ -110,6 +110,7 @@ class LLM:
         speculative_method: str = "mtp", speculative_adaptive: bool = False,
         prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
         trace: bool = False,
+        prefix_cache_dir: str | None = None, prefix_cache_dir_size: int | str = "16GiB",
     ):
         # every keyword above, checked once (before anything loads)
         args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})

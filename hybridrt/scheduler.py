@@ -48,6 +48,7 @@ from hybridrt.request import Request, RequestStatus
 from hybridrt.session_manager import SessionManager
 from hybridrt.specdec.stats import SpecStats
 from hybridrt.statecache import CacheCapacityError, HybridCacheManager
+from hybridrt.statecache.branch_points import BranchPoints
 from hybridrt.step_plan import ScheduledSeq, StepPlan
 
 if TYPE_CHECKING:
@@ -80,10 +81,14 @@ class Scheduler:
                       "num_decode_tokens": 0, "num_session_evictions": 0,
                       "num_chained_steps": 0, "num_cached_tokens": 0}
         self.spec_stats = SpecStats(args.speculative_tokens)  # of the finished requests
+        # where the held prompts share a prefix: checkpoints there (None: caching off)
+        self.branch_points = BranchPoints() if cache.prefix_caching else None
 
     def add(self, request: Request, grammar: PendingGrammar | None = None) -> None:
         """Queue a request; with ``grammar`` (its constraint compiling) it waits for that
         first (``WAITING_FOR_GRAMMAR``), and ``schedule`` moves it on once compiled."""
+        if self.branch_points is not None:
+            self.branch_points.add(request)
         if grammar is not None:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.waiting_for_grammar.append((request, grammar))
@@ -244,6 +249,8 @@ class Scheduler:
         if reason is not None:
             request.finish_reason = reason
         self._release(request, keep_state, finished=True)
+        if self.branch_points is not None:
+            self.branch_points.remove(request)
         if request.session is not None:
             self.sessions.release(request)
             request.session = None
@@ -291,6 +298,8 @@ class Scheduler:
             if not self._evict_idle_session():
                 return None
         req.num_computed_tokens = got.num_tokens
+        if self.branch_points is not None:
+            self.branch_points.admitted(req, self.cache.prefix, got.num_tokens)
         if got.num_tokens:
             self.cache.touch_checkpoints(req.token_ids, req.block_hashes,
                                          [p for p in req.checkpoint_at if p < got.num_tokens])

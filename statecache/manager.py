@@ -29,6 +29,8 @@ import torch
 from hybridrt.config import ModelConfig
 from hybridrt.options import parse_memory
 
+from . import tiering
+from .disk import DiskTier
 from .pools import BlockPool, SlotPool
 from .prefix import BlockHashes, Checkpoint, Hit, PrefixIndex, root_hash
 from .tensors import CacheTensors
@@ -205,7 +207,8 @@ class HybridCacheManager:
     def __init__(self, config: ModelConfig, sizing: CacheSizing, dtype: torch.dtype,
                  device: torch.device | str = "cpu", slots_per_request: int = 1,
                  num_extra_attention_layers: int = 0, prefix_caching: bool = False,
-                 salt: str = ""):
+                 salt: str = "", disk_dir: str | os.PathLike | None = None,
+                 disk_bytes: int = 0):
         self.config = config
         self.sizing = sizing
         self.block_size = sizing.block_size
@@ -222,10 +225,16 @@ class HybridCacheManager:
         self._pending: dict[int, PendingCheckpoint] = {}  # slot -> the checkpoint it receives
         self.prefix: PrefixIndex | None = None
         self._roots = {False: root_hash(f"{salt}|mtp=0"), True: root_hash(f"{salt}|mtp=1")}
+        self.disk: DiskTier | None = None  # the disk tier (statecache/disk.py), if on
         if prefix_caching:
             self.prefix = PrefixIndex(self.block_size)
             self._blocks.is_cached = self.prefix.is_cached
             self._blocks.on_evict = self.prefix.forget_block
+            if disk_dir is not None:
+                self.disk = DiskTier(disk_dir, tiering.identity(salt, self.tensors), disk_bytes)
+                self._blocks.on_evict = self._spill_block
+        elif disk_dir is not None:
+            raise ValueError("prefix_cache_dir needs prefix caching on")
         self.on_checkpoint_evicted = None  # sessions: told which pinned checkpoint went
 
     @classmethod
@@ -242,9 +251,12 @@ class HybridCacheManager:
             lookahead_tokens=k,
             checkpoint_share=args.checkpoint_share if args.enable_prefix_caching else 0.0,
         )
+        disk_bytes = parse_memory(args.prefix_cache_dir_size)[0] if (
+            args.prefix_cache_dir is not None) else 0
         return cls(config, sizing, dtype, args.device, slots_per_request=1 + k,
                    num_extra_attention_layers=num_extra_attention_layers,
-                   prefix_caching=args.enable_prefix_caching, salt=salt)
+                   prefix_caching=args.enable_prefix_caching, salt=salt,
+                   disk_dir=args.prefix_cache_dir, disk_bytes=disk_bytes)
 
     @property
     def prefix_caching(self) -> bool:
@@ -278,6 +290,20 @@ class HybridCacheManager:
         return CacheUsage(self._blocks.num_blocks, self._blocks.num_free, self._slots.capacity,
                           self._slots.num_free + self._num_evictable_checkpoints(),
                           len(p.hash_of) if p else 0, len(p.checkpoints) if p else 0)
+
+    def tier_stats(self) -> dict[str, int]:
+        """The disk tier's counters and holdings, and the hits it gave (zeros when it is off;
+        memory's are ``prefix.stats`` and ``usage``)."""
+        disk, prefix = self.disk, self.prefix.stats if self.prefix is not None else {}
+        st = {"disk_hits": prefix.get("disk_hits", 0),
+              "disk_hit_tokens": prefix.get("disk_hit_tokens", 0),
+              "disk_blocks": len(disk.blocks) if disk else 0,
+              "disk_checkpoints": len(disk.checkpoints) if disk else 0,
+              "disk_bytes": disk.bytes if disk else 0}
+        for k in ("disk_block_writes", "disk_checkpoint_writes", "disk_block_restores",
+                  "disk_checkpoint_restores", "disk_evictions", "disk_bad_files"):
+            st[k] = disk.stats[k] if disk else 0
+        return st
 
     def all_free(self) -> bool:
         """Nothing is held: no owner has blocks or slots, no block is referenced, no checkpoint
@@ -339,6 +365,8 @@ class HybridCacheManager:
         if num_slots > self.slots_per_request:
             raise ValueError(f"{num_slots} state slots asked for, at most "
                              f"{self.slots_per_request} per request")
+        if self.disk is not None and hashes is not None:
+            tiering.restore(self, tokens, hashes, num_slots)
         hit = self.peek(tokens, hashes) if hashes is not None else None
         p = hit.num_tokens if hit is not None else 0
         ck = hit.checkpoint if hit is not None else None
@@ -364,6 +392,10 @@ class HybridCacheManager:
             self._copy_tail(ck.slot, own[0], ck.tail_len, restore=True)
         self.prefix.touch(ck, hit=True)
         self._count_query(len(tokens), p)
+        if ck.restored:
+            ck.restored = False
+            self.prefix.stats["disk_hits"] += 1
+            self.prefix.stats["disk_hit_tokens"] += p
         return Admitted(p, ck.hidden)
 
     def _count_query(self, num_tokens: int, hit: int) -> None:
@@ -542,7 +574,15 @@ class HybridCacheManager:
         if self._pending.pop(pending.slot, None) is not None:
             self._slots.free([pending.slot])
 
-    def evict_checkpoint(self, ck: Checkpoint) -> None:
+    def _spill_block(self, block: int) -> None:
+        """A cached block evicted for an allocation: to the disk tier, then out of the index."""
+        tiering.spill_block(self, block)
+        self.prefix.forget_block(block)
+
+    def evict_checkpoint(self, ck: Checkpoint, spill: bool = True) -> None:
+        """Drop a checkpoint (to the disk tier first, with ``spill`` and the tier on)."""
+        if spill and self.disk is not None:
+            tiering.spill_checkpoint(self, ck)
         self.prefix.remove_checkpoint(ck)
         self.prefix.stats["checkpoint_evictions"] += 1
         self._slots.free([ck.slot])
@@ -561,18 +601,20 @@ class HybridCacheManager:
         self._block_tables.setdefault(owner, []).extend(blocks)
 
     def clear_prefix_cache(self) -> bool:
-        """Forget every unpinned checkpoint and every cached block no one holds -> whether the
-        index is empty now (vLLM's ``reset_prefix_cache``)."""
+        """Forget every unpinned checkpoint, every cached block no one holds and the disk
+        tier's files -> whether the index is empty now (vLLM's ``reset_prefix_cache``)."""
         if self.prefix is None:
             return True
         for ck in [c for c in self.prefix.checkpoints.values() if not c.pins]:
-            self.evict_checkpoint(ck)
+            self.evict_checkpoint(ck, spill=False)
             self.prefix.stats["checkpoint_evictions"] -= 1
         for b in list(self.prefix.hash_of):
             if self._blocks.refs[b] == 0:
                 self.prefix.forget_block(b)
                 self.prefix.stats["block_evictions"] -= 1
                 self._blocks.uncache(b)
+        if self.disk is not None:
+            self.disk.clear()
         return not self.prefix.checkpoints and not self.prefix.hash_of
 
     # Release -----------------------------------------------------------------------------
@@ -586,6 +628,7 @@ class HybridCacheManager:
         Idempotent."""
         if self.prefix is not None and tokens is not None and hashes is not None:
             self.commit_blocks(owner, tokens, hashes, num_final)
+            kept = None
             slots = self._state_slots.get(owner)
             if keep_slot is not None and slots and 0 < num_final <= len(tokens) and (
                     hidden is not None or hashes.lookahead == 0):
@@ -595,7 +638,9 @@ class HybridCacheManager:
                     slot = slots.pop(keep_slot)
                     self._pending[slot] = PendingCheckpoint(key, num_final, num_shared, slot,
                                                             has_tail)
-                    self.save_checkpoint(self._pending[slot], owner, hidden)
+                    kept = self.save_checkpoint(self._pending[slot], owner, hidden)
+            if self.disk is not None and keep_slot is not None:
+                tiering.write_through(self, owner, tokens, hashes, kept)
         self._blocks.free(self._block_tables.pop(owner, []))
         self._slots.free(self._state_slots.pop(owner, []))
         self._registered.pop(owner, None)

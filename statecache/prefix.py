@@ -101,6 +101,7 @@ class Checkpoint:
     last_used: int = 0
     pins: int = 0  # sessions holding it: evicted after every unpinned checkpoint
     sessions: list = field(default_factory=list)  # the pinning sessions (told on eviction)
+    restored: bool = False  # read from the disk tier, not hit since
 
 
 @dataclass(slots=True)
@@ -126,6 +127,7 @@ class PrefixIndex:
         self._order: tuple[OrderedDict, OrderedDict] = (OrderedDict(), OrderedDict())
         self._clock = itertools.count(1)
         self.stats = {"queries": 0, "hits": 0, "hit_tokens": 0, "query_tokens": 0,
+                      "disk_hits": 0, "disk_hit_tokens": 0,
                       "checkpoints_saved": 0, "checkpoint_evictions": 0, "block_evictions": 0}
 
     # Blocks ----------------------------------------------------------------------------------
@@ -203,15 +205,24 @@ class PrefixIndex:
         return None
 
     # Look-up ---------------------------------------------------------------------------------
+    def _num_present(self, chain: Sequence[bytes]) -> int:
+        present = 0
+        while present < len(chain) and chain[present] in self.block_of:
+            present += 1
+        return present
+
+    def num_cached_blocks(self, tokens: Sequence[int], hashes: BlockHashes) -> int:
+        """How many leading full blocks of ``tokens`` are cached (whether or not a checkpoint
+        lets a prompt resume there)."""
+        return self._num_present(hashes.upto(tokens, hashes.num_hashable(len(tokens))))
+
     def lookup(self, tokens: Sequence[int], hashes: BlockHashes) -> Hit | None:
         """The longest cached prefix of ``tokens`` (all of them may be taken: the caller passes
         the prompt without its last token) that ends at a checkpoint whose shared blocks are all
         cached -> the hit, or None."""
         bs = self.block_size
         chain = hashes.upto(tokens, hashes.num_hashable(len(tokens)))
-        present = 0
-        while present < len(chain) and chain[present] in self.block_of:
-            present += 1
+        present = self._num_present(chain)
         for j in range(present, -1, -1):
             anchor = chain[j - 1] if j else hashes.root
             best = None
@@ -225,6 +236,9 @@ class PrefixIndex:
         return None
 
 
+LEAD_IN = 256  # the first of the lead-in checkpoints before the first interval position
+
+
 def checkpoint_positions(prompt: Sequence[int], boundary_token_ids: frozenset[int] | set[int],
                          interval: int, requested: Sequence[int] = ()) -> list[int]:
     """Where a prompt's GDN state is saved (positions p: the state after its first p tokens),
@@ -235,7 +249,10 @@ def checkpoint_positions(prompt: Sequence[int], boundary_token_ids: frozenset[in
       turn, each tool result, and where the generation prompt starts;
     - before its last token, so that the same prompt again (a retry, ``n`` > 1, a rerun)
       computes one token;
-    - every ``interval`` tokens (0: never), for long prompts without messages;
+    - every ``interval`` tokens (0: never), for long prompts without messages, and before
+      that at the powers of two from ``LEAD_IN`` (256, 512, 1024 under an interval of 2048):
+      a prompt sharing L >= 256 tokens with one computed before resumes after at least L / 2
+      of them, for log2(interval / 256) checkpoints a long prompt;
     - at ``requested`` positions (a session's ``snapshot_at``).
 
     The end of every finished (or preempted) request is saved too, by its release."""
@@ -245,6 +262,10 @@ def checkpoint_positions(prompt: Sequence[int], boundary_token_ids: frozenset[in
         at.add(n - 1)
     if interval > 0:
         at.update(range(interval, n, interval))
+        p = LEAD_IN
+        while p < min(interval, n):
+            at.add(p)
+            p *= 2
     at.update(p for p in requested if 0 < p < n)
     return sorted(at)
 

@@ -317,10 +317,11 @@ def test_batch_invariant_errors(ckpt):
 @pytest.mark.parametrize("setting", [("bfloat16", None), ("float32", None), ("bfloat16", "int8"),
                                      ("bfloat16", "int4")], ids=["bf16", "fp32", "int8", "int4"])
 def test_prefix_cache_hit_as_cold(ckpt, setting):
-    """Two targets resuming from a prefix another request left in the cache (a hit of 48 and
-    64 tokens, checkpoints every 16) give their cold run's bytes, at step budgets of 128 and 16
-    and k = 0 and 2: the KV and GDN states a hit reads were computed position by position, as a
-    cold run computes them."""
+    """Two targets resuming from a prefix another request left in the cache (a hit of 48
+    tokens, checkpoints every 16) or the first target wrote (64, or 70 where the two part: a
+    branch point found as they were queued together) give their cold run's bytes, at step
+    budgets of 128 and 16 and k = 0 and 2: the KV and GDN states a hit reads were computed
+    position by position, as a cold run computes them."""
     rng = random.Random(0)
     base = _prompt(rng, 70)
     targets = [base + _prompt(rng, 9), base + _prompt(rng, 30)]
@@ -340,7 +341,8 @@ def test_prefix_cache_hit_as_cold(ckpt, setting):
             llm = _llm(ckpt, setting, **fresh)
             llm.generate([other], params[:1], use_tqdm=False, speculative_tokens=k)
             outs = llm.generate(targets, params, use_tqdm=False, speculative_tokens=k)
-            assert [o.metrics["num_cached_tokens"] for o in outs] == [48, 64]
+            hits = [o.metrics["num_cached_tokens"] for o in outs]
+            assert hits[0] == 48 and hits[1] in (64, 70)  # 70: the branch point had a slot
             assert [_key(o) for o in outs] == cold
 
 

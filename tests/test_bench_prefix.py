@@ -19,14 +19,30 @@ def test_prefix_bench_counts_exactly_what_the_cache_saves(tmp_path):
     shared = rep["workloads"]["shared"]
     prompt = 64 + 8 + 2  # system, question, generation-prompt start + one token
     assert shared["off"]["prefilled_tokens"] == 4 * prompt
-    # The first request computes all of it; the others resume where the system message ends.
-    assert shared["on"]["prefilled_tokens"] == prompt + 3 * (prompt - 64)
-    assert shared["on"]["cached_tokens"] == 3 * 64
+    # The first request computes all of it; the others resume where the prompts part: after
+    # the system message and the next message's start token (the queue's branch point).
+    assert shared["on"]["prefilled_tokens"] == prompt + 3 * (prompt - 65)
+    assert shared["on"]["cached_tokens"] == 3 * 65
     assert shared["cache"]["hits"] == 3
+    assert shared["today"]["prefilled_tokens"] == prompt + 3 * (prompt - 64)  # message start
     disjoint = rep["workloads"]["disjoint"]
     assert disjoint["on"]["prefilled_tokens"] == disjoint["off"]["prefilled_tokens"] == 3 * 20
     assert disjoint["cache"]["hit_tokens"] == 0
     assert (tmp_path / "r.json").exists()
+
+
+def test_prefix_bench_document_questions_resume_after_the_document():
+    """Questions about one document in one user message, submitted at once: with branch points
+    every question after the first resumes after the document; with today's policy (message
+    starts, the interval beyond the prompt) none does."""
+    rep = prefixbench.run(None, threads=1, question_tokens=8, max_tokens=2, rounds=1,
+                          workloads=("document",), document_tokens=300, document_questions=4,
+                          cache_memory="256MiB", verbose=False)
+    doc = rep["workloads"]["document"]
+    prompt = 300 + 8 + 2
+    assert doc["off"]["prefilled_tokens"] == doc["today"]["prefilled_tokens"] == 4 * prompt
+    assert doc["on"]["prefilled_tokens"] == prompt + 3 * (prompt - 300)
+    assert "| document | today / on |" in prefixbench.table(rep)
 
 
 def test_prefix_bench_refuses_an_unknown_workload():

@@ -15,18 +15,32 @@ def test_prefix_policy_counts_what_each_placement_saves(tmp_path):
                           max_model_len=512, chosen=("shared",), json_path=tmp_path / "r.json",
                           verbose=False)
     rows = {r["placement"]: r for r in rep["rows"]}
-    assert set(rows) == {label for label, _, _ in policybench.POLICIES}
+    assert set(rows) == {label for label, *_ in policybench.POLICIES}
     prompt, system = 75 + 3 + 2, 75  # system, question, generation-prompt start + one token
-    for label in ("messages + 2048 (default)", "messages only", "messages + 512"):
+    for label, messages, _, found in policybench.POLICIES:
         r = rows[label]
         assert r["query_tokens"] == 16 * prompt
-        assert r["prefilled"] == prompt + 15 * (prompt - system)  # all but the first resume
-        assert r["hit_rate"] == 15 * system / (16 * prompt)
-    for label in ("2048 only", "512 only"):  # no message checkpoints, no interval reached
-        assert rows[label]["prefilled"] == 16 * prompt and rows[label]["hit_rate"] == 0
-        assert rows[label]["checkpoints_saved"] < rows["messages only"]["checkpoints_saved"]
+        if found:  # all but the first resume after the system and the question's start token
+            assert r["prefilled"] == prompt + 15 * (prompt - system - 1), label
+        elif messages:  # all but the first resume after the system message
+            assert r["prefilled"] == prompt + 15 * (prompt - system), label
+        else:  # no message checkpoints, no interval reached
+            assert r["prefilled"] == 16 * prompt and r["hit_rate"] == 0
     assert (tmp_path / "r.json").exists()
-    assert "| shared | messages only | 1280 | 155 |" in policybench.table(rep)
+    assert "| shared | messages only | 1280 | 140 |" in policybench.table(rep)
+
+
+def test_raw_prompts_one_after_another_resume_at_the_cached_blocks_end():
+    """7 raw prompts sharing 280 tokens, one after another: the second resumes at the lead-in
+    checkpoint (256), the rest where the cached blocks end (272); before branch points and the
+    lead-in, none resumed."""
+    rep = policybench.run(None, threads=1, scale=0.4, max_tokens=2, cache_memory="256MiB",
+                          max_model_len=512, chosen=("raw",), verbose=False)
+    rows = {r["placement"]: r for r in rep["rows"]}
+    prompt = 280 + 8
+    assert rows["messages + 2048 (default)"]["prefilled"] == prompt + (prompt - 256) + 5 * (
+        prompt - 272)
+    assert rows["today's: messages + 2048"]["prefilled"] == 7 * prompt
 
 
 def test_prefix_policy_refuses_an_unknown_workload():

@@ -864,7 +864,8 @@ GROUP_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs",
                "--checkpoint-share", "0.5", "--max-num-sessions", "4", "--engine-seed", "7",
                "--language-model-only",
                "--speculative-method", "mtp+ngram", "--speculative-adaptive",
-               "--prompt-lookup-min", "1", "--prompt-lookup-max", "3"]
+               "--prompt-lookup-min", "1", "--prompt-lookup-max", "3",
+               "--prefix-cache-dir", "/tmp/pc", "--prefix-cache-dir-size", "1GiB"]
 GROUP_KWARGS = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 3,
                 "max_num_batched_tokens": 64, "cache_memory": "64MiB", "device": "cpu",
                 "threads": 1, "quantization": "int8", "speculative_tokens": 2,
@@ -873,7 +874,8 @@ GROUP_KWARGS = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 3,
                 "checkpoint_interval": 256, "checkpoint_share": 0.5, "max_num_sessions": 4,
                 "seed": 7, "language_model_only": True, "speculative_method": "mtp+ngram",
                 "speculative_adaptive": True,
-                "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+                "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                "prefix_cache_dir": "/tmp/pc", "prefix_cache_dir_size": "1GiB"}
 
 
 def _record_llm(monkeypatch):

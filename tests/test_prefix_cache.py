@@ -67,6 +67,15 @@ def msg(n: int, seed: int) -> list[int]:
     return [START] + torch.randint(3, TINY["vocab_size"], (n,), generator=g).tolist()
 
 
+def question(n: int, i: int) -> list[int]:
+    """Question ``i``: a message whose first token (50 + i) no other question starts with, so
+    questions share nothing after the start token (questions that do resume further: tests/
+    test_prefix_anywhere.py)."""
+    q = msg(n, 10 + i)
+    q[1] = 50 + i
+    return q
+
+
 def greedy(n=12):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
 
@@ -146,13 +155,15 @@ def test_shared_system_prompt_eight_questions(tiny, k, mode):
     """A 70-token system prompt (several blocks, a partial last one) and 8 questions: the first
     request caches it, the other 7 run together from the checkpoint before their question."""
     system = msg(70, 1)
-    prompts = [system + msg(6 + i, 10 + i) + [START, 5] for i in range(8)]
+    prompts = [system + question(6 + i, i) + [START, 5] for i in range(8)]
     params = ([greedy()] * 8 if mode == "greedy" else [sampled(100 + i) for i in range(8)])
     llm = make(tiny, k)
     outs = llm.generate(prompts[:1], params[:1], use_tqdm=False)
     outs += llm.generate(prompts[1:], params[1:], use_tqdm=False)
     assert outs[0].num_cached_tokens == 0
-    assert [o.num_cached_tokens for o in outs[1:]] == [len(system)] * 7
+    # the batch's branch point is after the questions' common start token: a question admitted
+    # once another has written that checkpoint resumes there
+    assert all(len(system) <= o.num_cached_tokens <= len(system) + 1 for o in outs[1:])
     cold, want = cold_run(tiny, k, prompts, params)
     assert_same(outs, want)
     if k:
@@ -240,11 +251,11 @@ def test_requests_arriving_together_share_the_prefill(tiny, k):
     common prefix, and resume from its checkpoints instead of computing the same tokens beside
     it: the 8-question workload submitted at once, and the choices of an n = 4 request."""
     system = msg(70, 1)
-    prompts = [system + msg(6 + i, 10 + i) + [START, 5] for i in range(8)]
+    prompts = [system + question(6 + i, i) + [START, 5] for i in range(8)]
     llm = make(tiny, k)
     before = llm.engine.stats["num_prefill_tokens"]
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
-    own = sum(len(p) - len(system) for p in prompts[1:])
+    own = sum(len(p) - len(system) - 1 for p in prompts[1:])  # they share the next START too
     assert llm.engine.stats["num_prefill_tokens"] - before == len(prompts[0]) + own
     cold, want = cold_run(tiny, k, prompts, greedy())
     assert_same(outs, want)

@@ -1,13 +1,18 @@
 """``hybridrt bench prefix``: what the prefix cache saves, with and without it in one run.
 
-Two engines on the same checkpoint, prefix caching on and off, run the same workloads in
-alternated rounds (on, off, on, off, ...); each round starts with the cache emptied:
+Three engines on the same checkpoint, prefix caching on, on with ``today``'s policy (before
+branch points were found and the interval had its lead-in: statecache/branch_points.py) and
+off, run the same workloads in alternated rounds (on, today, off, on, ...); each round starts
+with the cache emptied:
 
 - ``shared``: ``num_requests`` requests submitted at once, sharing a ``system_tokens``-token
   system message, each with its own ``question_tokens``-token question (chat-shaped token ids:
   every message begins with the model's message-start token, ``<|im_start|>``, where the
   engine checkpoints). Reported: prompt tokens prefilled, median and p90 time to first token,
   wall time.
+- ``document``: ``document_questions`` requests submitted at once, each one user message: a
+  ``document_tokens``-token text without message starts, then its own ``question_tokens``-token
+  question (retrieval-augmented generation, few-shot evaluation);
 - ``disjoint``: ``disjoint_requests`` random prompts that share nothing: the cache's overhead
   (hashing, checkpoints, nothing to reuse); output tokens per second.
 
@@ -29,6 +34,7 @@ from pathlib import Path
 import torch
 
 from hybridrt.sampling_params import SamplingParams
+from hybridrt.statecache import prefix as prefix_policy
 
 
 def _random(n: int, vocab: int, avoid: set[int], g: torch.Generator) -> list[int]:
@@ -44,6 +50,16 @@ def shared_prompts(start: int, vocab: int, num_requests: int, system_tokens: int
     avoid = {start}
     system = [start] + _random(system_tokens - 1, vocab, avoid, g)
     return [system + [start] + _random(question_tokens - 1, vocab, avoid, g) + [start, 11]
+            for _ in range(num_requests)]
+
+
+def document_prompts(start: int, vocab: int, num_requests: int, document_tokens: int,
+                     question_tokens: int, seed: int = 2) -> list[list[int]]:
+    """One user message each: [start] document question, then [start] + one generation-prompt
+    token; the document is the same in all."""
+    g = torch.Generator().manual_seed(seed)
+    doc = [start] + _random(document_tokens - 1, vocab, {start}, g)
+    return [doc + _random(question_tokens, vocab, {start}, g) + [start, 11]
             for _ in range(num_requests)]
 
 
@@ -93,7 +109,8 @@ def run(model: str | None = None, threads: int | None = None, dtype: str = "auto
         quantization: str | None = None, num_requests: int = 32, system_tokens: int = 2048,
         question_tokens: int = 64, max_tokens: int = 16, disjoint_requests: int = 64,
         disjoint_tokens: int = 128, rounds: int = 2, cache_memory: str = "4GiB",
-        workloads: tuple[str, ...] = ("shared", "disjoint"),
+        workloads: tuple[str, ...] = ("shared", "disjoint"), document_tokens: int = 3000,
+        document_questions: int = 16,
         json_path: str | os.PathLike | None = None, verbose: bool = True,
         cpu_time: bool = False, engine: dict | None = None) -> dict:
     """``cpu_time``: the workloads' times (``wall_s``, hence output tok/s) in this process's CPU
@@ -104,14 +121,17 @@ def run(model: str | None = None, threads: int | None = None, dtype: str = "auto
 
     if threads is not None:
         torch.set_num_threads(threads)
-    max_len = max(system_tokens + question_tokens + 2, disjoint_tokens) + max_tokens + 8
+    longest = max(system_tokens, document_tokens if "document" in workloads else 0)
+    max_len = max(longest + question_tokens + 2, disjoint_tokens) + max_tokens + 8
     kw = {**(engine or {}), "dtype": dtype, "quantization": quantization,
           "max_model_len": max(max_len, 256),
-          "max_num_seqs": max(num_requests, disjoint_requests), "cache_memory": cache_memory,
-          "threads": threads}
-    engines = {True: LLM(model, enable_prefix_caching=True, **kw),
-               False: LLM(model, enable_prefix_caching=False, **kw)}
-    llm = engines[True]
+          "max_num_seqs": max(num_requests, disjoint_requests, document_questions),
+          "cache_memory": cache_memory, "threads": threads}
+    engines = {"on": LLM(model, enable_prefix_caching=True, **kw),
+               "today": LLM(model, enable_prefix_caching=True, **kw),
+               "off": LLM(model, enable_prefix_caching=False, **kw)}
+    engines["today"].engine.scheduler.branch_points = None
+    llm = engines["on"]
     starts = sorted(llm.engine.checkpoint_boundary_ids)
     if not starts:
         raise ValueError("this model's tokenizer has no message-start token (<|im_start|>): "
@@ -122,32 +142,45 @@ def run(model: str | None = None, threads: int | None = None, dtype: str = "auto
               "quantization": quantization, "threads": torch.get_num_threads(),
               "rounds": rounds, "clock": "cpu" if cpu_time else "wall", "workloads": {}}
     clock = time.process_time if cpu_time else time.perf_counter
-    work = {"shared": shared_prompts(starts[0], vocab, num_requests, system_tokens,
-                                     question_tokens),
-            "disjoint": disjoint_prompts(vocab, disjoint_requests, disjoint_tokens)}
+    work = {"shared": lambda: shared_prompts(starts[0], vocab, num_requests, system_tokens,
+                                             question_tokens),
+            "document": lambda: document_prompts(starts[0], vocab, document_questions,
+                                                 document_tokens, question_tokens),
+            "disjoint": lambda: disjoint_prompts(vocab, disjoint_requests, disjoint_tokens)}
     for name in workloads:
-        prompts = work[name]
-        results: dict[bool, list[dict]] = {True: [], False: []}
+        prompts = work[name]()
+        results: dict[str, list[dict]] = {key: [] for key in engines}
+        counters = {}
         for _ in range(rounds):
-            for on in (True, False):
-                engines[on].reset_prefix_cache()
-                before = dict(engines[True].engine.cache.prefix.stats)
-                results[on].append(_run_batch(engines[on], prompts, params, clock))
-                if on:
-                    counters = cache_counters(engines[True], before)
+            for key, eng in engines.items():
+                eng.reset_prefix_cache()
+                before = dict(eng.engine.cache.prefix.stats) if key != "off" else {}
+                lead_in = prefix_policy.LEAD_IN
+                if key == "today":
+                    prefix_policy.LEAD_IN = 1 << 62
+                try:
+                    results[key].append(_run_batch(eng, prompts, params, clock))
+                finally:
+                    prefix_policy.LEAD_IN = lead_in
+                if key != "off":
+                    counters[key] = cache_counters(eng, before)
                 if verbose:
-                    r = results[on][-1]
-                    print(f"{name} cache {'on ' if on else 'off'}: prefilled "
+                    r = results[key][-1]
+                    print(f"{name} cache {key}: prefilled "
                           f"{r['prefilled_tokens']}, TTFT p50 {r['ttft_p50_s']:.2f} s, "
                           f"{report['clock']} {r['wall_s']:.1f} s", flush=True)
-        on, off = _median_row(results[True]), _median_row(results[False])
+        on, off, today = (_median_row(results[k]) for k in ("on", "off", "today"))
         row = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
-               "on": on, "off": off, "rounds_on": results[True], "rounds_off": results[False],
+               "on": on, "off": off, "today": today, "rounds_on": results["on"],
+               "rounds_off": results["off"], "rounds_today": results["today"],
                "prefilled_ratio": off["prefilled_tokens"] / max(1, on["prefilled_tokens"]),
                "ttft_p50_ratio": off["ttft_p50_s"] / on["ttft_p50_s"],
+               "today_prefilled_ratio": today["prefilled_tokens"]
+               / max(1, on["prefilled_tokens"]),
+               "today_ttft_p50_ratio": today["ttft_p50_s"] / on["ttft_p50_s"],
                "throughput_ratio": (on["output_tokens"] / on["wall_s"])
                / (off["output_tokens"] / off["wall_s"]),
-               "cache": counters}
+               "cache": counters["on"], "cache_today": counters["today"]}
         report["workloads"][name] = row
     if verbose:
         print(table(report))
@@ -161,7 +194,7 @@ def table(report: dict) -> str:
     lines = [f"| workload | cache | prefilled tokens | TTFT p50 s | TTFT p90 s | {clock} s | "
              "output tok/s |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, row in report["workloads"].items():
-        for key in ("on", "off"):
+        for key in ("on", "today", "off"):
             r = row[key]
             lines.append(f"| {name} | {key} | {r['prefilled_tokens']:.0f} | "
                          f"{r['ttft_p50_s']:.2f} | {r['ttft_p90_s']:.2f} | {r['wall_s']:.1f} | "
@@ -170,6 +203,8 @@ def table(report: dict) -> str:
         lines.append(f"| {name} | off / on | **{row['prefilled_ratio']:.1f}x** | "
                      f"**{row['ttft_p50_ratio']:.1f}x** | | | on/off "
                      f"**{row['throughput_ratio']:.3f}** |")
+        lines.append(f"| {name} | today / on | **{row['today_prefilled_ratio']:.1f}x** | "
+                     f"**{row['today_ttft_p50_ratio']:.1f}x** | | | |")
         lines.append(f"| {name} | counters | hit rate {c.get('hit_rate', 0):.3f} | "
                      f"{c.get('checkpoints_saved', 0)} checkpoints saved, "
                      f"{c.get('checkpoint_evictions', 0)} evicted | "

@@ -4,17 +4,22 @@ Prompt tokens prefilled, hit rate and checkpoints saved / held for several place
 chat-shaped workloads of token ids (docs/prefix_cache.md, "The policy measured"). Counts only,
 no timing, so a busy machine gives the same figures.
 
-The placements: message starts (``<|im_start|>``) on or off, and the token interval (0: none);
-the position before a prompt's last token and the end of every request are saved in all of
-them. Workloads, each on an emptied cache large enough that nothing is evicted (the figures are
-the placement's, not the budget's), sizes scaled by ``scale`` (1.0: the sizes below):
+The placements: message starts (``<|im_start|>``) on or off, the token interval (0: none), and
+whether branch points are found (statecache/branch_points.py: the queued prompts' common
+prefixes, the end of the cached blocks a prompt matches) and the interval's lead-in (256, 512,
+... before the first interval position) is placed: "today's" is the policy before them. The
+position before a prompt's last token and the end of every request are saved in all of them.
+Workloads, each on an emptied cache large enough that nothing is evicted (the figures are the
+placement's, not the budget's), sizes scaled by ``scale`` (1.0: the sizes below):
 
 - ``shared``: 16 requests at once, a 1,500-token system message and a 64-token question each;
 - ``agent``: a 6-message history (1,400 tokens), branched 3 ways (a 100-token message each),
   each branch answered, then continued by one more message;
 - ``chat``: 4 conversations x 6 turns, interleaved, each turn the previous prompt + its
   answer + a 120-token user message;
-- ``document``: 8 requests sharing a 3,000-token text without messages, a 50-token tail each.
+- ``document``: 8 requests sharing a 3,000-token text without messages, a 50-token tail each;
+- ``raw``: 7 requests sharing a 700-token text without messages, a 20-token tail each, one after
+  another.
 """
 
 from __future__ import annotations
@@ -27,11 +32,16 @@ from pathlib import Path
 import torch
 
 from hybridrt.sampling_params import SamplingParams
+from hybridrt.statecache import prefix as prefix_policy
+from hybridrt.statecache.branch_points import BranchPoints
 
-# (label, checkpoint at message starts, token interval)
-POLICIES = [("messages + 2048 (default)", True, 2048), ("messages only", True, 0),
-            ("2048 only", False, 2048), ("messages + 512", True, 512), ("512 only", False, 512)]
-WORKLOADS = ("shared", "agent", "chat", "document")
+# (label, checkpoint at message starts, token interval, branch points and lead-in)
+POLICIES = [("messages + 2048 (default)", True, 2048, True),
+            ("today's: messages + 2048", True, 2048, False),
+            ("messages + 512", True, 512, True), ("messages + 256", True, 256, True),
+            ("messages + 64", True, 64, True), ("messages only", True, 0, True),
+            ("2048 only, nothing found", False, 2048, False)]
+WORKLOADS = ("shared", "agent", "chat", "document", "raw")
 
 
 def _ids(n: int, vocab: int, g: torch.Generator, start: int) -> list[int]:
@@ -84,7 +94,12 @@ def workloads(vocab: int, start: int, scale: float = 1.0) -> dict:
         doc = _ids(n(3000), vocab, g, start)
         _run(llm, [doc + _ids(n(50), vocab, g, start) for _ in range(8)], params)
 
-    return {"shared": shared, "agent": agent, "chat": chat, "document": document}
+    def raw(llm, params):
+        text = _ids(n(700), vocab, g, start)
+        for _ in range(7):
+            _run(llm, [text + _ids(n(20), vocab, g, start)], params)
+
+    return {"shared": shared, "agent": agent, "chat": chat, "document": document, "raw": raw}
 
 
 def run(model: str | None = None, threads: int | None = 2, scale: float = 1.0,
@@ -114,12 +129,15 @@ def run(model: str | None = None, threads: int | None = 2, scale: float = 1.0,
     if verbose:
         print(table(report), flush=True)  # the header; the rows as they come
     args0, boundaries0 = eng.args, eng.checkpoint_boundary_ids
+    lead_in0 = prefix_policy.LEAD_IN
     try:
         for name in chosen:
-            for label, use_messages, interval in POLICIES:
+            for label, use_messages, interval, found in POLICIES:
                 llm.reset_prefix_cache()
                 eng.checkpoint_boundary_ids = messages if use_messages else frozenset()
                 eng.args = dataclasses.replace(args0, checkpoint_interval=interval)
+                eng.scheduler.branch_points = BranchPoints() if found else None
+                prefix_policy.LEAD_IN = lead_in0 if found else 1 << 62
                 before = dict(eng.cache.prefix.stats)
                 pre0 = eng.stats["num_prefill_tokens"]
                 workloads(llm.config.vocab_size, start, scale)[name](llm, params)
@@ -137,6 +155,8 @@ def run(model: str | None = None, threads: int | None = 2, scale: float = 1.0,
                     print(_row(row), flush=True)
     finally:
         eng.args, eng.checkpoint_boundary_ids = args0, boundaries0
+        eng.scheduler.branch_points = BranchPoints()
+        prefix_policy.LEAD_IN = lead_in0
     if json_path is not None:
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -221,6 +221,9 @@ class EngineLoop:
             "checkpoints_saved": prefix.get("checkpoints_saved", 0),
             "preemptions": e.stats["num_preemptions"],
             **spec.counters(),
+            "branch_points": sum(e.scheduler.branch_points.stats.values())
+            if e.scheduler.branch_points is not None else 0,
+            **cache.tier_stats(),
         }
 
 

@@ -28,6 +28,23 @@ _METRICS = [  # name, type, help, how to read it from (counters, gauges)
      lambda c, g: g["checkpoint_evictions"]),
     ("prefix_cache_block_evictions_total", "counter", "Cached KV blocks evicted.",
      lambda c, g: g["block_evictions"]),
+    ("prefix_cache_branch_points_total", "counter", "Checkpoint positions found where "
+     "queued prompts part, or where the cached blocks a prompt matches end.",
+     lambda c, g: g["branch_points"]),
+    ("prefix_cache_disk_hits_total", "counter", "Admissions that resumed from a checkpoint "
+     "restored from the disk tier.", lambda c, g: g["disk_hits"]),
+    ("prefix_cache_disk_hit_tokens_total", "counter", "Tokens taken from checkpoints restored "
+     "from the disk tier (included in prefix_cache_hit_tokens_total).",
+     lambda c, g: g["disk_hit_tokens"]),
+    ("prefix_cache_disk_spills_total", "counter", "Blocks and checkpoints written to the disk "
+     "tier (evicted, or a request's end).",
+     lambda c, g: g["disk_block_writes"] + g["disk_checkpoint_writes"]),
+    ("prefix_cache_disk_restores_total", "counter", "Blocks and checkpoints read back from the "
+     "disk tier.", lambda c, g: g["disk_block_restores"] + g["disk_checkpoint_restores"]),
+    ("prefix_cache_disk_evictions_total", "counter", "Disk tier files deleted for room.",
+     lambda c, g: g["disk_evictions"]),
+    ("prefix_cache_disk_bad_files_total", "counter", "Disk tier files skipped: truncated, "
+     "failing their checksum, or unreadable.", lambda c, g: g["disk_bad_files"]),
     ("preemptions_total", "counter", "Running requests preempted for room.",
      lambda c, g: g["preemptions"]),
     ("engine_errors_total", "counter", "Engine steps that raised.",
@@ -58,6 +75,12 @@ _METRICS = [  # name, type, help, how to read it from (counters, gauges)
      lambda c, g: g["checkpoints"]),
     ("prefix_cache_checkpoint_bytes", "gauge", "Bytes of the checkpoints held.",
      lambda c, g: g["checkpoint_bytes"]),
+    ("prefix_cache_disk_checkpoints", "gauge", "GDN state checkpoints in the disk tier.",
+     lambda c, g: g["disk_checkpoints"]),
+    ("prefix_cache_disk_blocks", "gauge", "KV blocks in the disk tier.",
+     lambda c, g: g["disk_blocks"]),
+    ("prefix_cache_disk_bytes", "gauge", "Bytes of the disk tier's files.",
+     lambda c, g: g["disk_bytes"]),
 ]
 
 
