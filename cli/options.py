@@ -106,6 +106,9 @@ MaxNumSessionsOpt = Annotated[int, typer.Option(
 LanguageModelOnlyOpt = Annotated[bool, typer.Option(
     "--language-model-only", help="Do not load the checkpoint's vision tower (its memory "
     "saved; images refused) (default: loaded where the checkpoint has one).")]
+HfOverridesOpt = Annotated[str | None, typer.Option(
+    "--hf-overrides", help="config.json entries replaced, a JSON object as vLLM's (YaRN: "
+    "docs/long_context.md) (default: none).", show_default=False)]
 EngineSeedOpt = Annotated[int, typer.Option(
     "--engine-seed", help="Seed of the engine's generator, which samples every request "
     "without a --seed of its own.")]
@@ -143,6 +146,7 @@ class ModelOptions:
     prefix_cache_dir_size: PrefixCacheDirSizeOpt = "16GiB"
     max_num_sessions: MaxNumSessionsOpt = 64
     language_model_only: LanguageModelOnlyOpt = False
+    hf_overrides: HfOverridesOpt = None
     engine_seed: EngineSeedOpt = 0
 
     # a field named otherwise than LLM's keyword argument: engine_seed, since chat's and

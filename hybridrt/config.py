@@ -7,6 +7,7 @@ under ``text_config``) and the flat text form (``model_type: qwen3_5_text``).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,62 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 
 class ConfigError(ValueError):
     """A config.json that hybridrt cannot run."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN's parameters (a config's ``rope_parameters`` with ``rope_type: "yarn"``)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None  # None: from factor (and mscale / mscale_all_dim)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def cos_sin_scale(self) -> float:
+        """The factor cos and sin are multiplied by (YaRN's 0.1 ln(s) + 1 by default)."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return mscale(self.factor, self.mscale) / mscale(self.factor, self.mscale_all_dim)
+        return mscale(self.factor)
+
+    @classmethod
+    def from_rope_parameters(cls, rope: dict, max_position_embeddings: int) -> RopeScaling:
+        """A config's yarn ``rope_parameters`` -> RopeScaling (ConfigError naming a bad
+        field); ``original_max_position_embeddings`` defaults to ``max_position_embeddings``."""
+        def number(name: str, default=None, lo: float = 0.0):
+            value = rope.get(name, default)
+            if value is None:
+                return None
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= lo:
+                raise ConfigError(f"rope_parameters.{name} must be a number > {lo:g}, "
+                                  f"got {value!r}")
+            return float(value)
+
+        if "factor" not in rope:
+            raise ConfigError("rope_parameters with rope_type 'yarn' needs 'factor'")
+        original = rope.get("original_max_position_embeddings", max_position_embeddings)
+        if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+            raise ConfigError(f"rope_parameters.original_max_position_embeddings must be a "
+                              f"positive integer, got {original!r}")
+        factor = number("factor")
+        if factor < 1:
+            raise ConfigError(f"rope_parameters.factor must be >= 1 (YaRN extends the "
+                              f"context), got {rope['factor']!r}")
+        return cls(factor=factor, original_max_position_embeddings=original,
+                   beta_fast=number("beta_fast", 32.0) or 32.0,
+                   beta_slow=number("beta_slow", 1.0) or 1.0,
+                   attention_factor=number("attention_factor"), mscale=number("mscale"),
+                   mscale_all_dim=number("mscale_all_dim"),
+                   truncate=bool(rope.get("truncate", True)))
 
 
 @dataclass(slots=True)
@@ -36,6 +93,7 @@ class ModelConfig:
     layer_types: list[str] = field(default_factory=list)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e7
+    rope_scaling: RopeScaling | None = None  # YaRN; None: plain RoPE
     partial_rotary_factor: float = 0.25
     max_position_embeddings: int = 262144
     tie_word_embeddings: bool = True
@@ -167,8 +225,15 @@ class ModelConfig:
         if not isinstance(rope, dict):
             raise ConfigError("rope_parameters must be an object")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default')")
+        if rope_type not in ("default", None, "yarn"):
+            raise ConfigError(f"rope_type {rope_type!r} is not supported ('default' or 'yarn')")
+        max_positions = get("max_position_embeddings", 262144)
+        scaling = None
+        if rope_type == "yarn":
+            scaling = RopeScaling.from_rope_parameters(rope, max_positions)
+            # YaRN reaches factor x the original context (vLLM derives max_model_len so too)
+            max_positions = max(max_positions, int(scaling.factor
+                                                   * scaling.original_max_position_embeddings))
         rope_theta = rope.get("rope_theta", text.get("rope_theta", 1e7))
         partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
 
@@ -197,8 +262,9 @@ class ModelConfig:
             layer_types=list(layer_types),
             rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
+            rope_scaling=scaling,
             partial_rotary_factor=float(partial),
-            max_position_embeddings=get("max_position_embeddings", 262144),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(tie),
             attn_output_gate=bool(get("attn_output_gate", True)),
             mtp_num_hidden_layers=int(get("mtp_num_hidden_layers", 0) or 0),
@@ -208,7 +274,9 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_file(cls, path: str | Path) -> ModelConfig:
+    def from_file(cls, path: str | Path, overrides: dict | None = None) -> ModelConfig:
+        """``overrides``: entries merged into the file's (objects key by key, anything else
+        replaced), as vLLM's ``hf_overrides``."""
         path = Path(path)
         try:
             raw = json.loads(path.read_text())
@@ -216,4 +284,15 @@ class ModelConfig:
             raise ConfigError(f"no config.json at {path}") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(merged(raw, overrides or {}))
+
+
+def merged(raw: dict, overrides: dict) -> dict:
+    """``raw`` with ``overrides`` merged in: objects key by key, other values replaced."""
+    out = dict(raw)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out

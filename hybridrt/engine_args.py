@@ -10,6 +10,7 @@ the engine goes through. Importing this module does not import torch.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,22 @@ def check_number(name: str, value: Any, lo: float, hi: float) -> float:
             or not lo <= value < hi):
         raise ValueError(f"{name} must be a number in [{lo:g}, {hi:g}), got {value!r}")
     return value
+
+
+def parse_overrides(value: Any) -> dict | None:
+    """hf_overrides: a dict, or its JSON text (``--hf-overrides``) -> the dict; otherwise a
+    one-line ValueError."""
+    if value is None or isinstance(value, dict):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hf_overrides is not valid JSON: {e}") from None
+        if isinstance(value, dict):
+            return value
+    raise ValueError(f"hf_overrides must be a JSON object of config.json entries, got "
+                     f"{value!r}")
 
 
 def check_bool(name: str, value: Any) -> bool:
@@ -82,6 +99,7 @@ class EngineArgs:
     checkpoint_share: float = 0.25
     batch_invariant: bool = False
     trace: bool = False  # a TraceRecorder on the engine's observer (hybridrt.trace)
+    hf_overrides: dict | str | None = None  # config.json entries replaced (JSON text or dict)
     language_model_only: bool = False  # the vision tower stays on disk (hybridrt.vision)
     speculative_method: str = "mtp"
     speculative_adaptive: bool = False
@@ -91,6 +109,7 @@ class EngineArgs:
     prefix_cache_dir_size: int | str = "16GiB"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "hf_overrides", parse_overrides(self.hf_overrides))
         check_int("speculative_tokens", self.speculative_tokens, lo=0)
         check_speculation(self)
         check_int("max_num_sessions", self.max_num_sessions, lo=0)

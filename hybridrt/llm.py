@@ -78,6 +78,9 @@ class LLM:
     docs/vision.md.
     speculative_method ("mtp", "ngram": prompt lookup, "mtp+ngram"), speculative_adaptive (k up
     to speculative_tokens, chosen per request), prompt_lookup_min / _max: docs/speculation.md.
+    hf_overrides: config.json entries replaced before the model is built (a dict or its JSON
+    text, vLLM's ``--hf-overrides``), e.g. YaRN: ``{"text_config": {"rope_parameters":
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144}}}``.
     trace: record the five variables of every step in ``llm.trace.steps`` (hybridrt.trace;
     docs/five-variables.md); off (None), it costs nothing.
     """
@@ -110,6 +113,7 @@ class LLM:
         speculative_method: str = "mtp", speculative_adaptive: bool = False,
         prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
         trace: bool = False,
+        hf_overrides: dict | str | None = None,
         prefix_cache_dir: str | None = None, prefix_cache_dir_size: int | str = "16GiB",
     ):
         # every keyword above, checked once (before anything loads)
@@ -129,7 +133,8 @@ class LLM:
         self.model, self.config, self.model_path = load_model(
             default_model() if model is None else model,
             dtype if isinstance(dtype, str) and dtype.lower() == "auto" else parse_dtype(dtype),
-            with_mtp=args.mtp_drafts, device=self.device, quantization=self.quantization)
+            with_mtp=args.mtp_drafts, device=self.device, quantization=self.quantization,
+            overrides=args.hf_overrides)
         stored = quant.quantization_of(self.model)
         if stored is not None and self.quantization not in (None, stored):
             raise ValueError(

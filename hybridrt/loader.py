@@ -63,8 +63,10 @@ def checkpoint_dtype(path: Path, handles: dict, device: torch.device) -> torch.d
     return found
 
 
-def load_config(path: Path) -> ModelConfig:
-    config = ModelConfig.from_file(path / "config.json")
+def load_config(path: Path, overrides: dict | None = None) -> ModelConfig:
+    """``path``'s config.json (``overrides`` merged into it, as ``hf_overrides``) with the
+    eos ids of its generation_config.json."""
+    config = ModelConfig.from_file(path / "config.json", overrides)
     gen = path / "generation_config.json"
     if gen.is_file():
         try:
@@ -219,6 +221,7 @@ def load_model(
     with_mtp: bool = True,
     device: str | torch.device = "cpu",
     quantization: str | None = None,
+    overrides: dict | None = None,
 ) -> tuple[Qwen35ForCausalLM, ModelConfig, Path]:
     """Load a checkpoint directory or hub id -> (model in eval mode, config, resolved path).
 
@@ -239,7 +242,7 @@ def load_model(
     if not auto:
         dtype = parse_dtype(dtype)
     path = resolve_model_path(model)
-    config = load_config(path)
+    config = load_config(path, overrides)
 
     handles: dict[str, tuple[object, str]] = {}
     file_of: dict[str, Path] = {}  # stored name -> its file, for error messages

@@ -321,7 +321,7 @@ class Qwen35ForCausalLM(nn.Module):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         c = self.config
-        return self.backend.rope(positions, c.rotary_dim, c.rope_theta, dtype)
+        return self.backend.rope(positions, c.rotary_dim, c.rope_theta, dtype, c.rope_scaling)
 
     def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         """-> final-normed hidden states [T, hidden] for every token of the batch: the

@@ -1,31 +1,68 @@
 """Partial rotary position embedding (RoPE on the first ``rotary_dim`` dims of each head).
 
 For text-only input Qwen3.5's interleaved M-RoPE has three identical position rows and
-reduces exactly to plain 1-D RoPE, which is what is implemented here.
+reduces exactly to plain 1-D RoPE, which is what is implemented here (image rows:
+hybridrt.vision.positions). ``scaling`` (hybridrt.config.RopeScaling) is YaRN, the context
+extension Qwen3.5's model card gives (factor 4 over 262,144 positions), as transformers
+computes it: frequencies blended between the original and the interpolated ones, cos and
+sin scaled by an attention factor.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+if TYPE_CHECKING:
+    from hybridrt.config import RopeScaling
+
+
+def inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None = None,
+             device=None) -> torch.Tensor:
+    """The rotary frequencies [rotary_dim / 2] in fp32: theta^(-2i/R), with YaRN blended
+    between them and their interpolation by ``factor`` over the dims between the
+    ``beta_fast`` and ``beta_slow`` rotation counts."""
+    exps = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim
+    if scaling is None:
+        return 1.0 / (theta ** exps)
+    pos_freqs = theta ** exps
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (scaling.factor * pos_freqs)
+
+    def dim_of(rotations: float) -> float:  # the dim that turns ``rotations`` times
+        return (rotary_dim * math.log(scaling.original_max_position_embeddings
+                                      / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device=device) - low)
+            / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency (fast dims), 0: interpolated (slow dims)
+    return interpolation * (1 - keep) + extrapolation * keep
+
 
 def rope_cos_sin(
-    positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: [T] int -> (cos, sin), each [T, rotary_dim] in ``dtype``.
 
     Frequencies are computed in fp32 and rounded to ``dtype`` afterwards, as the reference does.
     """
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device)
-                  / rotary_dim)
-    )
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    freqs = positions.to(torch.float32)[:, None] * inv_freq(
+        rotary_dim, theta, scaling, positions.device)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scaling is not None:
+        scale = scaling.cos_sin_scale()
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 class _ByPosition:
@@ -35,8 +72,8 @@ class _ByPosition:
     BLOCK = 512  # positions added at a time
     DOUBLE = False  # grow to at least twice the rows held (fewer copies of the table)
 
-    def __init__(self, rotary_dim: int, theta: float):
-        self.key = (rotary_dim, theta)
+    def __init__(self, rotary_dim: int, theta: float, scaling: RopeScaling | None = None):
+        self.key = (rotary_dim, theta, scaling)
         self.tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _rows(self, start: int, end: int, dtype: torch.dtype, device) -> tuple:
@@ -74,7 +111,9 @@ class RopeRows(_ByPosition):
     DOUBLE = True
 
     def _rows(self, start, end, dtype, device):
-        blocks = [rope_cos_sin(torch.arange(b, b + self.BLOCK, device=device), *self.key, dtype)
+        rotary_dim, theta, scaling = self.key
+        blocks = [rope_cos_sin(torch.arange(b, b + self.BLOCK, device=device), rotary_dim, theta,
+                               dtype, scaling)
                   for b in range(start, end, self.BLOCK)]
         return torch.cat([c for c, _ in blocks]), torch.cat([s for _, s in blocks])
 
@@ -87,16 +126,22 @@ class RopeTable(_ByPosition):
     ``rope_cos_sin`` forms, its cos and sin taken by the C library in fp64 and rounded, so a
     position's values do not depend on the step it is in."""
 
-    def __init__(self, rotary_dim: int, theta: float):
-        super().__init__(rotary_dim, theta)
-        half = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
-        self.inv_freq = np.array([1.0 / theta ** float(e) for e in half], dtype=np.float32)
+    def __init__(self, rotary_dim: int, theta: float, scaling: RopeScaling | None = None):
+        super().__init__(rotary_dim, theta, scaling)
+        if scaling is None:
+            half = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+            self.inv_freq = np.array([1.0 / theta ** float(e) for e in half], dtype=np.float32)
+        else:
+            self.inv_freq = inv_freq(rotary_dim, theta, scaling).numpy()
+        self.scale = 1.0 if scaling is None else scaling.cos_sin_scale()
 
     def _rows(self, start, end, dtype, device):
         freqs = np.arange(start, end, dtype=np.float32)[:, None] * self.inv_freq[None, :]
         flat = freqs.astype(np.float64).ravel().tolist()
         new = [torch.tensor([f(a) for a in flat], dtype=torch.float64).view(freqs.shape)
                for f in (math.cos, math.sin)]
+        if self.scale != 1.0:
+            new = [t.float() * self.scale for t in new]
         return tuple(torch.cat([t, t], dim=-1).float().to(dtype).to(device) for t in new)
 
 

@@ -42,6 +42,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
     return i
 
 
+def prompt_of(req) -> Sequence[int]:
+    """The request's prompt as the prefix cache keys it: ``token_ids`` (an image's tokens there
+    carry its content's key, hybridrt.vision), never the raw ``prompt_token_ids``."""
+    return req.token_ids[:len(req.prompt_token_ids)]
+
+
 def add_position(req, p: int) -> bool:
     """Checkpoint ``req``'s state after ``p`` tokens, at most all but its prompt's last token
     and only where it has not computed yet -> whether a position was added."""
@@ -71,7 +77,7 @@ class BranchPoints:
         hashes = req.block_hashes
         if hashes is None or req.request_id in self._chains:
             return
-        tokens = req.prompt_token_ids
+        tokens = prompt_of(req)
         chain = hashes.upto(tokens, hashes.num_hashable(len(tokens)))
         holders = self._holders
         lo, hi = 0, len(chain)  # the deepest shared block: chains are prefix-closed
@@ -84,7 +90,7 @@ class BranchPoints:
         if lo:
             start = lo * hashes.block_size
             for peer in itertools.islice(holders[chain[lo - 1]].values(), MAX_PEERS):
-                c = common_prefix(tokens, peer.prompt_token_ids, start)
+                c = common_prefix(tokens, prompt_of(peer), start)
                 found = add_position(req, c)
                 found = add_position(peer, c) or found
                 self.stats["branch_points_queued"] += found

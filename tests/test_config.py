@@ -90,8 +90,10 @@ def test_rope_fields_at_top_level_and_defaults():
 
 
 def test_unsupported_rope_type_is_rejected():
-    raw = tiny_text_config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4})
-    with pytest.raises(ConfigError, match="yarn"):
+    """yarn is supported (tests/test_rope_scaling.py); other scalings are refused by name."""
+    raw = tiny_text_config(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4,
+                                            "factor": 4})
+    with pytest.raises(ConfigError, match="'dynamic' is not supported"):
         ModelConfig.from_dict(raw)
 
 

@@ -60,5 +60,5 @@ def load_vision_tower(path: str | os.PathLike, text: ModelConfig, dtype: torch.d
                               f"mis-shaped {mismatched}")
     encoder.load_state_dict({n: t.to(device, dtype) for n, t in tensors.items()}, assign=True)
     encoder.eval()
-    rotary = TextRotary(text.rotary_dim, text.rope_theta, cfg.mrope_section)
+    rotary = TextRotary(text.rotary_dim, text.rope_theta, cfg.mrope_section, text.rope_scaling)
     return VisionTower(cfg, encoder, ImageProcessor(path, cfg), rotary)

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from hybridrt.kernels.rope import inv_freq
+
 # an image or frame in the prompt: (offset of its first token, merged grid (t, h, w))
 Span = tuple[int, tuple[int, int, int]]
 
@@ -47,15 +49,19 @@ def mrope_positions(num_tokens: int, spans: Sequence[Span]) -> tuple[np.ndarray,
 
 
 def mrope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float,
-                  section: Sequence[int], dtype: torch.dtype):
+                  section: Sequence[int], dtype: torch.dtype, scaling=None):
     """positions [3, T] -> (cos, sin) [T, rotary_dim] in ``dtype``, interleaved as
-    transformers' ``Qwen3_5TextRotaryEmbedding`` does (fp32 angles, rounded after)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32,
-                                             device=positions.device) / rotary_dim))
-    freqs = positions.to(torch.float32)[..., None] * inv_freq  # [3, T, R/2]
+    transformers' ``Qwen3_5TextRotaryEmbedding`` does (fp32 angles, rounded after;
+    ``scaling``: YaRN's ``RopeScaling`` or None)."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq(
+        rotary_dim, theta, scaling, positions.device)  # [3, T, R/2]
     out = freqs[0].clone()
     for row, first in ((1, 1), (2, 2)):
         idx = slice(first, section[row] * 3, 3)
         out[:, idx] = freqs[row][:, idx]
     emb = torch.cat([out, out], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scaling is not None:
+        scale = scaling.cos_sin_scale()
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)

@@ -26,6 +26,7 @@ class TextRotary:
     rotary_dim: int
     theta: float
     section: tuple[int, ...]
+    scaling: object = None  # YaRN (hybridrt.kernels.rope.RopeScaling) or None
 
 
 @dataclass(slots=True)
@@ -161,7 +162,7 @@ class VisionTower:
 
     def rope_rows(self, positions: torch.Tensor, dtype: torch.dtype):
         r = self.rotary
-        return mrope_cos_sin(positions, r.rotary_dim, r.theta, r.section, dtype)
+        return mrope_cos_sin(positions, r.rotary_dim, r.theta, r.section, dtype, r.scaling)
 
 
 def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:

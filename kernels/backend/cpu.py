@@ -258,13 +258,14 @@ class CPUBackend:
         y = self.linear(hidden, head)
         return y.float() if fp32 else y
 
-    def rope(self, positions, rotary_dim, theta, dtype):
+    def rope(self, positions, rotary_dim, theta, dtype, scaling=None):
         """By position from a table (the batch-invariant mode's own, else ``rope_cos_sin``'s
         rows: the same bits as computing them)."""
         if positions.device.type != "cpu" or not self.invariant and rotary_dim % 32:
-            return self.ref.rope(positions, rotary_dim, theta, dtype)
-        if self.rope_table is None or self.rope_table.key != (rotary_dim, theta):
-            self.rope_table = (RopeTable if self.invariant else RopeRows)(rotary_dim, theta)
+            return self.ref.rope(positions, rotary_dim, theta, dtype, scaling)
+        if self.rope_table is None or self.rope_table.key != (rotary_dim, theta, scaling):
+            self.rope_table = (RopeTable if self.invariant else RopeRows)(rotary_dim, theta,
+                                                                          scaling)
         return self.rope_table(positions, dtype)
 
     def silu_mul(self, gate, up):

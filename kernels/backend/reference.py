@@ -70,9 +70,11 @@ class ReferenceBackend:
         y = self.linear(hidden, head)
         return y.float() if fp32 else y
 
-    def rope(self, positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
-        """(cos, sin) [T, rotary_dim] of ``positions`` [T] in ``dtype``."""
-        return rope_cos_sin(positions, rotary_dim, theta, dtype)
+    def rope(self, positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype,
+             scaling=None):
+        """(cos, sin) [T, rotary_dim] of ``positions`` [T] in ``dtype`` (``scaling``: YaRN's
+        ``kernels.rope.RopeScaling`` or None)."""
+        return rope_cos_sin(positions, rotary_dim, theta, dtype, scaling)
 
     def rms_norm(self, x, weight, eps, residual=None):
         """Zero-centred RMSNorm; with ``residual``: (norm(residual + x), residual + x)."""

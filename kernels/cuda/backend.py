@@ -162,18 +162,18 @@ class CudaBackend(ReferenceBackend):
             return matmul_rows(x, w).split(sizes, dim=-1)
         return F.linear(x, w).split(sizes, dim=-1)
 
-    def rope(self, positions, rotary_dim, theta, dtype):
+    def rope(self, positions, rotary_dim, theta, dtype, scaling=None):
         """Batch-invariant mode: cos / sin looked up by position in a table made once for
         every position the engine can reach (no host sync after: CUDA graphs capture the
         look-up)."""
         if not self.invariant:
-            return super().rope(positions, rotary_dim, theta, dtype)
-        key = (rotary_dim, theta, dtype, positions.device)
+            return super().rope(positions, rotary_dim, theta, dtype, scaling)
+        key = (rotary_dim, theta, scaling, dtype, positions.device)
         tables = self.rope_tables.get(key)
         if tables is None:
             n = self.max_model_len + self.max_drafts + 2
-            tables = RopeTable(rotary_dim, theta)(torch.arange(n, device=positions.device),
-                                                  dtype)
+            tables = RopeTable(rotary_dim, theta, scaling)(
+                torch.arange(n, device=positions.device), dtype)
             self.rope_tables[key] = tables
         return tables[0][positions], tables[1][positions]
 
