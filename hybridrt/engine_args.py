@@ -14,7 +14,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from hybridrt.options import check_device_name, check_quantization, parse_memory
+from hybridrt.options import (
+    check_device_name,
+    check_kv_cache_dtype,
+    check_quantization,
+    parse_memory,
+)
 from hybridrt.specdec.methods import check_method, uses_mtp
 
 
@@ -89,6 +94,7 @@ class EngineArgs:
     prompt_lookup_max: int = 4
     prefix_cache_dir: str | os.PathLike | None = None
     prefix_cache_dir_size: int | str = "16GiB"
+    kv_cache_dtype: str = "auto"  # hybridrt.options.KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
         check_int("speculative_tokens", self.speculative_tokens, lo=0)
@@ -134,6 +140,10 @@ class EngineArgs:
             check_int("max_num_batched_tokens", self.max_num_batched_tokens, lo=1)
         check_int("block_size", self.block_size, lo=1)
         parse_memory(self.cache_memory)
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_dtype == "int8" and (str(self.device).startswith("cuda")
+                                              or self.backend in ("cuda", "triton")):
+            raise ValueError("kv_cache_dtype='int8' runs on the CPU backends only")
 
     @property
     def mtp_drafts(self) -> bool:

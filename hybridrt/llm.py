@@ -80,6 +80,8 @@ class LLM:
     to speculative_tokens, chosen per request), prompt_lookup_min / _max: docs/speculation.md.
     trace: record the five variables of every step in ``llm.trace.steps`` (hybridrt.trace;
     docs/five-variables.md); off (None), it costs nothing.
+    kv_cache_dtype: "auto" (the model's dtype), "bf16" or "int8" (one fp32 scale per 32 values,
+    ``hybridrt.kernels.kvquant``: ~1.8x the tokens of bf16 in the same memory; CPU only).
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class LLM:
         prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
         trace: bool = False,
         prefix_cache_dir: str | None = None, prefix_cache_dir_size: int | str = "16GiB",
+        kv_cache_dtype: str = "auto",
     ):
         # every keyword above, checked once (before anything loads)
         args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})

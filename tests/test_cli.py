@@ -865,7 +865,8 @@ GROUP_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs",
                "--language-model-only",
                "--speculative-method", "mtp+ngram", "--speculative-adaptive",
                "--prompt-lookup-min", "1", "--prompt-lookup-max", "3",
-               "--prefix-cache-dir", "/tmp/pc", "--prefix-cache-dir-size", "1GiB"]
+               "--prefix-cache-dir", "/tmp/pc", "--prefix-cache-dir-size", "1GiB",
+               "--kv-cache-dtype", "int8"]
 GROUP_KWARGS = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 3,
                 "max_num_batched_tokens": 64, "cache_memory": "64MiB", "device": "cpu",
                 "threads": 1, "quantization": "int8", "speculative_tokens": 2,
@@ -875,7 +876,8 @@ GROUP_KWARGS = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 3,
                 "seed": 7, "language_model_only": True, "speculative_method": "mtp+ngram",
                 "speculative_adaptive": True,
                 "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-                "prefix_cache_dir": "/tmp/pc", "prefix_cache_dir_size": "1GiB"}
+                "prefix_cache_dir": "/tmp/pc", "prefix_cache_dir_size": "1GiB",
+                "kv_cache_dtype": "int8"}
 
 
 def _record_llm(monkeypatch):
