@@ -63,6 +63,10 @@ class CacheSizing:
         per_req = -(-self.max_model_len // self.block_size)
         return min(self.max_num_seqs, self.num_blocks / per_req)
 
+    def context_tokens(self, concurrency: int = 1) -> int:
+        """KV tokens each of ``concurrency`` requests can hold at once (whole blocks)."""
+        return self.num_blocks // concurrency * self.block_size
+
     @property
     def total_bytes(self) -> int:
         """The budget both stores may fill (memory is taken as they fill it, on the CPU)."""

@@ -238,3 +238,28 @@ def test_sizing_counts_int8_bytes_at_262144_tokens():
     assert sizes[torch.int8].max_tokens > 1.7 * sizes[torch.bfloat16].max_tokens
     t = CacheTensors.allocate(cfg, 2, 2, 16, torch.bfloat16, kv_dtype=torch.int8)
     assert t.key_caches[0].shape == (2, 16, 2, 288) and t.key_tails[0].dtype == torch.int8
+
+
+def test_context_capacity_at_262144_tokens():
+    """0.8B shape with its MTP layer: the budget of one 262144-token request in bf16 KV holds
+    exactly that; int8 KV holds 14336 / 8064 times as many tokens in it (whole blocks), and 4
+    requests share it evenly."""
+    from hybridrt.statecache.capacity import capacity_lines, context_capacity
+
+    cfg = ModelConfig.from_dict(QWEN35_08B_TEXT_CONFIG)
+    kw = dict(num_extra_attention_layers=1)
+    slot_bf = CacheTensors.bytes_per_slot(cfg, torch.bfloat16, 16, 1)
+    slot_i8 = CacheTensors.bytes_per_slot(cfg, torch.bfloat16, 16, 1, torch.int8)
+    budget = 262144 * 14336 + 2 * slot_bf
+    assert context_capacity(cfg, budget, torch.bfloat16, **kw) == 262144
+    assert context_capacity(cfg, budget - 1, torch.bfloat16, **kw) == 262144 - 16
+    i8 = context_capacity(cfg, budget, torch.int8, **kw)
+    assert i8 == (budget - 2 * slot_i8) // (16 * 8064) * 16 == 466048
+    assert context_capacity(cfg, budget, torch.int8, 4, **kw) == (
+        (budget - 5 * slot_i8) // (16 * 8064) // 4 * 16)
+    assert context_capacity(cfg, slot_bf, torch.bfloat16, **kw) == 0
+    lines = capacity_lines(cfg, budget, (1, 4), **kw)
+    assert "bf16 KV (14336 bytes/token)" in lines[0] and "1 request(s): 262144" in lines[0]
+    assert "int8 KV (8064 bytes/token)" in lines[1] and "1 request(s): 466048" in lines[1]
+    sizing = plan_cache(cfg, 262144, 1, 16, torch.bfloat16, memory_bytes=budget, **kw)
+    assert sizing.context_tokens(1) == 262144
