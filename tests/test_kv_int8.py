@@ -158,8 +158,8 @@ def _prompts(n=6, seed=0):
 
 def _llm(ckpt, kv, **kw):
     kw.setdefault("max_model_len", 160)
-    return LLM(ckpt, dtype="bfloat16", tokenizer=None, cache_memory=16 << 20,
-               kv_cache_dtype=kv, threads=1, **kw)
+    kw.setdefault("cache_memory", 16 << 20)
+    return LLM(ckpt, dtype="bfloat16", tokenizer=None, kv_cache_dtype=kv, threads=1, **kw)
 
 
 @needs_kernels
@@ -263,3 +263,22 @@ def test_context_capacity_at_262144_tokens():
     assert "int8 KV (8064 bytes/token)" in lines[1] and "1 request(s): 466048" in lines[1]
     sizing = plan_cache(cfg, 262144, 1, 16, torch.bfloat16, memory_bytes=budget, **kw)
     assert sizing.context_tokens(1) == 262144
+
+
+@needs_kernels
+def test_prefix_cache_hit_gives_the_cold_bits(ckpt):
+    """A hit copies int8 blocks and tails with their scales: a conversation's next turn (its
+    prefix from the checkpoint at the last turn's end, a block's tail included) gives the cold
+    run's tokens and logprob bytes."""
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    first = _prompts(1, seed=11)[0][:53]
+    llm = _llm(ckpt, "int8", checkpoint_interval=0, cache_memory=1 << 20)
+    answer = llm.generate([first], sp, use_tqdm=False)[0].outputs[0].token_ids
+    second = first + list(answer) + [9, 10]
+    for other in _prompts(4, seed=12):  # other requests' KV into the blocks freed
+        llm.generate([other], sp, use_tqdm=False)
+    warm = output_bytes(llm.generate([second], sp, use_tqdm=False)[0])
+    assert llm.engine.stats["num_cached_tokens"] >= 53  # a hit past the first turn's blocks
+    cold = _llm(ckpt, "int8", enable_prefix_caching=False).generate([second], sp,
+                                                                     use_tqdm=False)[0]
+    assert warm == output_bytes(cold)
