@@ -36,11 +36,15 @@ def test_rows_at_a_tiny_configuration(ckpt, tmp_path, capsys):
     assert json.loads(out.read_text())["rows"] == rows
     text = capsys.readouterr().out
     assert "prefill tok/s" in text and "load average" in text
+    assert "bf16 KV (" in text and "int8 KV (" in text and "tokens per request at 1" in text
 
 
 def test_cli_refuses_bad_lists():
+    """And --kv-cache-dtype, the shared flag, with one line before anything loads."""
     runner = CliRunner()
     res = runner.invoke(app, ["bench", "long", "--kv", "fp8"])
     assert res.exit_code == 2 and "--kv: unknown KV dtype 'fp8'" in res.output
     res = runner.invoke(app, ["bench", "long", "--lengths", "4k"])
     assert res.exit_code == 2 and "--lengths must be comma-separated integers" in res.output
+    res = runner.invoke(app, ["generate", "-p", "x", "--kv-cache-dtype", "fp8"])
+    assert res.exit_code == 2 and "--kv-cache-dtype: unknown dtype 'fp8'" in res.output

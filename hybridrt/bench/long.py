@@ -7,9 +7,11 @@ over ``decode_tokens`` steps of one request; depth 0: a one-token prompt). One r
 distinct length serves both: its prefill, then its decode. ``attn %``: the share of the time in
 the attention layers (the paged attention, or csrc/attn_decode.c), prefill and decode, the
 decode's from a few more steps with the layers called one by one (the step program, one call
-for all of them, hides it). The default model is the 0.8B shape with random weights. With
-``gguf`` llama.cpp's ``bench-long`` (``../shared/tools/llamacpp-bench``: ``llama-bench -p``
-and ``-d``) runs on it after ours, its rows beside them.
+for all of them, hides it). Below the table: how many tokens of context the engine's cache
+budget holds per request, alone and 4 at once, in bf16 and int8 KV. The default model is the
+0.8B shape with random weights. With ``gguf`` llama.cpp's ``bench-long``
+(``../shared/tools/llamacpp-bench``: ``llama-bench -p`` and ``-d``) runs on it after ours, its
+rows beside them.
 """
 
 from __future__ import annotations
@@ -104,10 +106,11 @@ def run(model: str | None = None, weights=("bf16", "int4"), kv_dtypes=("bf16", "
 
     from hybridrt import LLM
     from hybridrt.bench.throughput import make_random_08b
+    from hybridrt.statecache.capacity import capacity_lines
 
     torch.set_num_threads(threads)
     todo = sorted(set(lengths) | set(depths))
-    rows = []
+    rows, capacity = [], None
     with tempfile.TemporaryDirectory() as tmp:
         if model is None:
             model = str(make_random_08b(Path(tmp) / "rand08b"))
@@ -119,6 +122,11 @@ def run(model: str | None = None, weights=("bf16", "int4"), kv_dtypes=("bf16", "
                           kv_cache_dtype=kv, threads=threads, tokenizer=None,
                           max_model_len=max(todo) + decode_tokens + SHARE_STEPS + 8,
                           max_num_seqs=1, enable_prefix_caching=False, **engine)
+                if capacity is None:  # the tokens the engine's budget holds, bf16 / int8
+                    extra = llm.model.num_attention_caches - len(
+                        llm.config.full_attention_layers)
+                    capacity = capacity_lines(llm.config, llm.engine.cache.sizing.total_bytes,
+                                              (1, 4), num_extra_attention_layers=extra)
                 for n in todo:
                     bar.set_postfix_str(f"{w} weights, {kv} KV, {n} tokens")
                     r = _one(llm, n, decode_tokens)
@@ -127,7 +135,7 @@ def run(model: str | None = None, weights=("bf16", "int4"), kv_dtypes=("bf16", "
                     bar.update()
                 del llm
         bar.close()
-    report = {"threads": threads, "rows": rows, "load": os.getloadavg()}
+    report = {"threads": threads, "rows": rows, "capacity": capacity, "load": os.getloadavg()}
     if gguf is not None:
         report["llamacpp"] = llamacpp_long(gguf, threads, depths)
     print(table(report))
@@ -155,6 +163,7 @@ def table(report: dict) -> str:
         dec = (f"{r['decode_tok_s']:>13.2f} {100 * r['decode_attn_share']:>7.1f}"
                if r["decode"] else f"{'':>13} {'':>7}")
         lines.append(f"{r['weights']:<8} {r['kv']:<5} {r['length']:>7} {pre} {dec}")
+    lines += report.get("capacity", [])
     for r in report.get("llamacpp", []):
         what = (f"pp{r['n_prompt']}" if r.get("n_prompt") else f"tg{r.get('n_gen')}")
         lines.append(f"llama.cpp {r.get('type_k', '')} {what} at depth {r.get('n_depth', 0)}: "
