@@ -282,3 +282,28 @@ def test_prefix_cache_hit_gives_the_cold_bits(ckpt):
     cold = _llm(ckpt, "int8", enable_prefix_caching=False).generate([second], sp,
                                                                      use_tqdm=False)[0]
     assert warm == output_bytes(cold)
+
+
+@needs_kernels
+def test_disk_tier_restart_gives_the_unrestarted_bits(ckpt, tmp_path):
+    """int8 rows (codes and scales) to the prefix cache's disk tier and back: turns 3-4 on a
+    restarted engine, resumed from the disk, give the unrestarted engine's bits."""
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    turns = _prompts(4, seed=21)
+
+    def converse(llm, todo, history=()):
+        history, outs = list(history), []
+        for t in todo:
+            (out,) = llm.generate([history + t], sp, use_tqdm=False)
+            outs.append(output_bytes(out))
+            history = history + t + list(out.outputs[0].token_ids)
+        return history, outs
+
+    kw = dict(batch_invariant=True, max_model_len=512, cache_memory=8 << 20)
+    _, want = converse(_llm(ckpt, "int8", **kw), turns)
+    history, first = converse(_llm(ckpt, "int8", prefix_cache_dir=str(tmp_path), **kw),
+                              turns[:2])
+    second = _llm(ckpt, "int8", prefix_cache_dir=str(tmp_path), **kw)
+    _, later = converse(second, turns[2:], history)
+    assert second.engine.cache.prefix.stats["disk_hit_tokens"] >= len(history) - 1
+    assert first + later == want
