@@ -1045,6 +1045,7 @@ BENCH_ENTRIES = {
     "steps": ("steps", "run", []),
     "prefix-policy": ("prefix_policy", "run", []),
     "structured": ("structured", "run", []),
+    "long": ("long", "run", []),
 }
 
 
