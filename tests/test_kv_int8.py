@@ -307,3 +307,20 @@ def test_disk_tier_restart_gives_the_unrestarted_bits(ckpt, tmp_path):
     _, later = converse(second, turns[2:], history)
     assert second.engine.cache.prefix.stats["disk_hit_tokens"] >= len(history) - 1
     assert first + later == want
+
+
+@needs_kernels
+@pytest.mark.parametrize("setting", [("bfloat16", None), ("float32", None)])
+def test_batch_invariance_compositions_with_int8_kv(setting, monkeypatch, tmp_path):
+    """test_batch_invariance's random compositions (neighbours, chunk sizes, threads, k,
+    preemptions) with int8 KV: every target's bytes equal its run alone."""
+    import functools
+
+    import test_batch_invariance as inv
+
+    monkeypatch.setattr(inv, "LLM", functools.partial(LLM, kv_cache_dtype="int8"))
+    model = write_random_checkpoint(tmp_path, inv.CFG, seed=1)
+    ref = inv._alone(model, setting)
+    assert ref[0] == ref[2]
+    mismatches, preemptions = inv._compositions(model, setting, ref)
+    assert mismatches == [] and preemptions >= 4
