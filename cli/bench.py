@@ -822,3 +822,43 @@ def llamacpp_convert(
         typer.echo(str(conv.convert(p)))
     except conv.LlamaCppConvertError as e:
         raise CliError(str(e)) from None
+
+
+@bench_app.command("long")
+def long(
+    model: Annotated[str | None, typer.Argument(
+        metavar="MODEL", show_default=False, help="Checkpoint dir (default: a random-weight "
+        "Qwen3.5-0.8B-shaped checkpoint).")] = None,
+    lengths: Annotated[str, typer.Option(
+        "--lengths", help="Comma-separated prompt lengths whose prefill is measured.")
+    ] = "4096,16384,65536",
+    depths: Annotated[str, typer.Option(
+        "--depths", help="Comma-separated cached-token counts after which decode is measured.")
+    ] = "0,4096,16384,65536",
+    weights: Annotated[str, typer.Option(
+        "--weights", help="Comma-separated weight formats: bf16, int8, int4.")] = "bf16,int4",
+    kv: Annotated[str, typer.Option(
+        "--kv", help="Comma-separated KV cache dtypes: bf16, int8.")] = "bf16,int8",
+    decode_tokens: Annotated[int, typer.Option(
+        "--decode-tokens", min=1, help="Decode steps timed per depth.")] = 8,
+    threads: ThreadsOpt = None,
+    against_llamacpp: Annotated[Path | None, typer.Option(
+        "--against-llamacpp", metavar="GGUF", help="Also run llama.cpp's bench-long "
+        "(../shared/tools/llamacpp-bench) on this GGUF of the same model (default: off).",
+        show_default=False)] = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Prefill of long prompts and decode after long contexts, bf16 and int4 weights, bf16 and
+    int8 KV, with the attention's share of each (hybridrt/bench/long.py)."""
+    lens = _int_list("--lengths", lengths, 1)
+    deps = _int_list("--depths", depths, 0)
+    ws = [w.strip() for w in weights.split(",") if w.strip()]
+    kvs = [k.strip() for k in kv.split(",") if k.strip()]
+    if bad := [w for w in ws if w not in ("bf16", "int8", "int4")]:
+        raise CliError(f"--weights: unknown format {bad[0]!r}; choose bf16, int8 or int4", 2)
+    if bad := [k for k in kvs if k not in ("bf16", "int8")]:
+        raise CliError(f"--kv: unknown KV dtype {bad[0]!r}; choose bf16 or int8", 2)
+    from hybridrt.bench import long as bench
+
+    bench.run(model, ws, kvs, lens, deps, decode_tokens, threads or _default_threads(),
+              gguf=against_llamacpp, json_path=json_path)

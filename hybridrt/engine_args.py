@@ -15,7 +15,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from hybridrt.options import check_device_name, check_quantization, parse_memory
+from hybridrt.options import (
+    check_device_name,
+    check_kv_cache_dtype,
+    check_quantization,
+    parse_memory,
+)
 from hybridrt.specdec.methods import check_method, uses_mtp
 
 
@@ -107,6 +112,7 @@ class EngineArgs:
     prompt_lookup_max: int = 4
     prefix_cache_dir: str | os.PathLike | None = None
     prefix_cache_dir_size: int | str = "16GiB"
+    kv_cache_dtype: str = "auto"  # hybridrt.options.KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hf_overrides", parse_overrides(self.hf_overrides))
@@ -153,6 +159,10 @@ class EngineArgs:
             check_int("max_num_batched_tokens", self.max_num_batched_tokens, lo=1)
         check_int("block_size", self.block_size, lo=1)
         parse_memory(self.cache_memory)
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_dtype == "int8" and (str(self.device).startswith("cuda")
+                                              or self.backend in ("cuda", "triton")):
+            raise ValueError("kv_cache_dtype='int8' runs on the CPU backends only")
 
     @property
     def mtp_drafts(self) -> bool:
@@ -229,3 +239,14 @@ def check_cpu_backend(what: str, device, backend: str | None) -> None:
     if device.type != "cpu" or backend not in (None, "cpu", "reference"):
         raise ValueError(f"{what} runs on the CPU backends only, not device={str(device)!r} "
                          f"backend={backend!r}")
+
+
+def check_call_speculative_tokens(k, limit: int) -> None:
+    """A bad speculative_tokens of one call (``LLM.generate(..., speculative_tokens=k)``) fails
+    the call (ValueError), before any request is queued; per-request errors are for
+    per-request data. ``limit``: the LLM's own speculative_tokens."""
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= limit):
+        hint = (f" (the LLM was built with speculative_tokens={limit}: build it with a larger "
+                f"value to draft more)") if isinstance(k, int) and k > limit else ""
+        raise ValueError(f"speculative_tokens must be an integer in [0, {limit}], got "
+                         f"{k!r}{hint}")

@@ -12,7 +12,12 @@ import torch
 
 from hybridrt import env
 from hybridrt.engine import LLMEngine
-from hybridrt.engine_args import EngineArgs, check_cpu_backend, check_device  # noqa: F401
+from hybridrt.engine_args import (  # noqa: F401
+    EngineArgs,
+    check_call_speculative_tokens,
+    check_cpu_backend,
+    check_device,
+)
 from hybridrt.kernels import native, quant
 from hybridrt.kernels.memory import keep_freed_memory
 from hybridrt.loader import load_model, parse_dtype
@@ -79,10 +84,10 @@ class LLM:
     speculative_method ("mtp", "ngram": prompt lookup, "mtp+ngram"), speculative_adaptive (k up
     to speculative_tokens, chosen per request), prompt_lookup_min / _max: docs/speculation.md.
     hf_overrides: config.json entries replaced before the model is built (a dict or its JSON
-    text, vLLM's ``--hf-overrides``), e.g. YaRN: ``{"text_config": {"rope_parameters":
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144}}}``.
-    trace: record the five variables of every step in ``llm.trace.steps`` (hybridrt.trace;
-    docs/five-variables.md); off (None), it costs nothing.
+    text, vLLM's ``--hf-overrides``; YaRN: docs/long_context.md).
+    trace: record every step's five variables in ``llm.trace`` (docs/five-variables.md).
+    kv_cache_dtype: "auto" (the model's dtype), "bf16" or "int8" (one fp32 scale per 32 values,
+    ``hybridrt.kernels.kvquant``: ~1.8x the tokens of bf16 in the same memory; CPU only).
     """
 
     def __init__(
@@ -115,6 +120,7 @@ class LLM:
         trace: bool = False,
         hf_overrides: dict | str | None = None,
         prefix_cache_dir: str | None = None, prefix_cache_dir_size: int | str = "16GiB",
+        kv_cache_dtype: str = "auto",
     ):
         # every keyword above, checked once (before anything loads)
         args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})
@@ -335,16 +341,7 @@ class LLM:
                 self.engine.pop_request(rid)
 
     def _check_speculative_tokens(self, k: int | None) -> None:
-        """A bad speculative_tokens of a call fails the call (ValueError), before any request
-        is queued; per-request errors are for per-request data."""
-        limit = self.engine.speculative_tokens
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool)
-                              or not 0 <= k <= limit):
-            hint = (" (the LLM was built with speculative_tokens="
-                    f"{limit}: build it with a larger value to draft more)") if (
-                isinstance(k, int) and k > limit) else ""
-            raise ValueError(f"speculative_tokens must be an integer in [0, {limit}], got "
-                             f"{k!r}{hint}")
+        check_call_speculative_tokens(k, self.engine.speculative_tokens)
 
     def _pop_output(self, rid: str, pending: dict, tools: list[dict] | None = None,
                     parallel: bool = True) -> tuple[int, RequestOutput] | None:

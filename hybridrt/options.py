@@ -38,6 +38,17 @@ def check_quantization(name: str | None) -> str | None:
     return str(name).lower()
 
 
+KV_CACHE_DTYPES = ("auto", "bf16", "int8")  # auto: the model's dtype (kernels/kvquant.py)
+
+
+def check_kv_cache_dtype(name) -> str:
+    """``name`` if it is one of ``KV_CACHE_DTYPES``; ValueError naming the choices otherwise."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {name!r}")
+    return name
+
+
 def check_device_name(device: str) -> str:
     """'cpu', 'cuda' or 'cuda:N' -> it; else ValueError (availability is checked at load)."""
     if device == "cpu" or re.fullmatch(r"cuda(:\d+)?", device):

@@ -2,7 +2,9 @@
 
 KV layout per attention layer: ``key_cache, value_cache: [num_blocks, block_size, HKV, D]``.
 A token's KV slot is ``block * block_size + offset``; ``block_tables[b]`` lists the blocks of
-sequence b in order. Each sequence attends only to its own blocks (per-request isolation), and
+sequence b in order. An int8 cache (``kvquant``) holds rows of D codes and their scales,
+[NB, BS, HKV, kvquant.packed_width(D)]: written quantized, read back as fp32. Each sequence
+attends only to its own blocks (per-request isolation), and
 query i of a sequence with context length n and q_len new tokens sits at position
 n - q_len + i (causal within the sequence).
 """
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import kvquant
 from .meta import as_arrays
 
 
@@ -24,8 +27,11 @@ def write_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """key, value: [T, HKV, D]; caches: [NB, BS, HKV, D]; slot_mapping: [T] flat slots."""
+    """key, value: [T, HKV, D]; caches: [NB, BS, HKV, D] (or int8 rows); slot_mapping: [T]
+    flat slots."""
     nb, bs = key_cache.shape[:2]
+    if key_cache.dtype == torch.int8:
+        key, value = kvquant.quantize(key), kvquant.quantize(value)
     key_cache.view(nb * bs, *key_cache.shape[2:])[slot_mapping] = key.to(key_cache.dtype)
     value_cache.view(nb * bs, *value_cache.shape[2:])[slot_mapping] = value.to(value_cache.dtype)
 
@@ -37,6 +43,13 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) ->
     blocks = block_tables[:, pos // bs]  # [B, n]
     flat = blocks * bs + pos % bs
     return cache.view(-1, *cache.shape[2:])[flat]
+
+
+def _load(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int,
+          D: int) -> torch.Tensor:
+    """``_gather`` as fp32 values (an int8 cache's rows dequantized)."""
+    rows = _gather(cache, block_tables, num_tokens)
+    return kvquant.dequantize(rows, D) if cache.dtype == torch.int8 else rows.float()
 
 
 @dataclass(slots=True)
@@ -107,7 +120,7 @@ def paged_attention(
     (the output is rounded to the query's dtype): CPU SDPA on bf16 inputs is several times
     slower on CPUs without bf16 matrix instructions (docs/performance.md).
     """
-    H, HKV = query.shape[1], key_cache.shape[2]
+    H, HKV, D = query.shape[1], key_cache.shape[2], query.shape[2]
     if H % HKV:
         raise ValueError(f"query heads ({H}) must be a multiple of kv heads ({HKV})")
     if plan is None:
@@ -118,8 +131,8 @@ def paged_attention(
     out = torch.empty_like(query)
     if plan.decode_rows is not None:
         rows = plan.decode_rows
-        k = _gather(key_cache, plan.decode_tables, plan.decode_len).float()  # [b, n, HKV, D]
-        v = _gather(value_cache, plan.decode_tables, plan.decode_len).float()
+        k = _load(key_cache, plan.decode_tables, plan.decode_len, D)  # [b, n, HKV, D]
+        v = _load(value_cache, plan.decode_tables, plan.decode_len, D)
         mask = None
         if plan.decode_valid is not None:
             valid = plan.decode_valid
@@ -138,8 +151,8 @@ def paged_attention(
     for start, n, c, table, mask in plan.prefill:
         # 4-D [1, H, n, D]: SDPA's fused (flash) kernels take only 4-D inputs; 3-D ones fall
         # back to the math path, which materialises the [H, n, c] scores
-        k = _gather(key_cache, table, c).float().transpose(1, 2)  # [1, HKV, c, D]
-        v = _gather(value_cache, table, c).float().transpose(1, 2)
+        k = _load(key_cache, table, c, D).transpose(1, 2)  # [1, HKV, c, D]
+        v = _load(value_cache, table, c, D).transpose(1, 2)
         q = query[start:start + n].float().transpose(0, 1)[None]  # [1, H, n, D]
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=H != HKV,

@@ -165,7 +165,7 @@ def load(cache_dir: str | None = None, march: str | None = None) -> ctypes.CDLL 
     lib.attn_decode.restype = None
     lib.attn_decode.argtypes = ([P, I64] * 3 + [P, P, ctypes.c_float, P, P, I64, P, P, P, P, I64,
                                                 P, I64, ctypes.c_float, P] + [I64] * 5
-                                + [INT] * 3)
+                                + [INT] * 4)
     lib.rms_norm_bf16.restype = None
     lib.rms_norm_bf16.argtypes = [P, I64, P, P, P, P, ctypes.c_float, I64, I64, INT]
     lib.stream_sum.restype = ctypes.c_double  # csrc/stream.c: hybridrt/ceilings.py uses it
@@ -536,7 +536,8 @@ def attn_decode(qg, k, v, q_w, k_w, eps: float, cos, sin, key_cache, value_cache
     sequence (rows sequence after sequence) -> out [B L, H * D] in the activations' dtype, the
     gated input of o_proj; each token's k and v written to its KV slot. qg [B L, H * 2D],
     k, v [B L, HKV * D] with unit column stride; q_w, k_w [D], cos, sin [B L, R], caches
-    [blocks, block size, HKV, D] all in that dtype (fp32 or bf16); slot_mapping [B L],
+    [blocks, block size, HKV, D] all in that dtype (fp32 or bf16), or int8 caches in
+    kernels/kvquant.py's layout; slot_mapping [B L],
     block_tables [B, M], seq_lens [B] int64. Callers check every slot, block and length against
     the caches, and ``load()``."""
     N = qg.shape[0]
@@ -547,6 +548,6 @@ def attn_decode(qg, k, v, q_w, k_w, eps: float, cos, sin, key_cache, value_cache
         q_w.data_ptr(), k_w.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), cos.shape[-1],
         key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
         tables.data_ptr(), tables.shape[-1], seq_lens.data_ptr(), key_cache.shape[1], scale,
-        out.data_ptr(), N // L, L, H, HKV, D, _FUSED_DTYPES[qg.dtype], int(simd),
-        torch.get_num_threads())
+        out.data_ptr(), N // L, L, H, HKV, D, _FUSED_DTYPES[qg.dtype],
+        int(key_cache.dtype == torch.int8), int(simd), torch.get_num_threads())
     return out

@@ -102,7 +102,8 @@ class StepProgram:
                             mixer_w, m.q_norm_weight.data_ptr(), m.k_norm_weight.data_ptr(),
                             _f(m.eps), 0, 0, 0, kc.data_ptr(), vc.data_ptr(), 0, 0, 0, 0,
                             kc.shape[1], _f(m.scale), Y.data_ptr(), B, L, m.num_heads,
-                            m.num_kv_heads, m.head_dim, 1, int(backend.fused_simd)])
+                            m.num_kv_heads, m.head_dim, 1, int(kc.dtype == torch.int8),
+                            int(backend.fused_simd)])
                 y_width = m.num_heads * m.head_dim
             ops.append(self._product(backend, Y, y_width, f.mixer_out, H))
             if i == 0:

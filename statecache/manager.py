@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridrt.config import ModelConfig
+from hybridrt.kernels import kvquant
 from hybridrt.options import parse_memory
 
 from . import tiering
@@ -61,6 +62,10 @@ class CacheSizing:
         """How many max-length requests fit at once (bounded by the state slots)."""
         per_req = -(-self.max_model_len // self.block_size)
         return min(self.max_num_seqs, self.num_blocks / per_req)
+
+    def context_tokens(self, concurrency: int = 1) -> int:
+        """KV tokens each of ``concurrency`` requests can hold at once (whole blocks)."""
+        return self.num_blocks // concurrency * self.block_size
 
     @property
     def total_bytes(self) -> int:
@@ -145,12 +150,14 @@ def plan_cache(
     device: torch.device | str = "cpu",
     lookahead_tokens: int = 0,
     checkpoint_share: float = 0.0,
+    kv_dtype: torch.dtype | None = None,
 ) -> CacheSizing:
     """Size both stores from one budget: state slots for ``max_num_seqs`` requests, checkpoint
     slots for ``checkpoint_share`` of the budget, then as many KV blocks as the rest allows
     (never more than every sequence at full length needs). ``lookahead_tokens``: KV positions a
     request may write past its length (draft tokens). Refuses budgets that cannot hold one
-    max-length request; checkpoint slots give way first."""
+    max-length request; checkpoint slots give way first. ``kv_dtype``: the KV tensors' (None:
+    ``dtype``; torch.int8 counts its codes and scales)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if max_num_seqs <= 0:
@@ -166,8 +173,11 @@ def plan_cache(
         memory_bytes = int(available_memory(device) * fraction)
     if memory_bytes <= 0:
         raise ValueError(f"cache memory budget must be positive, got {memory_bytes}")
-    per_block = CacheTensors.bytes_per_block(config, block_size, dtype, num_extra_attention_layers)
-    per_slot = CacheTensors.bytes_per_slot(config, dtype, block_size, num_extra_attention_layers)
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    per_block = CacheTensors.bytes_per_block(config, block_size, kv_dtype,
+                                             num_extra_attention_layers)
+    per_slot = CacheTensors.bytes_per_slot(config, dtype, block_size, num_extra_attention_layers,
+                                           kv_dtype)
     blocks_per_req = -(-(max_model_len + lookahead_tokens) // block_size)
     one_request = blocks_per_req * per_block + (slots_per_request + 1) * per_slot
     if memory_bytes < one_request:
@@ -208,14 +218,14 @@ class HybridCacheManager:
                  device: torch.device | str = "cpu", slots_per_request: int = 1,
                  num_extra_attention_layers: int = 0, prefix_caching: bool = False,
                  salt: str = "", disk_dir: str | os.PathLike | None = None,
-                 disk_bytes: int = 0):
+                 disk_bytes: int = 0, kv_dtype: torch.dtype | None = None):
         self.config = config
         self.sizing = sizing
         self.block_size = sizing.block_size
         self.slots_per_request = slots_per_request
         self.tensors = CacheTensors.allocate(
             config, sizing.num_blocks, sizing.num_slots, sizing.block_size, dtype, device,
-            num_extra_attention_layers,
+            num_extra_attention_layers, kv_dtype,
         )
         self._blocks = BlockPool(sizing.num_blocks)
         self._slots = SlotPool(sizing.num_slots)
@@ -244,19 +254,21 @@ class HybridCacheManager:
         ``plan_cache`` from its memory budget, 1 + speculative_tokens state slots a request."""
         mem_bytes, mem_fraction = parse_memory(args.cache_memory)
         k = args.speculative_tokens
+        kv_dtype = kvquant.resolve(args.kv_cache_dtype, dtype)
         sizing = plan_cache(
             config, args.max_model_len, args.max_num_seqs, args.block_size, dtype,
             memory_bytes=mem_bytes, memory_fraction=mem_fraction, slots_per_request=1 + k,
             num_extra_attention_layers=num_extra_attention_layers, device=args.device,
             lookahead_tokens=k,
             checkpoint_share=args.checkpoint_share if args.enable_prefix_caching else 0.0,
+            kv_dtype=kv_dtype,
         )
         disk_bytes = parse_memory(args.prefix_cache_dir_size)[0] if (
             args.prefix_cache_dir is not None) else 0
         return cls(config, sizing, dtype, args.device, slots_per_request=1 + k,
                    num_extra_attention_layers=num_extra_attention_layers,
-                   prefix_caching=args.enable_prefix_caching, salt=salt,
-                   disk_dir=args.prefix_cache_dir, disk_bytes=disk_bytes)
+                   prefix_caching=args.enable_prefix_caching, salt=f"{salt}|kv={kv_dtype}",
+                   disk_dir=args.prefix_cache_dir, disk_bytes=disk_bytes, kv_dtype=kv_dtype)
 
     @property
     def prefix_caching(self) -> bool:

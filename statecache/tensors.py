@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridrt.config import ModelConfig
+from hybridrt.kernels import kvquant
 
 
 def _zeros(*shape, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -36,6 +37,10 @@ class CacheTensors:
     | ssm_states | [L_gdn, num_slots, HV, DK, DV] | float32 |
     | key_tails[i], value_tails[i] | [num_slots, block_size, HKV, D] | model |
 
+    With ``kv_dtype=torch.int8`` the KV tensors (caches and tails) are int8 rows of
+    ``kvquant.packed_width(D)``: each (token, head) row's codes with its scales beside them, so
+    whatever copies a block or a tail copies its scales too.
+
     ``key_caches[i]`` and ``value_caches[i]`` belong to attention layer i, the i-th
     ``full_attention`` entry of ``layer_types`` (the MTP layers follow the target's); GDN layer
     j is the j-th ``linear_attention`` entry. A slot that holds a prefix-cache checkpoint
@@ -61,16 +66,21 @@ class CacheTensors:
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
         num_extra_attention_layers: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> CacheTensors:
+        """``kv_dtype``: the KV tensors' (None: ``dtype``; torch.int8: ``kvquant``'s rows)."""
         if num_blocks <= 0 or num_slots <= 0 or block_size <= 0:
             raise ValueError("num_blocks, num_slots and block_size must be positive")
         n_attn = len(config.full_attention_layers) + num_extra_attention_layers
         n_gdn = len(config.linear_attention_layers)
-        kv_shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        tail_shape = (num_slots, block_size, config.num_key_value_heads, config.head_dim)
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        width = _kv_width(config, kv_dtype)
+        kv_shape = (num_blocks, block_size, config.num_key_value_heads, width)
+        tail_shape = (num_slots, block_size, config.num_key_value_heads, width)
         return cls(
-            key_caches=[_zeros(kv_shape, dtype=dtype, device=device) for _ in range(n_attn)],
-            value_caches=[_zeros(kv_shape, dtype=dtype, device=device) for _ in range(n_attn)],
+            key_caches=[_zeros(kv_shape, dtype=kv_dtype, device=device) for _ in range(n_attn)],
+            value_caches=[_zeros(kv_shape, dtype=kv_dtype, device=device)
+                          for _ in range(n_attn)],
             conv_states=_zeros(
                 n_gdn, num_slots, config.linear_conv_kernel_dim - 1, config.conv_dim,
                 dtype=dtype, device=device,
@@ -80,8 +90,9 @@ class CacheTensors:
                 config.linear_value_head_dim, dtype=torch.float32, device=device,
             ),
             block_size=block_size,
-            key_tails=[_zeros(tail_shape, dtype=dtype, device=device) for _ in range(n_attn)],
-            value_tails=[_zeros(tail_shape, dtype=dtype, device=device)
+            key_tails=[_zeros(tail_shape, dtype=kv_dtype, device=device)
+                       for _ in range(n_attn)],
+            value_tails=[_zeros(tail_shape, dtype=kv_dtype, device=device)
                          for _ in range(n_attn)],
         )
 
@@ -96,13 +107,17 @@ class CacheTensors:
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
                         num_extra_attention_layers: int = 0) -> int:
+        """A KV block's bytes in every attention layer, ``dtype`` the KV tensors' (int8:
+        codes and scales)."""
         n_attn = len(config.full_attention_layers) + num_extra_attention_layers
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * n_attn * block_size * config.num_key_value_heads * config.head_dim * elem
+        return (2 * n_attn * block_size * config.num_key_value_heads
+                * _kv_width(config, dtype) * elem)
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, dtype: torch.dtype, block_size: int = 16,
-                       num_extra_attention_layers: int = 0) -> int:
+                       num_extra_attention_layers: int = 0,
+                       kv_dtype: torch.dtype | None = None) -> int:
         """A slot's GDN state and its KV tail (``bytes_per_block`` of one block)."""
         n_gdn = len(config.linear_attention_layers)
         elem = torch.empty((), dtype=dtype).element_size()
@@ -110,4 +125,12 @@ class CacheTensors:
         ssm = (config.linear_num_value_heads * config.linear_key_head_dim
                * config.linear_value_head_dim * 4)
         return n_gdn * (conv + ssm) + CacheTensors.bytes_per_block(
-            config, block_size, dtype, num_extra_attention_layers)
+            config, block_size, dtype if kv_dtype is None else kv_dtype,
+            num_extra_attention_layers)
+
+
+def _kv_width(config: ModelConfig, kv_dtype: torch.dtype) -> int:
+    """The KV tensors' last dimension: head_dim, or an int8 row's codes and scales."""
+    if kv_dtype == torch.int8:
+        return kvquant.packed_width(config.head_dim)
+    return config.head_dim

@@ -866,7 +866,8 @@ GROUP_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs",
                "--speculative-method", "mtp+ngram", "--speculative-adaptive",
                "--prompt-lookup-min", "1", "--prompt-lookup-max", "3",
                "--prefix-cache-dir", "/tmp/pc", "--prefix-cache-dir-size", "1GiB",
-               "--hf-overrides", '{"max_position_embeddings": 1024}']
+               "--hf-overrides", '{"max_position_embeddings": 1024}',
+               "--kv-cache-dtype", "int8"]
 GROUP_KWARGS = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 3,
                 "max_num_batched_tokens": 64, "cache_memory": "64MiB", "device": "cpu",
                 "threads": 1, "quantization": "int8", "speculative_tokens": 2,
@@ -877,7 +878,8 @@ GROUP_KWARGS = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 3,
                 "speculative_adaptive": True,
                 "prompt_lookup_min": 1, "prompt_lookup_max": 3,
                 "prefix_cache_dir": "/tmp/pc", "prefix_cache_dir_size": "1GiB",
-                "hf_overrides": '{"max_position_embeddings": 1024}'}
+                "hf_overrides": '{"max_position_embeddings": 1024}',
+                "kv_cache_dtype": "int8"}
 
 
 def _record_llm(monkeypatch):
@@ -1045,6 +1047,7 @@ BENCH_ENTRIES = {
     "steps": ("steps", "run", []),
     "prefix-policy": ("prefix_policy", "run", []),
     "structured": ("structured", "run", []),
+    "long": ("long", "run", []),
 }
 
 

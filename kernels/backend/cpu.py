@@ -83,6 +83,9 @@ class CPUBackend:
         if t.key_caches:
             self.kv_shape = tuple(t.key_caches[0].shape[:2])
         pools = [*t.key_caches, *t.value_caches, *t.conv_states]
+        kv = [*t.key_caches, *t.value_caches]
+        if kv and all(p.dtype == torch.int8 and p.is_contiguous() for p in kv):
+            pools = list(t.conv_states)  # kernels/kvquant.py's rows: csrc/attn_decode.c's too
         if not (all(p.dtype == torch.bfloat16 and p.is_contiguous() for p in pools)
                 and t.ssm_states.dtype == torch.float32 and t.ssm_states.is_contiguous()):
             self.fast = None
@@ -224,7 +227,7 @@ class CPUBackend:
             if L and self.native:
                 _check_kv(batch, tuple(key_cache.shape[:2]))
         if not (self.native and L and native.fused_dtype_code(dtype) is not None
-                and key_cache.dtype == value_cache.dtype == cos.dtype == dtype
+                and _kv_dtype_ok(key_cache, value_cache, dtype) and cos.dtype == dtype
                 and k.dtype == v.dtype == layer.q_norm_weight.dtype == dtype
                 and key_cache.is_contiguous() and value_cache.is_contiguous()
                 and qg.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and cos.is_contiguous()
@@ -305,8 +308,8 @@ class CPUBackend:
         per run of sequences with the same number of new tokens."""
         dtype = qg.dtype
         if not (native.fused_dtype_code(dtype) is not None
-                and key_cache.dtype == value_cache.dtype == cos.dtype == k.dtype == v.dtype
-                == layer.q_norm_weight.dtype == dtype
+                and _kv_dtype_ok(key_cache, value_cache, dtype)
+                and cos.dtype == k.dtype == v.dtype == layer.q_norm_weight.dtype == dtype
                 and key_cache.is_contiguous() and value_cache.is_contiguous()
                 and qg.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
             raise ValueError(f"batch_invariant: attention needs fp32 or bf16 activations and "
@@ -511,6 +514,12 @@ def _weight_of(w):
     if isinstance(w, quant.PackedWeight):
         return w
     return w if w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous() else None
+
+
+def _kv_dtype_ok(key_cache, value_cache, dtype) -> bool:
+    """Whether csrc/attn_decode.c reads these caches with ``dtype`` activations: caches in that
+    dtype, or int8 ones (kernels/kvquant.py)."""
+    return key_cache.dtype == value_cache.dtype and key_cache.dtype in (dtype, torch.int8)
 
 
 FUSED_MAX_TOKENS = 8  # new tokens per sequence up to which csrc/attn_decode.c runs a step

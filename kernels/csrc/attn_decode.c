@@ -17,9 +17,15 @@
  * [D]; caches [num_blocks, BS, HKV, D]; slot_mapping [B L] (flat slot block * BS + offset);
  * tables [B, M]; ctx_lens [B] (>= L); all in the activations' dtype or int64. The caller has
  * checked every slot, block and length against the caches. out [B L, H * D] contiguous.
+ *
+ * kvq = 1: int8 caches [num_blocks, BS, HKV, W] in kernels/kvquant.py's layout, W = D + 4 D / G:
+ * a (token, head) row's D codes, then one fp32 scale per group of G values (G = 32 where D
+ * allows, else D); a value is code * scale. Written as kvquant.quantize does: scale =
+ * max |x| / 127 over the group, code = round-to-even(x / scale) (0 for an all-zero group).
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "bf16.h"
 #include "kernels.h"
@@ -45,19 +51,107 @@ static void norm_rope(const void *x, int64_t off, const void *w, float eps, cons
 
 #define PB 32  /* positions scored per block of the online softmax */
 
+static inline int64_t kv_group(int64_t D) { return D % 32 == 0 ? 32 : D; }
+
+static inline float kv_scale(const char *row, int64_t D, int64_t G, int64_t i)
+{
+    float s;
+    memcpy(&s, row + D + 4 * (i / G), 4);
+    return s;
+}
+
+/* x[0:D] -> an int8 row (codes, then the groups' scales) */
+static void kv_quant(const float *x, int64_t D, char *dst)
+{
+    const int64_t G = kv_group(D);
+    for (int64_t g0 = 0; g0 < D; g0 += G) {
+        float amax = 0.0f;
+        for (int64_t i = g0; i < g0 + G; ++i) amax = fmaxf(amax, fabsf(x[i]));
+        const float s = amax / 127.0f, safe = s > 0.0f ? s : 1.0f;
+        for (int64_t i = g0; i < g0 + G; ++i) {
+            float c = nearbyintf(x[i] / safe);
+            c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
+            dst[i] = (char)(int8_t)c;
+        }
+        memcpy(dst + D + 4 * (g0 / G), &s, 4);
+    }
+}
+
+/* q . (an int8 row's values) */
+static inline float q8_dot(const float *q, const char *kp, int64_t D, int64_t G, int simd)
+{
+    const int8_t *c = (const int8_t *)kp;
+#if defined(__AVX512F__)
+    if (simd == 2) {
+        __m512 d16 = _mm512_setzero_ps();
+        for (int64_t i = 0; i < D; i += 16) {
+            const __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(c + i)))), _mm512_set1_ps(kv_scale(kp, D, G, i)));
+            d16 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), x, d16);
+        }
+        return _mm512_reduce_add_ps(d16);
+    }
+#endif
+#if SIMD_MAX >= 1
+    if (simd == 1) {
+        __m256 d8 = _mm256_setzero_ps();
+        for (int64_t i = 0; i < D; i += 8) {
+            const __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(c + i)))), _mm256_set1_ps(kv_scale(kp, D, G, i)));
+            d8 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), x, d8);
+        }
+        return hsum8(d8);
+    }
+#endif
+    float dot = 0.0f;
+    for (int64_t i = 0; i < D; ++i) dot += q[i] * ((float)c[i] * kv_scale(kp, D, G, i));
+    return dot;
+}
+
+/* acc += w (an int8 row's values) */
+static inline void q8_axpy(float w, const char *vp, int64_t D, int64_t G, float *acc, int simd)
+{
+    const int8_t *c = (const int8_t *)vp;
+#if defined(__AVX512F__)
+    if (simd == 2) {
+        const __m512 w16 = _mm512_set1_ps(w);
+        for (int64_t i = 0; i < D; i += 16) {
+            const __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(c + i)))), _mm512_set1_ps(kv_scale(vp, D, G, i)));
+            _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(w16, x, _mm512_loadu_ps(acc + i)));
+        }
+        return;
+    }
+#endif
+#if SIMD_MAX >= 1
+    if (simd == 1) {
+        const __m256 w8 = _mm256_set1_ps(w);
+        for (int64_t i = 0; i < D; i += 8) {
+            const __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(c + i)))), _mm256_set1_ps(kv_scale(vp, D, G, i)));
+            _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(w8, x, _mm256_loadu_ps(acc + i)));
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < D; ++i) acc[i] += w * ((float)c[i] * kv_scale(vp, D, G, i));
+}
+
 void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, const void *v,
                  int64_t ld_v, const void *q_w, const void *k_w, float eps, const void *cos,
                  const void *sin, int64_t R, void *k_cache, void *v_cache,
                  const int64_t *slot_mapping, const int64_t *tables, int64_t M,
                  const int64_t *ctx_lens, int64_t BS, float scale, void *out, int64_t B,
-                 int64_t L, int64_t H, int64_t HKV, int64_t D, int bf, int simd,
+                 int64_t L, int64_t H, int64_t HKV, int64_t D, int bf, int kvq, int simd,
                  int num_threads)
 {
     /* the vector loops take a head 16 (AVX-512) or 8 (AVX2) dims a step */
     simd = simd < SIMD_MAX ? simd : SIMD_MAX;
     if (simd == 2 && D % 16) simd = 1;
     if (simd == 1 && D % 8) simd = 0;
-    const int64_t es = bf ? 2 : 4, row = HKV * D;  /* cache elements per slot */
+    /* a slot's and a head's bytes in the caches */
+    const int64_t G = kv_group(D), W = kvq ? D + 4 * (D / G) : D, es = kvq ? 1 : bf ? 2 : 4;
+    const int64_t row = HKV * W * es, hw = W * es;
     #pragma omp parallel num_threads(num_threads)
     {
         /* 1. the new tokens' k (normed, rotated) and v into their KV slots */
@@ -66,9 +160,14 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
             const int64_t r = th / HKV, h = th % HKV, slot = slot_mapping[r];
             float kk[D];
             norm_rope(k, r * ld_k + h * D, k_w, eps, cos, sin, r, R, D, bf, kk);
-            char *kd = (char *)k_cache + (slot * row + h * D) * es;
-            char *vd = (char *)v_cache + (slot * row + h * D) * es;
-            for (int64_t i = 0; i < D; ++i) {
+            char *kd = (char *)k_cache + slot * row + h * hw;
+            char *vd = (char *)v_cache + slot * row + h * hw;
+            if (kvq) {
+                float vv[D];
+                for (int64_t i = 0; i < D; ++i) vv[i] = act_ld(v, r * ld_v + h * D + i, bf);
+                kv_quant(kk, D, kd);
+                kv_quant(vv, D, vd);
+            } else for (int64_t i = 0; i < D; ++i) {
                 act_st(kd, i, kk[i], bf);
                 act_st(vd, i, act_ld(v, r * ld_v + h * D + i, bf), bf);
             }
@@ -87,8 +186,11 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
                 float bm = -INFINITY;
                 for (int64_t j = 0; j < np; ++j) {
                     const int64_t p = p0 + j, slot = tables[b * M + p / BS] * BS + p % BS;
-                    const char *kp = (const char *)k_cache + (slot * row + hk * D) * es;
+                    const char *kp = (const char *)k_cache + slot * row + hk * hw;
                     float dot = 0.0f;
+                    if (kvq) {
+                        dot = q8_dot(q, kp, D, G, simd);
+                    } else
 #if defined(__AVX512F__)
                     if (simd == 2) {
                         __m512 d16 = _mm512_setzero_ps();
@@ -121,9 +223,12 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
                 }
                 for (int64_t j = 0; j < np; ++j) {
                     const int64_t p = p0 + j, slot = tables[b * M + p / BS] * BS + p % BS;
-                    const char *vp = (const char *)v_cache + (slot * row + hk * D) * es;
+                    const char *vp = (const char *)v_cache + slot * row + hk * hw;
                     const float w = expf(s[j] - m);
                     l += w;
+                    if (kvq) {
+                        q8_axpy(w, vp, D, G, acc, simd);
+                    } else
 #if defined(__AVX512F__)
                     if (simd == 2) {
                         const __m512 w16 = _mm512_set1_ps(w);

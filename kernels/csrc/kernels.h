@@ -31,7 +31,7 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
                  const void *sin, int64_t R, void *k_cache, void *v_cache,
                  const int64_t *slot_mapping, const int64_t *tables, int64_t M,
                  const int64_t *ctx_lens, int64_t BS, float scale, void *out, int64_t B,
-                 int64_t L, int64_t H, int64_t HKV, int64_t D, int bf, int simd,
+                 int64_t L, int64_t H, int64_t HKV, int64_t D, int bf, int kvq, int simd,
                  int num_threads);
 
 #endif
