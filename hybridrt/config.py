@@ -54,6 +54,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
+        check_moe(self, ConfigError)  # first: an MoE config's intermediate_size is its experts'
         positive = (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
@@ -101,7 +102,6 @@ class ModelConfig:
             raise ConfigError("attn_output_gate=false is not supported (Qwen3.5 always gates)")
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
-        check_moe(self, ConfigError)
 
     # Derived sizes -------------------------------------------------------------------------
     @property

@@ -34,15 +34,16 @@ def moe_fields(model_type: str, text: dict[str, Any], error) -> dict[str, Any]:
 
 
 def check_moe(config, error) -> None:
-    """A dense config has no experts (every MoE field 0); an MoE one positive sizes and
-    1 <= num_experts_per_tok <= num_experts."""
+    """A dense config has no experts (every MoE field 0); an MoE one (its ``model_type``)
+    positive sizes and 1 <= num_experts_per_tok <= num_experts."""
     values = {k: getattr(config, k) for k in MOE_FIELDS}
     for k, v in values.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise error(f"config field {k!r} must be a non-negative integer, got {v!r}")
-    if not values["num_experts"]:
+    if config.model_type not in MOE_MODEL_TYPES:
         if any(values.values()):
-            raise error(f"MoE fields set without num_experts: {values}")
+            raise error(f"MoE fields set for the dense model_type {config.model_type!r}: "
+                        f"{values}")
         return
     for k, v in values.items():
         if v <= 0:
