@@ -145,3 +145,18 @@ def test_batch_invariant_outputs_do_not_depend_on_the_batch(ckpt, setting):
             speculative_tokens=k)
         got = {i: _key(o) for i, o in zip(order, outs) if i < len(targets)}
         assert [got[0], got[1]] == ref, (budget, k)
+
+
+def test_shape_checkpoint_is_written_quantized_and_runs(tmp_path):
+    """``bench/moe_shape.py`` (here with the tiny widths): written in 4 bits straight away,
+    it loads without quantizing again and decodes; the layer count is the one asked."""
+    from hybridrt.bench.moe_shape import write_shape_checkpoint
+
+    info = write_shape_checkpoint(tmp_path / "s", layers=5, quantization="int4",
+                                  text_config=tiny_moe_config(tie_word_embeddings=False))
+    llm = LLM(info["path"], cache_memory=16 << 20, max_model_len=64)
+    assert llm.quantization == "int4" and llm.model.config.num_hidden_layers == 5
+    assert llm.model.config.layer_types[3] == "full_attention"
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
