@@ -60,8 +60,14 @@ def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Te
         t = torch.randn(shape, generator=gen) * 0.5
     elif "norm" in name.rsplit(".", 2)[-2]:
         t = 0.1 * torch.randn(shape, generator=gen) + name.endswith("linear_attn.norm.weight")
-    else:  # linear [out, in], the conv [C, 1, K], the embedding
-        t = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+    else:  # linear [out, in], the conv [C, 1, K], the embedding: in row chunks, so that a
+        # vocabulary-sized matrix has no fp32 copy
+        t = torch.empty(shape, dtype=torch.bfloat16)
+        rows = t.view(-1, shape[-1])
+        for r in range(0, rows.shape[0], 8192):
+            part = rows[r:r + 8192]
+            part.copy_(torch.randn(part.shape, generator=gen) / math.sqrt(shape[-1]))
+        return t
     return t.to(torch.bfloat16)
 
 
