@@ -160,3 +160,16 @@ def test_shape_checkpoint_is_written_quantized_and_runs(tmp_path):
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_read_ceiling_counts_only_the_chosen_experts(ckpt):
+    """The bench's bytes a batch-1 decode step reads: k of each layer's E experts."""
+    from hybridrt.bench.ceilings import weight_bytes_per_token
+
+    net, config, _ = load_model(ckpt, torch.bfloat16, with_mtp=False)
+    every = sum(p.numel() * 2 for p in net.parameters())
+    untied_embedding = config.vocab_size * config.hidden_size * 2
+    expert = 3 * config.moe_intermediate_size * config.hidden_size * 2
+    unread = config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok)
+    want = every - unread * expert - (0 if config.tie_word_embeddings else untied_embedding)
+    assert weight_bytes_per_token(net) == want
