@@ -157,6 +157,10 @@ def test_shape_checkpoint_is_written_quantized_and_runs(tmp_path):
     llm = LLM(info["path"], cache_memory=16 << 20, max_model_len=64)
     assert llm.quantization == "int4" and llm.model.config.num_hidden_layers == 5
     assert llm.model.config.layer_types[3] == "full_attention"
+    two = write_shape_checkpoint(tmp_path / "two", layers=2, quantization="int8",
+                                 text_config=tiny_moe_config())
+    assert LLM(two["path"], cache_memory=16 << 20).model.config.layer_types == [
+        "linear_attention", "full_attention"]
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

@@ -6,8 +6,9 @@ shape::
 
 With ``--quantization int8|int4`` it is written straight in ``hybridrt quantize``'s format,
 one tensor at a time: the bf16 model is never held (peak memory about the quantized size).
-``--quantization none`` writes bf16 (some 1.5 GiB a layer: for a GGUF conversion of a few
-layers). The config is ``QWEN35_35B_A3B_TEXT_CONFIG`` with ``num_hidden_layers`` replaced;
+The layers keep the 3:1 GDN : attention pattern; fewer layers than one period end with an
+attention layer (the engine needs one). ``--quantization none`` writes bf16 (some 1.5 GiB a
+layer: for a GGUF conversion of a few layers). The config is ``QWEN35_35B_A3B_TEXT_CONFIG`` with ``num_hidden_layers`` replaced;
 nothing else here knows the 35B-A3B numbers.
 """
 
@@ -88,6 +89,9 @@ def write_shape_checkpoint(out: str | Path, layers: int = 8, quantization: str |
         raise FileExistsError(f"{out} exists and is not an empty directory")
     text = {k: v for k, v in text_config.items() if k != "layer_types"}
     text["num_hidden_layers"] = layers
+    interval = text.get("full_attention_interval", 4)
+    text["layer_types"] = ["full_attention" if (i + 1) % interval == 0 or (
+        i == layers - 1 and layers < interval) else "linear_attention" for i in range(layers)]
     config = ModelConfig.from_dict(text)
     with torch.device("meta"):
         net = Qwen35ForCausalLM(config, with_mtp=with_mtp)
