@@ -5,11 +5,12 @@ shape::
     python -m hybridrt.bench.moe_shape OUT --layers 8 --quantization int4
 
 With ``--quantization int8|int4`` it is written straight in ``hybridrt quantize``'s format,
-one tensor at a time: the bf16 model is never held (peak memory about the quantized size).
-The layers keep the 3:1 GDN : attention pattern; fewer layers than one period end with an
-attention layer (the engine needs one). ``--quantization none`` writes bf16 (some 1.5 GiB a
-layer: for a GGUF conversion of a few layers). The config is ``QWEN35_35B_A3B_TEXT_CONFIG`` with ``num_hidden_layers`` replaced;
-nothing else here knows the 35B-A3B numbers.
+one tensor at a time: the bf16 model is never held (peak memory about twice the quantized
+size: safetensors' ``save_file`` serialises the whole file in memory). The layers keep the
+3:1 GDN : attention pattern; fewer layers than one period end with an attention layer (the
+engine needs one). ``--quantization none`` writes bf16 (some 1.5 GiB a layer: for a GGUF
+conversion of a few layers). The config is ``QWEN35_35B_A3B_TEXT_CONFIG`` with
+``num_hidden_layers`` replaced; nothing else here knows the 35B-A3B numbers.
 """
 
 from __future__ import annotations
