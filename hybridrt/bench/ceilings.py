@@ -5,6 +5,7 @@ of weights a batch-1 decode step must read, whose quotient is the batch-1 decode
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
@@ -191,5 +192,5 @@ def state_bytes_per_token(tensors) -> int:
     and written once."""
     one = 0
     for t in (tensors.conv_states, tensors.ssm_states):
-        one += t.shape[0] * (t[0, 0].numel() * t.element_size())
+        one += t.shape[0] * math.prod(t.shape[2:]) * t.element_size()  # 0 without GDN layers
     return 2 * one
