@@ -1,7 +1,8 @@
 """Qwen3.5 text-model configuration, read from a Hugging Face ``config.json``.
 
 Accepts both the published multimodal form (``model_type: qwen3_5`` with the text settings
-under ``text_config``) and the flat text form (``model_type: qwen3_5_text``).
+under ``text_config``) and the flat text form (``model_type: qwen3_5_text``), and the same two
+of the MoE family (``qwen3_5_moe`` / ``qwen3_5_moe_text``, see ``hybridrt/moe_config.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+from hybridrt.moe_config import MOE_MODEL_TYPES, check_moe, moe_fields
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", *MOE_MODEL_TYPES)
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
@@ -102,8 +105,14 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     hidden_act: str = "silu"
     model_type: str = "qwen3_5_text"
+    # sparse MoE (hybridrt/moe_config.py): 0 for a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
+        check_moe(self, ConfigError)  # first: an MoE config's intermediate_size is its experts'
         positive = (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
@@ -189,12 +198,12 @@ class ModelConfig:
                 f"hybridrt runs {list(SUPPORTED_MODEL_TYPES)}"
             )
         text = raw
-        if model_type == "qwen3_5":
+        if model_type in ("qwen3_5", "qwen3_5_moe"):
             text = raw.get("text_config")
             if not isinstance(text, dict):
-                raise ConfigError("model_type 'qwen3_5' needs a 'text_config' object")
-            text_type = text.get("model_type", "qwen3_5_text")
-            if text_type != "qwen3_5_text":
+                raise ConfigError(f"model_type {model_type!r} needs a 'text_config' object")
+            text_type = text.get("model_type", f"{model_type}_text")
+            if text_type != f"{model_type}_text":
                 raise ConfigError(f"unsupported text_config.model_type {text_type!r}")
 
         def get(key: str, default: Any = ...) -> Any:
@@ -246,10 +255,12 @@ class ModelConfig:
             hidden // num_heads if isinstance(hidden, int) and isinstance(num_heads, int) else None
         )
         tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        moe = moe_fields(model_type, text, ConfigError)
         return cls(
             vocab_size=get("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=get("intermediate_size"),
+            # an MoE config has no dense MLP width: its experts' stands in (unused)
+            intermediate_size=get("intermediate_size", moe.get("moe_intermediate_size", ...)),
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=get("num_key_value_heads"),
@@ -271,6 +282,7 @@ class ModelConfig:
             eos_token_ids=[int(e) for e in eos_ids],
             hidden_act=get("hidden_act", "silu"),
             model_type=model_type,
+            **moe,
         )
 
     @classmethod

@@ -13,6 +13,7 @@ from hybridrt.kernels import int4, quant
 from hybridrt.kernels.memory import release_pages
 from hybridrt.model import Qwen35ForCausalLM
 from hybridrt.model_path import ModelNotFoundError, resolve_model_path  # noqa: F401
+from hybridrt.moe_checkpoint import adapt_expert_tensors
 from hybridrt.options import DTYPE_NAMES, check_quantization
 
 DTYPES = {name: getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
@@ -258,6 +259,8 @@ def load_model(
             if canon is not None:
                 handles[canon] = (h, name)
                 file_of[name] = f
+    if config.num_experts:  # per-expert or fused experts, read as ours
+        adapt_expert_tensors(handles, file_of)
 
     prequantized = _prequantized(opened, path)
     if prequantized:

@@ -192,7 +192,12 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config, cache_index)
         else:
             raise ValueError(f"unknown layer type {layer_type!r}")
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        if config.num_experts:
+            from hybridrt.moe_block import SparseMoeBlock  # it builds on this module's
+
+            self.mlp = SparseMoeBlock(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -204,10 +209,12 @@ class DecoderLayer(nn.Module):
         """What a backend's own decode loop reads of this layer (``DecoderLayerRecord``): the
         mixer's record, the norms, the weights of its products as they are now."""
         m, mlp = self.mixer, self.mlp
+        sparse = not isinstance(mlp, MLP)  # a sparse MoE block: no dense MLP products
         return DecoderLayerRecord(
             m.spec, self.input_layernorm.weight, self.post_attention_layernorm.weight,
             self.input_layernorm.eps, _weights(m.in_projections), kernel_weight(m.out_projection),
-            _weights((mlp.gate_proj, mlp.up_proj)), kernel_weight(mlp.down_proj))
+            () if sparse else _weights((mlp.gate_proj, mlp.up_proj)),
+            None if sparse else kernel_weight(mlp.down_proj), sparse)
 
     def forward(self, h, residual, batch, cache, cos, sin):
         """(h, residual) -> (mlp output, residual stream before it): the residual adds are

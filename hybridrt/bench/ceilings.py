@@ -5,6 +5,7 @@ of weights a batch-1 decode step must read, whose quotient is the batch-1 decode
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
@@ -161,7 +162,8 @@ def matmul_rate(threads: int, m: int = 512, k: int = 1024, n: int = 1024, reps: 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of weights one batch-1 decode step reads: every parameter (and int8 weight) of the
     model but the MTP head's, with the token embedding counted only where it is also the LM head
-    (tied; an untied embedding is one row looked up per token)."""
+    (tied; an untied embedding is one row looked up per token), and of an MoE block's routed
+    experts only the k a token chooses (hybridrt/moe_block.py: all experts are one size)."""
     def nbytes(module) -> int:  # a plain weight, or int8 values + scales (kernels/quant.py)
         q = getattr(module, "qweight", None)
         if q is not None:
@@ -175,6 +177,12 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
                  if getattr(m, "qweight", None) is not None and not name.startswith("mtp."))
     if getattr(model, "lm_head", None) is not None:
         total -= nbytes(model.model.embed_tokens)
+    for layer in model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            unread = 1 - layer.mlp.top_k / len(experts)
+            total -= int(unread * sum(nbytes(e.gate_up_proj) + nbytes(e.down_proj)
+                                      for e in experts))
     return total
 
 
@@ -184,5 +192,5 @@ def state_bytes_per_token(tensors) -> int:
     and written once."""
     one = 0
     for t in (tensors.conv_states, tensors.ssm_states):
-        one += t.shape[0] * (t[0, 0].numel() * t.element_size())
+        one += t.shape[0] * math.prod(t.shape[2:]) * t.element_size()  # 0 without GDN layers
     return 2 * one

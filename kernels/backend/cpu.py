@@ -93,12 +93,14 @@ class CPUBackend:
     # Decode steps over the model's record -------------------------------------------------
     def _fast_layers(self, record: ModelRecord) -> list[_FastLayer] | None:
         """Per decoder layer what ``forward``'s decode loop calls, or None where some layer's
-        weights do not suit it (it needs a bf16 model, the compiled kernels, and every
-        layer's projections merged: bf16 weights on the half kernels, or int8 ones)."""
+        weights do not suit it (it needs a bf16 model, the compiled kernels, dense MLPs, and
+        every layer's projections merged: bf16 weights on the half kernels, or int8 ones)."""
         if not (self.native and self.half_simd and record.dtype == torch.bfloat16):
             return None
         layers = []
         for dl in record.decoder:
+            if dl.sparse_mlp:  # an MoE layer: the model's loop runs its block
+                return None
             m = dl.mixer_layer
             mixer_in = self.groups.get(tuple(id(w) for w in dl.mixer_in))
             mlp_in = self.groups.get(tuple(id(w) for w in dl.mlp_in))

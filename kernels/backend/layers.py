@@ -88,7 +88,8 @@ class DecoderLayerRecord:
     RMSNorm weights [D] and their eps, and the weights its products read
     (``quant.kernel_weight`` of each projection, in output order): ``mixer_in`` q|k|v
     (attention) or qkv|z|b|a (GDN), ``mixer_out`` o_proj / out_proj, ``mlp_in`` gate|up,
-    ``mlp_out`` down_proj."""
+    ``mlp_out`` down_proj; ``sparse_mlp``: the MLP is a sparse MoE block
+    (``hybridrt/moe_block.py``, ``mlp_in`` empty and ``mlp_out`` None), which the model runs."""
 
     mixer_layer: AttentionLayer | GDNLayer
     input_norm_weight: torch.Tensor
@@ -98,6 +99,7 @@ class DecoderLayerRecord:
     mixer_out: object
     mlp_in: tuple
     mlp_out: object
+    sparse_mlp: bool = False
 
 
 @dataclass(eq=False, slots=True)

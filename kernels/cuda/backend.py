@@ -107,8 +107,12 @@ class CudaBackend(ReferenceBackend):
     # Binding ------------------------------------------------------------------------------
     def bind(self, record, groups) -> None:
         """``groups``: the weights of projections that read the same input, concatenated (each
-        module's weight a view into its group's: no extra memory)."""
+        module's weight a view into its group's: no extra memory). An MoE model's steps run
+        eagerly: its routing picks the experts on the host (``kernels/moe.py``), which a graph
+        cannot capture."""
         self.groups = groups
+        if any(layer.sparse_mlp for layer in record.decoder):
+            self.use_graphs = False
 
     def attach(self, cache) -> None:
         """Engine limits for the CUDA graphs' buffers (called by the runner)."""

@@ -1,0 +1,140 @@
+"""A random-weight checkpoint of the Qwen3.5-35B-A3B text shape (its real widths and all 256
+experts) with fewer decoder layers, for ``hybridrt bench throughput`` / ``steps`` on the MoE
+shape::
+
+    python -m hybridrt.bench.moe_shape OUT --layers 8 --quantization int4
+
+With ``--quantization int8|int4`` it is written straight in ``hybridrt quantize``'s format,
+one tensor at a time: the bf16 model is never held (peak memory about twice the quantized
+size: safetensors' ``save_file`` serialises the whole file in memory). The layers keep the
+3:1 GDN : attention pattern; fewer layers than one period end with an attention layer (the
+engine needs one). ``--quantization none`` writes bf16 (some 1.5 GiB a layer: for a GGUF
+conversion of a few layers). The config is ``QWEN35_35B_A3B_TEXT_CONFIG`` with
+``num_hidden_layers`` replaced; nothing else here knows the 35B-A3B numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+QWEN35_35B_A3B_TEXT_CONFIG: dict[str, Any] = {
+    "model_type": "qwen3_5_moe_text",
+    "vocab_size": 248320,
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "full_attention_interval": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "attn_output_gate": True,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                        "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                        "mrope_interleaved": True},
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 262144,
+    "mtp_num_hidden_layers": 1,
+    "hidden_act": "silu",
+    "eos_token_id": 248044,
+    "tie_word_embeddings": False,
+}
+
+
+def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """One tensor of ``bench.fixtures.random_state_dict``'s kinds, in bf16."""
+    if name.endswith("A_log"):
+        t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
+    elif name.endswith("dt_bias"):
+        t = torch.randn(shape, generator=gen) * 0.5
+    elif "norm" in name.rsplit(".", 2)[-2]:
+        t = 0.1 * torch.randn(shape, generator=gen) + name.endswith("linear_attn.norm.weight")
+    else:  # linear [out, in], the conv [C, 1, K], the embedding: in row chunks, so that a
+        # vocabulary-sized matrix has no fp32 copy
+        t = torch.empty(shape, dtype=torch.bfloat16)
+        rows = t.view(-1, shape[-1])
+        for r in range(0, rows.shape[0], 8192):
+            part = rows[r:r + 8192]
+            part.copy_(torch.randn(part.shape, generator=gen) / math.sqrt(shape[-1]))
+        return t
+    return t.to(torch.bfloat16)
+
+
+def write_shape_checkpoint(out: str | Path, layers: int = 8, quantization: str | None = "int4",
+                           seed: int = 0, with_mtp: bool = True,
+                           text_config: dict[str, Any] = QWEN35_35B_A3B_TEXT_CONFIG) -> dict:
+    """Write ``text_config``'s shape (default the 35B-A3B's) with ``layers`` decoder layers
+    into the new directory ``out`` -> {"path", "bytes", "layers", "quantization"}."""
+    from safetensors.torch import save_file
+
+    from hybridrt.config import ModelConfig
+    from hybridrt.kernels import quant
+    from hybridrt.loader import _FORMATS, QUANT_METADATA, _format_of
+    from hybridrt.model import Qwen35ForCausalLM
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty directory")
+    text = {k: v for k, v in text_config.items() if k != "layer_types"}
+    text["num_hidden_layers"] = layers
+    interval = text.get("full_attention_interval", 4)
+    text["layer_types"] = ["full_attention" if (i + 1) % interval == 0 or (
+        i == layers - 1 and layers < interval) else "linear_attention" for i in range(layers)]
+    config = ModelConfig.from_dict(text)
+    with torch.device("meta"):
+        net = Qwen35ForCausalLM(config, with_mtp=with_mtp)
+    names = quant.quantized_names(net) if quantization else set()
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, p in net.state_dict().items():
+        t = _random(name, tuple(p.shape), gen)
+        if name in names:
+            qw = _FORMATS[_format_of(quantization, name)][3](t)
+            for part, x in zip(qw.names, qw.tensors()):
+                tensors[f"{name}.{part}"] = x.contiguous()
+        else:
+            tensors[name] = t
+        del t
+    out.mkdir(parents=True, exist_ok=True)
+    metadata = {"format": "pt"}
+    if quantization:
+        metadata[QUANT_METADATA] = quantization
+    save_file(tensors, str(out / "model.safetensors"), metadata=metadata)
+    (out / "config.json").write_text(json.dumps(
+        {"architectures": ["Qwen3_5MoeForCausalLM"], **text}, indent=2))
+    return {"path": str(out), "bytes": (out / "model.safetensors").stat().st_size,
+            "layers": layers, "quantization": quantization}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m hybridrt.bench.moe_shape",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path, help="new (or empty) directory")
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers (default 8 of 40)")
+    ap.add_argument("--quantization", default="int4", choices=["int8", "int4", "none"])
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.layers < 1:
+        ap.error("--layers must be >= 1")
+    info = write_shape_checkpoint(args.out, args.layers,
+                                  None if args.quantization == "none" else args.quantization,
+                                  args.seed)
+    print(f"wrote {info['path']}: {info['layers']} layers, {info['quantization'] or 'bf16'}, "
+          f"{info['bytes'] / 2**30:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
