@@ -220,7 +220,8 @@ def load_model(
     device: str | torch.device = "cpu",
     quantization: str | None = None,
 ) -> tuple[Qwen35ForCausalLM, ModelConfig, Path]:
-    """Load a checkpoint directory or hub id -> (model in eval mode, config, resolved path).
+    """Load a checkpoint directory, GGUF file (``hybridrt.gguf``) or hub id -> (model in eval
+    mode, config, resolved path).
 
     Tensors are read through memory-mapped ``safe_open`` handles and converted to ``dtype``
     (``"auto"``: the checkpoint's own, see ``checkpoint_dtype``).
@@ -234,6 +235,12 @@ def load_model(
     """
     from safetensors import safe_open
 
+    from hybridrt.gguf import is_gguf_path
+
+    if is_gguf_path(model):  # a llama.cpp file: hybridrt.gguf undoes its conversion
+        from hybridrt.gguf.loader import load_gguf_model
+
+        return load_gguf_model(resolve_model_path(model), dtype, with_mtp, device, quantization)
     quantization = check_quantization(quantization)
     auto = isinstance(dtype, str) and dtype.lower() == "auto"
     if not auto:
