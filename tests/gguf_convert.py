@@ -56,7 +56,14 @@ def convert(ckpt: str | Path, out: str | Path, outtype: str = "f32", mtp: bool =
     subprocess.run([sys.executable, "-c", _SCRIPT, str(source()), str(ckpt), str(target), direct,
                     "1" if mtp else "0"], check=True, capture_output=True)
     if target != out:
-        subprocess.run([str(plan().bin / "llama-quantize"), str(target), str(out), outtype,
-                        str(os.cpu_count() or 1)], check=True, capture_output=True)
+        quantize(target, out, outtype)
         target.unlink()
     return out
+
+
+def quantize(src: str | Path, out: str | Path, outtype: str) -> Path:
+    """llama-quantize: GGUF file ``src`` (bf16) -> ``out`` of type ``outtype`` (q4_0, q4_K_M,
+    q6_K, iq4_xs ...; llama.cpp keeps some tensors in other types, as it chooses)."""
+    subprocess.run([str(plan().bin / "llama-quantize"), str(src), str(out), outtype,
+                    str(os.cpu_count() or 1)], check=True, capture_output=True)
+    return Path(out)

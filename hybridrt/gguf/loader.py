@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from hybridrt.gguf import names, tensors
+from hybridrt.gguf import blocks, names, tensors
 from hybridrt.gguf.config import model_config
 from hybridrt.gguf.reader import GGUFError, GGUFFile
 from hybridrt.kernels import quant
@@ -61,23 +61,37 @@ def _check(f: GGUFFile, expected: dict, srcs: dict, config, with_mtp: bool) -> N
         raise GGUFError(f"{f.path}: {problems[0]}{more}")
 
 
-def _q8_0(t, shape, src: names.Source) -> quant.QuantWeight:
-    """A Q8_0 weight in int8, rows and columns put back in order without touching a value."""
-    q, d = tensors.q8_0_parts(t, shape)
+def _in_order(src: names.Source, q: torch.Tensor, *groups: torch.Tensor):
+    """Values q [N, K] and their per-group tensors [N, K / 32] with ``src``'s rows and columns
+    put back in order (columns only in whole groups of 32)."""
     if src.rows is not None:
-        q, d = q.index_select(0, src.rows), d.index_select(0, src.rows)
+        q, groups = q.index_select(0, src.rows), [g.index_select(0, src.rows) for g in groups]
     if src.cols is not None:
-        groups = src.cols.view(-1, quant.GROUP)
-        if groups.shape[1] != quant.GROUP or (
-                groups - groups[:, :1] != torch.arange(quant.GROUP)).any() or (
-                groups[:, 0] % quant.GROUP).any():
-            raise GGUFError(f"{src.name}: value heads of a size that is not a multiple of 32 "
-                            f"cannot be reordered in Q8_0")
-        q, d = q.index_select(1, src.cols), d.index_select(1, groups[:, 0] // quant.GROUP)
-    if (q == -128).any():
-        raise GGUFError(f"{src.name}: Q8_0 value -128 (llama.cpp never writes it; hybridrt's "
-                        f"int8 kernels take -127..127)")
-    return tensors.q8_0_weight(q, d)
+        blocks = src.cols.view(-1, quant.GROUP)
+        if (blocks - blocks[:, :1] != torch.arange(quant.GROUP)).any() or (
+                blocks[:, 0] % quant.GROUP).any():
+            raise GGUFError(f"{src.name}: value heads whose size is not a multiple of 32 "
+                            f"cannot be put back in order in a quantized tensor")
+        first = blocks[:, 0] // quant.GROUP
+        q, groups = q.index_select(1, src.cols), [g.index_select(1, first) for g in groups]
+    return q, *groups
+
+
+def _packed(t, shape, src: names.Source) -> quant.PackedWeight:
+    """A quantized GGUF weight in hybridrt's format for its type (``tensors``)."""
+    kind = tensors.type_name(t)
+    fmt = tensors.QUANT_FORMATS[kind]
+    if fmt == "int8":
+        q, d = _in_order(src, *blocks.int8_groups(t, shape))
+        if (q == -128).any():
+            raise GGUFError(f"{src.name}: {kind} value -128 (llama.cpp never writes it; "
+                            f"hybridrt's int8 kernels take -127..127)")
+        return tensors.int8_weight(q, d)
+    if kind in tensors.NIBBLE_TYPES:
+        q, step, minimum = _in_order(src, *blocks.nibble_groups(t, shape))
+        if (minimum >= 0).all():
+            return tensors.int4_weight(q, step, minimum)
+    return tensors.requantized(names.restore(tensors.dequantized(t, shape), src), fmt)
 
 
 def load_gguf_model(path: str | os.PathLike, dtype="auto", with_mtp: bool = True,
@@ -86,10 +100,10 @@ def load_gguf_model(path: str | os.PathLike, dtype="auto", with_mtp: bool = True
 
     ``dtype``: the float tensors' dtype ("auto": ``auto_dtype``). ``with_mtp``: load the
     nextn (MTP) blocks when the file has them. Quantized tensors keep their precision in
-    hybridrt's formats (Q8_0 as int8, exactly; the 4- and 5/6-bit types as int4 / int6) on
-    the CPU, and are dequantized to ``dtype`` on other devices. ``quantization`` ("int8",
-    "int4") quantizes the float weights of Linears and the embedding as ``load_model``
-    does."""
+    hybridrt's formats (``tensors``: Q8_0 and IQ4_NL as int8 exactly, IQ4_XS as int8, Q4_0,
+    Q4_1, Q4_K as int4 with their values kept, the 5- and 6-bit types as int6) on the CPU,
+    and are dequantized to ``dtype`` on other devices. ``quantization`` ("int8", "int4")
+    quantizes the float weights of Linears and the embedding as ``load_model`` does."""
     from hybridrt.loader import _FORMATS, _format_of, parse_dtype
     from hybridrt.model import Qwen35ForCausalLM
     from hybridrt.options import check_quantization
@@ -115,11 +129,7 @@ def load_gguf_model(path: str | os.PathLike, dtype="auto", with_mtp: bool = True
         kind = tensors.type_name(t)
         fmt = tensors.QUANT_FORMATS.get(kind)
         if name in packable and fmt is not None and device.type == "cpu":
-            if fmt == "int8":
-                quantized[name] = _q8_0(t, shape, src)
-            else:
-                quantized[name] = tensors.requantized(
-                    names.restore(tensors.dequantized(t, shape), src), fmt)
+            quantized[name] = _packed(t, shape, src)
             continue
         if fmt is None:
             w = names.restore(tensors.float_tensor(t, names.stored_shape(shape, src)), src)
