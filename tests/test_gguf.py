@@ -1,8 +1,10 @@
-"""GGUF files made by llama.cpp's own converter from a tiny random checkpoint (value heads
-twice the key heads, so the converter reorders them; the demo model's byte-level BPE
-tokenizer): config, tokenizer, every weight and greedy output recovered (docs/gguf.md)."""
+"""GGUF files made by llama.cpp's own converter from a tiny random checkpoint (three value heads
+per key head, so the converter reorders them, and its reordering is not its own inverse; the
+demo model's byte-level BPE tokenizer): config, tokenizer, every weight and greedy output
+recovered; malformed files refused in one line before any weight is read (docs/gguf.md)."""
 
 import shutil
+import struct
 from concurrent.futures import ThreadPoolExecutor
 
 import gguf_convert
@@ -16,8 +18,8 @@ from hybridrt.bench.fixtures import (
     write_random_checkpoint,
 )
 from hybridrt.config import ModelConfig
-from hybridrt.gguf import names
-from hybridrt.gguf.reader import GGUFFile
+from hybridrt.gguf import blocks, names, tensors
+from hybridrt.gguf.reader import GGUFError, GGUFFile
 from hybridrt.gguf.tokenizer import load_gguf_tokenizer
 from hybridrt.kernels import quant
 from hybridrt.loader import load_model
@@ -29,7 +31,7 @@ pytestmark = pytest.mark.skipif(gguf_convert.available() is not None,
 
 CONFIG = tiny_text_config(
     vocab_size=6144, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6,
     linear_key_head_dim=16, linear_value_head_dim=32, eos_token_id=2)
 FILES = {"f32_mtp": ("f32", True), "f32": ("f32", False), "bf16_mtp": ("bf16", True),
          "f16": ("f16", False), "q8_0_mtp": ("q8_0", True)}
@@ -185,3 +187,65 @@ def test_greedy_equals_transformers_on_the_original(files, original, key, spec):
                           use_tqdm=False)
     assert out.outputs[0].token_ids == ids[len(prompt):]
     assert llm.tokenizer is not None and llm.tokenizer.eos_token == "<|im_end|>"
+
+
+def _header_patch(src, dst, patch) -> None:
+    data = bytearray(src.read_bytes())
+    patch(data)
+    dst.write_bytes(bytes(data))
+
+
+def _wrong_magic(data):
+    data[:4] = b"GGML"
+
+
+def _other_architecture(data):
+    key = data.index(b"general.architecture")
+    value = data.index(b"qwen35", key)
+    data[value:value + 6] = b"mamba2"
+
+
+def _wrong_shape(data):
+    """blk.0.ffn_up.weight [128, 64] declared [64, 64] (its data still fits)."""
+    at = data.index(b"blk.0.ffn_up.weight") + len(b"blk.0.ffn_up.weight")
+    n_dims, ne0, ne1 = struct.unpack_from("<IQQ", data, at)
+    assert (n_dims, ne0, ne1) == (2, 64, 128)
+    struct.pack_into("<Q", data, at + 12, 64)
+
+
+def _truncated_data(data):
+    del data[len(data) * 2 // 3:]
+
+
+def _truncated_header(data):
+    del data[4096:]
+
+
+MALFORMED = {
+    "wrong magic": (_wrong_magic, "not a GGUF file (magic b'GGML'"),
+    "other architecture": (_other_architecture, "architecture 'mamba2' is not one hybridrt "
+                                                "loads"),
+    "wrong shape": (_wrong_shape, "tensor blk.0.ffn_up.weight has shape [64, 64], expected "
+                                  "[128, 64]"),
+    "truncated data": (_truncated_data, "truncated: the tensor data runs past the end"),
+    "truncated header": (_truncated_header, "malformed or truncated GGUF header"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_file_is_one_line_before_any_weight_is_read(files, tmp_path, monkeypatch,
+                                                              case):
+    patch, expected = MALFORMED[case]
+    bad = tmp_path / "bad.gguf"
+    _header_patch(files["f32"], bad, patch)
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("a weight was read before the file was checked")
+
+    for module, fn in ((tensors, "float_tensor"), (tensors, "dequantized"),
+                       (blocks, "int8_groups"), (blocks, "nibble_groups")):
+        monkeypatch.setattr(module, fn, no_read)
+    with pytest.raises(GGUFError) as e:
+        LLM(bad, dtype="float32", max_model_len=64, cache_memory=8 << 20)
+    msg = str(e.value)
+    assert "\n" not in msg and str(bad) in msg and expected in msg, msg

@@ -20,6 +20,15 @@ class GGUFError(ValueError):
     """A GGUF file hybridrt cannot load (one line naming the file and what is wrong)."""
 
 
+def _raised_in(e: BaseException, function: str) -> bool:
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == function:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 class GGUFFile:
     """One opened GGUF file: ``metadata`` (key -> Python value), ``tensors`` (name ->
     ``gguf.ReaderTensor``, data memory-mapped), ``arch`` and ``path``."""
@@ -40,6 +49,9 @@ class GGUFFile:
         try:
             reader = GGUFReader(self.path, "c")
         except Exception as e:  # noqa: BLE001 - the reader raises many kinds on a bad header
+            if _raised_in(e, "_build_tensors"):  # the header parsed; the data is not all there
+                raise GGUFError(f"{self.path}: truncated: the tensor data runs past the end of "
+                                f"the file ({size} bytes)") from None
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise GGUFError(f"{self.path}: malformed or truncated GGUF header ({why})") from None
         self._reader = reader
