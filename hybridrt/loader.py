@@ -123,15 +123,16 @@ _FORMATS = {
 
 def _format_of(quantization: str, name: str, stored: dict | None = None) -> str:
     """The format parameter ``name`` takes under ``quantization``: int4 takes 6 bits for the
-    embedding / LM head. ``stored``: a stored checkpoint's tensors, by name: an int4 one written
-    before the 6-bit head (its .qs without .hs or .codes) holds it in int8."""
+    embedding / LM head. ``stored``: a stored checkpoint's tensors, by name: each weight in the
+    format its tensors show (.hs: int6, .codes: int4, .qs alone: int8; an int4 checkpoint
+    written before the 6-bit head holds it in int8, one written from a GGUF file mixes them)."""
+    if stored is not None and f"{name}.qs" in stored:  # as stored (a GGUF's are mixed)
+        return "int6" if f"{name}.hs" in stored else "int4" if f"{name}.codes" in stored \
+            else "int8"
     if quantization == "int8":
         return "int8"
     if not int4.six_bit(name):
         return "int4"
-    if stored is not None and f"{name}.qs" in stored and not {f"{name}.hs", f"{name}.codes"} & \
-            stored.keys():
-        return "int8"
     return "int6"
 
 
@@ -169,6 +170,7 @@ def save_quantized(model: str | os.PathLike, out: str | os.PathLike,
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty directory")
     net, _, path = load_model(model, dtype="auto", with_mtp=True, quantization=quantization)
+    quantization = quant.quantization_of(net) or quantization  # a GGUF's own may be lower
     tensors = {}
     for name, module in net.named_modules():
         qw = getattr(module, "qweight", None)
@@ -183,7 +185,11 @@ def save_quantized(model: str | os.PathLike, out: str | os.PathLike,
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(out / "model.safetensors", 0o666 & ~umask)  # safetensors writes it owner-only
-    for f in path.iterdir():  # config, tokenizer, generation config, chat template ...
+    if path.is_file():  # a GGUF file: its metadata written out as the checkpoint's files
+        from hybridrt.gguf.export import write_checkpoint_files
+
+        write_checkpoint_files(path, out)
+    for f in path.iterdir() if path.is_dir() else ():  # config, tokenizer, chat template ...
         if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json",
                                                 ".bin", ".pt", ".pth")):
             shutil.copy2(f, out / f.name)

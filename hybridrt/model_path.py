@@ -92,8 +92,12 @@ _GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "
 
 
 def generation_defaults(model_path: str | os.PathLike) -> dict[str, Any]:
-    """The checkpoint's recommended sampling settings (``generation_config.json``) as
-    SamplingParams fields; {} without the file."""
+    """The checkpoint's recommended sampling settings (``generation_config.json``; a GGUF
+    file's ``general.sampling.*``) as SamplingParams fields; {} without them."""
+    if Path(model_path).is_file():
+        from hybridrt.gguf.config import sampling_defaults
+
+        return sampling_defaults(model_path)
     path = Path(model_path) / "generation_config.json"
     try:
         raw = json.loads(path.read_text()) if path.is_file() else {}

@@ -82,3 +82,30 @@ def test_an_unsupported_type_is_one_line_naming_tensor_and_type(files):
     msg = str(e.value)
     assert "\n" not in msg and "has type Q" in msg and "tensor blk." in msg
     assert "Q2_K" in msg or "Q3_K" in msg
+
+
+def test_hybridrt_quantize_reads_gguf(files, tmp_path):
+    """``save_quantized`` (``hybridrt quantize``) from a mixed GGUF: each weight stored in the
+    format it loaded in (no requantization at the next start-up), with a config, tokenizer and
+    chat template written from the metadata."""
+    from hybridrt.loader import save_quantized
+    from hybridrt.tokenizer import load_tokenizer
+
+    out = tmp_path / "q"
+    save_quantized(files["q4_K_M"], out, "int8")
+    a, ca, _ = load_model(files["q4_K_M"], "auto", with_mtp=True)
+    b, cb, _ = load_model(out, "auto", with_mtp=True)
+    assert ca.num_hidden_layers == cb.num_hidden_layers and cb.mtp_num_hidden_layers == 1
+    packed = [(n, m.qweight) for n, m in a.named_modules()
+              if isinstance(getattr(m, "qweight", None), quant.PackedWeight)]
+    assert packed
+    for name, qw in packed:
+        other = b.get_submodule(name).qweight
+        assert type(other) is type(qw), name
+        assert all(torch.equal(x, y) for x, y in zip(qw.tensors(), other.tensors())), name
+    ta, tb = load_tokenizer(files["q4_K_M"]), load_tokenizer(out)
+    text = "Hello <think> wörld </think><|im_end|>\n"
+    assert ta.encode(text) == tb.encode(text)
+    chat = [{"role": "user", "content": text}]
+    assert ta.apply_chat_template(chat, tokenize=False) == tb.apply_chat_template(
+        chat, tokenize=False)

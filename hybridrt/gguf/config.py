@@ -77,6 +77,26 @@ def text_config(f: GGUFFile) -> dict[str, Any]:
     }
 
 
+# general.sampling.* (what the converter copies from generation_config.json) -> SamplingParams
+_SAMPLING = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+             "penalty_repeat": "repetition_penalty"}
+
+
+def sampling_defaults(path) -> dict[str, Any]:
+    """A GGUF file's recommended sampling settings as SamplingParams fields ({} if none, or if
+    the file cannot be read: the loader reports that)."""
+    try:
+        f = GGUFFile(path)
+    except GGUFError:
+        return {}
+    out = {}
+    for theirs, ours in _SAMPLING.items():
+        value = f.get(f"general.sampling.{theirs}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[ours] = value if isinstance(value, int) else _f32(value)
+    return out
+
+
 def model_config(f: GGUFFile) -> ModelConfig:
     """``text_config(f)`` checked as ``ModelConfig`` checks a config.json (a bad value: a
     GGUFError naming the file)."""
