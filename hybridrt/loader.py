@@ -107,6 +107,8 @@ def _read(handles: dict, file_of: dict, name: str) -> torch.Tensor:
 
 
 QUANT_METADATA = "hybridrt.quantization"  # safetensors metadata key of save_quantized's files
+# with weights of several formats (from a GGUF file): JSON {parameter name: format}
+QUANT_FORMATS_METADATA = "hybridrt.formats"
 # the stored tensors of each quantized weight: int8 .qs and .scales, 4-bit .qs, .codes, .scales,
 # 6-bit .qs, .hs, .codes, .scales
 _QUANT_PARTS = (".qs", ".hs", ".codes", ".scales")
@@ -121,19 +123,38 @@ _FORMATS = {
 }
 
 
-def _format_of(quantization: str, name: str, stored: dict | None = None) -> str:
+def _format_of(quantization: str, name: str, stored: dict | None = None,
+               formats: dict | None = None) -> str:
     """The format parameter ``name`` takes under ``quantization``: int4 takes 6 bits for the
-    embedding / LM head. ``stored``: a stored checkpoint's tensors, by name: each weight in the
-    format its tensors show (.hs: int6, .codes: int4, .qs alone: int8; an int4 checkpoint
-    written before the 6-bit head holds it in int8, one written from a GGUF file mixes them)."""
-    if stored is not None and f"{name}.qs" in stored:  # as stored (a GGUF's are mixed)
-        return "int6" if f"{name}.hs" in stored else "int4" if f"{name}.codes" in stored \
-            else "int8"
+    embedding / LM head. ``stored``: a stored checkpoint's tensors, by name: an int4 one written
+    before the 6-bit head (its .qs without .hs or .codes) holds it in int8. ``formats``: the
+    formats a checkpoint of mixed ones declares (``QUANT_FORMATS_METADATA``), by name."""
+    if formats and name in formats:
+        return formats[name]
     if quantization == "int8":
         return "int8"
     if not int4.six_bit(name):
         return "int4"
+    if stored is not None and f"{name}.qs" in stored and not {f"{name}.hs", f"{name}.codes"} & \
+            stored.keys():
+        return "int8"
     return "int6"
+
+
+def _declared_formats(opened: list, path: Path) -> dict | None:
+    """The per-weight formats a checkpoint written from a mixed GGUF file declares, or None."""
+    raw = next((v for h in opened if (v := (h.metadata() or {}).get(QUANT_FORMATS_METADATA))),
+               None)
+    if raw is None:
+        return None
+    try:
+        formats = json.loads(raw)
+    except json.JSONDecodeError:
+        formats = None
+    if not isinstance(formats, dict) or set(formats.values()) - _FORMATS.keys():
+        raise CheckpointError(f"{path}: {QUANT_FORMATS_METADATA} must be a JSON object of "
+                              f"formats ({', '.join(_FORMATS)}) by weight name")
+    return formats
 
 
 def _prequantized(opened: list, path: Path) -> str | None:
@@ -171,17 +192,20 @@ def save_quantized(model: str | os.PathLike, out: str | os.PathLike,
         raise FileExistsError(f"{out} exists and is not an empty directory")
     net, _, path = load_model(model, dtype="auto", with_mtp=True, quantization=quantization)
     quantization = quant.quantization_of(net) or quantization  # a GGUF's own may be lower
-    tensors = {}
+    tensors, formats = {}, {}
     for name, module in net.named_modules():
         qw = getattr(module, "qweight", None)
         if isinstance(qw, quant.PackedWeight):
+            formats[f"{name}.weight"] = qw.kind
             for part, t in zip(qw.names, qw.tensors()):
                 tensors[f"{name}.weight.{part}"] = t.contiguous()
+    metadata = {"format": "pt", QUANT_METADATA: quantization}
+    if any(_format_of(quantization, n) != f for n, f in formats.items()):
+        metadata[QUANT_FORMATS_METADATA] = json.dumps(formats)
     for name, t in net.state_dict().items():
         tensors[name] = t.contiguous()
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"),
-              metadata={"format": "pt", QUANT_METADATA: quantization})
+    save_file(tensors, str(out / "model.safetensors"), metadata=metadata)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(out / "model.safetensors", 0o666 & ~umask)  # safetensors writes it owner-only
@@ -270,6 +294,7 @@ def load_model(
                 file_of[name] = f
 
     prequantized = _prequantized(opened, path)
+    formats = _declared_formats(opened, path) if prequantized else None
     if prequantized:
         if torch.device(device).type != "cpu":
             raise CheckpointError(f"{path} holds {prequantized} weights (written by hybridrt "
@@ -285,7 +310,7 @@ def load_model(
     to_quantize = quant.quantized_names(net) if quantization else set()
     if prequantized:  # each quantized weight is stored as its tensors, in the kernels' layout
         for name in to_quantize & set(expected):
-            cls, shapes, _, _ = _FORMATS[_format_of(quantization, name, handles)]
+            cls, shapes, _, _ = _FORMATS[_format_of(quantization, name, handles, formats)]
             for part, shape in zip(cls.names, shapes(expected.pop(name))):
                 expected[f"{name}.{part}"] = shape
 
@@ -316,7 +341,7 @@ def load_model(
     state, quantized = {}, {}
     if prequantized:
         for name in to_quantize & {n.removesuffix(".qs") for n in expected}:
-            fmt = _format_of(quantization, name, handles)
+            fmt = _format_of(quantization, name, handles, formats)
             cls, _, dtypes, _ = _FORMATS[fmt]
             parts = [_read(handles, file_of, f"{name}.{part}") for part in cls.names]
             if [t.dtype for t in parts] != list(dtypes):
