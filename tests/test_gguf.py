@@ -227,7 +227,7 @@ MALFORMED = {
                                                 "loads"),
     "wrong shape": (_wrong_shape, "tensor blk.0.ffn_up.weight has shape [64, 64], expected "
                                   "[128, 64]"),
-    "truncated data": (_truncated_data, "truncated: the tensor data runs past the end"),
+    "truncated data": (_truncated_data, "truncated: tensor "),
     "truncated header": (_truncated_header, "malformed or truncated GGUF header"),
 }
 
