@@ -64,6 +64,11 @@ def checkpoint_dtype(path: Path, handles: dict, device: torch.device) -> torch.d
 
 
 def load_config(path: Path) -> ModelConfig:
+    if Path(path).is_file():  # a GGUF file: its metadata
+        from hybridrt.gguf.config import model_config
+        from hybridrt.gguf.reader import GGUFFile
+
+        return model_config(GGUFFile(path))
     config = ModelConfig.from_file(path / "config.json")
     gen = path / "generation_config.json"
     if gen.is_file():

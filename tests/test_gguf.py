@@ -22,7 +22,7 @@ from hybridrt.gguf import blocks, names, tensors
 from hybridrt.gguf.reader import GGUFError, GGUFFile
 from hybridrt.gguf.tokenizer import load_gguf_tokenizer
 from hybridrt.kernels import quant
-from hybridrt.loader import load_model
+from hybridrt.loader import load_config, load_model
 from hybridrt.model_path import DEMO_MODEL_DIR
 from hybridrt.tokenizer import Tokenizer
 
@@ -75,6 +75,7 @@ def test_config_from_metadata(files, original):
                 expect = 0  # converted with --no-mtp
             assert getattr(got, field) == expect, field
         assert 2 in got.eos_token_ids and 0 in got.eos_token_ids  # <|im_end|>, <|endoftext|>
+        assert load_config(files[key]) == got  # what the benchmarks size caches by
 
 
 def test_tokenizer_from_metadata_equals_the_original(files, ckpt):
