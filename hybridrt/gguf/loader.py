@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from hybridrt.gguf import blocks, names, tensors
 from hybridrt.gguf.config import model_config
 from hybridrt.gguf.reader import GGUFError, GGUFFile
 from hybridrt.kernels import quant
+from hybridrt.kernels.memory import release_pages
 
 _FILE_TYPE_DTYPES = {0: torch.float32, 1: torch.float16, 32: torch.bfloat16}  # general.file_type
 
@@ -129,7 +131,8 @@ def load_gguf_model(path: str | os.PathLike, dtype="auto", with_mtp: bool = True
         kind = tensors.type_name(t)
         fmt = tensors.QUANT_FORMATS.get(kind)
         if name in packable and fmt is not None and device.type == "cpu":
-            quantized[name] = _packed(t, shape, src)
+            quantized[name] = _packed(t, shape, src)  # a copy: the file's pages may go
+            release_pages(torch.from_numpy(t.data.reshape(-1).view(np.uint8)))
             continue
         if fmt is None:
             w = names.restore(tensors.float_tensor(t, names.stored_shape(shape, src)), src)
