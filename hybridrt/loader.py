@@ -66,7 +66,15 @@ def checkpoint_dtype(path: Path, handles: dict, device: torch.device) -> torch.d
 
 def load_config(path: Path, overrides: dict | None = None) -> ModelConfig:
     """``path``'s config.json (``overrides`` merged into it, as ``hf_overrides``) with the
-    eos ids of its generation_config.json."""
+    eos ids of its generation_config.json; a GGUF file's metadata."""
+    if Path(path).is_file():  # a GGUF file: its metadata
+        if overrides:
+            raise ConfigError(f"hf_overrides apply to a config.json; {path} is a GGUF file, "
+                              f"whose settings come from its metadata")
+        from hybridrt.gguf.config import model_config
+        from hybridrt.gguf.reader import GGUFFile
+
+        return model_config(GGUFFile(path))
     config = ModelConfig.from_file(path / "config.json", overrides)
     gen = path / "generation_config.json"
     if gen.is_file():
@@ -110,6 +118,8 @@ def _read(handles: dict, file_of: dict, name: str) -> torch.Tensor:
 
 
 QUANT_METADATA = "hybridrt.quantization"  # safetensors metadata key of save_quantized's files
+# with weights of several formats (from a GGUF file): JSON {parameter name: format}
+QUANT_FORMATS_METADATA = "hybridrt.formats"
 # the stored tensors of each quantized weight: int8 .qs and .scales, 4-bit .qs, .codes, .scales,
 # 6-bit .qs, .hs, .codes, .scales
 _QUANT_PARTS = (".qs", ".hs", ".codes", ".scales")
@@ -124,10 +134,14 @@ _FORMATS = {
 }
 
 
-def _format_of(quantization: str, name: str, stored: dict | None = None) -> str:
+def _format_of(quantization: str, name: str, stored: dict | None = None,
+               formats: dict | None = None) -> str:
     """The format parameter ``name`` takes under ``quantization``: int4 takes 6 bits for the
     embedding / LM head. ``stored``: a stored checkpoint's tensors, by name: an int4 one written
-    before the 6-bit head (its .qs without .hs or .codes) holds it in int8."""
+    before the 6-bit head (its .qs without .hs or .codes) holds it in int8. ``formats``: the
+    formats a checkpoint of mixed ones declares (``QUANT_FORMATS_METADATA``), by name."""
+    if formats and name in formats:
+        return formats[name]
     if quantization == "int8":
         return "int8"
     if not int4.six_bit(name):
@@ -136,6 +150,22 @@ def _format_of(quantization: str, name: str, stored: dict | None = None) -> str:
             stored.keys():
         return "int8"
     return "int6"
+
+
+def _declared_formats(opened: list, path: Path) -> dict | None:
+    """The per-weight formats a checkpoint written from a mixed GGUF file declares, or None."""
+    raw = next((v for h in opened if (v := (h.metadata() or {}).get(QUANT_FORMATS_METADATA))),
+               None)
+    if raw is None:
+        return None
+    try:
+        formats = json.loads(raw)
+    except json.JSONDecodeError:
+        formats = None
+    if not isinstance(formats, dict) or set(formats.values()) - _FORMATS.keys():
+        raise CheckpointError(f"{path}: {QUANT_FORMATS_METADATA} must be a JSON object of "
+                              f"formats ({', '.join(_FORMATS)}) by weight name")
+    return formats
 
 
 def _prequantized(opened: list, path: Path) -> str | None:
@@ -172,21 +202,29 @@ def save_quantized(model: str | os.PathLike, out: str | os.PathLike,
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty directory")
     net, _, path = load_model(model, dtype="auto", with_mtp=True, quantization=quantization)
-    tensors = {}
+    quantization = quant.quantization_of(net) or quantization  # a GGUF's own may be lower
+    tensors, formats = {}, {}
     for name, module in net.named_modules():
         qw = getattr(module, "qweight", None)
         if isinstance(qw, quant.PackedWeight):
+            formats[f"{name}.weight"] = qw.kind
             for part, t in zip(qw.names, qw.tensors()):
                 tensors[f"{name}.weight.{part}"] = t.contiguous()
+    metadata = {"format": "pt", QUANT_METADATA: quantization}
+    if any(_format_of(quantization, n) != f for n, f in formats.items()):
+        metadata[QUANT_FORMATS_METADATA] = json.dumps(formats)
     for name, t in net.state_dict().items():
         tensors[name] = t.contiguous()
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"),
-              metadata={"format": "pt", QUANT_METADATA: quantization})
+    save_file(tensors, str(out / "model.safetensors"), metadata=metadata)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(out / "model.safetensors", 0o666 & ~umask)  # safetensors writes it owner-only
-    for f in path.iterdir():  # config, tokenizer, generation config, chat template ...
+    if path.is_file():  # a GGUF file: its metadata written out as the checkpoint's files
+        from hybridrt.gguf.export import write_checkpoint_files
+
+        write_checkpoint_files(path, out)
+    for f in path.iterdir() if path.is_dir() else ():  # config, tokenizer, chat template ...
         if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json",
                                                 ".bin", ".pt", ".pth")):
             shutil.copy2(f, out / f.name)
@@ -224,7 +262,8 @@ def load_model(
     quantization: str | None = None,
     overrides: dict | None = None,
 ) -> tuple[Qwen35ForCausalLM, ModelConfig, Path]:
-    """Load a checkpoint directory or hub id -> (model in eval mode, config, resolved path).
+    """Load a checkpoint directory, GGUF file (``hybridrt.gguf``) or hub id -> (model in eval
+    mode, config, resolved path).
 
     Tensors are read through memory-mapped ``safe_open`` handles and converted to ``dtype``
     (``"auto"``: the checkpoint's own, see ``checkpoint_dtype``).
@@ -238,6 +277,16 @@ def load_model(
     """
     from safetensors import safe_open
 
+    from hybridrt.gguf import is_gguf_path
+
+    if is_gguf_path(model):  # a llama.cpp file: hybridrt.gguf undoes its conversion
+        from hybridrt.gguf.loader import load_gguf_model
+
+        if overrides:
+            raise ConfigError(f"hf_overrides apply to a config.json; {model} is a GGUF file, "
+                              f"whose settings come from its metadata")
+
+        return load_gguf_model(resolve_model_path(model), dtype, with_mtp, device, quantization)
     quantization = check_quantization(quantization)
     auto = isinstance(dtype, str) and dtype.lower() == "auto"
     if not auto:
@@ -263,6 +312,7 @@ def load_model(
         adapt_expert_tensors(handles, file_of)
 
     prequantized = _prequantized(opened, path)
+    formats = _declared_formats(opened, path) if prequantized else None
     if prequantized:
         if torch.device(device).type != "cpu":
             raise CheckpointError(f"{path} holds {prequantized} weights (written by hybridrt "
@@ -278,7 +328,7 @@ def load_model(
     to_quantize = quant.quantized_names(net) if quantization else set()
     if prequantized:  # each quantized weight is stored as its tensors, in the kernels' layout
         for name in to_quantize & set(expected):
-            cls, shapes, _, _ = _FORMATS[_format_of(quantization, name, handles)]
+            cls, shapes, _, _ = _FORMATS[_format_of(quantization, name, handles, formats)]
             for part, shape in zip(cls.names, shapes(expected.pop(name))):
                 expected[f"{name}.{part}"] = shape
 
@@ -309,7 +359,7 @@ def load_model(
     state, quantized = {}, {}
     if prequantized:
         for name in to_quantize & {n.removesuffix(".qs") for n in expected}:
-            fmt = _format_of(quantization, name, handles)
+            fmt = _format_of(quantization, name, handles, formats)
             cls, _, dtypes, _ = _FORMATS[fmt]
             parts = [_read(handles, file_of, f"{name}.{part}") for part in cls.names]
             if [t.dtype for t in parts] != list(dtypes):

@@ -1,4 +1,5 @@
-"""MODEL (a checkpoint directory or a Hugging Face id) -> a local checkpoint directory.
+"""MODEL (a checkpoint directory, a GGUF file or a Hugging Face id) -> a local checkpoint
+directory or GGUF file.
 
 Torch-free, so that the command line can check MODEL before the slow imports and the loader
 resolves it by the same rules."""
@@ -20,7 +21,8 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
-    """A local checkpoint directory (it must hold a config.json), or a Hugging Face id found in
+    """A local checkpoint directory (it must hold a config.json) or GGUF file (``*.gguf``, or a
+    file that starts with the GGUF magic: ollama's blobs), or a Hugging Face id found in
     the local cache or fetched from the Hub. Raises ModelNotFoundError, one line naming MODEL
     and why, when neither works."""
     text = str(model)
@@ -33,7 +35,12 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
             raise ModelNotFoundError(f"{path} has no config.json: not a model directory")
         return path
     if path.exists():
-        raise ModelNotFoundError(f"{path} is a file, expected a model directory")
+        from hybridrt.gguf import is_gguf_path
+
+        if is_gguf_path(path):
+            return path
+        raise ModelNotFoundError(f"{path} is a file, expected a model directory or a GGUF "
+                                 f"file")
     if not _HUB_ID.match(text) or text.startswith((".", "/", "~")):
         raise ModelNotFoundError(f"model {text!r} not found: no such directory, and it is not "
                                  f"a Hugging Face id")
@@ -85,8 +92,12 @@ _GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "
 
 
 def generation_defaults(model_path: str | os.PathLike) -> dict[str, Any]:
-    """The checkpoint's recommended sampling settings (``generation_config.json``) as
-    SamplingParams fields; {} without the file."""
+    """The checkpoint's recommended sampling settings (``generation_config.json``; a GGUF
+    file's ``general.sampling.*``) as SamplingParams fields; {} without them."""
+    if Path(model_path).is_file():
+        from hybridrt.gguf.config import sampling_defaults
+
+        return sampling_defaults(model_path)
     path = Path(model_path) / "generation_config.json"
     try:
         raw = json.loads(path.read_text()) if path.is_file() else {}

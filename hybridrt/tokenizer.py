@@ -33,8 +33,13 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 def load_tokenizer(model_path: str | os.PathLike):
     """The checkpoint directory's tokenizer: a ``Tokenizer`` where it has a ``tokenizer.json``,
-    else transformers' ``AutoTokenizer``; None if it has no tokenizer files."""
+    else transformers' ``AutoTokenizer``; None if it has no tokenizer files. A GGUF file: the
+    tokenizer its metadata holds (``hybridrt.gguf.tokenizer``)."""
     path = Path(model_path)
+    if path.is_file():
+        from hybridrt.gguf.tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
     if (path / "tokenizer.json").is_file():
         return Tokenizer(path)
     if not any((path / f).is_file() for f in ("tokenizer_config.json", "vocab.json")):

@@ -1,0 +1,69 @@
+"""GGUF files for the tests, made by llama.cpp's own converter (convert_hf_to_gguf.py of the
+vendored source that ``hybridrt bench llamacpp-build`` unpacks) and ``llama-quantize``, never by
+hybridrt: ``convert(ckpt, out, outtype, mtp)``. As ../shared/tools/llamacpp-bench does, a
+tokenizer whose pre-tokenizer hash the converter does not know is given "qwen35".
+``available()`` says why not, when the converter or llama-quantize is missing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hybridrt.bench.llamacpp_build import plan
+
+_SCRIPT = r"""
+import runpy, sys
+from pathlib import Path
+src, ckpt, out, outtype, mtp = sys.argv[1:6]
+sys.path.insert(0, src); sys.path.insert(1, str(Path(src) / "gguf-py"))
+from conversion import base
+orig = base.TextModel.get_vocab_base_pre
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return orig(self, tokenizer)
+    except NotImplementedError:
+        return "qwen35"
+base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+sys.argv = [str(Path(src) / "convert_hf_to_gguf.py"), ckpt, "--outtype", outtype, "--outfile",
+            out] + ([] if mtp == "1" else ["--no-mtp"])
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+DIRECT = ("f32", "f16", "bf16", "q8_0")  # the converter writes these itself
+
+
+def source() -> Path:
+    return plan().source
+
+
+def available(outtype: str = "f32") -> str | None:
+    """None when ``convert`` can make ``outtype``, else why not."""
+    if not (source() / "convert_hf_to_gguf.py").is_file():
+        return f"llama.cpp's converter is not at {source()} (hybridrt bench llamacpp-build)"
+    if outtype not in DIRECT and not os.access(plan().bin / "llama-quantize", os.X_OK):
+        return f"llama-quantize is not built in {plan().bin} (hybridrt bench llamacpp-build)"
+    return None
+
+
+def convert(ckpt: str | Path, out: str | Path, outtype: str = "f32", mtp: bool = False) -> Path:
+    """``ckpt`` (a checkpoint directory) -> GGUF file ``out`` of type ``outtype`` (f32, f16,
+    bf16, q8_0 by the converter; others by llama-quantize from its bf16 file; ``mtp``: keep
+    the MTP layers as nextn blocks)."""
+    out = Path(out)
+    direct = outtype if outtype in DIRECT else "bf16"
+    target = out if outtype in DIRECT else out.with_suffix(".bf16.tmp.gguf")
+    subprocess.run([sys.executable, "-c", _SCRIPT, str(source()), str(ckpt), str(target), direct,
+                    "1" if mtp else "0"], check=True, capture_output=True)
+    if target != out:
+        quantize(target, out, outtype)
+        target.unlink()
+    return out
+
+
+def quantize(src: str | Path, out: str | Path, outtype: str) -> Path:
+    """llama-quantize: GGUF file ``src`` (bf16) -> ``out`` of type ``outtype`` (q4_0, q4_K_M,
+    q6_K, iq4_xs ...; llama.cpp keeps some tensors in other types, as it chooses)."""
+    subprocess.run([str(plan().bin / "llama-quantize"), str(src), str(out), outtype,
+                    str(os.cpu_count() or 1)], check=True, capture_output=True)
+    return Path(out)
