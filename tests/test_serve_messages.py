@@ -236,7 +236,12 @@ def test_api_key_header_and_anthropic_shaped_401(srv):
      "unsupported block type 'audio'"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                     "data": "AAAA"}}]}]}, "image blocks are not supported"),
+                                     "data": "AAAA"}}]}]}, "no vision tower"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "file", "file_id": "f"}}]}]}, "source must be"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "text", "data": "x"}}]}]},
+     "document blocks are not supported"),
     ({"max_tokens": 4, "messages": [*ASK, {"role": "assistant", "content": "ok"},
                                     {"role": "user", "content": [
                                         {"type": "tool_result", "tool_use_id": "toolu_x",

@@ -186,7 +186,7 @@ def test_server_takes_image_url_data_urls(llm, ckpt):
     so transformers); a path or http URL, or a placeholder without its image, is a 400."""
     pytest.importorskip("starlette")
     httpx = pytest.importorskip("httpx")
-    from test_serve import Running
+    from test_serve import MODEL, Running
 
     img = image(24, 32, 10)
     buf = io.BytesIO()
@@ -202,6 +202,26 @@ def test_server_takes_image_url_data_urls(llm, ckpt):
             "return_token_ids": True}, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == want.outputs[0].text
+        # the same image through the Anthropic and Responses APIs: the same prompt, answer
+        b64 = url.split(",", 1)[1]
+        r = httpx.post(f"{srv.base}/v1/messages", json={
+            "model": MODEL, "max_tokens": STEPS, "temperature": 0, "messages": [
+                {"role": "user", "content": [
+                    {"type": "text", "text": "Look: "},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": b64}}]}]}, timeout=60)
+        assert r.status_code == 200, r.text
+        texts = [b["text"] for b in r.json()["content"] if b["type"] == "text"]
+        assert "".join(texts) == want.outputs[0].text
+        r = httpx.post(f"{srv.base}/v1/responses", json={
+            "model": MODEL, "max_output_tokens": STEPS, "temperature": 0, "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "Look: "},
+                                             {"type": "input_image", "image_url": url}]}]},
+            timeout=60)
+        assert r.status_code == 200, r.text
+        texts = [c["text"] for it in r.json()["output"] if it["type"] == "message"
+                 for c in it["content"] if c["type"] == "output_text"]
+        assert "".join(texts) == want.outputs[0].text
         for bad, words in [("/etc/passwd", "data URLs"), ("http://example.com/a.png",
                                                              "data URLs"),
                            ("data:image/png;base64,!!", "not valid base64")]:

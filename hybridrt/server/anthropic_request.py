@@ -9,10 +9,12 @@ template's enable_thinking), output_config.format (json_schema: the chat's respo
 stop_sequences, temperature, top_p, top_k, stream, metadata (its user_id has no effect on
 generation), and ``seed`` (hybridrt's, as in chat completions). ``thinking.budget_tokens`` is
 checked but not enforced apart: the think block counts within max_tokens.
-Refused with a 400 naming the field: a missing max_tokens, image and document blocks (the
-model reads text), unknown block types, a tool_result for an id no earlier tool_use gave,
-server tools, a final assistant message (prefill), and fields whose effect this server cannot
-give (mcp_servers, container, context_management).
+Image blocks of a user turn (``source`` base64 or url) become the chat's ``image_url`` parts,
+so a model with a vision tower reads them and one without refuses them (hybridrt.vision).
+Refused with a 400 naming the field: a missing max_tokens, document blocks, unknown block
+types, a tool_result for an id no earlier tool_use gave, server tools, a final assistant
+message (prefill), and fields whose effect this server cannot give (mcp_servers, container,
+context_management).
 """
 
 from __future__ import annotations
@@ -121,8 +123,10 @@ def _text_of(blocks: Any, where: str) -> str:
 
 
 def _refusal(kind: Any) -> str:
-    if kind in ("image", "document"):
-        return f"{kind} blocks are not supported: this model reads text only"
+    if kind == "image":
+        return "image blocks are taken in user turns only"
+    if kind == "document":
+        return "document blocks are not supported: the model reads text and images"
     return f"unsupported block type {api._short(kind)} here"
 
 
@@ -161,12 +165,17 @@ def _messages(messages: Any) -> list[dict]:
 
 
 def _user(blocks: list, where: str, known: set[str]) -> list[dict]:
-    """A user turn: its tool results (tool messages), then its text."""
-    tools, text = [], []
+    """A user turn: its tool results (tool messages), then its text (with its images: OpenAI
+    content parts, in their order)."""
+    tools, text, parts = [], [], []
     for j, b in enumerate(blocks):
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text" and isinstance(b.get("text"), str):
             text.append(b["text"])
+            parts.append({"type": "text", "text": b["text"]})
+        elif kind == "image":
+            parts.append({"type": "image_url", "image_url": {
+                "url": _image_url(b.get("source"), f"{where}.content[{j}]")}})
         elif kind == "tool_result":
             tid = b.get("tool_use_id")
             if not isinstance(tid, str) or tid not in known:
@@ -179,7 +188,22 @@ def _user(blocks: list, where: str, known: set[str]) -> list[dict]:
             tools.append({"role": "tool", "tool_call_id": tid, "content": result})
         else:
             raise api.bad(f"{where}.content[{j}]: {_refusal(kind)}", "messages")
+    if len(parts) > len(text):  # images: the parts, as a chat completion sends them
+        return tools + [{"role": "user", "content": parts}]
     return tools + ([{"role": "user", "content": "".join(text)}] if text or not tools else [])
+
+
+def _image_url(source: Any, where: str) -> str:
+    """An image block's source -> the URL of an OpenAI ``image_url`` part (a data URL for
+    base64; a url source as it is, which the chat path allows or refuses)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str) and \
+            isinstance(source.get("media_type"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise api.bad(f"{where}.source must be {{'type': 'base64', 'media_type': ..., 'data': ...}} "
+                  f"or {{'type': 'url', 'url': ...}}", "messages")
 
 
 def _assistant(blocks: list, where: str, known: set[str]) -> dict:

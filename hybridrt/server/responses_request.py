@@ -3,14 +3,16 @@ for, so that it runs on the chat completions' path (hybridrt.server.prepare). St
 ollama's and llama.cpp's: each request carries its whole conversation.
 
 Taken: model, input (a string, or items: messages with text parts, ``function_call``,
-``function_call_output``, ``reasoning``), instructions (a system message first), tools
+``function_call_output``, ``reasoning``; a user message's ``input_image`` parts with an
+``image_url`` become the chat's image parts, hybridrt.vision), instructions (a system message
+first), tools
 (``function``), tool_choice, parallel_tool_calls, text.format (text, json_schema,
 json_object), reasoning.effort (``none``: thinking off; another effort: on; absent: the
 template's default), max_output_tokens, temperature, top_p, stream, truncation (``auto``:
 the oldest tokens are cut to fit), ``seed`` (hybridrt's, as in chat completions), and store,
 metadata, user, include (no effect: nothing is stored).
 Refused with a 400 naming the field: previous_response_id and conversation (nothing is
-stored), background, tools other than functions, input images and files, a
+stored), background, tools other than functions, input files, a
 function_call_output for an unknown call_id, and unknown item types.
 """
 
@@ -112,21 +114,32 @@ def _format(text: Any) -> dict | None:
                   "'json_schema', 'name': ..., 'schema': {...}}", "text")
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str, images: bool = False) -> str | list[dict]:
+    """A message's content -> its text; with ``images`` (a user message), input_image parts
+    make it a list of OpenAI content parts (``image_url``), as a chat completion sends them."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise api.bad(f"{where}.content must be a string or a list of text parts", "input")
-    parts = []
+    parts, texts = [], []
     for j, p in enumerate(content):
         kind = p.get("type") if isinstance(p, dict) else None
+        if images and kind == "input_image":
+            url = p.get("image_url")
+            if not isinstance(url, str):
+                raise api.bad(f"{where}.content[{j}]: an input_image needs an image_url (a "
+                              f"data URL; file_id is not supported)", "input")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+            continue
         value = p.get("refusal" if kind == "refusal" else "text") if kind else None
         if kind not in TEXT_PARTS or not isinstance(value, str):
-            what = "images and files are" if kind in ("input_image", "input_file") else \
+            what = "files are" if kind == "input_file" else \
+                "images are (in user messages only)" if kind == "input_image" else \
                 f"the part type {api._short(kind)} is"
-            raise api.bad(f"{where}.content[{j}]: {what} not supported (text only)", "input")
-        parts.append(value)
-    return "".join(parts)
+            raise api.bad(f"{where}.content[{j}]: {what} not supported", "input")
+        texts.append(value)
+        parts.append({"type": "text", "text": value})
+    return parts if len(parts) > len(texts) else "".join(texts)
 
 
 def _input(items: Any) -> list[dict]:
@@ -143,7 +156,8 @@ def _input(items: Any) -> list[dict]:
         if kind == "message":
             if it.get("role") not in ROLES:
                 raise api.bad(f"{where}.role must be one of {', '.join(ROLES)}", "input")
-            msg = {"role": it["role"], "content": _text(it.get("content"), where)}
+            msg = {"role": it["role"], "content": _text(it.get("content"), where,
+                                                        images=it["role"] == "user")}
             if it["role"] == "assistant":
                 _assistant(out, reasoning)["content"] += msg["content"]
             else:
