@@ -487,3 +487,39 @@ def test_a_preempted_request_is_readmitted_from_its_checkpoint_and_keeps_the_inv
     again = [s for _, s in _seqs(steps, gone) if s["cache"]["admitted"]][1]
     assert again["positions"]["start"] == again["cache"]["prefix"]["cached_tokens"] > 0
     assert check_trace(steps) == []
+
+
+def test_an_image_requests_trace_shows_its_m_rope_rows_and_image_tokens(tmp_path):
+    """With an image (a tiny checkpoint with a vision tower): the sequence positions stay
+    C..C+T-1; the M-RoPE rows of the image tokens are the image's grid (h and w rows differ),
+    a text token's three rows are equal, and decode tokens sit at their index + rope delta;
+    a doctored decode row (the delta dropped) is reported."""
+    from vision_helpers import image, write_vision_checkpoint
+
+    from hybridrt.trace.render_text import seq_lines
+
+    path, _ = write_vision_checkpoint(tmp_path / "vision", seed=3)
+    llm = LLM(str(path), dtype="float32", max_model_len=256, cache_memory="32MiB", trace=True)
+    text = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?"
+            "<|im_end|>\n<|im_start|>assistant\n")
+    out = llm.generate([{"prompt": text, "multi_modal_data": {"image": [image(40, 24, 1)]}}],
+                       SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert out.error is None
+    steps = llm.trace.steps
+    assert check_trace(steps) == []
+    prefill = steps[0]["seqs"][0]
+    m = prefill["positions"]["mrope"]
+    images = m["image_tokens"]
+    assert images and prefill["hidden"]["source"].count("image") == len(images)
+    t, h, w = m["rows"]
+    assert [h[i] for i in images] != [w[i] for i in images]
+    delta = prefill["positions"]["rope_delta"]
+    assert delta < 0  # the image's tokens take fewer positions than tokens
+    decode = steps[-1]["seqs"][0]
+    c = decode["positions"]["start"]
+    assert decode["positions"]["mrope"]["rows"] == [[c + delta]] * 3
+    assert "M-RoPE t [" in "\n".join(seq_lines(prefill, steps[0]))
+    doctored = copy.deepcopy(steps)
+    doctored[-1]["seqs"][0]["positions"]["mrope"]["rows"] = [[c]] * 3
+    (v,) = check_trace(doctored)
+    assert v.invariant == "positions" and "rope delta" in v.message

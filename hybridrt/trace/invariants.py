@@ -3,7 +3,8 @@ or the records of a ``--jsonl`` file).
 
 - **positions**: a request's positions in a step are C..C+T-1 (every row), C being where its
   previous step left it (its cached tokens at an admission): across prompt chunks, decodes and
-  verifications.
+  verifications. With images, its M-RoPE rows (``mrope``): a text token's three rows are
+  equal, and every token after the prompt sits at its index plus the request's rope delta.
 - **isolation**: in a step, no KV block or GDN state slot one request writes is read or written
   by another; a request reads only KV blocks it wrote since its admission or took from its
   prefix-cache hit, and never writes a block the hit shares.
@@ -84,10 +85,26 @@ def _check_positions(seq: dict, expected: int | None, bad) -> None:
                          f"{expected}")
     n = len(seq["hidden"]["token_ids"])
     for r, row in enumerate(_rows(pos["positions"])):
-        want = [start + pos.get("rope_delta", 0) + i for i in range(n)]
+        want = [start + i for i in range(n)]
         if row != want:
             bad("positions", f"row {r} has positions {_short(row)}, not "
                              f"{want[0] if want else start}..{want[-1] if want else start - 1}")
+    mrope = pos.get("mrope")
+    if mrope is not None:
+        _check_mrope(mrope, start, pos.get("rope_delta", 0), bad)
+
+
+def _check_mrope(mrope: dict, start: int, delta: int, bad) -> None:
+    """The M-RoPE rows of a request with images (``mrope``: ``rows`` [3][T], ``image_tokens``
+    (indices in the step), ``prompt_len``)."""
+    rows, images = mrope["rows"], set(mrope["image_tokens"])
+    for i, (t, h, w) in enumerate(zip(*rows)):
+        if i not in images and not t == h == w:
+            bad("positions", f"text token at {start + i} has M-RoPE rows {t}, {h}, {w}, not "
+                             f"three equal ones")
+        if start + i >= mrope["prompt_len"] and t != start + i + delta:
+            bad("positions", f"token {start + i} after the prompt is at M-RoPE position {t}, "
+                             f"not {start + i} + rope delta {delta}")
 
 
 def _check_prefix(seq: dict, bad, owned: set[int], shared: set[int]) -> None:

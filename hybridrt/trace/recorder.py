@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 TOP_LOGITS = 3  # candidates kept per sampled row (raw logits, before penalties and filters)
 
 
@@ -165,7 +167,7 @@ class TraceRecorder:
             "index": b,
             "hidden": {"token_ids": ids, "source": source, "rows": [q0, q1],
                        "shape": [q1 - q0, self.engine.config.hidden_size]},
-            "positions": {"positions": positions, "start": s.start, "rope_delta": 0},
+            "positions": self._positions(req, s.start, positions, source),
             "attention": {"rows": [q0, q1], "block_table": table[:-(-context // bs)],
                           "blocks_held": len(table), "context_len": context,
                           "queries": [s.start, s.start + q1 - q0 - 1],
@@ -181,6 +183,27 @@ class TraceRecorder:
                          "top": _top(logits),
                          "drafts_verified": list(req.draft_token_ids[:s.num_drafts])},
         }
+
+    @staticmethod
+    def _positions(req, start: int, positions: list[int], source: list[str]) -> dict:
+        """Text: the step's positions, C..C+T-1. With images (``req.vision``): the sequence
+        positions C..C+T-1 and the M-RoPE rows RoPE got (t, h, w), the image tokens among them
+        (their ``source`` becomes "image"), the rope delta."""
+        v = getattr(req, "vision", None)
+        if v is None:
+            return {"positions": positions, "start": start, "rope_delta": 0}
+        idx = np.arange(start, start + len(positions))
+        in_prompt = idx < v.prompt_len
+        rows = np.stack([idx + v.delta] * 3)
+        rows[:, in_prompt] = v.positions[:, idx[in_prompt]]
+        image = np.zeros(len(idx), dtype=bool)
+        image[in_prompt] = v.embed_row[idx[in_prompt]] >= 0
+        if len(source) == len(idx):
+            for i in np.flatnonzero(image):
+                source[i] = "image"
+        return {"positions": idx.tolist(), "start": start, "rope_delta": int(v.delta),
+                "mrope": {"rows": rows.tolist(), "image_tokens": np.flatnonzero(image).tolist(),
+                          "prompt_len": int(v.prompt_len)}}
 
     @staticmethod
     def _logit_rows(batch, b: int, s) -> list[int]:

@@ -78,6 +78,10 @@ def seq_lines(seq: dict, rec: dict) -> list[str]:
                  f"{h['rows'][0]}:{h['rows'][1]} of [{rec['num_tokens']}, {h['shape'][1]}]")
     lines.append(f"  2 positions  {span(p[0], p[-1]) if p else '-'} (start C={pos['start']}, "
                  f"T={n}, rope delta {pos['rope_delta']})")
+    if pos.get("mrope"):
+        m = pos["mrope"]
+        rows = " / ".join(f"{name} {_short_row(r)}" for name, r in zip("thw", m["rows"]))
+        lines.append(f"               M-RoPE {rows}; {len(m['image_tokens'])} image token(s)")
     q0, q1 = att["queries"]
     sees = (f"query {q0} sees keys 0..{q0}" if q0 == q1 else
             f"queries {q0}..{q1}: query p sees keys 0..p (causal)")
@@ -147,3 +151,9 @@ def _decoding(d: dict) -> str:
     if d.get("finish_reason"):
         out += f"; finished: {d['finish_reason']}"
     return out
+
+
+def _short_row(row: list[int], keep: int = 6) -> str:
+    """A row of positions, its first ``keep`` and its last when longer."""
+    head = " ".join(map(str, row[:keep]))
+    return f"[{head} ... {row[-1]}]" if len(row) > keep else f"[{head}]"
