@@ -129,3 +129,30 @@ def test_serve(monkeypatch, capsys):
     report = serve.run(None, conversations=1, turns=2, max_tokens=2, time_limit=60, threads=1)
     assert [r["requests"] for r in report["runs"]] == [2, 2]
     assert_bar(seen, capsys, "serve", 4, "prefix reuse on: starting the server")
+
+
+def test_spec(monkeypatch, capsys):
+    from hybridrt.bench import spec
+    from hybridrt.model_path import default_model
+
+    seen = stderr_at_first_call(monkeypatch, capsys, hybridrt.llm, "LLM")
+    spec.run_spec_bench(default_model(), ks=(0,), batch_sizes=(1,), quick=True, threads=1)
+    assert_bar(seen, capsys, "spec", 3, "loading")
+
+
+def test_prefix(monkeypatch, capsys):
+    from hybridrt.bench import prefix
+
+    seen = stderr_at_first_call(monkeypatch, capsys, hybridrt.llm, "LLM")
+    prefix.run(None, threads=1, num_requests=2, system_tokens=64, question_tokens=8,
+               max_tokens=2, rounds=1, cache_memory="256MiB", workloads=("shared",))
+    assert_bar(seen, capsys, "prefix", 4, "loading the three engines")
+
+
+def test_prefix_policy(monkeypatch, capsys):
+    from hybridrt.bench import prefix_policy
+
+    seen = stderr_at_first_call(monkeypatch, capsys, hybridrt.llm, "LLM")
+    prefix_policy.run(None, threads=1, scale=0.05, max_tokens=2, cache_memory="256MiB",
+                      max_model_len=512, chosen=("shared",))
+    assert_bar(seen, capsys, "prefix-policy", 1 + len(prefix_policy.POLICIES), "loading")

@@ -28,11 +28,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from hybridrt.bench.progress import bar, step
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.statecache import prefix as prefix_policy
 
@@ -119,6 +121,8 @@ def run(model: str | None = None, threads: int | None = None, dtype: str = "auto
     options but those the benchmark sets itself)."""
     from hybridrt.llm import LLM
 
+    pb = bar("prefix", 1 + len(workloads) * rounds * 3, unit="run", enabled=verbose)
+    step(pb, "loading the three engines (cache on, today's policy, off)")
     if threads is not None:
         torch.set_num_threads(threads)
     longest = max(system_tokens, document_tokens if "document" in workloads else 0)
@@ -131,6 +135,7 @@ def run(model: str | None = None, threads: int | None = None, dtype: str = "auto
                "today": LLM(model, enable_prefix_caching=True, **kw),
                "off": LLM(model, enable_prefix_caching=False, **kw)}
     engines["today"].engine.scheduler.branch_points = None
+    pb.update()
     llm = engines["on"]
     starts = sorted(llm.engine.checkpoint_boundary_ids)
     if not starts:
@@ -158,17 +163,19 @@ def run(model: str | None = None, threads: int | None = None, dtype: str = "auto
                 lead_in = prefix_policy.LEAD_IN
                 if key == "today":
                     prefix_policy.LEAD_IN = 1 << 62
+                step(pb, f"{name}, cache {key}")
                 try:
                     results[key].append(_run_batch(eng, prompts, params, clock))
                 finally:
                     prefix_policy.LEAD_IN = lead_in
+                pb.update()
                 if key != "off":
                     counters[key] = cache_counters(eng, before)
                 if verbose:
                     r = results[key][-1]
-                    print(f"{name} cache {key}: prefilled "
-                          f"{r['prefilled_tokens']}, TTFT p50 {r['ttft_p50_s']:.2f} s, "
-                          f"{report['clock']} {r['wall_s']:.1f} s", flush=True)
+                    pb.write(f"{name} cache {key}: prefilled "
+                             f"{r['prefilled_tokens']}, TTFT p50 {r['ttft_p50_s']:.2f} s, "
+                             f"{report['clock']} {r['wall_s']:.1f} s", file=sys.stderr)
         on, off, today = (_median_row(results[k]) for k in ("on", "off", "today"))
         row = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
                "on": on, "off": off, "today": today, "rounds_on": results["on"],
@@ -182,6 +189,7 @@ def run(model: str | None = None, threads: int | None = None, dtype: str = "auto
                / (off["output_tokens"] / off["wall_s"]),
                "cache": counters["on"], "cache_today": counters["today"]}
         report["workloads"][name] = row
+    pb.close()
     if verbose:
         print(table(report))
     if json_path is not None:

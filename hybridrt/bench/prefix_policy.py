@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from hybridrt.bench.progress import bar, step
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.statecache import prefix as prefix_policy
 from hybridrt.statecache.branch_points import BranchPoints
@@ -111,6 +112,8 @@ def run(model: str | None = None, threads: int | None = 2, scale: float = 1.0,
     command line's model options but those the benchmark sets itself)."""
     from hybridrt.llm import LLM
 
+    pb = bar("prefix-policy", 1 + len(chosen) * len(POLICIES), unit="run", enabled=verbose)
+    step(pb, "loading")
     llm = LLM(model, **(engine or {}), threads=threads, max_model_len=max_model_len,
               max_num_seqs=16,
               cache_memory=cache_memory, checkpoint_share=0.5)
@@ -126,6 +129,7 @@ def run(model: str | None = None, threads: int | None = 2, scale: float = 1.0,
     report = {"model": str(llm.model_path), "bytes_per_checkpoint": per_ckpt,
               "checkpoint_slots": sizing.num_checkpoint_slots,
               "request_slots": sizing.num_request_slots, "scale": scale, "rows": []}
+    pb.update()
     if verbose:
         print(table(report), flush=True)  # the header; the rows as they come
     args0, boundaries0 = eng.args, eng.checkpoint_boundary_ids
@@ -140,7 +144,9 @@ def run(model: str | None = None, threads: int | None = 2, scale: float = 1.0,
                 prefix_policy.LEAD_IN = lead_in0 if found else 1 << 62
                 before = dict(eng.cache.prefix.stats)
                 pre0 = eng.stats["num_prefill_tokens"]
+                step(pb, f"{name}, {label}")
                 workloads(llm.config.vocab_size, start, scale)[name](llm, params)
+                pb.update()
                 st = {k: v - before.get(k, 0) for k, v in eng.cache.prefix.stats.items()}
                 held = eng.cache.usage().num_checkpoints
                 row = {"workload": name, "placement": label,
@@ -154,6 +160,7 @@ def run(model: str | None = None, threads: int | None = 2, scale: float = 1.0,
                 if verbose:
                     print(_row(row), flush=True)
     finally:
+        pb.close()
         eng.args, eng.checkpoint_boundary_ids = args0, boundaries0
         eng.scheduler.branch_points = BranchPoints()
         prefix_policy.LEAD_IN = lead_in0

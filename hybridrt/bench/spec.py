@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from hybridrt.bench.copy_workload import copy_prompts
+from hybridrt.bench.progress import bar, step
 from hybridrt.bench.spec_sim import (
     SimulatedDrafts,
     drafts_through,
@@ -252,6 +253,11 @@ def run_spec_bench(
         max_tokens = min(max_tokens, 8)
     before_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
+    # the load, the warm-up, then each run: (k = 0, then every head, alpha and k > 0) per batch
+    configs_per_batch = 1 + len(draft_vocabs) * len(alphas) * sum(k > 0 for k in ks)
+    pb = bar("spec", 2 + len(batch_sizes) * repeats * configs_per_batch, unit="run",
+             enabled=verbose)
+    step(pb, "loading")
     try:
         reduced = max(draft_vocabs) or None
         # no prefix cache: every run of the same prompts starts cold, so that rows do not
@@ -291,6 +297,8 @@ def run_spec_bench(
                                 ignore_eos=ignore_eos, seed=0 if temperature > 0 else None)
         # warm-up at the largest batch with every head: a backend may make weight copies for
         # batched GEMMs at first use
+        pb.update()
+        step(pb, "warm-up")
         warm = params.clone(max_tokens=3)
         for n in draft_vocabs if max(ks) > 0 else [0]:
             if proposer is not None:
@@ -316,6 +324,7 @@ def run_spec_bench(
             llm.engine.step_costs = StepCosts()
             return outs, seconds, costs
 
+        pb.update()
         rows = []
         for b in batch_sizes:
             refs: dict[int, dict[tuple, list[int]]] = {}  # per k: prompt -> greedy sequence
@@ -331,15 +340,17 @@ def run_spec_bench(
                         proposer.draft_head = heads[n]
                         if alpha is not None:
                             sim = SimulatedDrafts(refs[k], alpha, llm.config.vocab_size)
+                    step(pb, f"batch {b} k {k}")
                     with drafts_through(llm, sim):
                         outs, seconds, costs = run(b, k)
+                    pb.update()
                     refs.setdefault(0, sequences(outs))
                     runs[(n, alpha, k)].append((outs, seconds, costs, sim))
                     if verbose:
                         what = "" if k == 0 else (f" head {n or 'full'}" + (
                             "" if alpha is None else f" simulated alpha {alpha}"))
                         rate = sum(len(o.outputs[0].token_ids) for o in outs) / seconds
-                        print(f"batch {b} k {k}{what}: {rate:.1f} tok/s", file=sys.stderr)
+                        pb.write(f"batch {b} k {k}{what}: {rate:.1f} tok/s", file=sys.stderr)
             base = _summary(runs[configs[0]])
             for n, alpha, k in configs:
                 got = _summary(runs[(n, alpha, k)])
@@ -390,6 +401,7 @@ def run_spec_bench(
             "verify_cost": verify_cost_by_rows(rows),
         }
     finally:
+        pb.close()
         torch.set_num_threads(before_threads)
     if verbose:
         print(format_table(report))
