@@ -81,7 +81,9 @@ def command_lines(text: str) -> list[str]:
     found += re.findall(r"`((?:python -m )?hybridrt [^`\n]*)`", text)
     out = []
     for line in found:
-        m = re.search(r"(?:^|[\s;&|(])(?:python -m )?hybridrt ((?:[^;&|()`]|\$\()*)", line)
+        # not Python's "from hybridrt import ..." inside a python -c line
+        m = re.search(r"(?:^|[\s;&|(])(?<!from )(?:python -m )?hybridrt ((?:[^;&|()`]|\$\()*)",
+                      line)
         if m and not m.group(1).startswith(".") and "..." not in m.group(1):
             out.append(m.group(1).strip())
     return out
