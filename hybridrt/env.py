@@ -15,6 +15,7 @@
 | HYBRIDRT_DEBUG | 1, else off | off | the CLI prints tracebacks of unexpected errors |
 | HYBRIDRT_API_KEY | any string | none | ``hybridrt serve``'s API key (docs/server.md) |
 | HYBRIDRT_GRAMMAR_ENGINE | auto, llguidance, xgrammar | auto | structured outputs' engine |
+| HYBRIDRT_LLAMACPP_BENCH | a path | ../shared/tools/ | ``bench long``'s llama.cpp runner |
 
 Values are matched case-insensitively, surrounding blanks ignored. ``kernel_options`` parses
 the kernels' switches into the ``KernelOptions`` the backends get (the engine calls it once, at
@@ -61,8 +62,10 @@ VARIABLES = {v.name: v for v in (
     Variable("HYBRIDRT_API_KEY", "", None, "hybridrt serve's API key (kept out of ps)"),
     Variable("HYBRIDRT_GRAMMAR_ENGINE", "auto", ("auto", *GRAMMAR_ENGINES),
              "structured outputs' grammar engine"),
+    Variable("HYBRIDRT_LLAMACPP_BENCH", "", None, "bench long's llamacpp-bench script"),
 )}
-RAW = ("HYBRIDRT_CACHE", "HYBRIDRT_API_KEY")  # read as given: a path, a secret
+# read as given: paths, a secret
+RAW = ("HYBRIDRT_CACHE", "HYBRIDRT_API_KEY", "HYBRIDRT_LLAMACPP_BENCH")
 
 
 def read(name: str, environ: Mapping[str, str] | None = None) -> str:

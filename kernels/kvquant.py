@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from hybridrt.options import check_kv_cache_dtype
-
 GROUP = 32
 _NAMES = {"bf16": torch.bfloat16, "int8": torch.int8}
 
@@ -28,7 +26,9 @@ def packed_width(D: int) -> int:
 
 def resolve(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache tensors' dtype for ``kv_cache_dtype=name`` (auto: the model's)."""
-    check_kv_cache_dtype(name)
+    if name != "auto" and name not in _NAMES:  # EngineArgs checked it: a caller's mistake
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(_NAMES)}, got "
+                         f"{name!r}")
     return model_dtype if name == "auto" else _NAMES[name]
 
 

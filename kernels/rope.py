@@ -11,16 +11,12 @@ sin scaled by an attention factor.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from hybridrt.config import RopeScaling
 
-
-def inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None = None,
+def inv_freq(rotary_dim: int, theta: float, scaling=None,
              device=None) -> torch.Tensor:
     """The rotary frequencies [rotary_dim / 2] in fp32: theta^(-2i/R), with YaRN blended
     between them and their interpolation by ``factor`` over the dims between the
@@ -49,7 +45,7 @@ def inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None = None,
 
 def rope_cos_sin(
     positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype,
-    scaling: RopeScaling | None = None,
+    scaling=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: [T] int -> (cos, sin), each [T, rotary_dim] in ``dtype``.
 
@@ -72,7 +68,7 @@ class _ByPosition:
     BLOCK = 512  # positions added at a time
     DOUBLE = False  # grow to at least twice the rows held (fewer copies of the table)
 
-    def __init__(self, rotary_dim: int, theta: float, scaling: RopeScaling | None = None):
+    def __init__(self, rotary_dim: int, theta: float, scaling=None):
         self.key = (rotary_dim, theta, scaling)
         self.tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -126,7 +122,7 @@ class RopeTable(_ByPosition):
     ``rope_cos_sin`` forms, its cos and sin taken by the C library in fp64 and rounded, so a
     position's values do not depend on the step it is in."""
 
-    def __init__(self, rotary_dim: int, theta: float, scaling: RopeScaling | None = None):
+    def __init__(self, rotary_dim: int, theta: float, scaling=None):
         super().__init__(rotary_dim, theta, scaling)
         if scaling is None:
             half = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim

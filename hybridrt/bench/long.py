@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hybridrt import env
 from hybridrt.sampling_params import SamplingParams
 
 SHARE_STEPS = 4  # decode steps with the layers one by one, for the attention's share
@@ -147,7 +148,7 @@ def run(model: str | None = None, weights=("bf16", "int4"), kv_dtypes=("bf16", "
 def llamacpp_long(gguf: str, threads: int, depths) -> list[dict]:
     """llama.cpp's ``bench-long`` on ``gguf`` -> its JSON lines (llama-bench's fields)."""
     tool = Path(__file__).resolve().parents[2] / ".." / "shared" / "tools" / "llamacpp-bench"
-    tool = Path(os.environ.get("HYBRIDRT_LLAMACPP_BENCH", tool))
+    tool = Path(env.read("HYBRIDRT_LLAMACPP_BENCH") or tool)
     out = subprocess.run([str(tool), "bench-long", str(gguf), str(threads),
                           ",".join(map(str, depths))], capture_output=True, text=True,
                          check=True).stdout
