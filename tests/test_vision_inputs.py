@@ -66,7 +66,7 @@ def test_has_vision_tower_needs_the_config_and_the_weights(tmp_path):
 def test_server_answers_400_for_image_parts_and_goes_on(demo):
     pytest.importorskip("starlette")
     httpx = pytest.importorskip("httpx")
-    from tests.test_serve import Running
+    from test_serve import Running
 
     srv = Running(demo)
     try:

@@ -20,6 +20,8 @@ def has_vision_tower(model_path: str | os.PathLike) -> bool:
     """Does the checkpoint hold a vision tower: a ``vision_config`` and ``model.visual.*``
     weights (the names read from the safetensors headers only)?"""
     path = Path(model_path)
+    if path.is_file():  # a GGUF file: no tower in it (an mmproj file is not read yet)
+        return False
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):

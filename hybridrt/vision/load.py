@@ -28,6 +28,8 @@ def load_vision_tower(path: str | os.PathLike, text: ModelConfig, dtype: torch.d
     from safetensors import safe_open
 
     path = Path(path)
+    if path.is_file():  # a GGUF file: its projector is a separate mmproj file (not read yet)
+        return None
     raw = json.loads((path / "config.json").read_text())
     cfg = VisionConfig.from_dict(raw)
     if cfg is None:
