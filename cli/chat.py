@@ -687,18 +687,13 @@ def chat(
     The conversation stays in the engine's cache between turns. Reads lines from stdin when it
     is not a terminal; /help lists the in-chat commands.
     """
-    from hybridrt.sampling_params import SamplingParams
 
     options = options.checked()
-    flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                               presence_penalty=presence_penalty,
+    flags = sampling_overrides(max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                               min_p=min_p, presence_penalty=presence_penalty,
                                frequency_penalty=frequency_penalty,
                                repetition_penalty=repetition_penalty, seed=seed,
                                stop=stop or None)
-    try:
-        SamplingParams(**flags, max_tokens=max_tokens)
-    except ValueError as e:
-        raise CliError(f"invalid sampling option: {e}", USAGE_ERROR) from None
     llm = load_llm(options, announce=False)
     sampling = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
     loop = ChatLoop(llm, sampling, options.speculative_tokens, system, think, not show_thinking)

@@ -225,8 +225,17 @@ def sampling_defaults(model_path: str | os.PathLike) -> dict[str, Any]:
     return defaults
 
 
-def sampling_overrides(**flags: Any) -> dict[str, Any]:
-    return {k: v for k, v in flags.items() if v is not None}
+def sampling_overrides(max_tokens: int, **flags: Any) -> dict[str, Any]:
+    """The sampling flags given (not None), checked with ``max_tokens`` as SamplingParams
+    checks them: a bad value is a CliError (exit 2) before the model loads."""
+    from hybridrt.sampling_params import SamplingParams
+
+    given = {k: v for k, v in flags.items() if v is not None}
+    try:
+        SamplingParams(**given, max_tokens=max_tokens)
+    except ValueError as e:
+        raise CliError(f"invalid sampling option: {e}", USAGE_ERROR) from None
+    return given
 
 
 def template_kwargs(think: bool | None) -> dict[str, Any]:

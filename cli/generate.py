@@ -129,6 +129,13 @@ def parse_line(line: str, index: int, line_number: int,
     return item
 
 
+def as_chat(items: list) -> None:
+    """--chat: each plain-text prompt becomes a user message through the chat template."""
+    for it in items:
+        if it.plain and it.prompt:
+            it.messages = [{"role": "user", "content": it.prompt}]
+
+
 def read_items(prompts: list[str], input_file: Path | None) -> list[Item]:
     """The --prompt texts, then the input's non-blank lines (file, '-' or piped stdin)."""
     fields = _sampling_fields()
@@ -279,18 +286,13 @@ def generate(
     --prompt), reported before the model loads; 130 when interrupted (Ctrl-C): every line
     finished by then is written.
     """
-    from hybridrt.sampling_params import SamplingParams
 
     options = options.checked()
-    flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                               presence_penalty=presence_penalty,
+    flags = sampling_overrides(max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                               min_p=min_p, presence_penalty=presence_penalty,
                                frequency_penalty=frequency_penalty,
                                repetition_penalty=repetition_penalty, seed=seed,
                                stop=stop or None)
-    try:
-        SamplingParams(**flags, max_tokens=max_tokens)
-    except ValueError as e:
-        raise CliError(f"invalid sampling option: {e}", 2) from None
     for i, text in enumerate(prompt or [], 1):
         if text == "":
             raise CliError(f"--prompt {i} is empty", 2)
@@ -301,9 +303,7 @@ def generate(
         if not items:
             raise CliError("no prompts in the input", 2)
         if chat:
-            for it in items:
-                if it.plain and it.prompt:
-                    it.messages = [{"role": "user", "content": it.prompt}]
+            as_chat(items)
         llm = load_llm(options)
         defaults = {**sampling_defaults(llm.model_path), **flags, "max_tokens": max_tokens}
         results = run_items(llm, items, defaults, template_kwargs(think), progress, None)

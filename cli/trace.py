@@ -31,7 +31,7 @@ from hybridrt.cli.common import (
     sampling_overrides,
     template_kwargs,
 )
-from hybridrt.cli.generate import read_items, run_items
+from hybridrt.cli.generate import as_chat, read_items, run_items
 from hybridrt.cli.options import ModelOptions, model_options
 
 
@@ -128,29 +128,22 @@ def trace(
     Exit status: 0 when every prompt ran and (with --check) every invariant held; 1 when a
     prompt failed or an invariant broke (each on its own line on stderr); 2 for a usage error.
     """
-    from hybridrt.sampling_params import SamplingParams
     from hybridrt.trace import TraceRecorder, check_trace
     from hybridrt.trace.render_html import render_html
     from hybridrt.trace.render_text import header_lines, step_lines
 
     options = options.checked()
     ranges = parse_steps(steps) if steps is not None else ()
-    flags = sampling_overrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                               presence_penalty=presence_penalty,
+    flags = sampling_overrides(max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                               min_p=min_p, presence_penalty=presence_penalty,
                                frequency_penalty=frequency_penalty,
                                repetition_penalty=repetition_penalty, seed=seed,
                                stop=stop or None)
-    try:
-        SamplingParams(**flags, max_tokens=max_tokens)
-    except ValueError as e:
-        raise CliError(f"invalid sampling option: {e}", 2) from None
     items = read_items(prompt or [], input_file)
     if not items:
         raise CliError("no prompts in the input", 2)
     if chat:
-        for it in items:
-            if it.plain and it.prompt:
-                it.messages = [{"role": "user", "content": it.prompt}]
+        as_chat(items)
     to_stdout = jsonl is not None and str(jsonl) == "-"
     jsonl_out = _open(jsonl, "--jsonl")
     if html_file is not None:
