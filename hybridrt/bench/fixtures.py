@@ -71,8 +71,10 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
 }
 
 
-def tiny_text_config(**overrides: Any) -> dict[str, Any]:
-    cfg = copy.deepcopy(TINY_TEXT_CONFIG)
+def tiny_text_config(base: dict[str, Any] | None = None, **overrides: Any) -> dict[str, Any]:
+    """A copy of ``base`` (TINY_TEXT_CONFIG) with ``overrides``; a new num_hidden_layers gets
+    the 3:1 GDN / attention pattern unless layer_types is given too."""
+    cfg = copy.deepcopy(TINY_TEXT_CONFIG if base is None else base)
     cfg.update(overrides)
     if "num_hidden_layers" in overrides and "layer_types" not in overrides:
         n = overrides["num_hidden_layers"]
@@ -82,9 +84,13 @@ def tiny_text_config(**overrides: Any) -> dict[str, Any]:
 
 
 def published_config(text_config: dict[str, Any]) -> dict[str, Any]:
-    """Wrap a text config the way Qwen/Qwen3.5-* publish it (``qwen3_5`` + ``text_config``)."""
+    """Wrap a text config the way Qwen/Qwen3.5-* publish it (``qwen3_5`` + ``text_config``
+    and a vision_config; an MoE text config as ``qwen3_5_moe``, without one)."""
     text = copy.deepcopy(text_config)
     tie = text.pop("tie_word_embeddings", True)
+    if text.get("model_type") == "qwen3_5_moe_text":
+        return {"architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                "model_type": "qwen3_5_moe", "tie_word_embeddings": tie, "text_config": text}
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5",
@@ -179,15 +185,17 @@ def write_random_checkpoint(
 
 
 def hf_reference_model(text_config: dict[str, Any], state_dict: dict[str, torch.Tensor],
-                       dtype: torch.dtype = torch.float32):
-    """transformers' ``Qwen3_5ForCausalLM`` holding the same weights (the numerical oracle)."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+                       dtype: torch.dtype = torch.float32, model_class: str = "Qwen3_5ForCausalLM",
+                       config_class: str = "Qwen3_5TextConfig"):
+    """transformers' ``model_class`` (``Qwen3_5ForCausalLM``) holding the same weights, named
+    as transformers names them (the numerical oracle)."""
+    import transformers
 
     cfg = copy.deepcopy(text_config)
     cfg.pop("model_type", None)
-    hf_cfg = Qwen3_5TextConfig(**cfg)
+    hf_cfg = getattr(transformers, config_class)(**cfg)
     hf_cfg._attn_implementation = "sdpa"
-    model = Qwen3_5ForCausalLM(hf_cfg).to(dtype)
+    model = getattr(transformers, model_class)(hf_cfg).to(dtype)
     sd = {k: v for k, v in state_dict.items() if not k.startswith("mtp.")}
     if hf_cfg.tie_word_embeddings:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
