@@ -148,26 +148,18 @@ def test_encoder_at_the_08b_vision_widths_in_bf16_is_within_bf16_of_transformers
     position grid; two blocks, not twelve, to keep it short), random bf16 weights, a 448x448
     image: the merged embeddings within bf16 rounding of transformers' in bf16, and as close
     to the fp32 result as transformers' own bf16 run is."""
-    import math
-
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
-    kw = dict(depth=2, hidden_size=768, num_heads=12, intermediate_size=3072,
-              out_hidden_size=1024, num_position_embeddings=2304, patch_size=16,
-              temporal_patch_size=2, spatial_merge_size=2)
+    from hybridrt.bench.vision import QWEN35_08B_VISION, randomize_
+
+    kw = {**QWEN35_08B_VISION, "depth": 2}
     hc = Qwen3_5VisionConfig(**kw)
     hc._attn_implementation = "sdpa"
     ref = Qwen3_5VisionModel(hc).eval()
     g = torch.Generator().manual_seed(0)
+    randomize_(ref, g)
     with torch.no_grad():
-        for n, p in ref.named_parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(math.prod(p.shape[1:])))
-            elif "norm" in n and n.endswith("weight"):
-                p.fill_(1.0)
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
         ours = VisionEncoder(VisionConfig(**kw))
         ours.load_state_dict(ref.state_dict())
         grid = torch.tensor([(1, 28, 28)])

@@ -20,17 +20,22 @@ QWEN35_08B_VISION = {"depth": 12, "hidden_size": 768, "num_heads": 12, "intermed
                      "spatial_merge_size": 2, "num_position_embeddings": 2304}
 
 
-def random_encoder(config: VisionConfig, dtype: torch.dtype, seed: int = 0) -> VisionEncoder:
-    enc = VisionEncoder(config)
-    g = torch.Generator().manual_seed(seed)
+def randomize_(module: torch.nn.Module, g: torch.Generator) -> None:
+    """Random weights of O(1) activations for a vision tower (ours or transformers', the same
+    draws for the same parameter names): matrices scaled by their fan-in, norm weights 1."""
     with torch.no_grad():
-        for name, p in enc.named_parameters():
+        for name, p in module.named_parameters():
             if p.dim() > 1:
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(math.prod(p.shape[1:])))
             elif "norm" in name and name.endswith("weight"):
                 p.fill_(1.0)
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def random_encoder(config: VisionConfig, dtype: torch.dtype, seed: int = 0) -> VisionEncoder:
+    enc = VisionEncoder(config)
+    randomize_(enc, torch.Generator().manual_seed(seed))
     return enc.to(dtype).eval()
 
 
