@@ -317,3 +317,20 @@ def output_bytes(out) -> tuple:
     c = out.outputs[0]
     lps = b"".join(struct.pack("<f", v) for d in c.logprobs for _, v in sorted(d.items()))
     return tuple(c.token_ids), lps
+
+
+def gdn_state_after(ref_llm, ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """(conv, ssm) GDN state after prefilling ``ids`` without speculation on ``ref_llm``."""
+    from hybridrt.sampling_params import SamplingParams
+
+    eng = ref_llm.engine
+    rid = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=2))
+    eng.step()
+    req = eng.requests[rid]
+    assert req.num_computed_tokens == len(ids)
+    slot = eng.cache.state_slot(rid, req.slot_cursor)
+    t = eng.cache.tensors
+    state = t.conv_states[:, slot].clone(), t.ssm_states[:, slot].clone()
+    eng.abort_request(rid)
+    eng.pop_request(rid)
+    return state

@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from helpers import chi2_pvalue
+from helpers import chi2_pvalue, gdn_state_after
 from helpers import output_bytes as _key
 
 from hybridrt.bench.fixtures import tiny_text_config, write_random_checkpoint
@@ -160,21 +160,6 @@ def _oracle(reference, plan):
     return drafts
 
 
-def _state_after(ref_llm, ids):
-    """(conv, ssm) GDN state after prefilling ``ids`` without speculation."""
-    eng = ref_llm.engine
-    rid = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=2))
-    eng.step()
-    req = eng.requests[rid]
-    assert req.num_computed_tokens == len(ids)
-    slot = eng.cache.state_slot(rid, req.slot_cursor)
-    t = eng.cache.tensors
-    state = t.conv_states[:, slot].clone(), t.ssm_states[:, slot].clone()
-    eng.abort_request(rid)
-    eng.pop_request(rid)
-    return state
-
-
 def test_zero_draft_request_beside_k_draft_request_keeps_its_gdn_state(ckpt, reference):
     """vLLM #39273 (a request whose proposer returns no drafts, in a step where another
     verifies k, ran on a stale GDN state): request B drafts nothing on most steps, and on the
@@ -217,7 +202,7 @@ def test_zero_draft_request_beside_k_draft_request_keeps_its_gdn_state(ckpt, ref
             if (req.prompt_token_ids == b_prompt and not req.is_finished
                     and req.num_computed_tokens == len(req.token_ids) - 1):
                 slot = eng.cache.state_slot(req.request_id, req.slot_cursor)
-                conv, ssm = _state_after(ref_llm, req.token_ids[:req.num_computed_tokens])
+                conv, ssm = gdn_state_after(ref_llm, req.token_ids[:req.num_computed_tokens])
                 torch.testing.assert_close(eng.cache.tensors.conv_states[:, slot], conv,
                                            atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(eng.cache.tensors.ssm_states[:, slot], ssm,

@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from helpers import chi2_pvalue
+from helpers import chi2_pvalue, gdn_state_after
 
 from hybridrt.bench.fixtures import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 from hybridrt.llm import LLM
@@ -282,21 +282,6 @@ def test_seeded_sampling_with_speculation_is_batch_independent(ckpt, prompts):
 
 
 # 2. GDN state rollback and stale KV -----------------------------------------------------------
-def _state_after(ref_llm, token_ids_):
-    """(conv, ssm) GDN state after prefilling ``token_ids_`` without speculation."""
-    eng = ref_llm.engine
-    rid = eng.add_request(token_ids_, SamplingParams(temperature=0, max_tokens=2))
-    eng.step()
-    req = eng.requests[rid]
-    assert req.num_computed_tokens == len(token_ids_)
-    slot = eng.cache.state_slot(rid, req.slot_cursor)
-    t = eng.cache.tensors
-    state = t.conv_states[:, slot].clone(), t.ssm_states[:, slot].clone()
-    eng.abort_request(rid)
-    eng.pop_request(rid)
-    return state
-
-
 def _poison_stale_kv(eng, req, gen) -> int:
     """Huge random values into every KV entry (target and MTP layers) of ``req`` at positions
     >= num_computed_tokens -> number of positions poisoned.
@@ -350,7 +335,7 @@ def test_gdn_state_rollback_and_stale_kv_never_read(ckpt, prompts, reference, ro
             slot = eng.cache.state_slot(req.request_id, req.slot_cursor)
             conv = eng.cache.tensors.conv_states[:, slot]
             ssm = eng.cache.tensors.ssm_states[:, slot]
-            ref_conv, ref_ssm = _state_after(ref_llm, req.token_ids[:req.num_computed_tokens])
+            ref_conv, ref_ssm = gdn_state_after(ref_llm, req.token_ids[:req.num_computed_tokens])
             torch.testing.assert_close(conv, ref_conv, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(ssm, ref_ssm, atol=1e-4, rtol=1e-4)
             checked += 1
