@@ -53,6 +53,12 @@ def rope_cos_sin(
     """
     freqs = positions.to(torch.float32)[:, None] * inv_freq(
         rotary_dim, theta, scaling, positions.device)[None, :]
+    return cos_sin(freqs, dtype, scaling)
+
+
+def cos_sin(freqs: torch.Tensor, dtype: torch.dtype, scaling=None):
+    """Rotation angles [..., R/2] (fp32) -> (cos, sin) [..., R] in ``dtype``: rotate-half's
+    two halves, scaled by YaRN's attention factor where ``scaling`` is given."""
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos(), emb.sin()
     if scaling is not None:

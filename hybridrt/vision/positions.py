@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from hybridrt.kernels.rope import inv_freq
+from hybridrt.kernels.rope import cos_sin, inv_freq
 
 # an image or frame in the prompt: (offset of its first token, merged grid (t, h, w))
 Span = tuple[int, tuple[int, int, int]]
@@ -59,9 +59,4 @@ def mrope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float,
     for row, first in ((1, 1), (2, 2)):
         idx = slice(first, section[row] * 3, 3)
         out[:, idx] = freqs[row][:, idx]
-    emb = torch.cat([out, out], dim=-1)
-    cos, sin = emb.cos(), emb.sin()
-    if scaling is not None:
-        scale = scaling.cos_sin_scale()
-        cos, sin = cos * scale, sin * scale
-    return cos.to(dtype), sin.to(dtype)
+    return cos_sin(out, dtype, scaling)
