@@ -334,3 +334,18 @@ def gdn_state_after(ref_llm, ids) -> tuple[torch.Tensor, torch.Tensor]:
     eng.abort_request(rid)
     eng.pop_request(rid)
     return state
+
+
+def record_rounds(monkeypatch) -> list[tuple[int, int]]:
+    """Every verify round from now on as (num_drafts, num_accepted)."""
+    from hybridrt.specdec.stats import SpecStats
+
+    log: list[tuple[int, int]] = []
+    orig = SpecStats.record
+
+    def record(self, num_drafts, num_accepted):
+        log.append((num_drafts, num_accepted))
+        orig(self, num_drafts, num_accepted)
+
+    monkeypatch.setattr(SpecStats, "record", record)
+    return log

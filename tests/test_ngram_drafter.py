@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from helpers import chi2_pvalue, gdn_state_after
+from helpers import chi2_pvalue, gdn_state_after, record_rounds
 from helpers import output_bytes as _key
 
 from hybridrt.bench.fixtures import tiny_text_config, write_random_checkpoint
@@ -298,18 +298,6 @@ def _exact_marginals(small_ckpt, params: SamplingParams) -> list[torch.Tensor]:
     return [p1, p1 @ p2, torch.einsum("a,ab,abc->c", p1, p2, p3)]
 
 
-def _rounds(monkeypatch) -> list[tuple[int, int]]:
-    log: list[tuple[int, int]] = []
-    orig = SpecStats.record
-
-    def record(self, num_drafts, num_accepted):
-        log.append((num_drafts, num_accepted))
-        orig(self, num_drafts, num_accepted)
-
-    monkeypatch.setattr(SpecStats, "record", record)
-    return log
-
-
 def _sampled(small_ckpt, params, n, method="ngram"):
     llm = _small_llm(small_ckpt, 2 if method == "ngram" else 3, method)
     outs = llm.generate([SAMPLE_PROMPT] * n, params, use_tqdm=False)
@@ -327,7 +315,7 @@ def test_point_mass_rejection_sampling_keeps_target_distribution(small_ckpts, mo
     has many 1- and 2-gram matches), or mtp+ngram with k = 3 (a match's point masses then
     the MTP's sampled drafts): each marginal matches the exact target marginal (chi-square,
     p > 1e-3, fixed seed), with drafts accepted, rejected at position 0 and at position 1."""
-    rounds = _rounds(monkeypatch)
+    rounds = record_rounds(monkeypatch)
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     exact = _exact_marginals(small_ckpts[method], params)
     counts = _sampled(small_ckpts[method], params, 2048, method)

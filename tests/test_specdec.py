@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from helpers import chi2_pvalue, gdn_state_after
+from helpers import chi2_pvalue, gdn_state_after, record_rounds
 
 from hybridrt.bench.fixtures import tiny_text_config, write_char_tokenizer, write_random_checkpoint
 from hybridrt.llm import LLM
@@ -68,15 +68,7 @@ def reference(base_llm, prompts):
 @pytest.fixture
 def rounds(monkeypatch):
     """Every verify round as (num_drafts, num_accepted)."""
-    log: list[tuple[int, int]] = []
-    orig = SpecStats.record
-
-    def record(self, num_drafts, num_accepted):
-        log.append((num_drafts, num_accepted))
-        orig(self, num_drafts, num_accepted)
-
-    monkeypatch.setattr(SpecStats, "record", record)
-    return log
+    return record_rounds(monkeypatch)
 
 
 class OracleProposer:
