@@ -165,8 +165,9 @@ class LLM:
         # the vision tower (None: text only) and why images are refused without it
         self.vision = None if language_model_only else load_vision_tower(
             self.model_path, self.config, self.dtype, self.device)
-        self.vision_refusal = vision_inputs.refusal_reason(
-            vision_inputs.has_vision_tower(self.model_path), language_model_only)
+        # the checkpoint is searched for a tower only where it was not loaded on purpose
+        self.vision_refusal = vision_inputs.refusal_reason(language_model_only and (
+            vision_inputs.has_vision_tower(self.model_path)), language_model_only)
         self.inputs = PromptEncoder(self.tokenizer, self.vision, self.vision_refusal)
         governor = None
         if self.device.type == "cpu" and threads is None and adaptive_threads_enabled():
