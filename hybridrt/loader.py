@@ -64,13 +64,17 @@ def checkpoint_dtype(path: Path, handles: dict, device: torch.device) -> torch.d
     return found
 
 
+def _refuse_gguf_overrides(path, overrides: dict | None) -> None:
+    if overrides:
+        raise ConfigError(f"hf_overrides apply to a config.json; {path} is a GGUF file, whose "
+                          f"settings come from its metadata")
+
+
 def load_config(path: Path, overrides: dict | None = None) -> ModelConfig:
     """``path``'s config.json (``overrides`` merged into it, as ``hf_overrides``) with the
     eos ids of its generation_config.json; a GGUF file's metadata."""
     if Path(path).is_file():  # a GGUF file: its metadata
-        if overrides:
-            raise ConfigError(f"hf_overrides apply to a config.json; {path} is a GGUF file, "
-                              f"whose settings come from its metadata")
+        _refuse_gguf_overrides(path, overrides)
         from hybridrt.gguf.config import model_config
         from hybridrt.gguf.reader import GGUFFile
 
@@ -282,10 +286,7 @@ def load_model(
     if is_gguf_path(model):  # a llama.cpp file: hybridrt.gguf undoes its conversion
         from hybridrt.gguf.loader import load_gguf_model
 
-        if overrides:
-            raise ConfigError(f"hf_overrides apply to a config.json; {model} is a GGUF file, "
-                              f"whose settings come from its metadata")
-
+        _refuse_gguf_overrides(model, overrides)
         return load_gguf_model(resolve_model_path(model), dtype, with_mtp, device, quantization)
     quantization = check_quantization(quantization)
     auto = isinstance(dtype, str) and dtype.lower() == "auto"

@@ -250,3 +250,14 @@ def test_malformed_file_is_one_line_before_any_weight_is_read(files, tmp_path, m
         LLM(bad, dtype="float32", max_model_len=64, cache_memory=8 << 20)
     msg = str(e.value)
     assert "\n" not in msg and str(bad) in msg and expected in msg, msg
+
+
+def test_hf_overrides_are_refused_on_a_gguf_file(files):
+    """A GGUF's settings are its metadata: hf_overrides on one is refused, never ignored."""
+    from hybridrt.config import ConfigError
+    from hybridrt.loader import load_config
+
+    with pytest.raises(ConfigError, match="is a GGUF file, whose settings come from its"):
+        LLM(str(files["f32"]), dtype="float32", hf_overrides={"rope_parameters": {}})
+    with pytest.raises(ConfigError, match="is a GGUF file"):
+        load_config(files["f32"], {"max_position_embeddings": 8})
