@@ -172,7 +172,7 @@ def gemm(
 ) -> None:
     """ms per weight of the CPU half-weight GEMM paths at the 0.8B shapes (kernels/linear.py),
     and of the int8 kernels (kernels/quant.py)."""
-    from hybridrt.bench import throughput as bench
+    from hybridrt.bench import gemm as bench
 
     rows_report = bench.gemm(_int_list("--rows", rows, 1), threads=threads, rounds=rounds)
     if json_path is not None:

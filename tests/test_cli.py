@@ -1085,7 +1085,7 @@ def test_each_bench_hands_its_json_and_plot_paths_to_what_writes_them(monkeypatc
         assert str(seen.get("json_path")) == str(out), (name, seen)
         if plot:
             assert _is_png(png), name
-    monkeypatch.setattr("hybridrt.bench.throughput.gemm", lambda *a, **k: [{"rows": 1}])
+    monkeypatch.setattr("hybridrt.bench.gemm.gemm", lambda *a, **k: [{"rows": 1}])
     res = invoke("bench", "gemm", "--rows", "1", "--json", tmp_path / "gemm.json")
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "gemm.json").read_text())["rows"] == [{"rows": 1}]
