@@ -294,6 +294,9 @@ def spec(
         "--workload", help="questions (generic chat questions) or copy (outputs that repeat "
         "their prompts: a file rewritten; where --speculative-method ngram pays).")
     ] = "questions",
+    context: Annotated[int, typer.Option(
+        "--context", min=0, help="Tokens of a shared context before every prompt (cached once): "
+        "decoding deep in a context.")] = 0,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
@@ -348,7 +351,7 @@ def spec(
                             quantization=options.quantization,
                             engine=options.llm_kwargs(*SPEC_SETS, "dtype", "threads",
                                                       "quantization"),
-                            workload=workload)
+                            workload=workload, context=context)
     if plot is not None:
         plot_spec(report, plot)
         typer.echo(f"wrote {plot}", err=True)

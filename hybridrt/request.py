@@ -111,6 +111,9 @@ class Request:
     mtp_carry: torch.Tensor | None = None
     last_hidden: torch.Tensor | None = None
     cache_dirty: bool = False
+    # The MTP layer's input rows not run yet (``specdec.mtp``'s lazy rows): (first position,
+    # the target's hidden rows from there); None when its MTP KV covers every computed token.
+    mtp_pending: tuple[int, torch.Tensor] | None = None
     # Sessions: the conversation this request continues (hybridrt.session) and the prompt length
     # the caller asked to keep a checkpoint at (where a chat's generation prompt starts).
     session: Session | None = None
@@ -160,6 +163,13 @@ class Request:
         self.draft_probs = None
         self.slot_cursor = 0
         self.last_hidden = None
+        self.mtp_pending = None
+
+    @property
+    def mtp_written(self) -> int:
+        """The positions before which its MTP KV is written (when it has MTP KV): every
+        computed one unless rows wait (``mtp_pending``)."""
+        return self.num_computed_tokens if self.mtp_pending is None else self.mtp_pending[0]
 
 
 def validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int,

@@ -272,10 +272,12 @@ class Scheduler:
     def _release(self, req: Request, keep_state: bool, finished: bool = False) -> None:
         """The request's cache back to the manager; what stays cached of a finished session
         request is pinned by its session."""
-        keep = keep_state and not req.cache_dirty and self.cache.prefix_caching
+        # MTP rows still waiting (specdec.mtp's lazy rows): blocks indexed up to them, no state
+        keep = (keep_state and not req.cache_dirty and self.cache.prefix_caching
+                and req.mtp_pending is None)
         session = req.session if finished and keep else None
         self.cache.release(req.request_id, req.token_ids, req.block_hashes,
-                           0 if req.cache_dirty else req.num_computed_tokens,
+                           0 if req.cache_dirty else req.mtp_written,
                            req.slot_cursor if keep else None, req.last_hidden)
         if session is not None:
             self.sessions.keep(req)

@@ -23,6 +23,15 @@ it; the MTP passes still run, and the next one reads the returned token. Meant f
 requests (a sampled request's draft probabilities stay the MTP's). ``hybridrt bench spec
 --simulate-acceptance`` (``hybridrt.bench.spec``) builds a proposer with one to control the
 acceptance while every draft pass keeps its real cost.
+
+Lazy rows (``lazy``, which ``SpecProposer`` sets): a request that drafts nothing this step
+(adaptive k chose 0, or prompt lookup gave all its drafts) does not run the MTP layer; its
+settled rows wait in ``Request.mtp_pending`` (first position, target hidden rows) and run in
+one pass, with its next step's rows, when it drafts again, when a checkpoint of its state is
+saved, when it finishes (prefix caching: its blocks keep their MTP KV) or once ``LAZY_ROWS``
+wait. The KV written is the same rows' at the same positions; the prefix cache indexes a
+request's blocks only before ``Request.mtp_written`` meanwhile. A k = 0 step then costs what a
+step without speculation costs.
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ from hybridrt.runner import build_batch
 from hybridrt.sampler import Sampler, argmax_rows, plain_greedy
 from hybridrt.statecache import HybridCacheManager
 from hybridrt.step_plan import StepPlan
+
+LAZY_ROWS = 256  # most MTP input rows a request keeps waiting (``lazy``)
 
 
 def draft_cap(req, max_model_len: int) -> int:
@@ -69,7 +80,7 @@ class MTPProposer:
                  max_model_len: int, device: torch.device | str = "cpu",
                  draft_vocab: list[int] | None = None,
                  draft_filter: Callable[[Request, int, int], int] | None = None,
-                 keep_kv: bool = False):
+                 keep_kv: bool = False, lazy: bool = False):
         if model.mtp is None:
             raise ValueError("speculative decoding needs the checkpoint's mtp.* weights")
         if len(model.mtp.layers) != 1:
@@ -85,6 +96,7 @@ class MTPProposer:
         self.draft_head = None if draft_vocab is None else DraftHead(model, draft_vocab)
         self.draft_filter = draft_filter  # (the module's docstring)
         self.keep_kv = keep_kv  # prefix caching: see ``propose``
+        self.lazy = lazy  # (the module's docstring)
 
     def num_drafts_for(self, req) -> int:
         return draft_cap(req, self.max_model_len)
@@ -114,20 +126,29 @@ class MTPProposer:
             n = settled[b]
             if done:  # a stop inside an accepted run: no next token past it
                 n = min(n, len(req.token_ids) - 1 - s.start)
-                if n <= 0:
+                if n <= 0 and req.mtp_pending is None:
                     continue
+                n = max(n, 0)
             first, rows = s.start, hidden[row_starts[b]:row_starts[b] + n]
             if req.mtp_carry is not None and s.start > 0:
                 first, rows = s.start - 1, torch.cat([req.mtp_carry[None].to(rows.dtype), rows])
-            tokens.append(req.token_ids[first + 1:s.start + 1 + n])
-            starts.append(first)
-            tables.append(self.cache.block_table(req.request_id))
-            parts.append(rows)
+            if req.mtp_pending is not None:  # rows that waited (lazy): they run first
+                first, before = req.mtp_pending
+                rows = torch.cat([before.to(rows.dtype), rows])
+                req.mtp_pending = None
             if wanted is None:
                 drafting = (not done and (s.sample or s.num_drafts > 0)
                             and self.num_drafts_for(req) > 0)
             else:
                 drafting = not done and req in wanted
+            if (self.lazy and not drafting and not done and not s.checkpoints
+                    and len(rows) < LAZY_ROWS):
+                req.mtp_pending = (first, rows.clone())  # not a view of the step's rows
+                continue
+            tokens.append(req.token_ids[first + 1:s.start + 1 + n])
+            starts.append(first)
+            tables.append(self.cache.block_table(req.request_id))
+            parts.append(rows)
             modes.append("last" if drafting else "none")
             if drafting:
                 reqs.append(req)

@@ -36,9 +36,11 @@ def build_proposer(args, model, cache, sampler, draft_vocab: list[int] | None = 
     sources = args.speculative_method.split("+")
     mtp = None
     if uses_mtp(args.speculative_method):
+        fixed = sources == ["mtp"] and not args.speculative_adaptive
         mtp = MTPProposer(model, cache, sampler, args.max_model_len, args.device,
-                          draft_vocab=draft_vocab, keep_kv=cache.prefix_caching)
-        if sources == ["mtp"] and not args.speculative_adaptive:
+                          draft_vocab=draft_vocab, keep_kv=cache.prefix_caching,
+                          lazy=not fixed)
+        if fixed:
             return mtp
     ngram = (NgramDrafter(args.prompt_lookup_min, args.prompt_lookup_max, extend=mtp is None)
              if "ngram" in sources else None)

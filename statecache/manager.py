@@ -492,7 +492,7 @@ class HybridCacheManager:
             req = s.request
             if req.block_hashes is not None and not req.cache_dirty:
                 self.commit_blocks(req.request_id, req.token_ids, req.block_hashes,
-                                   req.num_computed_tokens)
+                                   req.mtp_written)
         return kept
 
     # State slots -------------------------------------------------------------------------

@@ -150,3 +150,59 @@ def test_fixed_k_stays_the_default(ckpt):
     (out,) = llm.generate([_prompts()[3]], GREEDY, use_tqdm=False)
     kc = out.metrics["spec"]["k_chosen"]
     assert sum(kc[:3]) <= 2 and kc[3] > 0, kc  # only max_tokens' end cuts it
+
+
+# Lazy MTP rows ------------------------------------------------------------------------------
+def _scheduled_run(ckpt, lazy: bool, prompts, caching: bool):
+    """Adaptive MTP whose k follows a fixed schedule of the position (2 every 7th, else 0):
+    -> (each drafting step's (prompt, position, drafts), the MTP passes run, the outputs)."""
+    llm = _llm(ckpt, 2, speculative_adaptive=True, enable_prefix_caching=caching)
+    prop = llm.engine.proposer
+    prop.mtp.lazy = lazy
+    prop._choose = lambda plan, reqs, caps, prefixes: [
+        min(cap, 2 if len(r.token_ids) % 7 == 0 else 0) for r, cap in zip(reqs, caps)]
+    seen, passes = [], []
+    propose, forward = prop.propose, llm.model.mtp_forward
+
+    def spy_propose(plan, *a):
+        out = propose(plan, *a)
+        seen.extend((tuple(d.request.prompt_token_ids), len(d.request.token_ids),
+                     tuple(d.token_ids)) for d in out if d.token_ids)
+        return out
+
+    def spy_forward(ids, *a):
+        passes.append(len(ids))
+        return forward(ids, *a)
+
+    prop.propose, llm.model.mtp_forward = spy_propose, spy_forward
+    outs = []
+    for p in prompts:  # one after another: a later prompt may resume from an earlier one
+        outs += llm.generate([p], GREEDY, use_tqdm=False)
+    return seen, passes, outs
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_steps_without_drafts_run_no_mtp_pass_and_drafts_stay_the_same(ckpt, reference, caching):
+    """With adaptive k, a step where a request drafts nothing runs no MTP pass: its rows wait
+    and run with the next drafting step (or at its end), writing the same MTP KV, so every
+    draft is the one an MTP pass per step gives (dropping the waiting rows, or running them
+    at the wrong positions, changes the drafts). With prefix caching a later request resumes
+    from the first one's blocks, their MTP KV complete."""
+    p = _prompts()[4]
+    prompts = [p, p + reference[tuple(p)][:20]]
+    eager, eager_passes, eager_outs = _scheduled_run(ckpt, False, prompts, caching)
+    lazy, lazy_passes, lazy_outs = _scheduled_run(ckpt, True, prompts, caching)
+    assert [o.outputs[0].token_ids for o in lazy_outs] == [
+        o.outputs[0].token_ids for o in eager_outs]
+    assert len(eager) >= 8 and lazy == eager
+    # a drafting step runs two passes (its second draft reads the first); besides, rows run
+    # where a checkpoint is saved (prefix caching: a prompt's last token, its end)
+    assert len(lazy_passes) <= 2 * len(lazy) + 4 * len(prompts), lazy_passes
+    assert len(eager_passes) - len(lazy_passes) >= 40, (eager_passes, lazy_passes)
+    # the same rows in fewer passes; without prefix caching rows still waiting at a request's
+    # end are not needed and never run
+    assert (sum(lazy_passes) == sum(eager_passes) if caching
+            else sum(eager_passes) - 8 < sum(lazy_passes) < sum(eager_passes))
+    if caching:  # the second prompt resumes from the first's checkpoint before its last token
+        assert lazy_outs[1].metrics["num_cached_tokens"] == eager_outs[1].metrics[
+            "num_cached_tokens"] == len(p) - 1

@@ -409,7 +409,9 @@ def test_specbench_runs_prompt_lookup_on_the_copy_workload(ckpt, capsys):
     assert sum(r["drafts_by_source"]["ngram"] for r in rows) > 0
     assert all(r["drafts_by_source"]["mtp"] == 0 for r in rows)
     assert all(0 <= r["mean_k_chosen"] <= 2 for r in rows)
-    assert "drafts from ngram, k adaptive" in capsys.readouterr().out
+    assert [(r["batch_size"], r["k"], r["adaptive"]) for r in rows] == [
+        (1, 2, False), (1, 2, True), (2, 2, False), (2, 2, True)]  # fixed k, then adaptive
+    assert "drafts from ngram; k <=N rows: k adaptive up to N" in capsys.readouterr().out
     with pytest.raises(ValueError, match="simulated acceptance replaces the MTP's drafts"):
         run_spec_bench(str(ckpt), ks=(0, 2), batch_sizes=(1,), threads=1, quick=True,
                        engine={"speculative_method": "ngram"}, simulate_acceptance=(0.5,),

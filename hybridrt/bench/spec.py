@@ -205,6 +205,7 @@ def run_spec_bench(
     quantization: str | None = None,
     engine: dict | None = None,
     workload: str = "questions",
+    context: int = 0,
 ) -> dict:
     """Run every (batch size, draft head, alpha, k) on the same prompts -> report dict (also
     printed as a table and written to ``json_path`` when given).
@@ -222,10 +223,19 @@ def run_spec_bench(
     the benchmark sets itself: ``speculative_method`` picks the drafter, e.g. "ngram",
     ``speculative_adaptive`` lets each request choose k up to each row's). ``workload``:
     "questions" (the default prompts) or "copy" (``copy_workload``: outputs that repeat their
-    prompts, where prompt lookup pays).
+    prompts, where prompt lookup pays). ``context``: that many tokens (random ids) shared by
+    every prompt before its own, decoding deep in a context: the prefix cache holds them (one
+    prefill in the warm-up, which also caches every prompt, so that every timed run resumes
+    each prompt from the same cached state).
+
+    With ``speculative_adaptive`` in ``engine`` the rows of k > 0 run at that fixed k (adaptive
+    off) and one more row per head and alpha lets every request choose its k up to the largest
+    (``adaptive`` in the row), so both are measured in one run.
     """
     if workload not in ("questions", "copy"):
         raise ValueError(f"workload must be 'questions' or 'copy', got {workload!r}")
+    if not isinstance(context, int) or isinstance(context, bool) or context < 0:
+        raise ValueError(f"context must be an integer >= 0, got {context!r}")
     from hybridrt.llm import LLM
 
     ks = sorted({int(k) for k in ks})
@@ -253,20 +263,23 @@ def run_spec_bench(
         max_tokens = min(max_tokens, 8)
     before_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
+    adaptive = bool((engine or {}).get("speculative_adaptive")) and max(ks) > 0
     # the load, the warm-up, then each run: (k = 0, then every head, alpha and k > 0) per batch
-    configs_per_batch = 1 + len(draft_vocabs) * len(alphas) * sum(k > 0 for k in ks)
+    configs_per_batch = 1 + len(draft_vocabs) * len(alphas) * (
+        sum(k > 0 for k in ks) + adaptive)
     pb = bar("spec", 2 + len(batch_sizes) * repeats * configs_per_batch, unit="run",
              enabled=verbose)
     step(pb, "loading")
     try:
         reduced = max(draft_vocabs) or None
-        # no prefix cache: every run of the same prompts starts cold, so that rows do not
-        # depend on the order they ran in, and a simulated run follows its reference run (a
-        # hit computes the prompt's last token in another step, which in half precision can
-        # turn a near-tied greedy choice)
+        # no prefix cache without a context: every run of the same prompts starts cold, so
+        # that rows do not depend on the order they ran in, and a simulated run follows its
+        # reference run (a hit computes the prompt's last token in another step, which in half
+        # precision can turn a near-tied greedy choice); with one, every run resumes alike
         llm = LLM(model, **(engine or {}), dtype=dtype, speculative_tokens=max(ks), threads=threads,
-                  quantization=quantization, enable_prefix_caching=False,
-                  max_num_seqs=max(batch_sizes), max_model_len=_max_len_hint(model, 4096),
+                  quantization=quantization, enable_prefix_caching=context > 0,
+                  max_num_seqs=max(batch_sizes),
+                  max_model_len=_max_len_hint(model, 4096 + context),
                   draft_vocab_size=reduced if max(ks) > 0 else None)
         proposer = mtp_of(llm.engine.proposer)
         if simulate_acceptance is not None and proposer is None and max(ks) > 0:
@@ -288,6 +301,8 @@ def run_spec_bench(
             prompts = prompts[:4]
         if not prompts:
             raise ValueError("no prompts")
+        if context:
+            prompts = with_context(llm, prompts, context)
         longest = max(_prompt_len(llm, p) for p in prompts)
         need = longest + max_tokens + max(ks) + 1
         if need > llm.engine.engine_config.max_model_len:
@@ -300,6 +315,9 @@ def run_spec_bench(
         pb.update()
         step(pb, "warm-up")
         warm = params.clone(max_tokens=3)
+        if context:  # the shared context once, then every prompt cached behind it
+            llm.generate(prompts[:1], warm, use_tqdm=False, speculative_tokens=0)
+            llm.generate(prompts, warm, use_tqdm=False, speculative_tokens=0)
         for n in draft_vocabs if max(ks) > 0 else [0]:
             if proposer is not None:
                 proposer.draft_head = heads[n]
@@ -309,7 +327,9 @@ def run_spec_bench(
 
         clock = time.process_time if cpu_time else time.perf_counter
 
-        def run(b: int, k: int):
+        def run(b: int, k: int, adapt: bool):
+            if adaptive:
+                llm.engine.proposer.adaptive = adapt
             outs, seconds = [], 0.0
             costs = llm.engine.step_costs = StepCosts(clock)  # this run's steps only
             for i in range(0, len(prompts), b):
@@ -328,11 +348,12 @@ def run_spec_bench(
         rows = []
         for b in batch_sizes:
             refs: dict[int, dict[tuple, list[int]]] = {}  # per k: prompt -> greedy sequence
-            configs = [(0, None, ks[0])] + [
-                (n, a, k) for n in draft_vocabs for a in alphas for k in ks if k > 0]
+            configs = [(0, None, ks[0], False)] + [
+                (n, a, k, adapt) for n in draft_vocabs for a in alphas
+                for k, adapt in [(k, False) for k in ks if k > 0] + [(max(ks), True)] * adaptive]
             runs: dict[tuple, list] = {c: [] for c in configs}
             for _ in range(repeats):  # alternated, so that load changes hit every row alike
-                for n, alpha, k in configs:
+                for n, alpha, k, adapt in configs:
                     sim = None
                     if alpha is not None and k not in refs:
                         refs[k] = reference_run(llm, prompts, params, b, k, refs[0])
@@ -340,24 +361,27 @@ def run_spec_bench(
                         proposer.draft_head = heads[n]
                         if alpha is not None:
                             sim = SimulatedDrafts(refs[k], alpha, llm.config.vocab_size)
-                    step(pb, f"batch {b} k {k}")
+                    label = f"batch {b} k {'<=' if adapt else ''}{k}"
+                    step(pb, label)
                     with drafts_through(llm, sim):
-                        outs, seconds, costs = run(b, k)
+                        outs, seconds, costs = run(b, k, adapt)
                     pb.update()
                     refs.setdefault(0, sequences(outs))
-                    runs[(n, alpha, k)].append((outs, seconds, costs, sim))
+                    runs[(n, alpha, k, adapt)].append((outs, seconds, costs, sim))
                     if verbose:
                         what = "" if k == 0 else (f" head {n or 'full'}" + (
                             "" if alpha is None else f" simulated alpha {alpha}"))
                         rate = sum(len(o.outputs[0].token_ids) for o in outs) / seconds
-                        pb.write(f"batch {b} k {k}{what}: {rate:.1f} tok/s", file=sys.stderr)
+                        pb.write(f"{label}{what}: {rate:.1f} tok/s", file=sys.stderr)
             base = _summary(runs[configs[0]])
-            for n, alpha, k in configs:
-                got = _summary(runs[(n, alpha, k)])
+            for n, alpha, k, adapt in configs:
+                got = _summary(runs[(n, alpha, k, adapt)])
                 outs, sim = got["outs"], got["sim"]
                 rows.append({
                     "batch_size": b,
                     "k": k,
+                    "adaptive": adapt,
+                    "context": context,
                     "draft_vocab": n if k > 0 and proposer is not None else None,
                     "acceptance": "real" if alpha is None else "simulated",
                     "simulated_alpha": alpha if k > 0 else None,
@@ -379,6 +403,8 @@ def run_spec_bench(
                 })
         if proposer is not None:
             proposer.draft_head = heads[reduced or 0]
+        if adaptive:
+            llm.engine.proposer.adaptive = True
         report = {
             "model": str(model),
             "dtype": str(dtype),
@@ -394,6 +420,7 @@ def run_spec_bench(
             "draft_vocab_source": llm.draft_vocab_source,
             "acceptance": "real" if simulate_acceptance is None else "simulated",
             "workload": workload,
+            "context": context,
             "speculative_method": llm.engine.args.speculative_method,
             "speculative_adaptive": llm.engine.args.speculative_adaptive,
             "simulated_alphas": None if simulate_acceptance is None else alphas,
@@ -412,6 +439,15 @@ def run_spec_bench(
     return report
 
 
+def with_context(llm, prompts: Sequence, context: int, seed: int = 1) -> list[list[int]]:
+    """Every prompt as token ids behind the same ``context`` random ids."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = llm.config.vocab_size
+    shared = torch.randint(min(3, vocab - 1), vocab, (context,), generator=g).tolist()
+    return [shared + (llm.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str)
+                      else list(p)) for p in prompts]
+
+
 def _max_len_hint(model, cap: int) -> int:
     """max_model_len for the benchmark LLM: the model's max positions, capped."""
     from hybridrt.loader import load_config, resolve_model_path
@@ -426,7 +462,7 @@ def format_table(report: dict) -> str:
     def num(v, fmt, none="-"):
         return none if v is None else format(v, fmt)
 
-    head = (f"{'batch':>5} {'k':>2} {'head':>6} {'alpha':>9} {'tok/s':>9} {'speedup':>8} "
+    head = (f"{'batch':>5} {'k':>4} {'head':>6} {'alpha':>9} {'tok/s':>9} {'speedup':>8} "
             f"{'accept len':>12} {'ref':>4} {'draft/step':>10} {'verify/step':>11} "
             f"{'break-even':>10} {'same as k0':>10}  per-position acceptance")
     lines = []
@@ -437,6 +473,9 @@ def format_table(report: dict) -> str:
         lines.append("SIMULATED ACCEPTANCE: the MTP drafts (at its real cost), then each draft is "
                      "replaced by the target's greedy token with probability alpha, a wrong one "
                      "otherwise")
+    if report.get("context"):
+        lines.append(f"every prompt behind a shared context of {report['context']} tokens "
+                     "(cached)")
     if report.get("draft_vocab_source"):
         lines.append(f"reduced draft heads take {report['draft_vocab_source']}")
     lines += [head, "-" * len(head)]
@@ -450,8 +489,9 @@ def format_table(report: dict) -> str:
         dv = "-" if dv is None else ("full" if dv == 0 else str(dv))
         same = {True: "yes", False: "NO", None: "-"}[r["identical_to_k0"]]
         pp = " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]) or "-"
+        k = ("<=" if r.get("adaptive") else "") + str(r["k"])
         lines.append(
-            f"{r['batch_size']:>5} {r['k']:>2} {dv:>6} {alpha:>9} {r['tok_s']:>9.1f} "
+            f"{r['batch_size']:>5} {k:>4} {dv:>6} {alpha:>9} {r['tok_s']:>9.1f} "
             f"{num(r['speedup'], '.2f') + ('x' if r['speedup'] is not None else ''):>8} "
             f"{al:>12} {num(r.get('reference_coverage'), '.2f'):>4} "
             f"{num(r.get('draft_pass_over_step'), '.3f'):>10} "
@@ -467,14 +507,15 @@ def format_table(report: dict) -> str:
                          f"({c['verify_ms']:.1f} ms)" for c in mine))
     if report.get("speculative_method", "mtp") != "mtp" or report.get("speculative_adaptive"):
         lines.append(f"drafts from {report['speculative_method']}"
-                     + (", k adaptive (up to the row's)" if report["speculative_adaptive"]
-                        else ""))
+                     + ("; k <=N rows: k adaptive up to N, the others fixed"
+                        if report["speculative_adaptive"] else ""))
         for r in report["rows"]:
             if r["k"] and r.get("drafts_by_source"):
                 src = ", ".join(f"{s} {n} drafts, acceptance "
                                 f"{num(r['acceptance_by_source'][s], '.2f')}"
                                 for s, n in r["drafts_by_source"].items())
-                lines.append(f"  batch {r['batch_size']} k {r['k']}: {src}; mean k chosen "
+                k = ("<=" if r.get("adaptive") else "") + str(r["k"])
+                lines.append(f"  batch {r['batch_size']} k {k}: {src}; mean k chosen "
                              f"{num(r['mean_k_chosen'], '.2f')}")
     if any(r.get("draft_pass_over_step") is not None for r in report["rows"]):
         lines.append("accept len: measured (expected for simulated alpha); ref: drafts that had a "
