@@ -560,7 +560,8 @@ def prefix(
     ] = 16,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Alternated rounds.")] = 2,
     workloads: Annotated[str, typer.Option(
-        "--workloads", help="Comma-separated: shared, document, disjoint.")
+        "--workloads", help="Comma-separated: shared, document, disjoint, restart (the disk "
+        "tier: a conversation whose process is restarted midway).")
     ] = "shared,document,disjoint",
     cpu_time: Annotated[bool, typer.Option(
         "--cpu-time", help="Time the workloads in this process's CPU time (a busy machine; "
@@ -570,29 +571,52 @@ def prefix(
     """Prefix caching on, on with the policy before branch points, and off in one run:
     requests sharing a system prompt, questions about one document in one user message
     (prefilled tokens, time to first token) and requests sharing nothing (throughput).
-    --cache-memory is the budget of each of the three engines."""
+    --cache-memory is the budget of each of the three engines. restart: a 6-turn
+    conversation with the disk tier, its process restarted after turn 3 (and with its newest
+    checkpoint file damaged), against one that never stops (batch-invariant mode)."""
+    kinds = ("shared", "document", "disjoint", "restart")
     chosen = tuple(w.strip() for w in workloads.split(",") if w.strip())
-    bad = [w for w in chosen if w not in ("shared", "document", "disjoint")]
+    bad = [w for w in chosen if w not in kinds]
     if bad or not chosen:
-        raise CliError(f"--workloads: unknown workload(s) {bad or chosen}; choose from shared, "
-                       f"document, disjoint", 2)
+        raise CliError(f"--workloads: unknown workload(s) {bad or chosen}; choose from "
+                       f"{', '.join(kinds)}", 2)
     options = options.checked()
     from hybridrt.bench import prefix as prefixbench
     from hybridrt.cli.common import resolve_model
 
+    model = resolve_model(options.model)
+    own = ("threads", "dtype", "quantization", "cache_memory")
+    engine = options.llm_kwargs(*PREFIX_SETS, *own)
+    report = {}
+    if "restart" in chosen:
+        from hybridrt.bench import prefix_restart
+
+        kw = {**engine, **{k: getattr(options, k) for k in own}, "max_model_len": 4096}
+        for k in ("batch_invariant", "prefix_cache_dir", "prefix_cache_dir_size"):
+            kw.pop(k, None)  # the workload sets them
+        try:
+            report["restart"] = prefix_restart.run(model, max_tokens=max_tokens, engine=kw)
+        except ValueError as e:
+            raise CliError(str(e), 2) from None
+        chosen = tuple(w for w in chosen if w != "restart")
+    if not chosen:
+        if json_path is not None:
+            Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+        return
     try:
-        prefixbench.run(resolve_model(options.model), threads=options.threads,
+        prefixbench.run(model, threads=options.threads,
                         dtype=options.dtype, quantization=options.quantization,
                         num_requests=num_requests, system_tokens=system_tokens,
                         question_tokens=question_tokens, max_tokens=max_tokens,
                         disjoint_requests=disjoint_requests, disjoint_tokens=disjoint_tokens,
                         document_tokens=document_tokens, document_questions=document_questions,
                         rounds=rounds, cache_memory=options.cache_memory, workloads=chosen,
-                        json_path=json_path, cpu_time=cpu_time,
-                        engine=options.llm_kwargs(*PREFIX_SETS, "threads", "dtype",
-                                                  "quantization", "cache_memory"))
+                        json_path=json_path, cpu_time=cpu_time, engine=engine)
     except ValueError as e:
         raise CliError(str(e), 2) from None
+    if report and json_path is not None:  # the restart workload's report beside the others
+        Path(json_path).write_text(json.dumps(
+            {**json.loads(Path(json_path).read_text()), **report}, indent=2) + "\n")
 
 
 # preemption ----------------------------------------------------------------------------------

@@ -231,3 +231,25 @@ def test_a_restarted_server_resumes_the_chat_and_counts_it(tmp_path):
     assert metrics["hybridrt_prefix_cache_disk_restores_total"] >= 1
     assert metrics["hybridrt_prefix_cache_disk_spills_total"] >= 3
     assert metrics["hybridrt_prefix_cache_disk_checkpoints"] >= 3
+
+
+def test_the_restart_bench_shows_the_resumed_turn_and_the_skipped_files(tiny):
+    """``hybridrt bench prefix --workloads restart`` (each part in a process of its own): the
+    turn after the restart resumes from disk as far as the unrestarted run resumes from memory,
+    and prefills only its own message; damaged checkpoint files are skipped with a log line;
+    every answer is bit for bit the unrestarted run's."""
+    from hybridrt.bench import prefix_restart
+
+    rep = prefix_restart.run(str(tiny), message_tokens=30, max_tokens=4, verbose=False,
+                             engine={"dtype": "float32", "max_model_len": 512,
+                                     "cache_memory": 32 << 20})
+    whole, restarted = rep["unrestarted"], rep["restarted"]
+    assert rep["same_as_unrestarted"]
+    assert restarted[3]["cached_tokens"] == whole[3]["cached_tokens"]
+    assert restarted[3]["prefilled_tokens"] <= 30 + 1 < restarted[3]["prompt_tokens"] // 3
+    assert rep["restarted_disk_hit_tokens"] >= restarted[3]["cached_tokens"] > 0
+    for how, d in rep["damaged"].items():
+        assert d["same_as_unrestarted"], how
+        assert any("prefix cache: skipped" in line for line in d["log"]), (how, d["log"])
+        assert d["turn_after"]["cached_tokens"] < whole[3]["cached_tokens"], how
+    assert "bit for bit as unrestarted: True" in prefix_restart.table(rep)
