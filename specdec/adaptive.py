@@ -9,13 +9,18 @@ that drafts nothing forgets a little each step, so it tries again later.
 
 Cost (``CostModel``): a step in units of a one-row decode step: ``1 + row * (rows - 1)``
 while reading the weights bounds it, ``compute_row * rows`` once the rows' arithmetic does
-(whichever is larger), plus ``verify`` when the step verifies anything, ``ctx_row`` per row
-per 1024 tokens of its context (attention), and ``draft_pass`` per MTP draft. ``row``,
-``verify`` and ``draft_pass`` are the 0.8B shape's CPU measurements (docs/performance.md: a
-verify step of 2..5 rows 1.13..1.19 decode steps, a draft pass 0.075); ``compute_row`` and
-``ctx_row`` are estimates (two cores' bf16 arithmetic for a row of the 0.8B shape; the KV
-bytes of a row at 1024 tokens against the weights' bytes) that ``hybridrt bench spec``'s
-verify cost per row count checks on a machine.
+(whichever is larger), plus ``verify`` (and ``verify_row`` per row) when the step verifies
+anything, ``ctx_row`` per row per 1024 tokens of its context (attention), and ``draft_pass``
+per MTP draft. The defaults are a prior: the 0.8B shape's CPU measurements with a reduced
+draft head (docs/performance.md: a verify step of 2..5 rows 1.13..1.19 decode steps, a draft
+pass 0.075) and estimates of ``compute_row`` and ``ctx_row``.
+
+Measured cost (``MeasuredCosts``, fed by the proposer after every step): the engine's own step
+times, fitted as two lines in the step's rows, ``a + b * rows`` for steps that verify and for
+those that do not (least squares over the recent steps, the prior's slope a weak pull where the
+rows hardly vary), and the seconds per MTP draft; ``model()`` turns them into a ``CostModel``
+in units of the fitted one-row step. Where a line has no steps yet, the prior's shape scaled to
+the other stands in. (Off in the batch-invariant mode, whose choices must not depend on time.)
 
 The choice (``choose_ks``): the ks that maximise the batch's expected tokens per unit of
 cost, ``(B + sum E_i) / cost``, with E_i the expected accepted drafts of request i,
@@ -63,11 +68,14 @@ class CostModel:
     verify: float = 0.11
     ctx_row: float = 0.008
     draft_pass: float = 0.075
+    verify_row: float = 0.0
 
     def step(self, rows: int, ctx_rows: float = 0.0, verifying: bool = False) -> float:
         """A step of ``rows`` rows whose contexts sum to ``ctx_rows`` tokens."""
         t = max(1.0 + self.row * (rows - 1), self.compute_row * rows)
-        return t + self.ctx_row * ctx_rows / 1024 + (self.verify if verifying else 0.0)
+        if verifying:
+            t += self.verify + self.verify_row * (rows - 1)
+        return t + self.ctx_row * ctx_rows / 1024
 
     @classmethod
     def for_device(cls, device) -> CostModel:
@@ -78,9 +86,102 @@ class CostModel:
         return cls()
 
     def row_slope(self, rows: int) -> float:
-        """What one more row costs a step of ``rows`` rows (context aside)."""
+        """What one more row costs a verifying step of ``rows`` rows (context aside)."""
         memory_bound = 1.0 + self.row * (rows - 1) >= self.compute_row * rows
-        return self.row if memory_bound else self.compute_row
+        return (self.row if memory_bound else self.compute_row) + self.verify_row
+
+
+class LineFit:
+    """``seconds ~ a + b * rows`` by least squares over the observations, each weighing
+    ``forget`` of the next, with the slope pulled towards ``prior_slope`` (weight ``pull``,
+    which decides it where the rows hardly vary)."""
+
+    def __init__(self, forget: float = 0.97, pull: float = 2.0):
+        self.forget, self.pull = forget, pull
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def observe(self, rows: float, seconds: float) -> None:
+        f = self.forget
+        self.w, self.x, self.y = f * self.w + 1, f * self.x + rows, f * self.y + seconds
+        self.xx, self.xy = f * self.xx + rows * rows, f * self.xy + rows * seconds
+
+    @property
+    def weight(self) -> float:
+        return self.w
+
+    def line(self, prior_slope: float) -> tuple[float, float]:
+        """(a, b); call only after an observation."""
+        w, x, y = self.w, self.x, self.y
+        b = ((self.xy - x * y / w + self.pull * prior_slope)
+             / (self.xx - x * x / w + self.pull))
+        return (y - b * x) / w, b
+
+    def mean(self) -> tuple[float, float]:
+        return self.x / self.w, self.y / self.w
+
+
+class MeasuredCosts:
+    """The engine's own step and draft times (the module's docstring). ``observe_step``: a
+    step of ``rows`` rows (verifying or not) took ``seconds`` from the end of the drafting
+    after the previous step to the drafting after it; ``observe_drafts``: the MTP drafting of a
+    step made ``drafts`` MTP drafts in ``seconds``."""
+
+    MIN_STEPS = 4  # steps of a kind before their line replaces the prior's
+    OUTLIER = 4.0  # a step over this many times the fitted time is not counted (a pause)
+
+    def __init__(self, prior: CostModel):
+        self.prior = prior
+        self.lines = {False: LineFit(), True: LineFit()}
+        self.draft_seconds = 0.0
+        self.drafts = 0.0
+
+    def _prior_shape(self, rows: float, verifying: bool) -> float:
+        return self.prior.step(max(1, round(rows)), 0.0, verifying)
+
+    def _unit(self) -> float | None:
+        """Seconds of the prior's one-row plain step, from the best-observed line."""
+        best = max(self.lines, key=lambda v: self.lines[v].weight)
+        fit = self.lines[best]
+        if fit.weight == 0:
+            return None
+        rows, secs = fit.mean()
+        return secs / self._prior_shape(rows, best)
+
+    def predict(self, rows: float, verifying: bool) -> float | None:
+        unit = self._unit()
+        if unit is None:
+            return None
+        fit = self.lines[verifying]
+        if fit.weight < self.MIN_STEPS:
+            return unit * self._prior_shape(rows, verifying)
+        a, b = fit.line(self.prior.row * unit)
+        return a + b * rows
+
+    def observe_step(self, rows: int, verifying: bool, seconds: float) -> None:
+        want = self.predict(rows, verifying)
+        if want is not None and seconds > self.OUTLIER * want:
+            return
+        self.lines[verifying].observe(rows, seconds)
+
+    def observe_drafts(self, drafts: int, seconds: float) -> None:
+        if drafts > 0:
+            self.draft_seconds = 0.9 * self.draft_seconds + seconds
+            self.drafts = 0.9 * self.drafts + drafts
+
+    def model(self) -> CostModel:
+        """The measured costs as a ``CostModel`` in units of a fitted one-row plain step (the
+        prior until a step was seen)."""
+        plain1, verify1 = self.predict(1, False), self.predict(1, True)
+        if plain1 is None or plain1 <= 0:
+            return self.prior
+        plain2, verify2 = self.predict(2, False), self.predict(2, True)
+        draft = (self.draft_seconds / self.drafts / plain1 if self.drafts
+                 else self.prior.draft_pass)
+        return CostModel(row=max(plain2 - plain1, 0.0) / plain1, compute_row=0.0,
+                         verify=(verify1 - plain1) / plain1,
+                         verify_row=max((verify2 - verify1) - (plain2 - plain1),
+                                        -max(plain2 - plain1, 0.0)) / plain1,
+                         ctx_row=self.prior.ctx_row, draft_pass=draft)
 
 
 @dataclass(slots=True)

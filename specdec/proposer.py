@@ -18,11 +18,13 @@ decode from its current state slot (the same verify and rollback path either way
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hybridrt.step_plan import StepPlan
 
-from .adaptive import Candidate, CostModel, choose_ks
+from .adaptive import Candidate, CostModel, MeasuredCosts, choose_ks
 from .methods import uses_mtp
 from .mtp import Drafts, MTPProposer, draft_cap
 from .ngram import NgramDrafter
@@ -45,13 +47,14 @@ def build_proposer(args, model, cache, sampler, draft_vocab: list[int] | None = 
     ngram = (NgramDrafter(args.prompt_lookup_min, args.prompt_lookup_max, extend=mtp is None)
              if "ngram" in sources else None)
     return SpecProposer(args.max_model_len, mtp, ngram, args.speculative_adaptive,
-                        CostModel.for_device(args.device))
+                        CostModel.for_device(args.device),
+                        measure=args.speculative_adaptive and not args.batch_invariant)
 
 
 class SpecProposer:
     def __init__(self, max_model_len: int, mtp: MTPProposer | None = None,
                  ngram: NgramDrafter | None = None, adaptive: bool = False,
-                 cost: CostModel | None = None):
+                 cost: CostModel | None = None, measure: bool = False):
         if mtp is None and ngram is None:
             raise ValueError("a speculative proposer needs the MTP layer or prompt lookup")
         self.max_model_len = max_model_len
@@ -59,6 +62,9 @@ class SpecProposer:
         self.ngram = ngram
         self.adaptive = adaptive
         self.cost = cost or CostModel()
+        # adaptive k from the engine's own step times (specdec.adaptive.MeasuredCosts)
+        self.measured = MeasuredCosts(self.cost) if measure else None
+        self._drafted_at: float | None = None  # when the last drafting ended
 
     def num_drafts_for(self, req) -> int:
         return draft_cap(req, self.max_model_len)
@@ -67,6 +73,11 @@ class SpecProposer:
     def propose(self, plan: StepPlan, row_starts: list[int], hidden: torch.Tensor,
                 settled: list[int]) -> list[Drafts]:
         """As ``MTPProposer.propose``: the next drafts of the requests that sampled."""
+        start = time.perf_counter()
+        if self.measured is not None and self._drafted_at is not None and plan.kind != "prefill":
+            self.measured.observe_step(sum(s.num_new_tokens for s in plan.seqs),
+                                       any(s.num_drafts for s in plan.seqs),
+                                       start - self._drafted_at)
         reqs, caps, prefixes = [], [], []
         for b, s in enumerate(plan.seqs):
             req = s.request
@@ -85,8 +96,14 @@ class SpecProposer:
         wanted = {r: (k, p[:k]) for r, k, p in zip(reqs, ks, prefixes) if k > len(p)}
         out = {}
         if self.mtp is not None:
+            t = time.perf_counter()
             out = {d.request: d for d in self.mtp.propose(plan, row_starts, hidden, settled,
                                                           wanted)}
+            if self.measured is not None:
+                self.measured.observe_drafts(
+                    sum(len(d.token_ids) - d.num_ngram for d in out.values()),
+                    time.perf_counter() - t)
+        self._drafted_at = time.perf_counter()
         return [out[r] if r in out else Drafts(r, p[:k], None, num_ngram=min(k, len(p)), k=k)
                 for r, k, p in zip(reqs, ks, prefixes)]
 
@@ -103,4 +120,5 @@ class SpecProposer:
             mtp = [j >= len(p) for j in range(limit)]
             alphas = [acc.alpha("mtp" if m else "ngram") for m in mtp]
             cands.append(Candidate(limit, len(req.token_ids), alphas, mtp))
-        return choose_ks(cands, len(plan.seqs), self.cost)
+        cost = self.cost if self.measured is None else self.measured.model()
+        return choose_ks(cands, len(plan.seqs), cost)

@@ -10,7 +10,14 @@ import torch
 from hybridrt.bench.fixtures import tiny_text_config, write_random_checkpoint
 from hybridrt.llm import LLM
 from hybridrt.sampling_params import SamplingParams
-from hybridrt.specdec.adaptive import Acceptance, Candidate, CostModel, choose_ks, expected_gain
+from hybridrt.specdec.adaptive import (
+    Acceptance,
+    Candidate,
+    CostModel,
+    MeasuredCosts,
+    choose_ks,
+    expected_gain,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tests/conftest.py
 
@@ -76,6 +83,46 @@ def test_acceptance_estimate_follows_and_forgets():
     assert low < acc.alpha("mtp") < 0.5  # a request drafting nothing tries again later
 
 
+def _measured(plain=(0.050, 0.001), verify=(0.070, 0.003), draft=0.020, rows=range(1, 9)):
+    """MeasuredCosts fed steps whose seconds are the lines ``a + b * rows`` given (with a
+    pause among them, which must not count) and drafts of ``draft`` seconds each."""
+    m = MeasuredCosts(CPU)
+    for r in list(rows) * 3:
+        for v, (a, b) in ((False, plain), (True, verify)):
+            m.observe_step(r, v, a + b * r)
+    m.observe_step(4, False, 30.0)  # the engine idle between two calls
+    for n in (1, 2, 4):
+        m.observe_drafts(n, n * draft)
+    return m
+
+
+def test_measured_costs_fit_the_engines_own_step_times():
+    """The fitted model in units of the one-row plain step (51 ms here): rows 1/51 each, a
+    verify step 20 ms + 2 ms a row more, a draft 20 ms; the pause is ignored."""
+    got = _measured().model()
+    assert got.row == pytest.approx(1 / 51, rel=1e-2)
+    assert got.verify == pytest.approx(22 / 51, rel=1e-2)
+    assert got.verify_row == pytest.approx(2 / 51, rel=5e-2)  # the prior pulls a little
+    assert got.draft_pass == pytest.approx(20 / 51, rel=1e-2)
+    assert got.step(5, 0, True) * 0.051 == pytest.approx(0.070 + 0.003 * 5, rel=1e-2)
+    # one batch size only: the slope is the prior's (scaled), the level the measured one
+    flat = _measured(rows=[4]).model()
+    assert flat.row == pytest.approx(CPU.row, rel=0.05)
+    assert MeasuredCosts(CPU).model() == CPU  # nothing measured yet: the prior
+
+
+def test_k_follows_the_measured_costs():
+    """Where drafts cost what the prior says, acceptance 0.6 drafts at batch 1; where the
+    measured draft costs 40% of a step (a full-vocabulary head), it does not; where a verify
+    step costs what a plain one does and drafts are free, it drafts even at 0.3."""
+    cand = [_cand(0.6, mtp=True)]
+    assert choose_ks(cand, 1, CPU)[0] > 0
+    dear = _measured(draft=0.020).model()
+    assert choose_ks(cand, 1, dear) == [0]
+    cheap = _measured(verify=(0.050, 0.001), draft=0.0001).model()
+    assert choose_ks([_cand(0.3, mtp=True)], 1, cheap)[0] > 0
+
+
 # The engine ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
@@ -131,6 +178,7 @@ def test_each_request_k_follows_its_own_acceptance(ckpt):
         return d if req.prompt_token_ids == a_prompt else [(t + 1) % VOCAB for t in d]
 
     llm.engine.proposer.ngram.drafts = drafts
+    llm.engine.proposer.measured = None  # the prior's costs: this test is about acceptance
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (150, 60)]
     a, b = llm.generate([a_prompt, b_prompt], params, use_tqdm=False)
     assert a.outputs[0].token_ids == ref[tuple(a_prompt)]

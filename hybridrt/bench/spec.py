@@ -97,18 +97,22 @@ def _spec_summary(outs, k: int) -> dict:
             pair[1] += s["accepted_by_source"][src]
         for i, r in enumerate(s["per_position_acceptance"][:k]):
             per_pos[i] += r * s["num_rounds"]
-    if k == 0 or rounds == 0:
+    if k == 0:
         return {"num_rounds": rounds, "mean_acceptance_length": None, "acceptance_rate": None,
                 "per_position_acceptance": []}
+    sources = {"drafts_by_source": {src: d for src, (d, _) in by_source.items()},
+               "acceptance_by_source": {src: (a / d if d else None)
+                                        for src, (d, a) in by_source.items()},
+               "mean_k_chosen": chosen / decisions if decisions else None}
+    if rounds == 0:  # nothing drafted (adaptive k chose 0 throughout)
+        return {"num_rounds": 0, "mean_acceptance_length": None, "acceptance_rate": None,
+                "per_position_acceptance": [], **sources}
     return {
         "num_rounds": rounds,
         "mean_acceptance_length": 1.0 + accepted / rounds,
         "acceptance_rate": accepted / drafts if drafts else 0.0,
         "per_position_acceptance": [a / rounds for a in per_pos],
-        "drafts_by_source": {src: d for src, (d, _) in by_source.items()},
-        "acceptance_by_source": {src: (a / d if d else None)
-                                 for src, (d, a) in by_source.items()},
-        "mean_k_chosen": chosen / decisions if decisions else None,
+        **sources,
     }
 
 
