@@ -123,6 +123,24 @@ def test_k_follows_the_measured_costs():
     assert choose_ks([_cand(0.3, mtp=True)], 1, cheap)[0] > 0
 
 
+def test_a_new_request_starts_from_the_engines_acceptance():
+    """Each event also reaches the engine's estimate (``shared``); a new request with no
+    rounds of its own starts from it, so on a workload where drafts are rejected it does not
+    draft at its first step, and its own events soon outweigh the prior."""
+    engine = Acceptance(forget=0.995)
+    first = Acceptance(shared=engine)
+    for _ in range(30):
+        first.observe("mtp", False)
+    assert engine.alpha("mtp") < 0.1
+    fresh = Acceptance(shared=engine)
+    assert fresh.alpha("mtp") == 0.5 and fresh.alpha("mtp", engine.alpha("mtp")) < 0.1
+    c = Candidate(4, 100, [fresh.alpha("mtp", engine.alpha("mtp"))] * 4, [True] * 4)
+    assert choose_ks([c], 1, CPU) == [0]
+    for _ in range(10):
+        fresh.observe("mtp", True)
+    assert fresh.alpha("mtp", engine.alpha("mtp")) > 0.8
+
+
 # The engine ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
@@ -155,6 +173,8 @@ def test_adaptive_greedy_equals_no_speculation(ckpt, reference, method):
     assert [o.outputs[0].token_ids for o in outs] == [reference[tuple(p)] for p in _prompts()]
     spec = llm.engine.spec_stats
     assert spec.num_draft_tokens > 0 and spec.k_chosen[0] > 0  # drafted, and chose 0 too
+    seen = llm.engine.proposer.engine_acc  # every request's events reach the engine's prior
+    assert sum(seen.accepted.values()) + sum(seen.rejected.values()) > 0
     assert llm.engine.cache.all_free()
 
 
