@@ -3,12 +3,13 @@ pay), from its own measured acceptance and a model of what a step costs per row.
 
 Acceptance (``Acceptance``, one per request, kept in its ``SpecStats``): per draft source the
 chance that a draft is accepted given the ones before it were, estimated from the request's
-own verify rounds (every draft tried is an accepted / rejected event) with exponential
-forgetting, so the estimate follows a request whose text changes, and a prior of ``PRIOR``
-events at the engine's acceptance over every request's recent rounds (``SpecProposer.engine_acc``,
-1/2 before any): a new request starts from what drafts earn on this workload, not from a coin.
-A request that drafts nothing forgets a little each step, drifting back to that prior, so it
-tries again later where drafts pay elsewhere, and not where they pay nowhere.
+own verify rounds (every draft tried is an accepted / rejected event) with a prior of
+``PRIOR`` events at 1/2 and exponential forgetting, so the estimate follows a request whose
+text changes; a request that drafts nothing forgets a little each step, so it tries again
+later. The choice takes the estimate plus ``BONUS / sqrt(events + PRIOR)`` (``optimistic``): a
+request with few rounds of its own tries a draft or two before it gives up, so one rejected
+draft does not end its drafting where drafts pay. Only the request's own rounds count: another
+request's acceptance never moves its k.
 
 Cost (``CostModel``): a step in units of a one-row decode step: ``1 + row * (rows - 1)``
 while reading the weights bounds it, ``compute_row * rows`` once the rows' arithmetic does
@@ -37,8 +38,8 @@ from dataclasses import dataclass, field
 
 FORGET = 0.95  # weight kept by the earlier events at each new event
 IDLE_FORGET = 0.97  # weight kept at each step that drafts nothing
-PRIOR = 2.0  # events' weight of the engine's acceptance in a request's estimate
-ENGINE_FORGET = 0.995  # the engine-wide estimate's forgetting (over every request's events)
+PRIOR = 2.0  # events' weight of the prior (1/2) in a request's estimate
+BONUS = 0.2  # the choice's optimism: BONUS / sqrt(events + PRIOR) over the estimate
 
 
 @dataclass(slots=True)
@@ -47,21 +48,24 @@ class Acceptance:
 
     accepted: dict[str, float] = field(default_factory=dict)
     rejected: dict[str, float] = field(default_factory=dict)
-    forget: float = FORGET
-    shared: Acceptance | None = None  # the engine's, which sees every event too
 
-    def alpha(self, source: str, prior: float = 0.5) -> float:
+    def alpha(self, source: str) -> float:
         """The estimated chance that a draft of ``source`` is accepted (``PRIOR`` events at
-        ``prior`` besides the request's own)."""
+        1/2 besides the request's own)."""
         a, r = self.accepted.get(source, 0.0), self.rejected.get(source, 0.0)
-        return (a + PRIOR * prior) / (a + r + PRIOR)
+        return (a + PRIOR / 2) / (a + r + PRIOR)
+
+    def optimistic(self, source: str) -> float:
+        """What the choice takes: the estimate plus ``BONUS / sqrt(events + PRIOR)``, so that
+        a request with few rounds of its own tries a draft or two before it gives up (one
+        rejected draft must not end a request's drafting where they pay)."""
+        n = self.accepted.get(source, 0.0) + self.rejected.get(source, 0.0)
+        return min(1.0, self.alpha(source) + BONUS / (n + PRIOR) ** 0.5)
 
     def observe(self, source: str, accepted: bool) -> None:
         a, r = self.accepted.get(source, 0.0), self.rejected.get(source, 0.0)
-        self.accepted[source] = a * self.forget + accepted
-        self.rejected[source] = r * self.forget + (not accepted)
-        if self.shared is not None:
-            self.shared.observe(source, accepted)
+        self.accepted[source] = a * FORGET + accepted
+        self.rejected[source] = r * FORGET + (not accepted)
 
     def idle(self) -> None:
         for d in (self.accepted, self.rejected):

@@ -24,7 +24,7 @@ import torch
 
 from hybridrt.step_plan import StepPlan
 
-from .adaptive import ENGINE_FORGET, Acceptance, Candidate, CostModel, MeasuredCosts, choose_ks
+from .adaptive import Candidate, CostModel, MeasuredCosts, choose_ks
 from .methods import uses_mtp
 from .mtp import Drafts, MTPProposer, draft_cap
 from .ngram import NgramDrafter
@@ -65,8 +65,6 @@ class SpecProposer:
         # adaptive k from the engine's own step times (specdec.adaptive.MeasuredCosts)
         self.measured = MeasuredCosts(self.cost) if measure else None
         self._drafted_at: float | None = None  # when the last drafting ended
-        # every request's acceptance events: a new request's prior (specdec.adaptive)
-        self.engine_acc = Acceptance(forget=ENGINE_FORGET)
 
     def num_drafts_for(self, req) -> int:
         return draft_cap(req, self.max_model_len)
@@ -119,10 +117,8 @@ class SpecProposer:
         cands = []
         for req, limit, p in zip(reqs, limits, prefixes):
             acc = req.spec_stats.acceptance
-            acc.shared = self.engine_acc
             mtp = [j >= len(p) for j in range(limit)]
-            alphas = [acc.alpha(src, self.engine_acc.alpha(src))
-                      for src in ("mtp" if m else "ngram" for m in mtp)]
+            alphas = [acc.optimistic("mtp" if m else "ngram") for m in mtp]
             cands.append(Candidate(limit, len(req.token_ids), alphas, mtp))
         cost = self.cost if self.measured is None else self.measured.model()
         return choose_ks(cands, len(plan.seqs), cost)

@@ -123,22 +123,19 @@ def test_k_follows_the_measured_costs():
     assert choose_ks([_cand(0.3, mtp=True)], 1, cheap)[0] > 0
 
 
-def test_a_new_request_starts_from_the_engines_acceptance():
-    """Each event also reaches the engine's estimate (``shared``); a new request with no
-    rounds of its own starts from it, so on a workload where drafts are rejected it does not
-    draft at its first step, and its own events soon outweigh the prior."""
-    engine = Acceptance(forget=0.995)
-    first = Acceptance(shared=engine)
-    for _ in range(30):
-        first.observe("mtp", False)
-    assert engine.alpha("mtp") < 0.1
-    fresh = Acceptance(shared=engine)
-    assert fresh.alpha("mtp") == 0.5 and fresh.alpha("mtp", engine.alpha("mtp")) < 0.1
-    c = Candidate(4, 100, [fresh.alpha("mtp", engine.alpha("mtp"))] * 4, [True] * 4)
-    assert choose_ks([c], 1, CPU) == [0]
-    for _ in range(10):
-        fresh.observe("mtp", True)
-    assert fresh.alpha("mtp", engine.alpha("mtp")) > 0.8
+def test_the_choice_tries_a_few_drafts_before_it_gives_up():
+    """The choice's estimate is optimistic by BONUS / sqrt(events + 2): a request whose first
+    draft was rejected still drafts where drafts cost about a third of a step (a full
+    vocabulary head), and one whose drafts keep being rejected stops."""
+    dear = CostModel(draft_pass=0.35, verify=0.05)
+    acc = Acceptance()
+    picks = []
+    for _ in range(6):
+        c = Candidate(4, 100, [acc.optimistic("mtp")] * 4, [True] * 4)
+        picks.append(choose_ks([c], 1, dear)[0])
+        acc.observe("mtp", False)
+    assert picks[0] > 0 and picks[1] > 0 and picks[-1] == 0, picks
+    assert acc.optimistic("mtp") > acc.alpha("mtp")
 
 
 # The engine ---------------------------------------------------------------------------------
@@ -173,8 +170,6 @@ def test_adaptive_greedy_equals_no_speculation(ckpt, reference, method):
     assert [o.outputs[0].token_ids for o in outs] == [reference[tuple(p)] for p in _prompts()]
     spec = llm.engine.spec_stats
     assert spec.num_draft_tokens > 0 and spec.k_chosen[0] > 0  # drafted, and chose 0 too
-    seen = llm.engine.proposer.engine_acc  # every request's events reach the engine's prior
-    assert sum(seen.accepted.values()) + sum(seen.rejected.values()) > 0
     assert llm.engine.cache.all_free()
 
 
@@ -205,7 +200,8 @@ def test_each_request_k_follows_its_own_acceptance(ckpt):
     assert b.outputs[0].token_ids == ref[tuple(b_prompt)][:60]
     ka, kb = a.metrics["spec"]["k_chosen"], b.metrics["spec"]["k_chosen"]
     assert ka[k] >= 0.8 * sum(ka), ka
-    assert kb[0] >= 0.3 * sum(kb) and kb[3] == kb[4] == 0, kb  # probes of one draft or two
+    # its first round or two optimistic, then probes of one draft or two
+    assert kb[0] >= 0.3 * sum(kb) and kb[3] + kb[4] <= 2, kb
     assert b.metrics["spec"]["mean_k_chosen"] < 1.0
     assert a.metrics["spec"]["acceptance_rate"] == 1.0
     assert b.metrics["spec"]["num_accepted"] == 0

@@ -359,12 +359,13 @@ def run_spec_bench(
             for _ in range(repeats):  # alternated, so that load changes hit every row alike
                 for n, alpha, k, adapt in configs:
                     sim = None
-                    if alpha is not None and k not in refs:
+                    if alpha is not None and not adapt and k not in refs:
                         refs[k] = reference_run(llm, prompts, params, b, k, refs[0])
                     if proposer is not None:
                         proposer.draft_head = heads[n]
-                        if alpha is not None:
-                            sim = SimulatedDrafts(refs[k], alpha, llm.config.vocab_size)
+                        if alpha is not None:  # adaptive k mostly decodes: k = 0's sequences
+                            sim = SimulatedDrafts(refs[0 if adapt else k], alpha,
+                                                  llm.config.vocab_size)
                     label = f"batch {b} k {'<=' if adapt else ''}{k}"
                     step(pb, label)
                     with drafts_through(llm, sim):
