@@ -21,7 +21,7 @@ import numpy as np
 
 from hybridrt.gguf import GGUF_MAGIC
 
-ARCHITECTURES = ("qwen35",)  # what this reader loads; qwen35moe and mmproj files are refused
+ARCHITECTURES = ("qwen35", "qwen35moe")  # what this reader loads as a model
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}  # GGUFValueType -> struct format
 _STRING, _ARRAY = 8, 9
@@ -188,6 +188,13 @@ class GGUFFile:
         if value is None:
             raise GGUFError(f"{self.path}: metadata {self.arch}.{key} is missing")
         return value
+
+    @staticmethod
+    def matrix(tensor: Tensor, i: int) -> Tensor:
+        """Matrix ``i`` of a stacked 3-D tensor (one routed expert's) over the same pages."""
+        n = tensor.n_bytes // tensor.shape[2]
+        return Tensor(f"{tensor.name}[{i}]", tensor.tensor_type, tensor.shape[:2],
+                      tensor.data[i], tensor.data_offset + i * n, n)
 
     @staticmethod
     def shape(tensor) -> tuple[int, ...]:
