@@ -108,7 +108,9 @@ class GGUFFile:
     """One opened GGUF file: ``metadata`` (key -> Python value), ``tensors`` (name ->
     ``Tensor``, data memory-mapped), ``arch`` and ``path``."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, architectures: tuple[str, ...] = ARCHITECTURES):
+        """Open ``path``, a file of one of ``architectures`` (a model's by default; an mmproj
+        projector's is ``clip``)."""
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         self.path = Path(path).expanduser()
@@ -144,11 +146,13 @@ class GGUFFile:
         except (ValueError, struct.error) as e:
             raise GGUFError(f"{self.path}: malformed or truncated GGUF header ({e})") from None
         self.arch = self.metadata.get("general.architecture")
-        if self.arch not in ARCHITECTURES:
+        if self.arch not in architectures:
             kind = self.metadata.get("general.type")
             what = f"a {kind} file of" if kind and kind != "model" else "architecture"
+            hint = " (a vision projector: give it as mmproj beside its model)" \
+                if kind == "mmproj" else ""
             raise GGUFError(f"{self.path}: {what} {self.arch!r} is not one hybridrt loads "
-                            f"(it loads {', '.join(ARCHITECTURES)})")
+                            f"here (it loads {', '.join(architectures)}){hint}")
         align = int(self.metadata.get("general.alignment", 32))
         start = -(-cur.at // align) * align
         self.tensors: dict[str, Tensor] = {}
