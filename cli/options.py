@@ -20,7 +20,7 @@ from typing import Annotated
 import typer
 
 from hybridrt.cli.common import CliError, check_draft_vocab, check_model_options
-from hybridrt.engine_args import check_speculation
+from hybridrt.engine_args import check_mmproj, check_speculation
 from hybridrt.options import KV_CACHE_DTYPES
 
 BACKENDS = ("reference", "cpu", "cuda", "triton")  # kernels/backend/select.py's names
@@ -113,6 +113,10 @@ HfOverridesOpt = Annotated[str | None, typer.Option(
 KvCacheDtypeOpt = Annotated[str, typer.Option(
     "--kv-cache-dtype", help="auto (the model's dtype), bf16 or int8 (one scale per 32 values, "
     "about 1.8x the tokens of bf16 in the same memory; CPU).")]
+MmprojOpt = Annotated[str | None, typer.Option(
+    "--mmproj", help="A GGUF model's vision projector file (llama.cpp's mmproj) (default: a "
+    "*mmproj*.gguf file beside the model, as llama-server picks one; docs/gguf.md).",
+    show_default=False)]
 EngineSeedOpt = Annotated[int, typer.Option(
     "--engine-seed", help="Seed of the engine's generator, which samples every request "
     "without a --seed of its own.")]
@@ -153,6 +157,7 @@ class ModelOptions:
     hf_overrides: HfOverridesOpt = None
     engine_seed: EngineSeedOpt = 0
     kv_cache_dtype: KvCacheDtypeOpt = "auto"
+    mmproj: MmprojOpt = None
 
     # a field named otherwise than LLM's keyword argument: engine_seed, since chat's and
     # generate's --seed is the per-request one (SamplingParams.seed)
@@ -168,6 +173,7 @@ class ModelOptions:
         check_draft_vocab(self.draft_vocab_size, self.speculative_tokens)
         try:
             check_speculation(self)
+            check_mmproj(self.model, self.mmproj)
         except ValueError as e:
             raise CliError(f"{e}", 2) from None
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

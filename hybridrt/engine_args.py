@@ -71,6 +71,20 @@ def check_bool(name: str, value: Any) -> bool:
     return value
 
 
+def check_mmproj(model: Any, mmproj: Any) -> None:
+    """``mmproj`` (a vision projector file) is None or an existing file beside a GGUF
+    ``model``; otherwise a one-line ValueError."""
+    if mmproj is None:
+        return
+    from hybridrt.gguf import is_gguf_path
+
+    if not isinstance(mmproj, (str, os.PathLike)) or not os.path.isfile(mmproj):
+        raise ValueError(f"mmproj must be the path of a projector file, got {mmproj!r}")
+    if model is None or not is_gguf_path(model):
+        raise ValueError(f"mmproj is a GGUF model's vision projector, but model {model!r} is "
+                         f"not a GGUF file (a checkpoint's tower is its model.visual.* weights)")
+
+
 def default_batched_tokens(device, block_size: int, max_model_len: int) -> int:
     """The default token budget of a step: 8192 on CUDA (a long prompt in a few steps, like
     vLLM's GPU defaults), 512 on CPU; at least a block, at most the context length."""
@@ -113,9 +127,11 @@ class EngineArgs:
     prefix_cache_dir: str | os.PathLike | None = None
     prefix_cache_dir_size: int | str = "16GiB"
     kv_cache_dtype: str = "auto"  # hybridrt.options.KV_CACHE_DTYPES
+    mmproj: str | os.PathLike | None = None  # a GGUF model's projector (hybridrt.gguf.mmproj)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hf_overrides", parse_overrides(self.hf_overrides))
+        check_mmproj(self.model, self.mmproj)
         check_int("speculative_tokens", self.speculative_tokens, lo=0)
         check_speculation(self)
         check_int("max_num_sessions", self.max_num_sessions, lo=0)

@@ -80,7 +80,7 @@ class LLM:
     language_model_only: do not load the checkpoint's vision tower (``model.visual.*``; vLLM's
     ``--language-model-only``): its memory saved, images refused. A checkpoint with a tower
     takes images in ``generate`` (``multi_modal_data``) and ``chat`` (image parts): see
-    docs/vision.md.
+    docs/vision.md. mmproj: a GGUF model's vision projector file (docs/gguf.md).
     speculative_method ("mtp", "ngram": prompt lookup, "mtp+ngram"), speculative_adaptive (k up
     to speculative_tokens, chosen per request), prompt_lookup_min / _max: docs/speculation.md.
     hf_overrides: config.json entries replaced before the model is built (a dict or its JSON
@@ -120,7 +120,7 @@ class LLM:
         trace: bool = False,
         hf_overrides: dict | str | None = None,
         prefix_cache_dir: str | None = None, prefix_cache_dir_size: int | str = "16GiB",
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: str = "auto", mmproj: str | os.PathLike | None = None,
     ):
         # every keyword above, checked once (before anything loads)
         args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})
@@ -164,10 +164,10 @@ class LLM:
         self.tokenizer = self._load_tokenizer(tokenizer)
         # the vision tower (None: text only) and why images are refused without it
         self.vision = None if language_model_only else load_vision_tower(
-            self.model_path, self.config, self.dtype, self.device)
+            self.model_path, self.config, self.dtype, self.device, args.mmproj)
         # the checkpoint is searched for a tower only where it was not loaded on purpose
         self.vision_refusal = vision_inputs.refusal_reason(language_model_only and (
-            vision_inputs.has_vision_tower(self.model_path)), language_model_only)
+            vision_inputs.has_vision_tower(self.model_path, args.mmproj)), language_model_only)
         self.inputs = PromptEncoder(self.tokenizer, self.vision, self.vision_refusal)
         governor = None
         if self.device.type == "cpu" and threads is None and adaptive_threads_enabled():

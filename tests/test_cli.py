@@ -879,7 +879,8 @@ GROUP_KWARGS = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 3,
                 "prompt_lookup_min": 1, "prompt_lookup_max": 3,
                 "prefix_cache_dir": "/tmp/pc", "prefix_cache_dir_size": "1GiB",
                 "hf_overrides": '{"max_position_embeddings": 1024}',
-                "kv_cache_dtype": "int8"}
+                "kv_cache_dtype": "int8",
+                "mmproj": None}  # --mmproj takes a GGUF model: tests/test_gguf_mmproj.py
 
 
 def _record_llm(monkeypatch):

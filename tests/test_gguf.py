@@ -96,24 +96,6 @@ def test_tokenizer_from_metadata_equals_the_original(files, ckpt):
                                                            len(theirs))
 
 
-def _check_float(got: dict, want: dict, config, dtype: torch.dtype) -> None:
-    """Each tensor equals the original rounded to ``dtype`` as the converter rounds it: the
-    norms the converter stores as 1 + w (in F32, as every 1-D tensor) and we read back as that
-    minus 1, A_log through -exp and log (within an ulp or two)."""
-    assert set(got) == set(want)
-    srcs = names.sources(config, True)
-    for name, w in want.items():
-        g = got[name].float()
-        if srcs[name].value == "a_log":
-            ok = torch.allclose(g, w.to(dtype).float(), rtol=4e-7 if dtype == torch.float32
-                                else 1e-2, atol=0)
-        elif srcs[name].value == "norm":
-            ok = torch.equal(g, ((w + 1) - 1).to(dtype).float())
-        else:
-            ok = torch.equal(g, w.to(dtype).float())
-        assert ok, f"{name}: max |diff| {(g - w.to(dtype).float()).abs().max().item():.3g}"
-
-
 @pytest.mark.parametrize("key", ["f32_mtp", "f32", "bf16_mtp", "f16"])
 def test_float_weights_recovered_exactly(files, original, key):
     want, config = original
@@ -124,7 +106,7 @@ def test_float_weights_recovered_exactly(files, original, key):
     if not key.endswith("mtp"):
         assert net.mtp is None
         want = {k: v for k, v in want.items() if not k.startswith("mtp.")}
-    _check_float(net.state_dict(), want, config, dtype)
+    gguf_convert.check_float_weights(net.state_dict(), want, config, dtype)
 
 
 def _mapped_file(ptr: int) -> str | None:

@@ -55,8 +55,11 @@ def hf_config(text: dict, ids: dict):
     return cfg
 
 
-def write_vision_checkpoint(directory, seed: int = 0, text: dict | None = None):
-    """-> (directory, transformers' model with the same fp32 weights)."""
+def write_vision_checkpoint(directory, seed: int = 0, text: dict | None = None,
+                            tokenizer: Path | None = None):
+    """-> (directory, transformers' model with the same fp32 weights). ``tokenizer``: a
+    directory whose tokenizer is taken (the vision tokens added after its own) instead of
+    the character-level one."""
     from transformers import PreTrainedTokenizerFast, Qwen3_5ForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -64,8 +67,9 @@ def write_vision_checkpoint(directory, seed: int = 0, text: dict | None = None):
 
     directory = Path(directory)
     text = text or text_config()
-    write_char_tokenizer(directory)
-    tok = PreTrainedTokenizerFast.from_pretrained(str(directory))
+    if tokenizer is None:
+        write_char_tokenizer(directory)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(tokenizer or directory))
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tok.chat_template = TEMPLATE
     tok.save_pretrained(str(directory))

@@ -1,5 +1,7 @@
-"""GGUF files (llama.cpp's format, as ollama, unsloth and bartowski publish Qwen3.5) read as
-hybridrt models: ``LLM("model.gguf")`` and ``hybridrt chat model.gguf`` need no other file.
+"""GGUF files (llama.cpp's format, as ollama, unsloth and bartowski publish Qwen3.5, dense
+``qwen35`` and MoE ``qwen35moe``) read as hybridrt models: ``LLM("model.gguf")`` and
+``hybridrt chat model.gguf`` need no other file; an ``mmproj`` file beside one is its vision
+tower (``mmproj``).
 
 ``reader`` opens and checks a file (memory-mapped, through llama.cpp's own ``gguf`` package),
 ``config`` turns its metadata into a ``ModelConfig``, ``names`` undoes what llama.cpp's converter

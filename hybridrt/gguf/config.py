@@ -52,11 +52,12 @@ def text_config(f: GGUFFile) -> dict[str, Any]:
     tokens = f.get("tokenizer.ggml.tokens") or []
     eos = [int(e) for e in [f.get("tokenizer.ggml.eos_token_id")] if e is not None]
     eos += [i for i, t in enumerate(tokens) if t in _EOG_TEXTS and i not in eos]
+    ffn = _moe_fields(f) if f.arch == "qwen35moe" else {
+        "model_type": "qwen3_5_text", "intermediate_size": int(f.require("feed_forward_length"))}
     return {
-        "model_type": "qwen3_5_text",
+        **ffn,
         "vocab_size": GGUFFile.shape(embd)[0],
         "hidden_size": int(f.require("embedding_length")),
-        "intermediate_size": int(f.require("feed_forward_length")),
         "num_hidden_layers": n_layers,
         "layer_types": layer_types,
         "num_attention_heads": int(f.require("attention.head_count")),
@@ -75,6 +76,22 @@ def text_config(f: GGUFFile) -> dict[str, Any]:
         "eos_token_id": eos,
         "hidden_act": "silu",
     }
+
+
+def _moe_fields(f: GGUFFile) -> dict[str, Any]:
+    """``qwen35moe.expert_*`` as the MoE config fields (``hybridrt/moe_config.py``). The
+    experts' width may be written per layer; hybridrt runs one width."""
+    width = f.require("expert_feed_forward_length")
+    if isinstance(width, list):
+        if len(set(width)) != 1:
+            raise GGUFError(f"{f.path}: metadata {f.arch}.expert_feed_forward_length differs "
+                            f"between layers ({sorted(set(width))}); hybridrt runs one width")
+        width = width[0]
+    return {"model_type": "qwen3_5_moe_text",
+            "num_experts": int(f.require("expert_count")),
+            "num_experts_per_tok": int(f.require("expert_used_count")),
+            "moe_intermediate_size": int(width),
+            "shared_expert_intermediate_size": int(f.require("expert_shared_feed_forward_length"))}
 
 
 # general.sampling.* (what the converter copies from generation_config.json) -> SamplingParams

@@ -18,7 +18,10 @@ def write_checkpoint_files(path: str | os.PathLike, out: str | os.PathLike) -> l
     """Write the files beside the weights for GGUF file ``path`` into directory ``out`` ->
     their names."""
     f, out = GGUFFile(path), Path(out)
-    config = {"architectures": ["Qwen3_5ForCausalLM"], **text_config(f)}
+    text = text_config(f)
+    arch = "Qwen3_5MoeForCausalLM" if text["model_type"] == "qwen3_5_moe_text" else \
+        "Qwen3_5ForCausalLM"
+    config = {"architectures": [arch], **text}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tok = GGUFTokenizer(f)
     tok.backend_tokenizer.save(str(out / "tokenizer.json"))

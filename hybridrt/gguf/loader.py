@@ -4,7 +4,9 @@
 Everything is checked before any weight is read: the header, the architecture, the config,
 every tensor's presence, shape and type (``GGUFError``, one line). Float tensors keep the
 file's pages where no transform or dtype change applies; quantized ones map onto hybridrt's
-formats per tensor (``tensors``), so a mixed file keeps each tensor's precision.
+formats per tensor (``tensors``), so a mixed file keeps each tensor's precision. A routed
+expert's weight is its matrix of the stacked expert tensors (``GGUFFile.matrix``: a view of
+the same pages), gate and up rows concatenated.
 """
 
 from __future__ import annotations
@@ -38,26 +40,35 @@ def auto_dtype(f: GGUFFile, device: torch.device) -> torch.dtype:
 
 
 def _check(f: GGUFFile, expected: dict, srcs: dict, config, with_mtp: bool) -> None:
-    problems = []
-    for name, shape in expected.items():
+    problems, seen = [], set()
+    for name, shape in expected.items():  # a stacked expert tensor is checked once
         src = srcs[name]
-        t = f.tensors.get(src.name)
-        if t is None:
-            problems.append(f"tensor {src.name} is missing")
-            continue
         want = names.stored_shape(shape, src)
-        found = GGUFFile.shape(t)
-        if found != want:
-            problems.append(f"tensor {src.name} has shape {list(found)}, expected {list(want)}")
-        elif not tensors.supported(t):
-            problems.append(f"tensor {src.name} has type {tensors.type_name(t)}, which hybridrt "
-                            f"does not load (it loads {', '.join(tensors.FLOAT_TYPES)}, "
-                            f"{', '.join(tensors.QUANT_FORMATS)})")
-    used = {s.name for s in srcs.values()}
+        for stored in src.names:
+            if stored in seen:
+                continue
+            seen.add(stored)
+            t = f.tensors.get(stored)
+            if t is None:
+                problems.append(f"tensor {stored} is missing")
+            elif GGUFFile.shape(t) != want:
+                problems.append(f"tensor {stored} has shape {list(GGUFFile.shape(t))}, "
+                                f"expected {list(want)}")
+            elif not tensors.supported(t):
+                problems.append(f"tensor {stored} has type {tensors.type_name(t)}, which "
+                                f"hybridrt does not load (it loads "
+                                f"{', '.join(tensors.FLOAT_TYPES)}, "
+                                f"{', '.join(tensors.QUANT_FORMATS)})")
+        kinds = {tensors.type_name(f.tensors[n]) for n in src.names if n in f.tensors}
+        if len(kinds) > 1 and src.expert == 0:
+            problems.append(f"tensors {' and '.join(src.names)} hold one weight (the experts' "
+                            f"gate and up) in different types ({', '.join(sorted(kinds))}); "
+                            f"hybridrt needs one")
+    used = {n for s in srcs.values() for n in s.names}
     for name in f.tensors:
         if name in used or (not with_mtp and names.is_mtp_tensor(name, config)):
             continue
-        problems.append(f"tensor {name} is not one of a qwen35 model's")
+        problems.append(f"tensor {name} is not one of a {f.arch} model's")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise GGUFError(f"{f.path}: {problems[0]}{more}")
@@ -79,21 +90,44 @@ def _in_order(src: names.Source, q: torch.Tensor, *groups: torch.Tensor):
     return q, *groups
 
 
-def _packed(t, shape, src: names.Source) -> quant.PackedWeight:
+def _parts(f: GGUFFile, src: names.Source) -> list:
+    """The GGUF tensors a parameter is read from, whose rows it concatenates (a routed
+    expert: its matrix of each stacked tensor, a view of the same pages)."""
+    parts = [f.tensors[n] for n in src.names]
+    if src.expert is not None:
+        parts = [GGUFFile.matrix(t, src.expert) for t in parts]
+    return parts
+
+
+def _rows(*decoded: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The parts' decoded tensors, each concatenated along the rows."""
+    return tuple(torch.cat(ts) if len(ts) > 1 else ts[0] for ts in zip(*decoded))
+
+
+def _packed(parts: list, src: names.Source) -> quant.PackedWeight:
     """A quantized GGUF weight in hybridrt's format for its type (``tensors``)."""
-    kind = tensors.type_name(t)
+    kind = tensors.type_name(parts[0])
     fmt = tensors.QUANT_FORMATS[kind]
     if fmt == "int8":
-        q, d = _in_order(src, *blocks.int8_groups(t, shape))
+        q, d = _in_order(src, *_rows(*(blocks.int8_groups(t, GGUFFile.shape(t))
+                                       for t in parts)))
         if (q == -128).any():
             raise GGUFError(f"{src.name}: {kind} value -128 (llama.cpp never writes it; "
                             f"hybridrt's int8 kernels take -127..127)")
         return tensors.int8_weight(q, d)
     if kind in tensors.NIBBLE_TYPES:
-        q, step, minimum = _in_order(src, *blocks.nibble_groups(t, shape))
+        q, step, minimum = _in_order(src, *_rows(*(blocks.nibble_groups(t, GGUFFile.shape(t))
+                                                   for t in parts)))
         if (minimum >= 0).all():
             return tensors.int4_weight(q, step, minimum)
-    return tensors.requantized(names.restore(tensors.dequantized(t, shape), src), fmt)
+    return tensors.requantized(names.restore(_values(parts, tensors.dequantized), src), fmt)
+
+
+def _values(parts: list, read) -> torch.Tensor:
+    """The parts read by ``read`` (``tensors.float_tensor`` or ``dequantized``), rows
+    concatenated (one part: its tensor, the file's pages where ``read`` keeps them)."""
+    ts = [read(t, GGUFFile.shape(t)) for t in parts]
+    return torch.cat(ts) if len(ts) > 1 else ts[0]
 
 
 def load_gguf_model(path: str | os.PathLike, dtype="auto", with_mtp: bool = True,
@@ -120,24 +154,23 @@ def load_gguf_model(path: str | os.PathLike, dtype="auto", with_mtp: bool = True
     with torch.device("meta"):
         net = Qwen35ForCausalLM(config, with_mtp=mtp)
     expected = {n: tuple(p.shape) for n, p in net.state_dict().items()}
-    srcs = names.sources(config, mtp)
+    srcs = names.sources(config, mtp, fused_experts=any(
+        n.endswith(".ffn_gate_up_exps.weight") for n in f.tensors))
     _check(f, expected, srcs, config, mtp)
 
     packable = quant.quantized_names(net)
     state, quantized = {}, {}
-    for name, shape in expected.items():
+    for name in expected:
         src = srcs[name]
-        t = f.tensors[src.name]
-        kind = tensors.type_name(t)
-        fmt = tensors.QUANT_FORMATS.get(kind)
+        parts = _parts(f, src)
+        fmt = tensors.QUANT_FORMATS.get(tensors.type_name(parts[0]))
         if name in packable and fmt is not None and device.type == "cpu":
-            quantized[name] = _packed(t, shape, src)  # a copy: the file's pages may go
-            release_pages(torch.from_numpy(t.data.reshape(-1).view(np.uint8)))
+            quantized[name] = _packed(parts, src)  # a copy: the file's pages may go
+            for t in parts:
+                release_pages(torch.from_numpy(t.data.reshape(-1).view(np.uint8)))
             continue
-        if fmt is None:
-            w = names.restore(tensors.float_tensor(t, names.stored_shape(shape, src)), src)
-        else:
-            w = names.restore(tensors.dequantized(t, names.stored_shape(shape, src)), src)
+        w = names.restore(_values(parts, tensors.float_tensor if fmt is None
+                                  else tensors.dequantized), src)
         if name in packable and quantization:
             quantized[name] = _FORMATS[_format_of(quantization, name)][3](w.to(device))
         else:

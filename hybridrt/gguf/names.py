@@ -1,7 +1,8 @@
 """What llama.cpp's converter (``conversion/qwen.py``: ``Qwen3NextModel.modify_tensors``,
-``_LinearAttentionVReorderBase``, ``_QwenMtpMixin``) did to each Qwen3.5 tensor, and its
-inverse: our parameter name -> ``Source`` (the GGUF tensor, the row or column order to take,
-the value transform).
+``_LinearAttentionVReorderBase``, ``_QwenMtpMixin``, ``Qwen2MoeModel.modify_tensors``) did to
+each Qwen3.5 tensor (``qwen35``, and ``qwen35moe``'s sparse MoE blocks), and its inverse: our
+parameter name -> ``Source`` (the GGUF tensor, the row or column order to take, the value
+transform).
 
 The converter:
 
@@ -12,7 +13,12 @@ The converter:
   tiled order in ``in_proj_qkv``'s V rows, ``in_proj_z``, ``in_proj_a``, ``in_proj_b``,
   ``A_log``, ``dt_bias``, the conv's V channels and ``out_proj``'s columns;
 - stores ``ssm_a = -exp(A_log)``, the zero-centred RMSNorm weights plus one (every norm but
-  the gated ``linear_attn.norm``) and the conv weight squeezed to [channels, kernel].
+  the gated ``linear_attn.norm``) and the conv weight squeezed to [channels, kernel];
+- in an MoE block, stacks the experts' ``gate_proj`` / ``up_proj`` / ``down_proj`` into
+  ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` [E, ...] (with ``--fuse-gate-up-exps``
+  gate and up as one ``ffn_gate_up_exps`` [E, 2I, H], gate rows first: our own layout), and
+  renames the router ``mlp.gate`` ``ffn_gate_inp``, the shared expert ``ffn_*_shexp`` and its
+  gate ``ffn_gate_inp_shexp``.
 """
 
 from __future__ import annotations
@@ -45,6 +51,13 @@ _LAYER = {  # our name inside a decoder layer -> GGUF name inside blk.{i}
     "linear_attn.norm.weight": "ssm_norm.weight",
     "linear_attn.out_proj.weight": "ssm_out.weight",
 }
+_MOE = {  # an MoE layer's parameters but the routed experts'
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
         "output_norm.weight", "lm_head.weight": "output.weight"}
 _MTP_TOP = {"mtp.fc.weight": "nextn.eh_proj.weight",
@@ -58,13 +71,23 @@ class Source:
     """Where our parameter comes from: GGUF tensor ``name``; ``rows`` / ``cols``: the order to
     take its rows / columns in (index tensors; None: as stored); ``value``: "norm" (minus
     the one the converter added), "a_log" (log(-ssm_a)) or None; ``unsqueeze``: the conv
-    weight's kernel axis back (dim 1)."""
+    weight's kernel axis back (dim 1). A routed expert's weight is matrix ``expert`` of
+    stacked tensors of ``experts`` matrices: ``name``'s, followed by ``also``'s rows when
+    set (an expert's up after its gate)."""
 
     name: str
     rows: torch.Tensor | None = None
     cols: torch.Tensor | None = None
     value: str | None = None
     unsqueeze: bool = False
+    expert: int | None = None
+    experts: int = 0
+    also: str | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The GGUF tensors this parameter is read from."""
+        return (self.name,) if self.also is None else (self.name, self.also)
 
 
 def grouped_order(num_k: int, num_v: int, head_dim: int) -> torch.Tensor:
@@ -75,10 +98,28 @@ def grouped_order(num_k: int, num_v: int, head_dim: int) -> torch.Tensor:
     return torch.arange(num_v * head_dim).view(r, num_k, head_dim).permute(1, 0, 2).reshape(-1)
 
 
-def sources(config: ModelConfig, with_mtp: bool) -> dict[str, Source]:
+def _experts(prefix: str, block: int, n: int, fused: bool) -> dict[str, Source]:
+    """The routed experts of MoE block ``blk.{block}`` (``fused``: gate and up stacked as one
+    ``ffn_gate_up_exps``)."""
+    blk = f"blk.{block}"
+    out = {}
+    for e in range(n):
+        gate_up = Source(f"{blk}.ffn_gate_up_exps.weight", expert=e, experts=n) if fused else \
+            Source(f"{blk}.ffn_gate_exps.weight", expert=e, experts=n,
+                   also=f"{blk}.ffn_up_exps.weight")
+        out[f"{prefix}.mlp.experts.{e}.gate_up_proj.weight"] = gate_up
+        out[f"{prefix}.mlp.experts.{e}.down_proj.weight"] = Source(
+            f"{blk}.ffn_down_exps.weight", expert=e, experts=n)
+    return out
+
+
+def sources(config: ModelConfig, with_mtp: bool, fused_experts: bool = False
+            ) -> dict[str, Source]:
     """Our parameter name -> its Source, for every parameter a model of ``config`` has (the
-    MTP head's with ``with_mtp``)."""
+    MTP head's with ``with_mtp``; an MoE model's experts stacked as the converter writes
+    them, ``fused_experts``: gate and up in one tensor)."""
     c = config
+    moe = c.num_experts > 0
     reorder = c.linear_num_key_heads != c.linear_num_value_heads
     v_rows = v_heads = qkv_rows = None
     if reorder:
@@ -98,9 +139,10 @@ def sources(config: ModelConfig, with_mtp: bool) -> dict[str, Source]:
 
     def layer(prefix: str, block: int, kind: str) -> dict[str, Source]:
         out = {}
-        for ours, theirs in _LAYER.items():
+        for ours, theirs in (_LAYER | _MOE).items():
             mixer = ours.split(".", 1)[0]
-            if mixer in ("self_attn", "linear_attn") and mixer != kind:
+            if mixer in ("self_attn", "linear_attn") and mixer != kind or \
+                    mixer == "mlp" and (ours in _MOE) != moe:
                 continue
             axis, index = order.get(ours, (None, None))
             value = ("a_log" if ours.endswith("A_log") else
@@ -109,6 +151,8 @@ def sources(config: ModelConfig, with_mtp: bool) -> dict[str, Source]:
                 f"blk.{block}.{theirs}", rows=index if axis == "rows" else None,
                 cols=index if axis == "cols" else None, value=value,
                 unsqueeze=ours.endswith("conv1d.weight"))
+        if moe:
+            out.update(_experts(prefix, block, c.num_experts, fused_experts))
         return out
 
     out = {}
@@ -152,7 +196,11 @@ def restore(t: torch.Tensor, src: Source) -> torch.Tensor:
 
 
 def stored_shape(shape: tuple[int, ...], src: Source) -> tuple[int, ...]:
-    """The GGUF (torch-order) shape of a parameter of ``shape``."""
+    """The GGUF (torch-order) shape of each tensor a parameter of ``shape`` is read from (a
+    stacked expert tensor's whole shape)."""
     if src.unsqueeze:
         return (shape[0], shape[2])
+    if src.expert is not None:
+        rows = shape[0] // len(src.names)
+        return (src.experts, rows, *shape[1:])
     return shape

@@ -21,7 +21,7 @@ import numpy as np
 
 from hybridrt.gguf import GGUF_MAGIC
 
-ARCHITECTURES = ("qwen35",)  # what this reader loads; qwen35moe and mmproj files are refused
+ARCHITECTURES = ("qwen35", "qwen35moe")  # what this reader loads as a model
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}  # GGUFValueType -> struct format
 _STRING, _ARRAY = 8, 9
@@ -108,7 +108,9 @@ class GGUFFile:
     """One opened GGUF file: ``metadata`` (key -> Python value), ``tensors`` (name ->
     ``Tensor``, data memory-mapped), ``arch`` and ``path``."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, architectures: tuple[str, ...] = ARCHITECTURES):
+        """Open ``path``, a file of one of ``architectures`` (a model's by default; an mmproj
+        projector's is ``clip``)."""
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         self.path = Path(path).expanduser()
@@ -144,11 +146,13 @@ class GGUFFile:
         except (ValueError, struct.error) as e:
             raise GGUFError(f"{self.path}: malformed or truncated GGUF header ({e})") from None
         self.arch = self.metadata.get("general.architecture")
-        if self.arch not in ARCHITECTURES:
+        if self.arch not in architectures:
             kind = self.metadata.get("general.type")
             what = f"a {kind} file of" if kind and kind != "model" else "architecture"
+            hint = " (a vision projector: give it as mmproj beside its model)" \
+                if kind == "mmproj" else ""
             raise GGUFError(f"{self.path}: {what} {self.arch!r} is not one hybridrt loads "
-                            f"(it loads {', '.join(ARCHITECTURES)})")
+                            f"here (it loads {', '.join(architectures)}){hint}")
         align = int(self.metadata.get("general.alignment", 32))
         start = -(-cur.at // align) * align
         self.tensors: dict[str, Tensor] = {}
@@ -188,6 +192,13 @@ class GGUFFile:
         if value is None:
             raise GGUFError(f"{self.path}: metadata {self.arch}.{key} is missing")
         return value
+
+    @staticmethod
+    def matrix(tensor: Tensor, i: int) -> Tensor:
+        """Matrix ``i`` of a stacked 3-D tensor (one routed expert's) over the same pages."""
+        n = tensor.n_bytes // tensor.shape[2]
+        return Tensor(f"{tensor.name}[{i}]", tensor.tensor_type, tensor.shape[:2],
+                      tensor.data[i], tensor.data_offset + i * n, n)
 
     @staticmethod
     def shape(tensor) -> tuple[int, ...]:

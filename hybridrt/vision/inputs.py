@@ -16,12 +16,16 @@ VIDEO_PART_TYPES = ("video_url", "video", "input_video")
 MEDIA_PART_TYPES = IMAGE_PART_TYPES + VIDEO_PART_TYPES
 
 
-def has_vision_tower(model_path: str | os.PathLike) -> bool:
+def has_vision_tower(model_path: str | os.PathLike,
+                     mmproj: str | os.PathLike | None = None) -> bool:
     """Does the checkpoint hold a vision tower: a ``vision_config`` and ``model.visual.*``
-    weights (the names read from the safetensors headers only)?"""
+    weights (the names read from the safetensors headers only)? A GGUF file: is a projector
+    given (``mmproj``) or found beside it?"""
     path = Path(model_path)
-    if path.is_file():  # a GGUF file: no tower in it (an mmproj file is not read yet)
-        return False
+    if path.is_file():
+        from hybridrt.gguf.mmproj import find_mmproj
+
+        return mmproj is not None or find_mmproj(path) is not None
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):

@@ -21,15 +21,20 @@ PREFIXES = ("model.visual.", "visual.")
 
 
 def load_vision_tower(path: str | os.PathLike, text: ModelConfig, dtype: torch.dtype,
-                      device: torch.device | str = "cpu") -> VisionTower | None:
+                      device: torch.device | str = "cpu",
+                      mmproj: str | os.PathLike | None = None) -> VisionTower | None:
     """The checkpoint's tower in ``dtype`` on ``device``, or None where it has none (no
     ``vision_config``, or one without ``model.visual.*`` weights, as the demo model's).
-    Missing, unexpected and mis-shaped tensors fail together in one CheckpointError."""
+    Missing, unexpected and mis-shaped tensors fail together in one CheckpointError. A GGUF
+    file's tower is its projector file ``mmproj`` (None: one found beside it; hybridrt.gguf
+    .mmproj)."""
     from safetensors import safe_open
 
     path = Path(path)
-    if path.is_file():  # a GGUF file: its projector is a separate mmproj file (not read yet)
-        return None
+    if path.is_file():
+        from hybridrt.gguf.mmproj import load_mmproj_tower
+
+        return load_mmproj_tower(path, text, dtype, device, mmproj)
     raw = json.loads((path / "config.json").read_text())
     cfg = VisionConfig.from_dict(raw)
     if cfg is None:

@@ -75,16 +75,21 @@ def _decode(raw: bytes, what: str):
 
 class ImageProcessor:
     """One image -> (patches [n, channels * temporal_patch * patch^2] float32, grid (t, h, w)
-    in patches). The checkpoint's ``preprocessor_config.json`` where it has one, else the
-    processor's defaults with the tower's patch, temporal patch and merge sizes."""
+    in patches). ``settings`` (the processor's keyword arguments, as a GGUF projector's
+    metadata gives them) where given, else the checkpoint's ``preprocessor_config.json`` where
+    it has one, else the processor's defaults with the tower's patch, temporal patch and merge
+    sizes."""
 
-    def __init__(self, model_path: str | os.PathLike, cfg: VisionConfig):
+    def __init__(self, model_path: str | os.PathLike, cfg: VisionConfig,
+                 settings: dict[str, Any] | None = None):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil,
         )
 
         path = Path(model_path)
-        if (path / "preprocessor_config.json").is_file():
+        if settings is not None:
+            self.processor = Qwen2VLImageProcessorPil(**settings)
+        elif (path / "preprocessor_config.json").is_file():
             self.processor = Qwen2VLImageProcessorPil.from_pretrained(str(path))
         else:
             self.processor = Qwen2VLImageProcessorPil(
