@@ -244,7 +244,8 @@ def test_malformed_file_is_one_line_before_any_weight_is_read(files, tmp_path, m
         raise AssertionError("a weight was read before the file was checked")
 
     for module, fn in ((tensors, "float_tensor"), (tensors, "dequantized"),
-                       (blocks, "int8_groups"), (blocks, "nibble_groups")):
+                       (blocks, "int8_groups"), (blocks, "nibble_groups"),
+                       (blocks, "six_bit_groups")):
         monkeypatch.setattr(module, fn, no_read)
     with pytest.raises(GGUFError) as e:
         LLM(bad, dtype="float32", max_model_len=64, cache_memory=8 << 20)

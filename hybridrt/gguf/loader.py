@@ -64,7 +64,7 @@ def _check(f: GGUFFile, expected: dict, srcs: dict, config, with_mtp: bool) -> N
 
 
 def _in_order(src: names.Source, q: torch.Tensor, *groups: torch.Tensor):
-    """Values q [N, K] and their per-group tensors [N, K / 32] with ``src``'s rows and columns
+    """Values q [N, G, ...] and their per-group tensors [N, G] with ``src``'s rows and columns
     put back in order (columns only in whole groups of 32)."""
     if src.rows is not None:
         q, groups = q.index_select(0, src.rows), [g.index_select(0, src.rows) for g in groups]
@@ -75,7 +75,7 @@ def _in_order(src: names.Source, q: torch.Tensor, *groups: torch.Tensor):
             raise GGUFError(f"{src.name}: value heads whose size is not a multiple of 32 "
                             f"cannot be put back in order in a quantized tensor")
         first = blocks[:, 0] // quant.GROUP
-        q, groups = q.index_select(1, src.cols), [g.index_select(1, first) for g in groups]
+        q, groups = q.index_select(1, first), [g.index_select(1, first) for g in groups]
     return q, *groups
 
 
@@ -93,6 +93,8 @@ def _packed(t, shape, src: names.Source) -> quant.PackedWeight:
         q, step, minimum = _in_order(src, *blocks.nibble_groups(t, shape))
         if (minimum >= 0).all():
             return tensors.int4_weight(q, step, minimum)
+    if kind == "Q6_K":
+        return tensors.int6_weight(*_in_order(src, *blocks.six_bit_groups(t, shape)))
     return tensors.requantized(names.restore(tensors.dequantized(t, shape), src), fmt)
 
 
