@@ -222,6 +222,71 @@ def _truncated_header(data):
     del data[4096:]
 
 
+def test_compiled_q8_0_repacking_gives_the_torch_paths_bytes(files, monkeypatch):
+    """csrc/gguf_repack.c's Q8_0 (out_proj's value heads moved back in whole groups) writes
+    the bytes the torch path writes."""
+    from hybridrt.gguf import repack
+    from hybridrt.kernels import native
+
+    if native.load() is None:
+        pytest.skip("no compiled kernels")
+
+    def packed():
+        net = load_model(files["q8_0_mtp"], "auto", with_mtp=True)[0]
+        return {n: m.qweight for n, m in net.named_modules()
+                if isinstance(getattr(m, "qweight", None), quant.PackedWeight)}
+
+    fast = packed()
+    monkeypatch.setattr(repack, "packed", lambda *a: None)
+    slow = packed()
+    assert fast.keys() == slow.keys() and any("out_proj" in n for n in fast)
+    for name, qw in fast.items():
+        assert all(torch.equal(x, y) for x, y in zip(qw.tensors(), slow[name].tensors())), name
+
+
+def test_gguf_error_bench_finds_q8_0_and_f32_bit_exact(files, capsys):
+    """``hybridrt bench gguf-error`` on the tiny Q8_0 file: every weight compared with gguf's
+    dequantization, Q8_0 and F32 bit for bit."""
+    from hybridrt.bench.gguf_error import run_gguf_error_bench
+
+    (report,) = run_gguf_error_bench([files["q8_0_mtp"]])
+    config = load_config(files["q8_0_mtp"])
+    assert len(report["tensors"]) == len(names.sources(config, True))
+    for kind in ("Q8_0", "F32"):
+        s = report["types"][kind]
+        assert s["exact"] == s["tensors"] > 0 and s["max_error"] == 0.0, kind
+    out = capsys.readouterr().out
+    assert "Q8_0     int8" in out and out.count(" all") == len(report["types"])
+
+
+def test_bench_throughput_on_a_gguf_against_llamacpp_on_the_same_file(files, tmp_path):
+    """``hybridrt bench throughput X.gguf --against-llamacpp X.gguf``: hybridrt runs the GGUF
+    file and llama.cpp the same file, the same work (skipped without llama.cpp's binaries)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from hybridrt.bench import llamacpp
+    from hybridrt.cli.main import app
+
+    try:
+        llamacpp.check(files["f32"])
+    except llamacpp.LlamaCppError as e:
+        pytest.skip(str(e))
+    out = tmp_path / "tp.json"
+    res = CliRunner().invoke(app, [str(a) for a in (
+        "bench", "throughput", files["f32"], "--dtype", "float32", "--threads", "1",
+        "--prefill-len", "16", "--prompt-len", "4", "--decode-tokens", "3", "--concurrency", "2",
+        "--repeats", "1", "--no-transformers", "--against-llamacpp", files["f32"],
+        "--order", "hybridrt,llamacpp", "--json", out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["llamacpp_run"]["gguf"] == str(files["f32"])
+    assert set(r["llamacpp"]) == set(r["hybridrt"]) == set(r["ratio_vs_llamacpp"])
+    assert r["work"]["llamacpp"] == r["work"]["hybridrt"]
+    assert all(v > 0 for v in r["llamacpp"].values())
+
+
 MALFORMED = {
     "wrong magic": (_wrong_magic, "not a GGUF file (magic b'GGML'"),
     "other architecture": (_other_architecture, "architecture 'mamba2' is not one hybridrt "

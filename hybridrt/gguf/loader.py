@@ -14,7 +14,7 @@ import os
 import numpy as np
 import torch
 
-from hybridrt.gguf import blocks, names, tensors
+from hybridrt.gguf import blocks, names, repack, tensors
 from hybridrt.gguf.config import model_config
 from hybridrt.gguf.reader import GGUFError, GGUFFile
 from hybridrt.kernels import quant
@@ -80,7 +80,11 @@ def _in_order(src: names.Source, q: torch.Tensor, *groups: torch.Tensor):
 
 
 def _packed(t, shape, src: names.Source) -> quant.PackedWeight:
-    """A quantized GGUF weight in hybridrt's format for its type (``tensors``)."""
+    """A quantized GGUF weight in hybridrt's format for its type (``tensors``; in one pass of
+    compiled code where ``repack`` takes it)."""
+    fast = repack.packed(t, shape, src)
+    if fast is not None:
+        return fast
     kind = tensors.type_name(t)
     fmt = tensors.QUANT_FORMATS[kind]
     if fmt == "int8":

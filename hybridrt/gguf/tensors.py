@@ -10,12 +10,16 @@
 - Q4_0, Q4_1, Q4_K keep their 4-bit values in hybridrt's 4-bit format (``int4_weight``):
   only the groups' steps and minimums are rounded to its 8-bit codes of bf16 superblock
   scales.
-- Q5_0, Q5_1, Q5_K, Q6_K become its 6-bit format, dequantized exactly (``gguf``'s numpy
+- Q6_K becomes its 6-bit format (``int6_weight``): per group of 32 the grid of its half with
+  the larger scale, the other half rounded once onto it (``blocks.six_bit_groups``).
+- Q5_0, Q5_1, Q5_K become the 6-bit format too, dequantized exactly (``gguf``'s numpy
   dequantizers, llama.cpp's own arithmetic) and quantized again (``requantized``).
 - Any other type is refused, naming the tensor and the type.
 
-The error each mapping adds against ``gguf``'s dequantization is measured per type in
-docs/gguf.md (tests/test_gguf_quant.py holds it).
+Where the compiled kernels load, ``repack`` does Q8_0, Q4_0, Q4_1, Q4_K and Q6_K in one pass
+of C to the same bytes. The error each mapping adds against ``gguf``'s dequantization is
+measured per type in docs/gguf.md (``hybridrt bench gguf-error``; tests/test_gguf_quant.py
+holds it).
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ def _steps(step: torch.Tensor, minimum: torch.Tensor, rows: int):
     G = step.shape[1]
     S = -(-G // int4.SUPER)
     P = rows // int4.PANEL
-    sp, mp = _panels(step, rows), _panels(minimum, rows)
+    sp, mp = _panels(step + 0.0, rows), _panels(minimum + 0.0, rows)  # no -0.0
     D, M = _superblock_scale(sp, S), _superblock_scale(mp, S)
     sc, mc = _codes(sp, D), _codes(mp, M)
     codes = torch.stack([sc, mc], 1).to(torch.uint8).view(P, int4.PANEL, 2, G)
