@@ -256,7 +256,7 @@ def test_gguf_error_bench_finds_q8_0_and_f32_bit_exact(files, capsys):
         s = report["types"][kind]
         assert s["exact"] == s["tensors"] > 0 and s["max_error"] == 0.0, kind
     out = capsys.readouterr().out
-    assert "Q8_0     int8" in out and out.count(" all") == len(report["types"])
+    assert "Q8_0     int8   " in out and out.count(" all") == len(report["types"])
 
 
 def test_bench_throughput_on_a_gguf_against_llamacpp_on_the_same_file(files, tmp_path):

@@ -52,7 +52,8 @@ def measure(path: str | Path) -> dict:
         norm = ref.norm().item()
         diff = (ours - ref).norm().item()
         rows.append({"name": name, "gguf": src.name, "type": kind,
-                     "format": tensors.QUANT_FORMATS.get(kind, str(ours.dtype)),
+                     "format": tensors.QUANT_FORMATS.get(
+                         kind, str(ours.dtype).removeprefix("torch.")),
                      "error": diff / norm if norm else diff,
                      "exact": bool(torch.equal(ours, ref))})
         del ours, raw, ref
@@ -69,12 +70,12 @@ def measure(path: str | Path) -> dict:
 def format_report(r: dict) -> str:
     lines = [f"{r['file']}: every weight as loaded against gguf's dequantization "
              f"(relative RMS error per tensor)",
-             f"  {'type':8} {'as':6} {'tensors':>7} {'max error':>10} {'mean error':>10}  "
+             f"  {'type':8} {'as':7} {'tensors':>7} {'max error':>10} {'mean error':>10}  "
              f"bit-exact"]
     for kind, s in r["types"].items():
         exact = ("all" if s["exact"] == s["tensors"] else
                  f"{s['exact']} of {s['tensors']}" if s["exact"] else "no")
-        lines.append(f"  {kind:8} {s['format']:6} {s['tensors']:7d} {s['max_error']:10.2e} "
+        lines.append(f"  {kind:8} {s['format']:7} {s['tensors']:7d} {s['max_error']:10.2e} "
                      f"{s['mean_error']:10.2e}  {exact}")
     return "\n".join(lines)
 
