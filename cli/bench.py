@@ -435,17 +435,51 @@ def startup(
         "--runs", min=1, help="Runs of each measurement, alternated (the median is "
         "reported).")] = 5,
     json_path: JsonOpt = None,
+    against_llamacpp: Annotated[Path | None, typer.Option(
+        "--against-llamacpp", metavar="GGUF", help="Also time llama.cpp's start-up to its "
+        "first token on this GGUF (llama-bench -p 2 -n 0), alternated (default: off).",
+        show_default=False)] = None,
+    llamacpp_bin: Annotated[Path | None, typer.Option(
+        "--llamacpp-bin", metavar="DIR", help="Folder of llama-bench (default: as bench "
+        "throughput).", show_default=False)] = None,
 ) -> None:
     """Start-up: hybridrt generate -p hi --max-tokens 1 against python -c 'import torch'.
 
     Each figure comes from a fresh interpreter; the one that matters is the load and first
-    token beyond importing torch (target 1.5 s on the demo model).
+    token beyond importing torch (target 1.5 s on the demo model). On a GGUF MODEL,
+    --against-llamacpp SAME.gguf times llama.cpp starting on the same file.
     """
+    from hybridrt.bench.llamacpp import LlamaCppError
     from hybridrt.bench.startup import run_startup_bench
 
     options = options.checked()
-    run_startup_bench(options.model, runs=runs, threads=options.threads, json_path=json_path,
-                      engine=options.llm_kwargs("threads"), engine_flags=options.flags("threads"))
+    try:
+        run_startup_bench(options.model, runs=runs, threads=options.threads, json_path=json_path,
+                          engine=options.llm_kwargs("threads"),
+                          engine_flags=options.flags("threads"),
+                          against_llamacpp=against_llamacpp, llamacpp_bin=llamacpp_bin)
+    except LlamaCppError as e:
+        raise CliError(str(e), 2) from None
+
+
+@bench_app.command("gguf-error")
+def gguf_error(
+    files: Annotated[list[Path], typer.Argument(
+        metavar="FILE.gguf...", help="GGUF files (qwen35).", show_default=False)],
+    json_path: JsonOpt = None,
+) -> None:
+    """Per GGUF type, every weight as hybridrt loads it against gguf's numpy dequantization:
+    tensors, max and mean relative RMS error, bit-exact ones (hybridrt.bench.gguf_error)."""
+    from hybridrt.bench.gguf_error import run_gguf_error_bench
+    from hybridrt.gguf.reader import GGUFError
+
+    for f in files:
+        if not f.is_file():
+            raise CliError(f"no GGUF file at {f}", 2)
+    try:
+        run_gguf_error_bench(files, json_path=json_path)
+    except GGUFError as e:
+        raise CliError(str(e)) from None
 
 
 # busy ----------------------------------------------------------------------------------------

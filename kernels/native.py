@@ -18,6 +18,8 @@
   AVX2 or plain C (kernels/quant.py binds it and picks the path).
 - ``csrc/int4_gemm.c``: the same for 4-bit weights (kernels/int4.py), on AVX-512 VNNI, 256-bit
   VNNI, AVX2 or plain C; ``csrc/int4_quant.c`` quantizes them (a search per group).
+- ``csrc/gguf_repack.c``: a GGUF file's quantized blocks into those formats in one pass
+  (hybridrt/gguf/repack.py binds it).
 - ``csrc/argmax.c``: the greedy token of each row of logits (fp32 or bf16), torch's argmax in
   one vectorised pass and a short second one.
 - ``csrc/step.c``: a decode step's layers in one call, a list of the kernels above with their
@@ -61,7 +63,7 @@ from .options import SIMD_AVX512
 
 _SRCS = [Path(__file__).parent / "csrc" / name
          for name in ("gdn_decode.c", "gdn_fused.c", "attn_decode.c", "norm.c", "half_gemm.c",
-                      "int8_gemm.c", "int4_gemm.c", "int4_quant.c",
+                      "int8_gemm.c", "int4_gemm.c", "int4_quant.c", "gguf_repack.c",
                       "argmax.c", "step.c", "stream.c")]
 _HEADERS = [Path(__file__).parent / "csrc" / name  # included by the sources above
             for name in ("bf16.h", "kernels.h")]

@@ -1041,6 +1041,7 @@ BENCH_ENTRIES = {
     "spec": ("spec", "run_spec_bench", []),
     "quality": ("quality", "run_quality", []),
     "startup": ("startup", "run_startup_bench", []),
+    "gguf-error": ("gguf_error", "run_gguf_error_bench", ["pyproject.toml"]),
     "busy": ("busy", "run_busy_bench", []),
     "serve": ("serve", "run", []),
     "prefix": ("prefix", "run", []),

@@ -204,6 +204,71 @@ def _truncated_header(data):
     del data[4096:]
 
 
+def test_compiled_q8_0_repacking_gives_the_torch_paths_bytes(files, monkeypatch):
+    """csrc/gguf_repack.c's Q8_0 (out_proj's value heads moved back in whole groups) writes
+    the bytes the torch path writes."""
+    from hybridrt.gguf import repack
+    from hybridrt.kernels import native
+
+    if native.load() is None:
+        pytest.skip("no compiled kernels")
+
+    def packed():
+        net = load_model(files["q8_0_mtp"], "auto", with_mtp=True)[0]
+        return {n: m.qweight for n, m in net.named_modules()
+                if isinstance(getattr(m, "qweight", None), quant.PackedWeight)}
+
+    fast = packed()
+    monkeypatch.setattr(repack, "packed", lambda *a: None)
+    slow = packed()
+    assert fast.keys() == slow.keys() and any("out_proj" in n for n in fast)
+    for name, qw in fast.items():
+        assert all(torch.equal(x, y) for x, y in zip(qw.tensors(), slow[name].tensors())), name
+
+
+def test_gguf_error_bench_finds_q8_0_and_f32_bit_exact(files, capsys):
+    """``hybridrt bench gguf-error`` on the tiny Q8_0 file: every weight compared with gguf's
+    dequantization, Q8_0 and F32 bit for bit."""
+    from hybridrt.bench.gguf_error import run_gguf_error_bench
+
+    (report,) = run_gguf_error_bench([files["q8_0_mtp"]])
+    config = load_config(files["q8_0_mtp"])
+    assert len(report["tensors"]) == len(names.sources(config, True))
+    for kind in ("Q8_0", "F32"):
+        s = report["types"][kind]
+        assert s["exact"] == s["tensors"] > 0 and s["max_error"] == 0.0, kind
+    out = capsys.readouterr().out
+    assert "Q8_0     int8   " in out and out.count(" all") == len(report["types"])
+
+
+def test_bench_throughput_on_a_gguf_against_llamacpp_on_the_same_file(files, tmp_path):
+    """``hybridrt bench throughput X.gguf --against-llamacpp X.gguf``: hybridrt runs the GGUF
+    file, llama.cpp (stand-in binaries, as tests/test_bench_llamacpp.py's) is handed the same
+    file and the same work. (llama.cpp's own llama-bench does not load this tiny shape.)"""
+    import json
+
+    from test_bench_llamacpp import fake_llamacpp
+    from typer.testing import CliRunner
+
+    from hybridrt.cli.main import app
+
+    bins = fake_llamacpp(tmp_path / "bin")
+    out = tmp_path / "tp.json"
+    res = CliRunner().invoke(app, [str(a) for a in (
+        "bench", "throughput", files["f32"], "--dtype", "float32", "--threads", "1",
+        "--prefill-len", "16", "--prompt-len", "4", "--decode-tokens", "3",
+        "--concurrency", "2,3", "--repeats", "1", "--no-transformers",
+        "--against-llamacpp", files["f32"], "--llamacpp-bin", bins,
+        "--order", "hybridrt,llamacpp", "--json", out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["model"] == str(files["f32"]) and r["llamacpp_run"]["gguf"] == str(files["f32"])
+    assert set(r["llamacpp"]) == set(r["hybridrt"]) == set(r["ratio_vs_llamacpp"])
+    assert r["work"]["llamacpp"] == r["work"]["hybridrt"]
+    assert all(f"-m {files['f32']}" in a
+               for a in (bins / "llama-bench.args").read_text().splitlines())
+
+
 MALFORMED = {
     "wrong magic": (_wrong_magic, "not a GGUF file (magic b'GGML'"),
     "other architecture": (_other_architecture, "architecture 'mamba2' is not one hybridrt "
@@ -226,7 +291,8 @@ def test_malformed_file_is_one_line_before_any_weight_is_read(files, tmp_path, m
         raise AssertionError("a weight was read before the file was checked")
 
     for module, fn in ((tensors, "float_tensor"), (tensors, "dequantized"),
-                       (blocks, "int8_groups"), (blocks, "nibble_groups")):
+                       (blocks, "int8_groups"), (blocks, "nibble_groups"),
+                       (blocks, "six_bit_groups")):
         monkeypatch.setattr(module, fn, no_read)
     with pytest.raises(GGUFError) as e:
         LLM(bad, dtype="float32", max_model_len=64, cache_memory=8 << 20)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hybridrt.bench.fixtures import tiny_text_config, write_random_checkpoint
-from hybridrt.gguf import names, tensors
+from hybridrt.gguf import names, repack, tensors
 from hybridrt.gguf.reader import GGUFError, GGUFFile
-from hybridrt.kernels import quant
+from hybridrt.kernels import native, quant
 from hybridrt.loader import load_model
 from hybridrt.model_path import DEMO_MODEL_DIR
 
@@ -66,6 +66,31 @@ def test_each_weight_within_its_types_error(files, outtype):
     assert outtype.upper().split("_M")[0] in seen
     assert not any(isinstance(p, torch.Tensor) and p.dim() == 2 and p.dtype == torch.float32
                    and n.endswith("proj.weight") for n, p in net.named_parameters())
+
+
+def packed_weights(net) -> dict:
+    return {n: m.qweight for n, m in net.named_modules()
+            if isinstance(getattr(m, "qweight", None), quant.PackedWeight)}
+
+
+@pytest.mark.parametrize("outtype", TYPES)
+def test_compiled_repacking_gives_the_torch_paths_bytes(files, outtype, monkeypatch):
+    """csrc/gguf_repack.c (Q4_0, Q4_1, Q4_K, Q6_K here, value heads put back in order
+    included) writes the bytes blocks.py and tensors.py's torch ops write."""
+    if native.load() is None:
+        pytest.skip("no compiled kernels")
+    fast = packed_weights(load_model(files[outtype], "auto", with_mtp=True)[0])
+    calls = []
+    real = repack.packed
+    monkeypatch.setattr(repack, "packed", lambda *a: calls.append(real(*a)))
+    slow = packed_weights(load_model(files[outtype], "auto", with_mtp=True)[0])
+    if outtype in ("q4_0", "q4_1", "q4_K_M", "q6_K"):
+        assert any(c is not None for c in calls)
+    assert fast.keys() == slow.keys()
+    for name, qw in fast.items():
+        assert type(qw) is type(slow[name]), name
+        for x, y, part in zip(qw.tensors(), slow[name].tensors(), qw.names):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), (outtype, name, part)
 
 
 def test_q4_k_m_keeps_each_tensors_precision(files):

@@ -9,7 +9,10 @@ Measures, alternating the runs so that a change in a shared machine's speed hits
   first token of the model, the demo model by default); the figure that matters is its
   excess over ``import torch`` (target: 1.5 s);
 - ``usage error``: the same command with a bad flag, which must not wait for torch;
-- the phases of one load in a fresh process: imports, ``LLM(...)``, the first token.
+- the phases of one load in a fresh process: imports, ``LLM(...)``, the first token;
+- with ``--against-llamacpp GGUF`` (MODEL then usually the same GGUF file): llama.cpp's
+  start-up to the first token on that file, ``llama-bench -p 2 -n 0 -r 1 --no-warmup``
+  (load, context, a 2-token prompt; the same threads), alternated with the rest.
 """
 
 from __future__ import annotations
@@ -50,13 +53,32 @@ def _timed(args: list[str]) -> tuple[float, subprocess.CompletedProcess]:
     return time.perf_counter() - t, proc
 
 
+def llamacpp_command(gguf: str | Path, threads: int | None,
+                     bins: str | Path | None = None) -> list[str]:
+    """llama.cpp's start-up to its first token on ``gguf``: load, context and a 2-token
+    prompt, one run, no warm-up (``LlamaCppError`` when the file or llama-bench is missing)."""
+    from hybridrt.bench import llamacpp
+
+    where = llamacpp.check(gguf, bins)
+    return [str(where / "llama-bench"), "-m", str(gguf), "-p", "2", "-n", "0", "-r", "1",
+            "--no-warmup", *(["-t", str(threads)] if threads else [])]
+
+
 def measure_startup(model: str | None = None, runs: int = 5,
                     threads: int | None = None, engine: dict | None = None,
-                    engine_flags: Sequence[str] = ()) -> dict:
+                    engine_flags: Sequence[str] = (), against_llamacpp: str | Path | None = None,
+                    llamacpp_bin: str | Path | None = None) -> dict:
     """-> the report: per measurement the median and every run's seconds, and the excess of
     generate over import torch. ``engine`` / ``engine_flags``: the command line's model
     options but --threads, as the phase probe's ``LLM`` keyword arguments / as generate's
-    flags (the same options both)."""
+    flags (the same options both). ``against_llamacpp``: a GGUF file llama.cpp starts on too
+    (``llamacpp_command``)."""
+    theirs = None
+    if against_llamacpp:
+        import torch  # generate's default threads, which llama.cpp is given too
+
+        theirs = llamacpp_command(against_llamacpp, threads or torch.get_num_threads(),
+                                  llamacpp_bin)
     py = sys.executable
     cli = [py, "-m", "hybridrt", "generate", *([model] if model else []), "-p", "hi",
            "--max-tokens", "1", "--temperature", "0", "--no-progress",
@@ -65,6 +87,7 @@ def measure_startup(model: str | None = None, runs: int = 5,
         "import_torch": [py, "-c", "import torch"],
         "generate": cli,
         "usage_error": [py, "-m", "hybridrt", "generate", "-p", "hi", "--temperature", "-1"],
+        **({"llamacpp": theirs} if theirs else {}),
     }
     from hybridrt.bench import progress
 
@@ -92,7 +115,7 @@ def measure_startup(model: str | None = None, runs: int = 5,
     pbar.close()
     med = {name: statistics.median(v) for name, v in times.items()}
     excess = [g - t for g, t in zip(times["generate"], times["import_torch"])]
-    return {
+    report = {
         "model": model or "demo model",
         "runs": runs,
         "median_s": med,
@@ -104,6 +127,10 @@ def measure_startup(model: str | None = None, runs: int = 5,
         "dtype": phases[0]["dtype"],
         "threads": phases[0]["threads"],
     }
+    if theirs:
+        report["llamacpp_gguf"] = str(against_llamacpp)
+        report["generate_over_llamacpp"] = med["generate"] / med["llamacpp"]
+    return report
 
 
 def format_report(r: dict) -> str:
@@ -117,6 +144,9 @@ def format_report(r: dict) -> str:
         f"    load + first token beyond import torch      {excess:6.2f} s  "
         f"(target {r['target_s']:.1f} s: {'met' if excess <= r['target_s'] else 'missed'})",
         f"  usage error (--temperature -1)                {m['usage_error']:6.2f} s",
+        *([f"  llama.cpp: llama-bench -p 2 -n 0 --no-warmup  {m['llamacpp']:6.2f} s  "
+           f"(hybridrt generate takes {r['generate_over_llamacpp']:.2f}x as long; "
+           f"{Path(r['llamacpp_gguf']).name})"] if "llamacpp" in m else []),
         "  one load, by phase: "
         + ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in p.items()),
     ]
@@ -125,8 +155,10 @@ def format_report(r: dict) -> str:
 
 def run_startup_bench(model: str | None = None, runs: int = 5, threads: int | None = None,
                       json_path: str | Path | None = None, engine: dict | None = None,
-                      engine_flags: Sequence[str] = ()) -> dict:
-    report = measure_startup(model, runs, threads, engine, engine_flags)
+                      engine_flags: Sequence[str] = (), against_llamacpp: str | Path | None = None,
+                      llamacpp_bin: str | Path | None = None) -> dict:
+    report = measure_startup(model, runs, threads, engine, engine_flags, against_llamacpp,
+                             llamacpp_bin)
     print(format_report(report))
     if json_path is not None:
         Path(json_path).write_text(json.dumps(report, indent=2))

@@ -16,7 +16,7 @@ import os
 import numpy as np
 import torch
 
-from hybridrt.gguf import blocks, names, tensors
+from hybridrt.gguf import blocks, names, repack, tensors
 from hybridrt.gguf.config import model_config
 from hybridrt.gguf.reader import GGUFError, GGUFFile
 from hybridrt.kernels import quant
@@ -75,7 +75,7 @@ def _check(f: GGUFFile, expected: dict, srcs: dict, config, with_mtp: bool) -> N
 
 
 def _in_order(src: names.Source, q: torch.Tensor, *groups: torch.Tensor):
-    """Values q [N, K] and their per-group tensors [N, K / 32] with ``src``'s rows and columns
+    """Values q [N, G, ...] and their per-group tensors [N, G] with ``src``'s rows and columns
     put back in order (columns only in whole groups of 32)."""
     if src.rows is not None:
         q, groups = q.index_select(0, src.rows), [g.index_select(0, src.rows) for g in groups]
@@ -86,7 +86,7 @@ def _in_order(src: names.Source, q: torch.Tensor, *groups: torch.Tensor):
             raise GGUFError(f"{src.name}: value heads whose size is not a multiple of 32 "
                             f"cannot be put back in order in a quantized tensor")
         first = blocks[:, 0] // quant.GROUP
-        q, groups = q.index_select(1, src.cols), [g.index_select(1, first) for g in groups]
+        q, groups = q.index_select(1, first), [g.index_select(1, first) for g in groups]
     return q, *groups
 
 
@@ -105,7 +105,12 @@ def _rows(*decoded: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 
 
 def _packed(parts: list, src: names.Source) -> quant.PackedWeight:
-    """A quantized GGUF weight in hybridrt's format for its type (``tensors``)."""
+    """A quantized GGUF weight in hybridrt's format for its type (``tensors``; in one pass of
+    compiled code where ``repack`` takes it)."""
+    if len(parts) == 1:
+        fast = repack.packed(parts[0], GGUFFile.shape(parts[0]), src)
+        if fast is not None:
+            return fast
     kind = tensors.type_name(parts[0])
     fmt = tensors.QUANT_FORMATS[kind]
     if fmt == "int8":
@@ -120,6 +125,9 @@ def _packed(parts: list, src: names.Source) -> quant.PackedWeight:
                                                    for t in parts)))
         if (minimum >= 0).all():
             return tensors.int4_weight(q, step, minimum)
+    if kind == "Q6_K":
+        return tensors.int6_weight(*_in_order(src, *_rows(*(
+            blocks.six_bit_groups(t, GGUFFile.shape(t)) for t in parts))))
     return tensors.requantized(names.restore(_values(parts, tensors.dequantized), src), fmt)
 
 
