@@ -263,8 +263,9 @@ def test_bench_throughput_on_a_gguf_against_llamacpp_on_the_same_file(files, tmp
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())
     assert r["model"] == str(files["f32"]) and r["llamacpp_run"]["gguf"] == str(files["f32"])
-    assert set(r["llamacpp"]) == set(r["hybridrt"]) == set(r["ratio_vs_llamacpp"])
-    assert r["work"]["llamacpp"] == r["work"]["hybridrt"]
+    assert set(r["ratio_vs_llamacpp"]) == set(r["llamacpp"]) <= set(r["hybridrt"])
+    assert {"prefill_tok_s", "decode_b1_tok_s", "decode_b3_tok_s"} <= set(r["llamacpp"])
+    assert r["work"]["llamacpp"]["decode_b3_tok_s"] == r["work"]["hybridrt"]["decode_b3_tok_s"]
     assert all(f"-m {files['f32']}" in a
                for a in (bins / "llama-bench.args").read_text().splitlines())
 
