@@ -33,14 +33,16 @@ def random_tensor(kind: str, N: int, K: int, seed: int = 0):
     if kind == "Q8_0":
         q = b[..., 2:]
         q[q == 0x80] = 0x81  # -128, which llama.cpp never writes
-    return SimpleNamespace(tensor_type=GGMLQuantizationType[kind], data=b.reshape(N, -1))
+    return SimpleNamespace(tensor_type=GGMLQuantizationType[kind], data=b.reshape(N, -1),
+                           shape=(K, N))  # GGUF's order: innermost first
 
 
 def torch_path(t, shape, src):
     real = repack.packed
     repack.packed = lambda *a: None
     try:
-        return loader._packed(t, shape, src)
+        assert tuple(reversed(t.shape)) == shape
+        return loader._packed([t], src)
     finally:
         repack.packed = real
 
