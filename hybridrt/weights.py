@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridrt.kernels import quant
+from hybridrt.kernels import int4, quant
 from hybridrt.kernels.memory import HugeArena, release_pages
 
 Groups = dict[tuple[int, ...], tuple[torch.Tensor, list[int]]]
@@ -22,6 +22,8 @@ def place_weights(model, merge: bool, huge_pages: bool) -> Groups:
     one ``HugeArena`` (only for a model that owns its weights, as the loader's does) -> the
     merged groups ({} without ``merge``)."""
     owns = getattr(model, "owns_weights", False)
+    if merge:
+        widen_mixed_groups(model)
     mats, quants = streamed_weights(model) if owns and huge_pages else ([], [])
     arena = None
     if mats or quants:
@@ -37,6 +39,18 @@ def place_weights(model, merge: bool, huge_pages: bool) -> Groups:
         if m.qweight is q:
             m.qweight = q.replace(*(arena.move(t) for t in q.tensors()))
     return groups
+
+
+def widen_mixed_groups(model) -> None:
+    """A projection group whose weights are in 4 and 6 bits (a GGUF Q4_K_M file keeps some in
+    Q6_K) takes its 4-bit ones in the 6-bit format, the same values, so that it merges (the
+    decode loop and its compiled step need every layer's projections merged)."""
+    for mods in model.projection_groups():
+        qs = [getattr(x, "qweight", None) for x in mods]
+        if {type(q) for q in qs} == {int4.Int4Weight, int4.Int6Weight}:
+            for x, q in zip(mods, qs):
+                if q.bits == 4:
+                    x.qweight = int4.widened(q)
 
 
 def merge_projections(model, release: bool = False, alloc=None) -> Groups:

@@ -179,6 +179,15 @@ class Int6Weight(Int4Weight):
         return super()._row_values(p, c) | (h << 4).view(len(p), G, GROUP)
 
 
+def widened(w: Int4Weight) -> Int6Weight:
+    """A 4-bit weight in the 6-bit format, the same values (high bits 0, the same steps and
+    minimums): so a projection group mixing the two (a GGUF Q4_K_M file keeps some in Q6_K)
+    merges into one weight."""
+    P, G = w.codes.shape[:2]
+    hs = torch.zeros((P, G, 2, 4 * PANEL), dtype=torch.uint8, device=w.qs.device)
+    return Int6Weight(w.qs, hs, w.codes, w.scales, w.shape)
+
+
 def packed_shapes(shape: tuple[int, int], bits: int = 4) -> tuple[tuple[int, ...], ...]:
     """The shapes of the tensors (``names``) of an Int4Weight (``bits`` 6: an Int6Weight) of a
     weight [N, K]."""

@@ -21,7 +21,8 @@ import torch
 
 from . import int4, native, quant
 
-OP_NORM, OP_INT4, OP_INT8, OP_GEMV_BF16, OP_GEMV_F32X, OP_GDN, OP_ATTN, OP_SILU_MUL = range(1, 9)
+OP_NORM, OP_INT4, OP_INT8, OP_GEMV_BF16, OP_GEMV_F32X, OP_GDN, OP_ATTN, OP_SILU_MUL, OP_INT6 = (
+    range(1, 10))
 WORDS = 32  # int64 words an operation takes (csrc/step.c OP_WORDS)
 
 
@@ -137,10 +138,14 @@ class StepProgram:
         x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
         if w.shape[1] != K:
             raise ValueError(f"a product of width {K} for a weight {list(w.shape)}")
-        if isinstance(w, int4.Int4Weight) and w.bits == 4:  # (6 bits: the LM head only)
+        if isinstance(w, int4.Int4Weight) and w.bits == 4:
             qs, codes, scales, Kp = w.ptrs()
             return [OP_INT4, x_ptr, qs, codes, scales, y_ptr, M, w.shape[0], w.shape[1], Kp,
                     int4.ISAS[backend.int4_isa]]
+        if isinstance(w, int4.Int4Weight) and w.bits == 6:  # a GGUF file's Q6_K layers
+            qs, hs, codes, scales, Kp = w.ptrs()
+            return [OP_INT6, x_ptr, qs, hs, codes, scales, y_ptr, M, w.shape[0], w.shape[1],
+                    Kp, int4.ISAS[backend.int4_isa]]
         if isinstance(w, quant.QuantWeight):
             return [OP_INT8, x_ptr, w.qs.data_ptr(), w.scales.data_ptr(), y_ptr, M, w.shape[0],
                     w.shape[1], w.scales.shape[1] * quant.GROUP, quant.ISAS[backend.int8_isa]]

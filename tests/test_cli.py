@@ -1050,7 +1050,6 @@ BENCH_ENTRIES = {
     "prefix-policy": ("prefix_policy", "run", []),
     "structured": ("structured", "run", []),
     "long": ("long", "run", []),
-    "gguf-error": ("gguf_error", "run_gguf_error_bench", [__file__]),  # (stubbed: any file)
 }
 
 

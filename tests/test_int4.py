@@ -31,6 +31,31 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")  # tests/conftest.py
 
 
 # The format --------------------------------------------------------------------------------
+def test_a_widened_4_bit_weight_is_the_same_weight_in_6_bits():
+    """``int4.widened`` (a projection group mixing 4 and 6 bits merges in 6): the same values,
+    and every kernel path gives the 4-bit product's bits; ``widen_mixed_groups`` widens only a
+    mixed group's 4-bit weights."""
+    from types import SimpleNamespace
+
+    from hybridrt.weights import widen_mixed_groups
+
+    w = int4.quantize(torch.randn(48, 96, generator=torch.Generator().manual_seed(0)))
+    six = int4.widened(w)
+    assert six.bits == 6 and six.shape == w.shape
+    assert torch.equal(six.values(), w.values())
+    assert torch.equal(six.dequantize(), w.dequantize())
+    x = torch.randn(3, 96).bfloat16()
+    for isa in ISAS:
+        assert torch.equal(int4.linear(x, six, isa), int4.linear(x, w, isa)), isa
+    other = int4.quantize(torch.randn(32, 96), bits=6)
+    mixed = [SimpleNamespace(qweight=w), SimpleNamespace(qweight=other)]
+    plain = [SimpleNamespace(qweight=int4.quantize(torch.randn(16, 96)))] * 2
+    model = SimpleNamespace(projection_groups=lambda: [mixed, plain])
+    widen_mixed_groups(model)
+    assert [m.qweight.bits for m in mixed] == [6, 6] and mixed[1].qweight is other
+    assert [m.qweight.bits for m in plain] == [4, 4]
+
+
 def test_nibbles_sit_where_the_kernels_read_them():
     """pack: byte 4 c + j of qs[p, g, r] holds W[16 p + c, 32 g + 4 r + j] low and
     W[16 p + c, 32 g + 16 + 4 r + j] high; unpack inverts it."""

@@ -13,6 +13,9 @@ void silu_mul(const void *gate, int64_t ld_g, const void *up, int64_t ld_u, void
 int int4_gemm(const void *x, int x_bf, const uint8_t *qs, const uint8_t *codes,
               const uint16_t *scales, void *y, int y_bf, int64_t M, int64_t N, int64_t K,
               int64_t Kp, int isa, int num_threads);
+int int6_gemm(const void *x, int x_bf, const uint8_t *qs, const uint8_t *hs,
+              const uint8_t *codes, const uint16_t *scales, void *y, int y_bf, int64_t M,
+              int64_t N, int64_t K, int64_t Kp, int isa, int num_threads);
 int int8_gemm_bf16(const uint16_t *x, const int8_t *qs, const uint16_t *sc, uint16_t *y,
                    int64_t M, int64_t N, int64_t K, int64_t Kp, int isa, int num_threads);
 void half_gemv(const float *x, const uint16_t *w, void *y, int64_t M, int64_t N, int64_t K,

@@ -28,6 +28,7 @@ enum {
     OP_GDN = 6,      /* gdn_fused */
     OP_ATTN = 7,     /* attn_decode */
     OP_SILU_MUL = 8, /* silu_mul */
+    OP_INT6 = 9,     /* int6_gemm, bf16 in and out (a GGUF file's Q6_K layer weights) */
 };
 
 #define P(i) ((void *)(intptr_t)a[i])
@@ -53,6 +54,10 @@ int run_step(const int64_t *ops, int64_t n, int num_threads)
         case OP_INT4:
             failed = int4_gemm(P(0), 1, P(1), P(2), P(3), P(4), 1, I(5), I(6), I(7), I(8),
                                (int)I(9), num_threads);
+            break;
+        case OP_INT6:
+            failed = int6_gemm(P(0), 1, P(1), P(2), P(3), P(4), P(5), 1, I(6), I(7), I(8),
+                               I(9), (int)I(10), num_threads);
             break;
         case OP_INT8:
             failed = int8_gemm_bf16(P(0), P(1), P(2), P(3), I(4), I(5), I(6), I(7), (int)I(8),
