@@ -8,8 +8,10 @@ tokenizer whose pre-tokenizer hash the converter does not know is given "qwen35"
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -65,6 +67,24 @@ def convert(ckpt: str | Path, out: str | Path, outtype: str = "f32", mtp: bool =
         quantize(target, out, outtype)
         target.unlink()
     return out
+
+
+def with_tokenizer(ckpt: Path) -> Path:
+    """The demo model's tokenizer files copied into ``ckpt`` (the converter reads them)."""
+    from hybridrt.model_path import DEMO_MODEL_DIR
+
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_MODEL_DIR / f, ckpt / f)
+    return ckpt
+
+
+def convert_all(ckpt: Path, out: Path, files: dict[str, tuple]) -> dict[str, Path]:
+    """``files`` {name: ``convert``'s (outtype, mtp[, args])} converted two at a time into
+    ``out`` -> {name: its GGUF file}."""
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {k: pool.submit(convert, ckpt, out / f"{k}.gguf", *spec)
+                for k, spec in files.items()}
+        return {k: j.result() for k, j in jobs.items()}
 
 
 def quantize(src: str | Path, out: str | Path, outtype: str) -> Path:

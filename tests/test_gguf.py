@@ -3,9 +3,7 @@ per key head, so the converter reorders them, and its reordering is not its own 
 demo model's byte-level BPE tokenizer): config, tokenizer, every weight and greedy output
 recovered; malformed files refused in one line before any weight is read (docs/gguf.md)."""
 
-import shutil
 import struct
-from concurrent.futures import ThreadPoolExecutor
 
 import gguf_convert
 import pytest
@@ -23,7 +21,6 @@ from hybridrt.gguf.reader import GGUFError, GGUFFile
 from hybridrt.gguf.tokenizer import load_gguf_tokenizer
 from hybridrt.kernels import quant
 from hybridrt.loader import load_config, load_model
-from hybridrt.model_path import DEMO_MODEL_DIR
 from hybridrt.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.skipif(gguf_convert.available() is not None,
@@ -41,20 +38,14 @@ TEXTS = ["Hello world! What does `json.dumps` do?\n\n  indented\tTabs 1234567 na
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    d = write_random_checkpoint(tmp_path_factory.mktemp("gguf-src"), CONFIG, seed=3)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEMO_MODEL_DIR / f, d / f)
-    return d
+    return gguf_convert.with_tokenizer(
+        write_random_checkpoint(tmp_path_factory.mktemp("gguf-src"), CONFIG, seed=3))
 
 
 @pytest.fixture(scope="module")
 def files(ckpt, tmp_path_factory):
     """Every FILES entry converted by llama.cpp's converter (two at a time)."""
-    out = tmp_path_factory.mktemp("gguf")
-    with ThreadPoolExecutor(2) as pool:
-        jobs = {k: pool.submit(gguf_convert.convert, ckpt, out / f"{k}.gguf", t, mtp)
-                for k, (t, mtp) in FILES.items()}
-        return {k: j.result() for k, j in jobs.items()}
+    return gguf_convert.convert_all(ckpt, tmp_path_factory.mktemp("gguf"), FILES)
 
 
 @pytest.fixture(scope="module")

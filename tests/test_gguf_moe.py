@@ -5,9 +5,7 @@ expert tensors (separate gate / up, and ``--fuse-gate-up-exps``), a Q8_0 file's 
 bit gguf's dequantization, greedy output equal to transformers' ``Qwen3_5MoeForCausalLM`` on
 the original checkpoint (fp32) with and without the MTP (nextn) block (docs/gguf.md)."""
 
-import shutil
 import struct
-from concurrent.futures import ThreadPoolExecutor
 
 import gguf_convert
 import pytest
@@ -20,7 +18,6 @@ from hybridrt.gguf import names
 from hybridrt.gguf.reader import GGUFError, GGUFFile
 from hybridrt.kernels import quant
 from hybridrt.loader import load_model
-from hybridrt.model_path import DEMO_MODEL_DIR
 
 pytestmark = pytest.mark.skipif(gguf_convert.available() is not None,
                                 reason=gguf_convert.available() or "")
@@ -37,19 +34,13 @@ FILES = {"f32_mtp": ("f32", True, ()), "f32": ("f32", False, ()),
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    d = write_moe_checkpoint(tmp_path_factory.mktemp("gguf-moe-src"), CONFIG, seed=3)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEMO_MODEL_DIR / f, d / f)
-    return d
+    return gguf_convert.with_tokenizer(
+        write_moe_checkpoint(tmp_path_factory.mktemp("gguf-moe-src"), CONFIG, seed=3))
 
 
 @pytest.fixture(scope="module")
 def files(ckpt, tmp_path_factory):
-    out = tmp_path_factory.mktemp("gguf-moe")
-    with ThreadPoolExecutor(2) as pool:
-        jobs = {k: pool.submit(gguf_convert.convert, ckpt, out / f"{k}.gguf", t, mtp, args)
-                for k, (t, mtp, args) in FILES.items()}
-        return {k: j.result() for k, j in jobs.items()}
+    return gguf_convert.convert_all(ckpt, tmp_path_factory.mktemp("gguf-moe"), FILES)
 
 
 @pytest.fixture(scope="module")

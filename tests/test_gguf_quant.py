@@ -3,7 +3,6 @@ wrote, MTP blocks kept) on a shape whose rows the K-quants take (multiples of 25
 weight in hybridrt's format for its type, within that mapping's error of ``gguf``'s own
 numpy dequantization; mixed files keep each tensor's precision; other types are refused."""
 
-import shutil
 
 import gguf_convert
 import pytest
@@ -14,7 +13,6 @@ from hybridrt.gguf import names, repack, tensors
 from hybridrt.gguf.reader import GGUFError, GGUFFile
 from hybridrt.kernels import native, quant
 from hybridrt.loader import load_model
-from hybridrt.model_path import DEMO_MODEL_DIR
 
 pytestmark = pytest.mark.skipif(gguf_convert.available("q4_0") is not None,
                                 reason=gguf_convert.available("q4_0") or "")
@@ -34,9 +32,8 @@ TYPES = ["q4_0", "q4_1", "q4_K_M", "q5_K_M", "q6_K", "iq4_xs", "iq4_nl"]
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = write_random_checkpoint(tmp_path_factory.mktemp("gguf-q-src"), CONFIG, seed=3)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEMO_MODEL_DIR / f, d / f)
+    d = gguf_convert.with_tokenizer(
+        write_random_checkpoint(tmp_path_factory.mktemp("gguf-q-src"), CONFIG, seed=3))
     out = tmp_path_factory.mktemp("gguf-q")
     bf16 = gguf_convert.convert(d, out / "bf16.gguf", "bf16", mtp=True)
     return {t: gguf_convert.quantize(bf16, out / f"{t}.gguf", t) for t in [*TYPES, "q2_K"]}
