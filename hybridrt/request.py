@@ -112,8 +112,9 @@ class Request:
     last_hidden: torch.Tensor | None = None
     cache_dirty: bool = False
     # The MTP layer's input rows not run yet (``specdec.mtp``'s lazy rows): (first position,
-    # the target's hidden rows from there); None when its MTP KV covers every computed token.
-    mtp_pending: tuple[int, torch.Tensor] | None = None
+    # the target's hidden rows from there, a tensor per step); None when its MTP KV covers
+    # every computed token.
+    mtp_pending: tuple[int, list[torch.Tensor]] | None = None
     # Sessions: the conversation this request continues (hybridrt.session) and the prompt length
     # the caller asked to keep a checkpoint at (where a chat's generation prompt starts).
     session: Session | None = None

@@ -132,9 +132,9 @@ class MTPProposer:
             first, rows = s.start, hidden[row_starts[b]:row_starts[b] + n]
             if req.mtp_carry is not None and s.start > 0:
                 first, rows = s.start - 1, torch.cat([req.mtp_carry[None].to(rows.dtype), rows])
+            waiting: list[torch.Tensor] = []
             if req.mtp_pending is not None:  # rows that waited (lazy): they run first
-                first, before = req.mtp_pending
-                rows = torch.cat([before.to(rows.dtype), rows])
+                first, waiting = req.mtp_pending
                 req.mtp_pending = None
             if wanted is None:
                 drafting = (not done and (s.sample or s.num_drafts > 0)
@@ -142,9 +142,13 @@ class MTPProposer:
             else:
                 drafting = not done and req in wanted
             if (self.lazy and not drafting and not done and not s.checkpoints
-                    and len(rows) < LAZY_ROWS):
-                req.mtp_pending = (first, rows.clone())  # not a view of the step's rows
+                    and sum(map(len, waiting)) + len(rows) < LAZY_ROWS):
+                # each step's rows kept apart (no copy of the earlier ones), not a view of
+                # the step's hidden states
+                req.mtp_pending = (first, [*waiting, rows.clone()])
                 continue
+            if waiting:
+                rows = torch.cat([*(w.to(rows.dtype) for w in waiting), rows])
             tokens.append(req.token_ids[first + 1:s.start + 1 + n])
             starts.append(first)
             tables.append(self.cache.block_table(req.request_id))
