@@ -862,3 +862,31 @@ def long(
 
     bench.run(model, ws, kvs, lens, deps, decode_tokens, threads or _default_threads(),
               gguf=against_llamacpp, json_path=json_path)
+
+
+@bench_app.command("responsive")
+def responsive(
+    model: Annotated[str | None, typer.Argument(
+        metavar="MODEL", show_default=False, help="Checkpoint dir (default: a random-weight "
+        "Qwen3.5-0.8B-shaped checkpoint).")] = None,
+    prompt_len: Annotated[int, typer.Option(
+        "--prompt-len", min=2, help="Tokens of the long prompt prefilled meanwhile.")] = 32768,
+    budget: Annotated[int, typer.Option(
+        "--max-num-batched-tokens", min=2, help="The step budget (prefill chunk + decode "
+        "tokens).")] = 2048,
+    weights: Annotated[str, typer.Option(
+        "--weights", help="Weight format: bf16, int8, int4.")] = "bf16",
+    kv: Annotated[str, typer.Option("--kv", help="KV cache dtype: bf16, int8.")] = "bf16",
+    threads: ThreadsOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """A request's inter-token gaps while another prefills a long prompt in chunks of the step
+    budget (hybridrt/bench/responsive.py)."""
+    if weights not in ("bf16", "int8", "int4"):
+        raise CliError(f"--weights: unknown format {weights!r}; choose bf16, int8 or int4", 2)
+    if kv not in ("bf16", "int8"):
+        raise CliError(f"--kv: unknown KV dtype {kv!r}; choose bf16 or int8", 2)
+    from hybridrt.bench import responsive as bench
+
+    bench.run(model, prompt_len, budget, threads or _default_threads(), kv, weights,
+              json_path=json_path)
