@@ -890,3 +890,26 @@ def responsive(
 
     bench.run(model, prompt_len, budget, threads or _default_threads(), kv, weights,
               json_path=json_path)
+
+
+@bench_app.command("kv-quality")
+def kv_quality(
+    n_ctx: Annotated[int, typer.Option(
+        "--ctx", min=16, help="Tokens per window of the held-out text (each from an empty "
+        "cache; its second half scored).")] = 2048,
+    chunk: Annotated[int, typer.Option(
+        "--chunk", min=1, help="Prompt chunk the windows are prefilled in.")] = 512,
+    max_windows: Annotated[int | None, typer.Option(
+        "--max-windows", min=1, help="Score only the first N windows (default: all).",
+        show_default=False)] = None,
+    threads: ThreadsOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """int8 against bf16 KV on the demo model over held-out text: perplexity, KL, greedy
+    agreement (hybridrt/bench/kv_quality.py)."""
+    from hybridrt.bench import kv_quality as bench
+
+    try:
+        bench.run(n_ctx, chunk, threads or _default_threads(), max_windows, json_path)
+    except ValueError as e:
+        raise CliError(str(e), 2) from None
