@@ -913,3 +913,29 @@ def kv_quality(
         bench.run(n_ctx, chunk, threads or _default_threads(), max_windows, json_path)
     except ValueError as e:
         raise CliError(str(e), 2) from None
+
+
+@bench_app.command("attention")
+def attention(
+    lengths: Annotated[str, typer.Option(
+        "--lengths", help="Comma-separated context lengths.")] = "2048,4096,8192",
+    chunk: Annotated[int, typer.Option(
+        "--chunk", min=1, help="Queries of the prompt chunk at the end of each context.")
+    ] = 2048,
+    kv: Annotated[str, typer.Option(
+        "--kv", help="Comma-separated KV cache dtypes: bf16, int8.")] = "bf16,int8",
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed calls, best kept.")
+                       ] = 5,
+    threads: ThreadsOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """One attention layer of the 0.8B shape over a long context: the prompt chunk's tiled
+    attention against SDPA over the whole context, and the decode kernel
+    (hybridrt/bench/prompt_attention.py)."""
+    lens = _int_list("--lengths", lengths, 1)
+    kvs = [k.strip() for k in kv.split(",") if k.strip()]
+    if bad := [k for k in kvs if k not in ("bf16", "int8")]:
+        raise CliError(f"--kv: unknown KV dtype {bad[0]!r}; choose bf16 or int8", 2)
+    from hybridrt.bench import prompt_attention as bench
+
+    bench.run(lens, chunk, kvs, threads or _default_threads(), repeats, json_path)

@@ -8,7 +8,8 @@
   q/k norms, gates, the gated output norm) in the same call, from the in-projections' outputs
   to out_proj's input; the torch ops for them are some thirty small calls per layer.
 - ``csrc/attn_decode.c``: a gated attention layer's decode or verification tokens (q/k norms,
-  partial RoPE, the KV write, attention over the paged cache, the output gate) in one call.
+  partial RoPE, the KV write, attention over the paged cache, the output gate) in one call;
+  a row's context split across the threads in fixed partitions (flash-decoding).
 - ``csrc/norm.c``: RMSNorm of bf16 rows with the residual add fused in.
 - ``csrc/half_gemm.c``: x W^T for bf16/fp16 weights in fp32 on AVX2 + FMA + F16C CPUs, reading
   the half-precision weights as the model holds them instead of an fp32 copy of them, and with

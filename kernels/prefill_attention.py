@@ -83,7 +83,7 @@ def chunk_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if tile % bs:
         raise ValueError(f"tile ({tile}) must be a multiple of the block size ({bs})")
     G = H // HKV
-    q = query.to(dtype).view(n, HKV, G, D).permute(1, 2, 0, 3)  # [HKV, G, n, D]
+    q = query.to(dtype).reshape(n, HKV, G, D).permute(1, 2, 0, 3)  # [HKV, G, n, D]
     start = ctx - n
     out = torch.empty(HKV, G, n, D)
     for a in range(0, n, rows):

@@ -177,6 +177,23 @@ static inline float k_dot(const float *q, const char *kp, int64_t D, int64_t G, 
     return dot;
 }
 
+/* a K or V row's values in fp32, as the loads above widen them (the same bits), so that the
+ * G query heads of its KV head read it widened once */
+static inline void widen_row(const char *p, int64_t D, int64_t G, int bf, int kvq, float *dst)
+{
+    if (kvq) {
+        const int8_t *c = (const int8_t *)p;
+        for (int64_t g0 = 0; g0 < D; g0 += G) {
+            const float sc = kv_scale(p, D, G, g0);
+            for (int64_t i = g0; i < g0 + G; ++i) dst[i] = (float)c[i] * sc;
+        }
+    } else if (bf) {
+        for (int64_t i = 0; i < D; ++i) dst[i] = bf16_to_f32(((const uint16_t *)p)[i]);
+    } else {
+        memcpy(dst, p, sizeof(float) * (size_t)D);
+    }
+}
+
 /* acc += w (a V row) */
 static inline void v_axpy(float w, const char *vp, int64_t D, int64_t G, int bf, int kvq,
                           int simd, float *acc)
@@ -220,6 +237,7 @@ int attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, cons
     /* a slot's and a head's bytes in the caches */
     const int64_t G = kv_group(D), W = kvq ? D + 4 * (D / G) : D, es = kvq ? 1 : bf ? 2 : 4;
     const int64_t row = HKV * W * es, hw = W * es, GQ = H / HKV, N = B * L;
+    if (N == 0) return 0;
     /* partitions of the longest row; rows per pass so that their partials fit the scratch */
     int64_t most = 0;
     for (int64_t b = 0; b < B; ++b) most = ctx_lens[b] > most ? ctx_lens[b] : most;
@@ -266,7 +284,7 @@ int attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, cons
                 const int64_t pbeg = p * SPLIT, pend = n < pbeg + SPLIT ? n : pbeg + SPLIT;
                 if (pbeg >= n) continue;
                 const int64_t h0 = (r - r0) * H + hk * GQ;  /* the group's first (row, head) */
-                float s[GQ][PB], m[GQ], l[GQ];
+                float s[GQ][PB], m[GQ], l[GQ], x[D];
                 for (int64_t g = 0; g < GQ; ++g) {
                     float *acc = parts + ((h0 + g) * NP + p) * PW + 2;
                     for (int64_t i = 0; i < D; ++i) acc[i] = 0.0f;
@@ -278,9 +296,10 @@ int attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, cons
                     for (int64_t j = 0; j < np; ++j) {
                         const int64_t pos = p0 + j;
                         const int64_t slot = tables[b * M + pos / BS] * BS + pos % BS;
-                        const char *kp = (const char *)k_cache + slot * row + hk * hw;
+                        widen_row((const char *)k_cache + slot * row + hk * hw, D, G, bf, kvq, x);
                         for (int64_t g = 0; g < GQ; ++g)
-                            s[g][j] = k_dot(qs + (h0 + g) * D, kp, D, G, bf, kvq, simd) * scale;
+                            s[g][j] = k_dot(qs + (h0 + g) * D, (const char *)x, D, G, 0, 0,
+                                            simd) * scale;
                     }
                     for (int64_t g = 0; g < GQ; ++g) {
                         float bm = -INFINITY;
@@ -296,11 +315,11 @@ int attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, cons
                     for (int64_t j = 0; j < np; ++j) {
                         const int64_t pos = p0 + j;
                         const int64_t slot = tables[b * M + pos / BS] * BS + pos % BS;
-                        const char *vp = (const char *)v_cache + slot * row + hk * hw;
+                        widen_row((const char *)v_cache + slot * row + hk * hw, D, G, bf, kvq, x);
                         for (int64_t g = 0; g < GQ; ++g) {
                             const float w = expf(s[g][j] - m[g]);
                             l[g] += w;
-                            v_axpy(w, vp, D, G, bf, kvq, simd,
+                            v_axpy(w, (const char *)x, D, G, 0, 0, simd,
                                    parts + ((h0 + g) * NP + p) * PW + 2);
                         }
                     }
