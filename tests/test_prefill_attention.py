@@ -84,20 +84,6 @@ def test_bf16_hook_equals_the_whole_context(ctx, n, fast):
     assert_rel_close(out.float(), ref, 1e-2 if fast else 4e-3, f"ctx {ctx}, chunk {n}")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_query_does_not_depend_on_where_its_chunk_starts(dtype):
-    """A prefix-cache hit computes the rest of a prompt as a chunk after cached tokens: its
-    queries give the bits they give inside the whole prompt in one chunk, and in pieces of
-    ``rows`` queries."""
-    ctx = 100
-    q, kc, vc, table = _sequence(ctx, ctx, kv_dtype=torch.bfloat16, seed=4)
-    whole = chunk_attention(q, kc, vc, table[0], ctx, 0.125, 16, dtype)
-    for start in (0, 3, 16, 40, 99):
-        for rows in (2048, 7):
-            part = chunk_attention(q[start:], kc, vc, table[0], ctx, 0.125, 16, dtype, rows)
-            assert torch.equal(part, whole[start:]), (start, rows)
-
-
 def test_gqa_head_maps_to_its_kv_head():
     """Query head h reads KV head h // (H / HKV): zeroing KV head 1's values zeroes exactly
     query heads 4..7 of 8."""
