@@ -923,3 +923,80 @@ def long(
 
     bench.run(model, ws, kvs, lens, deps, decode_tokens, threads or _default_threads(),
               gguf=against_llamacpp, json_path=json_path)
+
+
+@bench_app.command("responsive")
+def responsive(
+    model: Annotated[str | None, typer.Argument(
+        metavar="MODEL", show_default=False, help="Checkpoint dir (default: a random-weight "
+        "Qwen3.5-0.8B-shaped checkpoint).")] = None,
+    prompt_len: Annotated[int, typer.Option(
+        "--prompt-len", min=2, help="Tokens of the long prompt prefilled meanwhile.")] = 32768,
+    budget: Annotated[int, typer.Option(
+        "--max-num-batched-tokens", min=2, help="The step budget (prefill chunk + decode "
+        "tokens).")] = 2048,
+    weights: Annotated[str, typer.Option(
+        "--weights", help="Weight format: bf16, int8, int4.")] = "bf16",
+    kv: Annotated[str, typer.Option("--kv", help="KV cache dtype: bf16, int8.")] = "bf16",
+    threads: ThreadsOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """A request's inter-token gaps while another prefills a long prompt in chunks of the step
+    budget (hybridrt/bench/responsive.py)."""
+    if weights not in ("bf16", "int8", "int4"):
+        raise CliError(f"--weights: unknown format {weights!r}; choose bf16, int8 or int4", 2)
+    if kv not in ("bf16", "int8"):
+        raise CliError(f"--kv: unknown KV dtype {kv!r}; choose bf16 or int8", 2)
+    from hybridrt.bench import responsive as bench
+
+    bench.run(model, prompt_len, budget, threads or _default_threads(), kv, weights,
+              json_path=json_path)
+
+
+@bench_app.command("kv-quality")
+def kv_quality(
+    n_ctx: Annotated[int, typer.Option(
+        "--ctx", min=16, help="Tokens per window of the held-out text (each from an empty "
+        "cache; its second half scored).")] = 2048,
+    chunk: Annotated[int, typer.Option(
+        "--chunk", min=1, help="Prompt chunk the windows are prefilled in.")] = 512,
+    max_windows: Annotated[int | None, typer.Option(
+        "--max-windows", min=1, help="Score only the first N windows (default: all).",
+        show_default=False)] = None,
+    threads: ThreadsOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """int8 against bf16 KV on the demo model over held-out text: perplexity, KL, greedy
+    agreement (hybridrt/bench/kv_quality.py)."""
+    from hybridrt.bench import kv_quality as bench
+
+    try:
+        bench.run(n_ctx, chunk, threads or _default_threads(), max_windows, json_path)
+    except ValueError as e:
+        raise CliError(str(e), 2) from None
+
+
+@bench_app.command("attention")
+def attention(
+    lengths: Annotated[str, typer.Option(
+        "--lengths", help="Comma-separated context lengths.")] = "2048,4096,8192",
+    chunk: Annotated[int, typer.Option(
+        "--chunk", min=1, help="Queries of the prompt chunk at the end of each context.")
+    ] = 2048,
+    kv: Annotated[str, typer.Option(
+        "--kv", help="Comma-separated KV cache dtypes: bf16, int8.")] = "bf16,int8",
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed calls, best kept.")
+                       ] = 5,
+    threads: ThreadsOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """One attention layer of the 0.8B shape over a long context: the prompt chunk's tiled
+    attention against SDPA over the whole context, and the decode kernel
+    (hybridrt/bench/prompt_attention.py)."""
+    lens = _int_list("--lengths", lengths, 1)
+    kvs = [k.strip() for k in kv.split(",") if k.strip()]
+    if bad := [k for k in kvs if k not in ("bf16", "int8")]:
+        raise CliError(f"--kv: unknown KV dtype {bad[0]!r}; choose bf16 or int8", 2)
+    from hybridrt.bench import prompt_attention as bench
+
+    bench.run(lens, chunk, kvs, threads or _default_threads(), repeats, json_path)

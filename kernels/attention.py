@@ -110,15 +110,19 @@ def paged_attention(
     query_lens: list[int] | None = None,
     context_lens: list[int] | None = None,
     plan: AttentionPlan | None = None,
+    prefill=None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over each sequence's cached + new KV (already written).
 
     query: [T, H, D]; key_cache/value_cache: [NB, BS, HKV, D]; cu_seqlens_q: [B+1];
     seq_lens: [B] context length including this step's tokens; block_tables: [B, M].
     ``query_lens``/``context_lens`` are optional host-side copies; ``plan``: the step's
-    ``attention_plan`` (built here when not given). Returns [T, H, D]. The math runs in fp32
-    (the output is rounded to the query's dtype): CPU SDPA on bf16 inputs is several times
-    slower on CPUs without bf16 matrix instructions (docs/performance.md).
+    ``attention_plan`` (built here when not given); ``prefill``: what computes each longer
+    sequence, ``prefill(query [n, H, D], key_cache, value_cache, table [M], ctx, scale)``
+    (kernels/prefill_attention.py), None for SDPA over its whole context. Returns [T, H, D].
+    The math runs in fp32 (the output is rounded to the query's dtype): CPU SDPA on bf16
+    inputs is several times slower on CPUs without bf16 matrix instructions
+    (docs/performance.md).
     """
     H, HKV, D = query.shape[1], key_cache.shape[2], query.shape[2]
     if H % HKV:
@@ -149,6 +153,10 @@ def paged_attention(
         out[rows] = o[:, :, 0, :].to(out.dtype)
 
     for start, n, c, table, mask in plan.prefill:
+        if prefill is not None:
+            out[start:start + n] = prefill(query[start:start + n], key_cache, value_cache,
+                                           table[0], c, scale)
+            continue
         # 4-D [1, H, n, D]: SDPA's fused (flash) kernels take only 4-D inputs; 3-D ones fall
         # back to the math path, which materialises the [H, n, c] scores
         k = _load(key_cache, table, c, D).transpose(1, 2)  # [1, HKV, c, D]

@@ -8,7 +8,8 @@
   q/k norms, gates, the gated output norm) in the same call, from the in-projections' outputs
   to out_proj's input; the torch ops for them are some thirty small calls per layer.
 - ``csrc/attn_decode.c``: a gated attention layer's decode or verification tokens (q/k norms,
-  partial RoPE, the KV write, attention over the paged cache, the output gate) in one call.
+  partial RoPE, the KV write, attention over the paged cache, the output gate) in one call;
+  a row's context split across the threads in fixed partitions (flash-decoding).
 - ``csrc/norm.c``: RMSNorm of bf16 rows with the residual add fused in.
 - ``csrc/half_gemm.c``: x W^T for bf16/fp16 weights in fp32 on AVX2 + FMA + F16C CPUs, reading
   the half-precision weights as the model holds them instead of an fp32 copy of them, and with
@@ -164,7 +165,7 @@ def load(cache_dir: str | None = None, march: str | None = None) -> ctypes.CDLL 
     P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.gdn_fused.restype = ctypes.c_int  # 0, or -1 where its scratch could not be allocated
     lib.gdn_fused.argtypes = [P, I64] * 4 + [P] * 8 + [ctypes.c_float, P] + [I64] * 7 + [INT] * 3
-    lib.attn_decode.restype = None
+    lib.attn_decode.restype = ctypes.c_int  # 0, or -1 where its scratch could not be allocated
     lib.attn_decode.argtypes = ([P, I64] * 3 + [P, P, ctypes.c_float, P, P, I64, P, P, P, P, I64,
                                                 P, I64, ctypes.c_float, P] + [I64] * 5
                                 + [INT] * 4)
@@ -545,11 +546,13 @@ def attn_decode(qg, k, v, q_w, k_w, eps: float, cos, sin, key_cache, value_cache
     N = qg.shape[0]
     out = torch.empty(N, H * D, dtype=qg.dtype)
     tables = block_tables.contiguous()
-    _lib.attn_decode(
+    failed = _lib.attn_decode(
         qg.data_ptr(), qg.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         q_w.data_ptr(), k_w.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), cos.shape[-1],
         key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
         tables.data_ptr(), tables.shape[-1], seq_lens.data_ptr(), key_cache.shape[1], scale,
         out.data_ptr(), N // L, L, H, HKV, D, _FUSED_DTYPES[qg.dtype],
         int(key_cache.dtype == torch.int8), int(simd), torch.get_num_threads())
+    if failed:
+        raise MemoryError(f"attn_decode: no memory for the partials of {N} rows")
     return out

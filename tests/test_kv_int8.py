@@ -269,18 +269,20 @@ def test_context_capacity_at_262144_tokens():
 def test_prefix_cache_hit_gives_the_cold_bits(ckpt):
     """A hit copies int8 blocks and tails with their scales: a conversation's next turn (its
     prefix from the checkpoint at the last turn's end, a block's tail included) gives the cold
-    run's tokens and logprob bytes."""
+    run's tokens and logprob bytes. In batch-invariant mode, where a hit is promised the cold
+    bytes (docs/batch_invariance.md; the default mode's prompt attention splits its work by
+    the chunk's length)."""
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     first = _prompts(1, seed=11)[0][:53]
-    llm = _llm(ckpt, "int8", checkpoint_interval=0, cache_memory=1 << 20)
+    llm = _llm(ckpt, "int8", checkpoint_interval=0, cache_memory=1 << 20, batch_invariant=True)
     answer = llm.generate([first], sp, use_tqdm=False)[0].outputs[0].token_ids
     second = first + list(answer) + [9, 10]
     for other in _prompts(4, seed=12):  # other requests' KV into the blocks freed
         llm.generate([other], sp, use_tqdm=False)
     warm = output_bytes(llm.generate([second], sp, use_tqdm=False)[0])
     assert llm.engine.stats["num_cached_tokens"] >= 53  # a hit past the first turn's blocks
-    cold = _llm(ckpt, "int8", enable_prefix_caching=False).generate([second], sp,
-                                                                     use_tqdm=False)[0]
+    cold = _llm(ckpt, "int8", enable_prefix_caching=False, batch_invariant=True).generate(
+        [second], sp, use_tqdm=False)[0]
     assert warm == output_bytes(cold)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import int4, native, quant
+from .. import int4, native, prefill_attention, quant
 from ..linear import linear as cpu_linear
 from ..linear import pack_weight, use_fp32_gemm
 from ..memory import weights_on_huge_pages
@@ -44,6 +44,9 @@ class CPUBackend:
         self.fused_simd = opts.fused_simd  # the fused layers' vector loops
         # the in-place decode step the reference's recurrent GDN form runs
         self.ref.gdn_step = native.gdn_decode_step if self.native else None
+        # prompt chunks' attention over their context in tiles (torch's CPU flash kernel)
+        if prefill_attention.available():
+            self.ref.prefill_attention = prefill_attention.TiledPrefill()
         # without the compiled half kernels a half weight's products need an fp32 copy, kept
         # per module (``_packed``): the projections stay apart there
         self.merges_projections = self.half_simd

@@ -36,6 +36,7 @@ class ReferenceBackend:
         self.device = torch.device(device)
         self.options = options if options is not None else KernelOptions()
         self.gdn_step = None  # the in-place decode step recurrent_gated_delta_rule runs (torch's)
+        self.prefill_attention = None  # paged_attention's ``prefill`` (None: SDPA, whole context)
 
     # Binding ------------------------------------------------------------------------------
     def bind(self, record: ModelRecord, groups: dict) -> None:
@@ -114,7 +115,8 @@ class ReferenceBackend:
         each sequence's blocks -> [T, H, D]."""
         write_kv(k, v, key_cache, value_cache, batch.slot_mapping)
         return paged_attention(q, key_cache, value_cache, batch.cu_seqlens, batch.seq_lens,
-                               batch.block_tables, scale, plan=meta.attention)
+                               batch.block_tables, scale, plan=meta.attention,
+                               prefill=self.prefill_attention)
 
     def gdn(self, meta: StepMeta, layer: GDNLayer, mixed, z, a, b, conv_states, ssm_states):
         """One GDN layer over its state slots, from the in-projections' outputs to out_proj's

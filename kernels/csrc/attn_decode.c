@@ -17,6 +17,7 @@
  * [D]; caches [num_blocks, BS, HKV, D]; slot_mapping [B L] (flat slot block * BS + offset);
  * tables [B, M]; ctx_lens [B] (>= L); all in the activations' dtype or int64. The caller has
  * checked every slot, block and length against the caches. out [B L, H * D] contiguous.
+ * Returns 0, or -1 where its scratch (the queries and partials) could not be allocated.
  *
  * kvq = 1: int8 caches [num_blocks, BS, HKV, W] in kernels/kvquant.py's layout, W = D + 4 D / G:
  * a (token, head) row's D codes, then one fp32 scale per group of G values (G = 32 where D
@@ -25,6 +26,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -137,13 +139,96 @@ static inline void q8_axpy(float w, const char *vp, int64_t D, int64_t G, float 
     for (int64_t i = 0; i < D; ++i) acc[i] += w * ((float)c[i] * kv_scale(vp, D, G, i));
 }
 
-void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, const void *v,
-                 int64_t ld_v, const void *q_w, const void *k_w, float eps, const void *cos,
-                 const void *sin, int64_t R, void *k_cache, void *v_cache,
-                 const int64_t *slot_mapping, const int64_t *tables, int64_t M,
-                 const int64_t *ctx_lens, int64_t BS, float scale, void *out, int64_t B,
-                 int64_t L, int64_t H, int64_t HKV, int64_t D, int bf, int kvq, int simd,
-                 int num_threads)
+/* Flash-decoding: a row's context is cut into partitions of SPLIT positions, fixed by absolute
+ * position; a task scores one partition for the G = H / HKV query heads of one KV head (each K
+ * and V row read once for all of them), leaving per head its partial (max m, sum l, acc[D]);
+ * then each (row, head) merges its partitions in partition order. Which thread runs which
+ * task, and how many rows the call has, change nothing in a row's arithmetic: batch-invariant
+ * mode stays bitwise. A row of at most SPLIT positions has one partial, merged as itself: the
+ * arithmetic of one online softmax over the whole row. */
+#define SPLIT 512
+#define SCRATCH_FLOATS ((int64_t)1 << 22)  /* partials held at once (rows taken in passes) */
+
+/* q . (a K row: fp32, bf16 or kvquant's int8) */
+static inline float k_dot(const float *q, const char *kp, int64_t D, int64_t G, int bf, int kvq,
+                          int simd)
+{
+    if (kvq) return q8_dot(q, kp, D, G, simd);
+#if defined(__AVX512F__)
+    if (simd == 2) {
+        __m512 d16 = _mm512_setzero_ps();
+        for (int64_t i = 0; i < D; i += 16)
+            d16 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), act_ld16(kp, i, bf, 0xFFFF), d16);
+        return _mm512_reduce_add_ps(d16);
+    }
+#endif
+#if SIMD_MAX >= 1
+    if (simd == 1) {
+        __m256 d8 = _mm256_setzero_ps();
+        for (int64_t i = 0; i < D; i += 8)
+            d8 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), act_ld8(kp, i, bf), d8);
+        return hsum8(d8);
+    }
+#endif
+    float dot = 0.0f;
+    if (bf)
+        for (int64_t i = 0; i < D; ++i) dot += q[i] * bf16_to_f32(((const uint16_t *)kp)[i]);
+    else for (int64_t i = 0; i < D; ++i) dot += q[i] * ((const float *)kp)[i];
+    return dot;
+}
+
+/* a K or V row's values in fp32, as the loads above widen them (the same bits), so that the
+ * G query heads of its KV head read it widened once */
+static inline void widen_row(const char *p, int64_t D, int64_t G, int bf, int kvq, float *dst)
+{
+    if (kvq) {
+        const int8_t *c = (const int8_t *)p;
+        for (int64_t g0 = 0; g0 < D; g0 += G) {
+            const float sc = kv_scale(p, D, G, g0);
+            for (int64_t i = g0; i < g0 + G; ++i) dst[i] = (float)c[i] * sc;
+        }
+    } else if (bf) {
+        for (int64_t i = 0; i < D; ++i) dst[i] = bf16_to_f32(((const uint16_t *)p)[i]);
+    } else {
+        memcpy(dst, p, sizeof(float) * (size_t)D);
+    }
+}
+
+/* acc += w (a V row) */
+static inline void v_axpy(float w, const char *vp, int64_t D, int64_t G, int bf, int kvq,
+                          int simd, float *acc)
+{
+    if (kvq) { q8_axpy(w, vp, D, G, acc, simd); return; }
+#if defined(__AVX512F__)
+    if (simd == 2) {
+        const __m512 w16 = _mm512_set1_ps(w);
+        for (int64_t i = 0; i < D; i += 16)
+            _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(w16, act_ld16(vp, i, bf, 0xFFFF),
+                                                      _mm512_loadu_ps(acc + i)));
+        return;
+    }
+#endif
+#if SIMD_MAX >= 1
+    if (simd == 1) {
+        const __m256 w8 = _mm256_set1_ps(w);
+        for (int64_t i = 0; i < D; i += 8)
+            _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(w8, act_ld8(vp, i, bf),
+                                                      _mm256_loadu_ps(acc + i)));
+        return;
+    }
+#endif
+    if (bf)
+        for (int64_t i = 0; i < D; ++i) acc[i] += w * bf16_to_f32(((const uint16_t *)vp)[i]);
+    else for (int64_t i = 0; i < D; ++i) acc[i] += w * ((const float *)vp)[i];
+}
+
+int attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, const void *v,
+                int64_t ld_v, const void *q_w, const void *k_w, float eps, const void *cos,
+                const void *sin, int64_t R, void *k_cache, void *v_cache,
+                const int64_t *slot_mapping, const int64_t *tables, int64_t M,
+                const int64_t *ctx_lens, int64_t BS, float scale, void *out, int64_t B,
+                int64_t L, int64_t H, int64_t HKV, int64_t D, int bf, int kvq, int simd,
+                int num_threads)
 {
     /* the vector loops take a head 16 (AVX-512) or 8 (AVX2) dims a step */
     simd = simd < SIMD_MAX ? simd : SIMD_MAX;
@@ -151,12 +236,22 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
     if (simd == 1 && D % 8) simd = 0;
     /* a slot's and a head's bytes in the caches */
     const int64_t G = kv_group(D), W = kvq ? D + 4 * (D / G) : D, es = kvq ? 1 : bf ? 2 : 4;
-    const int64_t row = HKV * W * es, hw = W * es;
+    const int64_t row = HKV * W * es, hw = W * es, GQ = H / HKV, N = B * L;
+    if (N == 0) return 0;
+    /* partitions of the longest row; rows per pass so that their partials fit the scratch */
+    int64_t most = 0;
+    for (int64_t b = 0; b < B; ++b) most = ctx_lens[b] > most ? ctx_lens[b] : most;
+    const int64_t NP = (most + SPLIT - 1) / SPLIT, PW = D + 2;
+    int64_t RP = SCRATCH_FLOATS / (H * (NP * PW + D));
+    RP = RP < 1 ? 1 : RP > N ? N : RP;
+    float *scratch = malloc(sizeof(float) * (size_t)(RP * H * (NP * PW + D)));
+    if (!scratch) return -1;
+    float *qs = scratch, *parts = scratch + RP * H * D;  /* [RP, H, D], [RP, H, NP, PW] */
     #pragma omp parallel num_threads(num_threads)
     {
         /* 1. the new tokens' k (normed, rotated) and v into their KV slots */
         #pragma omp for schedule(static)
-        for (int64_t th = 0; th < B * L * HKV; ++th) {
+        for (int64_t th = 0; th < N * HKV; ++th) {
             const int64_t r = th / HKV, h = th % HKV, slot = slot_mapping[r];
             float kk[D];
             norm_rope(k, r * ld_k + h * D, k_w, eps, cos, sin, r, R, D, bf, kk);
@@ -172,112 +267,119 @@ void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, con
                 act_st(vd, i, act_ld(v, r * ld_v + h * D + i, bf), bf);
             }
         }
-        /* 2. per (token, query head): attention over its positions, then the gate */
-        #pragma omp for schedule(static)
-        for (int64_t th = 0; th < B * L * H; ++th) {
-            const int64_t r = th / H, h = th % H, hk = h / (H / HKV), b = r / L;
-            const int64_t n = ctx_lens[b] - L + r % L + 1;
-            float q[D], acc[D], s[PB];
-            norm_rope(qg, r * ld_qg + h * 2 * D, q_w, eps, cos, sin, r, R, D, bf, q);
-            for (int64_t i = 0; i < D; ++i) acc[i] = 0.0f;
-            float m = -INFINITY, l = 0.0f;
-            for (int64_t p0 = 0; p0 < n; p0 += PB) {
-                const int64_t np = n - p0 < PB ? n - p0 : PB;
-                float bm = -INFINITY;
-                for (int64_t j = 0; j < np; ++j) {
-                    const int64_t p = p0 + j, slot = tables[b * M + p / BS] * BS + p % BS;
-                    const char *kp = (const char *)k_cache + slot * row + hk * hw;
-                    float dot = 0.0f;
-                    if (kvq) {
-                        dot = q8_dot(q, kp, D, G, simd);
-                    } else
-#if defined(__AVX512F__)
-                    if (simd == 2) {
-                        __m512 d16 = _mm512_setzero_ps();
-                        for (int64_t i = 0; i < D; i += 16)
-                            d16 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i),
-                                                  act_ld16(kp, i, bf, 0xFFFF), d16);
-                        dot = _mm512_reduce_add_ps(d16);
-                    } else
-#endif
-#if SIMD_MAX >= 1
-                    if (simd == 1) {
-                        __m256 d8 = _mm256_setzero_ps();
-                        for (int64_t i = 0; i < D; i += 8)
-                            d8 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), act_ld8(kp, i, bf), d8);
-                        dot = hsum8(d8);
-                    } else
-#endif
-                    if (bf)
-                        for (int64_t i = 0; i < D; ++i)
-                            dot += q[i] * bf16_to_f32(((const uint16_t *)kp)[i]);
-                    else for (int64_t i = 0; i < D; ++i) dot += q[i] * ((const float *)kp)[i];
-                    s[j] = dot * scale;
-                    if (s[j] > bm) bm = s[j];
+        for (int64_t r0 = 0; r0 < N; r0 += RP) {
+            const int64_t nr = N - r0 < RP ? N - r0 : RP;
+            /* 2. the queries, normed and rotated */
+            #pragma omp for schedule(static)
+            for (int64_t th = 0; th < nr * H; ++th) {
+                const int64_t r = r0 + th / H, h = th % H;
+                norm_rope(qg, r * ld_qg + h * 2 * D, q_w, eps, cos, sin, r, R, D, bf,
+                          qs + th * D);
+            }
+            /* 3. per (row, KV head, partition): the partials of its G query heads */
+            #pragma omp for schedule(dynamic)
+            for (int64_t th = 0; th < nr * HKV * NP; ++th) {
+                const int64_t r = r0 + th / (HKV * NP), hk = th / NP % HKV, p = th % NP;
+                const int64_t b = r / L, n = ctx_lens[b] - L + r % L + 1;
+                const int64_t pbeg = p * SPLIT, pend = n < pbeg + SPLIT ? n : pbeg + SPLIT;
+                if (pbeg >= n) continue;
+                const int64_t h0 = (r - r0) * H + hk * GQ;  /* the group's first (row, head) */
+                float s[GQ][PB], m[GQ], l[GQ], x[D];
+                for (int64_t g = 0; g < GQ; ++g) {
+                    float *acc = parts + ((h0 + g) * NP + p) * PW + 2;
+                    for (int64_t i = 0; i < D; ++i) acc[i] = 0.0f;
+                    m[g] = -INFINITY;
+                    l[g] = 0.0f;
                 }
-                if (bm > m) {  /* rescale what was summed under the old maximum */
-                    const float c = expf(m - bm);
-                    for (int64_t i = 0; i < D; ++i) acc[i] *= c;
-                    l *= c;
-                    m = bm;
+                for (int64_t p0 = pbeg; p0 < pend; p0 += PB) {
+                    const int64_t np = pend - p0 < PB ? pend - p0 : PB;
+                    for (int64_t j = 0; j < np; ++j) {
+                        const int64_t pos = p0 + j;
+                        const int64_t slot = tables[b * M + pos / BS] * BS + pos % BS;
+                        widen_row((const char *)k_cache + slot * row + hk * hw, D, G, bf, kvq, x);
+                        for (int64_t g = 0; g < GQ; ++g)
+                            s[g][j] = k_dot(qs + (h0 + g) * D, (const char *)x, D, G, 0, 0,
+                                            simd) * scale;
+                    }
+                    for (int64_t g = 0; g < GQ; ++g) {
+                        float bm = -INFINITY;
+                        for (int64_t j = 0; j < np; ++j) bm = s[g][j] > bm ? s[g][j] : bm;
+                        if (bm > m[g]) {  /* rescale what was summed under the old maximum */
+                            float *acc = parts + ((h0 + g) * NP + p) * PW + 2;
+                            const float c = expf(m[g] - bm);
+                            for (int64_t i = 0; i < D; ++i) acc[i] *= c;
+                            l[g] *= c;
+                            m[g] = bm;
+                        }
+                    }
+                    for (int64_t j = 0; j < np; ++j) {
+                        const int64_t pos = p0 + j;
+                        const int64_t slot = tables[b * M + pos / BS] * BS + pos % BS;
+                        widen_row((const char *)v_cache + slot * row + hk * hw, D, G, bf, kvq, x);
+                        for (int64_t g = 0; g < GQ; ++g) {
+                            const float w = expf(s[g][j] - m[g]);
+                            l[g] += w;
+                            v_axpy(w, (const char *)x, D, G, 0, 0, simd,
+                                   parts + ((h0 + g) * NP + p) * PW + 2);
+                        }
+                    }
                 }
-                for (int64_t j = 0; j < np; ++j) {
-                    const int64_t p = p0 + j, slot = tables[b * M + p / BS] * BS + p % BS;
-                    const char *vp = (const char *)v_cache + slot * row + hk * hw;
-                    const float w = expf(s[j] - m);
-                    l += w;
-                    if (kvq) {
-                        q8_axpy(w, vp, D, G, acc, simd);
-                    } else
-#if defined(__AVX512F__)
-                    if (simd == 2) {
-                        const __m512 w16 = _mm512_set1_ps(w);
-                        for (int64_t i = 0; i < D; i += 16)
-                            _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(
-                                w16, act_ld16(vp, i, bf, 0xFFFF), _mm512_loadu_ps(acc + i)));
-                    } else
-#endif
-#if SIMD_MAX >= 1
-                    if (simd == 1) {
-                        const __m256 w8 = _mm256_set1_ps(w);
-                        for (int64_t i = 0; i < D; i += 8)
-                            _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(
-                                w8, act_ld8(vp, i, bf), _mm256_loadu_ps(acc + i)));
-                    } else
-#endif
-                    if (bf)
-                        for (int64_t i = 0; i < D; ++i)
-                            acc[i] += w * bf16_to_f32(((const uint16_t *)vp)[i]);
-                    else for (int64_t i = 0; i < D; ++i) acc[i] += w * ((const float *)vp)[i];
+                for (int64_t g = 0; g < GQ; ++g) {
+                    parts[((h0 + g) * NP + p) * PW] = m[g];
+                    parts[((h0 + g) * NP + p) * PW + 1] = l[g];
                 }
             }
-            const int64_t g0 = r * ld_qg + h * 2 * D + D;
-            int64_t i0 = 0;
+            /* 4. per (row, query head): its partials merged in partition order, then the gate */
+            #pragma omp for schedule(static)
+            for (int64_t th = 0; th < nr * H; ++th) {
+                const int64_t r = r0 + th / H, h = th % H, b = r / L;
+                const int64_t n = ctx_lens[b] - L + r % L + 1, np = (n + SPLIT - 1) / SPLIT;
+                const float *pp = parts + th * NP * PW;
+                float mx = -INFINITY;
+                for (int64_t p = 0; p < np; ++p) mx = pp[p * PW] > mx ? pp[p * PW] : mx;
+                float acc[D], l = 0.0f;
+                for (int64_t p = 0; p < np; ++p) {
+                    const float c = expf(pp[p * PW] - mx), *a = pp + p * PW + 2;
+                    if (p == 0) {
+                        l = pp[1] * c;
+                        for (int64_t i = 0; i < D; ++i) acc[i] = a[i] * c;
+                    } else {
+                        l += pp[p * PW + 1] * c;
+                        for (int64_t i = 0; i < D; ++i) acc[i] += a[i] * c;
+                    }
+                }
+                const int64_t g0 = r * ld_qg + h * 2 * D + D;
+                int64_t i0 = 0;
 #if defined(__AVX512F__)
-            for (; simd == 2 && i0 < D; i0 += 16) {
-                const __m512 o = act_round16(_mm512_div_ps(_mm512_loadu_ps(acc + i0),
-                                                           _mm512_set1_ps(l)), bf);
-                const __m512 x = act_ld16(qg, g0 + i0, bf, 0xFFFF);
-                const __m512 g = act_round16(_mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(
-                    _mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))), bf);
-                act_st16(out, r * H * D + h * D + i0, _mm512_mul_ps(o, g), bf, 0xFFFF);
-            }
+                for (; simd == 2 && i0 < D; i0 += 16) {
+                    const __m512 o = act_round16(_mm512_div_ps(_mm512_loadu_ps(acc + i0),
+                                                               _mm512_set1_ps(l)), bf);
+                    const __m512 x = act_ld16(qg, g0 + i0, bf, 0xFFFF);
+                    const __m512 g = act_round16(_mm512_div_ps(_mm512_set1_ps(1.0f),
+                        _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                      exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))), bf);
+                    act_st16(out, r * H * D + h * D + i0, _mm512_mul_ps(o, g), bf, 0xFFFF);
+                }
 #endif
 #if SIMD_MAX >= 1
-            for (; simd == 1 && i0 < D; i0 += 8) {
-                const __m256 o = act_round8(_mm256_div_ps(_mm256_loadu_ps(acc + i0),
-                                                          _mm256_set1_ps(l)), bf);
-                const __m256 x = act_ld8(qg, g0 + i0, bf);
-                const __m256 g = act_round8(_mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(
-                    _mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)))), bf);
-                act_st8(out, r * H * D + h * D + i0, _mm256_mul_ps(o, g), bf);
-            }
+                for (; simd == 1 && i0 < D; i0 += 8) {
+                    const __m256 o = act_round8(_mm256_div_ps(_mm256_loadu_ps(acc + i0),
+                                                              _mm256_set1_ps(l)), bf);
+                    const __m256 x = act_ld8(qg, g0 + i0, bf);
+                    const __m256 g = act_round8(_mm256_div_ps(_mm256_set1_ps(1.0f),
+                        _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                      exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)))), bf);
+                    act_st8(out, r * H * D + h * D + i0, _mm256_mul_ps(o, g), bf);
+                }
 #endif
-            for (int64_t i = i0; i < D; ++i) {
-                const float o = act_round(acc[i] / l, bf);
-                const float g = act_round(1.0f / (1.0f + expf(-act_ld(qg, g0 + i, bf))), bf);
-                act_st(out, r * H * D + h * D + i, o * g, bf);
+                for (int64_t i = i0; i < D; ++i) {
+                    const float o = act_round(acc[i] / l, bf);
+                    const float g = act_round(1.0f / (1.0f + expf(-act_ld(qg, g0 + i, bf))), bf);
+                    act_st(out, r * H * D + h * D + i, o * g, bf);
+                }
             }
         }
     }
+    free(scratch);
+    return 0;
 }

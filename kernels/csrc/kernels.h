@@ -29,12 +29,12 @@ int gdn_fused(const void *mixed, int64_t ld_mixed, const void *z, int64_t ld_z,
               const float *neg_exp_a, const float *dt_bias, const void *norm_w, float eps,
               void *out, int64_t B, int64_t L, int64_t K, int64_t HK, int64_t HV, int64_t DK,
               int64_t DV, int bf, int simd, int num_threads);
-void attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, const void *v,
-                 int64_t ld_v, const void *q_w, const void *k_w, float eps, const void *cos,
-                 const void *sin, int64_t R, void *k_cache, void *v_cache,
-                 const int64_t *slot_mapping, const int64_t *tables, int64_t M,
-                 const int64_t *ctx_lens, int64_t BS, float scale, void *out, int64_t B,
-                 int64_t L, int64_t H, int64_t HKV, int64_t D, int bf, int kvq, int simd,
-                 int num_threads);
+int attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, const void *v,
+                int64_t ld_v, const void *q_w, const void *k_w, float eps, const void *cos,
+                const void *sin, int64_t R, void *k_cache, void *v_cache,
+                const int64_t *slot_mapping, const int64_t *tables, int64_t M,
+                const int64_t *ctx_lens, int64_t BS, float scale, void *out, int64_t B,
+                int64_t L, int64_t H, int64_t HKV, int64_t D, int bf, int kvq, int simd,
+                int num_threads);
 
 #endif

@@ -80,10 +80,10 @@ int run_step(const int64_t *ops, int64_t n, int num_threads)
                                (int)I(26), num_threads);
             break;
         case OP_ATTN:
-            attn_decode(P(0), I(1), P(2), I(3), P(4), I(5), P(6), P(7), F(a[8]), P(9), P(10),
-                        I(11), P(12), P(13), P(14), P(15), I(16), P(17), I(18), F(a[19]),
-                        P(20), I(21), I(22), I(23), I(24), I(25), (int)I(26), (int)I(27),
-                        (int)I(28), num_threads);
+            failed = attn_decode(P(0), I(1), P(2), I(3), P(4), I(5), P(6), P(7), F(a[8]), P(9),
+                                 P(10), I(11), P(12), P(13), P(14), P(15), I(16), P(17), I(18),
+                                 F(a[19]), P(20), I(21), I(22), I(23), I(24), I(25), (int)I(26),
+                                 (int)I(27), (int)I(28), num_threads);
             break;
         case OP_SILU_MUL:
             silu_mul(P(0), I(1), P(2), I(3), P(4), I(5), I(6), (int)I(7), num_threads);

@@ -1,0 +1,128 @@
+"""``hybridrt bench attention``: one attention layer of the 0.8B shape (8 query heads, 2 KV
+heads of 256, blocks of 16) over a long context, its kernels alone.
+
+- prompt: a chunk of ``chunk`` queries at the end of a context of each of ``lengths`` tokens
+  (the rest cached), through ``paged_attention``'s SDPA over the whole gathered context (the
+  reference) and through kernels/prefill_attention.py's tiles (the CPU backend's), per KV
+  dtype; ms per call, the speed-up and the largest difference between the two.
+- decode: csrc/attn_decode.c for one row after each of ``lengths`` tokens (the q/k norms,
+  RoPE, the KV write and the gate included), ms per call (where the compiled kernels load).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+H, HKV, D, BS = 8, 2, 256, 16
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _caches(ctx: int, kv: torch.dtype, gen):
+    from hybridrt.kernels import kvquant, write_kv
+
+    nb = -(-ctx // BS)
+    width = kvquant.packed_width(D) if kv == torch.int8 else D
+    kc = torch.zeros(nb, BS, HKV, width, dtype=kv)
+    vc = torch.zeros(nb, BS, HKV, width, dtype=kv)
+    table = torch.randperm(nb, generator=gen)
+    pos = torch.arange(ctx)
+    write_kv(torch.randn(ctx, HKV, D, generator=gen), torch.randn(ctx, HKV, D, generator=gen),
+             kc, vc, table[pos // BS] * BS + pos % BS)
+    return kc, vc, table
+
+
+def prompt_rows(lengths, chunk: int, kv_dtypes, repeats: int) -> list[dict]:
+    from hybridrt.kernels import paged_attention
+    from hybridrt.kernels.prefill_attention import TiledPrefill
+
+    gen = torch.Generator().manual_seed(0)
+    rows, tiled = [], TiledPrefill()
+    for kv in kv_dtypes:
+        for ctx in lengths:
+            n = min(chunk, ctx)
+            kc, vc, table = _caches(ctx, kv, gen)
+            q = torch.randn(n, H, D, generator=gen).bfloat16()
+            args = (q, kc, vc, torch.tensor([0, n]), torch.tensor([ctx]), table[None],
+                    D ** -0.5)
+            kw = {"query_lens": [n], "context_lens": [ctx]}
+            ref = paged_attention(*args, **kw)
+            new = paged_attention(*args, **kw, prefill=tiled)
+            t_ref = _best(lambda: paged_attention(*args, **kw), repeats)  # noqa: B023
+            t_new = _best(lambda: paged_attention(*args, **kw, prefill=tiled), repeats)  # noqa: B023
+            rows.append({"kind": "prompt", "kv": str(kv).removeprefix("torch."), "ctx": ctx,
+                         "chunk": n, "ref_ms": 1e3 * t_ref, "tiled_ms": 1e3 * t_new,
+                         "speedup": t_ref / t_new,
+                         "max_diff": (new.float() - ref.float()).abs().max().item()})
+    return rows
+
+
+def decode_rows(lengths, kv_dtypes, repeats: int) -> list[dict]:
+    from hybridrt.kernels import native
+
+    if native.load() is None:
+        return []
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for kv in kv_dtypes:
+        for ctx in lengths:
+            kc, vc, table = _caches(ctx, kv, gen)
+            pos = ctx - 1
+            slot = (table[pos // BS] * BS + pos % BS).view(1)
+            qg = torch.randn(1, H * 2 * D, generator=gen).bfloat16()
+            k, v = (torch.randn(1, HKV * D, generator=gen).bfloat16() for _ in range(2))
+            w = torch.zeros(D, dtype=torch.bfloat16)
+            cos, sin = torch.ones(1, 64, dtype=torch.bfloat16), torch.zeros(1, 64,
+                                                                            dtype=torch.bfloat16)
+            lens = torch.tensor([ctx])
+
+            def call():
+                native.attn_decode(qg, k, v, w, w, 1e-6, cos, sin, kc, vc, slot,  # noqa: B023
+                                   table[None], lens, D ** -0.5, 1, H, HKV, D)  # noqa: B023
+
+            rows.append({"kind": "decode", "kv": str(kv).removeprefix("torch."), "ctx": ctx,
+                         "ms": 1e3 * _best(call, repeats)})
+    return rows
+
+
+def run(lengths=(2048, 4096, 8192), chunk: int = 2048, kv=("bf16", "int8"),
+        threads: int = 2, repeats: int = 3, json_path: str | None = None) -> dict:
+    """The measurements, printed as a table."""
+    kvs = [torch.bfloat16 if k == "bf16" else torch.int8 for k in kv]
+    torch.set_num_threads(threads)
+    report = {"threads": threads, "rows": prompt_rows(lengths, chunk, kvs, repeats)
+              + decode_rows(lengths, kvs, repeats), "load": os.getloadavg()}
+    print(table(report))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def table(report: dict) -> str:
+    lines = [f"{'':<7} {'KV':<9} {'context':>8} {'chunk':>6} {'whole ms':>9} {'tiled ms':>9} "
+             f"{'speed-up':>9} {'max diff':>9}"]
+    for r in report["rows"]:
+        if r["kind"] == "prompt":
+            lines.append(f"{'prompt':<7} {r['kv']:<9} {r['ctx']:>8} {r['chunk']:>6} "
+                         f"{r['ref_ms']:>9.1f} {r['tiled_ms']:>9.1f} {r['speedup']:>8.2f}x "
+                         f"{r['max_diff']:>9.2e}")
+        else:
+            lines.append(f"{'decode':<7} {r['kv']:<9} {r['ctx']:>8} {1:>6} {'':>9} "
+                         f"{r['ms']:>9.2f}")
+    load = report["load"]
+    lines.append(f"{report['threads']} threads; load average {load[0]:.2f} {load[1]:.2f} "
+                 f"{load[2]:.2f} (figures taken under it)")
+    return "\n".join(lines)
