@@ -971,7 +971,7 @@ def kv_quality(
     from hybridrt.bench import kv_quality as bench
 
     try:
-        bench.run(n_ctx, chunk, threads or _default_threads(), max_windows, json_path)
+        bench.run(n_ctx, chunk, threads or _default_threads(), max_windows, json_path=json_path)
     except ValueError as e:
         raise CliError(str(e), 2) from None
 
@@ -999,4 +999,4 @@ def attention(
         raise CliError(f"--kv: unknown KV dtype {bad[0]!r}; choose bf16 or int8", 2)
     from hybridrt.bench import prompt_attention as bench
 
-    bench.run(lens, chunk, kvs, threads or _default_threads(), repeats, json_path)
+    bench.run(lens, chunk, kvs, threads or _default_threads(), repeats, json_path=json_path)

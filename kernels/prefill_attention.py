@@ -27,6 +27,7 @@ from . import kvquant
 
 TILE = 4096  # context positions gathered per call (a multiple of any block size used)
 ROWS = 2048  # queries per call (with TILE, bounds a call's mask: ROWS x TILE)
+BF16_FROM = 2048  # queries at positions below this are computed in fp32 (see TiledPrefill)
 
 _flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -54,15 +55,30 @@ class TiledPrefill:
     table [M], ctx, scale) -> [n, H, D]`` in the query's dtype. ``tile``: context positions
     per call (a multiple of the caches' block size); ``bf16_fast``: see ``compute_dtype``."""
 
-    def __init__(self, tile: int = TILE, bf16_fast: bool | None = None):
+    def __init__(self, tile: int = TILE, bf16_fast: bool | None = None,
+                 bf16_from: int = BF16_FROM):
         if tile <= 0:
             raise ValueError(f"tile must be positive, got {tile}")
-        self.tile = tile
+        self.tile, self.bf16_from = tile, bf16_from
         self.bf16_fast = fast_bf16() if bf16_fast is None else bf16_fast
 
     def __call__(self, query, key_cache, value_cache, table, ctx: int, scale: float):
-        return chunk_attention(query, key_cache, value_cache, table, ctx, scale, self.tile,
-                               compute_dtype(query.dtype, self.bf16_fast)).to(query.dtype)
+        """Queries at positions below ``bf16_from`` in fp32, the rest in ``compute_dtype``: the
+        dtype follows a query's position, not its chunk, so a prefix-cache hit recomputing a
+        short prompt's tail, or a step verifying a few drafts, rounds as the cold prompt did
+        (and as before bf16 tiles existed); bf16 pays where a context is long."""
+        dtype = compute_dtype(query.dtype, self.bf16_fast)
+        n = query.shape[0]
+        m = n if dtype == torch.float32 else min(max(self.bf16_from - (ctx - n), 0), n)
+        parts = []
+        if m:
+            parts.append(chunk_attention(query[:m], key_cache, value_cache, table, ctx - n + m,
+                                         scale, self.tile, torch.float32))
+        if m < n:
+            parts.append(chunk_attention(query[m:], key_cache, value_cache, table, ctx, scale,
+                                         self.tile, dtype))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.to(query.dtype)
 
 
 def chunk_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -760,6 +760,8 @@ NOT_THE_GROUPS = {
     ("bench", "gemm", "--threads"): "a kernel benchmark, no model: 2 threads by default",
     ("bench", "gemv", "--threads"): "a kernel benchmark, no model: 2 threads by default",
     ("quantize", "--quantization"): "which format to write: int8 by default",
+    ("bench", "responsive", "--max-num-batched-tokens"): "the step budget measured: 2048 by "
+    "default",
 }
 
 
@@ -1050,6 +1052,9 @@ BENCH_ENTRIES = {
     "prefix-policy": ("prefix_policy", "run", []),
     "structured": ("structured", "run", []),
     "long": ("long", "run", []),
+    "responsive": ("responsive", "run", []),
+    "kv-quality": ("kv_quality", "run", []),
+    "attention": ("prompt_attention", "run", []),
 }
 
 

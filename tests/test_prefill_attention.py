@@ -77,11 +77,28 @@ def test_bf16_hook_equals_the_whole_context(ctx, n, fast):
     within bf16's rounding of the fp32 attention over the same values."""
     q, kc, vc, table = _sequence(ctx, n, kv_dtype=torch.bfloat16)
     ref = _current(q.float(), kc.float(), vc.float(), table, ctx, 0.125)
-    hook = TiledPrefill(16, bf16_fast=fast)
+    hook = TiledPrefill(16, bf16_fast=fast, bf16_from=0)
     out = paged_attention(q, kc, vc, torch.tensor([0, n]), torch.tensor([ctx]), table, 0.125,
                           query_lens=[n], context_lens=[ctx], prefill=hook)
     assert out.dtype == torch.bfloat16
     assert_rel_close(out.float(), ref, 1e-2 if fast else 4e-3, f"ctx {ctx}, chunk {n}")
+
+
+def test_queries_below_bf16_from_are_computed_in_fp32():
+    """The compute dtype follows a query's position: rows before ``bf16_from`` are the fp32
+    tiles' (so a short prompt's tail recomputed after a prefix-cache hit, or a few verification
+    rows, round as its cold prefill did), the rest bf16 tiles' over the whole context."""
+    q, kc, vc, table = _sequence(61, 33, kv_dtype=torch.bfloat16)  # positions 28 .. 60
+    out = TiledPrefill(16, bf16_fast=True, bf16_from=40)(q, kc, vc, table[0], 61, 0.125)
+    low = chunk_attention(q[:12], kc, vc, table[0], 40, 0.125, 16, torch.float32)
+    high = chunk_attention(q[12:], kc, vc, table[0], 61, 0.125, 16, torch.bfloat16)
+    assert torch.equal(out[:12], low.bfloat16())
+    assert torch.equal(out[12:], high.bfloat16())
+    high32 = chunk_attention(q[12:], kc, vc, table[0], 61, 0.125, 16, torch.float32)
+    assert not torch.equal(high.bfloat16(), high32.bfloat16())  # the bf16 tiles differ
+    short = TiledPrefill(16, bf16_fast=True)(q, kc, vc, table[0], 61, 0.125)  # all below 2048
+    assert torch.equal(short, chunk_attention(q, kc, vc, table[0], 61, 0.125, 16,
+                                              torch.float32).bfloat16())
 
 
 def test_gqa_head_maps_to_its_kv_head():
