@@ -222,6 +222,107 @@ static inline void v_axpy(float w, const char *vp, int64_t D, int64_t G, int bf,
     else for (int64_t i = 0; i < D; ++i) acc[i] += w * ((const float *)vp)[i];
 }
 
+#if defined(__AVX512F__)
+#define GQ_MAX 8  /* query heads per KV head the AVX-512 partition routine takes */
+
+/* PB rows of a cache (fp32, bf16 or int8) widened to fp32 into xb [np, D], 16 lanes a step:
+ * the same values widen_row gives */
+static inline void widen_block16(const char *cache, const int64_t *tab, int64_t BS, int64_t row,
+                                 int64_t off, int64_t p0, int64_t np, int64_t D, int64_t G,
+                                 int bf, int kvq, float *xb)
+{
+    for (int64_t j = 0; j < np; ++j) {
+        const int64_t pos = p0 + j, slot = tab[pos / BS] * BS + pos % BS;
+        const char *p = cache + slot * row + off;
+        float *x = xb + j * D;
+        if (kvq) {
+            const int8_t *c = (const int8_t *)p;
+            for (int64_t i = 0; i < D; i += 16)
+                _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(c + i)))),
+                    _mm512_set1_ps(kv_scale(p, D, G, i))));
+        } else {
+            for (int64_t i = 0; i < D; i += 16)
+                _mm512_storeu_ps(x + i, act_ld16(p, i, bf, 0xFFFF));
+        }
+    }
+}
+
+/* One partition [pbeg, pend) of a row for the GQ (<= GQ_MAX) query heads of one KV head:
+ * q [GQ, D] (normed, rotated), acc g at acc + g * gs ([D], zeroed by the caller), m, l [GQ].
+ * A block's scores for all GQ heads share each K load (widened in registers); its V rows are
+ * widened once into xb [PB, D] for all GQ heads; exp16 gives the weights of 16 positions at once; the sums l
+ * add them in position order; each head's acc stays in registers 128 values at a time over the
+ * block's V rows (acc[i] = fma(w_j, v_j[i], acc[i]) in position order). */
+static void partition16(const float *q, const char *kc, const char *vc, const int64_t *tab,
+                        int64_t BS, int64_t row, int64_t off, int64_t pbeg, int64_t pend,
+                        int64_t D, int64_t G, int bf, int kvq, float scale, int64_t GQ,
+                        float *acc, int64_t gs, float *m, float *l, float *xb)
+{
+    float s[GQ_MAX][PB];
+    for (int64_t p0 = pbeg; p0 < pend; p0 += PB) {
+        const int64_t np = pend - p0 < PB ? pend - p0 : PB;
+        for (int64_t j = 0; j < np; ++j) {
+            const int64_t pos = p0 + j;
+            const char *kp = kc + (tab[pos / BS] * BS + pos % BS) * row + off;
+            __m512 d[GQ_MAX];
+            for (int64_t g = 0; g < GQ; ++g) d[g] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < D; i += 16) {
+                const __m512 k = kvq ? _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(kp + i)))),
+                    _mm512_set1_ps(kv_scale(kp, D, G, i))) : act_ld16(kp, i, bf, 0xFFFF);
+                for (int64_t g = 0; g < GQ; ++g)
+                    d[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + i), k, d[g]);
+            }
+            for (int64_t g = 0; g < GQ; ++g) s[g][j] = _mm512_reduce_add_ps(d[g]) * scale;
+        }
+        for (int64_t g = 0; g < GQ; ++g) {
+            float bm = -INFINITY;
+            for (int64_t j = 0; j < np; ++j) bm = s[g][j] > bm ? s[g][j] : bm;
+            if (bm > m[g]) {  /* rescale what was summed under the old maximum */
+                const float cf = expf(m[g] - bm);
+                const __m512 c = _mm512_set1_ps(cf);
+                float *a = acc + g * gs;
+                for (int64_t i = 0; i < D; i += 16)
+                    _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_loadu_ps(a + i), c));
+                l[g] *= cf;
+                m[g] = bm;
+            }
+            for (int64_t j = 0; j < np; j += 16) {
+                const __mmask16 mk = np - j >= 16 ? 0xFFFF : (__mmask16)((1u << (np - j)) - 1);
+                const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s[g] + j),
+                                               _mm512_set1_ps(m[g]));
+                _mm512_mask_storeu_ps(s[g] + j, mk, exp16(x));
+            }
+            for (int64_t j = 0; j < np; ++j) l[g] += s[g][j];
+        }
+        widen_block16(vc, tab, BS, row, off, p0, np, D, G, bf, kvq, xb);
+        for (int64_t g = 0; g < GQ; ++g) {
+            float *a = acc + g * gs;
+            int64_t i0 = 0;
+            for (; i0 + 128 <= D; i0 += 128) {
+                __m512 r[8];
+                for (int c = 0; c < 8; ++c) r[c] = _mm512_loadu_ps(a + i0 + 16 * c);
+                for (int64_t j = 0; j < np; ++j) {
+                    const __m512 w = _mm512_set1_ps(s[g][j]);
+                    const float *x = xb + j * D + i0;
+                    for (int c = 0; c < 8; ++c)
+                        r[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 16 * c), r[c]);
+                }
+                for (int c = 0; c < 8; ++c) _mm512_storeu_ps(a + i0 + 16 * c, r[c]);
+            }
+            for (; i0 < D; i0 += 16) {
+                __m512 r = _mm512_loadu_ps(a + i0);
+                for (int64_t j = 0; j < np; ++j)
+                    r = _mm512_fmadd_ps(_mm512_set1_ps(s[g][j]), _mm512_loadu_ps(xb + j * D + i0),
+                                        r);
+                _mm512_storeu_ps(a + i0, r);
+            }
+        }
+    }
+}
+#endif
+
 int attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, const void *v,
                 int64_t ld_v, const void *q_w, const void *k_w, float eps, const void *cos,
                 const void *sin, int64_t R, void *k_cache, void *v_cache,
@@ -291,6 +392,19 @@ int attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, cons
                     m[g] = -INFINITY;
                     l[g] = 0.0f;
                 }
+#if defined(__AVX512F__)
+                if (simd == 2 && GQ <= GQ_MAX) {
+                    float xb[PB * D];
+                    partition16(qs + h0 * D, (const char *)k_cache, (const char *)v_cache,
+                                tables + b * M, BS, row, hk * hw, pbeg, pend, D, G, bf, kvq,
+                                scale, GQ, parts + (h0 * NP + p) * PW + 2, NP * PW, m, l, xb);
+                    for (int64_t g = 0; g < GQ; ++g) {
+                        parts[((h0 + g) * NP + p) * PW] = m[g];
+                        parts[((h0 + g) * NP + p) * PW + 1] = l[g];
+                    }
+                    continue;
+                }
+#endif
                 for (int64_t p0 = pbeg; p0 < pend; p0 += PB) {
                     const int64_t np = pend - p0 < PB ? pend - p0 : PB;
                     for (int64_t j = 0; j < np; ++j) {
