@@ -225,14 +225,27 @@ static inline void v_axpy(float w, const char *vp, int64_t D, int64_t G, int bf,
 #if defined(__AVX512F__)
 #define GQ_MAX 8  /* query heads per KV head the AVX-512 partition routine takes */
 
+#define PF 16  /* positions ahead whose K and V rows are prefetched */
+
+/* the head row of position pos (hw bytes) toward the cache, if pos < end: the blocks of a
+ * context lie anywhere, and the hardware prefetchers stop at each page */
+static inline void prefetch_row(const char *cache, const int64_t *tab, int64_t BS, int64_t row,
+                                int64_t off, int64_t pos, int64_t end, int64_t hw)
+{
+    if (pos >= end) return;
+    const char *p = cache + (tab[pos / BS] * BS + pos % BS) * row + off;
+    for (int64_t i = 0; i < hw; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
 /* PB rows of a cache (fp32, bf16 or int8) widened to fp32 into xb [np, D], 16 lanes a step:
  * the same values widen_row gives */
 static inline void widen_block16(const char *cache, const int64_t *tab, int64_t BS, int64_t row,
                                  int64_t off, int64_t p0, int64_t np, int64_t D, int64_t G,
-                                 int bf, int kvq, float *xb)
+                                 int bf, int kvq, float *xb, int64_t end, int64_t hw)
 {
     for (int64_t j = 0; j < np; ++j) {
         const int64_t pos = p0 + j, slot = tab[pos / BS] * BS + pos % BS;
+        prefetch_row(cache, tab, BS, row, off, pos + PF, end, hw);
         const char *p = cache + slot * row + off;
         float *x = xb + j * D;
         if (kvq) {
@@ -254,10 +267,10 @@ static inline void widen_block16(const char *cache, const int64_t *tab, int64_t 
  * widened once into xb [PB, D] for all GQ heads; exp16 gives the weights of 16 positions at once; the sums l
  * add them in position order; each head's acc stays in registers 128 values at a time over the
  * block's V rows (acc[i] = fma(w_j, v_j[i], acc[i]) in position order). */
-static void partition16(const float *q, const char *kc, const char *vc, const int64_t *tab,
-                        int64_t BS, int64_t row, int64_t off, int64_t pbeg, int64_t pend,
-                        int64_t D, int64_t G, int bf, int kvq, float scale, int64_t GQ,
-                        float *acc, int64_t gs, float *m, float *l, float *xb)
+static inline __attribute__((always_inline)) void partition16(
+    const float *q, const char *kc, const char *vc, const int64_t *tab, int64_t BS, int64_t row,
+    int64_t off, int64_t pbeg, int64_t pend, int64_t D, int64_t G, int bf, int kvq, float scale,
+    const int64_t GQ, float *acc, int64_t gs, float *m, float *l, float *xb, int64_t hw)
 {
     float s[GQ_MAX][PB];
     for (int64_t p0 = pbeg; p0 < pend; p0 += PB) {
@@ -265,6 +278,7 @@ static void partition16(const float *q, const char *kc, const char *vc, const in
         for (int64_t j = 0; j < np; ++j) {
             const int64_t pos = p0 + j;
             const char *kp = kc + (tab[pos / BS] * BS + pos % BS) * row + off;
+            prefetch_row(kc, tab, BS, row, off, pos + PF, pend, hw);
             __m512 d[GQ_MAX];
             for (int64_t g = 0; g < GQ; ++g) d[g] = _mm512_setzero_ps();
             for (int64_t i = 0; i < D; i += 16) {
@@ -296,7 +310,7 @@ static void partition16(const float *q, const char *kc, const char *vc, const in
             }
             for (int64_t j = 0; j < np; ++j) l[g] += s[g][j];
         }
-        widen_block16(vc, tab, BS, row, off, p0, np, D, G, bf, kvq, xb);
+        widen_block16(vc, tab, BS, row, off, p0, np, D, G, bf, kvq, xb, pend, hw);
         for (int64_t g = 0; g < GQ; ++g) {
             float *a = acc + g * gs;
             int64_t i0 = 0;
@@ -320,6 +334,25 @@ static void partition16(const float *q, const char *kc, const char *vc, const in
             }
         }
     }
+}
+
+/* partition16 with GQ a constant (1, 2, 4 or 8) where it is one, so that the heads' score
+ * accumulators stay in registers */
+static void partition16_any(const float *q, const char *kc, const char *vc, const int64_t *tab,
+                            int64_t BS, int64_t row, int64_t off, int64_t pbeg, int64_t pend,
+                            int64_t D, int64_t G, int bf, int kvq, float scale, int64_t GQ,
+                            float *acc, int64_t gs, float *m, float *l, float *xb, int64_t hw)
+{
+#define PART(n) partition16(q, kc, vc, tab, BS, row, off, pbeg, pend, D, G, bf, kvq, scale, n, \
+                            acc, gs, m, l, xb, hw)
+    switch (GQ) {
+    case 1: PART(1); break;
+    case 2: PART(2); break;
+    case 4: PART(4); break;
+    case 8: PART(8); break;
+    default: PART(GQ);
+    }
+#undef PART
 }
 #endif
 
@@ -395,9 +428,10 @@ int attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, cons
 #if defined(__AVX512F__)
                 if (simd == 2 && GQ <= GQ_MAX) {
                     float xb[PB * D];
-                    partition16(qs + h0 * D, (const char *)k_cache, (const char *)v_cache,
-                                tables + b * M, BS, row, hk * hw, pbeg, pend, D, G, bf, kvq,
-                                scale, GQ, parts + (h0 * NP + p) * PW + 2, NP * PW, m, l, xb);
+                    partition16_any(qs + h0 * D, (const char *)k_cache, (const char *)v_cache,
+                                    tables + b * M, BS, row, hk * hw, pbeg, pend, D, G, bf, kvq,
+                                    scale, GQ, parts + (h0 * NP + p) * PW + 2, NP * PW, m, l, xb,
+                                    hw);
                     for (int64_t g = 0; g < GQ; ++g) {
                         parts[((h0 + g) * NP + p) * PW] = m[g];
                         parts[((h0 + g) * NP + p) * PW + 1] = l[g];
