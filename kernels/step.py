@@ -10,6 +10,8 @@ whether a step keeps the state after each token (``slots_out``, verification) is
 pointers it sets per step. It holds the
 products' weights as the loop does: 4-bit and int8 weights for any number of rows, bf16 ones up
 to ``native.HALF_GEMV_MAX_ROWS`` (the GEMV; past it the loop's GEMM choice stays in Python).
+An MoE layer's MLP is kernels/moe_step.py's: the program is run in parts, the router's choice
+made in Python between them (``routes``).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import torch
 from helpers import output_bytes
 
 from hybridrt import LLM, SamplingParams
+from hybridrt.bench import moe_step as moe_step_bench
 from hybridrt.bench.moe_fixtures import tiny_moe_config, write_moe_checkpoint
 from hybridrt.kernels import moe as moe_kernels
 from hybridrt.kernels import native
@@ -100,3 +101,14 @@ def test_a_program_routes_each_moe_layer_once_a_step(ckpt, monkeypatch):
     # the prompt (the model's layers), then two decode steps on the program
     decode = calls[layers:]
     assert decode == [((1, CFG["num_experts"]), CFG["num_experts_per_tok"])] * (2 * layers)
+
+
+def test_the_bench_compares_the_three_paths(ckpt):
+    """``python -m hybridrt.bench.moe_step`` on the tiny checkpoint: a rate per path, the same
+    tokens on the three."""
+    report = moe_step_bench.run(str(ckpt), tokens=4, rounds=1, quantization="int4")
+    assert set(report["tok_s"]) == set(moe_step_bench.MODES)
+    assert all(v > 0 for v in report["tok_s"].values())
+    assert report["same_tokens"] and report["x_layers"]["layers"] == 1.0
+    with pytest.raises(ValueError, match="unknown modes"):
+        moe_step_bench.run(str(ckpt), modes=("compiled",))
