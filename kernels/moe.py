@@ -12,10 +12,12 @@ sum them, whatever else is in the batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from .backend.layers import MoeRecord
+if TYPE_CHECKING:  # kernels/backend imports this module
+    from .backend.layers import MoeRecord
 
 
 def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
