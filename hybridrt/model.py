@@ -214,7 +214,8 @@ class DecoderLayer(nn.Module):
             m.spec, self.input_layernorm.weight, self.post_attention_layernorm.weight,
             self.input_layernorm.eps, _weights(m.in_projections), kernel_weight(m.out_projection),
             () if sparse else _weights((mlp.gate_proj, mlp.up_proj)),
-            None if sparse else kernel_weight(mlp.down_proj), sparse)
+            None if sparse else kernel_weight(mlp.down_proj), sparse,
+            mlp.record() if sparse else None)
 
     def forward(self, h, residual, batch, cache, cos, sin):
         """(h, residual) -> (mlp output, residual stream before it): the residual adds are

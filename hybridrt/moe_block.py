@@ -6,7 +6,7 @@ first), ``mlp.shared_expert`` (a dense SwiGLU) and ``mlp.shared_expert_gate``.
 The experts are Linear modules, so they are quantized at load, saved by ``hybridrt quantize``
 and laid out by the backend like every other projection; the router and the shared expert's
 gate are not (``Projection``): they stay in the model's dtype. The products run through the
-backend (``kernels/moe.py``).
+backend (``kernels/moe.py: sparse_moe``, over the block's ``record``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from hybridrt.config import ModelConfig
-from hybridrt.kernels.moe import route, routed_experts
+from hybridrt.kernels.backend.layers import MoeRecord
+from hybridrt.kernels.moe import sparse_moe
 from hybridrt.kernels.quant import kernel_weight
-from hybridrt.model import _REFERENCE, MLP, Linear
+from hybridrt.model import _REFERENCE, MLP, Linear, _weights
 
 
 class Projection(nn.Module):
@@ -74,7 +75,12 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = Projection(H, 1)
         self.backend = _REFERENCE
 
+    def record(self) -> MoeRecord:
+        """What a backend reads of the block: its weights as they lie now."""
+        se = self.shared_expert
+        return MoeRecord(self.gate.weight, self.shared_expert_gate.weight, self.top_k,
+                         self.experts.spec, _weights((se.gate_proj, se.up_proj)),
+                         kernel_weight(se.down_proj))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k)
-        routed = routed_experts(x, weights, ids, self.experts.spec, self.backend)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return sparse_moe(x, self.record(), self.backend)

@@ -1,5 +1,6 @@
-"""Sparse mixture-of-experts on a backend's products: the router's choice (``route``) and the
-routed experts' SwiGLU over the tokens grouped by expert (``routed_experts``).
+"""Sparse mixture-of-experts on a backend's products: the block (``sparse_moe``), the router's
+choice (``route``) and the routed experts' SwiGLU over the tokens grouped by expert
+(``routed_experts``).
 
 Each chosen expert's weights are read once per step, by one product over the rows of every
 token that chose it (the backend's ``linear``: its few-row GEMV for a decode, its GEMM for
@@ -11,8 +12,12 @@ sum them, whatever else is in the batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # kernels/backend imports this module
+    from .backend.layers import MoeRecord
 
 
 def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,3 +54,15 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         y = backend.linear(backend.silu_mul(gate, up), down)
         out.index_add_(0, rows, y * w.index_select(0, picks))
     return out
+
+
+def sparse_moe(x: torch.Tensor, rec: MoeRecord, backend) -> torch.Tensor:
+    """The MoE block on x [T, H]: the routed experts' weighted sum plus the shared expert
+    scaled by sigmoid(shared_expert_gate(x)), every product on ``backend``. The model's
+    block and the CPU backend's decode loop both run this (the step programs the same
+    operations, kernels/moe_step.py)."""
+    weights, ids = route(backend.linear(x, rec.router), rec.top_k)
+    routed = routed_experts(x, weights, ids, rec.experts, backend)
+    gate, up = backend.project(x, rec.shared_in)
+    shared = backend.linear(backend.silu_mul(gate, up), rec.shared_out)
+    return routed + torch.sigmoid(backend.linear(x, rec.shared_gate)) * shared

@@ -10,6 +10,8 @@ whether a step keeps the state after each token (``slots_out``, verification) is
 pointers it sets per step. It holds the
 products' weights as the loop does: 4-bit and int8 weights for any number of rows, bf16 ones up
 to ``native.HALF_GEMV_MAX_ROWS`` (the GEMV; past it the loop's GEMM choice stays in Python).
+An MoE layer's MLP is kernels/moe_step.py's: the program is run in parts, the router's choice
+made in Python between them (``routes``).
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import struct
 import numpy as np
 import torch
 
-from . import int4, native, quant
+from . import int4, moe_step, native, quant
 
 OP_NORM, OP_INT4, OP_INT8, OP_GEMV_BF16, OP_GEMV_F32X, OP_GDN, OP_ATTN, OP_SILU_MUL, OP_INT6 = (
     range(1, 10))
 WORDS = 32  # int64 words an operation takes (csrc/step.c OP_WORDS)
+# the word of each product operation (``_product``) that holds its row count
+ROWS_WORD = {OP_INT4: 6, OP_INT6: 7, OP_INT8: 5, OP_GEMV_BF16: 4, OP_GEMV_F32X: 4}
 
 
 def _f(x: float) -> int:
@@ -51,7 +55,7 @@ class StepProgram:
                       mlp=max(sum(f.mlp_sizes) for f in fast),
                       act=max(max(f.mixer_sizes[1] if f.gdn is not None
                                    else f.mixer_layer.num_heads * f.mixer_layer.head_dim,
-                                   f.mlp_sizes[0])
+                                   f.mlp_sizes[0], f.moe.intermediate if f.moe else 0)
                                for f in fast))
         # the activations: X the norms' outputs, R the residual (updated in place), H the
         # mixer's and the MLP's outputs, MIX / MLP the merged projections, Y the mixer's
@@ -65,6 +69,7 @@ class StepProgram:
         MIX, MLP, Y = (self.buffers[n] for n in ("MIX", "MLP", "Y"))
         ops: list[list[int]] = []
         self.gdn_ops, self.attn_ops = [], []
+        self.routes: list[moe_step.MoeRoute] = []  # the MoE layers' (kernels/moe_step.py)
         self.h_at: list[tuple[int, int]] = []  # (op, word) that take the step's hidden states
         B = rows // L
         for i, f in enumerate(fast):
@@ -114,6 +119,9 @@ class StepProgram:
             else:
                 ops.append([OP_NORM, H.data_ptr(), D, R.data_ptr(), X.data_ptr(), R.data_ptr(),
                             f.post_norm.data_ptr(), _f(f.eps), rows, D])
+            if f.moe is not None:
+                self.routes.append(moe_step.layer_ops(self, backend, f, X, H, ops, buffers))
+                continue
             ops.append(self._product(backend, X, D, f.mlp_in, MLP))
             I_ = f.mlp_sizes[0]
             mlp_w = sum(f.mlp_sizes)
@@ -180,9 +188,21 @@ class StepProgram:
             ops[self._attn, 18] = batch.seq_lens.data_ptr()
         out = torch.empty(self.rows, self.D, dtype=torch.bfloat16)
         ops[self.final, 4] = out.data_ptr()
-        failed = native._lib.run_step(ops.ctypes.data, len(ops), torch.get_num_threads())
-        if failed:
-            raise RuntimeError(f"step program: operation {failed - 1} "
-                               f"(code {int(ops[failed - 1, 0])}) failed (out of memory?)")
+        start, chosen = 0, []
+        for route in self.routes:  # up to each MoE layer's routing, which Python does
+            self._run(start, route.op)
+            chosen.append(route.choose(ops))
+            start = route.op
+        self._run(start, len(ops))
         return out
+
+    def _run(self, start: int, end: int) -> None:
+        """Operations ``start`` to ``end`` in one call."""
+        ops = self.ops
+        failed = native._lib.run_step(ops.ctypes.data + start * WORDS * ops.itemsize,
+                                      end - start, torch.get_num_threads())
+        if failed:
+            i = start + failed - 1
+            raise RuntimeError(f"step program: operation {i} (code {int(ops[i, 0])}) failed "
+                               f"(out of memory?)")
 

@@ -17,7 +17,8 @@ def context_capacity(config: ModelConfig, memory_bytes: int, kv_dtype: torch.dty
                      slots_per_request: int = 1) -> int:
     """Tokens of context each of ``concurrency`` requests holds at once in ``memory_bytes``:
     their state slots (and the null slot) first, then the KV blocks shared evenly, whole
-    blocks only; 0 where the slots alone do not fit."""
+    blocks only; 0 where the slots alone do not fit (a model without attention layers holds
+    no KV: ``max_position_embeddings`` where they fit)."""
     if concurrency <= 0:
         raise ValueError(f"concurrency must be positive, got {concurrency}")
     per_block = CacheTensors.bytes_per_block(config, block_size, kv_dtype,
@@ -25,6 +26,8 @@ def context_capacity(config: ModelConfig, memory_bytes: int, kv_dtype: torch.dty
     per_slot = CacheTensors.bytes_per_slot(config, dtype, block_size, num_extra_attention_layers,
                                            kv_dtype)
     room = memory_bytes - (1 + concurrency * slots_per_request) * per_slot
+    if not per_block:  # no attention layer: no KV to hold, only the slots must fit
+        return 0 if room < 0 else config.max_position_embeddings
     return max(0, room // per_block // concurrency * block_size)
 
 

@@ -154,7 +154,8 @@ def plan_cache(
 ) -> CacheSizing:
     """Size both stores from one budget: state slots for ``max_num_seqs`` requests, checkpoint
     slots for ``checkpoint_share`` of the budget, then as many KV blocks as the rest allows
-    (never more than every sequence at full length needs). ``lookahead_tokens``: KV positions a
+    (never more than every sequence at full length needs; a model without attention layers
+    gets those, as blocks of no bytes). ``lookahead_tokens``: KV positions a
     request may write past its length (draft tokens). Refuses budgets that cannot hold one
     max-length request; checkpoint slots give way first. ``kv_dtype``: the KV tensors' (None:
     ``dtype``; torch.int8 counts its codes and scales)."""
@@ -196,8 +197,9 @@ def plan_cache(
     room = memory_bytes - num_slots * per_slot - blocks_per_req * per_block
     num_ckpt = max(0, min(int(checkpoint_share * memory_bytes), room) // per_slot)
     num_slots += num_ckpt
-    num_blocks = (memory_bytes - num_slots * per_slot) // per_block
-    num_blocks = int(min(num_blocks, blocks_per_req * seqs))
+    num_blocks = blocks_per_req * seqs  # KV blocks of no bytes (no attention layer): all
+    if per_block:
+        num_blocks = int(min((memory_bytes - num_slots * per_slot) // per_block, num_blocks))
     return CacheSizing(num_blocks, num_slots, block_size, per_block, per_slot, seqs, max_model_len,
                        num_ckpt)
 

@@ -13,6 +13,8 @@ from .. import int4, native, prefill_attention, quant
 from ..linear import linear as cpu_linear
 from ..linear import pack_weight, use_fp32_gemm
 from ..memory import weights_on_huge_pages
+from ..moe import sparse_moe
+from ..moe_step import moe_fits
 from ..options import KernelOptions
 from ..rope import RopeRows, RopeTable
 from ..step import StepProgram
@@ -96,18 +98,20 @@ class CPUBackend:
     # Decode steps over the model's record -------------------------------------------------
     def _fast_layers(self, record: ModelRecord) -> list[_FastLayer] | None:
         """Per decoder layer what ``forward``'s decode loop calls, or None where some layer's
-        weights do not suit it (it needs a bf16 model, the compiled kernels, dense MLPs, and
-        every layer's projections merged: bf16 weights on the half kernels, or int8 ones)."""
+        weights do not suit it (it needs a bf16 model, the compiled kernels, and every layer's
+        projections merged: bf16 weights on the half kernels, or int8 ones; an MoE layer's
+        experts on the compiled products, ``moe_step.moe_fits``)."""
         if not (self.native and self.half_simd and record.dtype == torch.bfloat16):
             return None
         layers = []
         for dl in record.decoder:
-            if dl.sparse_mlp:  # an MoE layer: the model's loop runs its block
+            moe = dl.moe  # an MoE layer: its shared expert in the MLP's place
+            if dl.sparse_mlp and not (moe is not None and moe_fits(self, moe)):
                 return None
             m = dl.mixer_layer
             mixer_in = self.groups.get(tuple(id(w) for w in dl.mixer_in))
-            mlp_in = self.groups.get(tuple(id(w) for w in dl.mlp_in))
-            outs = [_weight_of(w) for w in (dl.mixer_out, dl.mlp_out)]
+            mlp_in = self.groups.get(tuple(id(w) for w in (moe.shared_in if moe else dl.mlp_in)))
+            outs = [_weight_of(w) for w in (dl.mixer_out, moe.shared_out if moe else dl.mlp_out)]
             if mixer_in is None or mlp_in is None or None in outs:
                 return None
             if any(self._quant_isa(w) is None for w in (mixer_in[0], mlp_in[0], *outs)
@@ -123,7 +127,7 @@ class CPUBackend:
                 if m.kernel_size > 16:  # csrc/gdn_fused.c's window
                     return None
                 gdn = self._gdn_weights(m, torch.bfloat16)
-            layers.append(_FastLayer(dl, mixer_in, outs[0], mlp_in, outs[1], gdn))
+            layers.append(_FastLayer(dl, mixer_in, outs[0], mlp_in, outs[1], gdn, moe))
         return layers
 
     def _quant_isa(self, w) -> str | None:
@@ -187,6 +191,9 @@ class CPUBackend:
                                        batch.block_tables, batch.seq_lens, m.scale, L,
                                        m.num_heads, m.num_kv_heads, m.head_dim, simd)
             x, residual = norm(product(y, f.mixer_out), f.post_norm, f.eps, residual)
+            if f.moe is not None:
+                h = sparse_moe(x, f.moe, self)
+                continue
             gate, up = product(x, f.mlp_in).split(f.mlp_sizes, dim=-1)
             h = product(self.silu_mul(gate, up), f.mlp_out)
         return norm(h, *self.final_norm, residual)[0]
@@ -496,14 +503,17 @@ class CPUBackend:
 class _FastLayer:
     """One decoder layer as ``CPUBackend.forward``'s decode loop runs it: its mixer's record
     (``AttentionLayer`` / ``GDNLayer``), norms, the weights of its four products (its merged
-    groups) and, for a GDN layer, ``gdn``: the tensors ``native.gdn_fused`` takes besides the
-    activations (None for an attention layer)."""
+    groups; an MoE layer's shared expert's) and, for a GDN layer, ``gdn``: the tensors
+    ``native.gdn_fused`` takes besides the activations (None for an attention layer); ``moe``
+    an MoE layer's record (None for a dense MLP)."""
 
     __slots__ = ("gdn", "mixer_layer", "in_norm", "post_norm", "eps", "mixer_in", "mixer_sizes",
-                 "mixer_out", "mlp_in", "mlp_sizes", "mlp_out")
+                 "mixer_out", "mlp_in", "mlp_sizes", "mlp_out", "moe")
 
-    def __init__(self, layer: DecoderLayerRecord, mixer_in, mixer_out, mlp_in, mlp_out, gdn):
+    def __init__(self, layer: DecoderLayerRecord, mixer_in, mixer_out, mlp_in, mlp_out, gdn,
+                 moe=None):
         self.gdn = gdn
+        self.moe = moe
         self.mixer_layer = layer.mixer_layer
         self.in_norm = layer.input_norm_weight
         self.post_norm = layer.post_norm_weight

@@ -83,13 +83,33 @@ class GDNLayer:
 
 
 @dataclass(eq=False, slots=True)
+class MoeRecord:
+    """A sparse MoE block (``hybridrt/moe_block.py``): the router's weight [E, H] and the
+    shared expert's gate [1, H] (the model's dtype), ``top_k``, per expert its (gate|up
+    [2I, H], down [H, I]) weights, the shared expert's (gate, up) weights (a merged group)
+    and its down weight, as ``quant.kernel_weight`` gives them."""
+
+    router: torch.Tensor
+    shared_gate: torch.Tensor
+    top_k: int
+    experts: list
+    shared_in: tuple
+    shared_out: object
+
+    @property
+    def intermediate(self) -> int:
+        """An expert's FFN width (``moe_intermediate_size``)."""
+        return self.experts[0][1].shape[1]
+
+
+@dataclass(eq=False, slots=True)
 class DecoderLayerRecord:
     """One decoder layer: its mixer's record (``mixer_layer``), the input and post-mixer
     RMSNorm weights [D] and their eps, and the weights its products read
     (``quant.kernel_weight`` of each projection, in output order): ``mixer_in`` q|k|v
     (attention) or qkv|z|b|a (GDN), ``mixer_out`` o_proj / out_proj, ``mlp_in`` gate|up,
     ``mlp_out`` down_proj; ``sparse_mlp``: the MLP is a sparse MoE block
-    (``hybridrt/moe_block.py``, ``mlp_in`` empty and ``mlp_out`` None), which the model runs."""
+    (``hybridrt/moe_block.py``, ``mlp_in`` empty and ``mlp_out`` None; ``moe`` its record)."""
 
     mixer_layer: AttentionLayer | GDNLayer
     input_norm_weight: torch.Tensor
@@ -100,6 +120,7 @@ class DecoderLayerRecord:
     mlp_in: tuple
     mlp_out: object
     sparse_mlp: bool = False
+    moe: MoeRecord | None = None
 
 
 @dataclass(eq=False, slots=True)
