@@ -167,3 +167,61 @@ def test_error_bench_runs(capsys):
     assert [r["format"] for r in rows] == ["bf16", "int8", "int4"]
     assert rows[0]["vs_bf16"]["rel_l2"] == 0 and 0 < rows[0]["vs_fp32"]["rel_l2"] < 0.05
     assert 0 < rows[1]["vs_bf16"]["rel_l2"] < rows[2]["vs_bf16"]["rel_l2"]
+
+
+def test_encoder_bench_options_run(capsys):
+    """--kernels torch and --quantization int8 time the same shape."""
+    from hybridrt.bench import vision
+
+    tiny = json.dumps({**VISION, "out_hidden_size": 16})
+    for flags in (["--kernels", "torch"], ["--quantization", "int8"]):
+        vision.main(["--sizes", "40x24", "--config", tiny, *flags])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["tokens"] for r in rows] == [15, 15] and all(r["seconds"] > 0 for r in rows)
+
+
+def test_llamacpp_checkpoint_holds_the_benchmarked_weights(tmp_path):
+    """write_checkpoint's tower is random_encoder's (what the bench times), loadable as a
+    checkpoint, with a text model of the tower's output width and the vision token ids."""
+    from hybridrt.bench.vision import random_encoder, write_checkpoint
+    from hybridrt.loader import load_config
+    from hybridrt.vision.load import load_vision_tower
+
+    vision = {**VISION, "out_hidden_size": 64}
+    ckpt = write_checkpoint(tmp_path / "ckpt", vision, seed=4)
+    text = load_config(ckpt)
+    assert text.hidden_size == 64
+    tower = load_vision_tower(ckpt, text, torch.bfloat16)
+    want = random_encoder(VisionConfig(**vision), torch.bfloat16, seed=4).state_dict()
+    got = tower.encoder.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    tok = json.loads((ckpt / "tokenizer.json").read_text())
+    added = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    assert cfg["image_token_id"] == added["<|image_pad|>"] < text.vocab_size
+
+
+def test_llamacpp_comparison_reads_mtmd_timings(tmp_path, capsys, monkeypatch):
+    """--llamacpp DIR: both conversions, then one mtmd run per size; its "image slice encoded
+    in" time beside ours and the ratio (a stand-in for llamacpp-bench here)."""
+    from hybridrt.bench import vision
+
+    tool = tmp_path / "llamacpp-bench"
+    log = tmp_path / "calls"
+    tool.write_text("#!/usr/bin/env bash\n"
+                    f"echo \"$1\" >> {log}\n"
+                    "case \"$1\" in\n"
+                    "  convert|convert-mmproj) echo gguf > \"$3\" ;;\n"
+                    "  mtmd) echo 'image slice encoded in 250 ms'; echo 'image slice encoded in "
+                    "250 ms' ;;\n"
+                    "esac\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("HYBRIDRT_LLAMACPP_BENCH", str(tool))
+    tiny = json.dumps({**VISION, "out_hidden_size": 16})
+    vision.main(["--sizes", "40x24,64x64", "--config", tiny, "--threads", "1",
+                 "--llamacpp", str(tmp_path / "work")])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["llamacpp_seconds"] for r in rows] == [0.5, 0.5]  # two slices, summed
+    assert all(r["ratio"] == pytest.approx(0.5 / r["seconds"]) for r in rows)
+    calls = [line.split()[0] for line in log.read_text().splitlines()]
+    assert calls == ["convert", "convert-mmproj", "mtmd", "mtmd"]
