@@ -20,8 +20,8 @@ from typing import Annotated
 import typer
 
 from hybridrt.cli.common import CliError, check_draft_vocab, check_model_options
-from hybridrt.engine_args import check_mmproj, check_speculation
-from hybridrt.options import KV_CACHE_DTYPES, check_quantization
+from hybridrt.engine_args import check_mmproj, check_speculation, check_vision_quantization
+from hybridrt.options import KV_CACHE_DTYPES
 
 BACKENDS = ("reference", "cpu", "cuda", "triton")  # kernels/backend/select.py's names
 
@@ -118,7 +118,7 @@ MmprojOpt = Annotated[str | None, typer.Option(
     "*mmproj*.gguf file beside the model, as llama-server picks one; docs/gguf.md).",
     show_default=False)]
 VisionQuantizationOpt = Annotated[str | None, typer.Option(
-    "--vision-quantization", help="int8 or int4: the vision tower's linear weights quantized "
+    "--vision-quantization", help="int8: the vision tower's linear weights quantized to int8 "
     "at load time (CPU; docs/vision.md) (default: none, the tower in --dtype).",
     show_default=False)]
 EngineSeedOpt = Annotated[int, typer.Option(
@@ -182,7 +182,7 @@ class ModelOptions:
         except ValueError as e:
             raise CliError(f"{e}", 2) from None
         try:
-            if check_quantization(self.vision_quantization) and self.device != "cpu":
+            if check_vision_quantization(self.vision_quantization) and self.device != "cpu":
                 raise ValueError(f"it runs on the CPU only, not --device {self.device}")
         except ValueError as e:
             raise CliError(f"--vision-quantization: {e}", 2) from None

@@ -81,9 +81,9 @@ class LLM:
     ``--language-model-only``): its memory saved, images refused. A checkpoint with a tower
     takes images in ``generate`` (``multi_modal_data``) and ``chat`` (image parts): see
     docs/vision.md. mmproj: a GGUF model's vision projector file (docs/gguf.md).
-    vision_quantization: None (default: the tower in ``dtype``), "int8" or "int4": the vision
-    tower's linear weights quantized at load time (CPU; independent of ``quantization``;
-    errors measured in docs/vision.md).
+    vision_quantization: None (default: the tower in ``dtype``) or "int8": the vision tower's
+    linear weights quantized to int8 at load time (CPU; independent of ``quantization``; its
+    error and speed in docs/vision.md; int4 is refused, by its measured error).
     speculative_method ("mtp", "ngram": prompt lookup, "mtp+ngram"), speculative_adaptive (k up
     to speculative_tokens, chosen per request), prompt_lookup_min / _max: docs/speculation.md.
     hf_overrides: config.json entries replaced before the model is built (a dict or its JSON

@@ -140,6 +140,8 @@ def test_llm_vision_quantization_int8_quantizes_only_the_tower(ckpt):
 def test_vision_quantization_refusals(ckpt):
     with pytest.raises(ValueError, match="unknown quantization 'int5'"):
         LLM(ckpt[0], vision_quantization="int5")
+    with pytest.raises(ValueError, match="'int4' is not offered: the tower's embeddings"):
+        LLM(ckpt[0], vision_quantization="int4")
     with pytest.raises(ValueError, match="language_model_only leaves unloaded"):
         LLM(ckpt[0], vision_quantization="int8", language_model_only=True)
     with pytest.raises(ValueError, match="runs on the CPU backends only"):
@@ -202,8 +204,8 @@ def test_llamacpp_checkpoint_holds_the_benchmarked_weights(tmp_path):
 
 
 def test_llamacpp_comparison_reads_mtmd_timings(tmp_path, capsys, monkeypatch):
-    """--llamacpp DIR: both conversions, then one mtmd run per size; its "image slice encoded
-    in" time beside ours and the ratio (a stand-in for llamacpp-bench here)."""
+    """--llamacpp DIR: both conversions, then one mtmd run per size; its encode time beside
+    ours and the ratio (a stand-in for llamacpp-bench here)."""
     from hybridrt.bench import vision
 
     tool = tmp_path / "llamacpp-bench"
@@ -212,8 +214,9 @@ def test_llamacpp_comparison_reads_mtmd_timings(tmp_path, capsys, monkeypatch):
                     f"echo \"$1\" >> {log}\n"
                     "case \"$1\" in\n"
                     "  convert|convert-mmproj) echo gguf > \"$3\" ;;\n"
-                    "  mtmd) echo 'image slice encoded in 250 ms'; echo 'image slice encoded in "
-                    "250 ms' ;;\n"
+                    "  mtmd) case \"$4\" in *40x24*) echo 'mtmd batch encoding done in 500 ms' ;;\n"
+                    "    *) echo 'image slice encoded in 250 ms'; echo 'image slice encoded in "
+                    "250 ms'; echo 'mtmd batch encoding done in 501 ms' ;; esac ;;\n"
                     "esac\n")
     tool.chmod(0o755)
     monkeypatch.setenv("HYBRIDRT_LLAMACPP_BENCH", str(tool))
@@ -221,7 +224,8 @@ def test_llamacpp_comparison_reads_mtmd_timings(tmp_path, capsys, monkeypatch):
     vision.main(["--sizes", "40x24,64x64", "--config", tiny, "--threads", "1",
                  "--llamacpp", str(tmp_path / "work")])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["llamacpp_seconds"] for r in rows] == [0.5, 0.5]  # two slices, summed
+    # the batch's time; two slices summed where they are printed
+    assert [r["llamacpp_seconds"] for r in rows] == [0.5, 0.5]
     assert all(r["ratio"] == pytest.approx(0.5 / r["seconds"]) for r in rows)
     calls = [line.split()[0] for line in log.read_text().splitlines()]
     assert calls == ["convert", "convert-mmproj", "mtmd", "mtmd"]

@@ -9,8 +9,8 @@ of ``--repeat`` runs.
 with few layers, the demo model's tokenizer with the vision tokens added, a
 ``preprocessor_config.json``) is written into DIR and converted by
 ``../shared/tools/llamacpp-bench`` (``convert`` for the text model, ``convert-mmproj`` for the
-tower, bf16); ``mtmd`` then encodes a PNG of each size, and its "image slice encoded in" time
-stands beside ours with the ratio (llama.cpp's time / ours)."""
+tower, bf16); ``mtmd`` then encodes a PNG of each size, and its encode time (the image's
+slices, or its batch) stands beside ours with the ratio (llama.cpp's time / ours)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ QWEN35_08B_VISION = {"depth": 12, "hidden_size": 768, "num_heads": 12, "intermed
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 TEXT_LAYERS = 4  # the llama.cpp comparison's text model: one attention layer, three GDN
 TOOL = Path(__file__).resolve().parents[2] / ".." / "shared" / "tools" / "llamacpp-bench"
-_ENCODED = re.compile(r"image slice encoded in\s+([0-9.]+)\s*ms")
+# llama-mtmd-cli's encode times: per image slice (mtmd-helper), else its batch's (mtmd-cli)
+_SLICE = re.compile(r"image slice encoded in\s+([0-9.]+)\s*ms")
+_BATCH = re.compile(r"mtmd batch encoding done in\s+([0-9.]+)\s*ms")
 
 
 def randomize_(module: torch.nn.Module, g: torch.Generator) -> None:
@@ -141,7 +143,8 @@ def llamacpp_encode(directory: str | Path, vision: dict, sizes: list[tuple[int, 
                     threads: int, seed: int = 0, tool: str | Path | None = None) -> list[dict]:
     """llama.cpp's ``llama-mtmd-cli`` on the same weights (``write_checkpoint`` into
     ``directory``, converted to bf16 GGUFs there) -> per size its image encode time in seconds
-    ("image slice encoded in"), None where it printed none (with its output)."""
+    ("image slice encoded in", else "mtmd batch encoding done in"), None where it printed
+    neither (with its output)."""
     from PIL import Image
 
     tool = Path(tool or env.read("HYBRIDRT_LLAMACPP_BENCH") or TOOL)
@@ -165,7 +168,8 @@ def llamacpp_encode(directory: str | Path, vision: dict, sizes: list[tuple[int, 
         Image.fromarray(pixels.numpy()).save(png)
         res = subprocess.run([str(tool), "mtmd", str(model), str(proj), str(png), str(threads)],
                              capture_output=True, text=True)
-        times = [float(m) / 1000 for m in _ENCODED.findall(res.stdout + res.stderr)]
+        text = res.stdout + res.stderr
+        times = [float(m) / 1000 for m in _SLICE.findall(text) or _BATCH.findall(text)]
         row = {"size": f"{height}x{width}", "seconds": sum(times) if times else None}
         if not times:
             row["output"] = (res.stdout + res.stderr).strip()[-2000:]
