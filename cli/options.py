@@ -20,7 +20,7 @@ from typing import Annotated
 import typer
 
 from hybridrt.cli.common import CliError, check_draft_vocab, check_model_options
-from hybridrt.engine_args import check_mmproj, check_speculation
+from hybridrt.engine_args import check_mmproj, check_speculation, check_vision_quantization
 from hybridrt.options import KV_CACHE_DTYPES
 
 BACKENDS = ("reference", "cpu", "cuda", "triton")  # kernels/backend/select.py's names
@@ -117,6 +117,10 @@ MmprojOpt = Annotated[str | None, typer.Option(
     "--mmproj", help="A GGUF model's vision projector file (llama.cpp's mmproj) (default: a "
     "*mmproj*.gguf file beside the model, as llama-server picks one; docs/gguf.md).",
     show_default=False)]
+VisionQuantizationOpt = Annotated[str | None, typer.Option(
+    "--vision-quantization", help="int8: the vision tower's linear weights quantized to int8 "
+    "at load time (CPU; docs/vision.md) (default: none, the tower in --dtype).",
+    show_default=False)]
 EngineSeedOpt = Annotated[int, typer.Option(
     "--engine-seed", help="Seed of the engine's generator, which samples every request "
     "without a --seed of its own.")]
@@ -158,6 +162,7 @@ class ModelOptions:
     engine_seed: EngineSeedOpt = 0
     kv_cache_dtype: KvCacheDtypeOpt = "auto"
     mmproj: MmprojOpt = None
+    vision_quantization: VisionQuantizationOpt = None
 
     # a field named otherwise than LLM's keyword argument: engine_seed, since chat's and
     # generate's --seed is the per-request one (SamplingParams.seed)
@@ -176,6 +181,11 @@ class ModelOptions:
             check_mmproj(self.model, self.mmproj)
         except ValueError as e:
             raise CliError(f"{e}", 2) from None
+        try:
+            if check_vision_quantization(self.vision_quantization) and self.device != "cpu":
+                raise ValueError(f"it runs on the CPU only, not --device {self.device}")
+        except ValueError as e:
+            raise CliError(f"--vision-quantization: {e}", 2) from None
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise CliError(f"--kv-cache-dtype: unknown dtype {self.kv_cache_dtype!r}; choose "
                            f"one of {', '.join(KV_CACHE_DTYPES)}", 2)

@@ -128,6 +128,7 @@ class EngineArgs:
     prefix_cache_dir_size: int | str = "16GiB"
     kv_cache_dtype: str = "auto"  # hybridrt.options.KV_CACHE_DTYPES
     mmproj: str | os.PathLike | None = None  # a GGUF model's projector (hybridrt.gguf.mmproj)
+    vision_quantization: str | None = None  # the vision tower's linears (hybridrt.vision.kernels)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hf_overrides", parse_overrides(self.hf_overrides))
@@ -168,6 +169,11 @@ class EngineArgs:
             raise ValueError("batch_invariant=True runs on the cpu and cuda backends, not the "
                              "reference one")
         object.__setattr__(self, "quantization", check_quantization(self.quantization))
+        object.__setattr__(self, "vision_quantization",
+                           check_vision_quantization(self.vision_quantization))
+        if self.vision_quantization and self.language_model_only:
+            raise ValueError("vision_quantization quantizes the vision tower, which "
+                             "language_model_only leaves unloaded: give one of them")
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, lo=2)
         check_int("max_num_seqs", self.max_num_seqs, lo=1)
@@ -248,6 +254,16 @@ def check_device(device):
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"no device {device}: {torch.cuda.device_count()} GPU(s) visible")
     return device
+
+
+def check_vision_quantization(name) -> str | None:
+    """None / 'none' -> None, 'int8' -> it; int4 is refused (the tower's embeddings were about
+    18% off in 4 bits: docs/vision.md), anything else as ``check_quantization`` refuses it."""
+    name = check_quantization(name)
+    if name == "int4":
+        raise ValueError("vision_quantization='int4' is not offered: the tower's embeddings "
+                         "were about 18% off in 4 bits (docs/vision.md); use int8 or none")
+    return name
 
 
 def check_cpu_backend(what: str, device, backend: str | None) -> None:

@@ -81,6 +81,9 @@ class LLM:
     ``--language-model-only``): its memory saved, images refused. A checkpoint with a tower
     takes images in ``generate`` (``multi_modal_data``) and ``chat`` (image parts): see
     docs/vision.md. mmproj: a GGUF model's vision projector file (docs/gguf.md).
+    vision_quantization: None (default: the tower in ``dtype``) or "int8": the vision tower's
+    linear weights quantized to int8 at load time (CPU; independent of ``quantization``; its
+    error and speed in docs/vision.md; int4 is refused, by its measured error).
     speculative_method ("mtp", "ngram": prompt lookup, "mtp+ngram"), speculative_adaptive (k up
     to speculative_tokens, chosen per request), prompt_lookup_min / _max: docs/speculation.md.
     hf_overrides: config.json entries replaced before the model is built (a dict or its JSON
@@ -121,6 +124,7 @@ class LLM:
         hf_overrides: dict | str | None = None,
         prefix_cache_dir: str | None = None, prefix_cache_dir_size: int | str = "16GiB",
         kv_cache_dtype: str = "auto", mmproj: str | os.PathLike | None = None,
+        vision_quantization: str | None = None,
     ):
         # every keyword above, checked once (before anything loads)
         args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})
@@ -131,6 +135,9 @@ class LLM:
         self.quantization = args.quantization
         if self.quantization:
             check_cpu_backend(f"quantization={self.quantization!r}", self.device, backend)
+        if args.vision_quantization:
+            check_cpu_backend(f"vision_quantization={args.vision_quantization!r}", self.device,
+                              backend)
         if self.device.type == "cpu":
             keep_freed_memory()
             opts = env.kernel_options()
@@ -156,7 +163,8 @@ class LLM:
         cache = HybridCacheManager.for_engine(
             self.args, self.config, self.dtype,
             self.model.num_attention_caches - len(self.config.full_attention_layers),
-            salt=f"{self.dtype}|{self.quantization}|{block_size}|{self.model_path}")
+            salt=f"{self.dtype}|{self.quantization}|{block_size}|{self.model_path}"
+            + (f"|vision {args.vision_quantization}" if args.vision_quantization else ""))
         draft_vocab, self.draft_vocab_source = None, None
         if draft_vocab_size is not None:
             draft_vocab, self.draft_vocab_source = load_draft_vocab(
@@ -164,7 +172,11 @@ class LLM:
         self.tokenizer = self._load_tokenizer(tokenizer)
         # the vision tower (None: text only) and why images are refused without it
         self.vision = None if language_model_only else load_vision_tower(
-            self.model_path, self.config, self.dtype, self.device, args.mmproj)
+            self.model_path, self.config, self.dtype, self.device, args.mmproj,
+            args.vision_quantization)
+        if self.vision is None and args.vision_quantization:
+            raise ValueError(f"vision_quantization={args.vision_quantization!r}: the model at "
+                             f"{self.model_path} has no vision tower")
         # the checkpoint is searched for a tower only where it was not loaded on purpose
         self.vision_refusal = vision_inputs.refusal_reason(language_model_only and (
             vision_inputs.has_vision_tower(self.model_path, args.mmproj)), language_model_only)
@@ -175,6 +187,8 @@ class LLM:
         self._parent_ids = itertools.count()  # n > 1: the parents' ids
         self.engine = LLMEngine(self.model, self.config, cache, self.args, self.tokenizer,
                                 draft_vocab=draft_vocab, thread_governor=governor)
+        if self.vision is not None:  # the tower's products on the text model's kernels
+            self.vision.encoder.set_backend(self.engine.runner.backend)
         self.trace = None
         if trace:
             from hybridrt.trace import TraceRecorder

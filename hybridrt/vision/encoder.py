@@ -13,6 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridrt.vision.config import VisionConfig
+from hybridrt.vision.kernels import VisionKernels
+
+TORCH = VisionKernels()  # plain torch ops, until ``VisionEncoder.set_backend``
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches
 
@@ -37,25 +40,23 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_heads
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.kernels = TORCH
 
     def forward(self, x: torch.Tensor, bounds: Sequence[int], cos, sin) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, -1).unbind(1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = torch.empty_like(q)
-        for s, e in zip(bounds[:-1], bounds[1:]):  # one image (or frame) at a time
-            out[s:e] = F.scaled_dot_product_attention(
-                q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
-            ).transpose(0, 1)
-        return self.proj(out.reshape(n, -1))
+        qkv = self.kernels.linear(x, self.qkv).view(n, 3, self.num_heads, -1)
+        q, k = _rotate(qkv[:, :2], cos[:, None, None], sin[:, None, None]).unbind(1)
+        out = self.kernels.attention(q, k, qkv[:, 2], bounds)
+        return self.kernels.linear(out.reshape(n, -1), self.proj)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE over the whole head, in fp32, back to ``x``'s dtype."""
+    """Rotate-half RoPE over the whole head (the last dimension), in fp32, back to ``x``'s
+    dtype (``cos`` and ``sin`` broadcast against ``x``)."""
     xf = x.float()
     half = xf.shape[-1] // 2
     rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos[:, None] + rot * sin[:, None]).to(x.dtype)
+    return (xf * cos + rot * sin).to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -64,9 +65,11 @@ class MLP(nn.Module):
         self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
         self.approximate = "tanh" if cfg.hidden_act == "gelu_pytorch_tanh" else "none"
+        self.kernels = TORCH
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate=self.approximate))
+        h = F.gelu(self.kernels.linear(x, self.linear_fc1), approximate=self.approximate)
+        return self.kernels.linear(h, self.linear_fc2)
 
 
 class Block(nn.Module):
@@ -93,15 +96,18 @@ class Merger(nn.Module):
         self.linear_fc1 = nn.Linear(width, width)
         self.linear_fc2 = nn.Linear(width, cfg.out_hidden_size)
         self.width = width
+        self.kernels = TORCH
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x).reshape(-1, self.width)
-        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+        return self.kernels.linear(F.gelu(self.kernels.linear(x, self.linear_fc1)),
+                                   self.linear_fc2)
 
 
 class VisionEncoder(nn.Module):
     """``forward(pixel_values, grids)``: the patches of several images (the image processor's
-    rows, images one after another) -> their merged embeddings [tokens, out_hidden_size]."""
+    rows, images one after another) -> their merged embeddings [tokens, out_hidden_size].
+    Its products and attention run on plain torch ops until ``set_backend``."""
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -110,6 +116,14 @@ class VisionEncoder(nn.Module):
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
         self.merger = Merger(cfg)
+
+    def set_backend(self, backend) -> None:
+        """Compute the products and attention on ``backend`` (a kernel backend, e.g. the
+        engine's; None: plain torch ops), see hybridrt.vision.kernels."""
+        kernels = VisionKernels(backend)
+        for m in self.modules():
+            if "kernels" in m.__dict__:
+                m.kernels = kernels
 
     def forward(self, pixels: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
         rows, cols, bounds = _patch_coordinates(grids, self.cfg.spatial_merge_size)

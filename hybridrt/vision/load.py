@@ -14,6 +14,7 @@ from hybridrt.config import ConfigError, ModelConfig
 from hybridrt.loader import CheckpointError, _weight_files
 from hybridrt.vision.config import VisionConfig
 from hybridrt.vision.encoder import VisionEncoder
+from hybridrt.vision.kernels import quantize_tower
 from hybridrt.vision.preprocess import ImageProcessor
 from hybridrt.vision.tower import TextRotary, VisionTower
 
@@ -22,19 +23,31 @@ PREFIXES = ("model.visual.", "visual.")
 
 def load_vision_tower(path: str | os.PathLike, text: ModelConfig, dtype: torch.dtype,
                       device: torch.device | str = "cpu",
-                      mmproj: str | os.PathLike | None = None) -> VisionTower | None:
+                      mmproj: str | os.PathLike | None = None,
+                      quantization: str | None = None) -> VisionTower | None:
     """The checkpoint's tower in ``dtype`` on ``device``, or None where it has none (no
     ``vision_config``, or one without ``model.visual.*`` weights, as the demo model's).
     Missing, unexpected and mis-shaped tensors fail together in one CheckpointError. A GGUF
     file's tower is its projector file ``mmproj`` (None: one found beside it; hybridrt.gguf
-    .mmproj)."""
-    from safetensors import safe_open
-
+    .mmproj). ``quantization`` ("int8", "int4"): its linear weights quantized
+    (``hybridrt.vision.kernels.quantize_tower``)."""
     path = Path(path)
     if path.is_file():
         from hybridrt.gguf.mmproj import load_mmproj_tower
 
-        return load_mmproj_tower(path, text, dtype, device, mmproj)
+        tower = load_mmproj_tower(path, text, dtype, device, mmproj)
+    else:
+        tower = _load_checkpoint_tower(path, text, dtype, device)
+    if tower is not None and quantization:
+        quantize_tower(tower.encoder, quantization)
+    return tower
+
+
+def _load_checkpoint_tower(path: Path, text: ModelConfig, dtype: torch.dtype,
+                           device: torch.device | str) -> VisionTower | None:
+    """A checkpoint directory's ``model.visual.*`` (``load_vision_tower``)."""
+    from safetensors import safe_open
+
     raw = json.loads((path / "config.json").read_text())
     cfg = VisionConfig.from_dict(raw)
     if cfg is None:
