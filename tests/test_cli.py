@@ -506,6 +506,7 @@ except SystemExit as e:
     ["bench", "spec", "--ks", "x"],
     ["bench", "throughput", "--dtype", "int4"],
     ["generate", "-p", "x", "--output", "/no-such-dir/out.jsonl"],
+    ["serve", "--allowed-media-domains", "https://example.com"],
 ], ids=lambda a: "-".join(a).replace("--", ""))
 def test_usage_errors_print_before_torch_is_imported(args):
     proc = subprocess.run([sys.executable, "-c", _NO_TORCH_PROBE, *args],
