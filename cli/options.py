@@ -22,6 +22,7 @@ import typer
 from hybridrt.cli.common import CliError, check_draft_vocab, check_model_options
 from hybridrt.engine_args import check_mmproj, check_speculation
 from hybridrt.options import KV_CACHE_DTYPES
+from hybridrt.vision.inputs import parse_mm_limits
 
 BACKENDS = ("reference", "cpu", "cuda", "triton")  # kernels/backend/select.py's names
 
@@ -117,6 +118,9 @@ MmprojOpt = Annotated[str | None, typer.Option(
     "--mmproj", help="A GGUF model's vision projector file (llama.cpp's mmproj) (default: a "
     "*mmproj*.gguf file beside the model, as llama-server picks one; docs/gguf.md).",
     show_default=False)]
+LimitMmOpt = Annotated[str | None, typer.Option(
+    "--limit-mm-per-prompt", help="The most images one prompt may hold, vLLM's JSON, e.g. "
+    "'{\"image\": 4}'; a prompt with more fails (default: no limit).", show_default=False)]
 EngineSeedOpt = Annotated[int, typer.Option(
     "--engine-seed", help="Seed of the engine's generator, which samples every request "
     "without a --seed of its own.")]
@@ -158,6 +162,7 @@ class ModelOptions:
     engine_seed: EngineSeedOpt = 0
     kv_cache_dtype: KvCacheDtypeOpt = "auto"
     mmproj: MmprojOpt = None
+    limit_mm_per_prompt: LimitMmOpt = None
 
     # a field named otherwise than LLM's keyword argument: engine_seed, since chat's and
     # generate's --seed is the per-request one (SamplingParams.seed)
@@ -174,6 +179,7 @@ class ModelOptions:
         try:
             check_speculation(self)
             check_mmproj(self.model, self.mmproj)
+            parse_mm_limits(self.limit_mm_per_prompt)
         except ValueError as e:
             raise CliError(f"{e}", 2) from None
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -1,8 +1,8 @@
 """http(s) image URLs on the server (hybridrt.vision.fetch): fetched only from the hosts the
 operator allows, within a size and a time limit, a redirect followed only to an allowed host;
-a fetched image gives the tokens the same image gives as a data URL; every refusal is a
-one-line 400 for its own request; a slow URL holds no parse worker. A loopback HTTP server
-(http.server in a thread) serves the images."""
+a fetched image gives the tokens the same image gives as a data URL; every refusal (and more
+images than the per-prompt limit) is a one-line 400 for its own request; a slow URL holds no
+parse worker. A loopback HTTP server (http.server in a thread) serves the images."""
 
 from __future__ import annotations
 
@@ -218,6 +218,29 @@ def test_a_slow_url_holds_no_parse_worker(llm, images):
         assert slow["r"].status_code == 200, slow["r"].text
     finally:
         images.state["release"].set()
+        srv.stop()
+
+
+def test_more_images_than_the_limit_are_a_400_before_any_fetch(llm, images, monkeypatch):
+    """The tower's per-prompt limit (LLM(limit_mm_per_prompt=...), tests/test_vision_tower.py)
+    refuses a chat with more images, its URLs not fetched; one within it is answered."""
+    monkeypatch.setattr(llm.vision, "max_images", 1)
+    local = f"http://localhost:{images.server_port}"
+    srv = running(llm, media=MediaPolicy(("localhost",), timeout=20))
+    try:
+        post = lambda body: httpx.post(f"{srv.base}/v1/chat/completions", json=body,  # noqa: E731
+                                       timeout=120)
+        r = post(chat_body(f"{local}/a.png", f"{local}/b.png"))
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == (
+            "the prompt holds 2 image(s), over the limit of 1 per prompt "
+            "(limit_mm_per_prompt / --limit-mm-per-prompt)")
+        assert images.state["hits"] == []
+        r = post(chat_body(data_url(images.state["png"]["/a.png"]),
+                           data_url(images.state["png"]["/b.png"])))
+        assert r.status_code == 400 and "over the limit of 1" in r.text
+        assert post(chat_body(f"{local}/a.png")).status_code == 200
+    finally:
         srv.stop()
 
 

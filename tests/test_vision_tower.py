@@ -91,6 +91,47 @@ def test_bad_image_input_fails_its_own_request(llm, prompt, data, words):
     assert outs[1].error is None
 
 
+LIMIT_ERROR = ("the prompt holds 2 image(s), over the limit of 1 per prompt "
+               "(limit_mm_per_prompt / --limit-mm-per-prompt)")
+
+
+def test_more_images_than_the_per_prompt_limit_fail_their_own_request(ckpt, llm):
+    """limit_mm_per_prompt (vLLM's): a prompt with more images fails alone, in generate and
+    chat, before its images are read; prompts within the limit answer as without one."""
+    limited = LLM(ckpt[0], dtype="float32", max_model_len=256, cache_memory="32MiB",
+                  limit_mm_per_prompt={"image": 1})
+    assert limited.vision.max_images == 1 and llm.vision.max_images is None
+    a, b = image(24, 32, 1), image(16, 16, 2)
+    one = {"prompt": f"{IMG}one?", "multi_modal_data": {"image": [a]}}
+    outs = limited.generate([{"prompt": f"{IMG}{IMG}two?", "multi_modal_data": {
+        "image": [a, object()]}}, one], GREEDY, use_tqdm=False)  # the 2nd is never read
+    assert str(outs[0].error) == LIMIT_ERROR and outs[0].outputs[0].finish_reason == "error"
+    (want,) = llm.generate([one], GREEDY, use_tqdm=False)
+    assert outs[1].error is None and outs[1].outputs[0].token_ids == want.outputs[0].token_ids
+    two_turns = [{"role": "user", "content": [{"type": "image", "image": a}]},
+                 {"role": "assistant", "content": "ok"},
+                 {"role": "user", "content": [{"type": "image", "image": b},
+                                              {"type": "text", "text": "and?"}]}]
+    outs = limited.chat([two_turns, two_turns[2:]], GREEDY, use_tqdm=False)
+    assert str(outs[0].error) == LIMIT_ERROR and outs[1].error is None
+    none = LLM(ckpt[0], dtype="float32", max_model_len=256, cache_memory="32MiB",
+               limit_mm_per_prompt='{"image": 0}')  # the CLI's JSON text
+    (out,) = none.generate([one], GREEDY, use_tqdm=False)
+    assert "holds 1 image(s), over the limit of 0 per prompt" in str(out.error)
+
+
+@pytest.mark.parametrize("value", ['{"image": -1}', "{", {"images": 2}, {"image": True},
+                                   ["image", 2]])
+def test_a_bad_per_prompt_limit_is_one_error_before_loading(value):
+    from hybridrt.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="limit_mm_per_prompt") as e:
+        EngineArgs(limit_mm_per_prompt=value)
+    assert "\n" not in str(e.value)
+    assert EngineArgs(limit_mm_per_prompt='{"image": 3, "video": 0}').image_limit == 3
+    assert EngineArgs().image_limit is None
+
+
 def test_chat_with_a_video_part_is_refused(llm):
     conv = [{"role": "user", "content": [{"type": "video", "video": ["a.png"]},
                                          {"type": "text", "text": "?"}]}]

@@ -217,6 +217,7 @@ class Preparer:
                           "messages")
         try:
             messages, images = vision_inputs.chat_images(messages)
+            vision_inputs.check_image_count(len(images), self.front.vision.max_images)
         except ValueError as e:
             raise api.bad(str(e), "messages") from None
         urls = []

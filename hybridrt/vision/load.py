@@ -22,15 +22,23 @@ PREFIXES = ("model.visual.", "visual.")
 
 def load_vision_tower(path: str | os.PathLike, text: ModelConfig, dtype: torch.dtype,
                       device: torch.device | str = "cpu",
-                      mmproj: str | os.PathLike | None = None) -> VisionTower | None:
+                      mmproj: str | os.PathLike | None = None,
+                      max_images: int | None = None) -> VisionTower | None:
     """The checkpoint's tower in ``dtype`` on ``device``, or None where it has none (no
     ``vision_config``, or one without ``model.visual.*`` weights, as the demo model's).
     Missing, unexpected and mis-shaped tensors fail together in one CheckpointError. A GGUF
     file's tower is its projector file ``mmproj`` (None: one found beside it; hybridrt.gguf
-    .mmproj)."""
+    .mmproj). ``max_images``: the most images one prompt may hold (None: no limit)."""
+    tower = _load(Path(path), text, dtype, device, mmproj)
+    if tower is not None:
+        tower.max_images = max_images
+    return tower
+
+
+def _load(path: Path, text: ModelConfig, dtype: torch.dtype, device,
+          mmproj) -> VisionTower | None:
     from safetensors import safe_open
 
-    path = Path(path)
     if path.is_file():
         from hybridrt.gguf.mmproj import load_mmproj_tower
 
