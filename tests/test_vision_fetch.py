@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -15,7 +16,7 @@ import pytest
 from vision_helpers import image, write_vision_checkpoint
 
 from hybridrt import LLM, SamplingParams
-from hybridrt.vision.fetch import MediaPolicy, parse_domains
+from hybridrt.vision.fetch import MediaError, MediaPolicy, parse_domains
 
 pytest.importorskip("starlette")
 httpx = pytest.importorskip("httpx")
@@ -252,3 +253,14 @@ def test_allowed_domains_are_bare_host_names():
     assert MediaPolicy().allowed_domains == ()
     with pytest.raises(ValueError, match="timeout"):
         MediaPolicy(("localhost",), timeout=0)
+    # hosts as the client parses them: userinfo is not the host, IDNA names match punycode
+    policy = MediaPolicy("example.com,пример.рф")
+    assert policy.allowed_domains == ("example.com", "xn--e1afmkfd.xn--p1ai")
+    for ok in ("https://EXAMPLE.com:8443/a.png", "http://xn--e1afmkfd.xn--p1ai/a.png",
+               "http://пример.рф/a.png"):
+        policy.check(ok)
+    for bad, words in (("http://example.com@evil.com/a.png", "host 'evil.com'"),
+                       ("http://evil.com/?u=http://example.com", "host 'evil.com'"),
+                       ("file:///etc/passwd", "only http(s)"), ("http:///a.png", "only http")):
+        with pytest.raises(MediaError, match=re.escape(words)):
+            policy.check(bad)

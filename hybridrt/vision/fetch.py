@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urljoin
 
 MAX_REDIRECTS = 5
 # Content-Types a fetched image may come with (none given: the bytes decide)
@@ -25,8 +25,9 @@ def is_http_url(value) -> bool:
 
 
 def parse_domains(text: str | Sequence[str] | None) -> tuple[str, ...]:
-    """``"example.com,localhost"`` (or a list of names) -> the host names, lower case;
-    ValueError for a name that is not a bare host (a scheme, a path, a port, a blank)."""
+    """``"example.com,localhost"`` (or a list of names) -> the host names, lower case (a
+    non-ASCII name in punycode, as URLs are matched); ValueError for a name that is not a bare
+    host (a scheme, a path, a port, a blank)."""
     if text is None:
         return ()
     names = text.split(",") if isinstance(text, str) else list(text)
@@ -36,7 +37,11 @@ def parse_domains(text: str | Sequence[str] | None) -> tuple[str, ...]:
         if not host or any(c in host for c in "/:@ ?#*"):
             raise ValueError(f"allowed media domain {name.strip()!r} must be a host name such "
                              f"as example.com (no scheme, port, path or wildcard)")
-        out.append(host)
+        try:
+            out.append(host.encode("idna").decode("ascii"))
+        except UnicodeError:
+            raise ValueError(f"allowed media domain {name.strip()!r} is not a valid host "
+                             f"name") from None
     return tuple(dict.fromkeys(out))
 
 
@@ -70,14 +75,16 @@ class MediaPolicy:
             return ("this server fetches no image URLs (its operator allows no domain: "
                     "--allowed-media-domains); send the image as a data URL "
                     "(data:image/png;base64,...)")
-        try:
-            parts = urlsplit(url)
-            host = parts.hostname
-        except ValueError:
+        import httpx
+
+        try:  # the host as the client connects to it (its own parser), in ASCII (punycode)
+            parsed = httpx.URL(url)
+            host = parsed.raw_host.decode("ascii").lower()
+        except (httpx.InvalidURL, ValueError):
             return "not a valid URL"
-        if parts.scheme.lower() not in ("http", "https") or not host:
+        if parsed.scheme not in ("http", "https") or not host:
             return "only http(s) URLs are fetched"
-        if host.lower() not in self.allowed_domains:
+        if host not in self.allowed_domains:
             return (f"host {host!r} is not in this server's --allowed-media-domains "
                     f"({', '.join(self.allowed_domains)})")
         return None
