@@ -8,6 +8,8 @@ An input line is plain text (the prompt) or a JSON object:
 
 Besides ``id`` and one of ``prompt`` / ``messages`` / ``prompt_token_ids`` a line may carry
 any SamplingParams field and ``chat_template_kwargs``; command-line flags are the defaults.
+A message's content is text or OpenAI content parts; image parts (a data URL or a path) go to
+the vision tower as in ``LLM.chat`` (docs/vision.md).
 A line that starts with ``{``, ``[`` or ``"`` and parses as JSON must be an object (a JSON
 string or list is an error, not a prompt); blank lines are skipped. Without an ``id`` a line's
 id is its 0-based position in the output: the ``--prompt`` texts first, then the input's
@@ -106,10 +108,12 @@ def parse_line(line: str, index: int, line_number: int,
     elif "messages" in obj:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in msgs
+            isinstance(m, dict) and isinstance(m.get("role"), str) and _content(m.get("content"))
+            for m in msgs
         ):
-            item.error = "messages must be a non-empty list of {'role': str, 'content': str}"
+            item.error = ("messages must be a non-empty list of {'role': str, 'content': str or "
+                          "a list of content parts such as {'type': 'text', 'text': ...} and "
+                          "{'type': 'image_url', 'image_url': {'url': ...}}}")
         item.messages = msgs
     elif kwargs is not None:
         item.error = "chat_template_kwargs applies to messages only"
@@ -127,6 +131,13 @@ def parse_line(line: str, index: int, line_number: int,
     item.chat_kwargs = kwargs
     item.sampling = {k: v for k, v in obj.items() if k in sampling_fields}
     return item
+
+
+def _content(content) -> bool:
+    """A message's content as a chat takes it: text, or OpenAI content parts (text, images:
+    hybridrt.vision.inputs)."""
+    return isinstance(content, str) or isinstance(content, list) and all(
+        isinstance(p, dict) and isinstance(p.get("type"), str) for p in content)
 
 
 def as_chat(items: list) -> None:
@@ -172,8 +183,9 @@ def run_items(llm, items: list[Item], defaults: dict, chat_kwargs: dict,
             try:
                 if llm.tokenizer is None:
                     raise ValueError("this model has no tokenizer, so it has no chat template")
-                it.prompt = llm.apply_chat_template(it.messages,
-                                                    {**chat_kwargs, **(it.chat_kwargs or {})})
+                # as LLM.chat renders it: image parts become the prompt's multi_modal_data
+                it.prompt = llm.inputs.chat_prompt(it.messages, {
+                    **chat_kwargs, **(it.chat_kwargs or {})}, True)
             except Exception as e:  # noqa: BLE001 - a template may raise anything
                 it.error = f"chat template: {e}"
         if it.error is None and it.prompt == "":

@@ -22,6 +22,7 @@ import typer
 from hybridrt.cli.common import CliError, check_draft_vocab, check_model_options
 from hybridrt.engine_args import check_mmproj, check_speculation, check_vision_quantization
 from hybridrt.options import KV_CACHE_DTYPES
+from hybridrt.vision.inputs import parse_mm_limits
 
 BACKENDS = ("reference", "cpu", "cuda", "triton")  # kernels/backend/select.py's names
 
@@ -121,6 +122,9 @@ VisionQuantizationOpt = Annotated[str | None, typer.Option(
     "--vision-quantization", help="int8: the vision tower's linear weights quantized to int8 "
     "at load time (CPU; docs/vision.md) (default: none, the tower in --dtype).",
     show_default=False)]
+LimitMmOpt = Annotated[str | None, typer.Option(
+    "--limit-mm-per-prompt", help="The most images one prompt may hold, vLLM's JSON, e.g. "
+    "'{\"image\": 4}'; a prompt with more fails (default: no limit).", show_default=False)]
 EngineSeedOpt = Annotated[int, typer.Option(
     "--engine-seed", help="Seed of the engine's generator, which samples every request "
     "without a --seed of its own.")]
@@ -163,6 +167,7 @@ class ModelOptions:
     kv_cache_dtype: KvCacheDtypeOpt = "auto"
     mmproj: MmprojOpt = None
     vision_quantization: VisionQuantizationOpt = None
+    limit_mm_per_prompt: LimitMmOpt = None
 
     # a field named otherwise than LLM's keyword argument: engine_seed, since chat's and
     # generate's --seed is the per-request one (SamplingParams.seed)
@@ -179,6 +184,7 @@ class ModelOptions:
         try:
             check_speculation(self)
             check_mmproj(self.model, self.mmproj)
+            parse_mm_limits(self.limit_mm_per_prompt)
         except ValueError as e:
             raise CliError(f"{e}", 2) from None
         try:

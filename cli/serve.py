@@ -62,6 +62,17 @@ def serve(
         "--max-stop-chars", min=1, help="Longest stop string.")] = 256,
     max_json_depth: Annotated[int, typer.Option(
         "--max-json-depth", min=2, help="Deepest nesting of a request body.")] = 32,
+    allowed_media_domains: Annotated[str | None, typer.Option(
+        "--allowed-media-domains", help="Hosts whose http(s) image URLs chat requests may "
+        "give, comma-separated (e.g. example.com,localhost; exact names, redirects followed "
+        "only to them) (default: none: images as data URLs only).", show_default=False)
+    ] = None,
+    media_max_bytes: Annotated[int, typer.Option(
+        "--media-max-bytes", min=1, help="With --allowed-media-domains: the most bytes "
+        "fetched for one request's image URLs together; more: 400.")] = 20 << 20,
+    media_fetch_timeout: Annotated[float, typer.Option(
+        "--media-fetch-timeout", min=0.001, help="With --allowed-media-domains: seconds to "
+        "fetch one image URL (redirects and body included); longer: 400.")] = 10.0,
     served_model_name: Annotated[str | None, typer.Option(
         "--served-model-name", help="The model id clients send (default: MODEL as given, or "
         "hybridrt-demo).", show_default=False)] = None,
@@ -95,6 +106,7 @@ def serve(
     With --replicas, the engines are Ray Serve replicas (docs/scale.md).
     """
     _check_deps("hybridrt serve")
+    media = _media_policy(allowed_media_domains, media_max_bytes, media_fetch_timeout)
     autoscaling_config = _check_replica_options(replicas, ray_address, autoscaling, router,
                                                 router_imbalance, port)
     from hybridrt.openai_protocol import Limits
@@ -129,7 +141,7 @@ def serve(
                        autoscaling=autoscaling_config, threads=threads, device=device,
                        router=router, max_imbalance=router_imbalance,
                        server_options={"api_key": key, "limits": limits,
-                                       "metrics_public": metrics_public},
+                                       "metrics_public": metrics_public, "media": media},
                        announce=lambda line: typer.echo(line, err=True))
         return
     from hybridrt.server import serve as run
@@ -140,7 +152,19 @@ def serve(
     if key is None and host not in ("127.0.0.1", "localhost", "::1"):
         typer.echo(f"warning: listening on {host} without --api-key: anyone who can reach "
                    f"this port can use the model", err=True)
-    run(llm, name, host, port, key, log_level, limits=limits, metrics_public=metrics_public)
+    run(llm, name, host, port, key, log_level, limits=limits, metrics_public=metrics_public,
+        media=media)
+
+
+def _media_policy(domains: str | None, max_bytes: int, timeout: float):
+    """The image URLs the server fetches (hybridrt.vision.fetch.MediaPolicy); a bad host name
+    -> CliError (exit 2), before anything loads."""
+    from hybridrt.vision.fetch import MediaPolicy
+
+    try:
+        return MediaPolicy(domains or (), max_bytes, timeout)
+    except ValueError as e:
+        raise CliError(f"--allowed-media-domains: {e}", 2) from None
 
 
 def _check_replica_options(replicas: int | None, ray_address: str | None,

@@ -22,6 +22,7 @@ from hybridrt.options import (
     parse_memory,
 )
 from hybridrt.specdec.methods import check_method, uses_mtp
+from hybridrt.vision.inputs import parse_mm_limits
 
 
 def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None,
@@ -129,9 +130,12 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # hybridrt.options.KV_CACHE_DTYPES
     mmproj: str | os.PathLike | None = None  # a GGUF model's projector (hybridrt.gguf.mmproj)
     vision_quantization: str | None = None  # the vision tower's linears (hybridrt.vision.kernels)
+    limit_mm_per_prompt: dict | str | None = None  # {"image": N} (hybridrt.vision.inputs)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hf_overrides", parse_overrides(self.hf_overrides))
+        object.__setattr__(self, "limit_mm_per_prompt",
+                           parse_mm_limits(self.limit_mm_per_prompt))
         check_mmproj(self.model, self.mmproj)
         check_int("speculative_tokens", self.speculative_tokens, lo=0)
         check_speculation(self)
@@ -185,6 +189,11 @@ class EngineArgs:
         if self.kv_cache_dtype == "int8" and (str(self.device).startswith("cuda")
                                               or self.backend in ("cuda", "triton")):
             raise ValueError("kv_cache_dtype='int8' runs on the CPU backends only")
+
+    @property
+    def image_limit(self) -> int | None:
+        """The most images one prompt may hold (``limit_mm_per_prompt``; None: no limit)."""
+        return (self.limit_mm_per_prompt or {}).get("image")
 
     @property
     def mtp_drafts(self) -> bool:

@@ -25,7 +25,7 @@ from hybridrt.model_path import DEMO_MODEL_DIR, default_model, generation_defaul
 from hybridrt.output_pipeline import ChoiceStream, Shape, finish_message, holdback
 from hybridrt.outputs import RequestOutput, error_output
 from hybridrt.parallel_sampling import ParentRequest
-from hybridrt.prompt_inputs import PromptEncoder, PromptType, as_prompt_list
+from hybridrt.prompt_inputs import PromptEncoder, PromptType, as_prompt_list, prompt_text
 from hybridrt.reasoning import opens_thinking
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.session import Session
@@ -34,8 +34,7 @@ from hybridrt.statecache import HybridCacheManager
 from hybridrt.threads import ThreadGovernor, adaptive_threads_enabled
 from hybridrt.tokenizer import apply_chat_template, load_tokenizer
 from hybridrt.tool_calls import check_tool_choice, check_tools, tool_constraint
-from hybridrt.vision import inputs as vision_inputs
-from hybridrt.vision.load import load_vision_tower
+from hybridrt.vision.load import load_for_engine
 
 
 class LLM:
@@ -84,6 +83,7 @@ class LLM:
     vision_quantization: None (default: the tower in ``dtype``) or "int8": the vision tower's
     linear weights quantized to int8 at load time (CPU; independent of ``quantization``; its
     error and speed in docs/vision.md; int4 is refused, by its measured error).
+    limit_mm_per_prompt: vLLM's {"image": N}: a prompt with more images fails (default: none).
     speculative_method ("mtp", "ngram": prompt lookup, "mtp+ngram"), speculative_adaptive (k up
     to speculative_tokens, chosen per request), prompt_lookup_min / _max: docs/speculation.md.
     hf_overrides: config.json entries replaced before the model is built (a dict or its JSON
@@ -120,12 +120,11 @@ class LLM:
         language_model_only: bool = False,
         speculative_method: str = "mtp", speculative_adaptive: bool = False,
         prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
-        trace: bool = False,
+        trace: bool = False, limit_mm_per_prompt: dict | str | None = None,
         hf_overrides: dict | str | None = None,
         prefix_cache_dir: str | None = None, prefix_cache_dir_size: int | str = "16GiB",
         kv_cache_dtype: str = "auto", mmproj: str | os.PathLike | None = None,
-        vision_quantization: str | None = None,
-    ):
+        vision_quantization: str | None = None):
         # every keyword above, checked once (before anything loads)
         args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})
         if threads is not None:
@@ -171,15 +170,8 @@ class LLM:
                 self.model_path, self.config.vocab_size, draft_vocab_size)
         self.tokenizer = self._load_tokenizer(tokenizer)
         # the vision tower (None: text only) and why images are refused without it
-        self.vision = None if language_model_only else load_vision_tower(
-            self.model_path, self.config, self.dtype, self.device, args.mmproj,
-            args.vision_quantization)
-        if self.vision is None and args.vision_quantization:
-            raise ValueError(f"vision_quantization={args.vision_quantization!r}: the model at "
-                             f"{self.model_path} has no vision tower")
-        # the checkpoint is searched for a tower only where it was not loaded on purpose
-        self.vision_refusal = vision_inputs.refusal_reason(language_model_only and (
-            vision_inputs.has_vision_tower(self.model_path, args.mmproj)), language_model_only)
+        self.vision, self.vision_refusal = load_for_engine(self.model_path, self.config,
+                                                           self.dtype, self.device, args)
         self.inputs = PromptEncoder(self.tokenizer, self.vision, self.vision_refusal)
         governor = None
         if self.device.type == "cpu" and threads is None and adaptive_threads_enabled():
@@ -417,7 +409,8 @@ class LLM:
         prompts = [self.inputs.chat_prompt(c, kwargs, add_generation_prompt) for c in convs]
         params = self._params(sampling_params, len(prompts))
         if choice not in ("none", "auto"):
-            params = [self._with_tool_constraint(p, tools, choice, _opens_thinking(text),
+            params = [self._with_tool_constraint(p, tools, choice,
+                                                 opens_thinking(prompt_text(text)),
                                                  parallel_tool_calls)
                       for p, text in zip(params, prompts)]
         self._check_speculative_tokens(speculative_tokens)
@@ -505,10 +498,3 @@ class LLM:
             self.last_stream_output = self._output(req)
         if req.error is not None:
             raise req.error
-
-
-
-def _opens_thinking(prompt) -> bool:
-    """Does a chat's prompt (text, or a dict with its text) leave a <think> block open?"""
-    text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
-    return isinstance(text, str) and opens_thinking(text)

@@ -28,6 +28,13 @@ def as_prompt_list(prompts) -> list:
     return list(prompts)
 
 
+def prompt_text(prompt) -> str:
+    """A prompt's text: the prompt itself, or a dict's "prompt"; "" where it has none (token
+    ids, a refused prompt)."""
+    text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+    return text if isinstance(text, str) else ""
+
+
 class PromptEncoder:
     """tokenizer: the model's (None: token ids only); vision: the loaded tower
     (hybridrt.vision.tower.VisionTower, None: text only); vision_refusal: why images are

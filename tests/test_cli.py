@@ -506,6 +506,8 @@ except SystemExit as e:
     ["bench", "spec", "--ks", "x"],
     ["bench", "throughput", "--dtype", "int4"],
     ["generate", "-p", "x", "--output", "/no-such-dir/out.jsonl"],
+    ["serve", "--allowed-media-domains", "https://example.com"],
+    ["chat", "--limit-mm-per-prompt", '{"images": 2}'],
 ], ids=lambda a: "-".join(a).replace("--", ""))
 def test_usage_errors_print_before_torch_is_imported(args):
     proc = subprocess.run([sys.executable, "-c", _NO_TORCH_PROBE, *args],
@@ -869,7 +871,8 @@ GROUP_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs",
                "--prompt-lookup-min", "1", "--prompt-lookup-max", "3",
                "--prefix-cache-dir", "/tmp/pc", "--prefix-cache-dir-size", "1GiB",
                "--hf-overrides", '{"max_position_embeddings": 1024}',
-               "--kv-cache-dtype", "int8", "--vision-quantization", "int8"]
+               "--kv-cache-dtype", "int8", "--vision-quantization", "int8",
+               "--limit-mm-per-prompt", '{"image": 4}']
 GROUP_KWARGS = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 3,
                 "max_num_batched_tokens": 64, "cache_memory": "64MiB", "device": "cpu",
                 "threads": 1, "quantization": "int8", "speculative_tokens": 2,
@@ -882,6 +885,7 @@ GROUP_KWARGS = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 3,
                 "prefix_cache_dir": "/tmp/pc", "prefix_cache_dir_size": "1GiB",
                 "hf_overrides": '{"max_position_embeddings": 1024}',
                 "kv_cache_dtype": "int8", "vision_quantization": "int8",
+                "limit_mm_per_prompt": '{"image": 4}',
                 "mmproj": None}  # --mmproj takes a GGUF model: tests/test_gguf_mmproj.py
 
 

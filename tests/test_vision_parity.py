@@ -183,7 +183,8 @@ def test_images_beside_text_requests_and_after_preemption(ckpt):
 
 def test_server_takes_image_url_data_urls(llm, ckpt):
     """The OpenAI chat endpoint with an ``image_url`` data URL answers what LLM.chat does (and
-    so transformers); a path or http URL, or a placeholder without its image, is a 400."""
+    so transformers); a path, an http URL (no domain allowed: tests/test_vision_fetch.py), or
+    a placeholder without its image, is a 400."""
     pytest.importorskip("starlette")
     httpx = pytest.importorskip("httpx")
     from test_serve import MODEL, Running
@@ -223,7 +224,7 @@ def test_server_takes_image_url_data_urls(llm, ckpt):
                  for c in it["content"] if c["type"] == "output_text"]
         assert "".join(texts) == want.outputs[0].text
         for bad, words in [("/etc/passwd", "data URLs"), ("http://example.com/a.png",
-                                                             "data URLs"),
+                                                             "--allowed-media-domains"),
                            ("data:image/png;base64,!!", "not valid base64")]:
             body = {"messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": bad}}]}], "max_tokens": 2}

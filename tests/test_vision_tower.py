@@ -91,6 +91,47 @@ def test_bad_image_input_fails_its_own_request(llm, prompt, data, words):
     assert outs[1].error is None
 
 
+LIMIT_ERROR = ("the prompt holds 2 image(s), over the limit of 1 per prompt "
+               "(limit_mm_per_prompt / --limit-mm-per-prompt)")
+
+
+def test_more_images_than_the_per_prompt_limit_fail_their_own_request(ckpt, llm):
+    """limit_mm_per_prompt (vLLM's): a prompt with more images fails alone, in generate and
+    chat, before its images are read; prompts within the limit answer as without one."""
+    limited = LLM(ckpt[0], dtype="float32", max_model_len=256, cache_memory="32MiB",
+                  limit_mm_per_prompt={"image": 1})
+    assert limited.vision.max_images == 1 and llm.vision.max_images is None
+    a, b = image(24, 32, 1), image(16, 16, 2)
+    one = {"prompt": f"{IMG}one?", "multi_modal_data": {"image": [a]}}
+    outs = limited.generate([{"prompt": f"{IMG}{IMG}two?", "multi_modal_data": {
+        "image": [a, object()]}}, one], GREEDY, use_tqdm=False)  # the 2nd is never read
+    assert str(outs[0].error) == LIMIT_ERROR and outs[0].outputs[0].finish_reason == "error"
+    (want,) = llm.generate([one], GREEDY, use_tqdm=False)
+    assert outs[1].error is None and outs[1].outputs[0].token_ids == want.outputs[0].token_ids
+    two_turns = [{"role": "user", "content": [{"type": "image", "image": a}]},
+                 {"role": "assistant", "content": "ok"},
+                 {"role": "user", "content": [{"type": "image", "image": b},
+                                              {"type": "text", "text": "and?"}]}]
+    outs = limited.chat([two_turns, two_turns[2:]], GREEDY, use_tqdm=False)
+    assert str(outs[0].error) == LIMIT_ERROR and outs[1].error is None
+    none = LLM(ckpt[0], dtype="float32", max_model_len=256, cache_memory="32MiB",
+               limit_mm_per_prompt='{"image": 0}')  # the CLI's JSON text
+    (out,) = none.generate([one], GREEDY, use_tqdm=False)
+    assert "holds 1 image(s), over the limit of 0 per prompt" in str(out.error)
+
+
+@pytest.mark.parametrize("value", ['{"image": -1}', "{", {"images": 2}, {"image": True},
+                                   ["image", 2]])
+def test_a_bad_per_prompt_limit_is_one_error_before_loading(value):
+    from hybridrt.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="limit_mm_per_prompt") as e:
+        EngineArgs(limit_mm_per_prompt=value)
+    assert "\n" not in str(e.value)
+    assert EngineArgs(limit_mm_per_prompt='{"image": 3, "video": 0}').image_limit == 3
+    assert EngineArgs().image_limit is None
+
+
 def test_chat_with_a_video_part_is_refused(llm):
     conv = [{"role": "user", "content": [{"type": "video", "video": ["a.png"]},
                                          {"type": "text", "text": "?"}]}]
@@ -141,6 +182,64 @@ def test_cli_chat_shows_images_from_the_flag_a_command_and_a_pasted_path(ckpt, l
     res = CliRunner().invoke(app, ["chat", str(ckpt[0]), *flags, "--image", "/no/such.png"])
     assert res.exit_code == 2
     assert res.stderr.strip() == "error: --image: image file '/no/such.png' does not exist"
+
+
+def test_generate_jsonl_messages_with_image_parts_answer_as_llm_chat(ckpt, llm, tmp_path):
+    """``hybridrt generate`` lines with image parts (a data URL, a path, two images) answer
+    what LLM.chat answers; a video part, a missing file and more images than
+    --limit-mm-per-prompt fail their own line."""
+    import base64
+    import io
+
+    from typer.testing import CliRunner
+
+    from hybridrt.cli.main import app
+
+    img, other = tmp_path / "cat.png", image(24, 32, 13)
+    image(40, 24, 11).save(img)
+    buf = io.BytesIO()
+    other.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    convs = [
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                      {"type": "text", "text": "What is it?"}]}],
+        [{"role": "user", "content": [{"type": "image", "image": str(img)},
+                                      {"type": "text", "text": "And this?"}]}],
+        [{"role": "user", "content": [{"type": "image", "image": str(img)}]},
+         {"role": "assistant", "content": "a cat"},
+         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                      {"type": "text", "text": "and?"}]}],
+    ]
+    wants = llm.chat(convs, GREEDY, use_tqdm=False)
+    bad = [[{"role": "user", "content": [{"type": "video", "video": [str(img)]}]}],
+           [{"role": "user", "content": [{"type": "image", "image": "/no/such.png"}]}]]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs + bad))
+    flags = ["--dtype", "float32", "--max-model-len", "256", "--cache-memory", "32MiB",
+             "--temperature", "0", "--max-tokens", "3", "--no-progress"]
+    runs = {}
+    for name, extra in (("open", []), ("limited", ["--limit-mm-per-prompt", '{"image": 1}'])):
+        res = CliRunner().invoke(app, ["generate", str(ckpt[0]), *flags, *extra, "-i",
+                                       str(src)])
+        assert res.exit_code == 1, res.output  # the bad lines failed
+        runs[name] = [json.loads(ln) for ln in res.stdout.splitlines()]
+    recs = runs["open"]
+    assert [r["id"] for r in recs] == [0, 1, 2, 3, 4]
+    for rec, want in zip(recs, wants):
+        assert "error" not in rec, rec
+        assert rec["token_ids"] == want.outputs[0].token_ids
+        assert rec["metrics"]["vision"]["num_images"] == len(vision_parts(rec["prompt"]))
+    assert recs[3]["error"] == ("line 4: messages[0].content[0] is a 'video' part: refused, "
+                                "video is not supported yet")
+    assert recs[4]["error"] == "line 5: image file '/no/such.png' does not exist"
+    limited = runs["limited"]
+    assert [r["token_ids"] for r in limited[:2]] == [r["token_ids"] for r in recs[:2]]
+    assert limited[2]["error"] == ("line 3: the prompt holds 2 image(s), over the limit of 1 "
+                                   "per prompt (limit_mm_per_prompt / --limit-mm-per-prompt)")
+
+
+def vision_parts(prompt: str) -> list[str]:
+    return re.findall(r"<\|vision_start\|>", prompt)
 
 
 def test_encoder_at_the_08b_vision_widths_in_bf16_is_within_bf16_of_transformers():

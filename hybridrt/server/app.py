@@ -8,7 +8,9 @@ A request's body is read with a size limit (413 from Content-Length before readi
 soon as the bytes read pass it) and a deadline (408); parsing, validation, chat templating
 and tokenizing (hybridrt.server.prepare) run in a small thread pool (``workers`` threads,
 one request each at a time) so the event loop keeps answering /health and other clients
-while a large request is parsed. An unexpected exception in a handler is logged and answered
+while a large request is parsed; a chat's http(s) image URLs, where the operator allows their
+hosts (hybridrt.vision.fetch), are fetched on the event loop between two turns in the pool,
+holding no worker. An unexpected exception in a handler is logged and answered
 with a JSON 500 that names nothing internal; the connection stays usable; an unknown route
 is a JSON 404. The API key (``Authorization: Bearer``, or Anthropic's ``x-api-key``) is
 compared in constant time (``hmac.compare_digest``) and guards /v1/* and /metrics (unless
@@ -38,9 +40,10 @@ from hybridrt.server.engine_loop import EngineLoop, Handle, submit_job
 from hybridrt.server.errors import as_api_error, internal_error, too_large
 from hybridrt.server.job import Job
 from hybridrt.server.metrics import metrics_text
-from hybridrt.server.prepare import Frontend, Preparer
+from hybridrt.server.prepare import Frontend, MediaWait, Preparer
 from hybridrt.server.process import release_memory
 from hybridrt.server.streaming import events
+from hybridrt.vision.fetch import MediaError, MediaPolicy
 
 log = logging.getLogger("hybridrt.server")
 
@@ -48,18 +51,20 @@ log = logging.getLogger("hybridrt.server")
 class Server:
     """The OpenAI endpoints over an ``EngineLoop``. ``limits``: what one request may ask for
     (default ``openai_protocol.Limits()``); ``workers``: threads that parse and tokenize;
-    ``body_timeout``: seconds a client may take to send its body."""
+    ``body_timeout``: seconds a client may take to send its body; ``media``: which image URLs
+    it fetches (default: none)."""
 
     def __init__(self, llm, model_name: str, api_key: str | None = None,
                  limits: api.Limits | None = None, metrics_public: bool = False,
-                 workers: int = 2, body_timeout: float = 60.0, front: Frontend | None = None):
+                 workers: int = 2, body_timeout: float = 60.0, front: Frontend | None = None,
+                 media: MediaPolicy | None = None):
         self.llm, self.model_name = llm, model_name
         self.front = front if front is not None else Frontend.of(llm)
         self.tokenizer = self.front.tokenizer
         self.api_key, self.metrics_public = api_key, metrics_public
         self.max_model_len = self.front.max_model_len
         self.limits = (limits or api.Limits()).resolved(self.max_model_len)
-        self.preparer = Preparer(self.front, model_name, self.limits)
+        self.preparer = Preparer(self.front, model_name, self.limits, media)
         self.body_timeout = body_timeout
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hybridrt-parse")
         self.pool_slots = asyncio.Semaphore(workers)  # queue in the loop, not in the pool
@@ -156,9 +161,18 @@ class Server:
         try:
             raw = await self._read_body(request)
             big = len(raw) > 1 << 20
+            loop = asyncio.get_running_loop()
             async with self.pool_slots:
-                return await asyncio.get_running_loop().run_in_executor(
-                    self.pool, self.preparer.parse, raw, chat, translate)
+                job = await loop.run_in_executor(self.pool, self.preparer.parse, raw, chat,
+                                                 translate)
+            if isinstance(job, MediaWait):  # its image URLs fetched here, then back to the pool
+                fetched = await self.preparer.media.fetch_all(job.urls)
+                async with self.pool_slots:
+                    job = await loop.run_in_executor(self.pool, self.preparer.resume, job,
+                                                     fetched)
+            return job
+        except MediaError as e:
+            return api.bad(str(e), "messages")
         except api.ApiError as e:
             return e.with_traceback(None)
         finally:
@@ -335,7 +349,7 @@ def error_response(e: api.ApiError, shape=None) -> JSONResponse:
 def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, log_level: str = "info", **options) -> None:
     """Run the server until interrupted; ``options``: ``Server``'s (limits, metrics_public,
-    workers, body_timeout)."""
+    workers, body_timeout, media)."""
     import uvicorn
 
     server = Server(llm, model_name, api_key, **options)

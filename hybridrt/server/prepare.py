@@ -1,8 +1,9 @@
 """A request body -> a ``Job`` (hybridrt.server.job), in a pool thread: the body parsed and
 validated (hybridrt.openai_protocol), the chat template applied, the prompt tokenized and
 fitted within max_model_len, tool choice turned into a constraint, a constraint put after the
-think block the prompt leaves open (hybridrt.think_constraint). Every refusal is an
-``ApiError`` (a 4xx); nothing here knows HTTP."""
+think block the prompt leaves open (hybridrt.think_constraint). A chat with http(s) image URLs
+is handed back as a ``MediaWait``: the app fetches them (hybridrt.vision.fetch) and calls
+``resume``. Every refusal is an ``ApiError`` (a 4xx); nothing here knows HTTP."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from hybridrt.server.job import Job
 from hybridrt.think_constraint import after_think
 from hybridrt.tool_calls import tool_constraint
 from hybridrt.vision import inputs as vision_inputs
+from hybridrt.vision.fetch import MediaError, MediaPolicy, is_http_url
 
 
 @dataclass(slots=True)
@@ -50,14 +52,33 @@ class Frontend:
         return validate_prompt(ids, self.vocab_size, self.max_model_len)
 
 
+@dataclass(slots=True)
+class MediaWait:
+    """A chat request whose images include http(s) URLs (each allowed by the policy): the
+    parsed ``body`` (its translation's ``echo``) waits while the app fetches ``urls``."""
+
+    body: dict
+    chat: bool
+    echo: dict | None
+    urls: list[str]
+
+
+class _NeedsFetch(Exception):
+    def __init__(self, urls: list[str]):
+        self.urls = urls
+
+
 class Preparer:
     """Prepares the requests of one server: its model's ``Frontend``, the name it serves,
-    the limits (resolved) and the checkpoint's generation defaults."""
+    the limits (resolved), which image URLs it may fetch (``media``) and the checkpoint's
+    generation defaults."""
 
-    def __init__(self, front: Frontend, model_name: str, limits: api.Limits):
+    def __init__(self, front: Frontend, model_name: str, limits: api.Limits,
+                 media: MediaPolicy | None = None):
         from hybridrt.model_path import generation_defaults
 
         self.front, self.model_name, self.limits = front, model_name, limits
+        self.media = media if media is not None else MediaPolicy()
         self.tokenizer, self.max_model_len = front.tokenizer, front.max_model_len
         self.defaults = generation_defaults(front.model_path)
         self.vision_refusal = front.vision_refusal or (
@@ -65,28 +86,44 @@ class Preparer:
             if vision_inputs.has_vision_tower(front.model_path)
             else vision_inputs.refusal_reason(False))
 
-    def parse(self, raw: bytes, chat: bool, translate=None) -> Job:
-        """In a pool thread: the body -> the job (``prepare``); ``translate``: another API's
-        body -> (the chat completion body it asks for, what its answer echoes: ``Job.api``).
-        A refusal is raised without the traceback of where it was found: those frames hold the
-        parsed body and the prompt's encoding, which must be freed before the server trims the
-        heap."""
+    def parse(self, raw: bytes, chat: bool, translate=None) -> Job | MediaWait:
+        """In a pool thread: the body -> the job (``prepare``), or a ``MediaWait`` where it
+        has image URLs to fetch first; ``translate``: another API's body -> (the chat
+        completion body it asks for, what its answer echoes: ``Job.api``). A refusal is raised
+        without the traceback of where it was found: those frames hold the parsed body and the
+        prompt's encoding, which must be freed before the server trims the heap."""
         try:
-            body = api.parse_body(raw, self.limits.max_json_depth)
-            if translate is None:
-                return self.prepare(body, chat)
-            body, echo = translate(body)
-            job = self.prepare(body, True)
-            job.api = echo
-            return job
+            body, echo = api.parse_body(raw, self.limits.max_json_depth), None
+            if translate is not None:
+                (body, echo), chat = translate(body), True
+            try:
+                return self._job(body, chat, echo)
+            except _NeedsFetch as e:
+                return MediaWait(body, chat, echo, e.urls)
         except api.ApiError as e:
             error = e.with_traceback(None)
         del raw
         raise error
 
-    def prepare(self, body: Any, chat: bool) -> Job:
+    def resume(self, wait: MediaWait, fetched: dict[str, bytes]) -> Job:
+        """In a pool thread: a ``MediaWait``'s job, its URLs' bodies ``fetched``."""
+        try:
+            return self._job(wait.body, wait.chat, wait.echo, fetched)
+        except api.ApiError as e:
+            error = e.with_traceback(None)
+        raise error
+
+    def _job(self, body: Any, chat: bool, echo: dict | None,
+             fetched: dict[str, bytes] | None = None) -> Job:
+        job = self.prepare(body, chat, fetched)
+        if echo is not None:
+            job.api = echo
+        return job
+
+    def prepare(self, body: Any, chat: bool, fetched: dict[str, bytes] | None = None) -> Job:
         """Validate a request body -> its job: prompt ids, text, params, snapshot point,
-        shape."""
+        shape. ``fetched``: the bodies of its image URLs (None: not fetched yet, and
+        ``_NeedsFetch`` is raised where it has some)."""
         api.check_common(body, self.model_name)
         api.check_limits(body, self.limits)
         params = api.sampling_params(body, self.defaults, chat)
@@ -94,7 +131,7 @@ class Preparer:
         if chat:
             if self.tokenizer is None:
                 raise api.bad("this model has no tokenizer, so it has no chat template")
-            images = self._images(body)
+            images = self._images(body, fetched)
             messages = api.chat_messages(body, images=images is not None)
             kwargs = api.template_kwargs(body)
             tools, choice, parallel = api.chat_tools(body)
@@ -165,10 +202,13 @@ class Preparer:
                    params.logprobs or 0, bool(body.get("stream")),
                    bool(opts.get("include_usage")), vision)
 
-    def _images(self, body: dict) -> list[str] | None:
-        """A chat's images (data URLs), its image parts made ``{"type": "image"}`` in
-        ``body["messages"]``; None where it has none. Refused (400) where the model has no
-        tower, for video, and for anything but a data URL (no URL is fetched, no path read)."""
+    def _images(self, body: dict, fetched: dict[str, bytes] | None) -> list | None:
+        """A chat's images (data URLs, and the bytes ``fetched`` from http(s) URLs), its
+        image parts made ``{"type": "image"}`` in ``body["messages"]``; None where it has
+        none. Refused (400) where the model has no tower, for video, for more images than the
+        per-prompt limit, for a URL the media policy does not allow, and for anything else but
+        a data URL (no server file is read). ``_NeedsFetch`` (body untouched) where it has
+        allowed URLs and ``fetched`` is None."""
         messages = body.get("messages")
         if not vision_inputs.media_parts(messages):
             return None
@@ -176,14 +216,27 @@ class Preparer:
             raise api.bad(vision_inputs.media_refusal(messages, self.vision_refusal),
                           "messages")
         try:
-            body["messages"], images = vision_inputs.chat_images(messages)
+            messages, images = vision_inputs.chat_images(messages)
+            vision_inputs.check_image_count(len(images), self.front.vision.max_images)
         except ValueError as e:
             raise api.bad(str(e), "messages") from None
+        urls = []
         for i, url in enumerate(images):
-            if not (isinstance(url, str) and url.startswith("data:")):
+            if is_http_url(url):
+                try:
+                    self.media.check(url)
+                except MediaError as e:
+                    raise api.bad(str(e), "messages") from None
+                urls.append(url)
+            elif not (isinstance(url, str) and url.startswith("data:")):
                 raise api.bad(f"image {i}: refused, the server takes images as data URLs "
-                              f"(data:image/png;base64,...) only", "messages")
-        return images
+                              f"(data:image/png;base64,...) or http(s) URLs of the hosts its "
+                              f"operator allows (--allowed-media-domains) only; no server file "
+                              f"is read", "messages")
+        if urls and fetched is None:
+            raise _NeedsFetch(urls)
+        body["messages"] = messages
+        return [fetched[u] if is_http_url(u) else u for u in images]
 
     def _fit(self, ids: list[int], params: SamplingParams, body: dict,
              where: str) -> tuple[list[int], SamplingParams]:

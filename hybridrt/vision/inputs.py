@@ -55,6 +55,34 @@ def refusal_reason(has_tower: bool, language_model_only: bool = False) -> str:
     return "this model has no vision tower"
 
 
+MM_LIMIT_KINDS = ("image", "video")  # the keys of vLLM's limit_mm_per_prompt taken here
+
+
+def parse_mm_limits(value: Any) -> dict[str, int] | None:
+    """``limit_mm_per_prompt`` (vLLM's: {"image": N}, or its JSON text as the CLI gives it)
+    -> the dict; a one-line ValueError for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"limit_mm_per_prompt is not valid JSON: {e}") from None
+    if not isinstance(value, dict) or any(
+            k not in MM_LIMIT_KINDS or not isinstance(n, int) or isinstance(n, bool) or n < 0
+            for k, n in value.items()):
+        raise ValueError(f"limit_mm_per_prompt must map 'image' (or 'video') to the most items "
+                         f"one prompt may hold, e.g. {{\"image\": 4}}, got {value!r}")
+    return dict(value)
+
+
+def check_image_count(num_images: int, limit: int | None) -> None:
+    """ValueError where a prompt holds more images than ``limit`` (None: no limit)."""
+    if limit is not None and num_images > limit:
+        raise ValueError(f"the prompt holds {num_images} image(s), over the limit of {limit} "
+                         f"per prompt (limit_mm_per_prompt / --limit-mm-per-prompt)")
+
+
 def multi_modal_images(data: Any) -> list:
     """``multi_modal_data`` (vLLM's shape: {"image": an image or a list of them}) -> the
     images; ValueError for what is not taken."""

@@ -13,6 +13,7 @@ import torch
 
 from hybridrt.vision.config import VisionConfig
 from hybridrt.vision.encoder import VisionEncoder
+from hybridrt.vision.inputs import check_image_count
 from hybridrt.vision.positions import mrope_cos_sin, mrope_positions
 from hybridrt.vision.preprocess import ImageProcessor, load_image
 
@@ -98,11 +99,13 @@ class VisionInputs:
 
 
 class VisionTower:
-    """The encoder, the image processor and the token ids of one checkpoint."""
+    """The encoder, the image processor and the token ids of one checkpoint, and the most
+    images one prompt may hold (``max_images``, None: no limit)."""
 
     def __init__(self, config: VisionConfig, encoder: VisionEncoder, processor: ImageProcessor,
                  rotary: TextRotary):
         self.config, self.encoder, self.processor, self.rotary = config, encoder, processor, rotary
+        self.max_images: int | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -122,7 +125,9 @@ class VisionTower:
     def prepare(self, ids: Sequence[int], images: Sequence) -> tuple[list[int], VisionInputs]:
         """The prompt with each image's placeholder (a run of ``<|image_pad|>`` tokens: one, as
         vLLM's prompts hold it, or already the image's token count) expanded to its token
-        count -> (ids, inputs). ValueError where the placeholders and images do not pair up."""
+        count -> (ids, inputs). ValueError where the placeholders and images do not pair up,
+        or where they are more than ``max_images``."""
+        check_image_count(len(images), self.max_images)
         cfg = self.config
         pad = cfg.image_token_id
         if cfg.video_token_id in ids:
