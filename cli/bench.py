@@ -62,6 +62,23 @@ def _int_list(name: str, text: str, minimum: int) -> list[int]:
     return values
 
 
+WEIGHT_FORMATS = ("bf16", "int8", "int4")
+KV_DTYPES = ("bf16", "int8")
+
+
+def _choice(flag: str, value: str, allowed: tuple[str, ...], what: str) -> str:
+    """``value`` if one of ``allowed``; else the flag's one-line usage error."""
+    if value not in allowed:
+        raise CliError(f"{flag}: unknown {what} {value!r}; choose {', '.join(allowed[:-1])} or "
+                       f"{allowed[-1]}", 2)
+    return value
+
+
+def _choices(flag: str, text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    """A comma-separated ``text`` whose every item is one of ``allowed`` (``_choice``)."""
+    return [_choice(flag, v.strip(), allowed, what) for v in text.split(",") if v.strip()]
+
+
 def _pyplot():
     import matplotlib
 
@@ -913,12 +930,8 @@ def long(
     int8 KV, with the attention's share of each (hybridrt/bench/long.py)."""
     lens = _int_list("--lengths", lengths, 1)
     deps = _int_list("--depths", depths, 0)
-    ws = [w.strip() for w in weights.split(",") if w.strip()]
-    kvs = [k.strip() for k in kv.split(",") if k.strip()]
-    if bad := [w for w in ws if w not in ("bf16", "int8", "int4")]:
-        raise CliError(f"--weights: unknown format {bad[0]!r}; choose bf16, int8 or int4", 2)
-    if bad := [k for k in kvs if k not in ("bf16", "int8")]:
-        raise CliError(f"--kv: unknown KV dtype {bad[0]!r}; choose bf16 or int8", 2)
+    ws = _choices("--weights", weights, WEIGHT_FORMATS, "format")
+    kvs = _choices("--kv", kv, KV_DTYPES, "KV dtype")
     from hybridrt.bench import long as bench
 
     bench.run(model, ws, kvs, lens, deps, decode_tokens, threads or _default_threads(),
@@ -943,10 +956,8 @@ def responsive(
 ) -> None:
     """A request's inter-token gaps while another prefills a long prompt in chunks of the step
     budget (hybridrt/bench/responsive.py)."""
-    if weights not in ("bf16", "int8", "int4"):
-        raise CliError(f"--weights: unknown format {weights!r}; choose bf16, int8 or int4", 2)
-    if kv not in ("bf16", "int8"):
-        raise CliError(f"--kv: unknown KV dtype {kv!r}; choose bf16 or int8", 2)
+    _choice("--weights", weights, WEIGHT_FORMATS, "format")
+    _choice("--kv", kv, KV_DTYPES, "KV dtype")
     from hybridrt.bench import responsive as bench
 
     bench.run(model, prompt_len, budget, threads or _default_threads(), kv, weights,
@@ -994,9 +1005,7 @@ def attention(
     attention against SDPA over the whole context, and the decode kernel
     (hybridrt/bench/prompt_attention.py)."""
     lens = _int_list("--lengths", lengths, 1)
-    kvs = [k.strip() for k in kv.split(",") if k.strip()]
-    if bad := [k for k in kvs if k not in ("bf16", "int8")]:
-        raise CliError(f"--kv: unknown KV dtype {bad[0]!r}; choose bf16 or int8", 2)
+    kvs = _choices("--kv", kv, KV_DTYPES, "KV dtype")
     from hybridrt.bench import prompt_attention as bench
 
     bench.run(lens, chunk, kvs, threads or _default_threads(), repeats, json_path=json_path)
