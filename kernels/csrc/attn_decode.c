@@ -62,6 +62,16 @@ static inline float kv_scale(const char *row, int64_t D, int64_t G, int64_t i)
     return s;
 }
 
+#if defined(__AVX512F__)
+/* values i .. i + 15 of a cache row (fp32, bf16, or kvquant's int8 codes times their scale) */
+static inline __m512 kv_ld16(const char *p, int64_t i, int64_t D, int64_t G, int bf, int kvq)
+{
+    if (!kvq) return act_ld16(p, i, bf, 0xFFFF);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128((const __m128i *)(p + i)))), _mm512_set1_ps(kv_scale(p, D, G, i)));
+}
+#endif
+
 /* x[0:D] -> an int8 row (codes, then the groups' scales) */
 static void kv_quant(const float *x, int64_t D, char *dst)
 {
@@ -86,11 +96,8 @@ static inline float q8_dot(const float *q, const char *kp, int64_t D, int64_t G,
 #if defined(__AVX512F__)
     if (simd == 2) {
         __m512 d16 = _mm512_setzero_ps();
-        for (int64_t i = 0; i < D; i += 16) {
-            const __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                _mm_loadu_si128((const __m128i *)(c + i)))), _mm512_set1_ps(kv_scale(kp, D, G, i)));
-            d16 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), x, d16);
-        }
+        for (int64_t i = 0; i < D; i += 16)
+            d16 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), kv_ld16(kp, i, D, G, 0, 1), d16);
         return _mm512_reduce_add_ps(d16);
     }
 #endif
@@ -117,11 +124,9 @@ static inline void q8_axpy(float w, const char *vp, int64_t D, int64_t G, float 
 #if defined(__AVX512F__)
     if (simd == 2) {
         const __m512 w16 = _mm512_set1_ps(w);
-        for (int64_t i = 0; i < D; i += 16) {
-            const __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                _mm_loadu_si128((const __m128i *)(c + i)))), _mm512_set1_ps(kv_scale(vp, D, G, i)));
-            _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(w16, x, _mm512_loadu_ps(acc + i)));
-        }
+        for (int64_t i = 0; i < D; i += 16)
+            _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(w16, kv_ld16(vp, i, D, G, 0, 1),
+                                                      _mm512_loadu_ps(acc + i)));
         return;
     }
 #endif
@@ -248,16 +253,7 @@ static inline void widen_block16(const char *cache, const int64_t *tab, int64_t 
         prefetch_row(cache, tab, BS, row, off, pos + PF, end, hw);
         const char *p = cache + slot * row + off;
         float *x = xb + j * D;
-        if (kvq) {
-            const int8_t *c = (const int8_t *)p;
-            for (int64_t i = 0; i < D; i += 16)
-                _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                    _mm_loadu_si128((const __m128i *)(c + i)))),
-                    _mm512_set1_ps(kv_scale(p, D, G, i))));
-        } else {
-            for (int64_t i = 0; i < D; i += 16)
-                _mm512_storeu_ps(x + i, act_ld16(p, i, bf, 0xFFFF));
-        }
+        for (int64_t i = 0; i < D; i += 16) _mm512_storeu_ps(x + i, kv_ld16(p, i, D, G, bf, kvq));
     }
 }
 
@@ -282,9 +278,7 @@ static inline __attribute__((always_inline)) void partition16(
             __m512 d[GQ_MAX];
             for (int64_t g = 0; g < GQ; ++g) d[g] = _mm512_setzero_ps();
             for (int64_t i = 0; i < D; i += 16) {
-                const __m512 k = kvq ? _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                    _mm_loadu_si128((const __m128i *)(kp + i)))),
-                    _mm512_set1_ps(kv_scale(kp, D, G, i))) : act_ld16(kp, i, bf, 0xFFFF);
+                const __m512 k = kv_ld16(kp, i, D, G, bf, kvq);
                 for (int64_t g = 0; g < GQ; ++g)
                     d[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + i), k, d[g]);
             }
@@ -432,12 +426,7 @@ int attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, cons
                                     tables + b * M, BS, row, hk * hw, pbeg, pend, D, G, bf, kvq,
                                     scale, GQ, parts + (h0 * NP + p) * PW + 2, NP * PW, m, l, xb,
                                     hw);
-                    for (int64_t g = 0; g < GQ; ++g) {
-                        parts[((h0 + g) * NP + p) * PW] = m[g];
-                        parts[((h0 + g) * NP + p) * PW + 1] = l[g];
-                    }
-                    continue;
-                }
+                } else
 #endif
                 for (int64_t p0 = pbeg; p0 < pend; p0 += PB) {
                     const int64_t np = pend - p0 < PB ? pend - p0 : PB;
