@@ -9,7 +9,13 @@ import json
 
 import pytest
 import torch
-from vision_helpers import VISION, image, write_vision_checkpoint
+from vision_helpers import (
+    VISION,
+    bf16_tower_runs,
+    image,
+    max_rel_err,
+    write_vision_checkpoint,
+)
 
 from hybridrt import LLM, SamplingParams
 from hybridrt.kernels import quant
@@ -61,33 +67,14 @@ def test_08b_widths_in_bf16_on_the_cpu_backend_within_bf16_of_transformers(onedn
     """The 0.8B's vision widths (two blocks), random bf16 weights, a 448x448 image, on the CPU
     backend: within bf16 rounding of transformers' bf16 run and as close to the fp32 result
     as it is, with the half products on oneDNN and on the backend's bf16 GEMM."""
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
-
-    from hybridrt.bench.vision import QWEN35_08B_VISION, randomize_
-
-    kw = {**QWEN35_08B_VISION, "depth": 2}
-    hc = Qwen3_5VisionConfig(**kw)
-    hc._attn_implementation = "sdpa"
-    ref = Qwen3_5VisionModel(hc).eval()
-    g = torch.Generator().manual_seed(3)
-    randomize_(ref, g)
-    with torch.no_grad():
-        ours = VisionEncoder(VisionConfig(**kw))
-        ours.load_state_dict(ref.state_dict())
+    def prepare(ours):
         ours.to(torch.bfloat16).set_backend(select_backend(None, "cpu"))
         ours.merger.kernels.onednn_half = onednn_half  # one VisionKernels for every module
-        grid = torch.tensor([(1, 28, 28)])
-        px = torch.randn(784, 3 * 2 * 16 * 16, generator=g)
-        exact = ref(px, grid_thw=grid).pooler_output
-        want = ref.to(torch.bfloat16)(px.bfloat16(), grid_thw=grid).pooler_output.float()
-        got = ours(px, [(1, 28, 28)]).float()
+        return ours
 
-    def err(a, b):
-        return ((a - b).abs().max() / b.abs().max()).item()
-
-    assert err(got, want) < 2e-2
-    assert err(got, exact) < 2 * err(want, exact) + 1e-3
+    got, want, exact = bf16_tower_runs(3, prepare)
+    assert max_rel_err(got, want) < 2e-2
+    assert max_rel_err(got, exact) < 2 * max_rel_err(want, exact) + 1e-3
 
 
 def test_int8_tower_runs_on_the_int8_gemm_within_its_measured_error():

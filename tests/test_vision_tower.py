@@ -10,7 +10,13 @@ import re
 import numpy as np
 import pytest
 import torch
-from vision_helpers import VISION, image, write_vision_checkpoint
+from vision_helpers import (
+    VISION,
+    bf16_tower_runs,
+    image,
+    max_rel_err,
+    write_vision_checkpoint,
+)
 
 from hybridrt import LLM, SamplingParams
 from hybridrt.loader import CheckpointError
@@ -247,31 +253,9 @@ def test_encoder_at_the_08b_vision_widths_in_bf16_is_within_bf16_of_transformers
     position grid; two blocks, not twelve, to keep it short), random bf16 weights, a 448x448
     image: the merged embeddings within bf16 rounding of transformers' in bf16, and as close
     to the fp32 result as transformers' own bf16 run is."""
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
-
-    from hybridrt.bench.vision import QWEN35_08B_VISION, randomize_
-
-    kw = {**QWEN35_08B_VISION, "depth": 2}
-    hc = Qwen3_5VisionConfig(**kw)
-    hc._attn_implementation = "sdpa"
-    ref = Qwen3_5VisionModel(hc).eval()
-    g = torch.Generator().manual_seed(0)
-    randomize_(ref, g)
-    with torch.no_grad():
-        ours = VisionEncoder(VisionConfig(**kw))
-        ours.load_state_dict(ref.state_dict())
-        grid = torch.tensor([(1, 28, 28)])
-        px = torch.randn(784, 3 * 2 * 16 * 16, generator=g)
-        exact = ref(px, grid_thw=grid).pooler_output
-        want = ref.to(torch.bfloat16)(px.bfloat16(), grid_thw=grid).pooler_output.float()
-        got = ours.to(torch.bfloat16)(px, [(1, 28, 28)]).float()
-
-    def err(a, b):
-        return ((a - b).abs().max() / b.abs().max()).item()
-
-    assert err(got, want) < 2e-2
-    assert err(got, exact) < 2 * err(want, exact) + 1e-3
+    got, want, exact = bf16_tower_runs(0, lambda ours: ours.to(torch.bfloat16))
+    assert max_rel_err(got, want) < 2e-2
+    assert max_rel_err(got, exact) < 2 * max_rel_err(want, exact) + 1e-3
 
 
 def test_a_decompression_bomb_is_refused(llm, monkeypatch):

@@ -106,3 +106,38 @@ def image(h: int, w: int, seed: int):
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def bf16_tower_runs(seed: int, prepare):
+    """The 0.8B's vision widths (two blocks), random weights, a 448x448 image through
+    transformers in fp32 and in bf16 and through our encoder with the same weights, made
+    ready by ``prepare(encoder) -> encoder`` (to bf16, a backend, ...) -> (ours, transformers'
+    bf16, transformers' fp32) merged embeddings, fp32."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    from hybridrt.bench.vision import QWEN35_08B_VISION, randomize_
+    from hybridrt.vision.config import VisionConfig
+    from hybridrt.vision.encoder import VisionEncoder
+
+    kw = {**QWEN35_08B_VISION, "depth": 2}
+    hc = Qwen3_5VisionConfig(**kw)
+    hc._attn_implementation = "sdpa"
+    ref = Qwen3_5VisionModel(hc).eval()
+    g = torch.Generator().manual_seed(seed)
+    randomize_(ref, g)
+    with torch.no_grad():
+        ours = VisionEncoder(VisionConfig(**kw))
+        ours.load_state_dict(ref.state_dict())
+        ours = prepare(ours)
+        grid = torch.tensor([(1, 28, 28)])
+        px = torch.randn(784, 3 * 2 * 16 * 16, generator=g)
+        exact = ref(px, grid_thw=grid).pooler_output
+        want = ref.to(torch.bfloat16)(px.bfloat16(), grid_thw=grid).pooler_output.float()
+        got = ours(px, [(1, 28, 28)]).float()
+    return got, want, exact
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over max |b|."""
+    return ((a - b).abs().max() / b.abs().max()).item()
