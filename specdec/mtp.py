@@ -161,9 +161,11 @@ class MTPProposer:
         mb = build_batch(tokens, starts, tables, self.cache.block_size, None, modes,
                          device=self.device)
         h = parts[0] if len(parts) == 1 else torch.cat(parts)
-        out = self.model.mtp_forward(mb.input_ids, h.to(hidden.device), mb, self.cache.tensors)
-        if not reqs:
+        if not reqs:  # nothing drafts: the MTP layer's KV is all that is kept
+            self.model.mtp_forward(mb.input_ids, h.to(hidden.device), mb, self.cache.tensors,
+                                   kv_only=True)
             return []
+        out = self.model.mtp_forward(mb.input_ids, h.to(hidden.device), mb, self.cache.tensors)
         plans = ([(self.num_drafts_for(r), []) for r in reqs] if wanted is None
                  else [wanted[r] for r in reqs])
         return self._draft(reqs, out[mb.logits_indices], plans)

@@ -225,6 +225,9 @@ class CPUBackend:
             self.programs[key] = program
         return self.programs[key]
 
+    def qk_norm_rope(self, q, k, q_weight, k_weight, eps, cos, sin):
+        return self.ref.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
+
     def gated_attention(self, meta, batch, layer, qg, k, v, key_cache, value_cache, cos, sin):
         """Steps where every sequence has the same few new tokens (decode, verification) in
         one compiled call per layer (csrc/attn_decode.c) where it runs for these tensors: fp32
