@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-
-import torch
+from typing import TYPE_CHECKING
 
 from hybridrt.options import parse_memory
+
+if TYPE_CHECKING:
+    import torch
 
 
 class EncoderCache:
