@@ -181,3 +181,41 @@ def test_prompt_lookup_drafts_stop_at_an_image_token():
     assert drafts([5, 7, -3, -4, 9, 5, 7]) == []
     assert drafts([5, 7, 8, -3, -4, 5, 7]) == [8]
     assert drafts([5, 7, 8, 9, 4, 5, 7]) == [8, 9, 4]
+
+
+def test_sampled_output_keeps_the_target_distribution(spec):
+    """Temperature 1, k=2, an image prompt: the marginals of the first two tokens (the second
+    one verified against the MTP's draft) match the exact ones (chi-square, p > 1e-3 with a
+    fixed seed), each context's exact distribution from the target's logits run alone."""
+    from helpers import chi2_pvalue
+
+    eng, runner = spec.engine, spec.engine.runner
+    item = {"prompt": prompt(f"{IMG}What?"), "multi_modal_data": {"image": [image(40, 24, 1)]}}
+    last = []
+    plain = type(runner).logits.__get__(runner)
+    runner.logits = lambda *a, **kw: last.append(plain(*a, **kw)) or last[-1]
+    try:
+        def probs_after(extra: list[int]) -> torch.Tensor:
+            _, ids, vision = spec.inputs.encode(item)
+            rid = eng.add_request(ids + extra, SamplingParams(temperature=0, max_tokens=1),
+                                  speculative_tokens=0, vision=vision)
+            while eng.has_unfinished_requests():
+                eng.step()
+            eng.pop_request(rid)
+            return torch.softmax(last[-1][-1].double(), -1)
+
+        p1 = probs_after([])
+        p2 = torch.stack([probs_after([a]) for a in range(spec.config.vocab_size)])
+    finally:
+        del runner.logits
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    outs = spec.generate([item] * 1024, params, use_tqdm=False)
+    assert all(o.error is None for o in outs)
+    toks = torch.tensor([o.outputs[0].token_ids[:2] for o in outs])
+    drafted = sum(o.metrics["spec"]["num_draft_tokens"] for o in outs)
+    accepted = sum(o.metrics["spec"]["num_accepted"] for o in outs)
+    assert 0 < accepted < drafted
+    for i, exact in enumerate([p1, p1 @ p2]):
+        counts = torch.bincount(toks[:, i], minlength=len(p1)).double()
+        stat, df, pval = chi2_pvalue(counts, exact)
+        assert pval > 1e-3, f"token {i + 1}: chi2 {stat:.1f} (df {df}), p = {pval:.2g}"
