@@ -19,13 +19,12 @@ from __future__ import annotations
 
 
 class EncoderBudget:
-    """The image tokens one step may encode (``limit``) and what it has given out
-    (``used``; ``images``: (request id, image index, tokens) in order)."""
+    """The image tokens one step may encode (``limit``) and how many it has given out
+    (``used``)."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self.used = 0
-        self.images: list[tuple[str, int, int]] = []
 
     def fit(self, req, n: int) -> int:
         """The tokens of the request's next ``n`` (from ``num_computed_tokens``) it may
@@ -41,5 +40,4 @@ class EncoderBudget:
                 return max(0, min(n, v.items[i].offset - ahead - start))
             self.used += cost
             v.scheduled.append(i)
-            self.images.append((req.request_id, i, cost))
         return n

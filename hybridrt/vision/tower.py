@@ -63,7 +63,7 @@ class VisionInputs:
         spans = [(it.offset, it.merged_grid(merge)) for it in items]
         self.positions, self.delta = mrope_positions(num_tokens, spans)
         self.embed_row = np.full(num_tokens, -1, dtype=np.int64)
-        self.row_start = np.zeros(len(items) + 1, dtype=np.int64)  # item i: rows [i], [i + 1]
+        self.row_start = np.zeros(len(items) + 1, dtype=np.int64)  # image i: rows [i] to [i + 1]
         row = 0
         for i, it in enumerate(items):
             n = it.num_tokens(merge)
@@ -78,13 +78,14 @@ class VisionInputs:
         self.encoder_cache_hits = 0  # images taken from the tower's encoder cache
 
     def embeddings_at(self, idx: np.ndarray) -> torch.Tensor:
-        """[len(idx), hidden]: the embeddings of the prompt's image tokens ``idx`` (the images
-        they belong to encoded first where they are not yet)."""
+        """[len(idx), hidden]: the embeddings of the prompt's image tokens ``idx`` (ascending;
+        the images they belong to encoded first where they are not yet)."""
         rows = self.embed_row[idx]
         which = np.searchsorted(self.row_start, rows, side="right") - 1
-        self.tower.encode_images([(self, int(i)) for i in np.unique(which)])
+        images = np.unique(which)
+        self.tower.encode_images([(self, int(i)) for i in images])
         return torch.cat([self.embeds[i][torch.from_numpy(rows[which == i] - self.row_start[i])]
-                          for i in np.unique(which)])
+                          for i in images])
 
     def images_in(self, start: int, end: int) -> list[int]:
         """The images with tokens in the prompt's positions [start, end), in order."""
