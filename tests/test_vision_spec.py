@@ -219,3 +219,17 @@ def test_sampled_output_keeps_the_target_distribution(spec):
         counts = torch.bincount(toks[:, i], minlength=len(p1)).double()
         stat, df, pval = chi2_pvalue(counts, exact)
         assert pval > 1e-3, f"token {i + 1}: chi2 {stat:.1f} (df {df}), p = {pval:.2g}"
+
+
+def test_prompt_lookup_and_adaptive_k_with_images(ckpt, spec):
+    """mtp+ngram with adaptive k (the MTP's lazy rows run later, from the first waiting
+    position): greedy tokens equal k=0's."""
+    llm = LLM(ckpt[0], dtype="float32", max_model_len=256, cache_memory="32MiB",
+              speculative_tokens=2, speculative_method="mtp+ngram", speculative_adaptive=True)
+    imgs = [image(40, 24, 3), image(24, 72, 4)]
+    text = prompt(f"A {IMG} and B {IMG}: same? A {IMG} or B {IMG}?")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = run(spec, text, imgs * 2, params, k=0).outputs[0].token_ids
+    got = run(llm, text, imgs * 2, params)
+    assert got.outputs[0].token_ids == want
+    assert got.metrics["spec"]["num_draft_tokens"] > 0
