@@ -69,13 +69,14 @@ def test_image_in_the_second_turn_with_a_prefix_hit(spec):
 
 
 def recorded_mtp(llm) -> list:
-    """Every MTP pass of ``llm`` from now on: (input ids, positions, output)."""
+    """Every MTP pass of ``llm`` from now on that drafts: (input ids, positions, output)."""
     seen, model = [], llm.model
     plain = type(model).mtp_forward.__get__(model)
 
-    def mtp_forward(input_ids, hidden, batch, cache):
-        out = plain(input_ids, hidden, batch, cache)
-        seen.append((input_ids.clone(), batch.positions.clone(), out.clone()))
+    def mtp_forward(input_ids, hidden, batch, cache, kv_only=False):
+        out = plain(input_ids, hidden, batch, cache, kv_only)
+        if out is not None:
+            seen.append((input_ids.clone(), batch.positions.clone(), out.clone()))
         return out
 
     model.mtp_forward = mtp_forward
