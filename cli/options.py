@@ -22,6 +22,7 @@ import typer
 from hybridrt.cli.common import CliError, check_draft_vocab, check_model_options
 from hybridrt.engine_args import check_mmproj, check_speculation, check_vision_quantization
 from hybridrt.options import KV_CACHE_DTYPES
+from hybridrt.vision.encoder_cache import parse_cache_bytes
 from hybridrt.vision.inputs import parse_mm_limits
 
 BACKENDS = ("reference", "cpu", "cuda", "triton")  # kernels/backend/select.py's names
@@ -125,6 +126,10 @@ VisionQuantizationOpt = Annotated[str | None, typer.Option(
 LimitMmOpt = Annotated[str | None, typer.Option(
     "--limit-mm-per-prompt", help="The most images one prompt may hold, vLLM's JSON, e.g. "
     "'{\"image\": 4}'; a prompt with more fails (default: no limit).", show_default=False)]
+EncoderCacheMemoryOpt = Annotated[str, typer.Option(
+    "--encoder-cache-memory", help="The most memory for recent images' encoder outputs, kept "
+    "by the image's content so that the same image in another prompt skips the encoder "
+    "(bytes or a size such as 256MiB; 0: none).")]
 EngineSeedOpt = Annotated[int, typer.Option(
     "--engine-seed", help="Seed of the engine's generator, which samples every request "
     "without a --seed of its own.")]
@@ -168,6 +173,7 @@ class ModelOptions:
     mmproj: MmprojOpt = None
     vision_quantization: VisionQuantizationOpt = None
     limit_mm_per_prompt: LimitMmOpt = None
+    encoder_cache_memory: EncoderCacheMemoryOpt = "256MiB"
 
     # a field named otherwise than LLM's keyword argument: engine_seed, since chat's and
     # generate's --seed is the per-request one (SamplingParams.seed)
@@ -185,6 +191,7 @@ class ModelOptions:
             check_speculation(self)
             check_mmproj(self.model, self.mmproj)
             parse_mm_limits(self.limit_mm_per_prompt)
+            parse_cache_bytes(self.encoder_cache_memory)
         except ValueError as e:
             raise CliError(f"{e}", 2) from None
         try:

@@ -22,6 +22,7 @@ from hybridrt.options import (
     parse_memory,
 )
 from hybridrt.specdec.methods import check_method, uses_mtp
+from hybridrt.vision.encoder_cache import parse_cache_bytes
 from hybridrt.vision.inputs import parse_mm_limits
 
 
@@ -131,12 +132,14 @@ class EngineArgs:
     mmproj: str | os.PathLike | None = None  # a GGUF model's projector (hybridrt.gguf.mmproj)
     vision_quantization: str | None = None  # the vision tower's linears (hybridrt.vision.kernels)
     limit_mm_per_prompt: dict | str | None = None  # {"image": N} (hybridrt.vision.inputs)
+    encoder_cache_memory: int | str = "256MiB"  # hybridrt.vision.encoder_cache; 0: none
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hf_overrides", parse_overrides(self.hf_overrides))
         object.__setattr__(self, "limit_mm_per_prompt",
                            parse_mm_limits(self.limit_mm_per_prompt))
         check_mmproj(self.model, self.mmproj)
+        parse_cache_bytes(self.encoder_cache_memory)
         check_int("speculative_tokens", self.speculative_tokens, lo=0)
         check_speculation(self)
         check_int("max_num_sessions", self.max_num_sessions, lo=0)

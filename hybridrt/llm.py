@@ -84,6 +84,7 @@ class LLM:
     linear weights quantized to int8 at load time (CPU; independent of ``quantization``; its
     error and speed in docs/vision.md; int4 is refused, by its measured error).
     limit_mm_per_prompt: vLLM's {"image": N}: a prompt with more images fails (default: none).
+    encoder_cache_memory: images' encoder outputs kept, by content (bytes, '256MiB'; 0: none).
     speculative_method ("mtp", "ngram": prompt lookup, "mtp+ngram"), speculative_adaptive (k up
     to speculative_tokens, chosen per request), prompt_lookup_min / _max: docs/speculation.md.
     hf_overrides: config.json entries replaced before the model is built (a dict or its JSON
@@ -116,15 +117,14 @@ class LLM:
         enable_prefix_caching: bool = True,
         checkpoint_interval: int = 2048,
         checkpoint_share: float = 0.25,
-        batch_invariant: bool = False,
-        language_model_only: bool = False,
+        batch_invariant: bool = False, language_model_only: bool = False,
         speculative_method: str = "mtp", speculative_adaptive: bool = False,
         prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
         trace: bool = False, limit_mm_per_prompt: dict | str | None = None,
         hf_overrides: dict | str | None = None,
         prefix_cache_dir: str | None = None, prefix_cache_dir_size: int | str = "16GiB",
         kv_cache_dtype: str = "auto", mmproj: str | os.PathLike | None = None,
-        vision_quantization: str | None = None):
+        vision_quantization: str | None = None, encoder_cache_memory: int | str = "256MiB"):
         # every keyword above, checked once (before anything loads)
         args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})
         if threads is not None:

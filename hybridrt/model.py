@@ -381,15 +381,18 @@ class Qwen35ForCausalLM(nn.Module):
         """One MTP pass: token ``input_ids[i]`` (= t[p+1]) and the hidden state ``hidden[i]``
         at position p (the target's final-normed output, or the MTP's own output when
         drafting further) -> the MTP's normed output [n, hidden], whose logits predict t[p+2].
-        ``batch`` holds positions p, KV slots and block tables of the MTP's own KV cache.
+        ``batch`` holds positions p, KV slots and block tables of the MTP's own KV cache, and
+        ``batch.vision`` the image tokens among t[p+1] and the M-RoPE rows of p.
         ``kv_only``: only the MTP layer's KV of these positions is written (None returned)."""
         if self.mtp is None:
             raise RuntimeError("this model was loaded without its MTP head")
         m = self.mtp
         self.plan_step(batch)
-        e = m.pre_fc_norm_embedding(self.model.embed_tokens(input_ids))
-        x = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden)], dim=-1))
-        cos, sin = self.rope(batch.positions, x.dtype)
+        e = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(batch.positions, e.dtype)
+        if batch.vision is not None:  # image tokens' embeddings, M-RoPE rows (vision.mtp)
+            e, cos, sin = batch.vision.apply(e, cos, sin)
+        x = m.fc(torch.cat([m.pre_fc_norm_embedding(e), m.pre_fc_norm_hidden(hidden)], dim=-1))
         if kv_only:
             layer = m.layers[0]
             layer.self_attn.write_kv(layer.input_layernorm(x), batch, cache, cos, sin)

@@ -13,6 +13,7 @@ import torch
 
 from hybridrt.vision.config import VisionConfig
 from hybridrt.vision.encoder import VisionEncoder
+from hybridrt.vision.encoder_cache import EncoderCache
 from hybridrt.vision.inputs import check_image_count
 from hybridrt.vision.positions import mrope_cos_sin, mrope_positions
 from hybridrt.vision.preprocess import ImageProcessor, load_image
@@ -52,7 +53,9 @@ class ImageItem:
 class VisionInputs:
     """A request's images: the M-RoPE positions of its prompt [3, L], the rope delta of every
     token after the prompt, which prompt tokens are image tokens, and their embeddings
-    (``embeddings()``: the encoder runs once per request, on first need)."""
+    (``embeddings_at``: each image encoded once per request, on first need, or taken from the
+    tower's encoder cache; ``scheduled``: the images the scheduler's encoder budget gave the
+    coming step, encoded together at its start, ``hybridrt.vision.budget``)."""
 
     def __init__(self, tower: VisionTower, items: list[ImageItem], num_tokens: int):
         merge = tower.config.spatial_merge_size
@@ -60,28 +63,55 @@ class VisionInputs:
         spans = [(it.offset, it.merged_grid(merge)) for it in items]
         self.positions, self.delta = mrope_positions(num_tokens, spans)
         self.embed_row = np.full(num_tokens, -1, dtype=np.int64)
+        self.row_start = np.zeros(len(items) + 1, dtype=np.int64)  # image i: rows [i] to [i + 1]
         row = 0
-        for it in items:
+        for i, it in enumerate(items):
             n = it.num_tokens(merge)
             self.embed_row[it.offset:it.offset + n] = np.arange(row, row + n)
             row += n
+            self.row_start[i + 1] = row
         self.num_image_tokens = row
         self.num_added = 0  # tokens the placeholders' expansion added to the prompt
-        self._embeds: torch.Tensor | None = None
-        self.encoder_runs = 0  # how many times the encoder ran for this request
+        self.embeds: list[torch.Tensor | None] = [None] * len(items)  # per image, once encoded
+        self.scheduled: list[int] = []  # images to encode at the coming step's start
+        self.encoder_runs = 0  # images of this request the encoder ran for
+        self.encoder_cache_hits = 0  # images taken from the tower's encoder cache
 
-    def embeddings(self) -> torch.Tensor:
-        """[image tokens, hidden]: every image's merged embeddings, in prompt order."""
-        if self._embeds is None:
-            self._embeds = self.tower.encode(self.items)
-            self.encoder_runs += 1
-        return self._embeds
+    def embeddings_at(self, idx: np.ndarray) -> torch.Tensor:
+        """[len(idx), hidden]: the embeddings of the prompt's image tokens ``idx`` (ascending;
+        the images they belong to encoded first where they are not yet)."""
+        rows = self.embed_row[idx]
+        which = np.searchsorted(self.row_start, rows, side="right") - 1
+        images = np.unique(which)
+        self.tower.encode_images([(self, int(i)) for i in images])
+        return torch.cat([self.embeds[i][torch.from_numpy(rows[which == i] - self.row_start[i])]
+                          for i in images])
+
+    def images_in(self, start: int, end: int) -> list[int]:
+        """The images with tokens in the prompt's positions [start, end), in order."""
+        return [i for i, it in enumerate(self.items)
+                if it.offset < end and start < it.offset + self.image_tokens(i)]
+
+    def image_tokens(self, i: int) -> int:
+        return int(self.row_start[i + 1] - self.row_start[i])
+
+    def held(self, i: int) -> bool:
+        """Whether image i's embeddings are at hand (encoded, or now taken from the tower's
+        encoder cache)."""
+        if self.embeds[i] is None:
+            got = self.tower.cache.get(self.items[i].digest)
+            if got is not None:
+                self.embeds[i] = got
+                self.encoder_cache_hits += 1
+        return self.embeds[i] is not None
 
     def metrics(self) -> dict:
-        """The request's images, their tokens and how many times the encoder ran for them
-        (0 where the prefix cache held every image token)."""
+        """The request's images, their tokens, how many of them the encoder ran for (0 where
+        the prefix cache held every image token or the encoder cache every image) and how
+        many the encoder cache gave."""
         return {"num_images": len(self.items), "num_image_tokens": self.num_image_tokens,
-                "encoder_runs": self.encoder_runs}
+                "encoder_runs": self.encoder_runs,
+                "encoder_cache_hits": self.encoder_cache_hits}
 
     def keyed(self, ids: Sequence[int]) -> list[int]:
         """The prompt as the request's ``token_ids`` hold it: each image token replaced by a
@@ -106,6 +136,7 @@ class VisionTower:
                  rotary: TextRotary):
         self.config, self.encoder, self.processor, self.rotary = config, encoder, processor, rotary
         self.max_images: int | None = None
+        self.cache = EncoderCache(0)  # encoder outputs by image digest (0 bytes: none kept)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -115,6 +146,26 @@ class VisionTower:
     def encode(self, items: Sequence[ImageItem]) -> torch.Tensor:
         pixels = torch.cat([it.pixels for it in items])
         return self.encoder(pixels, [it.grid for it in items])
+
+    def encode_images(self, wanted: Sequence[tuple[VisionInputs, int]]) -> None:
+        """Give each (request's images, image index) its embeddings: the held ones as they
+        are, the encoder cache's, and the rest encoded in one run (an image that several
+        requests hold, once), each then put in the encoder cache."""
+        todo: dict[bytes, list[tuple[VisionInputs, int]]] = {}
+        for v, i in wanted:
+            if not v.held(i):
+                todo.setdefault(v.items[i].digest, []).append((v, i))
+        if not todo:
+            return
+        firsts = [holders[0] for holders in todo.values()]
+        out = self.encode([v.items[i] for v, i in firsts])
+        sizes = [v.image_tokens(i) for v, i in firsts]
+        for (v, i), embeds in zip(firsts, torch.split(out, sizes)):
+            embeds = embeds.clone() if len(firsts) > 1 else embeds  # its own storage
+            self.cache.put(v.items[i].digest, embeds)
+            for w, j in todo[v.items[i].digest]:
+                w.embeds[j] = embeds
+                w.encoder_runs += 1
 
     def image_item(self, image, offset: int = 0) -> ImageItem:
         pixels, grid = self.processor(load_image(image))
