@@ -27,7 +27,8 @@ initialisation follow from ``--seed``; one thread keeps the float sums in one or
 torch threads on a loaded 2-core machine ran several times slower). At the end it prints the
 held-out accuracy on ``--eval-images`` pictures drawn with another seed.
 
-The shipped checkpoint (base: the text-only demo model as of commit 22ad943):
+The command (base: the text-only demo model as of commit 22ad943; a step took from 2.4 s to
+over a minute on the project's shared 2-core machine, depending on its other load):
 
     mkdir -p build/demo/text && for f in config.json generation_config.json \\
         model.safetensors tokenizer.json tokenizer_config.json; do
