@@ -150,15 +150,8 @@ def _hybridrt_prefill(net, config, ids: list[int], mtp_inputs=None):
         logits = net.compute_logits(hidden)
         mtp_logits = None
         if net.mtp is not None:
-            m = net.mtp
             bm = batch_for(ids[1:], T - 1)
-            e = m.pre_fc_norm_embedding(net.model.embed_tokens(bm.input_ids))
-            h = m.pre_fc_norm_hidden(hidden[:-1])
-            x = m.fc(torch.cat([e, h], dim=-1))
-            cos, sin = net.rope(bm.positions, x.dtype)
-            for layer in m.layers:
-                x = layer(x, bm, cache, cos, sin)
-            mtp_logits = net.compute_logits(m.norm(x))
+            mtp_logits = net.compute_logits(net.mtp_forward(bm.input_ids, hidden[:-1], bm, cache))
     return hidden, logits, mtp_logits
 
 

@@ -61,16 +61,29 @@ PRETOKENIZE_REGEX = (
 # Qwen3-style ChatML (no tools). Default: non-thinking, as for Qwen3.5-0.8B. With
 # enable_thinking=false the generation prompt carries an empty think block; with
 # enable_thinking=true it stops at "<|im_start|>assistant\n" and the model opens <think> itself.
+# A user or system message's content may be OpenAI-style parts: text parts are rendered as their
+# text, image (video) parts as Qwen's <|vision_start|><|image_pad|><|vision_end|> placeholder.
 # Unlike Qwen's template, earlier assistant turns keep their (possibly empty) think block: the
 # rendering of a conversation is then a prefix of the next turn's, so a chat session can reuse
 # its cached KV blocks and GDN state instead of prefilling the whole conversation again.
 CHAT_TEMPLATE = (
+    "{%- macro render_content(content) %}"
+    "{%- if content is string %}{{- content }}"
+    "{%- else %}{%- for part in content %}"
+    "{%- if part.type == 'image' or 'image' in part or 'image_url' in part %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part.type == 'video' or 'video' in part %}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif 'text' in part %}{{- part.text }}"
+    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- endmacro %}"
     "{%- if messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{{- '<|im_start|>system\\n' + render_content(messages[0].content) + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{{- '<|im_start|>' + message.role + '\\n' + render_content(message.content)"
+    " + '<|im_end|>\\n' }}"
     "{%- elif message.role == 'assistant' %}"
     "{%- set content = message.content %}"
     "{%- set reasoning_content = '' %}"
