@@ -5,6 +5,7 @@ M-RoPE positions, rope delta, and the merged embeddings, encoded once on first n
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,19 +70,26 @@ class VisionInputs:
         self.num_added = 0  # tokens the placeholders' expansion added to the prompt
         self._embeds: torch.Tensor | None = None
         self.encoder_runs = 0  # how many times the encoder ran for this request
+        self.preprocess_seconds = 0.0  # decoding and preprocessing the images (in prepare)
+        self.encoder_seconds = 0.0  # the encoder's runs for this request
 
     def embeddings(self) -> torch.Tensor:
         """[image tokens, hidden]: every image's merged embeddings, in prompt order."""
         if self._embeds is None:
+            t0 = time.perf_counter()
             self._embeds = self.tower.encode(self.items)
+            self.encoder_seconds += time.perf_counter() - t0
             self.encoder_runs += 1
         return self._embeds
 
     def metrics(self) -> dict:
-        """The request's images, their tokens and how many times the encoder ran for them
-        (0 where the prefix cache held every image token)."""
+        """The request's images, their tokens, how many times the encoder ran for them (0
+        where the prefix cache held every image token), and the seconds spent preprocessing
+        them and encoding them."""
         return {"num_images": len(self.items), "num_image_tokens": self.num_image_tokens,
-                "encoder_runs": self.encoder_runs}
+                "encoder_runs": self.encoder_runs,
+                "preprocess_seconds": self.preprocess_seconds,
+                "encoder_seconds": self.encoder_seconds}
 
     def keyed(self, ids: Sequence[int]) -> list[int]:
         """The prompt as the request's ``token_ids`` hold it: each image token replaced by a
@@ -140,6 +148,7 @@ class VisionTower:
         out: list[int] = []
         items = []
         at = 0
+        t0 = time.perf_counter()
         for (start, length), image in zip(runs, images):
             item = self.image_item(image)
             n = item.num_tokens(cfg.spatial_merge_size)
@@ -154,6 +163,7 @@ class VisionTower:
         out += ids[at:]
         inputs = VisionInputs(self, items, len(out))
         inputs.num_added = len(out) - len(ids)
+        inputs.preprocess_seconds = time.perf_counter() - t0
         return out, inputs
 
     def check_text_only(self, ids: Sequence[int]) -> None:
