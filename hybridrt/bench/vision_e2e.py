@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -113,6 +114,9 @@ def bench(model: str | Path, sizes: list[tuple[int, int]], repeat: int = 3, deco
             n = got["image"]["prompt_tokens"]
             got["text"] = run_once(llm, {"prompt_token_ids": (q * -(-n // len(q)))[:n]}, params)
             got["question"] = run_once(llm, {"prompt_token_ids": q}, params)
+            print(f"round {i + 1}/{warmup + repeat} {h}x{w}: TTFT "
+                  + ", ".join(f"{k} {got[k]['ttft']:.3f} s" for k in KINDS),
+                  file=sys.stderr, flush=True)
             if i >= warmup:
                 for kind in KINDS:
                     runs[f"{h}x{w}"][kind].append(got[kind])
