@@ -52,11 +52,15 @@ def image_of(height: int, width: int, seed: int):
 
 
 def run_once(llm, prompt, params) -> dict:
-    """One request through ``stream_tokens``: its TTFT from the call, and its metrics."""
+    """One request through ``stream_tokens``: its TTFT from the call, and its metrics (its
+    TTFT on stderr at once, so that a slow run shows where it is)."""
     t0 = time.perf_counter()
     tokens = llm.stream_tokens(prompt, params)
     next(tokens)
     ttft = time.perf_counter() - t0
+    print(f"{len(prompt['prompt_token_ids'])}-id prompt"
+          f"{' with an image' if 'multi_modal_data' in prompt else ''}: TTFT {ttft:.3f} s",
+          file=sys.stderr, flush=True)
     for _ in tokens:
         pass
     m = llm.last_stream_output.metrics
@@ -114,9 +118,6 @@ def bench(model: str | Path, sizes: list[tuple[int, int]], repeat: int = 3, deco
             n = got["image"]["prompt_tokens"]
             got["text"] = run_once(llm, {"prompt_token_ids": (q * -(-n // len(q)))[:n]}, params)
             got["question"] = run_once(llm, {"prompt_token_ids": q}, params)
-            print(f"round {i + 1}/{warmup + repeat} {h}x{w}: TTFT "
-                  + ", ".join(f"{k} {got[k]['ttft']:.3f} s" for k in KINDS),
-                  file=sys.stderr, flush=True)
             if i >= warmup:
                 for kind in KINDS:
                     runs[f"{h}x{w}"][kind].append(got[kind])
