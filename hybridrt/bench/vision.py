@@ -100,11 +100,14 @@ def time_encoder(config: VisionConfig, sizes: list[tuple[int, int]], dtype: torc
     return out
 
 
-def write_checkpoint(directory: str | Path, vision: dict, seed: int = 0) -> Path:
+def write_checkpoint(directory: str | Path, vision: dict, seed: int = 0,
+                     text: dict | None = None) -> Path:
     """A checkpoint llama.cpp's converters take, whose tower holds ``random_encoder``'s bf16
-    weights for ``vision`` and ``seed`` (the weights ``time_encoder`` times): a Qwen3.5-0.8B
-    text model cut to ``TEXT_LAYERS`` layers at the tower's output width, the demo model's
-    tokenizer with the vision tokens added, and a ``preprocessor_config.json``."""
+    weights for ``vision`` and ``seed`` (the weights ``time_encoder`` times): a text model
+    (``text``, default: Qwen3.5-0.8B's cut to ``TEXT_LAYERS`` layers at the tower's output
+    width; its vocabulary grown where the vision tokens need it), the demo model's tokenizer
+    with the vision tokens added, and a ``preprocessor_config.json`` (pixel limits of 64 to
+    16384 merged patches)."""
     from safetensors.torch import load_file, save_file
     from transformers import PreTrainedTokenizerFast
 
@@ -117,8 +120,11 @@ def write_checkpoint(directory: str | Path, vision: dict, seed: int = 0) -> Path
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tok.save_pretrained(str(directory))
     ids = tok.convert_tokens_to_ids(VISION_TOKENS)
-    text = {**copy.deepcopy(QWEN35_08B_TEXT_CONFIG), "num_hidden_layers": TEXT_LAYERS,
-            "hidden_size": vision["out_hidden_size"], "vocab_size": -(-(max(ids) + 1) // 64) * 64,
+    vocab = -(-(max(ids) + 1) // 64) * 64
+    if text is None:
+        text = {**copy.deepcopy(QWEN35_08B_TEXT_CONFIG), "num_hidden_layers": TEXT_LAYERS,
+                "hidden_size": vision["out_hidden_size"], "vocab_size": vocab}
+    text = {**copy.deepcopy(text), "vocab_size": max(text["vocab_size"], vocab),
             "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>")}
     write_random_checkpoint(directory, text, seed=seed, dtype=torch.bfloat16, with_mtp=False)
     cfg = json.loads((directory / "config.json").read_text())
@@ -131,11 +137,12 @@ def write_checkpoint(directory: str | Path, vision: dict, seed: int = 0) -> Path
     weights.update({f"model.visual.{n}": t.contiguous() for n, t in enc.state_dict().items()})
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     merge, patch = vision["spatial_merge_size"], vision["patch_size"]
+    unit = (merge * patch) ** 2  # pixels per merged patch; 0.8B: 65536 to 16777216 pixels
     (directory / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "patch_size": patch,
         "temporal_patch_size": vision["temporal_patch_size"], "merge_size": merge,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        "size": {"shortest_edge": 65536, "longest_edge": 16777216}}, indent=2))
+        "size": {"shortest_edge": 64 * unit, "longest_edge": 16384 * unit}}, indent=2))
     return directory
 
 

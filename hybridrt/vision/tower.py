@@ -5,6 +5,7 @@ M-RoPE positions, rope delta, and the merged embeddings, encoded once on first n
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,6 +77,8 @@ class VisionInputs:
         self.scheduled: list[int] = []  # images to encode at the coming step's start
         self.encoder_runs = 0  # images of this request the encoder ran for
         self.encoder_cache_hits = 0  # images taken from the tower's encoder cache
+        self.preprocess_seconds = 0.0  # decoding and preprocessing the images (in prepare)
+        self.encoder_seconds = 0.0  # the encoder's runs for this request's images
 
     def embeddings_at(self, idx: np.ndarray) -> torch.Tensor:
         """[len(idx), hidden]: the embeddings of the prompt's image tokens ``idx`` (ascending;
@@ -108,10 +111,13 @@ class VisionInputs:
     def metrics(self) -> dict:
         """The request's images, their tokens, how many of them the encoder ran for (0 where
         the prefix cache held every image token or the encoder cache every image) and how
-        many the encoder cache gave."""
+        many the encoder cache gave; the seconds spent preprocessing and encoding them (a run
+        that encoded images of several requests counts for each)."""
         return {"num_images": len(self.items), "num_image_tokens": self.num_image_tokens,
                 "encoder_runs": self.encoder_runs,
-                "encoder_cache_hits": self.encoder_cache_hits}
+                "encoder_cache_hits": self.encoder_cache_hits,
+                "preprocess_seconds": self.preprocess_seconds,
+                "encoder_seconds": self.encoder_seconds}
 
     def keyed(self, ids: Sequence[int]) -> list[int]:
         """The prompt as the request's ``token_ids`` hold it: each image token replaced by a
@@ -158,7 +164,11 @@ class VisionTower:
         if not todo:
             return
         firsts = [holders[0] for holders in todo.values()]
+        t0 = time.perf_counter()
         out = self.encode([v.items[i] for v, i in firsts])
+        seconds = time.perf_counter() - t0
+        for v in {id(w): w for holders in todo.values() for w, _ in holders}.values():
+            v.encoder_seconds += seconds
         sizes = [v.image_tokens(i) for v, i in firsts]
         for (v, i), embeds in zip(firsts, torch.split(out, sizes)):
             embeds = embeds.clone() if len(firsts) > 1 else embeds  # its own storage
@@ -191,6 +201,7 @@ class VisionTower:
         out: list[int] = []
         items = []
         at = 0
+        t0 = time.perf_counter()
         for (start, length), image in zip(runs, images):
             item = self.image_item(image)
             n = item.num_tokens(cfg.spatial_merge_size)
@@ -205,6 +216,7 @@ class VisionTower:
         out += ids[at:]
         inputs = VisionInputs(self, items, len(out))
         inputs.num_added = len(out) - len(ids)
+        inputs.preprocess_seconds = time.perf_counter() - t0
         return out, inputs
 
     def check_text_only(self, ids: Sequence[int]) -> None:
