@@ -131,12 +131,18 @@ class EngineArgs:
     mmproj: str | os.PathLike | None = None  # a GGUF model's projector (hybridrt.gguf.mmproj)
     vision_quantization: str | None = None  # the vision tower's linears (hybridrt.vision.kernels)
     limit_mm_per_prompt: dict | str | None = None  # {"image": N} (hybridrt.vision.inputs)
+    video_fps: float = 2.0  # a video file's frames sampled a second (hybridrt.vision.video)
+    video_max_frames: int = 32  # the most frames of one video (sampled or given)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hf_overrides", parse_overrides(self.hf_overrides))
         object.__setattr__(self, "limit_mm_per_prompt",
                            parse_mm_limits(self.limit_mm_per_prompt))
         check_mmproj(self.model, self.mmproj)
+        if isinstance(self.video_fps, bool) or not isinstance(self.video_fps, (int, float)) \
+                or not self.video_fps > 0:
+            raise ValueError(f"video_fps must be a positive number, got {self.video_fps!r}")
+        check_int("video_max_frames", self.video_max_frames, lo=1)
         check_int("speculative_tokens", self.speculative_tokens, lo=0)
         check_speculation(self)
         check_int("max_num_sessions", self.max_num_sessions, lo=0)
@@ -194,6 +200,12 @@ class EngineArgs:
     def image_limit(self) -> int | None:
         """The most images one prompt may hold (``limit_mm_per_prompt``; None: no limit)."""
         return (self.limit_mm_per_prompt or {}).get("image")
+
+    @property
+    def video_settings(self) -> dict:
+        """The vision tower's video settings (hybridrt.vision.tower.VisionTower)."""
+        return {"max_videos": (self.limit_mm_per_prompt or {}).get("video"),
+                "video_fps": float(self.video_fps), "video_max_frames": self.video_max_frames}
 
     @property
     def mtp_drafts(self) -> bool:

@@ -2,7 +2,7 @@
 with images takes its M-RoPE position (its row t in ``batch.positions``: the prompt's text after
 an image, and every token after the prompt, sit at index + delta), and the step's image tokens
 their embeddings and (t, h, w) rotary rows (``VisionStep``, applied by the model), and their
-token id back in place of the prefix cache's content key (``VisionInputs.keyed``)."""
+pad token's id back in place of the prefix cache's content key (``VisionInputs.keyed``)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def vision_step(seqs, batch) -> VisionStep | None:
     """Set the positions of the step's tokens of requests with images (``seqs``: the step's
     scheduled sequences, in batch order) -> their image rows, or None where the step has
     none."""
-    rows, embeds, positions, tower = [], [], [], None
+    rows, embeds, positions, ids, tower = [], [], [], [], None
     for b, s in enumerate(seqs):
         v = s.request.vision
         if v is None:
@@ -45,11 +45,12 @@ def vision_step(seqs, batch) -> VisionStep | None:
             at = idx[image]
             rows.append(torch.from_numpy(off + np.flatnonzero(image)))
             embeds.append(v.embeddings()[torch.from_numpy(v.embed_row[at])])
+            ids.append(torch.from_numpy(v.row_token[v.embed_row[at]]))
             positions.append(torch.from_numpy(v.positions[:, at]))
             tower = v.tower
     if not rows:
         return None
     device = batch.positions.device
     rows = torch.cat(rows).to(device)
-    batch.input_ids[rows] = tower.config.image_token_id  # the ids were the cache's keys
+    batch.input_ids[rows] = torch.cat(ids).to(device, batch.input_ids.dtype)  # were cache keys
     return VisionStep(tower, rows, torch.cat(embeds), torch.cat(positions, dim=1).to(device))
