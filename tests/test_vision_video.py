@@ -297,3 +297,49 @@ def test_server_takes_video_url_data_urls(llm):
             assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
     finally:
         srv.stop()
+
+
+def test_server_fetches_video_urls_of_allowed_hosts(llm):
+    """An http ``video_url`` on a host the operator allows (a loopback server answering
+    video/mp4) answers as the same file as a data URL."""
+    pytest.importorskip("starlette")
+    httpx = pytest.importorskip("httpx")
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from test_serve import Running
+
+    from hybridrt.vision.fetch import MediaPolicy
+
+    raw = video_file(frames(6, 24, 24, 10), fps=4)
+
+    class Clip(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.send_header("Content-Type", "video/mp4")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args):
+            pass
+
+    web = ThreadingHTTPServer(("127.0.0.1", 0), Clip)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    srv = Running(llm, media=MediaPolicy(("localhost",), timeout=20))
+    try:
+        answers = []
+        for url in (f"http://localhost:{web.server_port}/clip.mp4",
+                    "data:video/mp4;base64," + base64.b64encode(raw).decode()):
+            r = httpx.post(f"{srv.base}/v1/chat/completions", json={"messages": [
+                {"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "text", "text": "What?"}]}],
+                "max_tokens": STEPS, "temperature": 0}, timeout=120)
+            assert r.status_code == 200, r.text
+            answers.append((r.json()["choices"][0]["message"],
+                            r.json()["usage"]["prompt_tokens"]))
+        assert answers[0] == answers[1]
+    finally:
+        srv.stop()
+        web.shutdown()
+        web.server_close()

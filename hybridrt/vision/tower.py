@@ -156,7 +156,7 @@ class VisionTower:
         from hybridrt.vision.video import VideoProcessor, load_video
 
         if self._video_processor is None:
-            self._video_processor = VideoProcessor(self.model_path or "", self.config)
+            self._video_processor = VideoProcessor(self.model_path, self.config)
         proc = self._video_processor
         clip = load_video(video, self.video_fps, self.video_max_frames)
         pixels, grid = proc(clip)

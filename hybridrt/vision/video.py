@@ -215,13 +215,14 @@ def _processor_class():
 
 class VideoProcessor:
     """One video -> (patches [n, channels * temporal_patch * patch^2] float32, grid (t, h, w)
-    in patches): the checkpoint's ``video_preprocessor_config.json`` where it has one, else
+    in patches): the checkpoint's ``video_preprocessor_config.json`` where it has one (None:
+    no checkpoint directory), else
     the processor's defaults with the tower's patch, temporal patch and merge sizes."""
 
-    def __init__(self, model_path: str | os.PathLike, cfg: VisionConfig):
+    def __init__(self, model_path: str | os.PathLike | None, cfg: VisionConfig):
         cls = _processor_class()
-        path = Path(model_path)
-        if (path / "video_preprocessor_config.json").is_file():
+        path = Path(model_path) if model_path is not None else None
+        if path is not None and (path / "video_preprocessor_config.json").is_file():
             self.processor = cls.from_pretrained(str(path))
         else:
             self.processor = cls(patch_size=cfg.patch_size,
@@ -233,8 +234,8 @@ class VideoProcessor:
         if (p.patch_size, p.temporal_patch_size, p.merge_size) != (
                 cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size):
             sizes = (p.patch_size, p.temporal_patch_size, p.merge_size)
-            raise ValueError(f"{path / 'video_preprocessor_config.json'}: patch, temporal patch "
-                             f"and merge sizes {sizes} differ from the vision_config's")
+            raise ValueError(f"video_preprocessor_config.json: patch, temporal patch and merge "
+                             f"sizes {sizes} differ from the vision_config's")
 
     @property
     def temporal_patch(self) -> int:
