@@ -149,6 +149,19 @@ def test_video_with_metadata_and_an_image_in_one_prompt(llm, ckpt):
     assert "<0.4 seconds>" in llm.tokenizer.decode(out.prompt_token_ids)  # (0 + 3) / 4 / 2
 
 
+def test_a_video_split_across_prefill_chunks_beside_a_text_request(ckpt, llm):
+    """8-token chunks: the video's 4 x 16 tokens span many steps, encoded once, and the tokens
+    are those of one unchunked run; a text request batched beside it is unchanged."""
+    small = LLM(ckpt[0], dtype="float32", max_model_len=512, cache_memory="32MiB",
+                max_num_batched_tokens=8, enable_prefix_caching=False)
+    prompts = [{"prompt": chat_text(f"{VID}What happens?"),
+                "multi_modal_data": {"video": frames(8, 32, 32, 11)}}, chat_text("No video.")]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    outs = small.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert outs[0].metrics["vision"]["encoder_runs"] == 1
+
+
 def test_a_video_file_answers_as_its_sampled_frames(llm, ckpt, tmp_path):
     """A 10-frame MPEG-4 file at 8 fps, sampled at 2 fps (at least 4 frames: 0, 3, 6, 9),
     from a path, bytes and a chat ``video_url`` data URL: the same prompt and tokens as its
