@@ -356,3 +356,21 @@ def test_server_fetches_video_urls_of_allowed_hosts(llm):
         srv.stop()
         web.shutdown()
         web.server_close()
+
+
+def test_the_video_processor_equals_transformers_with_torchvision():
+    """Where torchvision is installed (it is not a dependency): transformers' own
+    Qwen3VLVideoProcessor, torchvision's resize and normalize, gives the pixels ours gives."""
+    pytest.importorskip("torchvision")
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    kw = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
+          "size": {"shortest_edge": 128, "longest_edge": 48 * 48 * 8},
+          "cap_pixels_per_frame": False}
+    clip = np.stack(frames(5, 37, 29, 12))  # resized to 40x32
+    want = Qwen3VLVideoProcessor(**kw)(videos=[clip], return_tensors="pt",
+                                       do_sample_frames=False)
+    got = video_processor()(videos=[clip], return_tensors="pt", do_sample_frames=False,
+                            do_convert_rgb=False)
+    assert want["video_grid_thw"].tolist() == got["video_grid_thw"].tolist() == [[3, 10, 8]]
+    assert torch.equal(want["pixel_values_videos"], got["pixel_values_videos"])
