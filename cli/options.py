@@ -22,6 +22,7 @@ import typer
 from hybridrt.cli.common import CliError, check_draft_vocab, check_model_options
 from hybridrt.engine_args import check_mmproj, check_speculation, check_vision_quantization
 from hybridrt.options import KV_CACHE_DTYPES
+from hybridrt.vision.encoder_cache import parse_cache_bytes
 from hybridrt.vision.inputs import parse_mm_limits
 
 BACKENDS = ("reference", "cpu", "cuda", "triton")  # kernels/backend/select.py's names
@@ -132,6 +133,10 @@ VideoFpsOpt = Annotated[float, typer.Option(
 VideoMaxFramesOpt = Annotated[int, typer.Option(
     "--video-max-frames", min=1, help="The most frames of one video: a file's sampling stops "
     "there, a video given as more frames fails.")]
+EncoderCacheMemoryOpt = Annotated[str, typer.Option(
+    "--encoder-cache-memory", help="The most memory for recent images' and videos' encoder "
+    "outputs, kept by their content so that the same image or video in another prompt skips "
+    "the encoder (bytes or a size such as 256MiB; 0: none).")]
 EngineSeedOpt = Annotated[int, typer.Option(
     "--engine-seed", help="Seed of the engine's generator, which samples every request "
     "without a --seed of its own.")]
@@ -177,6 +182,7 @@ class ModelOptions:
     limit_mm_per_prompt: LimitMmOpt = None
     video_fps: VideoFpsOpt = 2.0
     video_max_frames: VideoMaxFramesOpt = 32
+    encoder_cache_memory: EncoderCacheMemoryOpt = "256MiB"
 
     # a field named otherwise than LLM's keyword argument: engine_seed, since chat's and
     # generate's --seed is the per-request one (SamplingParams.seed)
@@ -194,6 +200,7 @@ class ModelOptions:
             check_speculation(self)
             check_mmproj(self.model, self.mmproj)
             parse_mm_limits(self.limit_mm_per_prompt)
+            parse_cache_bytes(self.encoder_cache_memory)
         except ValueError as e:
             raise CliError(f"{e}", 2) from None
         try:

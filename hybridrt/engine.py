@@ -135,8 +135,8 @@ class LLMEngine:
         not compile finishes it with an error. ``parent_id``: the request is one choice of an
         n > 1 request (hybridrt.parallel_sampling); ``params.n`` must be 1 here. ``vision``:
         the prompt's images (hybridrt.vision.tower.VisionInputs, from ``VisionTower.prepare``);
-        such a request runs without speculation; its image tokens are keyed in the prefix
-        cache by the images' content (``VisionInputs.keyed``)."""
+        its image tokens are keyed in the prefix cache by the images' content
+        (``VisionInputs.keyed``)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if params.n != 1:
@@ -145,8 +145,6 @@ class LLMEngine:
         k = self.speculative_tokens if speculative_tokens is None else speculative_tokens
         check_int("speculative_tokens", k, lo=0, hi=self.speculative_tokens,
                   hint=" (the engine's speculative_tokens)")
-        if vision is not None:
-            k = 0  # the MTP layer does not see image embeddings
         ids = self.validate_prompt(prompt_token_ids)
         if snapshot_at is not None:
             check_int("snapshot_at", snapshot_at, lo=1)

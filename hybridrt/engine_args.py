@@ -22,6 +22,7 @@ from hybridrt.options import (
     parse_memory,
 )
 from hybridrt.specdec.methods import check_method, uses_mtp
+from hybridrt.vision.encoder_cache import parse_cache_bytes
 from hybridrt.vision.inputs import parse_mm_limits
 
 
@@ -133,6 +134,7 @@ class EngineArgs:
     limit_mm_per_prompt: dict | str | None = None  # {"image": N} (hybridrt.vision.inputs)
     video_fps: float = 2.0  # a video file's frames sampled a second (hybridrt.vision.video)
     video_max_frames: int = 32  # the most frames of one video (sampled or given)
+    encoder_cache_memory: int | str = "256MiB"  # hybridrt.vision.encoder_cache; 0: none
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hf_overrides", parse_overrides(self.hf_overrides))
@@ -143,6 +145,7 @@ class EngineArgs:
                 or not self.video_fps > 0:
             raise ValueError(f"video_fps must be a positive number, got {self.video_fps!r}")
         check_int("video_max_frames", self.video_max_frames, lo=1)
+        parse_cache_bytes(self.encoder_cache_memory)
         check_int("speculative_tokens", self.speculative_tokens, lo=0)
         check_speculation(self)
         check_int("max_num_sessions", self.max_num_sessions, lo=0)

@@ -8,6 +8,7 @@
 | HYBRIDRT_FUSED_SIMD | avx512, avx2, 0 (off, none) | avx512 | the fused layers' vector loops |
 | HYBRIDRT_INT8_ISA | vnni, avx2, ref | the best built | the int8 GEMV/GEMM path |
 | HYBRIDRT_INT4_ISA | vnni, avxvnni, avx2, ref | as HYBRIDRT_INT8_ISA | the 4-bit GEMV/GEMM path |
+| HYBRIDRT_INT4_PREFETCH | auto, nta, l2 | auto | the one-row 4-bit products' prefetch |
 | HYBRIDRT_MARCH | a cc -march target | native | what the C kernels are compiled for |
 | HYBRIDRT_HUGE_PAGES | 0/false/no/off, else on | on | off: weights stay in ordinary pages |
 | HYBRIDRT_STEP_PROGRAM | 0/false/no/off, else on | on | off: decode layers called from Python |
@@ -54,6 +55,8 @@ VARIABLES = {v.name: v for v in (
     Variable("HYBRIDRT_FUSED_SIMD", "", tuple(FUSED_SIMD_LEVELS), "fused layers' vector loops"),
     Variable("HYBRIDRT_INT8_ISA", "", ("", *INT8_ISAS), "int8 product path"),
     Variable("HYBRIDRT_INT4_ISA", "", ("", *INT4_ISAS), "4-bit product path"),
+    Variable("HYBRIDRT_INT4_PREFETCH", "auto", ("auto", "nta", "l2"),
+             "one-row 4-bit products' prefetch (kernels/int4_prefetch.py)"),
     Variable("HYBRIDRT_MARCH", "native", None, "the C kernels' compile target (-march)"),
     Variable("HYBRIDRT_HUGE_PAGES", "1", None, "0: weights in ordinary pages"),
     Variable("HYBRIDRT_STEP_PROGRAM", "1", None, "0: decode layers called one by one"),
@@ -110,6 +113,7 @@ def kernel_options(environ: Mapping[str, str] | None = None):
         fused_simd=FUSED_SIMD_LEVELS[read("HYBRIDRT_FUSED_SIMD", environ)],
         int8_isa=read("HYBRIDRT_INT8_ISA", environ) or None,
         int4_isa=read("HYBRIDRT_INT4_ISA", environ) or read("HYBRIDRT_INT8_ISA", environ) or None,
+        int4_prefetch=read("HYBRIDRT_INT4_PREFETCH", environ),
         march=march(environ),
         huge_pages=flag("HYBRIDRT_HUGE_PAGES", environ),
         step_program=flag("HYBRIDRT_STEP_PROGRAM", environ),

@@ -85,6 +85,8 @@ class LLM:
     error and speed in docs/vision.md; int4 is refused, by its measured error).
     limit_mm_per_prompt: vLLM's {"image": N, "video": M}: a prompt with more fails (default:
     none). video_fps, video_max_frames: a video's frame sampling and limit (docs/vision.md).
+    encoder_cache_memory: images' and videos' encoder outputs kept, by content (bytes,
+    '256MiB'; 0: none).
     speculative_method ("mtp", "ngram": prompt lookup, "mtp+ngram"), speculative_adaptive (k up
     to speculative_tokens, chosen per request), prompt_lookup_min / _max: docs/speculation.md.
     hf_overrides: config.json entries replaced before the model is built (a dict or its JSON
@@ -117,8 +119,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         checkpoint_interval: int = 2048,
         checkpoint_share: float = 0.25,
-        batch_invariant: bool = False,
-        language_model_only: bool = False,
+        batch_invariant: bool = False, language_model_only: bool = False,
         speculative_method: str = "mtp", speculative_adaptive: bool = False,
         prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
         trace: bool = False, limit_mm_per_prompt: dict | str | None = None,
@@ -126,7 +127,7 @@ class LLM:
         prefix_cache_dir: str | None = None, prefix_cache_dir_size: int | str = "16GiB",
         kv_cache_dtype: str = "auto", mmproj: str | os.PathLike | None = None,
         vision_quantization: str | None = None, video_fps: float = 2.0,
-        video_max_frames: int = 32):
+        video_max_frames: int = 32, encoder_cache_memory: int | str = "256MiB"):
         # every keyword above, checked once (before anything loads)
         args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})
         if threads is not None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from hybridrt.config import ModelConfig
 from hybridrt.forward_batch import ForwardBatch
+from hybridrt.kernels.attention import write_kv
 from hybridrt.kernels.backend import (
     AttentionLayer,
     DecoderLayerRecord,
@@ -119,6 +120,17 @@ class GatedAttention(nn.Module):
                                cache.key_caches[self.cache_index],
                                cache.value_caches[self.cache_index], cos, sin)
         return self.o_proj(o)
+
+    def write_kv(self, x, batch: ForwardBatch, cache: CacheTensors, cos, sin) -> None:
+        """Only the K/V that ``forward`` writes for rows ``x`` (the same products, norm and
+        RoPE), without the attention: the MTP layer's KV of positions nothing drafts from."""
+        be, T = self.backend, x.shape[0]
+        HKV, D = self.num_kv_heads, self.head_dim
+        qg, k, v = be.project(x, _weights(self.in_projections))
+        _, k = be.qk_norm_rope(qg.view(T, -1, 2 * D)[:, :1, :D], k.view(T, HKV, D),
+                               self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+        write_kv(k, v.view(T, HKV, D), cache.key_caches[self.cache_index],
+                 cache.value_caches[self.cache_index], batch.slot_mapping)
 
 
 class GatedDeltaNet(nn.Module):
@@ -365,18 +377,26 @@ class Qwen35ForCausalLM(nn.Module):
         return self.model.norm(h, residual)[0]
 
     def mtp_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
-                    cache: CacheTensors) -> torch.Tensor:
+                    cache: CacheTensors, kv_only: bool = False) -> torch.Tensor | None:
         """One MTP pass: token ``input_ids[i]`` (= t[p+1]) and the hidden state ``hidden[i]``
         at position p (the target's final-normed output, or the MTP's own output when
         drafting further) -> the MTP's normed output [n, hidden], whose logits predict t[p+2].
-        ``batch`` holds positions p, KV slots and block tables of the MTP's own KV cache."""
+        ``batch`` holds positions p, KV slots and block tables of the MTP's own KV cache, and
+        ``batch.vision`` the image tokens among t[p+1] and the M-RoPE rows of p.
+        ``kv_only``: only the MTP layer's KV of these positions is written (None returned)."""
         if self.mtp is None:
             raise RuntimeError("this model was loaded without its MTP head")
         m = self.mtp
         self.plan_step(batch)
-        e = m.pre_fc_norm_embedding(self.model.embed_tokens(input_ids))
-        x = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden)], dim=-1))
-        cos, sin = self.rope(batch.positions, x.dtype)
+        e = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(batch.positions, e.dtype)
+        if batch.vision is not None:  # image tokens' embeddings, M-RoPE rows (vision.mtp)
+            e, cos, sin = batch.vision.apply(e, cos, sin)
+        x = m.fc(torch.cat([m.pre_fc_norm_embedding(e), m.pre_fc_norm_hidden(hidden)], dim=-1))
+        if kv_only:
+            layer = m.layers[0]
+            layer.self_attn.write_kv(layer.input_layernorm(x), batch, cache, cos, sin)
+            return None
         x, residual = m.layers[0](x, None, batch, cache, cos, sin)
         return m.norm(x, residual)[0]
 

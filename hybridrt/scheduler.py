@@ -20,6 +20,10 @@ admitted only when the cache holds all the known tokens of the running requests 
 plus one block of growth each (not only this step's chunk), and not at all between a
 preemption and the next finish (the workload behind this rule: docs/server.md).
 
+A request with images also draws on the step's encoder budget (``encoder_budget`` image
+tokens, hybridrt.vision.budget): its chunk stops before an image that does not fit, which
+waits for a later step while the others decode.
+
 | invariant | |
 | --- | --- |
 | waiting for grammar | holds no cache; joins waiting once compiled (fails if it does not) |
@@ -50,6 +54,7 @@ from hybridrt.specdec.stats import SpecStats
 from hybridrt.statecache import CacheCapacityError, HybridCacheManager
 from hybridrt.statecache.branch_points import BranchPoints
 from hybridrt.step_plan import ScheduledSeq, StepPlan
+from hybridrt.vision.budget import EncoderBudget
 
 if TYPE_CHECKING:
     from hybridrt.engine_args import EngineArgs
@@ -77,6 +82,9 @@ class Scheduler:
         # False: admit whatever this step's chunk fits (the earlier rule, and vLLM's);
         # tests of the preemption path set it to make preemptions happen
         self.admission_control = True
+        # image tokens one step may encode (hybridrt.vision.budget), vLLM's default for its
+        # max_num_encoder_input_tokens
+        self.encoder_budget = args.max_num_batched_tokens
         self.stats = {"num_steps": 0, "num_preemptions": 0, "num_prefill_tokens": 0,
                       "num_decode_tokens": 0, "num_session_evictions": 0,
                       "num_chained_steps": 0, "num_cached_tokens": 0}
@@ -112,12 +120,16 @@ class Scheduler:
 
     def _schedule(self, plan: StepPlan) -> None:
         budget = self.max_num_batched_tokens
+        encoder = EncoderBudget(self.encoder_budget)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             pending = len(req.token_ids) - req.num_computed_tokens
             drafts = len(req.draft_token_ids) if pending == 1 else 0
             n = min(pending + drafts, budget)
+            if req.vision is not None and not (n := encoder.fit(req, n)):
+                i += 1  # its next image waits for a step with encoder budget left
+                continue
             # KV for this step, plus room for the MTP layer to write its next drafts.
             need = req.num_computed_tokens + n + req.spec_k
             while not self.cache.allocate_blocks(req.request_id, need):
@@ -147,6 +159,8 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.vision is not None and not (n := encoder.fit(req, n)):
+                continue  # admitted; its next image waits for encoder budget
             plan.seqs.append(self._scheduled(req, n, 0))
             budget -= n
 

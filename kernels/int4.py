@@ -35,7 +35,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from . import native, quant
+from . import int4_prefetch, native, quant
 
 GROUP = 32  # inputs per group (one scale code and one minimum code)
 SUPER = 8  # groups per superblock (one D and one M)
@@ -451,10 +451,15 @@ def gemm(x: torch.Tensor, qw: Int4Weight, isa: str,
     x = x.contiguous()
     y = torch.empty(x.shape[0], N, dtype=out_dtype)
     *ptrs, Kp = qw.ptrs()
-    if x.shape[0] and N and _entry(lib, qw)(
+
+    def run():
+        return x.shape[0] and N and _entry(lib, qw)(
             x.data_ptr(), int(x.dtype == torch.bfloat16), *ptrs, y.data_ptr(),
             int(out_dtype == torch.bfloat16), x.shape[0], N, K, Kp, ISAS[isa],
-            torch.get_num_threads()):
+            torch.get_num_threads())
+
+    int4_prefetch.before_product(run, qw.nbytes, x.shape[0])
+    if run():
         raise RuntimeError(f"int4 gemm: kernel path {isa!r} failed (not in this build, or out "
                            f"of memory)")
     return y
@@ -483,8 +488,13 @@ def _gemm_bf16(x: torch.Tensor, qw: Int4Weight, flag: int) -> torch.Tensor:
         raise ValueError(f"int4 gemm: x must be [M, {K}], got {list(x.shape)}")
     y = torch.empty(x.shape[0], N, dtype=torch.bfloat16)
     *ptrs, Kp = qw.ptrs()
-    if _entry(_lib(), qw)(x.data_ptr(), 1, *ptrs, y.data_ptr(), 1, x.shape[0], N, K, Kp, flag,
-                          torch.get_num_threads()):
+
+    def run():
+        return _entry(_lib(), qw)(x.data_ptr(), 1, *ptrs, y.data_ptr(), 1, x.shape[0], N, K, Kp,
+                                  flag, torch.get_num_threads())
+
+    int4_prefetch.before_product(run, qw.nbytes, x.shape[0])
+    if run():
         raise RuntimeError("int4 gemm: kernel path failed (not in this build, or out of memory)")
     return y
 

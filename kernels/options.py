@@ -23,6 +23,7 @@ class KernelOptions:
     int8_isa: str | None = None  # int8 products: None (the best built), "ref", "avx2", "vnni"
     int4_isa: str | None = None  # 4-bit products: None (the best built), "ref", "avx2",
     # "avxvnni", "vnni"
+    int4_prefetch: str = "auto"  # one-row 4-bit products' prefetch: "auto", "nta", "l2"
     march: str = "native"  # the target the C kernels are compiled for (cc -march=...)
     huge_pages: bool = True  # loaded weights in transparent-huge-page memory where the OS has it
     step_program: bool = True  # decode steps' layers in one compiled call (kernels/step.py)

@@ -48,6 +48,7 @@ from hybridrt.runner import build_batch
 from hybridrt.sampler import Sampler, argmax_rows, plain_greedy
 from hybridrt.statecache import HybridCacheManager
 from hybridrt.step_plan import StepPlan
+from hybridrt.vision.mtp import mtp_vision
 
 LAZY_ROWS = 256  # most MTP input rows a request keeps waiting (``lazy``)
 
@@ -115,7 +116,7 @@ class MTPProposer:
         from a cache hit (``mtp_carry``: the target's hidden state before its first position)
         has the position before its first one rewritten as well: the cached KV there was
         computed with another request's next token."""
-        tokens, starts, tables, parts, modes, reqs = [], [], [], [], [], []
+        tokens, starts, tables, parts, modes, reqs, owners = [], [], [], [], [], [], []
         for b, s in enumerate(plan.seqs):
             req = s.request
             if req.spec_k == 0 or req.is_finished or settled[b] == 0:
@@ -154,16 +155,20 @@ class MTPProposer:
             tables.append(self.cache.block_table(req.request_id))
             parts.append(rows)
             modes.append("last" if drafting else "none")
+            owners.append(req)
             if drafting:
                 reqs.append(req)
         if not tokens:
             return []
         mb = build_batch(tokens, starts, tables, self.cache.block_size, None, modes,
                          device=self.device)
+        mb.vision = _vision(owners, starts, mb)
         h = parts[0] if len(parts) == 1 else torch.cat(parts)
-        out = self.model.mtp_forward(mb.input_ids, h.to(hidden.device), mb, self.cache.tensors)
-        if not reqs:
+        if not reqs:  # nothing drafts: the MTP layer's KV is all that is kept
+            self.model.mtp_forward(mb.input_ids, h.to(hidden.device), mb, self.cache.tensors,
+                                   kv_only=True)
             return []
+        out = self.model.mtp_forward(mb.input_ids, h.to(hidden.device), mb, self.cache.tensors)
         plans = ([(self.num_drafts_for(r), []) for r in reqs] if wanted is None
                  else [wanted[r] for r in reqs])
         return self._draft(reqs, out[mb.logits_indices], plans)
@@ -230,6 +235,8 @@ class MTPProposer:
                 [self.cache.block_table(reqs[i].request_id) for i in active],
                 self.cache.block_size, None, None, device=self.device,
             )
+            mb.vision = _vision([reqs[i] for i in active],
+                                [len(reqs[i].token_ids) - 1 + j for i in active], mb)
             h = self.model.mtp_forward(mb.input_ids, h[sel], mb, self.cache.tensors)
         return [Drafts(r, drafts[i], torch.stack(probs[i]) if probs[i] else None,
                        num_ngram=len(fixed[i]), k=budget[i])
@@ -252,6 +259,11 @@ class MTPProposer:
             for m, n in enumerate(rand):
                 probs[idx[n]].append(p[m])
         return picked.tolist()
+
+
+def _vision(reqs: list, starts: list[int], mb):
+    """The images' part of an MTP batch (``hybridrt.vision.mtp``), or None."""
+    return mtp_vision(reqs, starts, mb) if any(r.vision is not None for r in reqs) else None
 
 
 class DraftHead:

@@ -75,7 +75,10 @@ class NgramDrafter:
         if entry is None or entry[0] is not req:
             entry = (req, NgramIndex(self.min_n, self.max_n))
             self._indexes[req.request_id] = entry
-        return entry[1].lookup(req.token_ids, k, self.extend)
+        drafts = entry[1].lookup(req.token_ids, k, self.extend)
+        # an image token (a negative content key in token_ids, hybridrt.vision) is no draft
+        cut = next((j for j, t in enumerate(drafts) if t < 0), len(drafts))
+        return drafts[:cut]
 
     def prune(self) -> None:
         """Drop the indexes of finished requests."""

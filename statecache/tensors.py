@@ -10,12 +10,14 @@ import torch
 
 from hybridrt.config import ModelConfig
 from hybridrt.kernels import kvquant
+from hybridrt.kernels.memory import advise_huge_pages
 
 
 def _zeros(*shape, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A zero tensor whose memory is taken as it is used: on the CPU, anonymous memory the OS
     maps as zero pages until a page is first written (a cache pool touches what its requests and
-    checkpoints use, not its whole budget up front); elsewhere ``torch.zeros``."""
+    checkpoints use, not its whole budget up front), advised for huge pages; elsewhere
+    ``torch.zeros``."""
     if len(shape) == 1 and isinstance(shape[0], tuple):
         shape = shape[0]
     if torch.device(device).type != "cpu":
@@ -24,8 +26,10 @@ def _zeros(*shape, dtype: torch.dtype, device: torch.device | str) -> torch.Tens
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     if count == 0:
         return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)
+    advise_huge_pages(buf)
     # the tensor keeps the mapping alive (torch.frombuffer holds the buffer)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count).view(shape)
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
 
 
 @dataclass(slots=True)

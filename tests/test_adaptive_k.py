@@ -234,9 +234,9 @@ def _scheduled_run(ckpt, lazy: bool, prompts, caching: bool):
                      tuple(d.token_ids)) for d in out if d.token_ids)
         return out
 
-    def spy_forward(ids, *a):
+    def spy_forward(ids, *a, **k):
         passes.append(len(ids))
-        return forward(ids, *a)
+        return forward(ids, *a, **k)
 
     prop.propose, llm.model.mtp_forward = spy_propose, spy_forward
     outs = []

@@ -12,13 +12,15 @@ from hybridrt.kernels import native
 
 
 def test_rows_at_small_lengths(capsys):
-    r = prompt_attention.run(lengths=(40, 100), chunk=32, threads=1, repeats=1)
+    r = prompt_attention.run(lengths=(40, 100), chunk=32, threads=1, repeats=1,
+                             flush_bytes=1 << 20)
     prompt = [x for x in r["rows"] if x["kind"] == "prompt"]
     assert [(x["kv"], x["ctx"], x["chunk"]) for x in prompt] == [
         (kv, c, 32) for kv in ("bfloat16", "int8") for c in (40, 100)]
     assert all(x["ref_ms"] > 0 and x["tiled_ms"] > 0 and x["max_diff"] < 0.05 for x in prompt)
     decode = [x for x in r["rows"] if x["kind"] == "decode"]
     assert len(decode) == (4 if native.load() is not None else 0)
+    assert all(x["ms"] > 0 and x["cold_ms"] > 0 for x in decode)
     assert "load average" in capsys.readouterr().out
 
 

@@ -77,7 +77,8 @@ def test_only_env_reads_hybridrt_variables():
     assert {p: r for p, r in reads.items() if r} == {}
     declared = set(env.VARIABLES)
     assert {"HYBRIDRT_NATIVE", "HYBRIDRT_CACHE", "HYBRIDRT_HALF_PATH", "HYBRIDRT_FUSED_SIMD",
-            "HYBRIDRT_INT8_ISA", "HYBRIDRT_INT4_ISA", "HYBRIDRT_MARCH", "HYBRIDRT_HUGE_PAGES",
+            "HYBRIDRT_INT8_ISA", "HYBRIDRT_INT4_ISA", "HYBRIDRT_INT4_PREFETCH", "HYBRIDRT_MARCH",
+            "HYBRIDRT_HUGE_PAGES",
             "HYBRIDRT_STEP_PROGRAM", "HYBRIDRT_ADAPTIVE_THREADS", "HYBRIDRT_DEBUG",
             "HYBRIDRT_API_KEY", "HYBRIDRT_GRAMMAR_ENGINE", "HYBRIDRT_LLAMACPP_BENCH"} == declared
 

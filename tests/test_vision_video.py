@@ -145,7 +145,7 @@ def test_video_with_metadata_and_an_image_in_one_prompt(llm, ckpt):
                    images=[img], videos=[clip],
                    metadata=[VideoMetadata(total_num_frames=10, **meta)])
     v = out.metrics["vision"]
-    assert (v["num_images"], v["num_videos"], v["encoder_runs"]) == (1, 1, 1)
+    assert (v["num_images"], v["num_videos"], v["encoder_runs"]) == (1, 1, 2)  # per item
     assert "<0.4 seconds>" in llm.tokenizer.decode(out.prompt_token_ids)  # (0 + 3) / 4 / 2
 
 
@@ -279,6 +279,86 @@ def test_bad_video_settings_are_one_error_before_loading(kwargs, words):
 
     with pytest.raises(ValueError, match=words):
         EngineArgs(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    """A checkpoint with an MTP layer too, drafting 2 tokens (no prefix cache: each run
+    prefills and encodes anew)."""
+    ckpt, _ = write_vision_checkpoint(tmp_path_factory.mktemp("vspec"), seed=3, with_mtp=True)
+    return LLM(ckpt, dtype="float32", max_model_len=512, cache_memory="32MiB",
+               speculative_tokens=2, enable_prefix_caching=False)
+
+
+MIXED = {"prompt": chat_text(f"A {IMG} then {VID}: what happens?"),
+         "multi_modal_data": {"image": [image(40, 24, 8)], "video": [frames(5, 32, 32, 9)]}}
+
+
+def test_mtp_speculation_on_a_video_prompt_keeps_the_greedy_tokens(spec):
+    """k=2 (the MTP row before a frame group's token takes its embedding, a row inside one its
+    (t, h, w) rotary row) gives k=0's greedy tokens, with drafts, for a video alone and for an
+    image then a video."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = {"prompt": chat_text(f"{VID}What happens?"),
+             "multi_modal_data": {"video": frames(5, 36, 28, 1)}}
+    for item in (alone, MIXED):
+        (want,) = spec.generate([item], params, use_tqdm=False, speculative_tokens=0)
+        (got,) = spec.generate([item], params, use_tqdm=False)
+        assert want.error is None and got.error is None, (want.error, got.error)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.metrics["spec"]["num_draft_tokens"] > 0  # it drafted
+
+
+def test_a_video_larger_than_the_encoder_budget_is_encoded_alone(spec):
+    """An image (15 tokens) then a video (3 x 16 tokens) under an encoder budget of 20 with
+    k=2: the image in one step's run, the video alone in a later one, and the tokens of an
+    unbudgeted run that encodes both together."""
+    from hybridrt.vision.encoder_cache import EncoderCache
+
+    tower, sched = spec.vision, spec.engine.scheduler
+    runs, plain = [], tower.encode
+    tower.encode = lambda items: runs.append([it.num_tokens(2) for it in items]) or plain(items)
+    cache, tower.cache = tower.cache, EncoderCache(0)
+    outs = []
+    try:
+        for budget in (10**6, 20):
+            sched.encoder_budget = budget
+            (out,) = spec.generate([MIXED], GREEDY, use_tqdm=False)
+            assert out.error is None, out.error
+            outs.append(out.outputs[0].token_ids)
+    finally:
+        tower.encode, tower.cache = plain, cache
+        sched.encoder_budget = spec.engine.args.max_num_batched_tokens
+    assert runs == [[15, 48], [15], [48]]
+    assert outs[0] == outs[1]
+
+
+def test_the_same_video_after_another_prefix_comes_from_the_encoder_cache(llm):
+    """The prefix cache cannot serve a video after other text; the encoder cache does (by the
+    video's digest), with the tokens of a run that encodes it; other frames miss."""
+    from hybridrt.vision.encoder_cache import EncoderCache
+
+    clip = frames(4, 32, 32, 12)
+
+    def run(text, video=clip):
+        (out,) = llm.generate([{"prompt": chat_text(text), "multi_modal_data": {"video": video}}],
+                              GREEDY, use_tqdm=False)
+        assert out.error is None, out.error
+        v = out.metrics["vision"]
+        return out.outputs[0].token_ids, (v["encoder_runs"], v["encoder_cache_hits"])
+
+    cache, llm.vision.cache = llm.vision.cache, EncoderCache(1 << 20)
+    try:
+        assert run(f"{VID}What is it?")[1] == (1, 0)
+        hit, counts = run(f"Look here: {VID}What is it?")
+        assert counts == (0, 1)
+        assert run(f"{VID}What is it?", frames(4, 32, 32, 13))[1] == (1, 0)
+        llm.vision.cache = EncoderCache(0)
+        llm.reset_prefix_cache()
+        cold, counts = run(f"Look here: {VID}What is it?")
+        assert counts == (1, 0) and cold == hit
+    finally:
+        llm.vision.cache = cache
 
 
 def test_server_takes_video_url_data_urls(llm):

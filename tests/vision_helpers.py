@@ -57,10 +57,11 @@ def hf_config(text: dict, ids: dict):
 
 
 def write_vision_checkpoint(directory, seed: int = 0, text: dict | None = None,
-                            tokenizer: Path | None = None):
+                            tokenizer: Path | None = None, with_mtp: bool = False):
     """-> (directory, transformers' model with the same fp32 weights). ``tokenizer``: a
     directory whose tokenizer is taken (the vision tokens added after its own) instead of
-    the character-level one."""
+    the character-level one. ``with_mtp``: random ``mtp.*`` weights too (transformers'
+    model has none; ``mtp_weights`` reads them back)."""
     from transformers import PreTrainedTokenizerFast, Qwen3_5ForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -78,7 +79,8 @@ def write_vision_checkpoint(directory, seed: int = 0, text: dict | None = None,
                     "video_token_id"), tok.convert_tokens_to_ids(VISION_TOKENS)))
     assert max(ids.values()) < text["vocab_size"]
     ref = Qwen3_5ForConditionalGeneration(hf_config(text, ids)).eval()
-    sd = random_state_dict(ModelConfig.from_dict(text), seed, with_mtp=False)
+    sd = random_state_dict(ModelConfig.from_dict(text), seed, with_mtp=with_mtp)
+    mtp = {n: sd.pop(n) for n in [n for n in sd if n.startswith("mtp.")]}
     full = {("model.language_model." + n[len("model."):]): t for n, t in sd.items()}
     gen = torch.Generator().manual_seed(seed + 100)
     for name, p in ref.model.visual.state_dict().items():
@@ -96,6 +98,11 @@ def write_vision_checkpoint(directory, seed: int = 0, text: dict | None = None,
     missing, unexpected = ref.load_state_dict(full, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
     ref.save_pretrained(str(directory))
+    if mtp:
+        from safetensors.torch import load_file, save_file
+
+        (f,) = directory.glob("*.safetensors")
+        save_file({**load_file(str(f)), **mtp}, str(f), metadata={"format": "pt"})
     Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
                              min_pixels=8 * 8, max_pixels=64 * 64).save_pretrained(str(directory))
     video_processor().save_pretrained(str(directory))

@@ -14,6 +14,7 @@ from hybridrt.config import ConfigError, ModelConfig
 from hybridrt.loader import CheckpointError, _weight_files
 from hybridrt.vision.config import VisionConfig
 from hybridrt.vision.encoder import VisionEncoder
+from hybridrt.vision.encoder_cache import EncoderCache, parse_cache_bytes
 from hybridrt.vision.kernels import quantize_tower
 from hybridrt.vision.preprocess import ImageProcessor
 from hybridrt.vision.tower import TextRotary, VisionTower
@@ -64,6 +65,8 @@ def load_for_engine(model_path, text: ModelConfig, dtype: torch.dtype, device,
     tower = None if skip else load_vision_tower(model_path, text, dtype, device, args.mmproj,
                                                 args.vision_quantization, args.image_limit,
                                                 args.video_settings)
+    if tower is not None:
+        tower.cache = EncoderCache(parse_cache_bytes(args.encoder_cache_memory))
     if tower is None and args.vision_quantization and not skip:
         raise ValueError(f"vision_quantization={args.vision_quantization!r}: the model at "
                          f"{model_path} has no vision tower")

@@ -12,22 +12,32 @@ import torch
 
 class VisionStep:
     """The rows of a step's batch that are image tokens, their merged embeddings and their
-    M-RoPE positions [3, rows]."""
+    M-RoPE positions [3, rows]; ``rope_rows``: where the rows that take those positions differ
+    from the embeddings' (the MTP layer's, ``hybridrt.vision.mtp``)."""
 
-    def __init__(self, tower, rows: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, tower, rows: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+                 rope_rows: torch.Tensor | None = None):
         self.tower, self.rows, self.embeds, self.positions = tower, rows, embeds, positions
+        self.rope_rows = rows if rope_rows is None else rope_rows
 
     def apply(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """(embedded tokens, cos, sin) with the image rows replaced."""
         h = h.index_copy(0, self.rows, self.embeds.to(h.device, h.dtype))
         c, s = self.tower.rope_rows(self.positions, cos.dtype)
-        return h, cos.index_copy(0, self.rows, c), sin.index_copy(0, self.rows, s)
+        return h, cos.index_copy(0, self.rope_rows, c), sin.index_copy(0, self.rope_rows, s)
 
 
 def vision_step(seqs, batch) -> VisionStep | None:
     """Set the positions of the step's tokens of requests with images (``seqs``: the step's
     scheduled sequences, in batch order) -> their image rows, or None where the step has
-    none."""
+    none. The images and videos the scheduler gave this step are encoded first, in one run."""
+    scheduled = [(s.request.vision, i) for s in seqs if s.request.vision is not None
+                 for i in s.request.vision.scheduled]
+    if scheduled:
+        scheduled[0][0].tower.encode_images(scheduled)
+        for s in seqs:
+            if s.request.vision is not None:
+                s.request.vision.scheduled = []
     rows, embeds, positions, ids, tower = [], [], [], [], None
     for b, s in enumerate(seqs):
         v = s.request.vision
@@ -44,8 +54,8 @@ def vision_step(seqs, batch) -> VisionStep | None:
         if image.any():
             at = idx[image]
             rows.append(torch.from_numpy(off + np.flatnonzero(image)))
-            embeds.append(v.embeddings()[torch.from_numpy(v.embed_row[at])])
-            ids.append(torch.from_numpy(v.row_token[v.embed_row[at]]))
+            embeds.append(v.embeddings_at(at))
+            ids.append(v.pad_ids(at))
             positions.append(torch.from_numpy(v.positions[:, at]))
             tower = v.tower
     if not rows:

@@ -1,6 +1,7 @@
 """A loaded vision tower and what it makes of a request: ``VisionTower.prepare`` turns a
-prompt's placeholders and images into the expanded prompt and its ``VisionInputs`` (patches,
-M-RoPE positions, rope delta, and the merged embeddings, encoded once on first need)."""
+prompt's placeholders, images and videos into the expanded prompt and its ``VisionInputs``
+(patches, M-RoPE positions, rope delta, and each item's merged embeddings, encoded once on
+first need)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from hybridrt.vision.config import VisionConfig
 from hybridrt.vision.encoder import VisionEncoder
+from hybridrt.vision.encoder_cache import EncoderCache
 from hybridrt.vision.inputs import check_media_count
 from hybridrt.vision.positions import mrope_cos_sin, mrope_positions
 from hybridrt.vision.preprocess import ImageProcessor, load_image
@@ -65,7 +67,10 @@ class ImageItem:
 class VisionInputs:
     """A request's images and videos: the M-RoPE positions of its prompt [3, L], the rope delta
     of every token after the prompt, which prompt tokens are image or video tokens, and their
-    embeddings (``embeddings()``: the encoder runs once per request, on first need)."""
+    embeddings, kept per item (``embeddings_at``: each image or video encoded once per request,
+    on first need, or taken from the tower's encoder cache; ``scheduled``: the items the
+    scheduler's encoder budget gave the coming step, encoded together at its start,
+    ``hybridrt.vision.budget``)."""
 
     def __init__(self, tower: VisionTower, items: list[ImageItem], num_tokens: int):
         merge = tower.config.spatial_merge_size
@@ -73,36 +78,70 @@ class VisionInputs:
         spans = [span for it in items for span in it.spans(merge)]
         self.positions, self.delta = mrope_positions(num_tokens, spans)
         self.embed_row = np.full(num_tokens, -1, dtype=np.int64)
+        self.row_start = np.zeros(len(items) + 1, dtype=np.int64)  # item i: rows [i] to [i + 1]
         row_token = []  # each embedding row's pad token id
-        for it in items:
+        for i, it in enumerate(items):
             n = it.run_tokens(merge)
             for start, _ in it.spans(merge):
                 self.embed_row[start:start + n] = np.arange(len(row_token), len(row_token) + n)
                 row_token += [it.token_id] * n
+            self.row_start[i + 1] = len(row_token)
         self.row_token = np.asarray(row_token, dtype=np.int64)
         self.num_image_tokens = len(row_token)
         self.num_added = 0  # tokens the placeholders' expansion added to the prompt
-        self._embeds: torch.Tensor | None = None
-        self.encoder_runs = 0  # how many times the encoder ran for this request
+        self.embeds: list[torch.Tensor | None] = [None] * len(items)  # per item, once encoded
+        self.scheduled: list[int] = []  # items to encode at the coming step's start
+        self.encoder_runs = 0  # items of this request the encoder ran for
+        self.encoder_cache_hits = 0  # items taken from the tower's encoder cache
 
-    def embeddings(self) -> torch.Tensor:
-        """[image and video tokens, hidden]: every item's merged embeddings, in prompt
-        order."""
-        if self._embeds is None:
-            self._embeds = self.tower.encode(self.items)
-            self.encoder_runs += 1
-        return self._embeds
+    def embeddings_at(self, idx: np.ndarray) -> torch.Tensor:
+        """[len(idx), hidden]: the embeddings of the prompt's image and video tokens ``idx``
+        (ascending; the items they belong to encoded first where they are not yet)."""
+        rows = self.embed_row[idx]
+        which = np.searchsorted(self.row_start, rows, side="right") - 1
+        images = np.unique(which)
+        self.tower.encode_images([(self, int(i)) for i in images])
+        return torch.cat([self.embeds[i][torch.from_numpy(rows[which == i] - self.row_start[i])]
+                          for i in images])
+
+    def pad_ids(self, idx: np.ndarray) -> torch.Tensor:
+        """The pad token ids (``<|image_pad|>`` or ``<|video_pad|>``) of the prompt's image and
+        video tokens ``idx``: what the runner embeds in place of their content keys."""
+        return torch.from_numpy(self.row_token[self.embed_row[idx]])
+
+    def images_in(self, start: int, end: int) -> list[int]:
+        """The images and videos with tokens in the prompt's positions [start, end), in
+        order (a video's frame groups each a run of tokens)."""
+        merge = self.tower.config.spatial_merge_size
+        return [i for i, it in enumerate(self.items)
+                if any(s < end and start < s + it.run_tokens(merge) for s in it.starts)]
+
+    def image_tokens(self, i: int) -> int:
+        """Item i's tokens (every frame group's for a video): its encoder cost."""
+        return int(self.row_start[i + 1] - self.row_start[i])
+
+    def held(self, i: int) -> bool:
+        """Whether item i's embeddings are at hand (encoded, or now taken from the tower's
+        encoder cache)."""
+        if self.embeds[i] is None:
+            got = self.tower.cache.get(self.items[i].digest)
+            if got is not None:
+                self.embeds[i] = got
+                self.encoder_cache_hits += 1
+        return self.embeds[i] is not None
 
     def metrics(self) -> dict:
-        """The request's images and videos, their tokens and how many times the encoder ran
-        for them (0 where the prefix cache held every one of their tokens)."""
+        """The request's images and videos, their tokens, how many of them the encoder ran for
+        (0 where the prefix cache held every one of their tokens or the encoder cache every
+        item) and how many the encoder cache gave."""
         merge = self.tower.config.spatial_merge_size
         videos = [it for it in self.items if it.video]
         video_tokens = sum(it.num_tokens(merge) for it in videos)
         return {"num_images": len(self.items) - len(videos),
                 "num_image_tokens": self.num_image_tokens - video_tokens,
                 "num_videos": len(videos), "num_video_tokens": video_tokens,
-                "encoder_runs": self.encoder_runs}
+                "encoder_runs": self.encoder_runs,
+                "encoder_cache_hits": self.encoder_cache_hits}
 
     def keyed(self, ids: Sequence[int]) -> list[int]:
         """The prompt as the request's ``token_ids`` hold it: each image or video token
@@ -136,6 +175,7 @@ class VisionTower:
         self.max_videos: int | None = None
         self.video_fps, self.video_max_frames = 2.0, 32
         self._video_processor = None
+        self.cache = EncoderCache(0)  # encoder outputs by item digest (0 bytes: none kept)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -145,6 +185,26 @@ class VisionTower:
     def encode(self, items: Sequence[ImageItem]) -> torch.Tensor:
         pixels = torch.cat([it.pixels for it in items])
         return self.encoder(pixels, [it.grid for it in items])
+
+    def encode_images(self, wanted: Sequence[tuple[VisionInputs, int]]) -> None:
+        """Give each (request's inputs, image or video index) its embeddings: the held ones as
+        they are, the encoder cache's, and the rest encoded in one run (an item that several
+        requests hold, once), each then put in the encoder cache."""
+        todo: dict[bytes, list[tuple[VisionInputs, int]]] = {}
+        for v, i in wanted:
+            if not v.held(i):
+                todo.setdefault(v.items[i].digest, []).append((v, i))
+        if not todo:
+            return
+        firsts = [holders[0] for holders in todo.values()]
+        out = self.encode([v.items[i] for v, i in firsts])
+        sizes = [v.image_tokens(i) for v, i in firsts]
+        for (v, i), embeds in zip(firsts, torch.split(out, sizes)):
+            embeds = embeds.clone() if len(firsts) > 1 else embeds  # its own storage
+            self.cache.put(v.items[i].digest, embeds)
+            for w, j in todo[v.items[i].digest]:
+                w.embeds[j] = embeds
+                w.encoder_runs += 1
 
     def image_item(self, image) -> ImageItem:
         pixels, grid = self.processor(load_image(image))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import int4, native, prefill_attention, quant
+from .. import int4, int4_prefetch, native, prefill_attention, quant
 from ..linear import linear as cpu_linear
 from ..linear import pack_weight, use_fp32_gemm
 from ..memory import weights_on_huge_pages
@@ -43,6 +43,8 @@ class CPUBackend:
         self.half_path = native.half_path(opts.half_path) if self.native else None
         self.int8_isa = quant.select_isa(opts.int8_isa, self.native)  # None: no compiled ones
         self.int4_isa = int4.select_isa(opts.int4_isa, self.native)
+        if self.native:
+            int4_prefetch.configure(opts.int4_prefetch)
         self.fused_simd = opts.fused_simd  # the fused layers' vector loops
         # the in-place decode step the reference's recurrent GDN form runs
         self.ref.gdn_step = native.gdn_decode_step if self.native else None
@@ -224,6 +226,9 @@ class CPUBackend:
                 self.programs = {}
             self.programs[key] = program
         return self.programs[key]
+
+    def qk_norm_rope(self, q, k, q_weight, k_weight, eps, cos, sin):
+        return self.ref.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
 
     def gated_attention(self, meta, batch, layer, qg, k, v, key_cache, value_cache, cos, sin):
         """Steps where every sequence has the same few new tokens (decode, verification) in

@@ -57,8 +57,8 @@ static inline int64_t kv_group(int64_t D) { return D % 32 == 0 ? 32 : D; }
 
 static inline float kv_scale(const char *row, int64_t D, int64_t G, int64_t i)
 {
-    float s;
-    memcpy(&s, row + D + 4 * (i / G), 4);
+    float s;  /* (a division in the vector loops costs more than the rest of their step) */
+    memcpy(&s, row + D + 4 * (G == 32 ? i >> 5 : i / G), 4);
     return s;
 }
 
@@ -230,101 +230,150 @@ static inline void v_axpy(float w, const char *vp, int64_t D, int64_t G, int bf,
 #if defined(__AVX512F__)
 #define GQ_MAX 8  /* query heads per KV head the AVX-512 partition routine takes */
 
-#define PF 16  /* positions ahead whose K and V rows are prefetched */
+#define PF 64  /* positions ahead whose K and V rows are prefetched (into L2) */
 
-/* the head row of position pos (hw bytes) toward the cache, if pos < end: the blocks of a
- * context lie anywhere, and the hardware prefetchers stop at each page */
+/* the rows of position pos + PF (hw bytes from off) toward the core, if pos + PF < end: the
+ * blocks of a context lie anywhere, and the hardware prefetchers stop at each page */
 static inline void prefetch_row(const char *cache, const int64_t *tab, int64_t BS, int64_t row,
                                 int64_t off, int64_t pos, int64_t end, int64_t hw)
 {
+    pos += PF;
     if (pos >= end) return;
     const char *p = cache + (tab[pos / BS] * BS + pos % BS) * row + off;
-    for (int64_t i = 0; i < hw; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+    for (int64_t i = 0; i < hw; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
+}
+
+/* out[t] = the sum of v[t]'s 16 lanes, t < n (<= 16): halves added down to 4 lanes, then
+ * pairs of vectors through hadd */
+static inline void hsum16(const __m512 *v, int64_t n, float *out)
+{
+    __m128 x[16];
+    for (int64_t t = 0; t < n; ++t) {
+        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v[t]),
+                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                           _mm512_castps_pd(v[t]), 1)));
+        x[t] = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    }
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4)
+        _mm_storeu_ps(out + t, _mm_hadd_ps(_mm_hadd_ps(x[t], x[t + 1]),
+                                           _mm_hadd_ps(x[t + 2], x[t + 3])));
+    for (; t < n; ++t) {
+        const __m128 h = _mm_hadd_ps(x[t], x[t]);
+        out[t] = _mm_cvtss_f32(_mm_hadd_ps(h, h));
+    }
 }
 
 /* PB rows of a cache (fp32, bf16 or int8) widened to fp32 into xb [np, D], 16 lanes a step:
  * the same values widen_row gives */
 static inline void widen_block16(const char *cache, const int64_t *tab, int64_t BS, int64_t row,
                                  int64_t off, int64_t p0, int64_t np, int64_t D, int64_t G,
-                                 int bf, int kvq, float *xb, int64_t end, int64_t hw)
+                                 int bf, int kvq, float *xb, int64_t end, int64_t pfw,
+                                 int64_t pfoff)
 {
     for (int64_t j = 0; j < np; ++j) {
         const int64_t pos = p0 + j, slot = tab[pos / BS] * BS + pos % BS;
-        prefetch_row(cache, tab, BS, row, off, pos + PF, end, hw);
+        prefetch_row(cache, tab, BS, row, pfoff, pos, end, pfw);
         const char *p = cache + slot * row + off;
         float *x = xb + j * D;
         for (int64_t i = 0; i < D; i += 16) _mm512_storeu_ps(x + i, kv_ld16(p, i, D, G, bf, kvq));
     }
 }
 
-/* One partition [pbeg, pend) of a row for the GQ (<= GQ_MAX) query heads of one KV head:
- * q [GQ, D] (normed, rotated), acc g at acc + g * gs ([D], zeroed by the caller), m, l [GQ].
- * A block's scores for all GQ heads share each K load (widened in registers); its V rows are
- * widened once into xb [PB, D] for all GQ heads; exp16 gives the weights of 16 positions at once; the sums l
+/* One partition [pbeg, pend) of a row for the NH KV heads from off0 and their GQ (<= GQ_MAX)
+ * query heads each: q0 [NH GQ, D] (normed, rotated), the acc of query head g at acc0 + g * gs
+ * ([D], zeroed by the caller), m0, l0 [NH GQ]. Block by block of PB positions, head after
+ * head, so that a block's rows (all heads) are read while they are near: the scores of PJ
+ * positions for all GQ heads at once (PJ GQ accumulators in registers, each K load widened once
+ * in registers, each query chunk loaded once for the PJ positions); its V rows widened once
+ * into xb [PB, D] for all GQ heads; exp16 gives the weights of 16 positions at once; the sums l
  * add them in position order; each head's acc stays in registers 128 values at a time over the
- * block's V rows (acc[i] = fma(w_j, v_j[i], acc[i]) in position order). */
+ * block's V rows (acc[i] = fma(w_j, v_j[i], acc[i]) in position order). A head's arithmetic
+ * does not depend on NH. */
 static inline __attribute__((always_inline)) void partition16(
-    const float *q, const char *kc, const char *vc, const int64_t *tab, int64_t BS, int64_t row,
-    int64_t off, int64_t pbeg, int64_t pend, int64_t D, int64_t G, int bf, int kvq, float scale,
-    const int64_t GQ, float *acc, int64_t gs, float *m, float *l, float *xb, int64_t hw)
+    const float *q0, const char *kc, const char *vc, const int64_t *tab, int64_t BS, int64_t row,
+    int64_t off0, int64_t NH, int64_t pbeg, int64_t pend, int64_t D, int64_t G, int bf, int kvq,
+    float scale, const int64_t GQ, float *acc0, int64_t gs, float *m0, float *l0, float *xb,
+    int64_t hw)
 {
     float s[GQ_MAX][PB];
     for (int64_t p0 = pbeg; p0 < pend; p0 += PB) {
         const int64_t np = pend - p0 < PB ? pend - p0 : PB;
-        for (int64_t j = 0; j < np; ++j) {
-            const int64_t pos = p0 + j;
-            const char *kp = kc + (tab[pos / BS] * BS + pos % BS) * row + off;
-            prefetch_row(kc, tab, BS, row, off, pos + PF, pend, hw);
-            __m512 d[GQ_MAX];
-            for (int64_t g = 0; g < GQ; ++g) d[g] = _mm512_setzero_ps();
-            for (int64_t i = 0; i < D; i += 16) {
-                const __m512 k = kv_ld16(kp, i, D, G, bf, kvq);
-                for (int64_t g = 0; g < GQ; ++g)
-                    d[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + i), k, d[g]);
-            }
-            for (int64_t g = 0; g < GQ; ++g) s[g][j] = _mm512_reduce_add_ps(d[g]) * scale;
-        }
-        for (int64_t g = 0; g < GQ; ++g) {
-            float bm = -INFINITY;
-            for (int64_t j = 0; j < np; ++j) bm = s[g][j] > bm ? s[g][j] : bm;
-            if (bm > m[g]) {  /* rescale what was summed under the old maximum */
-                const float cf = expf(m[g] - bm);
-                const __m512 c = _mm512_set1_ps(cf);
-                float *a = acc + g * gs;
-                for (int64_t i = 0; i < D; i += 16)
-                    _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_loadu_ps(a + i), c));
-                l[g] *= cf;
-                m[g] = bm;
-            }
-            for (int64_t j = 0; j < np; j += 16) {
-                const __mmask16 mk = np - j >= 16 ? 0xFFFF : (__mmask16)((1u << (np - j)) - 1);
-                const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s[g] + j),
-                                               _mm512_set1_ps(m[g]));
-                _mm512_mask_storeu_ps(s[g] + j, mk, exp16(x));
-            }
-            for (int64_t j = 0; j < np; ++j) l[g] += s[g][j];
-        }
-        widen_block16(vc, tab, BS, row, off, p0, np, D, G, bf, kvq, xb, pend, hw);
-        for (int64_t g = 0; g < GQ; ++g) {
-            float *a = acc + g * gs;
-            int64_t i0 = 0;
-            for (; i0 + 128 <= D; i0 += 128) {
-                __m512 r[8];
-                for (int c = 0; c < 8; ++c) r[c] = _mm512_loadu_ps(a + i0 + 16 * c);
-                for (int64_t j = 0; j < np; ++j) {
-                    const __m512 w = _mm512_set1_ps(s[g][j]);
-                    const float *x = xb + j * D + i0;
-                    for (int c = 0; c < 8; ++c)
-                        r[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 16 * c), r[c]);
+        for (int64_t hk = 0; hk < NH; ++hk) {
+            const float *q = q0 + hk * GQ * D;
+            float *acc = acc0 + hk * GQ * gs, *m = m0 + hk * GQ, *l = l0 + hk * GQ;
+            const int64_t off = off0 + hk * hw;
+            /* PJ positions at a time: PJ x GQ accumulators (16 where GQ divides 16) in registers,
+             * each query chunk loaded once for the PJ positions; a position past the block
+             * re-reads the block's first row and is dropped */
+            const int64_t PJ = GQ <= 16 ? 16 / GQ : 1;
+            for (int64_t j0 = 0; j0 < np; j0 += PJ) {
+                const char *kp[16];
+                for (int64_t jj = 0; jj < PJ; ++jj) {
+                    const int64_t pos = p0 + (j0 + jj < np ? j0 + jj : 0);
+                    kp[jj] = kc + (tab[pos / BS] * BS + pos % BS) * row + off;
+                    if (hk == 0 && j0 + jj < np) prefetch_row(kc, tab, BS, row, off0, pos, pend,
+                                                              NH * hw);
                 }
-                for (int c = 0; c < 8; ++c) _mm512_storeu_ps(a + i0 + 16 * c, r[c]);
+                __m512 d[16];
+                for (int64_t t = 0; t < PJ * GQ; ++t) d[t] = _mm512_setzero_ps();
+                for (int64_t i = 0; i < D; i += 16) {
+                    __m512 qv[GQ_MAX];
+                    for (int64_t g = 0; g < GQ; ++g) qv[g] = _mm512_loadu_ps(q + g * D + i);
+                    for (int64_t jj = 0; jj < PJ; ++jj) {
+                        const __m512 k = kv_ld16(kp[jj], i, D, G, bf, kvq);
+                        for (int64_t g = 0; g < GQ; ++g)
+                            d[jj * GQ + g] = _mm512_fmadd_ps(qv[g], k, d[jj * GQ + g]);
+                    }
+                }
+                float sum[16];
+                hsum16(d, PJ * GQ, sum);
+                for (int64_t jj = 0; jj < PJ && j0 + jj < np; ++jj)
+                    for (int64_t g = 0; g < GQ; ++g) s[g][j0 + jj] = sum[jj * GQ + g] * scale;
             }
-            for (; i0 < D; i0 += 16) {
-                __m512 r = _mm512_loadu_ps(a + i0);
-                for (int64_t j = 0; j < np; ++j)
-                    r = _mm512_fmadd_ps(_mm512_set1_ps(s[g][j]), _mm512_loadu_ps(xb + j * D + i0),
-                                        r);
-                _mm512_storeu_ps(a + i0, r);
+            for (int64_t g = 0; g < GQ; ++g) {
+                float bm = -INFINITY;
+                for (int64_t j = 0; j < np; ++j) bm = s[g][j] > bm ? s[g][j] : bm;
+                if (bm > m[g]) {  /* rescale what was summed under the old maximum */
+                    const float cf = expf(m[g] - bm);
+                    const __m512 c = _mm512_set1_ps(cf);
+                    float *a = acc + g * gs;
+                    for (int64_t i = 0; i < D; i += 16)
+                        _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_loadu_ps(a + i), c));
+                    l[g] *= cf;
+                    m[g] = bm;
+                }
+                for (int64_t j = 0; j < np; j += 16) {
+                    const __mmask16 mk = np - j >= 16 ? 0xFFFF : (__mmask16)((1u << (np - j)) - 1);
+                    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s[g] + j),
+                                                   _mm512_set1_ps(m[g]));
+                    _mm512_mask_storeu_ps(s[g] + j, mk, exp16(x));
+                }
+                for (int64_t j = 0; j < np; ++j) l[g] += s[g][j];
+            }
+            widen_block16(vc, tab, BS, row, off, p0, np, D, G, bf, kvq, xb, hk == 0 ? pend : 0,
+                          NH * hw, off0);
+            for (int64_t g = 0; g < GQ; ++g) {
+                float *a = acc + g * gs;
+                int64_t i0 = 0;
+                for (; i0 + 128 <= D; i0 += 128) {
+                    __m512 r[8];
+                    for (int c = 0; c < 8; ++c) r[c] = _mm512_loadu_ps(a + i0 + 16 * c);
+                    for (int64_t j = 0; j < np; ++j) {
+                        const __m512 w = _mm512_set1_ps(s[g][j]);
+                        const float *x = xb + j * D + i0;
+                        for (int c = 0; c < 8; ++c)
+                            r[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 16 * c), r[c]);
+                    }
+                    for (int c = 0; c < 8; ++c) _mm512_storeu_ps(a + i0 + 16 * c, r[c]);
+                }
+                for (; i0 < D; i0 += 16) {
+                    __m512 r = _mm512_loadu_ps(a + i0);
+                    for (int64_t j = 0; j < np; ++j)
+                        r = _mm512_fmadd_ps(_mm512_set1_ps(s[g][j]),
+                                            _mm512_loadu_ps(xb + j * D + i0), r);
+                    _mm512_storeu_ps(a + i0, r);
+                }
             }
         }
     }
@@ -333,12 +382,13 @@ static inline __attribute__((always_inline)) void partition16(
 /* partition16 with GQ a constant (1, 2, 4 or 8) where it is one, so that the heads' score
  * accumulators stay in registers */
 static void partition16_any(const float *q, const char *kc, const char *vc, const int64_t *tab,
-                            int64_t BS, int64_t row, int64_t off, int64_t pbeg, int64_t pend,
-                            int64_t D, int64_t G, int bf, int kvq, float scale, int64_t GQ,
-                            float *acc, int64_t gs, float *m, float *l, float *xb, int64_t hw)
+                            int64_t BS, int64_t row, int64_t off, int64_t NH, int64_t pbeg,
+                            int64_t pend, int64_t D, int64_t G, int bf, int kvq, float scale,
+                            int64_t GQ, float *acc, int64_t gs, float *m, float *l, float *xb,
+                            int64_t hw)
 {
-#define PART(n) partition16(q, kc, vc, tab, BS, row, off, pbeg, pend, D, G, bf, kvq, scale, n, \
-                            acc, gs, m, l, xb, hw)
+#define PART(n) partition16(q, kc, vc, tab, BS, row, off, NH, pbeg, pend, D, G, bf, kvq, scale, \
+                            n, acc, gs, m, l, xb, hw)
     switch (GQ) {
     case 1: PART(1); break;
     case 2: PART(2); break;
@@ -404,66 +454,75 @@ int attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, cons
                 norm_rope(qg, r * ld_qg + h * 2 * D, q_w, eps, cos, sin, r, R, D, bf,
                           qs + th * D);
             }
-            /* 3. per (row, KV head, partition): the partials of its G query heads */
+            /* 3. per (row, NH KV heads, partition): the partials of their query heads; all of
+             * a row's KV heads in one task (each cache row read whole, in order) where the
+             * rows' partitions alone keep the threads busy */
+            const int64_t NH = nr * NP >= 4 * num_threads ? HKV : 1, NG = HKV / NH;
             #pragma omp for schedule(dynamic)
-            for (int64_t th = 0; th < nr * HKV * NP; ++th) {
-                const int64_t r = r0 + th / (HKV * NP), hk = th / NP % HKV, p = th % NP;
+            for (int64_t th = 0; th < nr * NG * NP; ++th) {
+                const int64_t r = r0 + th / (NG * NP), hk0 = th / NP % NG * NH, p = th % NP;
                 const int64_t b = r / L, n = ctx_lens[b] - L + r % L + 1;
                 const int64_t pbeg = p * SPLIT, pend = n < pbeg + SPLIT ? n : pbeg + SPLIT;
                 if (pbeg >= n) continue;
-                const int64_t h0 = (r - r0) * H + hk * GQ;  /* the group's first (row, head) */
-                float s[GQ][PB], m[GQ], l[GQ], x[D];
-                for (int64_t g = 0; g < GQ; ++g) {
-                    float *acc = parts + ((h0 + g) * NP + p) * PW + 2;
+                const int64_t h00 = (r - r0) * H + hk0 * GQ;  /* the task's first (row, head) */
+                float s[GQ][PB], mm[NH * GQ], ll[NH * GQ], x[D];
+                for (int64_t g = 0; g < NH * GQ; ++g) {
+                    float *acc = parts + ((h00 + g) * NP + p) * PW + 2;
                     for (int64_t i = 0; i < D; ++i) acc[i] = 0.0f;
-                    m[g] = -INFINITY;
-                    l[g] = 0.0f;
+                    mm[g] = -INFINITY;
+                    ll[g] = 0.0f;
                 }
 #if defined(__AVX512F__)
                 if (simd == 2 && GQ <= GQ_MAX) {
                     float xb[PB * D];
-                    partition16_any(qs + h0 * D, (const char *)k_cache, (const char *)v_cache,
-                                    tables + b * M, BS, row, hk * hw, pbeg, pend, D, G, bf, kvq,
-                                    scale, GQ, parts + (h0 * NP + p) * PW + 2, NP * PW, m, l, xb,
-                                    hw);
+                    partition16_any(qs + h00 * D, (const char *)k_cache, (const char *)v_cache,
+                                    tables + b * M, BS, row, hk0 * hw, NH, pbeg, pend, D, G, bf,
+                                    kvq, scale, GQ, parts + (h00 * NP + p) * PW + 2, NP * PW, mm,
+                                    ll, xb, hw);
                 } else
 #endif
-                for (int64_t p0 = pbeg; p0 < pend; p0 += PB) {
-                    const int64_t np = pend - p0 < PB ? pend - p0 : PB;
-                    for (int64_t j = 0; j < np; ++j) {
-                        const int64_t pos = p0 + j;
-                        const int64_t slot = tables[b * M + pos / BS] * BS + pos % BS;
-                        widen_row((const char *)k_cache + slot * row + hk * hw, D, G, bf, kvq, x);
-                        for (int64_t g = 0; g < GQ; ++g)
-                            s[g][j] = k_dot(qs + (h0 + g) * D, (const char *)x, D, G, 0, 0,
-                                            simd) * scale;
-                    }
-                    for (int64_t g = 0; g < GQ; ++g) {
-                        float bm = -INFINITY;
-                        for (int64_t j = 0; j < np; ++j) bm = s[g][j] > bm ? s[g][j] : bm;
-                        if (bm > m[g]) {  /* rescale what was summed under the old maximum */
-                            float *acc = parts + ((h0 + g) * NP + p) * PW + 2;
-                            const float c = expf(m[g] - bm);
-                            for (int64_t i = 0; i < D; ++i) acc[i] *= c;
-                            l[g] *= c;
-                            m[g] = bm;
+                for (int64_t hk = hk0; hk < hk0 + NH; ++hk) {
+                    const int64_t h0 = h00 + (hk - hk0) * GQ;
+                    float *m = mm + (hk - hk0) * GQ, *l = ll + (hk - hk0) * GQ;
+                    for (int64_t p0 = pbeg; p0 < pend; p0 += PB) {
+                        const int64_t np = pend - p0 < PB ? pend - p0 : PB;
+                        for (int64_t j = 0; j < np; ++j) {
+                            const int64_t pos = p0 + j;
+                            const int64_t slot = tables[b * M + pos / BS] * BS + pos % BS;
+                            widen_row((const char *)k_cache + slot * row + hk * hw, D, G, bf,
+                                      kvq, x);
+                            for (int64_t g = 0; g < GQ; ++g)
+                                s[g][j] = k_dot(qs + (h0 + g) * D, (const char *)x, D, G, 0, 0,
+                                                simd) * scale;
                         }
-                    }
-                    for (int64_t j = 0; j < np; ++j) {
-                        const int64_t pos = p0 + j;
-                        const int64_t slot = tables[b * M + pos / BS] * BS + pos % BS;
-                        widen_row((const char *)v_cache + slot * row + hk * hw, D, G, bf, kvq, x);
                         for (int64_t g = 0; g < GQ; ++g) {
-                            const float w = expf(s[g][j] - m[g]);
-                            l[g] += w;
-                            v_axpy(w, (const char *)x, D, G, 0, 0, simd,
-                                   parts + ((h0 + g) * NP + p) * PW + 2);
+                            float bm = -INFINITY;
+                            for (int64_t j = 0; j < np; ++j) bm = s[g][j] > bm ? s[g][j] : bm;
+                            if (bm > m[g]) {  /* rescale what was summed under the old maximum */
+                                float *acc = parts + ((h0 + g) * NP + p) * PW + 2;
+                                const float c = expf(m[g] - bm);
+                                for (int64_t i = 0; i < D; ++i) acc[i] *= c;
+                                l[g] *= c;
+                                m[g] = bm;
+                            }
+                        }
+                        for (int64_t j = 0; j < np; ++j) {
+                            const int64_t pos = p0 + j;
+                            const int64_t slot = tables[b * M + pos / BS] * BS + pos % BS;
+                            widen_row((const char *)v_cache + slot * row + hk * hw, D, G, bf,
+                                      kvq, x);
+                            for (int64_t g = 0; g < GQ; ++g) {
+                                const float w = expf(s[g][j] - m[g]);
+                                l[g] += w;
+                                v_axpy(w, (const char *)x, D, G, 0, 0, simd,
+                                       parts + ((h0 + g) * NP + p) * PW + 2);
+                            }
                         }
                     }
                 }
-                for (int64_t g = 0; g < GQ; ++g) {
-                    parts[((h0 + g) * NP + p) * PW] = m[g];
-                    parts[((h0 + g) * NP + p) * PW + 1] = l[g];
+                for (int64_t g = 0; g < NH * GQ; ++g) {
+                    parts[((h00 + g) * NP + p) * PW] = mm[g];
+                    parts[((h00 + g) * NP + p) * PW + 1] = ll[g];
                 }
             }
             /* 4. per (row, query head): its partials merged in partition order, then the gate */

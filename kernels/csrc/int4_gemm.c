@@ -63,6 +63,15 @@
 #define PF_START 16384 /* bytes of it a thread prefetches before its first panel of a GEMV */
 #define PF_NTA 2048   /* bytes prefetched ahead, non-temporal, by the one-row tiles */
 
+/* Whether the one-row tiles prefetch their weight stream PF_NTA ahead with the non-temporal
+ * hint (1) or PF_AHEAD ahead into L2 as the few-row tiles do (0): which is faster depends on the
+ * CPU's caches (one measured 0.88x the step's time with the hint, another 2x the LM head's),
+ * so kernels/int4.py chooses it at run time (``int4_set_one_row_nta``). The results are the
+ * same bits either way. */
+static int one_row_nta = 1;
+
+void int4_set_one_row_nta(int on) { one_row_nta = on != 0; }
+
 enum { ISA_REF = 1, ISA_AVX2 = 2, ISA_VNNI = 4, ISA_AVXVNNI = 8 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -399,7 +408,7 @@ static inline __attribute__((always_inline)) void tile_avx2(const Args *a, int64
  * decode step takes less time than with the two passes (docs/performance.md, "The one-row int4
  * stream, non-temporal"). */
 static inline __attribute__((always_inline)) void row_avx2(const Args *a, int64_t i, int64_t p,
-                                                           int vnni, int six)
+                                                           int vnni, int six, int nta)
 {
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const int8_t *xq = a->xq + i * a->Kp;
@@ -416,8 +425,13 @@ static inline __attribute__((always_inline)) void row_avx2(const Args *a, int64_
             const uint8_t *q = qs_at(a, p, g);
             if (six) {
                 const uint8_t *hq = hs_at(a, p, g);
-                _mm_prefetch((const char *)hq + PF_NTA / 2, _MM_HINT_NTA);
-                _mm_prefetch((const char *)hq + 64 + PF_NTA / 2, _MM_HINT_NTA);
+                if (nta) {
+                    _mm_prefetch((const char *)hq + PF_NTA / 2, _MM_HINT_NTA);
+                    _mm_prefetch((const char *)hq + 64 + PF_NTA / 2, _MM_HINT_NTA);
+                } else {
+                    _mm_prefetch((const char *)hq + PF_AHEAD / 2, _MM_HINT_T1);
+                    _mm_prefetch((const char *)hq + 64 + PF_AHEAD / 2, _MM_HINT_T1);
+                }
                 #pragma GCC unroll 2
                 for (int hh = 0; hh < 2; ++hh) {
                     h0[hh] = _mm256_loadu_si256((const __m256i *)(hq + 32 * hh));
@@ -426,7 +440,10 @@ static inline __attribute__((always_inline)) void row_avx2(const Args *a, int64_
             }
             #pragma GCC unroll 4
             for (int k4 = 0; k4 < 4; ++k4) {
-                _mm_prefetch((const char *)q + 64 * k4 + PF_NTA, _MM_HINT_NTA);
+                if (nta)
+                    _mm_prefetch((const char *)q + 64 * k4 + PF_NTA, _MM_HINT_NTA);
+                else
+                    _mm_prefetch((const char *)q + 64 * k4 + PF_AHEAD, _MM_HINT_T1);
                 const int8_t *xg = xq + g * QK + 4 * k4;
                 const __m256i xl = _mm256_set1_epi32(*(const int32_t *)xg);
                 const __m256i xh = _mm256_set1_epi32(*(const int32_t *)(xg + 16));
@@ -487,8 +504,13 @@ static inline __attribute__((always_inline)) void panel_avx2(const Args *a, int6
      * prefetched by the first; mr and vnni as literals at every call, so that the unrolled
      * loops keep the tile in registers; the second half of a panel past N is skipped */
     if (mr == 1) {
-        if (vnni) row_avx2(a, i, p, 1, six);
-        else row_avx2(a, i, p, 0, six);
+        if (vnni) {
+            if (one_row_nta) row_avx2(a, i, p, 1, six, 1);
+            else row_avx2(a, i, p, 1, six, 0);
+        } else {
+            if (one_row_nta) row_avx2(a, i, p, 0, six, 1);
+            else row_avx2(a, i, p, 0, six, 0);
+        }
         return;
     }
     for (int h = 0; h < 2 && p * NR + 8 * h < a->N; ++h) {
@@ -541,10 +563,9 @@ static inline __m512i dpbusd_x4(__m512i acc, __m512i w, const int8_t *x)
  * caches), which makes a whole one-row decode step faster and a step of 2-8 rows no faster
  * ("The one-row int4 stream, non-temporal"). */
 static inline __attribute__((always_inline)) void gemv_vnni(const Args *a, int64_t i, int64_t p,
-                                                            int mr, int six)
+                                                            int mr, int six, int nta)
 {
     const __m512i low = _mm512_set1_epi8(0x0f);
-    const int nta = mr == 1; /* a literal at every call, as mr */
     const int8_t *xq = a->xq + i * a->Kp;
     const float *xd = a->xd + i * a->G, *xds = a->xds + i * a->G;
     __m512 accf[GEMV_MAX];
@@ -626,14 +647,17 @@ static inline __attribute__((always_inline)) void tile_vnni_any(const Args *a, i
 {
     if (np == 1) {
         switch (mr) {
-        case 1: gemv_vnni(a, i, p, 1, six); break;
-        case 2: gemv_vnni(a, i, p, 2, six); break;
-        case 3: gemv_vnni(a, i, p, 3, six); break;
-        case 4: gemv_vnni(a, i, p, 4, six); break;
-        case 5: gemv_vnni(a, i, p, 5, six); break;
-        case 6: gemv_vnni(a, i, p, 6, six); break;
-        case 7: gemv_vnni(a, i, p, 7, six); break;
-        default: gemv_vnni(a, i, p, 8, six); break;
+        case 1:
+            if (one_row_nta) gemv_vnni(a, i, p, 1, six, 1);
+            else gemv_vnni(a, i, p, 1, six, 0);
+            break;
+        case 2: gemv_vnni(a, i, p, 2, six, 0); break;
+        case 3: gemv_vnni(a, i, p, 3, six, 0); break;
+        case 4: gemv_vnni(a, i, p, 4, six, 0); break;
+        case 5: gemv_vnni(a, i, p, 5, six, 0); break;
+        case 6: gemv_vnni(a, i, p, 6, six, 0); break;
+        case 7: gemv_vnni(a, i, p, 7, six, 0); break;
+        default: gemv_vnni(a, i, p, 8, six, 0); break;
         }
         return;
     }

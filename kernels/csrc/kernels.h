@@ -13,6 +13,7 @@ void silu_mul(const void *gate, int64_t ld_g, const void *up, int64_t ld_u, void
 int int4_gemm(const void *x, int x_bf, const uint8_t *qs, const uint8_t *codes,
               const uint16_t *scales, void *y, int y_bf, int64_t M, int64_t N, int64_t K,
               int64_t Kp, int isa, int num_threads);
+void int4_set_one_row_nta(int on);
 int int6_gemm(const void *x, int x_bf, const uint8_t *qs, const uint8_t *hs,
               const uint8_t *codes, const uint16_t *scales, void *y, int y_bf, int64_t M,
               int64_t N, int64_t K, int64_t Kp, int isa, int num_threads);
