@@ -124,12 +124,19 @@ VisionQuantizationOpt = Annotated[str | None, typer.Option(
     "at load time (CPU; docs/vision.md) (default: none, the tower in --dtype).",
     show_default=False)]
 LimitMmOpt = Annotated[str | None, typer.Option(
-    "--limit-mm-per-prompt", help="The most images one prompt may hold, vLLM's JSON, e.g. "
-    "'{\"image\": 4}'; a prompt with more fails (default: no limit).", show_default=False)]
+    "--limit-mm-per-prompt", help="The most images and videos one prompt may hold, vLLM's JSON, "
+    "e.g. '{\"image\": 4, \"video\": 1}'; a prompt with more fails (default: no limit).",
+    show_default=False)]
+VideoFpsOpt = Annotated[float, typer.Option(
+    "--video-fps", help="Frames a second sampled from a video file (at least 4 a video, as the "
+    "Qwen3-VL processor samples; docs/vision.md).")]
+VideoMaxFramesOpt = Annotated[int, typer.Option(
+    "--video-max-frames", min=1, help="The most frames of one video: a file's sampling stops "
+    "there, a video given as more frames fails.")]
 EncoderCacheMemoryOpt = Annotated[str, typer.Option(
-    "--encoder-cache-memory", help="The most memory for recent images' encoder outputs, kept "
-    "by the image's content so that the same image in another prompt skips the encoder "
-    "(bytes or a size such as 256MiB; 0: none).")]
+    "--encoder-cache-memory", help="The most memory for recent images' and videos' encoder "
+    "outputs, kept by their content so that the same image or video in another prompt skips "
+    "the encoder (bytes or a size such as 256MiB; 0: none).")]
 EngineSeedOpt = Annotated[int, typer.Option(
     "--engine-seed", help="Seed of the engine's generator, which samples every request "
     "without a --seed of its own.")]
@@ -173,6 +180,8 @@ class ModelOptions:
     mmproj: MmprojOpt = None
     vision_quantization: VisionQuantizationOpt = None
     limit_mm_per_prompt: LimitMmOpt = None
+    video_fps: VideoFpsOpt = 2.0
+    video_max_frames: VideoMaxFramesOpt = 32
     encoder_cache_memory: EncoderCacheMemoryOpt = "256MiB"
 
     # a field named otherwise than LLM's keyword argument: engine_seed, since chat's and
@@ -199,6 +208,8 @@ class ModelOptions:
                 raise ValueError(f"it runs on the CPU only, not --device {self.device}")
         except ValueError as e:
             raise CliError(f"--vision-quantization: {e}", 2) from None
+        if not self.video_fps > 0:
+            raise CliError(f"--video-fps must be positive, got {self.video_fps}", 2)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise CliError(f"--kv-cache-dtype: unknown dtype {self.kv_cache_dtype!r}; choose "
                            f"one of {', '.join(KV_CACHE_DTYPES)}", 2)

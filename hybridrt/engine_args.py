@@ -132,6 +132,8 @@ class EngineArgs:
     mmproj: str | os.PathLike | None = None  # a GGUF model's projector (hybridrt.gguf.mmproj)
     vision_quantization: str | None = None  # the vision tower's linears (hybridrt.vision.kernels)
     limit_mm_per_prompt: dict | str | None = None  # {"image": N} (hybridrt.vision.inputs)
+    video_fps: float = 2.0  # a video file's frames sampled a second (hybridrt.vision.video)
+    video_max_frames: int = 32  # the most frames of one video (sampled or given)
     encoder_cache_memory: int | str = "256MiB"  # hybridrt.vision.encoder_cache; 0: none
 
     def __post_init__(self) -> None:
@@ -139,6 +141,10 @@ class EngineArgs:
         object.__setattr__(self, "limit_mm_per_prompt",
                            parse_mm_limits(self.limit_mm_per_prompt))
         check_mmproj(self.model, self.mmproj)
+        if isinstance(self.video_fps, bool) or not isinstance(self.video_fps, (int, float)) \
+                or not self.video_fps > 0:
+            raise ValueError(f"video_fps must be a positive number, got {self.video_fps!r}")
+        check_int("video_max_frames", self.video_max_frames, lo=1)
         parse_cache_bytes(self.encoder_cache_memory)
         check_int("speculative_tokens", self.speculative_tokens, lo=0)
         check_speculation(self)
@@ -197,6 +203,12 @@ class EngineArgs:
     def image_limit(self) -> int | None:
         """The most images one prompt may hold (``limit_mm_per_prompt``; None: no limit)."""
         return (self.limit_mm_per_prompt or {}).get("image")
+
+    @property
+    def video_settings(self) -> dict:
+        """The vision tower's video settings (hybridrt.vision.tower.VisionTower)."""
+        return {"max_videos": (self.limit_mm_per_prompt or {}).get("video"),
+                "video_fps": float(self.video_fps), "video_max_frames": self.video_max_frames}
 
     @property
     def mtp_drafts(self) -> bool:

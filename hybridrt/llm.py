@@ -83,8 +83,10 @@ class LLM:
     vision_quantization: None (default: the tower in ``dtype``) or "int8": the vision tower's
     linear weights quantized to int8 at load time (CPU; independent of ``quantization``; its
     error and speed in docs/vision.md; int4 is refused, by its measured error).
-    limit_mm_per_prompt: vLLM's {"image": N}: a prompt with more images fails (default: none).
-    encoder_cache_memory: images' encoder outputs kept, by content (bytes, '256MiB'; 0: none).
+    limit_mm_per_prompt: vLLM's {"image": N, "video": M}: a prompt with more fails (default:
+    none). video_fps, video_max_frames: a video's frame sampling and limit (docs/vision.md).
+    encoder_cache_memory: images' and videos' encoder outputs kept, by content (bytes,
+    '256MiB'; 0: none).
     speculative_method ("mtp", "ngram": prompt lookup, "mtp+ngram"), speculative_adaptive (k up
     to speculative_tokens, chosen per request), prompt_lookup_min / _max: docs/speculation.md.
     hf_overrides: config.json entries replaced before the model is built (a dict or its JSON
@@ -124,7 +126,8 @@ class LLM:
         hf_overrides: dict | str | None = None,
         prefix_cache_dir: str | None = None, prefix_cache_dir_size: int | str = "16GiB",
         kv_cache_dtype: str = "auto", mmproj: str | os.PathLike | None = None,
-        vision_quantization: str | None = None, encoder_cache_memory: int | str = "256MiB"):
+        vision_quantization: str | None = None, video_fps: float = 2.0,
+        video_max_frames: int = 32, encoder_cache_memory: int | str = "256MiB"):
         # every keyword above, checked once (before anything loads)
         args = EngineArgs(**{k: v for k, v in locals().items() if k != "self"})
         if threads is not None:
@@ -189,11 +192,7 @@ class LLM:
 
     # Set-up ------------------------------------------------------------------------------
     def _load_tokenizer(self, tokenizer: Any):
-        if tokenizer is None:
-            return None
-        if tokenizer != "auto":
-            return tokenizer
-        return load_tokenizer(self.model_path)
+        return load_tokenizer(self.model_path) if tokenizer == "auto" else tokenizer
 
     @property
     def cache_sizing(self):

@@ -324,8 +324,8 @@ def chat_tools(body: dict) -> tuple[list[dict] | None, str | dict, bool]:
 
 def chat_messages(body: dict, images: bool = False) -> list[dict]:
     """``messages`` -> the list the chat template takes (text content parts joined; with
-    ``images``, a content holding ``{"type": "image"}`` parts stays a list of text and image
-    parts, as hybridrt.vision.inputs.chat_images leaves it)."""
+    ``images``, a content holding ``{"type": "image"}`` or ``{"type": "video"}`` parts stays a
+    list of text and media parts, as hybridrt.vision.inputs.chat_media leaves it)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list of {'role', 'content'} objects",
@@ -341,7 +341,7 @@ def chat_messages(body: dict, images: bool = False) -> list[dict]:
         if isinstance(content, list):
             parts = []
             for p in content:
-                if images and p == {"type": "image"}:
+                if images and p in ({"type": "image"}, {"type": "video"}):
                     parts.append(p)
                     continue
                 if not isinstance(p, dict) or p.get("type") != "text" or \

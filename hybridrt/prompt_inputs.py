@@ -53,8 +53,8 @@ class PromptEncoder:
             if self.vision is None:
                 raise ValueError(vision_inputs.multi_modal_refusal(prompt, self.vision_refusal))
             text, ids = self.encode_text(prompt)
-            images = vision_inputs.multi_modal_images(prompt["multi_modal_data"])
-            ids, vision = self.vision.prepare(ids, images)
+            images, videos = vision_inputs.multi_modal_media(prompt["multi_modal_data"])
+            ids, vision = self.vision.prepare(ids, images, videos, self._tokenize)
             return text, ids, vision
         text, ids = self.encode_text(prompt)
         if self.vision is not None:
@@ -80,9 +80,9 @@ class PromptEncoder:
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
     def chat_prompt(self, conversation: list[dict], kwargs: dict, add_generation_prompt: bool):
-        """One conversation's prompt: its text, or with image parts {"prompt": text,
-        "multi_modal_data": {"image": [...]}}; a ``RefusedPrompt`` where it holds a part the
-        model cannot take (its request alone fails)."""
+        """One conversation's prompt: its text, or with image or video parts {"prompt": text,
+        "multi_modal_data": {"image": [...], "video": [...]}}; a ``RefusedPrompt`` where it
+        holds a part the model cannot take (its request alone fails)."""
         if not vision_inputs.media_parts(conversation):
             return apply_chat_template(self.tokenizer, template_messages(conversation), kwargs,
                                        add_generation_prompt)
@@ -90,9 +90,15 @@ class PromptEncoder:
             refused = vision_inputs.media_refusal(conversation, self.vision_refusal)
             return vision_inputs.RefusedPrompt(ValueError(refused))
         try:
-            messages, images = vision_inputs.chat_images(conversation)
+            messages, images, videos = vision_inputs.chat_media(conversation)
         except ValueError as e:
             return vision_inputs.RefusedPrompt(e)
         text = apply_chat_template(self.tokenizer, template_messages(messages), kwargs,
                                    add_generation_prompt)
-        return {"prompt": text, "multi_modal_data": {"image": images}}
+        return {"prompt": text, "multi_modal_data": {"image": images, "video": videos}}
+
+    def _tokenize(self, text: str) -> list[int]:
+        """Text inserted into a prompt (a video's timestamps), tokenized on its own."""
+        if self.tokenizer is None:
+            raise ValueError("a video's timestamps are text: it needs the model's tokenizer")
+        return self.tokenizer.encode(text, add_special_tokens=False)

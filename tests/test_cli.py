@@ -872,7 +872,8 @@ GROUP_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs",
                "--prefix-cache-dir", "/tmp/pc", "--prefix-cache-dir-size", "1GiB",
                "--hf-overrides", '{"max_position_embeddings": 1024}',
                "--kv-cache-dtype", "int8", "--vision-quantization", "int8",
-               "--limit-mm-per-prompt", '{"image": 4}', "--encoder-cache-memory", "1MiB"]
+               "--limit-mm-per-prompt", '{"image": 4}', "--video-fps", "1.5",
+               "--video-max-frames", "8", "--encoder-cache-memory", "1MiB"]
 GROUP_KWARGS = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 3,
                 "max_num_batched_tokens": 64, "cache_memory": "64MiB", "device": "cpu",
                 "threads": 1, "quantization": "int8", "speculative_tokens": 2,
@@ -885,7 +886,8 @@ GROUP_KWARGS = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 3,
                 "prefix_cache_dir": "/tmp/pc", "prefix_cache_dir_size": "1GiB",
                 "hf_overrides": '{"max_position_embeddings": 1024}',
                 "kv_cache_dtype": "int8", "vision_quantization": "int8",
-                "limit_mm_per_prompt": '{"image": 4}', "encoder_cache_memory": "1MiB",
+                "limit_mm_per_prompt": '{"image": 4}', "video_fps": 1.5, "video_max_frames": 8,
+                "encoder_cache_memory": "1MiB",
                 "mmproj": None}  # --mmproj takes a GGUF model: tests/test_gguf_mmproj.py
 
 

@@ -1,6 +1,7 @@
 """The vision tower's parts against transformers (the encoder, M-RoPE positions), loading
 (``language_model_only``, a tower that does not fit its config) and the refusals of a model
-that has a tower: placeholders that do not pair with the images, video, undecodable bytes."""
+that has a tower: placeholders that do not pair with the images or videos, undecodable
+bytes."""
 
 from __future__ import annotations
 
@@ -85,10 +86,11 @@ def test_language_model_only_skips_the_tower_and_refuses_images(ckpt, llm):
     ("none here", {"image": [image(8, 8, 0)]}, "0 image placeholder(s)"),
     (f"{IMG}?", {"image": [b"not an image"]}, "cannot be decoded as an image"),
     (f"{IMG}?", {"image": ["/no/such/file.png"]}, "does not exist"),
-    (f"{IMG}?", {"video": [[image(8, 8, 0)]]}, "video is not supported yet"),
-    ("<|vision_start|><|video_pad|><|vision_end|>?", {"image": []}, "video is not supported"),
-    (f"{IMG}?", None, "1 image/video placeholder token(s) but no images were given"),
-    (f"{IMG}?", {}, "1 image/video placeholder token(s) but no images were given"),
+    (f"{IMG}?", {"image": [image(8, 8, 0)], "video": [[image(8, 8, 0)] * 2]},
+     "0 video placeholder(s)"),
+    ("<|vision_start|><|video_pad|><|vision_end|>?", {"image": []}, "1 video placeholder(s)"),
+    (f"{IMG}?", None, "1 image/video placeholder token(s) but no images or videos were given"),
+    (f"{IMG}?", {}, "1 image/video placeholder token(s) but no images or videos were given"),
 ])
 def test_bad_image_input_fails_its_own_request(llm, prompt, data, words):
     p = {"prompt": prompt} if data is None else {"prompt": prompt, "multi_modal_data": data}
@@ -138,11 +140,11 @@ def test_a_bad_per_prompt_limit_is_one_error_before_loading(value):
     assert EngineArgs().image_limit is None
 
 
-def test_chat_with_a_video_part_is_refused(llm):
-    conv = [{"role": "user", "content": [{"type": "video", "video": ["a.png"]},
+def test_chat_with_a_video_part_of_a_missing_frame_fails_alone(llm):
+    conv = [{"role": "user", "content": [{"type": "video", "video": ["a.png", "b.png"]},
                                          {"type": "text", "text": "?"}]}]
     (out,) = llm.chat(conv, GREEDY, use_tqdm=False)
-    assert "video is not supported yet" in str(out.error)
+    assert str(out.error) == "image file 'a.png' does not exist"
 
 
 def test_a_tower_that_does_not_fit_its_config_fails_to_load(ckpt, tmp_path):
@@ -192,7 +194,7 @@ def test_cli_chat_shows_images_from_the_flag_a_command_and_a_pasted_path(ckpt, l
 
 def test_generate_jsonl_messages_with_image_parts_answer_as_llm_chat(ckpt, llm, tmp_path):
     """``hybridrt generate`` lines with image parts (a data URL, a path, two images) answer
-    what LLM.chat answers; a video part, a missing file and more images than
+    what LLM.chat answers; a one-frame video, a missing file and more images than
     --limit-mm-per-prompt fail their own line."""
     import base64
     import io
@@ -235,8 +237,8 @@ def test_generate_jsonl_messages_with_image_parts_answer_as_llm_chat(ckpt, llm, 
         assert "error" not in rec, rec
         assert rec["token_ids"] == want.outputs[0].token_ids
         assert rec["metrics"]["vision"]["num_images"] == len(vision_parts(rec["prompt"]))
-    assert recs[3]["error"] == ("line 4: messages[0].content[0] is a 'video' part: refused, "
-                                "video is not supported yet")
+    assert recs[3]["error"] == ("line 4: the video has 1 frame(s): a video needs at least 2 "
+                                "(give a single frame as an image)")
     assert recs[4]["error"] == "line 5: image file '/no/such.png' does not exist"
     limited = runs["limited"]
     assert [r["token_ids"] for r in limited[:2]] == [r["token_ids"] for r in recs[:2]]

@@ -14,13 +14,14 @@ from hybridrt.bench.fixtures import random_state_dict, tiny_text_config, write_c
 from hybridrt.config import ModelConfig
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-# a ChatML template that renders image parts as Qwen's does
+# a ChatML template that renders image and video parts as Qwen's does
 TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] is string %}{{- message['content'] }}"
     "{%- else %}{%- for part in message['content'] %}"
     "{%- if part['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'video' %}{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
     "{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
@@ -104,7 +105,18 @@ def write_vision_checkpoint(directory, seed: int = 0, text: dict | None = None,
         save_file({**load_file(str(f)), **mtp}, str(f), metadata={"format": "pt"})
     Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
                              min_pixels=8 * 8, max_pixels=64 * 64).save_pretrained(str(directory))
+    video_processor().save_pretrained(str(directory))
     return directory, ref
+
+
+def video_processor():
+    """transformers' Qwen3-VL video processor at the tiny tower's sizes, its torchvision calls
+    made with torch (hybridrt.vision.video: torchvision is not installed here)."""
+    from hybridrt.vision.video import _processor_class
+
+    return _processor_class()(patch_size=4, temporal_patch_size=2, merge_size=2,
+                              size={"shortest_edge": 8 * 8 * 2, "longest_edge": 48 * 48 * 8},
+                              cap_pixels_per_frame=False)
 
 
 def image(h: int, w: int, seed: int):

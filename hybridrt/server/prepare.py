@@ -131,8 +131,8 @@ class Preparer:
         if chat:
             if self.tokenizer is None:
                 raise api.bad("this model has no tokenizer, so it has no chat template")
-            images = self._images(body, fetched)
-            messages = api.chat_messages(body, images=images is not None)
+            media = self._media(body, fetched)
+            messages = api.chat_messages(body, images=media is not None)
             kwargs = api.template_kwargs(body)
             tools, choice, parallel = api.chat_tools(body)
             if tools:
@@ -149,9 +149,10 @@ class Preparer:
                 base_ids = self._encode(base, body, "messages")
                 if 0 < len(base_ids) < len(ids) and ids[:len(base_ids)] == base_ids:
                     snapshot_at = len(base_ids)
-            if images is not None:  # each image's placeholder expanded to its tokens
+            if media is not None:  # each image's and video's placeholder expanded
                 try:
-                    ids, vision = self.front.vision.prepare(ids, images)
+                    ids, vision = self.front.vision.prepare(
+                        ids, *media, lambda s: self.tokenizer.encode(s, add_special_tokens=False))
                 except ValueError as e:
                     raise api.bad(str(e), "messages") from None
                 if snapshot_at is not None:  # the images are all before it
@@ -202,13 +203,13 @@ class Preparer:
                    params.logprobs or 0, bool(body.get("stream")),
                    bool(opts.get("include_usage")), vision)
 
-    def _images(self, body: dict, fetched: dict[str, bytes] | None) -> list | None:
-        """A chat's images (data URLs, and the bytes ``fetched`` from http(s) URLs), its
-        image parts made ``{"type": "image"}`` in ``body["messages"]``; None where it has
-        none. Refused (400) where the model has no tower, for video, for more images than the
-        per-prompt limit, for a URL the media policy does not allow, and for anything else but
-        a data URL (no server file is read). ``_NeedsFetch`` (body untouched) where it has
-        allowed URLs and ``fetched`` is None."""
+    def _media(self, body: dict, fetched: dict[str, bytes] | None) -> tuple[list, list] | None:
+        """A chat's (images, videos) (data URLs, and the bytes ``fetched`` from http(s) URLs),
+        its parts made ``{"type": "image"}`` / ``{"type": "video"}`` in ``body["messages"]``;
+        None where it has none. Refused (400) where the model has no tower, for more images or
+        videos than the per-prompt limits, for a URL the media policy does not allow, and for
+        anything else but a data URL (no server file is read). ``_NeedsFetch`` (body
+        untouched) where it has allowed URLs and ``fetched`` is None."""
         messages = body.get("messages")
         if not vision_inputs.media_parts(messages):
             return None
@@ -216,12 +217,13 @@ class Preparer:
             raise api.bad(vision_inputs.media_refusal(messages, self.vision_refusal),
                           "messages")
         try:
-            messages, images = vision_inputs.chat_images(messages)
-            vision_inputs.check_image_count(len(images), self.front.vision.max_images)
+            messages, images, videos = vision_inputs.chat_media(messages)
+            vision_inputs.check_media_count("image", len(images), self.front.vision.max_images)
+            vision_inputs.check_media_count("video", len(videos), self.front.vision.max_videos)
         except ValueError as e:
             raise api.bad(str(e), "messages") from None
         urls = []
-        for i, url in enumerate(images):
+        for i, url in enumerate(images + videos):
             if is_http_url(url):
                 try:
                     self.media.check(url)
@@ -229,14 +231,16 @@ class Preparer:
                     raise api.bad(str(e), "messages") from None
                 urls.append(url)
             elif not (isinstance(url, str) and url.startswith("data:")):
-                raise api.bad(f"image {i}: refused, the server takes images as data URLs "
-                              f"(data:image/png;base64,...) or http(s) URLs of the hosts its "
-                              f"operator allows (--allowed-media-domains) only; no server file "
-                              f"is read", "messages")
+                what = f"image {i}" if i < len(images) else f"video {i - len(images)}"
+                raise api.bad(f"{what}: refused, the server takes images and videos as data "
+                              f"URLs (data:image/png;base64,...) or http(s) URLs of the hosts "
+                              f"its operator allows (--allowed-media-domains) only; no server "
+                              f"file is read", "messages")
         if urls and fetched is None:
             raise _NeedsFetch(urls)
         body["messages"] = messages
-        return [fetched[u] if is_http_url(u) else u for u in images]
+        return ([fetched[u] if is_http_url(u) else u for u in images],
+                [fetched[u] if is_http_url(u) else u for u in videos])
 
     def _fit(self, ids: list[int], params: SamplingParams, body: dict,
              where: str) -> tuple[list[int], SamplingParams]:

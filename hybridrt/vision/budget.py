@@ -8,7 +8,8 @@ the request holds already (encoded earlier, or found in the tower's encoder cach
 nothing. When an image does not fit what is left of the step's budget, the request's chunk
 stops before it (before its first token, or one token earlier with MTP), and the image waits
 for a later step while other requests decode. An image larger than the whole budget runs
-alone: in a step whose budget nothing else has used.
+alone: in a step whose budget nothing else has used. A video is one such item: it costs all
+its frame groups' tokens, and a chunk stops before its first frame group.
 
 The images a request is given are its ``VisionInputs.scheduled``; the runner's hook
 (``hybridrt.vision.step.vision_step``) encodes every scheduled image of the step in one run
@@ -37,7 +38,7 @@ class EncoderBudget:
                 continue
             cost = v.image_tokens(i)
             if self.used and self.used + cost > self.limit:
-                return max(0, min(n, v.items[i].offset - ahead - start))
+                return max(0, min(n, v.items[i].starts[0] - ahead - start))
             self.used += cost
             v.scheduled.append(i)
         return n

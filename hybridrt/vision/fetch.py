@@ -1,8 +1,9 @@
-"""Images given by http(s) URL to the server: fetched only from the hosts its operator allows
-(``hybridrt serve --allowed-media-domains``, vLLM's name), within a size and a time limit, a
-redirect followed only to an allowed host. ``MediaPolicy.fetch_all`` is a coroutine (httpx):
-the server awaits it on its event loop, outside the parse pool and the engine, so a slow URL
-holds neither a parse worker nor other requests. Every refusal is a one-line ``MediaError``."""
+"""Images and videos given by http(s) URL to the server: fetched only from the hosts its
+operator allows (``hybridrt serve --allowed-media-domains``, vLLM's name), within a size and a
+time limit, a redirect followed only to an allowed host. ``MediaPolicy.fetch_all`` is a
+coroutine (httpx): the server awaits it on its event loop, outside the parse pool and the
+engine, so a slow URL holds neither a parse worker nor other requests. Every refusal is a
+one-line ``MediaError``."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from dataclasses import dataclass
 from urllib.parse import urljoin
 
 MAX_REDIRECTS = 5
-# Content-Types a fetched image may come with (none given: the bytes decide)
-_IMAGE_TYPES = ("image/", "application/octet-stream", "binary/octet-stream")
+# Content-Types a fetched image or video may come with (none given: the bytes decide)
+_MEDIA_TYPES = ("image/", "video/", "application/octet-stream", "binary/octet-stream")
 
 
 class MediaError(ValueError):
@@ -140,8 +141,9 @@ class MediaPolicy:
         if r.status_code != 200:
             raise MediaError(f"{at}: its server answered HTTP {r.status_code}")
         kind = r.headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind and not kind.startswith(_IMAGE_TYPES):
-            raise MediaError(f"{at}: refused, its Content-Type is {kind}, not an image")
+        if kind and not kind.startswith(_MEDIA_TYPES):
+            raise MediaError(f"{at}: refused, its Content-Type is {kind}, not an image or a "
+                             f"video")
         too_big = MediaError(f"{at}: refused, over this server's limit of {self.max_bytes} "
                              f"bytes for a request's fetched images (--media-max-bytes)")
         length = r.headers.get("content-length", "")

@@ -76,32 +76,42 @@ def parse_mm_limits(value: Any) -> dict[str, int] | None:
     return dict(value)
 
 
-def check_image_count(num_images: int, limit: int | None) -> None:
-    """ValueError where a prompt holds more images than ``limit`` (None: no limit)."""
-    if limit is not None and num_images > limit:
-        raise ValueError(f"the prompt holds {num_images} image(s), over the limit of {limit} "
+def check_media_count(kind: str, count: int, limit: int | None) -> None:
+    """ValueError where a prompt holds more ``kind`` items ("image", "video") than ``limit``
+    (None: no limit)."""
+    if limit is not None and count > limit:
+        raise ValueError(f"the prompt holds {count} {kind}(s), over the limit of {limit} "
                          f"per prompt (limit_mm_per_prompt / --limit-mm-per-prompt)")
 
 
-def multi_modal_images(data: Any) -> list:
-    """``multi_modal_data`` (vLLM's shape: {"image": an image or a list of them}) -> the
-    images; ValueError for what is not taken."""
+def multi_modal_media(data: Any) -> tuple[list, list]:
+    """``multi_modal_data`` (vLLM's shape: {"image": an image or a list of them, "video": a
+    video or a list of them}) -> (images, videos); ValueError for what is not taken. A video
+    is a list of frames, a (T, H, W, 3) array, vLLM's (frames, metadata) or a file
+    (hybridrt.vision.video)."""
+    from hybridrt.vision.video import is_video
+
     if not isinstance(data, dict):
         raise ValueError(f"multi_modal_data must be a dict like {{'image': [...]}}, got "
                          f"{type(data).__name__}")
-    other = sorted(str(k) for k in data if k != "image")
+    other = sorted(str(k) for k in data if k not in MM_LIMIT_KINDS)
     if other:
-        raise ValueError(f"multi_modal_data {other} refused: only 'image' is supported "
-                         f"(video is not supported yet)")
-    images = data["image"]
-    return list(images) if isinstance(images, (list, tuple)) else [images]
+        raise ValueError(f"multi_modal_data {other} refused: only 'image' and 'video' are "
+                         f"supported")
+    images = data.get("image", [])
+    videos = data.get("video", [])
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    single = is_video(videos) or not isinstance(videos, (list, tuple))
+    videos = [videos] if single else list(videos)
+    return images, videos
 
 
-def chat_images(messages: list[dict]) -> tuple[list[dict], list]:
-    """A conversation's image parts -> (the messages with each image part as ``{"type":
-    "image"}``, what a chat template renders as the image's placeholder; the images, in
-    order: PIL images, data URLs or paths). ValueError for video parts."""
-    out, images = [], []
+def chat_media(messages: list[dict]) -> tuple[list[dict], list, list]:
+    """A conversation's image and video parts -> (the messages with each part as ``{"type":
+    "image"}`` or ``{"type": "video"}``, what a chat template renders as its placeholder; the
+    images, in order: PIL images, data URLs or paths; the videos, in order: frames, data URLs
+    or paths)."""
+    out, images, videos = [], [], []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         if not isinstance(content, list):
@@ -111,25 +121,27 @@ def chat_images(messages: list[dict]) -> tuple[list[dict], list]:
         for j, p in enumerate(content):
             kind = p.get("type") if isinstance(p, dict) else None
             if kind in VIDEO_PART_TYPES:
-                raise ValueError(f"messages[{i}].content[{j}] is a {kind!r} part: refused, "
-                                 f"video is not supported yet")
-            if kind in IMAGE_PART_TYPES:
-                images.append(_part_image(p, kind, f"messages[{i}].content[{j}]"))
+                videos.append(_part_media(p, kind, f"messages[{i}].content[{j}]"))
+                parts.append({"type": "video"})
+            elif kind in IMAGE_PART_TYPES:
+                images.append(_part_media(p, kind, f"messages[{i}].content[{j}]"))
                 parts.append({"type": "image"})
             else:
                 parts.append(p)
         out.append({**m, "content": parts})
-    return out, images
+    return out, images, videos
 
 
-def _part_image(part: dict, kind: str, where: str):
+def _part_media(part: dict, kind: str, where: str):
     value = part.get(kind)
-    if kind in ("image_url", "input_image") and isinstance(value, dict):
+    if kind in ("image_url", "input_image", "video_url", "input_video") and \
+            isinstance(value, dict):
         value = value.get("url")
-    if kind == "input_image" and value is None:
-        value = part.get("image_url")
+    if kind in ("input_image", "input_video") and value is None:
+        value = part.get(kind.replace("input_", "") + "_url")
     if value is None:
-        raise ValueError(f"{where}: an {kind!r} part without its image")
+        raise ValueError(f"{where}: an {kind!r} part without its "
+                         f"{'video' if kind in VIDEO_PART_TYPES else 'image'}")
     return value
 
 

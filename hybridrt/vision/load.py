@@ -26,14 +26,16 @@ def load_vision_tower(path: str | os.PathLike, text: ModelConfig, dtype: torch.d
                       device: torch.device | str = "cpu",
                       mmproj: str | os.PathLike | None = None,
                       quantization: str | None = None,
-                      max_images: int | None = None) -> VisionTower | None:
+                      max_images: int | None = None, video: dict | None = None
+                      ) -> VisionTower | None:
     """The checkpoint's tower in ``dtype`` on ``device``, or None where it has none (no
     ``vision_config``, or one without ``model.visual.*`` weights, as the demo model's).
     Missing, unexpected and mis-shaped tensors fail together in one CheckpointError. A GGUF
     file's tower is its projector file ``mmproj`` (None: one found beside it; hybridrt.gguf
     .mmproj). ``quantization`` ("int8", "int4"): its linear weights quantized
     (``hybridrt.vision.kernels.quantize_tower``). ``max_images``: the most images one prompt
-    may hold (None: no limit)."""
+    may hold (None: no limit). ``video``: the tower's video settings (``max_videos``,
+    ``video_fps``, ``video_max_frames``; VisionTower)."""
     path = Path(path)
     if path.is_file():
         from hybridrt.gguf.mmproj import load_mmproj_tower
@@ -45,20 +47,24 @@ def load_vision_tower(path: str | os.PathLike, text: ModelConfig, dtype: torch.d
         quantize_tower(tower.encoder, quantization)
     if tower is not None:
         tower.max_images = max_images
+        tower.model_path = path.parent if path.is_file() else path
+        for name, value in (video or {}).items():
+            setattr(tower, name, value)
     return tower
 
 
 def load_for_engine(model_path, text: ModelConfig, dtype: torch.dtype, device,
                     args) -> tuple[VisionTower | None, str]:
     """``LLM``'s tower as its ``EngineArgs`` ask (none with ``language_model_only``; int8
-    linears with ``vision_quantization``; ``limit_mm_per_prompt``'s image limit) -> (the tower
-    or None, why images are refused without it). The checkpoint is searched for a tower only
-    where it was not loaded on purpose."""
+    linears with ``vision_quantization``; ``limit_mm_per_prompt``'s limits; video sampling) ->
+    (the tower or None, why images are refused without it). The checkpoint is searched for a
+    tower only where it was not loaded on purpose."""
     from hybridrt.vision import inputs
 
     skip = args.language_model_only
     tower = None if skip else load_vision_tower(model_path, text, dtype, device, args.mmproj,
-                                                args.vision_quantization, args.image_limit)
+                                                args.vision_quantization, args.image_limit,
+                                                args.video_settings)
     if tower is not None:
         tower.cache = EncoderCache(parse_cache_bytes(args.encoder_cache_memory))
     if tower is None and args.vision_quantization and not skip:

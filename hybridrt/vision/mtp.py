@@ -1,11 +1,12 @@
-"""The MTP layer's share of a request's images (``specdec.mtp``'s hook).
+"""The MTP layer's share of a request's images and videos (``specdec.mtp``'s hook).
 
 The MTP row at position p reads token p+1 and the target's hidden state at p. Where token
-p+1 is an image token, it takes the merged embedding the target saw there. Position p takes
-the target's M-RoPE row: (t, h, w) inside an image, the prompt's own row elsewhere in it, and
-index + delta after the prompt (the drafting passes included). vLLM's ``qwen3_5_mtp`` does
-the same: its ``inputs_embeds`` come with the multimodal embeddings merged, and its positions
-are the target's M-RoPE positions.
+p+1 is an image or video token, it takes the merged embedding the target saw there (its pad
+token's id, ``<|image_pad|>`` or ``<|video_pad|>``, in place of the prefix cache's content
+key). Position p takes the target's M-RoPE row: (t, h, w) inside an image or a video's frame
+group, the prompt's own row elsewhere in it, and index + delta after the prompt (the drafting
+passes included). vLLM's ``qwen3_5_mtp`` does the same: its ``inputs_embeds`` come with the
+multimodal embeddings merged, and its positions are the target's M-RoPE positions.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from hybridrt.vision.step import VisionStep
 def mtp_vision(reqs: Sequence, starts: Sequence[int], batch) -> VisionStep | None:
     """``reqs[b]``'s rows in ``batch`` (an MTP batch, one sequence per request, in order) sit
     at positions ``starts[b]``, ``starts[b] + 1``, ...: set the positions of the requests with
-    images, put the image token id back in place of the prefix cache's content keys, and
-    return the rows whose next token is an image token (their embeddings) and the rows at an
-    image token (their M-RoPE positions), or None where there are neither."""
-    rows, embeds, rope_rows, positions, tower = [], [], [], [], None
+    images or videos, put the pad token ids back in place of the prefix cache's content keys,
+    and return the rows whose next token is an image or video token (their embeddings) and the
+    rows at one (their M-RoPE positions), or None where there are neither."""
+    rows, embeds, ids, rope_rows, positions, tower = [], [], [], [], [], None
     device = batch.positions.device
     for b, req in enumerate(reqs):
         v = req.vision
@@ -44,13 +45,14 @@ def mtp_vision(reqs: Sequence, starts: Sequence[int], batch) -> VisionStep | Non
         if nxt.any():
             rows.append(torch.from_numpy(off + np.flatnonzero(nxt)))
             embeds.append(v.embeddings_at(idx[nxt] + 1))
+            ids.append(v.pad_ids(idx[nxt] + 1))
         tower = v.tower
     if not rows and not rope_rows:
         return None
     hidden = tower.config.out_hidden_size
     rows = torch.cat(rows).to(device) if rows else torch.zeros(0, dtype=torch.long, device=device)
     if len(rows):
-        batch.input_ids[rows] = tower.config.image_token_id  # the ids were the cache's keys
+        batch.input_ids[rows] = torch.cat(ids).to(device, batch.input_ids.dtype)  # were keys
     return VisionStep(
         tower, rows, torch.cat(embeds) if embeds else torch.zeros(0, hidden),
         torch.cat(positions, dim=1).to(device) if positions else

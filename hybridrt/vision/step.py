@@ -2,7 +2,7 @@
 with images takes its M-RoPE position (its row t in ``batch.positions``: the prompt's text after
 an image, and every token after the prompt, sit at index + delta), and the step's image tokens
 their embeddings and (t, h, w) rotary rows (``VisionStep``, applied by the model), and their
-token id back in place of the prefix cache's content key (``VisionInputs.keyed``)."""
+pad token's id back in place of the prefix cache's content key (``VisionInputs.keyed``)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class VisionStep:
 def vision_step(seqs, batch) -> VisionStep | None:
     """Set the positions of the step's tokens of requests with images (``seqs``: the step's
     scheduled sequences, in batch order) -> their image rows, or None where the step has
-    none. The images the scheduler gave this step are encoded first, in one run."""
+    none. The images and videos the scheduler gave this step are encoded first, in one run."""
     scheduled = [(s.request.vision, i) for s in seqs if s.request.vision is not None
                  for i in s.request.vision.scheduled]
     if scheduled:
@@ -38,7 +38,7 @@ def vision_step(seqs, batch) -> VisionStep | None:
         for s in seqs:
             if s.request.vision is not None:
                 s.request.vision.scheduled = []
-    rows, embeds, positions, tower = [], [], [], None
+    rows, embeds, positions, ids, tower = [], [], [], [], None
     for b, s in enumerate(seqs):
         v = s.request.vision
         if v is None:
@@ -55,11 +55,12 @@ def vision_step(seqs, batch) -> VisionStep | None:
             at = idx[image]
             rows.append(torch.from_numpy(off + np.flatnonzero(image)))
             embeds.append(v.embeddings_at(at))
+            ids.append(v.pad_ids(at))
             positions.append(torch.from_numpy(v.positions[:, at]))
             tower = v.tower
     if not rows:
         return None
     device = batch.positions.device
     rows = torch.cat(rows).to(device)
-    batch.input_ids[rows] = tower.config.image_token_id  # the ids were the cache's keys
+    batch.input_ids[rows] = torch.cat(ids).to(device, batch.input_ids.dtype)  # were cache keys
     return VisionStep(tower, rows, torch.cat(embeds), torch.cat(positions, dim=1).to(device))
