@@ -1,8 +1,8 @@
 """Time an image request end to end: ``python -m hybridrt.bench.vision_e2e`` writes a
 checkpoint with random bf16 weights (``bench.vision.write_checkpoint``; default: Qwen3.5-0.8B's
 text model and tower, ``--config`` / ``--text-config`` for other shapes), loads it with
-``LLM(dtype=..., threads=...)`` without prefix caching (every run encodes and prefills), and
-runs, per image size and repeat, one after the other:
+``LLM(dtype=..., threads=...)`` without prefix caching or the encoder cache (every run encodes
+and prefills), and runs, per image size and repeat, one after the other:
 
 - ``image``: ``<|vision_start|><|image_pad|><|vision_end|>`` and a ``--question``-token question;
 - ``text``: a text-only prompt as long as the image prompt once its placeholder is expanded;
@@ -104,7 +104,7 @@ def bench(model: str | Path, sizes: list[tuple[int, int]], repeat: int = 3, deco
     tokens = max(64, max(h * w for h, w in sizes) // side ** 2)  # write_checkpoint's limits
     longest = tokens + question + decode + 64
     llm = LLM(str(model), dtype=dtype, threads=threads, enable_prefix_caching=False,
-              max_model_len=longest)
+              encoder_cache_memory=0, max_model_len=longest)
     params = SamplingParams(temperature=0.0, max_tokens=decode + 1, ignore_eos=True)
     q = question_ids(llm.tokenizer, question)
     placeholder = [cfg["vision_start_token_id"], cfg["image_token_id"], cfg["vision_end_token_id"]]
