@@ -146,6 +146,17 @@ def test_plan_refuses_what_it_cannot_convert_in_one_line(tmp_path):
     assert res.exit_code == 2 and res.output.startswith("error: ") and "'llama'" in res.output
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe", "qwen3_5_moe_text"])
+def test_plan_takes_the_moe_checkpoints(tmp_path, model_type):
+    """The MoE family converts to llama.cpp's ``qwen35moe`` (docs/gguf.md): planned like the
+    dense one, MTP left out."""
+    home = fake_home(tmp_path)
+    ckpt = ckpt_with_tokenizer(tmp_path)
+    (ckpt / "config.json").write_text(json.dumps({"model_type": model_type}))
+    p = conv.plan(ckpt, tmp_path / "m.gguf", "Q4_K_M", home=home)
+    assert p.quantize is not None and p.convert[-1] == "--no-mtp"
+
+
 def test_converter_types_convert_once_and_others_quantize_from_bf16(tmp_path):
     home = fake_home(tmp_path)
     ckpt = ckpt_with_tokenizer(tmp_path)

@@ -166,6 +166,44 @@ def test_shape_checkpoint_is_written_quantized_and_runs(tmp_path):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+def test_shape_checkpoint_bf16_is_published_layout_and_quantizes_to_the_straight_one(tmp_path):
+    """``bench/moe_shape.py`` in bf16: shards (one per decoder layer) and an index, the
+    published names and per-expert experts (what llama.cpp's converter reads); ``hybridrt
+    quantize`` of it is tensor for tensor the checkpoint written in 4 bits straight away."""
+    import json
+
+    from safetensors import safe_open
+
+    from hybridrt.bench.moe_shape import write_shape_checkpoint
+    from hybridrt.quantize_stream import quantize_streaming
+
+    cfg = tiny_moe_config(tie_word_embeddings=False)
+    bf16 = write_shape_checkpoint(tmp_path / "bf16", layers=2, quantization=None, text_config=cfg)
+    index = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())
+    wmap = index["weight_map"]
+    assert len(set(wmap.values())) == 5  # embedding, 2 layers, norm + head, MTP
+    assert "model.language_model.layers.1.mlp.experts.3.up_proj.weight" in wmap
+    assert wmap["model.language_model.layers.0.mlp.experts.0.gate_proj.weight"] != wmap[
+        "model.language_model.layers.1.mlp.experts.0.gate_proj.weight"]
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["model_type"] == \
+        "qwen3_5_moe"
+    quantize_streaming(bf16["path"], tmp_path / "q", "int4")
+    write_shape_checkpoint(tmp_path / "straight", layers=2, quantization="int4", text_config=cfg)
+
+    def tensors(d):
+        out = {}
+        for f in sorted(d.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as h:
+                stored = h.keys()
+                out.update({k: h.get_tensor(k) for k in stored})
+        return out
+
+    got, want = tensors(tmp_path / "q"), tensors(tmp_path / "straight")
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
 def test_read_ceiling_counts_only_the_chosen_experts(ckpt):
     """The bench's bytes a batch-1 decode step reads: k of each layer's E experts."""
     from hybridrt.bench.ceilings import weight_bytes_per_token

@@ -34,7 +34,7 @@ QWEN35_PRE = "qwen35"  # llama.cpp's name of Qwen3.5's pre-tokenizer (src/llama-
 # Qwen3.5's split regex, as its tokenizer.json holds it (and llama-vocab.cpp quotes it)
 QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN35_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+QWEN35_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 class LlamaCppConvertError(RuntimeError):

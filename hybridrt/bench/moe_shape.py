@@ -5,12 +5,17 @@ shape::
     python -m hybridrt.bench.moe_shape OUT --layers 8 --quantization int4
 
 With ``--quantization int8|int4`` it is written straight in ``hybridrt quantize``'s format,
-one tensor at a time: the bf16 model is never held (peak memory about twice the quantized
-size: safetensors' ``save_file`` serialises the whole file in memory). The layers keep the
-3:1 GDN : attention pattern; fewer layers than one period end with an attention layer (the
-engine needs one). ``--quantization none`` writes bf16 (some 1.5 GiB a layer: for a GGUF
-conversion of a few layers). The config is ``QWEN35_35B_A3B_TEXT_CONFIG`` with
-``num_hidden_layers`` replaced; nothing else here knows the 35B-A3B numbers.
+one tensor at a time. Either way it is written in shards (the embedding, each decoder layer,
+the final norm and head, the MTP layer) with a ``model.safetensors.index.json``: the model is
+never held, peak memory is about twice one shard (safetensors' ``save_file`` serialises a
+whole file in memory). The layers keep the 3:1 GDN : attention pattern; fewer layers than one
+period end with an attention layer (the engine needs one). ``--quantization none`` writes bf16
+as the published checkpoints are laid out (``qwen3_5_moe`` config, ``model.language_model.*``,
+per-expert ``gate_proj`` / ``up_proj`` / ``down_proj``; some 1.6 GiB a layer): what llama.cpp's
+converter and ``hybridrt quantize`` read; quantized from it, it is tensor for tensor the
+checkpoint written quantized straight away with the same seed. The config is
+``QWEN35_35B_A3B_TEXT_CONFIG`` with ``num_hidden_layers`` replaced; nothing else here knows
+the 35B-A3B numbers.
 """
 
 from __future__ import annotations
@@ -73,13 +78,33 @@ def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Te
     return t.to(torch.bfloat16)
 
 
+def _shard_of(name: str) -> str:
+    """The shard a tensor of our naming is written to."""
+    if name.startswith("model.layers."):
+        return "layer" + name.split(".")[2]
+    if name.startswith("mtp."):
+        return "mtp"
+    return "embed" if name.startswith("model.embed_tokens.") else "head"
+
+
+def _published(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our names and experts -> the published checkpoints' (``to_per_expert``,
+    ``model.language_model.*``)."""
+    from hybridrt.moe_checkpoint import to_per_expert
+
+    return {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): t
+            for n, t in to_per_expert(tensors).items()}
+
+
 def write_shape_checkpoint(out: str | Path, layers: int = 8, quantization: str | None = "int4",
                            seed: int = 0, with_mtp: bool = True,
                            text_config: dict[str, Any] = QWEN35_35B_A3B_TEXT_CONFIG) -> dict:
     """Write ``text_config``'s shape (default the 35B-A3B's) with ``layers`` decoder layers
-    into the new directory ``out`` -> {"path", "bytes", "layers", "quantization"}."""
+    into the new directory ``out``, shard by shard -> {"path", "bytes", "layers",
+    "quantization"}."""
     from safetensors.torch import save_file
 
+    from hybridrt.bench.fixtures import published_config
     from hybridrt.config import ModelConfig
     from hybridrt.kernels import quant
     from hybridrt.loader import _FORMATS, QUANT_METADATA, _format_of
@@ -97,25 +122,37 @@ def write_shape_checkpoint(out: str | Path, layers: int = 8, quantization: str |
     with torch.device("meta"):
         net = Qwen35ForCausalLM(config, with_mtp=with_mtp)
     names = quant.quantized_names(net) if quantization else set()
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, p in net.state_dict().items():
-        t = _random(name, tuple(p.shape), gen)
-        if name in names:
-            qw = _FORMATS[_format_of(quantization, name)][3](t)
-            for part, x in zip(qw.names, qw.tensors()):
-                tensors[f"{name}.{part}"] = x.contiguous()
-        else:
-            tensors[name] = t
-        del t
-    out.mkdir(parents=True, exist_ok=True)
+    shapes = {name: tuple(p.shape) for name, p in net.state_dict().items()}
+    shards = list(dict.fromkeys(_shard_of(n) for n in shapes))
     metadata = {"format": "pt"}
     if quantization:
         metadata[QUANT_METADATA] = quantization
-    save_file(tensors, str(out / "model.safetensors"), metadata=metadata)
-    (out / "config.json").write_text(json.dumps(
-        {"architectures": ["Qwen3_5MoeForCausalLM"], **text}, indent=2))
-    return {"path": str(out), "bytes": (out / "model.safetensors").stat().st_size,
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        tensors = {}
+        for name in [n for n in shapes if _shard_of(n) == shard]:
+            t = _random(name, shapes[name], gen)
+            if name in names:
+                qw = _FORMATS[_format_of(quantization, name)][3](t)
+                for part, x in zip(qw.names, qw.tensors()):
+                    tensors[f"{name}.{part}"] = x.contiguous()
+            else:
+                tensors[name] = t
+            del t
+        if not quantization:
+            tensors = _published(tensors)
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(out / fname), metadata=metadata)
+        weight_map.update(dict.fromkeys(tensors, fname))
+        del tensors
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    config_json = published_config(text) if not quantization else {
+        "architectures": ["Qwen3_5MoeForCausalLM"], **text}
+    (out / "config.json").write_text(json.dumps(config_json, indent=2))
+    return {"path": str(out), "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
             "layers": layers, "quantization": quantization}
 
 
