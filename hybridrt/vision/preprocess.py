@@ -33,14 +33,7 @@ def load_image(obj: Any):
     elif isinstance(obj, (str, os.PathLike)):
         s = str(obj)
         if s.startswith("data:"):
-            head, _, data = s.partition(",")
-            if not head.endswith(";base64"):
-                raise ValueError("an image data URL must be base64 (data:image/...;base64,...)")
-            try:
-                raw = base64.b64decode(data, validate=True)
-            except (binascii.Error, ValueError):
-                raise ValueError("the image data URL is not valid base64") from None
-            image = _decode(raw, "the image data URL")
+            image = _decode(data_url_bytes(s, "an image"), "the image data URL")
         elif "://" in s:
             raise ValueError(f"image {s[:60]!r}: only data URLs and local paths are accepted")
         else:
@@ -106,3 +99,16 @@ class ImageProcessor:
         out = self.processor(images=[image], return_tensors="pt")
         t, h, w = (int(v) for v in out["image_grid_thw"][0])
         return out["pixel_values"].float(), (t, h, w)
+
+
+def data_url_bytes(url: str, what: str) -> bytes:
+    """The bytes of a base64 data URL of ``what`` ("an image", "a video"); ValueError naming it
+    where the URL is not base64."""
+    kind = what.split()[-1]
+    head, _, data = url.partition(",")
+    if not head.endswith(";base64"):
+        raise ValueError(f"{what} data URL must be base64 (data:{kind}/...;base64,...)")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"the {kind} data URL is not valid base64") from None

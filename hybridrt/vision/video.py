@@ -6,8 +6,6 @@ group of ``temporal_patch_size`` frames."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import os
 from dataclasses import dataclass
@@ -19,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridrt.vision.config import VisionConfig
-from hybridrt.vision.preprocess import load_image
+from hybridrt.vision.preprocess import data_url_bytes, load_image
 
 DEFAULT_FPS = 24  # the Qwen3-VL processor's frame rate for frames given without one
 
@@ -126,13 +124,7 @@ def _file_bytes(obj) -> bytes:
         return bytes(obj)
     s = str(obj)
     if s.startswith("data:"):
-        head, _, data = s.partition(",")
-        if not head.endswith(";base64"):
-            raise ValueError("a video data URL must be base64 (data:video/...;base64,...)")
-        try:
-            return base64.b64decode(data, validate=True)
-        except (binascii.Error, ValueError):
-            raise ValueError("the video data URL is not valid base64") from None
+        return data_url_bytes(s, "a video")
     if "://" in s:
         raise ValueError(f"video {s[:60]!r}: only data URLs and local paths are accepted")
     path = Path(s).expanduser()
