@@ -43,12 +43,12 @@ def text_config(**overrides) -> dict:
         **overrides})
 
 
-def hf_config(text: dict, ids: dict):
+def hf_config(text: dict, ids: dict, vision: dict | None = None):
     from transformers import Qwen3_5Config
 
     text = copy.deepcopy(text)
     text.pop("model_type", None)
-    vision = {**VISION, "out_hidden_size": text["hidden_size"]}
+    vision = {**VISION, **(vision or {}), "out_hidden_size": text["hidden_size"]}
     cfg = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
     cfg._attn_implementation = "sdpa"
     cfg.text_config._attn_implementation = "sdpa"
@@ -57,11 +57,13 @@ def hf_config(text: dict, ids: dict):
 
 
 def write_vision_checkpoint(directory, seed: int = 0, text: dict | None = None,
-                            tokenizer: Path | None = None, with_mtp: bool = False):
+                            tokenizer: Path | None = None, with_mtp: bool = False,
+                            vision: dict | None = None):
     """-> (directory, transformers' model with the same fp32 weights). ``tokenizer``: a
     directory whose tokenizer is taken (the vision tokens added after its own) instead of
     the character-level one. ``with_mtp``: random ``mtp.*`` weights too (transformers'
-    model has none; ``mtp_weights`` reads them back)."""
+    model has none; ``mtp_weights`` reads them back). ``vision``: entries of the tower's
+    config replacing ``VISION``'s."""
     from transformers import PreTrainedTokenizerFast, Qwen3_5ForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -78,7 +80,7 @@ def write_vision_checkpoint(directory, seed: int = 0, text: dict | None = None,
     ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
                     "video_token_id"), tok.convert_tokens_to_ids(VISION_TOKENS)))
     assert max(ids.values()) < text["vocab_size"]
-    ref = Qwen3_5ForConditionalGeneration(hf_config(text, ids)).eval()
+    ref = Qwen3_5ForConditionalGeneration(hf_config(text, ids, vision)).eval()
     sd = random_state_dict(ModelConfig.from_dict(text), seed, with_mtp=with_mtp)
     mtp = {n: sd.pop(n) for n in [n for n in sd if n.startswith("mtp.")]}
     full = {("model.language_model." + n[len("model."):]): t for n, t in sd.items()}
