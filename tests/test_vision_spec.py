@@ -1,20 +1,23 @@
 """MTP speculation with images, on a tiny random fp32 checkpoint with a vision tower and an MTP
 layer (tests/vision_helpers.py): greedy tokens with k=2 equal k=0's for one image, two images
 and an image in a chat's second turn (a prefix-cache hit); such requests really draft; the MTP
-layer's outputs over an image prompt and its first drafting pass equal a reference MTP built
-from transformers' decoder layer fed transformers' merged embeddings and M-RoPE positions."""
+layer's outputs over an image or video prompt and its first drafting pass equal a reference MTP
+built from transformers' decoder layer fed transformers' merged embeddings and M-RoPE
+positions."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_rel_close
-from vision_helpers import image, write_vision_checkpoint
+from vision_helpers import image, video_processor, write_vision_checkpoint
 
 from hybridrt import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+VID = "<|vision_start|><|video_pad|><|vision_end|>"
 TOL = 1e-4
 
 
@@ -31,6 +34,11 @@ def ckpt(tmp_path_factory):
 def spec(ckpt):
     return LLM(ckpt[0], dtype="float32", max_model_len=256, cache_memory="32MiB",
                speculative_tokens=2)
+
+
+def frames(n: int, h: int, w: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(n)]
 
 
 def run(llm, text, images, params=GREEDY, k=None):
@@ -83,11 +91,13 @@ def recorded_mtp(llm) -> list:
     return seen
 
 
-def reference_mtp(ckpt, prompt_ids: list[int], images: list, sampled: int, draft: int):
-    """transformers' merged embeddings, M-RoPE positions and final hidden states over the
-    prompt, through a reference MTP (transformers' decoder layer with the checkpoint's mtp.*
-    weights): -> (outputs at positions 0..L-1, whose input is token p+1, the sampled token
-    last; the output at L of the first drafting pass, input ``draft``)."""
+def reference_mtp(ckpt, prompt_ids: list[int], images: list, sampled: int, draft: int,
+                  videos: list | None = None):
+    """transformers' merged embeddings (``videos``: lists of frames, taken as given), M-RoPE
+    positions and final hidden states over the prompt, through a reference MTP (transformers'
+    decoder layer with the checkpoint's mtp.* weights): -> (outputs at positions 0..L-1, whose
+    input is token p+1, the sampled token last; the output at L of the first drafting pass,
+    input ``draft``)."""
     from safetensors.torch import load_file
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -106,8 +116,15 @@ def reference_mtp(ckpt, prompt_ids: list[int], images: list, sampled: int, draft
     if images:
         px = Qwen2VLImageProcessorPil.from_pretrained(str(path))(images=images,
                                                                  return_tensors="pt")
-        kw = {"pixel_values": px["pixel_values"], "image_grid_thw": px["image_grid_thw"],
-              "mm_token_type_ids": (ids == ref.config.image_token_id).int()}
+        kw = {"pixel_values": px["pixel_values"], "image_grid_thw": px["image_grid_thw"]}
+    if videos:
+        px = video_processor()(videos=[np.stack(v) for v in videos], return_tensors="pt",
+                               do_sample_frames=False, do_convert_rgb=False)
+        kw.update(pixel_values_videos=px["pixel_values_videos"],
+                  video_grid_thw=px["video_grid_thw"])
+    if kw:  # 1: image tokens, 2: video tokens (transformers' processor's token types)
+        kw["mm_token_type_ids"] = ((ids == ref.config.image_token_id).int()
+                                   + 2 * (ids == ref.config.video_token_id).int())
     try:
         with torch.no_grad():
             hidden = ref.model(input_ids=ids, **kw).last_hidden_state[0]
@@ -144,26 +161,33 @@ def reference_mtp(ckpt, prompt_ids: list[int], images: list, sampled: int, draft
     return first, second[-1:]
 
 
-@pytest.mark.parametrize("case", ["text", "image", "two"])
+@pytest.mark.parametrize("case", ["text", "image", "two", "video"])
 def test_mtp_sees_what_the_target_saw(spec, ckpt, case):
     """The MTP pass over the prompt and the first drafting pass, row by row, against the
-    reference: image embeddings where token p+1 is an image token, M-RoPE rows inside images,
-    the rope delta after the prompt. (Text: the reference itself checked.)"""
+    reference: image embeddings where token p+1 is an image token, M-RoPE rows inside images
+    and each frame group of a video (timestamps between them), the rope delta after the
+    prompt. (Text: the reference itself checked.)"""
     imgs = {"text": [], "image": [image(40, 24, 1)],
-            "two": [image(40, 24, 3), image(24, 72, 4)]}[case]
+            "two": [image(40, 24, 3), image(24, 72, 4)], "video": []}[case]
+    clips = [frames(5, 36, 28, 1)] if case == "video" else []
     text = prompt({"text": "What is it?", "image": f"{IMG}What is it?",
-                   "two": f"A {IMG} and B {IMG}: same?"}[case])
+                   "two": f"A {IMG} and B {IMG}: same?", "video": f"{VID}What happens?"}[case])
     spec.reset_prefix_cache()
     seen = recorded_mtp(spec)
     try:
-        out = run(spec, text, imgs, SamplingParams(temperature=0, max_tokens=4))
+        if clips:
+            (out,) = spec.generate([{"prompt": text, "multi_modal_data": {"video": clips}}],
+                                   SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+            assert out.error is None, out.error
+        else:
+            out = run(spec, text, imgs, SamplingParams(temperature=0, max_tokens=4))
     finally:
         del spec.model.mtp_forward
     ids = out.prompt_token_ids
     (_, pos0, first), (d1, pos1, second) = seen[:2]
     assert first.shape[0] == len(ids) and second.shape[0] == 1
     want_first, want_second = reference_mtp(ckpt, ids, imgs, out.outputs[0].token_ids[0],
-                                            int(d1[0]))
+                                            int(d1[0]), clips)
     assert_rel_close(first, want_first, TOL, "the prompt's MTP rows")
     assert_rel_close(second, want_second, TOL, "the first drafting pass")
 
