@@ -21,7 +21,9 @@ def quantize(
     """Write IN with its weights quantized (as --quantization int8 or int4 does at load time)
     into OUT, with IN's config and tokenizer files.
 
-    IN is read one shard at a time (memory: about one shard's output). OUT loads like any
+    IN is read one shard at a time (memory: about one shard's output). A GGUF file keeps each
+    weight's own type, re-laid into hybridrt's formats (config and tokenizer files written from
+    its metadata). OUT loads like any
     checkpoint (chat, generate, serve, LLM(OUT)) and runs quantized without
     quantizing at start-up; it computes exactly what --quantization computes on IN.
     """
@@ -35,10 +37,14 @@ def quantize(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CliError(f"{out} exists and is not an empty directory", 2)
     path = resolve_model(model)
+    from hybridrt.loader import save_quantized
     from hybridrt.quantize_stream import quantize_streaming
 
     try:
-        info = quantize_streaming(path, out, quantization)
+        if Path(path).is_file():  # a GGUF file: loaded once (memory-mapped), its types kept
+            info = save_quantized(path, out, quantization)
+        else:
+            info = quantize_streaming(path, out, quantization)
     except FileExistsError as e:
         raise CliError(str(e), 2) from None
     typer.echo(f"wrote {info['path']}: {info['tensors']} tensors, "

@@ -107,14 +107,17 @@ def test_an_unsupported_type_is_one_line_naming_tensor_and_type(files):
 
 
 def test_hybridrt_quantize_reads_gguf(files, tmp_path):
-    """``save_quantized`` (``hybridrt quantize``) from a mixed GGUF: each weight stored in the
-    format it loaded in (no requantization at the next start-up), with a config, tokenizer and
-    chat template written from the metadata."""
-    from hybridrt.loader import save_quantized
+    """``hybridrt quantize x.gguf OUT`` (``save_quantized``) from a mixed GGUF: each weight
+    stored in the format it loaded in (no requantization at the next start-up), with a config,
+    tokenizer and chat template written from the metadata."""
+    from typer.testing import CliRunner
+
+    from hybridrt.cli.main import app
     from hybridrt.tokenizer import load_tokenizer
 
     out = tmp_path / "q"
-    save_quantized(files["q4_K_M"], out, "int8")
+    res = CliRunner().invoke(app, ["quantize", str(files["q4_K_M"]), str(out)])
+    assert res.exit_code == 0, res.output
     a, ca, _ = load_model(files["q4_K_M"], "auto", with_mtp=True)
     b, cb, _ = load_model(out, "auto", with_mtp=True)
     assert ca.num_hidden_layers == cb.num_hidden_layers and cb.mtp_num_hidden_layers == 1
