@@ -20,8 +20,29 @@ IMAGE_URL = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iV
 
 
 @pytest.fixture(scope="module")
-def demo():
-    return LLM(dtype="float32", max_model_len=256, cache_memory="32MiB")
+def text_demo(tmp_path_factory):
+    """The embedded demo model without its vision tower (``model.visual.*`` left out): a
+    checkpoint that cannot take images."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from hybridrt.model_path import DEMO_MODEL_DIR
+
+    out = tmp_path_factory.mktemp("text_demo")
+    for f in DEMO_MODEL_DIR.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    weights = load_file(str(DEMO_MODEL_DIR / "model.safetensors"))
+    save_file({n: t for n, t in weights.items() if not n.startswith("model.visual.")},
+              str(out / "model.safetensors"))
+    assert not inputs.has_vision_tower(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def demo(text_demo):
+    return LLM(str(text_demo), dtype="float32", max_model_len=256, cache_memory="32MiB")
 
 
 def test_generate_refuses_multi_modal_data_for_that_prompt_only(demo):
@@ -88,16 +109,17 @@ def test_server_answers_400_for_image_parts_and_goes_on(demo):
         srv.stop()
 
 
-def test_cli_chat_refuses_image_flag_and_command(tmp_path):
+def test_cli_chat_refuses_image_flag_and_command(text_demo, tmp_path):
     img = tmp_path / "cat.png"
     img.write_bytes(b"not read")
     run = CliRunner().invoke
-    res = run(app, ["chat", "--image", str(img), "--max-model-len", "256"], input="hi\n")
+    res = run(app, ["chat", str(text_demo), "--image", str(img), "--max-model-len", "256"],
+              input="hi\n")
     assert res.exit_code == 2
     assert res.stderr.strip() == (f"error: --image {img}: refused, this model has no vision "
                                   f"tower")
-    res = run(app, ["chat", "--max-model-len", "256", "--max-tokens", "2", "--temperature", "0"],
-              input=f"/image {img}\nhi\n/exit\n")
+    res = run(app, ["chat", str(text_demo), "--max-model-len", "256", "--max-tokens", "2",
+                    "--temperature", "0"], input=f"/image {img}\nhi\n/exit\n")
     assert res.exit_code == 0, res.output
     assert f"error: /image {img}: refused, this model has no vision tower" in res.stderr
     assert "[prompt" in res.stdout  # the chat went on and answered the next message
