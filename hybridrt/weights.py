@@ -38,6 +38,8 @@ def place_weights(model, merge: bool, huge_pages: bool) -> Groups:
     for m, q in quants:
         if m.qweight is q:
             m.qweight = q.replace(*(arena.move(t) for t in q.tensors()))
+    if arena is not None:
+        arena.settle()  # into huge pages, in the background where the kernel can
     return groups
 
 

@@ -13,11 +13,14 @@ Also here: ``release_pages`` (give a dropped tensor's pages back now) and ``Huge
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import math
 import mmap
+import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -89,7 +92,36 @@ def _load_libc():
 
 
 _MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25  # Linux 6.1
 _HUGE = 2 << 20
+_collapse: bool | None = None
+_settling: list[threading.Thread] = []
+settle_at_load = False  # True: arenas take huge pages as they fill (the benchmarks set it)
+
+
+def collapse_supported() -> bool:
+    """Whether this kernel has ``MADV_COLLAPSE`` (Linux 6.1+): ``madvise`` of no bytes checks
+    the advice and does nothing else."""
+    global _collapse
+    if _collapse is None:
+        _collapse = False
+        libc = _load_libc()
+        if libc and sys.platform.startswith("linux"):
+            buf = mmap.mmap(-1, mmap.PAGESIZE)
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+            _collapse = libc.madvise(addr, 0, _MADV_COLLAPSE) == 0
+            del addr
+            buf.close()
+    return _collapse
+
+
+def wait_for_huge_pages(timeout: float | None = None) -> bool:
+    """Wait until every arena's background move into huge pages (``HugeArena.settle``) is done
+    -> whether all are."""
+    for t in list(_settling):
+        t.join(timeout)
+    _settling[:] = [t for t in _settling if t.is_alive()]
+    return not _settling
 
 
 def huge_pages_available() -> bool:
@@ -119,12 +151,19 @@ def weights_on_huge_pages(opts) -> bool:
 
 
 class HugeArena:
-    """One anonymous mapping, 2 MiB-aligned and advised for transparent huge pages
-    (``madvise(MADV_HUGEPAGE)`` before anything touches it), handed out front to back by
-    ``empty``: the weights a decode step streams, so that a stream crosses a page every 2 MiB
+    """One anonymous mapping, 2 MiB-aligned, in transparent huge pages, handed out front to back
+    by ``empty``: the weights a decode step streams, so that a stream crosses a page every 2 MiB
     instead of every 4 KiB (the hardware prefetcher stops at page boundaries;
     docs/performance.md). One mapping for all of them wastes at most one page; it lives as long
-    as any tensor taken from it."""
+    as any tensor taken from it.
+
+    Where the kernel has ``MADV_COLLAPSE`` (and ``settle_at_load`` is off) the arena fills in
+    ordinary pages and ``settle`` moves them into huge pages in a background thread, the
+    addresses unchanged, at the lowest priority (nice 19: it takes the cores the model leaves
+    idle): getting 2 MiB pages can cost far more than filling them (on the project's VMs about
+    8 ms each, seconds for the 0.8B shape's weights, docs/performance.md), and that no longer
+    delays the first token. Otherwise the mapping is advised
+    (``MADV_HUGEPAGE``) before anything touches it."""
 
     ALIGN = 64
 
@@ -132,11 +171,39 @@ class HugeArena:
         self._buf = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         addr = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
         start = -addr % _HUGE
+        self._addr, self._nbytes = addr + start, nbytes
+        self.later = not settle_at_load and collapse_supported()
         libc = _load_libc()
-        if libc:
+        if libc and not self.later:
             libc.madvise(addr + start, nbytes, _MADV_HUGEPAGE)  # advice: a refusal changes nothing
         self._bytes = torch.frombuffer(self._buf, dtype=torch.uint8, count=nbytes, offset=start)
         self._next = 0
+
+    SETTLE_CHUNK = 32 << 20  # bytes moved into huge pages by one madvise call in ``settle``
+
+    def settle(self) -> threading.Thread | None:
+        """Once filled: move the arena's pages into huge pages in a background thread
+        (``MADV_HUGEPAGE``, then ``MADV_COLLAPSE`` a ``SETTLE_CHUNK`` at a time; the contents and
+        addresses stay; ``wait_for_huge_pages`` waits for it) -> the thread, or None where the
+        arena took huge pages as it filled."""
+        if not self.later:
+            return None
+        self.later = False
+        t = threading.Thread(target=self._collapse, name="hybridrt-huge-pages", daemon=True)
+        _settling.append(t)
+        t.start()
+        return t
+
+    def _collapse(self) -> None:
+        libc, buf = _load_libc(), self._buf  # the thread keeps the mapping alive
+        with contextlib.suppress(AttributeError, OSError):  # the lowest priority: the
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # model's go first
+        libc.madvise(self._addr, self._nbytes, _MADV_HUGEPAGE)
+        full = self._nbytes // _HUGE * _HUGE
+        for off in range(0, full, self.SETTLE_CHUNK):
+            if buf.closed:
+                return
+            libc.madvise(self._addr + off, min(self.SETTLE_CHUNK, full - off), _MADV_COLLAPSE)
 
     def empty(self, shape, dtype) -> torch.Tensor:
         n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()

@@ -327,6 +327,43 @@ def test_arena_move_copies_and_releases_as_it_goes(monkeypatch):
     assert torch.equal(arena.move(part), torch.ones(1 << 20)) and part[0] == 1
 
 
+def _anon_huge_bytes(addr: int) -> int:
+    """AnonHugePages of the mapping holding ``addr`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) << 10
+    return 0
+
+
+def test_arena_settles_into_huge_pages_in_the_background(monkeypatch):
+    """Where the kernel has MADV_COLLAPSE: the arena fills in ordinary pages and ``settle``
+    moves them into huge pages in a thread, the contents unchanged; with ``settle_at_load``
+    (the benchmarks) it is advised before the first touch and ``settle`` does nothing."""
+    from hybridrt.kernels import memory
+
+    if not (memory.huge_pages_available() and memory.collapse_supported()):
+        pytest.skip("no transparent huge pages or no MADV_COLLAPSE here")
+    monkeypatch.setattr(memory, "settle_at_load", False)
+    n = 16 << 20
+    arena = memory.HugeArena(n)
+    assert arena.later
+    w = arena.empty((n // 4,), torch.float32)
+    w.copy_(torch.arange(n // 4, dtype=torch.float32))
+    assert _anon_huge_bytes(w.data_ptr()) == 0  # filled in ordinary pages
+    assert arena.settle() is not None and arena.settle() is None  # once
+    assert memory.wait_for_huge_pages(timeout=60)
+    assert _anon_huge_bytes(w.data_ptr()) >= n - (2 << 20)
+    assert torch.equal(w, torch.arange(n // 4, dtype=torch.float32))
+    monkeypatch.setattr(memory, "settle_at_load", True)
+    assert memory.HugeArena(n).settle() is None
+
+
 def test_loaded_models_own_their_weights_built_ones_do_not():
     """Only a model the loader built (no other references to its tensors) lets the CPU backend
     free the weights that merging replaced; a model built from a caller's state dict keeps them

@@ -13,3 +13,9 @@ whose commands import these modules when they run) imports nothing from here:
 tests/test_bench_layout.py checks it. Import the submodules themselves; this file imports none
 of them.
 """
+
+from hybridrt.kernels import memory as _memory
+
+# benchmarks time the weights as they run once in huge pages: the arenas take them as they fill
+# (the product's default moves them after the first token, in the background)
+_memory.settle_at_load = True
