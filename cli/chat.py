@@ -592,7 +592,8 @@ class ChatLoop:
 
 DEMO_NOTE = ("  the embedded demo model: 8.4M parameters trained for an hour on Python "
              "docstrings, not an\n  assistant. Ask it what a stdlib function does, e.g. "
-             "What does json.dumps do?")
+             "What does json.dumps do?\n  Its vision tower names a picture's shape and colour: "
+             "/image {png}")
 
 
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
@@ -620,7 +621,7 @@ def banner(llm) -> str:
              + (f", loaded in {loaded:.1f}s)" if loaded is not None else ")"),
              f"  cache: up to {cache:.0f} MiB of KV blocks and GDN states, taken as it is used"]
     if Path(llm.model_path).resolve() == DEMO_MODEL_DIR.resolve():
-        lines.append(DEMO_NOTE)
+        lines.append(DEMO_NOTE.format(png=DEMO_MODEL_DIR / "demo.png"))
     lines.append("/help lists the commands, Ctrl-D quits")
     return "\n".join(lines)
 

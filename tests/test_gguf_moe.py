@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(gguf_convert.available() is not None,
 
 # expert and shared widths multiples of 32, so that Q8_0 takes every expert matrix
 CONFIG = tiny_moe_config(
-    vocab_size=6144, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    vocab_size=6208, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
     linear_value_head_dim=32, eos_token_id=2, moe_intermediate_size=32,
     shared_expert_intermediate_size=64)

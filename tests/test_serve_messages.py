@@ -236,7 +236,7 @@ def test_api_key_header_and_anthropic_shaped_401(srv):
      "unsupported block type 'audio'"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                     "data": "AAAA"}}]}]}, "no vision tower"),
+                                     "data": "AAAA"}}]}]}, "cannot be decoded as an image"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "file", "file_id": "f"}}]}]}, "source must be"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [

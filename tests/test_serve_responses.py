@@ -224,7 +224,7 @@ def test_langchain_over_the_responses_api(srv):
     ({"input": [{"type": "item_reference", "id": "x"}]}, "not supported"),
     ({"input": [{"role": "user", "content": [{"type": "input_image",
                                               "image_url": "http://x"}]}]},
-     "no vision tower"),
+     "this server fetches no image URLs"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "files are not supported"),
     ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]},

@@ -165,7 +165,7 @@ def _walk(so, text: str) -> bool:
     from hybridrt.tokenizer import Tokenizer
 
     tok = Tokenizer(Path(__file__).resolve().parent.parent / "hybridrt" / "demo_model")
-    engine = LLGuidance(tok, 6144, [0, 2])
+    engine = LLGuidance(tok, 6208, [0, 2])
     m = engine.matcher(engine.compile(so), [0, 2])
     return all(m.accept_token(t) for t in tok.encode(text, add_special_tokens=False) + [2]) \
         and m.is_terminated()

@@ -124,7 +124,7 @@ def test_llm_vision_quantization_int8_quantizes_only_the_tower(ckpt):
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.99
 
 
-def test_vision_quantization_refusals(ckpt):
+def test_vision_quantization_refusals(ckpt, tmp_path):
     with pytest.raises(ValueError, match="unknown quantization 'int5'"):
         LLM(ckpt[0], vision_quantization="int5")
     with pytest.raises(ValueError, match="'int4' is not offered: the tower's embeddings"):
@@ -133,8 +133,12 @@ def test_vision_quantization_refusals(ckpt):
         LLM(ckpt[0], vision_quantization="int8", language_model_only=True)
     with pytest.raises(ValueError, match="runs on the CPU backends only"):
         LLM(ckpt[0], vision_quantization="int8", backend="triton")
-    with pytest.raises(ValueError, match="has no vision tower"):  # the demo model
-        LLM(dtype="float32", max_model_len=64, cache_memory="16MiB", vision_quantization="int8")
+    from hybridrt.bench.fixtures import tiny_text_config, write_random_checkpoint
+
+    text_only = write_random_checkpoint(tmp_path, tiny_text_config(), seed=0)
+    with pytest.raises(ValueError, match="has no vision tower"):
+        LLM(str(text_only), dtype="float32", max_model_len=64, cache_memory="16MiB",
+            tokenizer=None, vision_quantization="int8")
 
 
 def test_cli_vision_quantization_flag_is_checked_before_loading(ckpt):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import os
 import warnings
 from pathlib import Path
@@ -71,29 +72,46 @@ class ImageProcessor:
     in patches). ``settings`` (the processor's keyword arguments, as a GGUF projector's
     metadata gives them) where given, else the checkpoint's ``preprocessor_config.json`` where
     it has one, else the processor's defaults with the tower's patch, temporal patch and merge
-    sizes."""
+    sizes. transformers' processor is built at the first image: importing transformers costs
+    more than the rest of a start-up, and a text-only chat never needs it (the sizes are
+    checked against the tower's at once, from the settings)."""
+
+    DEFAULTS = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}  # the processor's
 
     def __init__(self, model_path: str | os.PathLike, cfg: VisionConfig,
                  settings: dict[str, Any] | None = None):
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil,
-        )
-
         path = Path(model_path)
+        self._pretrained = None
         if settings is not None:
-            self.processor = Qwen2VLImageProcessorPil(**settings)
+            self._kwargs = dict(settings)
         elif (path / "preprocessor_config.json").is_file():
-            self.processor = Qwen2VLImageProcessorPil.from_pretrained(str(path))
+            self._pretrained = str(path)
+            try:
+                self._kwargs = json.loads((path / "preprocessor_config.json").read_text())
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{path / 'preprocessor_config.json'}: cannot be read ({e})") \
+                    from None
         else:
-            self.processor = Qwen2VLImageProcessorPil(
-                patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
-                merge_size=cfg.spatial_merge_size)
-        p = self.processor
-        if (p.patch_size, p.temporal_patch_size, p.merge_size) != (
-                cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size):
+            self._kwargs = {"patch_size": cfg.patch_size,
+                            "temporal_patch_size": cfg.temporal_patch_size,
+                            "merge_size": cfg.spatial_merge_size}
+        sizes = tuple(self._kwargs.get(k, d) for k, d in self.DEFAULTS.items())
+        if sizes != (cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size):
             raise ValueError(f"{path / 'preprocessor_config.json'}: patch, temporal patch and "
-                             f"merge sizes {(p.patch_size, p.temporal_patch_size, p.merge_size)}"
-                             f" differ from the vision_config's")
+                             f"merge sizes {sizes} differ from the vision_config's")
+        self._processor = None
+
+    @property
+    def processor(self):
+        """transformers' Qwen2-VL image processor (Pillow), built on first use."""
+        if self._processor is None:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+                Qwen2VLImageProcessorPil,
+            )
+
+            self._processor = (Qwen2VLImageProcessorPil.from_pretrained(self._pretrained)
+                               if self._pretrained else Qwen2VLImageProcessorPil(**self._kwargs))
+        return self._processor
 
     def __call__(self, image) -> tuple[torch.Tensor, tuple[int, int, int]]:
         out = self.processor(images=[image], return_tensors="pt")

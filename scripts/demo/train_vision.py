@@ -18,7 +18,12 @@ image of random size, all drawn with Pillow from a seeded RNG. Questions and ans
 "What is in this image?" -> "A red circle.", "What colour is the circle?" -> "Red.",
 "What shape is this?" -> "A circle." (and rephrasings).
 
-Training: the tower and the text model (and the MTP head) jointly. Each step takes a batch of
+Training, in two phases. First the tower alone (``--pretrain-steps``): two linear probes on the
+mean of each picture's merged tokens classify its shape and its colour (cross entropy, the
+tower at ``--pretrain-lr``, cosine decay; a tenth of a second a step). Measured: trained only
+through the answers, the tower learned colours in 30 steps but no shape in 600 (answers at
+chance, 0.38 held out); the probe alone needs about 1000 steps before shapes start to separate.
+Then the tower and the text model (and the MTP head) jointly. Each step takes a batch of
 pictures (loss on the answer tokens only) and a batch of the demo's text corpus (the loss of
 ``train.py``: LM + 0.3 MTP), so the text answers and MTP acceptance are kept. The tower learns
 at ``--lr``, the text model and MTP head at ``--text-lr``; linear warmup then cosine decay over
@@ -130,6 +135,20 @@ def describe_answer(shape: str, colour: str) -> str:
 
 # --- checkpoint ---------------------------------------------------------------------------------
 
+def with_picture_parts(template: str) -> str:
+    """The base's chat template (tools and all) with user and system content rendered by
+    ``train.py``'s ``render_content`` macro: text parts as their text, image and video parts as
+    Qwen's placeholders."""
+    end = "{%- endmacro %}"
+    macro = train.CHAT_TEMPLATE[:train.CHAT_TEMPLATE.index(end) + len(end)]
+    out = template.replace("+ messages[0].content", "+ render_content(messages[0].content)")
+    out = out.replace("+ message.content + '<|im_end|>",
+                      "+ render_content(message.content) + '<|im_end|>")
+    if out.count("render_content(") != 3:
+        raise SystemExit("the base's chat template is not the one with_picture_parts knows")
+    return macro + out
+
+
 def add_vision_tokens(base: Path, out: Path) -> tuple[dict, int]:
     """Tokenizer of ``base`` + the vision tokens and the parts-aware template, written to
     ``out`` -> (the vision token ids by config key, the padded vocabulary size)."""
@@ -142,7 +161,7 @@ def add_vision_tokens(base: Path, out: Path) -> tuple[dict, int]:
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     cfg = json.loads((base / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = train.CHAT_TEMPLATE
+    cfg["chat_template"] = with_picture_parts(cfg["chat_template"])
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False)
                                                + "\n")
     ids = dict(zip(VISION_ID_KEYS, (tok.token_to_id(t) for t in VISION_TOKENS)))
@@ -247,7 +266,35 @@ class Pictures:
         for r, (a, b) in enumerate(zip(rows, labels)):
             x[r, :len(a)] = torch.tensor(a)
             y[r, :len(b)] = torch.tensor(b)
-        return x, y, pixels, grids
+        return x, y, pixels, grids, samples
+
+
+def chat_batch(tok, chats: list[list[dict]], rng: random.Random, n: int):
+    """``n`` of the corpus's one-question chats, labels on the answer (and its <|im_end|>)
+    only: the same kind of rows as the pictures' but with no picture, so that a question with
+    no picture keeps its docstring answer."""
+    im_end, eot = tok.convert_tokens_to_ids(train.IM_END), tok.convert_tokens_to_ids(train.EOT)
+    rows, labels = [], []
+    for msgs in rng.sample(chats, n):
+        prompt = tok.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
+        p = tok.encode(prompt, add_special_tokens=False)
+        a = tok.encode(msgs[-1]["content"], add_special_tokens=False)[:64] + [im_end]
+        rows.append(p + a)
+        labels.append([-100] * len(p) + a)
+    width = max(map(len, rows))
+    x = torch.full((n, width), eot, dtype=torch.long)
+    y = torch.full((n, width), -100, dtype=torch.long)
+    for r, (a, b) in enumerate(zip(rows, labels)):
+        x[r, :len(a)] = torch.tensor(a)
+        y[r, :len(b)] = torch.tensor(b)
+    return x, y
+
+
+def chat_loss(model, x, y):
+    out = model.model.language_model(input_ids=x, use_cache=False)
+    logits = model.lm_head(out.last_hidden_state[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[:, 1:].reshape(-1),
+                           ignore_index=-100)
 
 
 def picture_loss(model, x, y, pixels, grids, image_id: int):
@@ -260,7 +307,7 @@ def picture_loss(model, x, y, pixels, grids, image_id: int):
 
 
 @torch.no_grad()
-def answer(model, pictures: Pictures, image, question: str, max_new: int = 8) -> str:
+def answer(model, pictures: Pictures, image, question: str, max_new: int = 16) -> str:
     """Greedy answer of the transformers model to ``question`` about ``image``."""
     pixels, grids = pictures.processed([image])
     ids = pictures.prompt_ids(question, int(grids[0].prod()) // 4)
@@ -286,10 +333,55 @@ def held_out_accuracy(model, pictures: Pictures, n: int, seed: int) -> float:
 
 # --- training -----------------------------------------------------------------------------------
 
-def lr_scale(step: int, args) -> float:
+def lr_scale(step: int, args, steps: int | None = None) -> float:
     warm = min(1.0, (step + 1) / max(args.warmup_steps, 1))
-    p = min(step / max(args.steps, 1), 1.0)
+    p = min(step / max(steps or args.steps, 1), 1.0)
     return warm * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+class Probes(torch.nn.Module):
+    """Two linear probes on the mean of each picture's merged tokens: its shape and colour."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, len(SHAPES) + len(COLOURS))
+
+    def loss(self, merged: torch.Tensor, grids: torch.Tensor, samples) -> tuple:
+        """-> (cross entropy of shape + colour, the fraction of shapes right)."""
+        pooled = torch.stack([e.mean(0) for e in torch.split(merged,
+                                                             (grids.prod(-1) // 4).tolist())])
+        logits = self.linear(pooled)
+        shape = torch.tensor([SHAPES.index(s[1]) for s in samples])
+        colour = torch.tensor([list(COLOURS).index(s[2]) for s in samples])
+        ns = len(SHAPES)
+        right = (logits[:, :ns].argmax(-1) == shape).float().mean().item()
+        return (F.cross_entropy(logits[:, :ns], shape)
+                + F.cross_entropy(logits[:, ns:], colour)), right
+
+
+def pretrain_tower(model, pictures: Pictures, args, rng: random.Random) -> Probes:
+    """The first phase: the tower and the probes, ``--pretrain-steps`` steps of
+    ``--image-batch`` pictures -> the probes (the joint phase keeps training them)."""
+    tower = model.model.visual
+    probes = Probes(model.config.vision_config.out_hidden_size)
+    params = list(tower.parameters()) + list(probes.parameters())
+    opt = torch.optim.AdamW(params, lr=args.pretrain_lr, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=args.weight_decay)
+    t0 = time.time()
+    for step in range(args.pretrain_steps):
+        for g in opt.param_groups:
+            g["lr"] = args.pretrain_lr * lr_scale(step, args, args.pretrain_steps)
+        samples = [random_picture(rng) for _ in range(args.image_batch)]
+        pixels, grids = pictures.processed([s[0] for s in samples])
+        loss, right = probes.loss(tower(pixels, grid_thw=grids).pooler_output, grids, samples)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % (args.log_every * 10) == 0 or step == args.pretrain_steps - 1:
+            print(f"tower step {step:5d} | probes {loss.item():.3f} | shapes right {right:.2f} "
+                  f"| {(time.time() - t0) / 60:.1f} min", flush=True)
+    return probes
 
 
 def main(argv=None) -> None:
@@ -301,10 +393,17 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=250)
+    ap.add_argument("--pretrain-steps", type=int, default=4000,
+                    help="the tower's steps with the shape and colour probes, before the joint")
+    ap.add_argument("--pretrain-lr", type=float, default=1e-3)
+    ap.add_argument("--chat-batch", type=int, default=24,
+                    help="one-question chats with no picture a step, loss on their answers")
+    ap.add_argument("--probe-weight", type=float, default=1.0,
+                    help="the probes' loss kept in the joint phase, so the tower keeps shapes")
     ap.add_argument("--image-batch", type=int, default=24)
     ap.add_argument("--text-batch", type=int, default=3, help="rows of --seq-len corpus tokens")
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=2e-3, help="the tower's peak learning rate")
+    ap.add_argument("--lr", type=float, default=2e-4, help="the tower's peak learning rate")
     ap.add_argument("--text-lr", type=float, default=2e-4,
                     help="the text model's and MTP head's peak learning rate")
     ap.add_argument("--min-lr-frac", type=float, default=0.05)
@@ -351,10 +450,16 @@ def main(argv=None) -> None:
     raw = train.encode(Tokenizer.from_file(str(tok_dir / "tokenizer.json")),
                        train.render(hf_tok, make_corpus.read_jsonl(corpus / "train.jsonl")))
     rows, lens = train.pack(raw, args.seq_len + 1, pictures.eot, random.Random(args.seed))
+    chats = [d["messages"] for d in make_corpus.read_jsonl(corpus / "train.jsonl")
+             if "messages" in d and d["messages"][-1]["role"] == "assistant"
+             and sum(m["role"] == "user" for m in d["messages"]) == 1
+             and "<think>" not in d["messages"][-1]["content"]]
     print(f"text corpus: {len(rows)} rows of {args.seq_len + 1}", flush=True)
 
-    # 3. optimizer: the tower at --lr, the rest at --text-lr
-    tower = list(model.model.visual.parameters())
+    # 3. the tower alone, then the optimizer of the joint phase: the tower at --lr, the rest at
+    # --text-lr
+    probes = pretrain_tower(model, pictures, args, random.Random(args.seed + 7))
+    tower = list(model.model.visual.parameters()) + list(probes.parameters())
     tower_ids = {id(p) for p in tower}
     rest = [p for p in list(model.parameters()) + list(mtp.parameters())
             if id(p) not in tower_ids]
@@ -370,26 +475,34 @@ def main(argv=None) -> None:
     every = list({id(p): p for p in tower + rest}.values())
 
     # 4. loop
+    rng_chat = random.Random(args.seed + 11)
+    ch = torch.zeros(())
     t_loop = time.time()
     cursor = 0
     for step in range(args.steps):
         scale = lr_scale(step, args)
         for g in opt.param_groups:
             g["lr"] = g["peak"] * scale
-        x, y, pixels, grids = pictures.batch(rng, args.image_batch)
+        x, y, pixels, grids, samples = pictures.batch(rng, args.image_batch)
         if cursor + args.text_batch > len(rows):
             cursor = 0
         part = slice(cursor, cursor + args.text_batch)
         cursor += args.text_batch
         img_loss = picture_loss(model, x, y, pixels, grids, ids["image_token_id"])
+        probe_loss, _ = probes.loss(model.model.visual(pixels, grid_thw=grids).pooler_output,
+                                    grids, samples)
         lm, mt, _ = train.forward_losses(shim, mtp, rows[part], lens[part], stats=False)
-        loss = img_loss + lm + args.mtp_weight * mt
+        loss = img_loss + args.probe_weight * probe_loss + lm + args.mtp_weight * mt
+        if args.chat_batch:
+            ch = chat_loss(model, *chat_batch(hf_tok, chats, rng_chat, args.chat_batch))
+            loss = loss + ch
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(every, 1.0)
         opt.step()
         if step % args.log_every == 0 or step == args.steps - 1:
-            print(f"step {step:4d} | image {img_loss.item():.3f} text lm {lm.item():.3f} "
+            print(f"step {step:4d} | image {img_loss.item():.3f} probes {probe_loss.item():.3f} "
+                  f"chat {ch.item():.3f} text lm {lm.item():.3f} "
                   f"mtp {mt.item():.3f} | lr x{scale:.2f} | "
                   f"{(time.time() - t_loop) / 60:.1f} min", flush=True)
 
