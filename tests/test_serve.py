@@ -443,7 +443,8 @@ def test_eviction_under_a_small_cache_keeps_outputs_exact(ref):
     try:
         blocks = s.metrics()["hybridrt_cache_blocks_total"]
         hist = [[] for _ in range(3)]
-        ask = "Please answer briefly, in plain words, and name the module it comes from."
+        ask = ("Please answer briefly, in plain words, name the module it comes from and say "
+               "what it returns.")
         first = [converse(s, ref, hist[i], [f"{q} {ask}"])[0]
                  for i, q in enumerate(QUESTIONS[:3])]
         # their full blocks (what stays cached of each) cannot all stay
