@@ -110,7 +110,6 @@ def collapse_supported() -> bool:
             buf = mmap.mmap(-1, mmap.PAGESIZE)
             addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
             _collapse = libc.madvise(addr, 0, _MADV_COLLAPSE) == 0
-            del addr
             buf.close()
     return _collapse
 

@@ -260,13 +260,18 @@ class Pictures:
             answer = self.tok.encode(a, add_special_tokens=False) + [im_end]
             rows.append(prompt + answer)
             labels.append([-100] * len(prompt) + answer)
-        width = max(map(len, rows))
-        x = torch.full((n, width), self.eot, dtype=torch.long)
-        y = torch.full((n, width), -100, dtype=torch.long)
-        for r, (a, b) in enumerate(zip(rows, labels)):
-            x[r, :len(a)] = torch.tensor(a)
-            y[r, :len(b)] = torch.tensor(b)
-        return x, y, pixels, grids, samples
+        return (*padded(rows, labels, self.eot), pixels, grids, samples)
+
+
+def padded(rows: list[list[int]], labels: list[list[int]], pad: int):
+    """Token rows and their labels (-100: no loss) right-padded into [n, width] tensors."""
+    width = max(map(len, rows))
+    x = torch.full((len(rows), width), pad, dtype=torch.long)
+    y = torch.full((len(rows), width), -100, dtype=torch.long)
+    for r, (a, b) in enumerate(zip(rows, labels)):
+        x[r, :len(a)] = torch.tensor(a)
+        y[r, :len(b)] = torch.tensor(b)
+    return x, y
 
 
 def chat_batch(tok, chats: list[list[dict]], rng: random.Random, n: int):
@@ -281,29 +286,26 @@ def chat_batch(tok, chats: list[list[dict]], rng: random.Random, n: int):
         a = tok.encode(msgs[-1]["content"], add_special_tokens=False)[:64] + [im_end]
         rows.append(p + a)
         labels.append([-100] * len(p) + a)
-    width = max(map(len, rows))
-    x = torch.full((n, width), eot, dtype=torch.long)
-    y = torch.full((n, width), -100, dtype=torch.long)
-    for r, (a, b) in enumerate(zip(rows, labels)):
-        x[r, :len(a)] = torch.tensor(a)
-        y[r, :len(b)] = torch.tensor(b)
-    return x, y
+    return padded(rows, labels, eot)
+
+
+def answer_loss(model, hidden: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of the labelled (answer) tokens from the final hidden states (right
+    padding: causal, so the pads change nothing before)."""
+    logits = model.lm_head(hidden[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[:, 1:].reshape(-1),
+                           ignore_index=-100)
 
 
 def chat_loss(model, x, y):
-    out = model.model.language_model(input_ids=x, use_cache=False)
-    logits = model.lm_head(out.last_hidden_state[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[:, 1:].reshape(-1),
-                           ignore_index=-100)
+    return answer_loss(model, model.model.language_model(input_ids=x, use_cache=False)
+                       .last_hidden_state, y)
 
 
 def picture_loss(model, x, y, pixels, grids, image_id: int):
-    """Answer-token cross entropy (right padding: causal, so the pads change nothing before)."""
     out = model.model(input_ids=x, pixel_values=pixels, image_grid_thw=grids,
                       mm_token_type_ids=(x == image_id).int(), use_cache=False)
-    logits = model.lm_head(out.last_hidden_state[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[:, 1:].reshape(-1),
-                           ignore_index=-100)
+    return answer_loss(model, out.last_hidden_state, y)
 
 
 @torch.no_grad()
