@@ -304,3 +304,32 @@ def test_hf_overrides_are_refused_on_a_gguf_file(files):
         LLM(str(files["f32"]), dtype="float32", hf_overrides={"rope_parameters": {}})
     with pytest.raises(ConfigError, match="is a GGUF file"):
         load_config(files["f32"], {"max_position_embeddings": 8})
+
+
+def test_a_process_parses_a_files_header_once(files, tmp_path, monkeypatch):
+    """The config, the weights, the tokenizer and every call's default sampling settings read
+    a GGUF's header, parsed once per process (it was parsed four times at start-up and once
+    per call without sampling params); the header kept holds no vocabulary (read from the
+    mapped file when asked for); a file rewritten is parsed again."""
+    import shutil
+
+    from hybridrt.gguf import reader
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(files["f32"], path)
+    calls = []
+    parse = reader._parse_header
+    monkeypatch.setattr(reader, "_parse_header", lambda *a: calls.append(a) or parse(*a))
+    llm = LLM(path, dtype="float32", max_model_len=64, cache_memory=8 << 20)
+    for _ in range(2):
+        llm.get_default_sampling_params()
+    assert len(calls) == 1
+    (metadata, _, _), = [h for k, h in reader._HEADERS.items() if k[0] == str(path.resolve())]
+    assert isinstance(metadata["tokenizer.ggml.tokens"], reader._Deferred)
+    tokens = GGUFFile(path).get("tokenizer.ggml.tokens")  # test_tokenizer_... reads them all
+    assert len(tokens) == llm.config.vocab_size
+    assert tokens[:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert len(calls) == 1
+    path.write_bytes(path.read_bytes())
+    GGUFFile(path)
+    assert len(calls) == 2

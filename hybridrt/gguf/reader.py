@@ -7,12 +7,19 @@ The header is parsed here rather than by ``gguf.GGUFReader`` (whose constants, q
 sizes and dequantizers are used): the reader builds a numpy view per element of every array,
 and a Qwen3.5 file's 248k-token vocabulary and merges took it 48 s to open on this project's
 machine (0.8B shape, under load); this parser reads the same header in well under a second.
+
+A process parses a file's header once: the config, the weights, the tokenizer and each
+``generate`` call's default sampling settings all open the file, and the parsed header of the
+last two files (key: path, size, modification time) is kept. What it keeps is small: arrays
+longer than ``_BIG`` (the vocabulary, its merges and token types, 20-40 MB as Python objects)
+are skipped and read from the mapped file when asked for (``_Deferred``).
 """
 
 from __future__ import annotations
 
 import os
 import struct
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +32,9 @@ ARCHITECTURES = ("qwen35", "qwen35moe")  # what this reader loads as a model
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}  # GGUFValueType -> struct format
 _STRING, _ARRAY = 8, 9
+_BIG = 4096  # longer arrays are read when asked for, not kept with a parsed header
+_HEADERS: OrderedDict[tuple, tuple] = OrderedDict()  # (path, size, mtime) -> parsed header
+_KEEP = 2  # headers kept (a model and its mmproj)
 
 
 class GGUFError(ValueError):
@@ -48,8 +58,8 @@ class Tensor:
 class _Cursor:
     """Reads little-endian GGUF values from a buffer, refusing any read past its end."""
 
-    def __init__(self, buf, size: int):
-        self.buf, self.size, self.at = buf, size, 0
+    def __init__(self, buf, size: int, defer: bool = False):
+        self.buf, self.size, self.at, self.defer = buf, size, 0, defer
 
     def take(self, fmt: str):
         n = struct.calcsize(fmt)
@@ -75,6 +85,13 @@ class _Cursor:
         if kind != _ARRAY:
             raise ValueError(f"unknown value type {kind} at byte {self.at}")
         item, count = self.take("<I"), self.take("<Q")
+        if self.defer and count > _BIG and item in (_STRING, *_SCALARS):
+            deferred = _Deferred(self.at, item, count)
+            self._skip(item, count)
+            return deferred
+        return self.array(item, count)
+
+    def array(self, item: int, count: int) -> list:
         if item in _SCALARS and item != 7:
             dtype = np.dtype(_SCALARS[item])
             if self.at + count * dtype.itemsize > self.size:
@@ -86,7 +103,28 @@ class _Cursor:
             raise ValueError(f"an array of {count} items runs past the end")
         if item == _STRING:  # vocabularies and merges: hundreds of thousands
             return self._strings(count)
-        return [self.value(item) for _ in range(count)]
+        saved, self.defer = self.defer, False  # only a top-level array is deferred
+        try:
+            return [self.value(item) for _ in range(count)]
+        finally:
+            self.defer = saved
+
+    def _skip(self, item: int, count: int) -> None:
+        if item != _STRING:
+            n = count * struct.calcsize(_SCALARS[item])
+            if self.at + n > self.size:
+                raise ValueError(f"an array of {count} values runs past the end")
+            self.at += n
+            return
+        buf, at, size = self.buf, self.at, self.size
+        unpack = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if at + 8 > size:
+                raise ValueError(f"the header ends early (byte {at} of {size})")
+            at += 8 + unpack(buf, at)[0]
+        if at > size:
+            raise ValueError(f"a string at byte {at} runs past the end")
+        self.at = at
 
     def _strings(self, count: int) -> list[str]:
         buf, at, size, out = self.buf, self.at, self.size, []
@@ -102,6 +140,69 @@ class _Cursor:
             at += n
         self.at = at
         return out
+
+
+@dataclass(frozen=True)
+class _Deferred:
+    """An array of the header not kept with it: ``count`` items of type ``item`` at byte
+    ``at`` (checked to lie inside the file when the header was parsed)."""
+
+    at: int
+    item: int
+    count: int
+
+    def read(self, buf, size: int) -> list:
+        cur = _Cursor(buf, size)
+        cur.at = self.at
+        return cur.array(self.item, self.count)
+
+
+class _Metadata(dict):
+    """A file's metadata: key -> value, a deferred array read from the mapped file when asked
+    for (and then kept by this file object only)."""
+
+    def __init__(self, items: dict, buf, size: int):
+        super().__init__(items)
+        self._buf, self._size = buf, size
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        if isinstance(value, _Deferred):
+            value = value.read(self._buf, self._size)
+            self[key] = value
+        return value
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default  # noqa: SIM401 (reads a deferred one)
+
+    def items(self):
+        return ((k, self[k]) for k in self)
+
+    def values(self):
+        return (self[k] for k in self)
+
+
+def _parse_header(buf, size: int) -> tuple[dict, list, int]:
+    """(metadata with deferred long arrays, tensor infos, the header's end) of a mapped file;
+    ValueError or struct.error on a malformed header."""
+    cur = _Cursor(buf, size, defer=True)
+    cur.at = 4
+    version = cur.take("<I")
+    if version not in (2, 3):
+        raise ValueError(f"version {version} (this reader takes 2 and 3)")
+    n_tensors, n_kv = cur.take("<Q"), cur.take("<Q")
+    metadata, infos = {}, []
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.take("<I"))
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.take("<I")
+        if n_dims > 4:
+            raise ValueError(f"tensor {name} has {n_dims} dimensions")
+        dims = tuple(cur.take("<Q") for _ in range(n_dims))
+        infos.append((name, dims, cur.take("<I"), cur.take("<Q")))
+    return metadata, infos, cur.at
 
 
 class GGUFFile:
@@ -124,27 +225,21 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: not a GGUF file (magic {magic!r}, expected "
                             f"{GGUF_MAGIC!r})")
         self._map = np.memmap(self.path, mode="c")
-        cur = _Cursor(memoryview(self._map), size)
-        self.metadata: dict[str, Any] = {}
-        infos = []
-        try:
-            cur.at = 4
-            version = cur.take("<I")
-            if version not in (2, 3):
-                raise ValueError(f"version {version} (this reader takes 2 and 3)")
-            n_tensors, n_kv = cur.take("<Q"), cur.take("<Q")
-            for _ in range(n_kv):
-                key = cur.string()
-                self.metadata[key] = cur.value(cur.take("<I"))
-            for _ in range(n_tensors):
-                name = cur.string()
-                n_dims = cur.take("<I")
-                if n_dims > 4:
-                    raise ValueError(f"tensor {name} has {n_dims} dimensions")
-                dims = tuple(cur.take("<Q") for _ in range(n_dims))
-                infos.append((name, dims, cur.take("<I"), cur.take("<Q")))
-        except (ValueError, struct.error) as e:
-            raise GGUFError(f"{self.path}: malformed or truncated GGUF header ({e})") from None
+        buf = memoryview(self._map)
+        key = (str(self.path.resolve()), size, self.path.stat().st_mtime_ns)
+        header = _HEADERS.get(key)
+        if header is None:
+            try:
+                header = _parse_header(buf, size)
+            except (ValueError, struct.error) as e:
+                raise GGUFError(f"{self.path}: malformed or truncated GGUF header ({e})") \
+                    from None
+            _HEADERS[key] = header
+            while len(_HEADERS) > _KEEP:
+                _HEADERS.popitem(last=False)
+        _HEADERS.move_to_end(key)
+        metadata, infos, end = header
+        self.metadata: dict[str, Any] = _Metadata(metadata, buf, size)
         self.arch = self.metadata.get("general.architecture")
         if self.arch not in architectures:
             kind = self.metadata.get("general.type")
@@ -154,7 +249,7 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: {what} {self.arch!r} is not one hybridrt loads "
                             f"here (it loads {', '.join(architectures)}){hint}")
         align = int(self.metadata.get("general.alignment", 32))
-        start = -(-cur.at // align) * align
+        start = -(-end // align) * align
         self.tensors: dict[str, Tensor] = {}
         for name, dims, kind, offset in infos:
             try:
