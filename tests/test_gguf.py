@@ -330,6 +330,9 @@ def test_a_process_parses_a_files_header_once(files, tmp_path, monkeypatch):
     assert len(tokens) == llm.config.vocab_size
     assert tokens[:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     assert len(calls) == 1
+    # the config's end-of-generation ids are found without reading the vocabulary whole
+    monkeypatch.setattr(reader._Deferred, "read", lambda *a: pytest.fail("read whole"))
+    assert load_config(path).eos_token_ids == llm.config.eos_token_ids == [2, 0]
     path.write_bytes(path.read_bytes())
     GGUFFile(path)
     assert len(calls) == 2

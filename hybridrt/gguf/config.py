@@ -49,9 +49,8 @@ def text_config(f: GGUFFile) -> dict[str, Any]:
     if sections is not None:
         rope["mrope_section"] = [int(s) for s in sections if int(s)]
         rope["mrope_interleaved"] = True
-    tokens = f.get("tokenizer.ggml.tokens") or []
     eos = [int(e) for e in [f.get("tokenizer.ggml.eos_token_id")] if e is not None]
-    eos += [i for i, t in enumerate(tokens) if t in _EOG_TEXTS and i not in eos]
+    eos += [i for i in f.find_strings("tokenizer.ggml.tokens", _EOG_TEXTS) if i not in eos]
     ffn = _moe_fields(f) if f.arch == "qwen35moe" else {
         "model_type": "qwen3_5_text", "intermediate_size": int(f.require("feed_forward_length"))}
     return {

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import struct
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,9 +87,8 @@ class _Cursor:
             raise ValueError(f"unknown value type {kind} at byte {self.at}")
         item, count = self.take("<I"), self.take("<Q")
         if self.defer and count > _BIG and item in (_STRING, *_SCALARS):
-            deferred = _Deferred(self.at, item, count)
-            self._skip(item, count)
-            return deferred
+            at = self.at
+            return _Deferred(at, item, count, self._skip(item, count), self.at)
         return self.array(item, count)
 
     def array(self, item: int, count: int) -> list:
@@ -109,22 +109,26 @@ class _Cursor:
         finally:
             self.defer = saved
 
-    def _skip(self, item: int, count: int) -> None:
+    def _skip(self, item: int, count: int) -> np.ndarray | None:
+        """Move past an array; a string array's item offsets (each at its length field)."""
         if item != _STRING:
             n = count * struct.calcsize(_SCALARS[item])
             if self.at + n > self.size:
                 raise ValueError(f"an array of {count} values runs past the end")
             self.at += n
-            return
+            return None
         buf, at, size = self.buf, self.at, self.size
         unpack = struct.Struct("<Q").unpack_from
+        offsets = array("q")
         for _ in range(count):
             if at + 8 > size:
                 raise ValueError(f"the header ends early (byte {at} of {size})")
+            offsets.append(at)
             at += 8 + unpack(buf, at)[0]
         if at > size:
             raise ValueError(f"a string at byte {at} runs past the end")
         self.at = at
+        return np.frombuffer(offsets, np.int64)
 
     def _strings(self, count: int) -> list[str]:
         buf, at, size, out = self.buf, self.at, self.size, []
@@ -150,11 +154,27 @@ class _Deferred:
     at: int
     item: int
     count: int
+    offsets: np.ndarray | None  # a string array's: each item's byte offset
+    end: int
 
     def read(self, buf, size: int) -> list:
         cur = _Cursor(buf, size)
         cur.at = self.at
         return cur.array(self.item, self.count)
+
+    def find(self, buf, texts) -> list[int]:
+        """The indices of a string array's items equal to one of ``texts``, ascending."""
+        region, found = bytes(buf[self.at:self.end]), []
+        for text in texts:
+            raw = text.encode()
+            pattern = struct.pack("<Q", len(raw)) + raw
+            pos = region.find(pattern)
+            while pos >= 0:
+                i = int(np.searchsorted(self.offsets, self.at + pos))
+                if i < self.count and self.offsets[i] == self.at + pos:
+                    found.append(i)
+                pos = region.find(pattern, pos + 1)
+        return sorted(set(found))
 
 
 class _Metadata(dict):
@@ -281,6 +301,14 @@ class GGUFFile:
         if key.startswith(("general.", "tokenizer.")):
             return self.metadata.get(key, default)
         return self.metadata.get(f"{self.arch}.{key}", default)
+
+    def find_strings(self, key: str, texts) -> list[int]:
+        """The indices of the items of string array ``key`` equal to one of ``texts``,
+        ascending (without reading a long array whole)."""
+        value = dict.get(self.metadata, key)
+        if isinstance(value, _Deferred) and value.item == _STRING:
+            return value.find(memoryview(self._map), texts)
+        return [i for i, t in enumerate(self.get(key) or []) if t in texts]
 
     def require(self, key: str) -> Any:
         value = self.get(key)
