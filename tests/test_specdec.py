@@ -700,6 +700,21 @@ def test_specbench_reports_what_it_ran(ckpt, tmp_path, capsys, monkeypatch):
     assert [r["identical_to_k0"] for r in lossy["rows"]] == [True, False]
 
 
+def test_specbench_resumes_every_run_from_the_cached_context(ckpt):
+    """``--context``: each timed run resumes from the cached context, one prefill step per
+    request (its prompt after the context), k = 0 and drafting runs alike. Their blocks hash
+    apart (the MTP's KV), so the cache holds the context twice; sized for one max-length
+    request it evicted one for the other and every run prefilled the whole context again."""
+    from hybridrt.bench.spec import run_spec_bench
+
+    report = run_spec_bench(str(ckpt), ks=(0, 1), batch_sizes=(1,), threads=1, quick=True,
+                            verbose=False, context=2500)  # twice over max_model_len / 2
+    assert [r["k"] for r in report["rows"]] == [0, 1]
+    for r in report["rows"]:
+        assert r["step_costs"]["prefill_count"] == r["num_requests"] == 4, r["step_costs"]
+        assert r["identical_to_k0"] is True
+
+
 def test_verification_gets_fp32_logits_in_a_bf16_model(ckpt, prompts, monkeypatch):
     """Plain greedy steps may sample the LM head's bf16 logits (test_engine.py); a step that
     verifies drafts gets fp32 whatever its rows, as the rejection sampler computes in it."""

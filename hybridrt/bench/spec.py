@@ -283,7 +283,10 @@ def run_spec_bench(
         # precision can turn a near-tied greedy choice); with one, every run resumes alike
         llm = LLM(model, **(engine or {}), dtype=dtype, speculative_tokens=max(ks), threads=threads,
                   quantization=quantization, enable_prefix_caching=context > 0,
-                  max_num_seqs=max(batch_sizes),
+                  # with a context, room for its blocks twice (k = 0 requests and drafting
+                  # ones hash their blocks apart: the MTP's KV) besides the batch; a cache of
+                  # one max-length request per sequence evicted one for the other each run
+                  max_num_seqs=max(batch_sizes) + (1 if context else 0),
                   max_model_len=_max_len_hint(model, 4096 + context),
                   draft_vocab_size=reduced if max(ks) > 0 else None)
         proposer = mtp_of(llm.engine.proposer)
