@@ -66,14 +66,16 @@ def reference_run(llm, prompts, params, b: int, k: int, k0_refs) -> dict[tuple, 
 def drafts_through(llm, draft_filter: SimulatedDrafts | None):
     """For the ``with`` block, the engine's MTP drafter replaced by one whose drafts pass
     through ``draft_filter`` (``specdec.mtp``'s extension point), with the same model, cache,
-    sampler and draft head; nothing changes when it is None or the engine has no MTP."""
+    sampler, draft head and settings (``keep_kv``, ``lazy``: adaptive k's steps without drafts
+    run no MTP pass, simulated or not); nothing changes when it is None or the engine has no
+    MTP."""
     engine = llm.engine
     own = mtp_of(engine.proposer)
     if draft_filter is None or own is None:
         yield
         return
     filtered = MTPProposer(own.model, own.cache, own.sampler, own.max_model_len, own.device,
-                           draft_filter=draft_filter, keep_kv=own.keep_kv)
+                           draft_filter=draft_filter, keep_kv=own.keep_kv, lazy=own.lazy)
     filtered.draft_head = own.draft_head
     outer = engine.proposer
     if outer is own:
