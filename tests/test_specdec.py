@@ -719,7 +719,7 @@ def test_simulated_drafts_keep_adaptive_k_lazy(ckpt, prompts, monkeypatch):
     """The simulated-acceptance drafter (bench/spec_sim.py) keeps the engine's settings: with
     adaptive k at alpha 0 (nothing accepted, so k falls to 0) the steps without drafts run no
     MTP pass, as without simulation; a drafter rebuilt without ``lazy`` ran one every step
-    (adaptive k measured 4-6% under k = 0 at batch 1 for it)."""
+    (25 passes here for 1 drafting step)."""
     from hybridrt.bench.spec_sim import SimulatedDrafts, drafts_through, sequences
 
     llm = LLM(ckpt, dtype="float32", speculative_tokens=2, speculative_adaptive=True,
