@@ -57,10 +57,6 @@ def copy_prompts(llm, n: int = 8, lines: int = 24, source: str | Path | None = N
     return out
 
 
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
 def _fit(features: torch.Tensor, target: torch.Tensor, ridge: float = 1e-3) -> torch.Tensor:
     """The [out, in] weight mapping ``features`` rows to ``target`` rows, ridge-regularised
     (least squares alone gives huge weights on these low-rank features, which bf16 ruins)."""
@@ -78,6 +74,7 @@ def copy_state_dict(config, seed: int = 0, dtype: torch.dtype = torch.float32,
     embedding against the current one's in the residual; ``sharpness``: the q / k norm scale
     (attention logits up to ``sqrt(head_dim) * sharpness**2``)."""
     from hybridrt.bench.fixtures import random_state_dict
+    from hybridrt.kernels.norm import gated_rms_norm, rms_norm
 
     sd = random_state_dict(config, seed, torch.float32, with_mtp=True)
     g = torch.Generator().manual_seed(seed + 1)
@@ -120,8 +117,8 @@ def copy_state_dict(config, seed: int = 0, dtype: torch.dtype = torch.float32,
     sd[p + "linear_attn.A_log"] = torch.full((nv,), 5.0)  # decay exp(-148 ln 2): reset a step
     sd[p + "linear_attn.dt_bias"] = torch.zeros(nv)
     sd[p + "linear_attn.norm.weight"] = torch.ones(dv)
-    v = F.silu(_rms(emb[ids], eps) @ rv.T).view(n, nv, dv)
-    feats = (_rms(v, eps) * F.silu(torch.tensor(z))).reshape(n, vd)
+    v = F.silu(rms_norm(emb[ids], torch.zeros(H), eps) @ rv.T).view(n, nv, dv)
+    feats = gated_rms_norm(v, torch.full_like(v, z), torch.ones(dv), eps).reshape(n, vd)
     target = torch.zeros(n, H)
     target[:, B] = emb[ids][:, A]
     sd[p + "linear_attn.out_proj.weight"] = _fit(feats, target)
@@ -145,7 +142,7 @@ def copy_state_dict(config, seed: int = 0, dtype: torch.dtype = torch.float32,
     sd[p + "self_attn.k_norm.weight"] = torch.full((D,), sharpness - 1.0)
     res = emb[ids].clone()
     res[:, B] = emb[before][:, A]
-    vals = (_rms(res, eps) @ wv.reshape(nkv * D, H).T).view(n, nkv, D)
+    vals = (rms_norm(res, torch.zeros(H), eps) @ wv.reshape(nkv * D, H).T).view(n, nkv, D)
     feats = vals[:, torch.arange(nh) // (nh // nkv)].reshape(n, nh * D)
     target = torch.zeros(n, H)
     target[:, A] = strength * emb[ids][:, A]

@@ -236,7 +236,8 @@ class GGUFFile:
 
         self.path = Path(path).expanduser()
         try:
-            size = self.path.stat().st_size
+            st = self.path.stat()
+            size = st.st_size
             with self.path.open("rb") as f:
                 magic = f.read(4)
         except OSError as e:
@@ -246,7 +247,7 @@ class GGUFFile:
                             f"{GGUF_MAGIC!r})")
         self._map = np.memmap(self.path, mode="c")
         buf = memoryview(self._map)
-        key = (str(self.path.resolve()), size, self.path.stat().st_mtime_ns)
+        key = (str(self.path.resolve()), size, st.st_mtime_ns)
         header = _HEADERS.get(key)
         if header is None:
             try:
