@@ -9,7 +9,10 @@ text changes; a request that drafts nothing forgets a little each step, so it tr
 later. The choice takes the estimate plus ``BONUS / sqrt(events + PRIOR)`` (``optimistic``): a
 request with few rounds of its own tries a draft or two before it gives up, so one rejected
 draft does not end its drafting where drafts pay. Only the request's own rounds count: another
-request's acceptance never moves its k.
+request's acceptance never moves its k. The constants trade what finding out costs where
+drafts do not pay against what stopping too early costs where they do, chosen on
+``python -m hybridrt.bench.adaptive_sim`` (a request's choices against drawn acceptance, at
+the 0.8B shape's measured costs).
 
 Cost (``CostModel``): a step in units of a one-row decode step: ``1 + row * (rows - 1)``
 while reading the weights bounds it, ``compute_row * rows`` once the rows' arithmetic does
@@ -37,8 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 FORGET = 0.95  # weight kept by the earlier events at each new event
-IDLE_FORGET = 0.97  # weight kept at each step that drafts nothing
-PRIOR = 2.0  # events' weight of the prior (1/2) in a request's estimate
+IDLE_FORGET = 0.99  # weight kept at each step that drafts nothing
+PRIOR = 3.0  # events' weight of the prior (1/2) in a request's estimate
 BONUS = 0.2  # the choice's optimism: BONUS / sqrt(events + PRIOR) over the estimate
 
 

@@ -124,7 +124,7 @@ def test_k_follows_the_measured_costs():
 
 
 def test_the_choice_tries_a_few_drafts_before_it_gives_up():
-    """The choice's estimate is optimistic by BONUS / sqrt(events + 2): a request whose first
+    """The choice's estimate is optimistic by BONUS / sqrt(events + PRIOR): a request whose first
     draft was rejected still drafts where drafts cost about a third of a step (a full
     vocabulary head), and one whose drafts keep being rejected stops."""
     dear = CostModel(draft_pass=0.35, verify=0.05)
@@ -200,8 +200,8 @@ def test_each_request_k_follows_its_own_acceptance(ckpt):
     assert b.outputs[0].token_ids == ref[tuple(b_prompt)][:60]
     ka, kb = a.metrics["spec"]["k_chosen"], b.metrics["spec"]["k_chosen"]
     assert ka[k] >= 0.8 * sum(ka), ka
-    # its first round or two optimistic, then probes of one draft or two
-    assert kb[0] >= 0.3 * sum(kb) and kb[3] + kb[4] <= 2, kb
+    # its first rounds optimistic (the prior's 1/2 fades over a few rejections), then fewer
+    assert kb[0] >= 0.3 * sum(kb) and kb[3] + kb[4] <= 6, kb
     assert b.metrics["spec"]["mean_k_chosen"] < 1.0
     assert a.metrics["spec"]["acceptance_rate"] == 1.0
     assert b.metrics["spec"]["num_accepted"] == 0
@@ -270,3 +270,15 @@ def test_steps_without_drafts_run_no_mtp_pass_and_drafts_stay_the_same(ckpt, ref
     if caching:  # the second prompt resumes from the first's checkpoint before its last token
         assert lazy_outs[1].metrics["num_cached_tokens"] == eager_outs[1].metrics[
             "num_cached_tokens"] == len(p) - 1
+
+
+def test_constants_keep_finding_out_cheap_and_drafting_where_it_pays():
+    """On drawn acceptance at the 0.8B shape's costs (a full-vocabulary MTP head: a draft
+    about 0.38 of a step), 48-token requests: adaptive k loses at most 2.5% to k = 0 where
+    drafts do not pay (alpha 0.2) and at most 5% to the best fixed k where they do (0.8)."""
+    from hybridrt.bench.adaptive_sim import fixed, run
+
+    cost = CostModel(row=0.02, compute_row=0.0, verify=0.07, draft_pass=0.38)
+    low = run(lambda n: 0.2, 48, 200, cost) / fixed(0.2, cost)[0]
+    high = run(lambda n: 0.8, 48, 200, cost) / max(fixed(0.8, cost))
+    assert low >= 0.975 and high >= 0.95, (low, high)

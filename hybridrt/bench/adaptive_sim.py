@@ -1,0 +1,93 @@
+"""Adaptive k on drawn acceptance: one request at a time through ``specdec.adaptive``'s own
+``Acceptance`` and ``choose_ks``, each draft accepted with probability alpha, each step
+charged what the cost model says (in one-row decode steps). Prints, per request length and
+alpha, adaptive k's tokens per step against k = 0's and against the best fixed k's, and a
+request whose acceptance moves from 0.2 to 0.8 halfway against the best choice of each half.
+
+    python -m hybridrt.bench.adaptive_sim [--draft-pass 0.38 --verify 0.07]
+        [--set PRIOR=2 --set IDLE_FORGET=0.97]   # other constants, to compare
+
+The default costs are the 0.8B shape's on the CPU with the full-vocabulary MTP head
+(docs/speculation.md: a k = 1 step about 1.45 decode steps, each further draft about 0.4).
+No model runs: what is measured is the choice, not the engine."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+from hybridrt.specdec import adaptive
+
+
+def run(alpha_at, tokens: int, requests: int, cost: adaptive.CostModel, cap: int = 4,
+        seed: int = 0) -> float:
+    """Tokens per unit of cost over ``requests`` requests of ``tokens`` tokens; draft j of a
+    round is accepted with probability ``alpha_at(tokens so far)`` given the earlier ones were."""
+    rng = random.Random(seed)
+    spent = made = 0.0
+    for _ in range(requests):
+        acc, n = adaptive.Acceptance(), 0
+        while n < tokens:
+            c = min(cap, tokens - n - 1)
+            k = 0
+            if c > 0:
+                cand = adaptive.Candidate(c, 48 + n, [acc.optimistic("mtp")] * c, [True] * c)
+                k = adaptive.choose_ks([cand], 1, cost)[0]
+            spent += cost.step(1 + k, 0, k > 0) + cost.draft_pass * k
+            if k == 0:
+                acc.idle()
+                n += 1
+                continue
+            a, alpha = 0, alpha_at(n)
+            while a < k and rng.random() < alpha:
+                a += 1
+            for i in range(min(a + 1, k)):
+                acc.observe("mtp", i < a)
+            n += a + 1
+        made += n
+    return made / spent
+
+
+def fixed(alpha: float, cost: adaptive.CostModel, cap: int = 4) -> list[float]:
+    """Tokens per unit of cost of k = 0 .. cap, fixed."""
+    return [(1 + adaptive.expected_gain([alpha] * k, k))
+            / (cost.step(1 + k, 0, k > 0) + cost.draft_pass * k) for k in range(cap + 1)]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft-pass", type=float, default=0.38)
+    ap.add_argument("--verify", type=float, default=0.07)
+    ap.add_argument("--alphas", default="0.2,0.5,0.8")
+    ap.add_argument("--tokens", default="48,512", help="request lengths")
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="one of specdec.adaptive's constants (FORGET, IDLE_FORGET, PRIOR, BONUS)")
+    a = ap.parse_args(argv)
+    for kv in a.set:
+        name, _, value = kv.partition("=")
+        if name not in ("FORGET", "IDLE_FORGET", "PRIOR", "BONUS"):
+            ap.error(f"--set: unknown constant {name!r}")
+        setattr(adaptive, name, float(value))
+    cost = adaptive.CostModel(row=0.02, compute_row=0.0, verify=a.verify,
+                              draft_pass=a.draft_pass)
+    print(f"FORGET {adaptive.FORGET} IDLE_FORGET {adaptive.IDLE_FORGET} PRIOR {adaptive.PRIOR} "
+          f"BONUS {adaptive.BONUS}; draft pass {a.draft_pass}, verify {a.verify}")
+    print("| tokens | alpha | adaptive / k = 0 | adaptive / best fixed k | best k |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for tokens in map(int, a.tokens.split(",")):
+        requests = max(20, a.requests * 48 // tokens)
+        for alpha in map(float, a.alphas.split(",")):
+            got, ks = run(lambda n, al=alpha: al, tokens, requests, cost), fixed(alpha, cost)
+            best = max(range(len(ks)), key=ks.__getitem__)
+            print(f"| {tokens} | {alpha} | {got / ks[0]:.3f} | {got / ks[best]:.3f} | {best} |")
+    tokens = max(map(int, a.tokens.split(",")))
+    half = tokens // 2
+    got = run(lambda n: 0.2 if n < half else 0.8, tokens, max(20, a.requests * 48 // tokens), cost)
+    ideal = tokens / (half / max(fixed(0.2, cost)) + (tokens - half) / max(fixed(0.8, cost)))
+    print(f"acceptance 0.2 then 0.8 from token {half} of {tokens}: {got / ideal:.3f} of the best "
+          "fixed k of each half")
+
+
+if __name__ == "__main__":
+    main()
