@@ -166,6 +166,43 @@ def test_shape_checkpoint_is_written_quantized_and_runs(tmp_path):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+def test_shape_checkpoint_distinct_layers_repeat_the_first_ones(tmp_path):
+    """``--distinct-layers 4`` of 8: layers 4-7 hold layers 0-3's tensors byte for byte (each in
+    its own shard, quantized parts included), layers 0-3 are those of a run without it, and
+    the checkpoint loads and decodes; a count that is no multiple of the interval is refused."""
+    from safetensors import safe_open
+
+    from hybridrt.bench.moe_shape import write_shape_checkpoint
+
+    cfg = tiny_moe_config(tie_word_embeddings=False)
+    write_shape_checkpoint(tmp_path / "r", layers=8, quantization="int4", text_config=cfg,
+                           distinct=4)
+    write_shape_checkpoint(tmp_path / "all", layers=8, quantization="int4", text_config=cfg)
+
+    def tensors(d):
+        out = {}
+        for f in sorted(d.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as h:
+                out.update({k: h.get_tensor(k) for k in h.keys()})  # noqa: SIM118
+        return out
+
+    r, full = tensors(tmp_path / "r"), tensors(tmp_path / "all")
+    assert r.keys() == full.keys()
+    for name, x in r.items():
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            src = name.replace(f"model.layers.{i}.", f"model.layers.{i % 4}.", 1)
+            assert torch.equal(x, full[src]), name
+    assert not torch.equal(full["model.layers.5.mlp.experts.0.down_proj.weight.codes"],
+                           full["model.layers.1.mlp.experts.0.down_proj.weight.codes"])
+    llm = LLM(str(tmp_path / "r"), cache_memory=16 << 20, max_model_len=64)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="multiple of 4"):
+        write_shape_checkpoint(tmp_path / "bad", layers=8, text_config=cfg, distinct=3)
+
+
 def test_shape_checkpoint_bf16_is_published_layout_and_quantizes_to_the_straight_one(tmp_path):
     """``bench/moe_shape.py`` in bf16: shards (one per decoder layer) and an index, the
     published names and per-expert experts (what llama.cpp's converter reads); ``hybridrt

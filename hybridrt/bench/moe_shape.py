@@ -98,10 +98,14 @@ def _published(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def write_shape_checkpoint(out: str | Path, layers: int = 8, quantization: str | None = "int4",
                            seed: int = 0, with_mtp: bool = True,
-                           text_config: dict[str, Any] = QWEN35_35B_A3B_TEXT_CONFIG) -> dict:
+                           text_config: dict[str, Any] = QWEN35_35B_A3B_TEXT_CONFIG,
+                           distinct: int | None = None) -> dict:
     """Write ``text_config``'s shape (default the 35B-A3B's) with ``layers`` decoder layers
     into the new directory ``out``, shard by shard -> {"path", "bytes", "layers",
-    "quantization"}."""
+    "quantization"}. ``distinct``: only the first ``distinct`` layers (a multiple of the
+    attention interval) are drawn; layer i past them holds layer ``i % distinct``'s tensors (the
+    same bytes in its own shard: what a decode step reads and costs is unchanged, and the full
+    40-layer shape is written in minutes instead of drawing and quantizing 32B weights)."""
     from safetensors.torch import save_file
 
     from hybridrt.bench.fixtures import published_config
@@ -118,6 +122,9 @@ def write_shape_checkpoint(out: str | Path, layers: int = 8, quantization: str |
     interval = text.get("full_attention_interval", 4)
     text["layer_types"] = ["full_attention" if (i + 1) % interval == 0 or (
         i == layers - 1 and layers < interval) else "linear_attention" for i in range(layers)]
+    if distinct is not None and (distinct < 1 or distinct % interval or distinct > layers):
+        raise ValueError(f"distinct layers must be a multiple of {interval} up to {layers}, "
+                         f"got {distinct}")
     config = ModelConfig.from_dict(text)
     with torch.device("meta"):
         net = Qwen35ForCausalLM(config, with_mtp=with_mtp)
@@ -130,9 +137,16 @@ def write_shape_checkpoint(out: str | Path, layers: int = 8, quantization: str |
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     weight_map: dict[str, str] = {}
+    drawn: dict[str, torch.Tensor] = {}  # the distinct layers' tensors, by name
     for i, shard in enumerate(shards):
         tensors = {}
         for name in [n for n in shapes if _shard_of(n) == shard]:
+            layer = int(name.split(".")[2]) if shard.startswith("layer") else None
+            if distinct is not None and layer is not None and layer >= distinct:
+                src = f"model.layers.{layer % distinct}." + name.split(".", 3)[3]
+                tensors.update({n.replace(src, name, 1): x for n, x in drawn.items()
+                                if n == src or n.startswith(src + ".")})
+                continue
             t = _random(name, shapes[name], gen)
             if name in names:
                 qw = _FORMATS[_format_of(quantization, name)][3](t)
@@ -141,6 +155,8 @@ def write_shape_checkpoint(out: str | Path, layers: int = 8, quantization: str |
             else:
                 tensors[name] = t
             del t
+        if distinct is not None and shard.startswith("layer") and int(shard[5:]) < distinct:
+            drawn.update(tensors)
         if not quantization:
             tensors = _published(tensors)
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -163,12 +179,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=8, help="decoder layers (default 8 of 40)")
     ap.add_argument("--quantization", default="int4", choices=["int8", "int4", "none"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--distinct-layers", type=int, default=None, metavar="N",
+                    help="draw only the first N layers (a multiple of the attention interval); "
+                         "the later ones repeat them (default: every layer drawn)")
     args = ap.parse_args(argv)
     if args.layers < 1:
         ap.error("--layers must be >= 1")
-    info = write_shape_checkpoint(args.out, args.layers,
-                                  None if args.quantization == "none" else args.quantization,
-                                  args.seed)
+    try:
+        info = write_shape_checkpoint(args.out, args.layers,
+                                      None if args.quantization == "none" else args.quantization,
+                                      args.seed, distinct=args.distinct_layers)
+    except ValueError as e:
+        ap.error(str(e))
     print(f"wrote {info['path']}: {info['layers']} layers, {info['quantization'] or 'bf16'}, "
           f"{info['bytes'] / 2**30:.2f} GiB")
 
