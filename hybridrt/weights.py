@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from hybridrt.kernels import int4, quant
-from hybridrt.kernels.memory import HugeArena, release_pages
+from hybridrt.kernels.memory import HugeArena, populate, release_pages
 
 Groups = dict[tuple[int, ...], tuple[torch.Tensor, list[int]]]
 
@@ -40,6 +40,8 @@ def place_weights(model, merge: bool, huge_pages: bool) -> Groups:
             m.qweight = q.replace(*(arena.move(t) for t in q.tensors()))
     if arena is not None:
         arena.settle()  # into huge pages, in the background where the kernel can
+    if owns and huge_pages:  # the routed experts stay mapped: their pages mapped in ahead
+        populate(expert_tensors(model))
     return groups
 
 
@@ -98,13 +100,30 @@ def merge_projections(model, release: bool = False, alloc=None) -> Groups:
     return groups
 
 
+def expert_tensors(model) -> list[torch.Tensor]:
+    """The routed experts' weight tensors (a quantized one's parts)."""
+    out = []
+    for name, m in model.named_modules():
+        if ".experts." in f".{name}.":
+            q = getattr(m, "qweight", None)
+            if isinstance(q, quant.PackedWeight):
+                out += q.tensors()
+            elif isinstance(getattr(m, "weight", None), torch.Tensor):
+                out.append(m.weight)
+    return out
+
+
 def streamed_weights(model) -> tuple[list, list]:
     """What a decode step streams, for ``place_weights``' arena: (module, weight) for every
     Linear and Embedding whose weight is a whole CPU half-precision matrix, and (module,
     PackedWeight) for every quantized one (a Linear's, or the quantized embedding, the tied LM
-    head)."""
+    head). An MoE block's routed experts are left where the loader put them (the checkpoint's
+    file mapping): a step reads k of them, and copying them all would double the start-up's
+    memory traffic (19 GiB of the 35B-A3B shape in 4 bits) for pages mostly not read."""
     mats, quants = [], []
-    for m in model.modules():
+    for name, m in model.named_modules():
+        if ".experts." in f".{name}.":
+            continue
         q = getattr(m, "qweight", None)
         if isinstance(q, quant.PackedWeight) and q.device.type == "cpu":
             quants.append((m, q))

@@ -114,6 +114,50 @@ def collapse_supported() -> bool:
     return _collapse
 
 
+_MADV_POPULATE_READ = 22  # Linux 5.14
+
+
+def populate(tensors) -> threading.Thread | None:
+    """Map the pages of CPU ``tensors`` (a file mapping's, left where the loader put them) into
+    the process ahead of use (``MADV_POPULATE_READ``, a ``SETTLE_CHUNK`` at a time; nothing is
+    copied): otherwise the first step to read each page faults it in, and a prompt's MoE step,
+    which reads every expert, pays some hundred thousand faults. In a background thread at the
+    lowest priority (``wait_for_huge_pages`` waits for it too), or at once where
+    ``settle_at_load`` asks -> the thread (None: done at once, or nothing to do)."""
+    spans = sorted({(t.data_ptr(), t.numel() * t.element_size()) for t in tensors
+                    if t.device.type == "cpu" and t.numel()})
+    if not spans or not sys.platform.startswith("linux") or not _load_libc():
+        return None
+    merged: list[list[int]] = []
+    for begin, n in spans:  # adjacent tensors of one file: one range
+        if merged and begin <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], begin + n)
+        else:
+            merged.append([begin, begin + n])
+    keep = list(tensors)  # the thread keeps the mappings alive
+
+    def run(background: bool) -> None:
+        if background:
+            with contextlib.suppress(AttributeError, OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        page = mmap.PAGESIZE
+        for begin, end in merged:
+            start = begin // page * page
+            for off in range(start, end, HugeArena.SETTLE_CHUNK):
+                if _libc.madvise(off, min(HugeArena.SETTLE_CHUNK, end - off),
+                                 _MADV_POPULATE_READ) != 0:
+                    return  # an older kernel: the pages fault in as they are read
+        del keep[:]
+
+    if settle_at_load:
+        run(False)
+        return None
+    t = threading.Thread(target=run, args=(True,), name="hybridrt-populate", daemon=True)
+    _settling.append(t)
+    t.start()
+    return t
+
+
 def wait_for_huge_pages(timeout: float | None = None) -> bool:
     """Wait until every arena's background move into huge pages (``HugeArena.settle``) is done
     -> whether all are."""

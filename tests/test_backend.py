@@ -690,6 +690,80 @@ def test_loaded_weights_live_in_huge_pages(tmp_path, monkeypatch, quantization):
     assert outs[0] == outs[1]
 
 
+def _mapping(addr: int) -> tuple[str, int]:
+    """(path, resident kB) of the mapping holding ``addr`` (/proc/self/smaps)."""
+    inside, path = False, ""
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and not parts[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                inside, path = lo <= addr < hi, parts[-1] if len(parts) >= 6 else ""
+            elif inside and parts[0] == "Rss:":
+                return path, int(parts[1])
+    return "", 0
+
+
+def test_populate_maps_a_file_mappings_pages_in_without_copying(tmp_path, monkeypatch):
+    """``memory.populate`` over tensors in a file mapping: every page resident in the process
+    afterwards (smaps Rss of the mapping), the tensors' addresses and bytes unchanged."""
+    import mmap
+    import warnings
+
+    from hybridrt.kernels import memory
+
+    if not memory.huge_pages_available():  # Linux with /proc
+        pytest.skip("not Linux")
+    f = tmp_path / "w.bin"
+    f.write_bytes(bytes(range(256)) * (4 << 12))  # 4 MiB
+    with open(f, "rb") as fh:
+        buf = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():  # read-only buffer: only read here
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.frombuffer(buf, dtype=torch.uint8)
+    path, before = _mapping(t.data_ptr())
+    assert path == str(f) and before < 4096
+    ptr = t.data_ptr()
+    monkeypatch.setattr(memory, "settle_at_load", False)
+    memory.populate([t[: 2 << 20], t[2 << 20:]])
+    assert memory.wait_for_huge_pages(30)
+    assert _mapping(ptr)[1] == 4096 and t.data_ptr() == ptr and int(t[1000]) == 1000 % 256
+
+
+def test_moe_experts_stay_in_the_checkpoint_mapping(tmp_path, monkeypatch):
+    """A stored 4-bit MoE checkpoint loaded with huge pages on: the dense weights move into
+    the huge-page arena, the routed experts stay in the safetensors file's mapping (no copy at
+    load) and are handed to ``populate``; the tokens equal a load with huge pages off."""
+    from hybridrt import weights
+    from hybridrt.bench.moe_fixtures import tiny_moe_config
+    from hybridrt.bench.moe_shape import write_shape_checkpoint
+    from hybridrt.kernels import memory
+
+    if not memory.huge_pages_available():
+        pytest.skip("transparent huge pages are off here (or not Linux)")
+    info = write_shape_checkpoint(tmp_path / "m", layers=4, quantization="int4",
+                                  text_config=tiny_moe_config(tie_word_embeddings=False))
+    asked = []
+    monkeypatch.setattr(weights, "populate", lambda ts: asked.extend(ts))
+    outs = []
+    for env in ("1", "0"):
+        monkeypatch.setenv("HYBRIDRT_HUGE_PAGES", env)
+        llm = LLM(info["path"], tokenizer=None, max_model_len=64, cache_memory=8 << 20)
+        model = llm.engine.runner.model
+        experts = weights.expert_tensors(model)
+        dense = [t for n, m in model.named_modules() if ".experts." not in f".{n}."
+                 and getattr(m, "qweight", None) is not None for t in m.qweight.tensors()]
+        assert len(experts) > 10 and dense
+        if env == "1":
+            assert all(_mapping(t.data_ptr())[0].endswith(".safetensors") for t in experts)
+            assert all("hg" in _vm_flags(t.data_ptr()).split() for t in dense)
+            assert {t.data_ptr() for t in asked} == {t.data_ptr() for t in experts}
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(
+            [[3, 4, 5], list(range(7, 30))], params, use_tqdm=False)])
+    assert outs[0] == outs[1]
+
+
 def test_merged_projections_stay_on_the_weights_device():
     """``merge_projections`` builds each group where its weights are (the meta device here,
     standing in for a GPU: a host-side default would move the CUDA backend's weights off it)."""
