@@ -69,7 +69,7 @@ def quantize_streaming(model: str | os.PathLike, out: str | os.PathLike,
     out.mkdir(parents=True, exist_ok=True)
     names = (["model.safetensors"] if len(files) == 1 else
              [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
-    for h, f, fname in zip(opened, files, names):
+    for i, (h, f, fname) in enumerate(zip(opened, files, names)):
         for raw in h.keys():  # noqa: SIM118 (safe_open handles are not iterable)
             canon = canonical_name(raw)
             if canon is not None:
@@ -108,6 +108,9 @@ def quantize_streaming(model: str | os.PathLike, out: str | os.PathLike,
         count += len(tensors)
         weight_map.update({n: fname for n in tensors})
         del tensors
+        # the shard's handle (its file mapping, whose pages count in the process's RSS)
+        # lives on only in halves still waiting for their partner
+        opened[i] = h = h_ = None
     missing = [n for n in expected if n not in written and not n.startswith("mtp.")]
     if any(n.startswith("mtp.") for n in written):
         missing += [n for n in expected if n.startswith("mtp.") and n not in written]
