@@ -119,10 +119,12 @@ def streamed_weights(model) -> tuple[list, list]:
     PackedWeight) for every quantized one (a Linear's, or the quantized embedding, the tied LM
     head). An MoE block's routed experts are left where the loader put them (the checkpoint's
     file mapping): a step reads k of them, and copying them all would double the start-up's
-    memory traffic (19 GiB of the 35B-A3B shape in 4 bits) for pages mostly not read."""
+    memory traffic (19 GiB of the 35B-A3B shape in 4 bits) for pages mostly not read; so is an
+    embedding that is not also the LM head (a step reads one row of it)."""
+    untied = getattr(model, "lm_head", None) is not None
     mats, quants = [], []
     for name, m in model.named_modules():
-        if ".experts." in f".{name}.":
+        if ".experts." in f".{name}." or (untied and name.endswith("embed_tokens")):
             continue
         q = getattr(m, "qweight", None)
         if isinstance(q, quant.PackedWeight) and q.device.type == "cpu":

@@ -732,8 +732,9 @@ def test_populate_maps_a_file_mappings_pages_in_without_copying(tmp_path, monkey
 
 def test_moe_experts_stay_in_the_checkpoint_mapping(tmp_path, monkeypatch):
     """A stored 4-bit MoE checkpoint loaded with huge pages on: the dense weights move into
-    the huge-page arena, the routed experts stay in the safetensors file's mapping (no copy at
-    load) and are handed to ``populate``; the tokens equal a load with huge pages off."""
+    the huge-page arena, the routed experts (and the embedding, untied from the head) stay in
+    the safetensors file's mapping (no copy at load), the experts handed to ``populate``; the
+    tokens equal a load with huge pages off."""
     from hybridrt import weights
     from hybridrt.bench.moe_fixtures import tiny_moe_config
     from hybridrt.bench.moe_shape import write_shape_checkpoint
@@ -752,10 +753,15 @@ def test_moe_experts_stay_in_the_checkpoint_mapping(tmp_path, monkeypatch):
         model = llm.engine.runner.model
         experts = weights.expert_tensors(model)
         dense = [t for n, m in model.named_modules() if ".experts." not in f".{n}."
+                 and not n.endswith("embed_tokens")
                  and getattr(m, "qweight", None) is not None for t in m.qweight.tensors()]
         assert len(experts) > 10 and dense
+        embed = model.model.embed_tokens
+        embed = (embed.qweight.tensors() if getattr(embed, "qweight", None) is not None
+                 else [embed.weight])
         if env == "1":
-            assert all(_mapping(t.data_ptr())[0].endswith(".safetensors") for t in experts)
+            assert all(_mapping(t.data_ptr())[0].endswith(".safetensors")
+                       for t in [*experts, *embed])  # the untied embedding: a row a step
             assert all("hg" in _vm_flags(t.data_ptr()).split() for t in dense)
             assert {t.data_ptr() for t in asked} == {t.data_ptr() for t in experts}
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
