@@ -96,6 +96,24 @@ def _published(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             for n, t in to_per_expert(tensors).items()}
 
 
+def _drawn_shard(shard: str, shapes: dict, names: set, quantization: str | None,
+                 gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """One shard's tensors drawn at random (``names``: those quantized, as ``quantization``)."""
+    from hybridrt.loader import _FORMATS, _format_of
+
+    tensors = {}
+    for name in [n for n in shapes if _shard_of(n) == shard]:
+        t = _random(name, shapes[name], gen)
+        if name in names:
+            qw = _FORMATS[_format_of(quantization, name)][3](t)
+            for part, x in zip(qw.names, qw.tensors()):
+                tensors[f"{name}.{part}"] = x.contiguous()
+        else:
+            tensors[name] = t
+        del t
+    return tensors
+
+
 def write_shape_checkpoint(out: str | Path, layers: int = 8, quantization: str | None = "int4",
                            seed: int = 0, with_mtp: bool = True,
                            text_config: dict[str, Any] = QWEN35_35B_A3B_TEXT_CONFIG,
@@ -111,7 +129,7 @@ def write_shape_checkpoint(out: str | Path, layers: int = 8, quantization: str |
     from hybridrt.bench.fixtures import published_config
     from hybridrt.config import ModelConfig
     from hybridrt.kernels import quant
-    from hybridrt.loader import _FORMATS, QUANT_METADATA, _format_of
+    from hybridrt.loader import QUANT_METADATA
     from hybridrt.model import Qwen35ForCausalLM
 
     out = Path(out)
@@ -137,26 +155,17 @@ def write_shape_checkpoint(out: str | Path, layers: int = 8, quantization: str |
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     weight_map: dict[str, str] = {}
-    drawn: dict[str, torch.Tensor] = {}  # the distinct layers' tensors, by name
+    drawn: dict[int, dict[str, torch.Tensor]] = {}  # the distinct layers' shards, by layer
     for i, shard in enumerate(shards):
-        tensors = {}
-        for name in [n for n in shapes if _shard_of(n) == shard]:
-            layer = int(name.split(".")[2]) if shard.startswith("layer") else None
-            if distinct is not None and layer is not None and layer >= distinct:
-                src = f"model.layers.{layer % distinct}." + name.split(".", 3)[3]
-                tensors.update({n.replace(src, name, 1): x for n, x in drawn.items()
-                                if n == src or n.startswith(src + ".")})
-                continue
-            t = _random(name, shapes[name], gen)
-            if name in names:
-                qw = _FORMATS[_format_of(quantization, name)][3](t)
-                for part, x in zip(qw.names, qw.tensors()):
-                    tensors[f"{name}.{part}"] = x.contiguous()
-            else:
-                tensors[name] = t
-            del t
-        if distinct is not None and shard.startswith("layer") and int(shard[5:]) < distinct:
-            drawn.update(tensors)
+        layer = int(shard[5:]) if shard.startswith("layer") else None
+        if distinct is not None and layer is not None and layer >= distinct:
+            src = f"model.layers.{layer % distinct}."
+            tensors = {f"model.layers.{layer}." + n[len(src):]: x
+                       for n, x in drawn[layer % distinct].items()}
+        else:
+            tensors = _drawn_shard(shard, shapes, names, quantization, gen)
+            if distinct is not None and layer is not None:
+                drawn[layer] = tensors
         if not quantization:
             tensors = _published(tensors)
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
