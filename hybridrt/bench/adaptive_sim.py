@@ -17,6 +17,7 @@ import argparse
 import random
 
 from hybridrt.specdec import adaptive
+from hybridrt.specdec.stats import SpecStats
 
 
 def run(alpha_at, tokens: int, requests: int, cost: adaptive.CostModel, cap: int = 4,
@@ -26,23 +27,21 @@ def run(alpha_at, tokens: int, requests: int, cost: adaptive.CostModel, cap: int
     rng = random.Random(seed)
     spent = made = 0.0
     for _ in range(requests):
-        acc, n = adaptive.Acceptance(), 0
+        stats, n = SpecStats(cap), 0  # the engine's bookkeeping of a request's rounds
         while n < tokens:
             c = min(cap, tokens - n - 1)
             k = 0
             if c > 0:
-                cand = adaptive.Candidate(c, 48 + n, [acc.optimistic("mtp")] * c, [True] * c)
+                alpha = stats.acceptance.optimistic("mtp")
+                cand = adaptive.Candidate(c, 48 + n, [alpha] * c, [True] * c)
                 k = adaptive.choose_ks([cand], 1, cost)[0]
             spent += cost.step(1 + k, 0, k > 0) + cost.draft_pass * k
-            if k == 0:
-                acc.idle()
-                n += 1
-                continue
+            stats.proposed(k, 0)  # k = 0: the idle forgetting
             a, alpha = 0, alpha_at(n)
             while a < k and rng.random() < alpha:
                 a += 1
-            for i in range(min(a + 1, k)):
-                acc.observe("mtp", i < a)
+            if k:
+                stats.record(k, a)
             n += a + 1
         made += n
     return made / spent
@@ -75,15 +74,18 @@ def main(argv=None) -> None:
           f"BONUS {adaptive.BONUS}; draft pass {a.draft_pass}, verify {a.verify}")
     print("| tokens | alpha | adaptive / k = 0 | adaptive / best fixed k | best k |")
     print("| ---: | ---: | ---: | ---: | ---: |")
+    def requests(tokens: int) -> int:  # about as many tokens at every length
+        return max(20, a.requests * 48 // tokens)
+
     for tokens in map(int, a.tokens.split(",")):
-        requests = max(20, a.requests * 48 // tokens)
         for alpha in map(float, a.alphas.split(",")):
-            got, ks = run(lambda n, al=alpha: al, tokens, requests, cost), fixed(alpha, cost)
+            got = run(lambda n, al=alpha: al, tokens, requests(tokens), cost)
+            ks = fixed(alpha, cost)
             best = max(range(len(ks)), key=ks.__getitem__)
             print(f"| {tokens} | {alpha} | {got / ks[0]:.3f} | {got / ks[best]:.3f} | {best} |")
     tokens = max(map(int, a.tokens.split(",")))
     half = tokens // 2
-    got = run(lambda n: 0.2 if n < half else 0.8, tokens, max(20, a.requests * 48 // tokens), cost)
+    got = run(lambda n: 0.2 if n < half else 0.8, tokens, requests(tokens), cost)
     ideal = tokens / (half / max(fixed(0.2, cost)) + (tokens - half) / max(fixed(0.8, cost)))
     print(f"acceptance 0.2 then 0.8 from token {half} of {tokens}: {got / ideal:.3f} of the best "
           "fixed k of each half")
