@@ -100,11 +100,16 @@ def merge_projections(model, release: bool = False, alloc=None) -> Groups:
     return groups
 
 
+def is_expert(name: str) -> bool:
+    """Whether the module ``name`` is (in) an MoE block's routed experts."""
+    return ".experts." in f".{name}."
+
+
 def expert_tensors(model) -> list[torch.Tensor]:
     """The routed experts' weight tensors (a quantized one's parts)."""
     out = []
     for name, m in model.named_modules():
-        if ".experts." in f".{name}.":
+        if is_expert(name):
             q = getattr(m, "qweight", None)
             if isinstance(q, quant.PackedWeight):
                 out += q.tensors()
@@ -124,7 +129,7 @@ def streamed_weights(model) -> tuple[list, list]:
     untied = getattr(model, "lm_head", None) is not None
     mats, quants = [], []
     for name, m in model.named_modules():
-        if ".experts." in f".{name}." or (untied and name.endswith("embed_tokens")):
+        if is_expert(name) or (untied and name.endswith("embed_tokens")):
             continue
         q = getattr(m, "qweight", None)
         if isinstance(q, quant.PackedWeight) and q.device.type == "cpu":

@@ -642,18 +642,27 @@ def test_fused_rms_norm_matches_reference(shape, residual, strided, monkeypatch)
     assert calls[0] == 1
 
 
-def _vm_flags(addr: int) -> str:
-    """The VmFlags line of the mapping holding ``addr`` (/proc/self/smaps)."""
-    inside = False
+def _smaps(addr: int) -> dict[str, str]:
+    """The /proc/self/smaps entry of the mapping holding ``addr``: its fields by name (the
+    backing file's path as "path"; {} where no mapping holds it)."""
+    entry: dict[str, str] | None = None
     with open("/proc/self/smaps") as f:
         for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and line.startswith("VmFlags"):
-                return line
-    return ""
+            parts = line.split()
+            if "-" in parts[0] and not parts[0].endswith(":"):
+                if entry is not None:
+                    return entry
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= addr < hi:
+                    entry = {"path": parts[5] if len(parts) >= 6 else ""}
+            elif entry is not None:
+                entry[parts[0].rstrip(":")] = line.split(":", 1)[1].strip()
+    return entry or {}
+
+
+def _vm_flags(addr: int) -> str:
+    """The VmFlags of the mapping holding ``addr``."""
+    return _smaps(addr).get("VmFlags", "")
 
 
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
@@ -691,17 +700,9 @@ def test_loaded_weights_live_in_huge_pages(tmp_path, monkeypatch, quantization):
 
 
 def _mapping(addr: int) -> tuple[str, int]:
-    """(path, resident kB) of the mapping holding ``addr`` (/proc/self/smaps)."""
-    inside, path = False, ""
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            parts = line.split()
-            if "-" in parts[0] and not parts[0].endswith(":"):
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                inside, path = lo <= addr < hi, parts[-1] if len(parts) >= 6 else ""
-            elif inside and parts[0] == "Rss:":
-                return path, int(parts[1])
-    return "", 0
+    """(path, resident kB) of the mapping holding ``addr``."""
+    e = _smaps(addr)
+    return e.get("path", ""), int(e.get("Rss", "0 kB").split()[0])
 
 
 def test_populate_maps_a_file_mappings_pages_in_without_copying(tmp_path, monkeypatch):
@@ -752,7 +753,7 @@ def test_moe_experts_stay_in_the_checkpoint_mapping(tmp_path, monkeypatch):
         llm = LLM(info["path"], tokenizer=None, max_model_len=64, cache_memory=8 << 20)
         model = llm.engine.runner.model
         experts = weights.expert_tensors(model)
-        dense = [t for n, m in model.named_modules() if ".experts." not in f".{n}."
+        dense = [t for n, m in model.named_modules() if not weights.is_expert(n)
                  and not n.endswith("embed_tokens")
                  and getattr(m, "qweight", None) is not None for t in m.qweight.tensors()]
         assert len(experts) > 10 and dense
