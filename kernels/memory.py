@@ -159,8 +159,8 @@ def populate(tensors) -> threading.Thread | None:
 
 
 def wait_for_huge_pages(timeout: float | None = None) -> bool:
-    """Wait until every arena's background move into huge pages (``HugeArena.settle``) is done
-    -> whether all are."""
+    """Wait until every arena's background move into huge pages (``HugeArena.settle``) and
+    every background ``populate`` is done -> whether all are."""
     for t in list(_settling):
         t.join(timeout)
     _settling[:] = [t for t in _settling if t.is_alive()]
