@@ -26,7 +26,7 @@ def _zeros(*shape, dtype: torch.dtype, device: torch.device | str) -> torch.Tens
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     if count == 0:
         return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advise_huge_pages(buf)
     # the tensor keeps the mapping alive (torch.frombuffer holds the buffer)
     return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)

@@ -880,3 +880,26 @@ def test_model_record_holds_the_laid_out_weights():
             assert tuple(id(w) for w in r.mlp_in) in backend.groups
     if backend.fast is not None:
         assert [f.mixer_layer for f in backend.fast] == [r.mixer_layer for r in record.decoder]
+
+
+def test_cache_tensors_are_private_memory_that_takes_huge_pages():
+    """The KV blocks (``CacheTensors.allocate`` on the CPU; the GDN state slots likewise) are
+    private anonymous mappings advised for huge pages (smaps VmFlags "hg"), which the kernel can
+    back with them ("THPeligible: 1"): a shared anonymous mapping (Python's ``mmap.mmap(-1, n)``
+    default) is shmem, which takes no transparent huge pages where shmem's are off, as they
+    are by default, and the advice did nothing."""
+    from hybridrt.config import ModelConfig
+    from hybridrt.kernels import memory
+    from hybridrt.statecache.tensors import CacheTensors
+
+    if not memory.huge_pages_available():
+        pytest.skip("transparent huge pages are off here (or not Linux)")
+    config = ModelConfig.from_dict(tiny_text_config())
+    blocks = (8 << 20) // CacheTensors.bytes_per_block(config, 16, torch.bfloat16)
+    t = CacheTensors.allocate(config, num_blocks=blocks, num_slots=2)
+    for x in (t.key_caches[0], t.value_caches[-1]):  # (smaller tensors are not advised)
+        x.fill_(1)
+        e = _smaps(x.data_ptr())
+        assert "hg" in e["VmFlags"].split() and "sh" not in e["VmFlags"].split(), e["VmFlags"]
+        assert e.get("THPeligible") == "1", e
+        assert int(e["Anonymous"].split()[0]) > 0, e
