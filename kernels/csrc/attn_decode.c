@@ -230,17 +230,25 @@ static inline void v_axpy(float w, const char *vp, int64_t D, int64_t G, int bf,
 #if defined(__AVX512F__)
 #define GQ_MAX 8  /* query heads per KV head the AVX-512 partition routine takes */
 
-#define PF 64  /* positions ahead whose K and V rows are prefetched (into L2) */
+#define PF 128  /* positions ahead whose K and V rows are read early (far rows only) */
+#define FAR 2048  /* a row's context from which its tasks read rows PF ahead */
 
-/* the rows of position pos + PF (hw bytes from off) toward the core, if pos + PF < end: the
- * blocks of a context lie anywhere, and the hardware prefetchers stop at each page */
-static inline void prefetch_row(const char *cache, const int64_t *tab, int64_t BS, int64_t row,
-                                int64_t off, int64_t pos, int64_t end, int64_t hw)
+/* the K and V rows of position pos + PF (hw bytes from off), if pos + PF < end, read now (one
+ * byte a cache line, the values dropped) so that they are near when their turn comes: the
+ * blocks of a context lie anywhere, and the hardware prefetchers stop at each page. Loads, not
+ * prefetch instructions: with _mm_prefetch (T0, T1, any distance) one layer at 16384 cached
+ * tokens took as long as without it (3.0-3.2 ms, 2 threads, cold), with these loads 2.1 ms
+ * (hybridrt bench attention; docs/long_context.md) */
+static inline void touch_rows(const char *kc, const char *vc, const int64_t *tab, int64_t BS,
+                              int64_t row, int64_t off, int64_t pos, int64_t end, int64_t hw)
 {
     pos += PF;
     if (pos >= end) return;
-    const char *p = cache + (tab[pos / BS] * BS + pos % BS) * row + off;
-    for (int64_t i = 0; i < hw; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
+    const int64_t at = (tab[pos / BS] * BS + pos % BS) * row + off;
+    int t = 0;
+    for (int64_t i = 0; i < hw; i += 64)
+        t += ((const volatile char *)kc)[at + i] + ((const volatile char *)vc)[at + i];
+    (void)t;
 }
 
 /* out[t] = the sum of v[t]'s 16 lanes, t < n (<= 16): halves added down to 4 lanes, then
@@ -264,20 +272,29 @@ static inline void hsum16(const __m512 *v, int64_t n, float *out)
     }
 }
 
-/* PB rows of a cache (fp32, bf16 or int8) widened to fp32 into xb [np, D], 16 lanes a step:
- * the same values widen_row gives */
-static inline void widen_block16(const char *cache, const int64_t *tab, int64_t BS, int64_t row,
-                                 int64_t off, int64_t p0, int64_t np, int64_t D, int64_t G,
-                                 int bf, int kvq, float *xb, int64_t end, int64_t pfw,
-                                 int64_t pfoff)
+/* acc of head g (at acc + g * gs) += w[g][j] (rows of PB) v_j over the np rows vp, for the
+ * CW 16-lane chunks from i0: GQ x CW accumulators in registers, each chunk of v_j widened once
+ * (kv_ld16) for the GQ heads; per lane the fma's in position order */
+static inline __attribute__((always_inline)) void v_accum(
+    const float *w, const char *const *vp, int64_t np, int64_t i0, const int64_t CW,
+    const int64_t GQ, int64_t D, int64_t G, int bf, int kvq, float *acc, int64_t gs)
 {
+    __m512 r[16];
+    for (int64_t g = 0; g < GQ; ++g)
+        for (int64_t c = 0; c < CW; ++c)
+            r[g * CW + c] = _mm512_loadu_ps(acc + g * gs + i0 + 16 * c);
     for (int64_t j = 0; j < np; ++j) {
-        const int64_t pos = p0 + j, slot = tab[pos / BS] * BS + pos % BS;
-        prefetch_row(cache, tab, BS, row, pfoff, pos, end, pfw);
-        const char *p = cache + slot * row + off;
-        float *x = xb + j * D;
-        for (int64_t i = 0; i < D; i += 16) _mm512_storeu_ps(x + i, kv_ld16(p, i, D, G, bf, kvq));
+        __m512 x[16];
+        for (int64_t c = 0; c < CW; ++c) x[c] = kv_ld16(vp[j], i0 + 16 * c, D, G, bf, kvq);
+        for (int64_t g = 0; g < GQ; ++g) {
+            const __m512 wv = _mm512_set1_ps(w[g * PB + j]);
+            for (int64_t c = 0; c < CW; ++c)
+                r[g * CW + c] = _mm512_fmadd_ps(wv, x[c], r[g * CW + c]);
+        }
     }
+    for (int64_t g = 0; g < GQ; ++g)
+        for (int64_t c = 0; c < CW; ++c)
+            _mm512_storeu_ps(acc + g * gs + i0 + 16 * c, r[g * CW + c]);
 }
 
 /* One partition [pbeg, pend) of a row for the NH KV heads from off0 and their GQ (<= GQ_MAX)
@@ -285,18 +302,20 @@ static inline void widen_block16(const char *cache, const int64_t *tab, int64_t 
  * ([D], zeroed by the caller), m0, l0 [NH GQ]. Block by block of PB positions, head after
  * head, so that a block's rows (all heads) are read while they are near: the scores of PJ
  * positions for all GQ heads at once (PJ GQ accumulators in registers, each K load widened once
- * in registers, each query chunk loaded once for the PJ positions); its V rows widened once
- * into xb [PB, D] for all GQ heads; exp16 gives the weights of 16 positions at once; the sums l
- * add them in position order; each head's acc stays in registers 128 values at a time over the
- * block's V rows (acc[i] = fma(w_j, v_j[i], acc[i]) in position order). A head's arithmetic
- * does not depend on NH. */
+ * in registers, each query chunk loaded once for the PJ positions); exp16 gives the weights of
+ * 16 positions at once; the sums l add them in position order; then v_accum adds the block's V
+ * rows into the heads' acc (acc[i] = fma(w_j, v_j[i], acc[i]) in position order). far: the
+ * rows PF positions ahead are read early (touch_rows). A head's arithmetic depends on neither
+ * NH nor far. */
 static inline __attribute__((always_inline)) void partition16(
     const float *q0, const char *kc, const char *vc, const int64_t *tab, int64_t BS, int64_t row,
     int64_t off0, int64_t NH, int64_t pbeg, int64_t pend, int64_t D, int64_t G, int bf, int kvq,
-    float scale, const int64_t GQ, float *acc0, int64_t gs, float *m0, float *l0, float *xb,
-    int64_t hw)
+    float scale, const int64_t GQ, float *acc0, int64_t gs, float *m0, float *l0, int64_t hw,
+    int far)
 {
     float s[GQ_MAX][PB];
+    for (int64_t pos = pbeg - PF; far && pos < pbeg; ++pos)  /* the first PF rows */
+        touch_rows(kc, vc, tab, BS, row, off0, pos, pend, NH * hw);
     for (int64_t p0 = pbeg; p0 < pend; p0 += PB) {
         const int64_t np = pend - p0 < PB ? pend - p0 : PB;
         for (int64_t hk = 0; hk < NH; ++hk) {
@@ -312,8 +331,8 @@ static inline __attribute__((always_inline)) void partition16(
                 for (int64_t jj = 0; jj < PJ; ++jj) {
                     const int64_t pos = p0 + (j0 + jj < np ? j0 + jj : 0);
                     kp[jj] = kc + (tab[pos / BS] * BS + pos % BS) * row + off;
-                    if (hk == 0 && j0 + jj < np) prefetch_row(kc, tab, BS, row, off0, pos, pend,
-                                                              NH * hw);
+                    if (far && hk == 0 && j0 + jj < np)
+                        touch_rows(kc, vc, tab, BS, row, off0, pos, pend, NH * hw);
                 }
                 __m512 d[16];
                 for (int64_t t = 0; t < PJ * GQ; ++t) d[t] = _mm512_setzero_ps();
@@ -332,8 +351,12 @@ static inline __attribute__((always_inline)) void partition16(
                     for (int64_t g = 0; g < GQ; ++g) s[g][j0 + jj] = sum[jj * GQ + g] * scale;
             }
             for (int64_t g = 0; g < GQ; ++g) {
-                float bm = -INFINITY;
-                for (int64_t j = 0; j < np; ++j) bm = s[g][j] > bm ? s[g][j] : bm;
+                __m512 bm16 = _mm512_set1_ps(-INFINITY);  /* the max: exact in any order */
+                for (int64_t j = 0; j < np; j += 16) {
+                    const __mmask16 mk = np - j >= 16 ? 0xFFFF : (__mmask16)((1u << (np - j)) - 1);
+                    bm16 = _mm512_mask_max_ps(bm16, mk, bm16, _mm512_maskz_loadu_ps(mk, s[g] + j));
+                }
+                const float bm = _mm512_reduce_max_ps(bm16);
                 if (bm > m[g]) {  /* rescale what was summed under the old maximum */
                     const float cf = expf(m[g] - bm);
                     const __m512 c = _mm512_set1_ps(cf);
@@ -349,32 +372,22 @@ static inline __attribute__((always_inline)) void partition16(
                                                    _mm512_set1_ps(m[g]));
                     _mm512_mask_storeu_ps(s[g] + j, mk, exp16(x));
                 }
-                for (int64_t j = 0; j < np; ++j) l[g] += s[g][j];
             }
-            widen_block16(vc, tab, BS, row, off, p0, np, D, G, bf, kvq, xb, hk == 0 ? pend : 0,
-                          NH * hw, off0);
-            for (int64_t g = 0; g < GQ; ++g) {
-                float *a = acc + g * gs;
-                int64_t i0 = 0;
-                for (; i0 + 128 <= D; i0 += 128) {
-                    __m512 r[8];
-                    for (int c = 0; c < 8; ++c) r[c] = _mm512_loadu_ps(a + i0 + 16 * c);
-                    for (int64_t j = 0; j < np; ++j) {
-                        const __m512 w = _mm512_set1_ps(s[g][j]);
-                        const float *x = xb + j * D + i0;
-                        for (int c = 0; c < 8; ++c)
-                            r[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 16 * c), r[c]);
-                    }
-                    for (int c = 0; c < 8; ++c) _mm512_storeu_ps(a + i0 + 16 * c, r[c]);
-                }
-                for (; i0 < D; i0 += 16) {
-                    __m512 r = _mm512_loadu_ps(a + i0);
-                    for (int64_t j = 0; j < np; ++j)
-                        r = _mm512_fmadd_ps(_mm512_set1_ps(s[g][j]),
-                                            _mm512_loadu_ps(xb + j * D + i0), r);
-                    _mm512_storeu_ps(a + i0, r);
-                }
+            /* the sums in position order, the heads' chains side by side */
+            for (int64_t j = 0; j < np; ++j)
+                for (int64_t g = 0; g < GQ; ++g) l[g] += s[g][j];
+            const char *vp[PB];
+            for (int64_t j = 0; j < np; ++j) {
+                const int64_t pos = p0 + j;
+                vp[j] = vc + (tab[pos / BS] * BS + pos % BS) * row + off;
             }
+            /* acc[g] += w_j v_j in position order, CW 16-lane chunks of all GQ heads in
+             * registers at a time, each V chunk widened once in registers for the GQ heads */
+            const int64_t CW = GQ <= 16 ? 16 / GQ : 1;
+            int64_t i0 = 0;
+            for (; i0 + 16 * CW <= D; i0 += 16 * CW)
+                v_accum(&s[0][0], vp, np, i0, CW, GQ, D, G, bf, kvq, acc, gs);
+            for (; i0 < D; i0 += 16) v_accum(&s[0][0], vp, np, i0, 1, GQ, D, G, bf, kvq, acc, gs);
         }
     }
 }
@@ -384,11 +397,11 @@ static inline __attribute__((always_inline)) void partition16(
 static void partition16_any(const float *q, const char *kc, const char *vc, const int64_t *tab,
                             int64_t BS, int64_t row, int64_t off, int64_t NH, int64_t pbeg,
                             int64_t pend, int64_t D, int64_t G, int bf, int kvq, float scale,
-                            int64_t GQ, float *acc, int64_t gs, float *m, float *l, float *xb,
-                            int64_t hw)
+                            int64_t GQ, float *acc, int64_t gs, float *m, float *l, int64_t hw,
+                            int far)
 {
 #define PART(n) partition16(q, kc, vc, tab, BS, row, off, NH, pbeg, pend, D, G, bf, kvq, scale, \
-                            n, acc, gs, m, l, xb, hw)
+                            n, acc, gs, m, l, hw, far)
     switch (GQ) {
     case 1: PART(1); break;
     case 2: PART(2); break;
@@ -474,11 +487,10 @@ int attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, cons
                 }
 #if defined(__AVX512F__)
                 if (simd == 2 && GQ <= GQ_MAX) {
-                    float xb[PB * D];
                     partition16_any(qs + h00 * D, (const char *)k_cache, (const char *)v_cache,
                                     tables + b * M, BS, row, hk0 * hw, NH, pbeg, pend, D, G, bf,
                                     kvq, scale, GQ, parts + (h00 * NP + p) * PW + 2, NP * PW, mm,
-                                    ll, xb, hw);
+                                    ll, hw, n >= FAR);
                 } else
 #endif
                 for (int64_t hk = hk0; hk < hk0 + NH; ++hk) {
