@@ -8,11 +8,12 @@ own verify rounds (every draft tried is an accepted / rejected event) with a pri
 text changes; a request that drafts nothing forgets a little each step, so it tries again
 later. The choice takes the estimate plus ``BONUS / sqrt(events + PRIOR)`` (``optimistic``): a
 request with few rounds of its own tries a draft or two before it gives up, so one rejected
-draft does not end its drafting where drafts pay. Only the request's own rounds count: another
-request's acceptance never moves its k. The constants trade what finding out costs where
-drafts do not pay against what stopping too early costs where they do, chosen on
-``python -m hybridrt.bench.adaptive_sim`` (a request's choices against drawn acceptance, at
-the 0.8B shape's measured costs).
+draft does not end its drafting where drafts pay; and a round's MTP drafts are at most one more
+than the request's accepted ones (``earned``), so finding out costs one draft a round. Only
+the request's own rounds count: another request's acceptance never moves its k. The
+constants trade what finding out costs where drafts do not pay against what stopping too
+early costs where they do, chosen on ``python -m hybridrt.bench.adaptive_sim`` (a request's
+choices against drawn acceptance, at the 0.8B shape's measured costs).
 
 Cost (``CostModel``): a step in units of a one-row decode step: ``1 + row * (rows - 1)``
 while reading the weights bounds it, ``compute_row * rows`` once the rows' arithmetic does
@@ -69,6 +70,15 @@ class Acceptance:
         a, r = self.accepted.get(source, 0.0), self.rejected.get(source, 0.0)
         self.accepted[source] = a * FORGET + accepted
         self.rejected[source] = r * FORGET + (not accepted)
+
+    def earned(self, source: str) -> int:
+        """The drafts of ``source`` a round may try: one more than the request's accepted ones
+        (decayed, rounded down). A request finds out with one draft a round and drafts deeper
+        only as its drafts are accepted: where they are not, each round of finding out costs
+        one draft, not the two to four the prior's optimism would pick (at alpha 0.2 and k up
+        to 4 the engine's adaptive rows drafted 0.20 a step and ran 0.96x k = 0; capped at
+        one, 0.07 and 0.98x)."""
+        return 1 + int(self.accepted.get(source, 0.0))
 
     def idle(self) -> None:
         for d in (self.accepted, self.rejected):

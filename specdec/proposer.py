@@ -117,6 +117,7 @@ class SpecProposer:
         cands = []
         for req, limit, p in zip(reqs, limits, prefixes):
             acc = req.spec_stats.acceptance
+            limit = min(limit, len(p) + acc.earned("mtp"))
             mtp = [j >= len(p) for j in range(limit)]
             alphas = [acc.optimistic("mtp" if m else "ngram") for m in mtp]
             cands.append(Candidate(limit, len(req.token_ids), alphas, mtp))

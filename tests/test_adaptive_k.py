@@ -138,6 +138,40 @@ def test_the_choice_tries_a_few_drafts_before_it_gives_up():
     assert acc.optimistic("mtp") > acc.alpha("mtp")
 
 
+def test_a_round_drafts_deeper_only_as_its_drafts_are_accepted():
+    """A request tries one MTP draft a round until its drafts are accepted: ``earned`` (one more
+    than its decayed accepted drafts) caps its round's MTP drafts, so finding out where drafts
+    are rejected costs one draft a round, and a request whose drafts are accepted goes deeper
+    round by round; a prompt-lookup prefix is not capped (one MTP draft may extend it)."""
+    from types import SimpleNamespace
+
+    from hybridrt.specdec.proposer import SpecProposer
+    from hybridrt.specdec.stats import SpecStats
+
+    prop = SpecProposer(256, mtp=object(), adaptive=True,
+                        cost=CostModel(draft_pass=0.01, verify=0.01))
+    plan = SimpleNamespace(seqs=[None])
+
+    def request():
+        return SimpleNamespace(spec_stats=SpecStats(4), token_ids=list(range(50)))
+
+    right, wrong, ks_right, ks_wrong = request(), request(), [], []
+    for _ in range(5):
+        for req, ks, accepted in ((right, ks_right, True), (wrong, ks_wrong, False)):
+            (k,) = prop._choose(plan, [req], [4], [[]])
+            ks.append(k)
+            req.spec_stats.proposed(k, 0)
+            if k:
+                req.spec_stats.record(k, k if accepted else 0)
+    assert ks_right == [1, 2, 3, 4, 4], ks_right
+    assert max(ks_wrong) == 1, ks_wrong
+    assert prop._choose(plan, [request()], [4], [[7, 8]]) == [3]
+    acc = Acceptance()
+    for ok in (True, True, False):
+        acc.observe("mtp", ok)
+    assert acc.earned("mtp") == 2 and acc.earned("ngram") == 1  # 1.95 * 0.95 accepted
+
+
 # The engine ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):

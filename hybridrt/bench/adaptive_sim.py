@@ -29,7 +29,7 @@ def run(alpha_at, tokens: int, requests: int, cost: adaptive.CostModel, cap: int
     for _ in range(requests):
         stats, n = SpecStats(cap), 0  # the engine's bookkeeping of a request's rounds
         while n < tokens:
-            c = min(cap, tokens - n - 1)
+            c = min(cap, tokens - n - 1, stats.acceptance.earned("mtp"))
             k = 0
             if c > 0:
                 alpha = stats.acceptance.optimistic("mtp")
