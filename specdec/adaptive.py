@@ -76,8 +76,8 @@ class Acceptance:
         (decayed, rounded down). A request finds out with one draft a round and drafts deeper
         only as its drafts are accepted: where they are not, each round of finding out costs
         one draft, not the two to four the prior's optimism would pick (at alpha 0.2 and k up
-        to 4 the engine's adaptive rows drafted 0.20 a step and ran 0.96x k = 0; capped at
-        one, 0.07 and 0.98x)."""
+        to 4 the engine's adaptive rows drafted 0.20 a step and ran 0.96x k = 0; with this
+        cap 0.05 and 0.97-1.02x; docs/speculation.md)."""
         return 1 + int(self.accepted.get(source, 0.0))
 
     def idle(self) -> None:
