@@ -327,18 +327,27 @@ def test_arena_move_copies_and_releases_as_it_goes(monkeypatch):
     assert torch.equal(arena.move(part), torch.ones(1 << 20)) and part[0] == 1
 
 
-def _anon_huge_bytes(addr: int) -> int:
-    """AnonHugePages of the mapping holding ``addr`` (/proc/self/smaps)."""
-    inside = False
+def _smaps(addr: int) -> dict[str, str]:
+    """The /proc/self/smaps entry of the mapping holding ``addr``: its fields by name (the
+    backing file's path as "path"; {} where no mapping holds it)."""
+    entry: dict[str, str] | None = None
     with open("/proc/self/smaps") as f:
         for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1]) << 10
-    return 0
+            parts = line.split()
+            if "-" in parts[0] and not parts[0].endswith(":"):
+                if entry is not None:
+                    return entry
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= addr < hi:
+                    entry = {"path": parts[5] if len(parts) >= 6 else ""}
+            elif entry is not None:
+                entry[parts[0].rstrip(":")] = line.split(":", 1)[1].strip()
+    return entry or {}
+
+
+def _anon_huge_bytes(addr: int) -> int:
+    """AnonHugePages of the mapping holding ``addr``."""
+    return int(_smaps(addr).get("AnonHugePages", "0 kB").split()[0]) << 10
 
 
 def test_arena_settles_into_huge_pages_in_the_background(monkeypatch):
@@ -640,24 +649,6 @@ def test_fused_rms_norm_matches_reference(shape, residual, strided, monkeypatch)
     assert torch.equal(got, want)
     cpu.rms_norm(x.float(), w.float(), 1e-6)
     assert calls[0] == 1
-
-
-def _smaps(addr: int) -> dict[str, str]:
-    """The /proc/self/smaps entry of the mapping holding ``addr``: its fields by name (the
-    backing file's path as "path"; {} where no mapping holds it)."""
-    entry: dict[str, str] | None = None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            parts = line.split()
-            if "-" in parts[0] and not parts[0].endswith(":"):
-                if entry is not None:
-                    return entry
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                if lo <= addr < hi:
-                    entry = {"path": parts[5] if len(parts) >= 6 else ""}
-            elif entry is not None:
-                entry[parts[0].rstrip(":")] = line.split(":", 1)[1].strip()
-    return entry or {}
 
 
 def _vm_flags(addr: int) -> str:
