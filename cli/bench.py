@@ -998,6 +998,9 @@ def attention(
         "--kv", help="Comma-separated KV cache dtypes: bf16, int8.")] = "bf16,int8",
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed calls, best kept.")
                        ] = 5,
+    verify_rows: Annotated[str, typer.Option(
+        "--verify-rows", help="Comma-separated rows of one sequence per decode call (1 + the "
+        "drafts a verification step checks).")] = "1",
     threads: ThreadsOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
@@ -1008,4 +1011,6 @@ def attention(
     kvs = _choices("--kv", kv, KV_DTYPES, "KV dtype")
     from hybridrt.bench import prompt_attention as bench
 
-    bench.run(lens, chunk, kvs, threads or _default_threads(), repeats, json_path=json_path)
+    verify = _int_list("--verify-rows", verify_rows, 1)
+    bench.run(lens, chunk, kvs, threads or _default_threads(), repeats, json_path=json_path,
+              verify=verify)

@@ -129,3 +129,26 @@ def test_a_row_alone_gives_its_bytes_inside_any_batch(kv):
         for seqs in ([0, 1], [1, 2, 3], [4, 3, 1, 0, 2]):
             out = r.run(seqs, threads=threads)[0]
             assert torch.equal(out[seqs.index(1)], alone[0]), f"{seqs}, {threads} threads"
+
+
+@pytest.mark.parametrize("simd", [1, 2])
+@pytest.mark.parametrize("L", [2, 5])
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
+def test_verification_rows_give_their_decode_bytes(kv, L, simd):
+    """A verification step's rows (scored together over the partitions they share, up to four
+    rows at once with AVX-512) give each row the bytes it gets as a decode row over the same
+    positions: speculation changes no token."""
+    act = torch.bfloat16 if kv == "bf16" else torch.float32
+    r = Rows([3 * SPLIT + 5, 2 * SPLIT + L - 1, SPLIT + 2], L=L, kv=kv, act=act, seed=3)
+    rows = list(range(len(r.ctx) * L))
+    out = native.attn_decode(
+        r.qg, r.k, r.v, r.qw, r.kw, 1e-6, r.cos, r.sin, kc := r.kc.clone(), vc := r.vc.clone(),
+        r.slots, r.tables, torch.tensor(r.ctx), D ** -0.5, L, H, HKV, D, simd)
+    for row in rows:
+        b, n = row // L, r.ctx[row // L] - L + row % L + 1
+        one = slice(row, row + 1)
+        alone = native.attn_decode(
+            r.qg[one], r.k[one], r.v[one], r.qw, r.kw, 1e-6, r.cos[one], r.sin[one],
+            kc.clone(), vc.clone(), r.slots[one], r.tables[b:b + 1], torch.tensor([n]),
+            D ** -0.5, 1, H, HKV, D, simd)
+        assert torch.equal(alone[0], out[row]), f"row {row} (sequence {b}, {n} positions)"

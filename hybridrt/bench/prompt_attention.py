@@ -6,7 +6,8 @@ heads of 256, blocks of 16) over a long context, its kernels alone.
   reference) and through kernels/prefill_attention.py's tiles (the CPU backend's), per KV
   dtype; ms per call, the speed-up and the largest difference between the two.
 - decode: csrc/attn_decode.c for one row after each of ``lengths`` tokens (the q/k norms,
-  RoPE, the KV write and the gate included), ms per call (where the compiled kernels load):
+  RoPE, the KV write and the gate included), and for each of ``verify`` rows of one sequence
+  (a verification step of k = rows - 1 drafts), ms per call (where the compiled kernels load):
   one layer called again and again (its cache warm), and ``LAYERS`` layers' caches called in
   turn after a read of ``flush_bytes`` that empties the CPU's caches, per layer (what a decode
   step sees: the model's weights pass between two attention layers).
@@ -75,23 +76,24 @@ def prompt_rows(lengths, chunk: int, kv_dtypes, repeats: int) -> list[dict]:
     return rows
 
 
-def _decode_inputs(gen) -> tuple:
-    """One decode row's projections, norm weights and RoPE rows (identity rotation)."""
-    qg = torch.randn(1, H * 2 * D, generator=gen).bfloat16()
-    k, v = (torch.randn(1, HKV * D, generator=gen).bfloat16() for _ in range(2))
+def _decode_inputs(gen, rows: int = 1) -> tuple:
+    """``rows`` new tokens' projections, norm weights and RoPE rows (identity rotation)."""
+    qg = torch.randn(rows, H * 2 * D, generator=gen).bfloat16()
+    k, v = (torch.randn(rows, HKV * D, generator=gen).bfloat16() for _ in range(2))
     w = torch.zeros(D, dtype=torch.bfloat16)
-    cos, sin = torch.ones(1, 64, dtype=torch.bfloat16), torch.zeros(1, 64, dtype=torch.bfloat16)
-    return qg, k, v, w, cos, sin
+    cos = torch.ones(rows, 64, dtype=torch.bfloat16)
+    return qg, k, v, w, cos, torch.zeros_like(cos)
 
 
 def _decode(inputs, ctx: int, kc, vc, table) -> None:
     from hybridrt.kernels import native
 
     qg, k, v, w, cos, sin = inputs
-    pos = ctx - 1
-    slot = (table[pos // BS] * BS + pos % BS).view(1)
+    L = qg.shape[0]
+    pos = torch.arange(ctx - L, ctx)
+    slot = table[pos // BS] * BS + pos % BS
     native.attn_decode(qg, k, v, w, w, 1e-6, cos, sin, kc, vc, slot, table[None],
-                       torch.tensor([ctx]), D ** -0.5, 1, H, HKV, D)
+                       torch.tensor([ctx]), D ** -0.5, L, H, HKV, D)
 
 
 def _cold(layers, inputs, ctx: int, flush: torch.Tensor) -> float:
@@ -103,7 +105,8 @@ def _cold(layers, inputs, ctx: int, flush: torch.Tensor) -> float:
     return (time.perf_counter() - t) / len(layers)
 
 
-def decode_rows(lengths, kv_dtypes, repeats: int, flush_bytes: int = FLUSH_BYTES) -> list[dict]:
+def decode_rows(lengths, kv_dtypes, repeats: int, flush_bytes: int = FLUSH_BYTES,
+                verify=(1,)) -> list[dict]:
     from functools import partial
 
     from hybridrt.kernels import native
@@ -116,23 +119,27 @@ def decode_rows(lengths, kv_dtypes, repeats: int, flush_bytes: int = FLUSH_BYTES
     for kv in kv_dtypes:
         for ctx in lengths:
             layers = [_caches(ctx, kv, gen) for _ in range(LAYERS)]
-            inputs = _decode_inputs(gen)
-            _cold(layers, inputs, ctx, flush)
-            rows.append({"kind": "decode", "kv": str(kv).removeprefix("torch."), "ctx": ctx,
-                         "ms": 1e3 * _best(partial(_decode, inputs, ctx, *layers[0]), repeats),
-                         "cold_ms": 1e3 * min(_cold(layers, inputs, ctx, flush)
-                                              for _ in range(repeats))})
+            for n in verify:
+                inputs = _decode_inputs(gen, n)
+                _cold(layers, inputs, ctx, flush)
+                rows.append({"kind": "decode", "kv": str(kv).removeprefix("torch."),
+                             "ctx": ctx, "rows": n,
+                             "ms": 1e3 * _best(partial(_decode, inputs, ctx, *layers[0]),
+                                               repeats),
+                             "cold_ms": 1e3 * min(_cold(layers, inputs, ctx, flush)
+                                                  for _ in range(repeats))})
     return rows
 
 
 def run(lengths=(2048, 4096, 8192), chunk: int = 2048, kv=("bf16", "int8"),
         threads: int = 2, repeats: int = 3, json_path: str | None = None,
-        flush_bytes: int = FLUSH_BYTES) -> dict:
+        flush_bytes: int = FLUSH_BYTES, verify=(1,)) -> dict:
     """The measurements, printed as a table."""
     kvs = [torch.bfloat16 if k == "bf16" else torch.int8 for k in kv]
     torch.set_num_threads(threads)
     report = {"threads": threads, "rows": prompt_rows(lengths, chunk, kvs, repeats)
-              + decode_rows(lengths, kvs, repeats, flush_bytes), "load": os.getloadavg()}
+              + decode_rows(lengths, kvs, repeats, flush_bytes, verify),
+              "load": os.getloadavg()}
     print(table(report))
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
@@ -148,7 +155,7 @@ def table(report: dict) -> str:
                          f"{r['ref_ms']:>9.1f} {r['tiled_ms']:>9.1f} {r['speedup']:>8.2f}x "
                          f"{r['max_diff']:>9.2e}")
         else:
-            lines.append(f"{'decode':<7} {r['kv']:<9} {r['ctx']:>8} {1:>6} {'':>9} "
+            lines.append(f"{'decode':<7} {r['kv']:<9} {r['ctx']:>8} {r['rows']:>6} {'':>9} "
                          f"{r['ms']:>9.2f} {r['cold_ms']:>9.2f}")
     load = report["load"]
     lines.append(f"{report['threads']} threads; load average {load[0]:.2f} {load[1]:.2f} "

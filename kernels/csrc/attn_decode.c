@@ -228,7 +228,7 @@ static inline void v_axpy(float w, const char *vp, int64_t D, int64_t G, int bf,
 }
 
 #if defined(__AVX512F__)
-#define GQ_MAX 8  /* query heads per KV head the AVX-512 partition routine takes */
+#define GQ_MAX 16  /* query heads per KV head the AVX-512 partition routine takes */
 
 #define PF 128  /* positions ahead whose K and V rows are read early (far rows only) */
 #define FAR 2048  /* a row's context from which its tasks read rows PF ahead */
@@ -272,17 +272,17 @@ static inline void hsum16(const __m512 *v, int64_t n, float *out)
     }
 }
 
-/* acc of head g (at acc + g * gs) += w[g][j] (rows of PB) v_j over the np rows vp, for the
+/* acc of head g (at acc + aoff[g]) += w[g][j] (rows of PB) v_j over the np rows vp, for the
  * CW 16-lane chunks from i0: GQ x CW accumulators in registers, each chunk of v_j widened once
  * (kv_ld16) for the GQ heads; per lane the fma's in position order */
 static inline __attribute__((always_inline)) void v_accum(
     const float *w, const char *const *vp, int64_t np, int64_t i0, const int64_t CW,
-    const int64_t GQ, int64_t D, int64_t G, int bf, int kvq, float *acc, int64_t gs)
+    const int64_t GQ, int64_t D, int64_t G, int bf, int kvq, float *acc, const int64_t *aoff)
 {
     __m512 r[16];
     for (int64_t g = 0; g < GQ; ++g)
         for (int64_t c = 0; c < CW; ++c)
-            r[g * CW + c] = _mm512_loadu_ps(acc + g * gs + i0 + 16 * c);
+            r[g * CW + c] = _mm512_loadu_ps(acc + aoff[g] + i0 + 16 * c);
     for (int64_t j = 0; j < np; ++j) {
         __m512 x[16];
         for (int64_t c = 0; c < CW; ++c) x[c] = kv_ld16(vp[j], i0 + 16 * c, D, G, bf, kvq);
@@ -294,12 +294,13 @@ static inline __attribute__((always_inline)) void v_accum(
     }
     for (int64_t g = 0; g < GQ; ++g)
         for (int64_t c = 0; c < CW; ++c)
-            _mm512_storeu_ps(acc + g * gs + i0 + 16 * c, r[g * CW + c]);
+            _mm512_storeu_ps(acc + aoff[g] + i0 + 16 * c, r[g * CW + c]);
 }
 
-/* One partition [pbeg, pend) of a row for the NH KV heads from off0 and their GQ (<= GQ_MAX)
- * query heads each: q0 [NH GQ, D] (normed, rotated), the acc of query head g at acc0 + g * gs
- * ([D], zeroed by the caller), m0, l0 [NH GQ]. Block by block of PB positions, head after
+/* One partition [pbeg, pend) for the NH KV heads from off0 and GQ (<= GQ_MAX) query heads each:
+ * q0 [NH GQ, D] (normed, rotated), the acc of KV head hk's query head g at acc0 + hk khs +
+ * aoff[g] ([D], zeroed by the caller), m0, l0 [NH GQ]. The GQ heads are one row's heads of a KV
+ * head or, for verification rows of one sequence sharing the partition, several rows' heads. Block by block of PB positions, head after
  * head, so that a block's rows (all heads) are read while they are near: the scores of PJ
  * positions for all GQ heads at once (PJ GQ accumulators in registers, each K load widened once
  * in registers, each query chunk loaded once for the PJ positions); exp16 gives the weights of
@@ -310,8 +311,8 @@ static inline __attribute__((always_inline)) void v_accum(
 static inline __attribute__((always_inline)) void partition16(
     const float *q0, const char *kc, const char *vc, const int64_t *tab, int64_t BS, int64_t row,
     int64_t off0, int64_t NH, int64_t pbeg, int64_t pend, int64_t D, int64_t G, int bf, int kvq,
-    float scale, const int64_t GQ, float *acc0, int64_t gs, float *m0, float *l0, int64_t hw,
-    int far)
+    float scale, const int64_t GQ, float *acc0, int64_t khs, const int64_t *aoff, float *m0,
+    float *l0, int64_t hw, int far)
 {
     float s[GQ_MAX][PB];
     for (int64_t pos = pbeg - PF; far && pos < pbeg; ++pos)  /* the first PF rows */
@@ -320,7 +321,7 @@ static inline __attribute__((always_inline)) void partition16(
         const int64_t np = pend - p0 < PB ? pend - p0 : PB;
         for (int64_t hk = 0; hk < NH; ++hk) {
             const float *q = q0 + hk * GQ * D;
-            float *acc = acc0 + hk * GQ * gs, *m = m0 + hk * GQ, *l = l0 + hk * GQ;
+            float *acc = acc0 + hk * khs, *m = m0 + hk * GQ, *l = l0 + hk * GQ;
             const int64_t off = off0 + hk * hw;
             /* PJ positions at a time: PJ x GQ accumulators (16 where GQ divides 16) in registers,
              * each query chunk loaded once for the PJ positions; a position past the block
@@ -360,7 +361,7 @@ static inline __attribute__((always_inline)) void partition16(
                 if (bm > m[g]) {  /* rescale what was summed under the old maximum */
                     const float cf = expf(m[g] - bm);
                     const __m512 c = _mm512_set1_ps(cf);
-                    float *a = acc + g * gs;
+                    float *a = acc + aoff[g];
                     for (int64_t i = 0; i < D; i += 16)
                         _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_loadu_ps(a + i), c));
                     l[g] *= cf;
@@ -386,30 +387,68 @@ static inline __attribute__((always_inline)) void partition16(
             const int64_t CW = GQ <= 16 ? 16 / GQ : 1;
             int64_t i0 = 0;
             for (; i0 + 16 * CW <= D; i0 += 16 * CW)
-                v_accum(&s[0][0], vp, np, i0, CW, GQ, D, G, bf, kvq, acc, gs);
-            for (; i0 < D; i0 += 16) v_accum(&s[0][0], vp, np, i0, 1, GQ, D, G, bf, kvq, acc, gs);
+                v_accum(&s[0][0], vp, np, i0, CW, GQ, D, G, bf, kvq, acc, aoff);
+            for (; i0 < D; i0 += 16)
+                v_accum(&s[0][0], vp, np, i0, 1, GQ, D, G, bf, kvq, acc, aoff);
         }
     }
 }
 
-/* partition16 with GQ a constant (1, 2, 4 or 8) where it is one, so that the heads' score
+/* partition16 with GQ a constant (1, 2, 4, 8, 12 or 16) where it is one, so that the heads' score
  * accumulators stay in registers */
 static void partition16_any(const float *q, const char *kc, const char *vc, const int64_t *tab,
                             int64_t BS, int64_t row, int64_t off, int64_t NH, int64_t pbeg,
                             int64_t pend, int64_t D, int64_t G, int bf, int kvq, float scale,
-                            int64_t GQ, float *acc, int64_t gs, float *m, float *l, int64_t hw,
-                            int far)
+                            int64_t GQ, float *acc, int64_t khs, const int64_t *aoff,
+                            float *m, float *l, int64_t hw, int far)
 {
 #define PART(n) partition16(q, kc, vc, tab, BS, row, off, NH, pbeg, pend, D, G, bf, kvq, scale, \
-                            n, acc, gs, m, l, hw, far)
+                            n, acc, khs, aoff, m, l, hw, far)
     switch (GQ) {
     case 1: PART(1); break;
     case 2: PART(2); break;
     case 4: PART(4); break;
     case 8: PART(8); break;
+    case 12: PART(12); break;
+    case 16: PART(16); break;
     default: PART(GQ);
     }
 #undef PART
+}
+
+/* A full partition p of cnt verification rows of one sequence (from the pass's row r, rows
+ * sharing all its positions), scored at once for their query heads of the NH KV heads from
+ * hk0: each K and V row read and widened once for all of them. Each head's arithmetic is the
+ * one partition16 gives it alone (per head, in the same order), so a row's bytes are the ones
+ * it gets as a decode row. Partials as attn_decode's step 3 keeps them. */
+static void joint(const float *qs, float *parts, int64_t r, int64_t cnt, int64_t hk0,
+                  int64_t NH, int64_t p, int64_t NP, int64_t PW, int64_t H, int64_t GQ,
+                  int64_t D, const char *kc, const char *vc, const int64_t *tab, int64_t BS,
+                  int64_t row, int64_t hw, int64_t pbeg, int64_t G, int bf, int kvq,
+                  float scale, int far)
+{
+    const int64_t J = cnt * GQ;  /* heads scored together per KV head */
+    float q[NH * J * D], m[NH * J], l[NH * J];
+    int64_t aoff[GQ_MAX];
+    for (int64_t j = 0; j < J; ++j) aoff[j] = ((j / GQ) * H + j % GQ) * NP * PW;
+    for (int64_t hk = 0; hk < NH; ++hk)
+        for (int64_t j = 0; j < J; ++j) {
+            const int64_t h = (r + j / GQ) * H + (hk0 + hk) * GQ + j % GQ;
+            memcpy(q + (hk * J + j) * D, qs + h * D, sizeof(float) * (size_t)D);
+            float *acc = parts + (h * NP + p) * PW;
+            memset(acc + 2, 0, sizeof(float) * (size_t)D);
+            m[hk * J + j] = -INFINITY;
+            l[hk * J + j] = 0.0f;
+        }
+    float *acc0 = parts + ((r * H + hk0 * GQ) * NP + p) * PW + 2;
+    partition16_any(q, kc, vc, tab, BS, row, hk0 * hw, NH, pbeg, pbeg + SPLIT, D, G, bf, kvq,
+                    scale, J, acc0, GQ * NP * PW, aoff, m, l, hw, far);
+    for (int64_t hk = 0; hk < NH; ++hk)
+        for (int64_t j = 0; j < J; ++j) {
+            float *pp = parts + ((((r + j / GQ) * H + (hk0 + hk) * GQ + j % GQ) * NP + p) * PW);
+            pp[0] = m[hk * J + j];
+            pp[1] = l[hk * J + j];
+        }
 }
 #endif
 
@@ -471,6 +510,9 @@ int attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, cons
              * a row's KV heads in one task (each cache row read whole, in order) where the
              * rows' partitions alone keep the threads busy */
             const int64_t NH = nr * NP >= 4 * num_threads ? HKV : 1, NG = HKV / NH;
+            /* verification rows of a sequence scored together, RG at a time (AVX-512) */
+            const int64_t RG = simd == 2 && L > 1 && 2 * GQ <= GQ_MAX
+                               ? (L < GQ_MAX / GQ ? L : GQ_MAX / GQ) : 1;
             #pragma omp for schedule(dynamic)
             for (int64_t th = 0; th < nr * NG * NP; ++th) {
                 const int64_t r = r0 + th / (NG * NP), hk0 = th / NP % NG * NH, p = th % NP;
@@ -478,6 +520,23 @@ int attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, cons
                 const int64_t pbeg = p * SPLIT, pend = n < pbeg + SPLIT ? n : pbeg + SPLIT;
                 if (pbeg >= n) continue;
                 const int64_t h00 = (r - r0) * H + hk0 * GQ;  /* the task's first (row, head) */
+#if defined(__AVX512F__)
+                if (RG > 1) {
+                    /* a full partition of a group's first row is full for all its rows: the
+                     * group's first row scores it for all of them, the others skip it */
+                    const int64_t t = r % L, gbeg = r - t % RG, last = (b + 1) * L;
+                    const int64_t gend = gbeg + RG < last ? gbeg + RG : last;
+                    const int64_t lead = gbeg > r0 ? gbeg : r0;
+                    const int64_t cnt = (gend < r0 + nr ? gend : r0 + nr) - lead;
+                    if (cnt > 1 && pbeg + SPLIT <= ctx_lens[b] - L + lead % L + 1) {
+                        if (lead != r) continue;
+                        joint(qs, parts, r - r0, cnt, hk0, NH, p, NP, PW, H, GQ, D,
+                              (const char *)k_cache, (const char *)v_cache, tables + b * M, BS,
+                              row, hw, pbeg, G, bf, kvq, scale, n >= FAR);
+                        continue;
+                    }
+                }
+#endif
                 float s[GQ][PB], mm[NH * GQ], ll[NH * GQ], x[D];
                 for (int64_t g = 0; g < NH * GQ; ++g) {
                     float *acc = parts + ((h00 + g) * NP + p) * PW + 2;
@@ -487,10 +546,12 @@ int attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, cons
                 }
 #if defined(__AVX512F__)
                 if (simd == 2 && GQ <= GQ_MAX) {
+                    int64_t aoff[GQ_MAX];
+                    for (int64_t g = 0; g < GQ; ++g) aoff[g] = g * NP * PW;
                     partition16_any(qs + h00 * D, (const char *)k_cache, (const char *)v_cache,
                                     tables + b * M, BS, row, hk0 * hw, NH, pbeg, pend, D, G, bf,
-                                    kvq, scale, GQ, parts + (h00 * NP + p) * PW + 2, NP * PW, mm,
-                                    ll, hw, n >= FAR);
+                                    kvq, scale, GQ, parts + (h00 * NP + p) * PW + 2,
+                                    GQ * NP * PW, aoff, mm, ll, hw, n >= FAR);
                 } else
 #endif
                 for (int64_t hk = hk0; hk < hk0 + NH; ++hk) {
