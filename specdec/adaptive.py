@@ -27,8 +27,14 @@ Measured cost (``MeasuredCosts``, fed by the proposer after every step): the eng
 times, fitted as two lines in the step's rows, ``a + b * rows`` for steps that verify and for
 those that do not (least squares over the recent steps, the prior's slope a weak pull where the
 rows hardly vary), and the seconds per MTP draft; ``model()`` turns them into a ``CostModel``
-in units of the fitted one-row step. Where a line has no steps yet, the prior's shape scaled to
-the other stands in. (Off in the batch-invariant mode, whose choices must not depend on time.)
+in units of the fitted one-row step. The lines hold the attention of the contexts their steps
+had (``ctx_row`` 0: a verification row 16k tokens deep costs what the verify line's slope
+says, not that plus the prior's context term again). A draft pass of more than
+``proposer.PASS_ROWS`` input rows per drafting request (a request's first draft after its
+prompt runs the prompt's rows through the MTP layer; a lazy request's waiting rows) is not
+timed: that is not what a draft costs, and one such pass 16k tokens deep read 0.5-0.7 decode
+steps a draft, which stopped all drafting (no draft, no new observation). Where a line has no steps yet, the prior's shape scaled to the other stands in.
+(Off in the batch-invariant mode, whose choices must not depend on time.)
 
 The choice (``choose_ks``): the ks that maximise the batch's expected tokens per unit of
 cost, ``(B + sum E_i) / cost``, with E_i the expected accepted drafts of request i,
@@ -208,7 +214,7 @@ class MeasuredCosts:
                          verify=(verify1 - plain1) / plain1,
                          verify_row=max((verify2 - verify1) - (plain2 - plain1),
                                         -max(plain2 - plain1, 0.0)) / plain1,
-                         ctx_row=self.prior.ctx_row, draft_pass=draft)
+                         ctx_row=0.0, draft_pass=draft)
 
 
 @dataclass(slots=True)

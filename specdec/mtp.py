@@ -31,7 +31,8 @@ one pass, with its next step's rows, when it drafts again, when a checkpoint of 
 saved, when it finishes (prefix caching: its blocks keep their MTP KV) or once ``LAZY_ROWS``
 wait. The KV written is the same rows' at the same positions; the prefix cache indexes a
 request's blocks only before ``Request.mtp_written`` meanwhile. A k = 0 step then costs what a
-step without speculation costs.
+step without speculation costs. ``pass_rows``: the input rows of the last ``propose``'s MTP
+pass (adaptive k does not time a pass of many rows as its drafts' cost).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class MTPProposer:
         self.draft_filter = draft_filter  # (the module's docstring)
         self.keep_kv = keep_kv  # prefix caching: see ``propose``
         self.lazy = lazy  # (the module's docstring)
+        self.pass_rows = 0  # input rows of the last propose's MTP pass
 
     def num_drafts_for(self, req) -> int:
         return draft_cap(req, self.max_model_len)
@@ -117,6 +119,7 @@ class MTPProposer:
         has the position before its first one rewritten as well: the cached KV there was
         computed with another request's next token."""
         tokens, starts, tables, parts, modes, reqs, owners = [], [], [], [], [], [], []
+        self.pass_rows = 0
         for b, s in enumerate(plan.seqs):
             req = s.request
             if req.spec_k == 0 or req.is_finished or settled[b] == 0:
@@ -164,6 +167,7 @@ class MTPProposer:
                          device=self.device)
         mb.vision = _vision(owners, starts, mb)
         h = parts[0] if len(parts) == 1 else torch.cat(parts)
+        self.pass_rows = h.shape[0]
         if not reqs:  # nothing drafts: the MTP layer's KV is all that is kept
             self.model.mtp_forward(mb.input_ids, h.to(hidden.device), mb, self.cache.tensors,
                                    kv_only=True)

@@ -29,6 +29,8 @@ from .methods import uses_mtp
 from .mtp import Drafts, MTPProposer, draft_cap
 from .ngram import NgramDrafter
 
+PASS_ROWS = 8  # MTP input rows per drafting request past which a pass is not timed as drafts
+
 
 def build_proposer(args, model, cache, sampler, draft_vocab: list[int] | None = None):
     """The engine's proposer for ``args`` (resolved ``EngineArgs``): None without
@@ -99,7 +101,7 @@ class SpecProposer:
             t = time.perf_counter()
             out = {d.request: d for d in self.mtp.propose(plan, row_starts, hidden, settled,
                                                           wanted)}
-            if self.measured is not None:
+            if self.measured is not None and self.mtp.pass_rows <= PASS_ROWS * len(out):
                 self.measured.observe_drafts(
                     sum(len(d.token_ids) - d.num_ngram for d in out.values()),
                     time.perf_counter() - t)
