@@ -33,8 +33,9 @@ says, not that plus the prior's context term again). A draft pass of more than
 ``proposer.PASS_ROWS`` input rows per drafting request (a request's first draft after its
 prompt runs the prompt's rows through the MTP layer; a lazy request's waiting rows) is not
 timed: that is not what a draft costs, and one such pass 16k tokens deep read 0.5-0.7 decode
-steps a draft, which stopped all drafting (no draft, no new observation). Where a line has no steps yet, the prior's shape scaled to the other stands in.
-(Off in the batch-invariant mode, whose choices must not depend on time.)
+steps a draft, which stopped all drafting (no draft, no new observation). Where a line has no
+steps yet, the prior's shape scaled to the other stands in. (Off in the batch-invariant mode,
+whose choices must not depend on time.)
 
 The choice (``choose_ks``): the ks that maximise the batch's expected tokens per unit of
 cost, ``(B + sum E_i) / cost``, with E_i the expected accepted drafts of request i,
