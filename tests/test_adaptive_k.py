@@ -172,6 +172,61 @@ def test_a_round_drafts_deeper_only_as_its_drafts_are_accepted():
     assert acc.earned("mtp") == 2 and acc.earned("ngram") == 1  # 1.95 * 0.95 accepted
 
 
+def test_a_deep_context_is_charged_once():
+    """Steps 16k tokens deep, batch 1: a plain step 70 ms, a verify step of 2-5 rows 76, 86,
+    97, 107 ms (their attention included), a draft 23 ms. The choice is the k that the measured
+    seconds themselves say gives the most tokens a second; charging the context's attention
+    again on top of the lines (the prior's ctx_row) would make it draft nothing."""
+    m = MeasuredCosts(CPU)
+    verify = {2: 0.076, 3: 0.086, 4: 0.097, 5: 0.107}
+    for _ in range(6):
+        m.observe_step(1, False, 0.070)
+        for rows, secs in verify.items():
+            m.observe_step(rows, True, secs)
+    m.observe_drafts(1, 0.023)
+    cost = m.model()
+    for alpha in (0.5, 0.8):
+        def rate(k):
+            return ((1 + expected_gain([alpha] * k, k))
+                    / (verify[k + 1] + 0.023 * k if k else 0.070))
+        best = max(range(5), key=rate)
+        assert best > 0
+        assert choose_ks([Candidate(4, 16384, [alpha] * 4, [True] * 4)], 1, cost) == [best]
+
+
+def test_a_pass_of_many_rows_is_not_timed_as_drafts():
+    """A request's first draft runs its prompt's rows through the MTP layer in the same pass
+    (and a lazy request's waiting rows): that pass's time is not what a draft costs, so it is
+    not observed; a verify step's few rows are."""
+    from types import SimpleNamespace
+
+    from hybridrt.specdec.mtp import Drafts
+    from hybridrt.specdec.proposer import PASS_ROWS, SpecProposer
+    from hybridrt.specdec.stats import SpecStats
+
+    class StubMTP:
+        pass_rows = 0
+
+        def propose(self, plan, row_starts, hidden, settled, wanted):
+            self.pass_rows = sum(settled)
+            return [Drafts(r, [5] * k, None, k=k) for r, (k, _) in wanted.items()]
+
+    class Req(SimpleNamespace):
+        __hash__ = object.__hash__
+
+    prop = SpecProposer(256, mtp=StubMTP(), adaptive=True, measure=True,
+                        cost=CostModel(draft_pass=0.01, verify=0.01))
+    req = Req(spec_k=4, is_finished=False, finish_reason=None, num_output_tokens=0,
+                          spec_stats=SpecStats(4), token_ids=list(range(80)),
+                          params=SimpleNamespace(max_tokens=None))
+    plan = SimpleNamespace(kind="prefill", seqs=[SimpleNamespace(
+        request=req, sample=True, num_drafts=0, num_new_tokens=70)])
+    assert prop.propose(plan, [0], None, [70])[0].k > 0
+    assert prop.measured.drafts == 0  # 70 rows for one drafting request
+    prop.propose(plan, [0], None, [PASS_ROWS])
+    assert prop.measured.drafts > 0
+
+
 # The engine ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
