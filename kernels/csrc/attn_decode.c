@@ -300,7 +300,8 @@ static inline __attribute__((always_inline)) void v_accum(
 /* One partition [pbeg, pend) for the NH KV heads from off0 and GQ (<= GQ_MAX) query heads each:
  * q0 [NH GQ, D] (normed, rotated), the acc of KV head hk's query head g at acc0 + hk khs +
  * aoff[g] ([D], zeroed by the caller), m0, l0 [NH GQ]. The GQ heads are one row's heads of a KV
- * head or, for verification rows of one sequence sharing the partition, several rows' heads. Block by block of PB positions, head after
+ * head or, for verification rows of one sequence sharing the partition, several rows' heads.
+ * Block by block of PB positions, head after
  * head, so that a block's rows (all heads) are read while they are near: the scores of PJ
  * positions for all GQ heads at once (PJ GQ accumulators in registers, each K load widened once
  * in registers, each query chunk loaded once for the PJ positions); exp16 gives the weights of
@@ -394,8 +395,8 @@ static inline __attribute__((always_inline)) void partition16(
     }
 }
 
-/* partition16 with GQ a constant (1, 2, 4, 8, 12 or 16) where it is one, so that the heads' score
- * accumulators stay in registers */
+/* partition16 with GQ a constant (1, 2, 4, 8, 12 or 16) where it is one, so that the heads'
+ * score accumulators stay in registers */
 static void partition16_any(const float *q, const char *kc, const char *vc, const int64_t *tab,
                             int64_t BS, int64_t row, int64_t off, int64_t NH, int64_t pbeg,
                             int64_t pend, int64_t D, int64_t G, int bf, int kvq, float scale,
