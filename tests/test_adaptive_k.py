@@ -186,7 +186,7 @@ def test_a_deep_context_is_charged_once():
     m.observe_drafts(1, 0.023)
     cost = m.model()
     for alpha in (0.5, 0.8):
-        def rate(k):
+        def rate(k, alpha=alpha):
             return ((1 + expected_gain([alpha] * k, k))
                     / (verify[k + 1] + 0.023 * k if k else 0.070))
         best = max(range(5), key=rate)
