@@ -511,9 +511,11 @@ int attn_decode(const void *qg, int64_t ld_qg, const void *k, int64_t ld_k, cons
              * a row's KV heads in one task (each cache row read whole, in order) where the
              * rows' partitions alone keep the threads busy */
             const int64_t NH = nr * NP >= 4 * num_threads ? HKV : 1, NG = HKV / NH;
+#if defined(__AVX512F__)
             /* verification rows of a sequence scored together, RG at a time (AVX-512) */
             const int64_t RG = simd == 2 && L > 1 && 2 * GQ <= GQ_MAX
                                ? (L < GQ_MAX / GQ ? L : GQ_MAX / GQ) : 1;
+#endif
             #pragma omp for schedule(dynamic)
             for (int64_t th = 0; th < nr * NG * NP; ++th) {
                 const int64_t r = r0 + th / (NG * NP), hk0 = th / NP % NG * NH, p = th % NP;
