@@ -32,10 +32,10 @@ had (``ctx_row`` 0: a verification row 16k tokens deep costs what the verify lin
 says, not that plus the prior's context term again). A draft pass of more than
 ``proposer.PASS_ROWS`` input rows per drafting request (a request's first draft after its
 prompt runs the prompt's rows through the MTP layer; a lazy request's waiting rows) is not
-timed: that is not what a draft costs, and one such pass 16k tokens deep read 0.5-0.7 decode
-steps a draft, which stopped all drafting (no draft, no new observation). Where a line has no
-steps yet, the prior's shape scaled to the other stands in. (Off in the batch-invariant mode,
-whose choices must not depend on time.)
+timed: that is not what a draft costs, and charged to the draft it can stop all drafting, after
+which no draft comes to correct it (docs/speculation.md). Where a line has no steps yet, the
+prior's shape scaled to the other stands in. (Off in the batch-invariant mode, whose choices
+must not depend on time.)
 
 The choice (``choose_ks``): the ks that maximise the batch's expected tokens per unit of
 cost, ``(B + sum E_i) / cost``, with E_i the expected accepted drafts of request i,
@@ -82,9 +82,8 @@ class Acceptance:
         """The drafts of ``source`` a round may try: one more than the request's accepted ones
         (decayed, rounded down). A request finds out with one draft a round and drafts deeper
         only as its drafts are accepted: where they are not, each round of finding out costs
-        one draft, not the two to four the prior's optimism would pick (at alpha 0.2 and k up
-        to 4 the engine's adaptive rows drafted 0.20 a step and ran 0.96x k = 0; with this
-        cap 0.05 and 0.97-1.02x; docs/speculation.md)."""
+        one draft, not the two to four the prior's optimism would pick (what that cost:
+        docs/speculation.md)."""
         return 1 + int(self.accepted.get(source, 0.0))
 
     def idle(self) -> None:

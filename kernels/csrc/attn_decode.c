@@ -429,27 +429,25 @@ static void joint(const float *qs, float *parts, int64_t r, int64_t cnt, int64_t
                   float scale, int far)
 {
     const int64_t J = cnt * GQ;  /* heads scored together per KV head */
-    float q[NH * J * D], m[NH * J], l[NH * J];
+    float q[NH * J * D], m[NH * J], l[NH * J], *pp[NH * J];  /* pp: each head's partial */
     int64_t aoff[GQ_MAX];
     for (int64_t j = 0; j < J; ++j) aoff[j] = ((j / GQ) * H + j % GQ) * NP * PW;
     for (int64_t hk = 0; hk < NH; ++hk)
         for (int64_t j = 0; j < J; ++j) {
-            const int64_t h = (r + j / GQ) * H + (hk0 + hk) * GQ + j % GQ;
-            memcpy(q + (hk * J + j) * D, qs + h * D, sizeof(float) * (size_t)D);
-            float *acc = parts + (h * NP + p) * PW;
-            memset(acc + 2, 0, sizeof(float) * (size_t)D);
-            m[hk * J + j] = -INFINITY;
-            l[hk * J + j] = 0.0f;
+            const int64_t h = (r + j / GQ) * H + (hk0 + hk) * GQ + j % GQ, t = hk * J + j;
+            memcpy(q + t * D, qs + h * D, sizeof(float) * (size_t)D);
+            pp[t] = parts + (h * NP + p) * PW;
+            memset(pp[t] + 2, 0, sizeof(float) * (size_t)D);
+            m[t] = -INFINITY;
+            l[t] = 0.0f;
         }
     float *acc0 = parts + ((r * H + hk0 * GQ) * NP + p) * PW + 2;
     partition16_any(q, kc, vc, tab, BS, row, hk0 * hw, NH, pbeg, pbeg + SPLIT, D, G, bf, kvq,
                     scale, J, acc0, GQ * NP * PW, aoff, m, l, hw, far);
-    for (int64_t hk = 0; hk < NH; ++hk)
-        for (int64_t j = 0; j < J; ++j) {
-            float *pp = parts + ((((r + j / GQ) * H + (hk0 + hk) * GQ + j % GQ) * NP + p) * PW);
-            pp[0] = m[hk * J + j];
-            pp[1] = l[hk * J + j];
-        }
+    for (int64_t t = 0; t < NH * J; ++t) {
+        pp[t][0] = m[t];
+        pp[t][1] = l[t];
+    }
 }
 #endif
 
