@@ -5,6 +5,10 @@ prompt chunk, or the last token plus the accepted drafts), with inputs shifted b
 (``t[p+1]``, target hidden ``h[p]``), so that its own paged KV (same block tables and slots as
 the target's, its own cache tensor) covers every position. The output at the last position
 gives the first draft; drafts 2..k reuse the layer on its own output, one position further each.
+Only a drafting request's last row needs the layer's output: its earlier rows (the accepted
+drafts, a prompt, rows that waited) and the rows of requests that do not draft have their KV
+written in a pass of their own (``mtp_forward(kv_only=True)``: the K/V products, no attention
+over the context, no MLP), before the pass that drafts.
 
 With a draft vocabulary (``draft_vocab``: token ids, see ``specdec.draft_vocab``) the drafts'
 logits are computed over those ids only, from a copy of the LM head's rows made once (int8
@@ -118,7 +122,7 @@ class MTPProposer:
         from a cache hit (``mtp_carry``: the target's hidden state before its first position)
         has the position before its first one rewritten as well: the cached KV there was
         computed with another request's next token."""
-        tokens, starts, tables, parts, modes, reqs, owners = [], [], [], [], [], [], []
+        kv, full = _Pass(), _Pass()  # rows whose KV only is written; each drafter's last row
         self.pass_rows = 0
         for b, s in enumerate(plan.seqs):
             req = s.request
@@ -153,26 +157,23 @@ class MTPProposer:
                 continue
             if waiting:
                 rows = torch.cat([*(w.to(rows.dtype) for w in waiting), rows])
-            tokens.append(req.token_ids[first + 1:s.start + 1 + n])
-            starts.append(first)
-            tables.append(self.cache.block_table(req.request_id))
-            parts.append(rows)
-            modes.append("last" if drafting else "none")
-            owners.append(req)
+            toks = req.token_ids[first + 1:s.start + 1 + n]
+            cut = len(toks) - 1 if drafting else len(toks)  # rows that need their KV only
+            if cut > 0:
+                kv.add(toks[:cut], first, self.cache.block_table(req.request_id), rows[:cut], req)
             if drafting:
-                reqs.append(req)
-        if not tokens:
-            return []
-        mb = build_batch(tokens, starts, tables, self.cache.block_size, None, modes,
-                         device=self.device)
-        mb.vision = _vision(owners, starts, mb)
-        h = parts[0] if len(parts) == 1 else torch.cat(parts)
-        self.pass_rows = h.shape[0]
-        if not reqs:  # nothing drafts: the MTP layer's KV is all that is kept
+                full.add(toks[cut:], first + cut, self.cache.block_table(req.request_id),
+                         rows[cut:], req)
+        self.pass_rows = kv.rows + full.rows
+        if kv.rows:  # the MTP layer's KV of rows no draft is read from: no attention, no MLP
+            mb, h = kv.batch(self)
             self.model.mtp_forward(mb.input_ids, h.to(hidden.device), mb, self.cache.tensors,
                                    kv_only=True)
+        if not full.rows:
             return []
+        mb, h = full.batch(self)
         out = self.model.mtp_forward(mb.input_ids, h.to(hidden.device), mb, self.cache.tensors)
+        reqs = full.owners
         plans = ([(self.num_drafts_for(r), []) for r in reqs] if wanted is None
                  else [wanted[r] for r in reqs])
         return self._draft(reqs, out[mb.logits_indices], plans)
@@ -263,6 +264,29 @@ class MTPProposer:
             for m, n in enumerate(rand):
                 probs[idx[n]].append(p[m])
         return picked.tolist()
+
+
+class _Pass:
+    """One MTP pass's sequences: tokens, first positions, block tables, the target's hidden
+    rows and their requests."""
+
+    def __init__(self):
+        self.tokens, self.starts, self.tables, self.parts, self.owners = [], [], [], [], []
+        self.rows = 0
+
+    def add(self, tokens: list[int], start: int, table, rows: torch.Tensor, req) -> None:
+        self.tokens.append(tokens)
+        self.starts.append(start)
+        self.tables.append(table)
+        self.parts.append(rows)
+        self.owners.append(req)
+        self.rows += len(tokens)
+
+    def batch(self, proposer: MTPProposer):
+        mb = build_batch(self.tokens, self.starts, self.tables, proposer.cache.block_size, None,
+                         None, device=proposer.device)
+        mb.vision = _vision(self.owners, self.starts, mb)
+        return mb, self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
 
 
 def _vision(reqs: list, starts: list[int], mb):

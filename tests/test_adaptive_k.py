@@ -348,9 +348,10 @@ def test_steps_without_drafts_run_no_mtp_pass_and_drafts_stay_the_same(ckpt, ref
     assert [o.outputs[0].token_ids for o in lazy_outs] == [
         o.outputs[0].token_ids for o in eager_outs]
     assert len(eager) >= 8 and lazy == eager
-    # a drafting step runs two passes (its second draft reads the first); besides, rows run
-    # where a checkpoint is saved (prefix caching: a prompt's last token, its end)
-    assert len(lazy_passes) <= 2 * len(lazy) + 4 * len(prompts), lazy_passes
+    # a drafting step runs up to three passes (the waiting rows' KV, its last row, its second
+    # draft, which reads the first); besides, rows run where a checkpoint is saved (prefix
+    # caching: a prompt's last token, its end)
+    assert len(lazy_passes) <= 3 * len(lazy) + 4 * len(prompts), lazy_passes
     assert len(eager_passes) - len(lazy_passes) >= 40, (eager_passes, lazy_passes)
     # the same rows in fewer passes; without prefix caching rows still waiting at a request's
     # end are not needed and never run

@@ -77,14 +77,21 @@ def test_image_in_the_second_turn_with_a_prefix_hit(spec):
 
 
 def recorded_mtp(llm) -> list:
-    """Every MTP pass of ``llm`` from now on that drafts: (input ids, positions, output)."""
-    seen, model = [], llm.model
+    """Every MTP pass of ``llm`` from now on that drafts: (input ids, positions, output). A
+    drafting step writes the KV of a request's earlier rows in a pass of their own
+    (``kv_only``); here that pass computes its rows' outputs too (the same KV), and they are
+    recorded with the drafting pass after it, as one pass."""
+    seen, pending, model = [], [], llm.model
     plain = type(model).mtp_forward.__get__(model)
 
     def mtp_forward(input_ids, hidden, batch, cache, kv_only=False):
-        out = plain(input_ids, hidden, batch, cache, kv_only)
-        if out is not None:
-            seen.append((input_ids.clone(), batch.positions.clone(), out.clone()))
+        out = plain(input_ids, hidden, batch, cache)
+        pending.append((input_ids.clone(), batch.positions.clone(), out.clone()))
+        if kv_only:
+            return None
+        ids, pos, outs = zip(*pending)
+        pending.clear()
+        seen.append((torch.cat(ids), torch.cat(pos, dim=-1), torch.cat(outs)))
         return out
 
     model.mtp_forward = mtp_forward
