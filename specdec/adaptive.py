@@ -39,7 +39,8 @@ must not depend on time.)
 
 The choice (``choose_ks``): the ks that maximise the batch's expected tokens per unit of
 cost, ``(B + sum E_i) / cost``, with E_i the expected accepted drafts of request i,
-``sum_j prod_{m<=j} alpha_i(m)``; 0 for every request unless drafting raises that ratio.
+``sum_j prod_{m<=j} alpha_i(m)``, the verify step's fixed cost counted once; 0 for every
+request unless drafting raises that ratio.
 """
 
 from __future__ import annotations
@@ -240,10 +241,14 @@ def expected_gain(alphas: Sequence[float], k: int) -> float:
 
 def choose_ks(cands: Sequence[Candidate], batch_rows: int, cost: CostModel) -> list[int]:
     """k per candidate for a step of ``batch_rows`` rows without drafts: the ks that maximise
-    the step's expected tokens per unit of cost, found by Dinkelbach's iteration (at the
-    current ratio every request alone picks the k that gains most over what its rows cost;
-    the ratio of that choice is the next one), the fixed verify cost and the
-    compute-bound slope checked on the whole choice. All 0 unless that pays."""
+    the step's expected tokens per unit of cost, 0 for all unless that beats drafting nothing.
+    A step that verifies pays the fixed verify cost once whatever its ks, so among choices that
+    verify the ratio is a sum over requests over a sum over requests plus a constant: found by
+    Dinkelbach's iteration (at the current ratio each request alone picks the k that gains most
+    over what its rows and drafts cost; the ratio of that choice is the next one), started from
+    a choice that verifies (one draft each), at least one draft kept; then compared with no
+    drafts. (Starting from no drafts would leave out a fixed cost below zero, which a deep
+    context's measured verify line can have: docs/speculation.md.)"""
     def ratio(ks: list[int]) -> float:
         tokens = batch_rows + sum(expected_gain(c.alphas, k) for c, k in zip(cands, ks))
         ctx = sum((1 + k) * c.context_len for c, k in zip(cands, ks))
@@ -251,20 +256,26 @@ def choose_ks(cands: Sequence[Candidate], batch_rows: int, cost: CostModel) -> l
         spent = cost.step(batch_rows + sum(ks), ctx, any(ks)) + cost.draft_pass * passes
         return tokens / spent
 
-    best = [0] * len(cands)
+    none = [0] * len(cands)
+    best = [min(1, c.cap) for c in cands]
+    if not any(best):
+        return none
     best_ratio = ratio(best)
-    lam, rows = best_ratio, batch_rows
     for _ in range(8):
-        slope = cost.row_slope(rows)
-        ks = []
+        lam, slope = best_ratio, cost.row_slope(batch_rows + sum(best))
+        values = []
         for c in cands:
             row = slope + cost.ctx_row * c.context_len / 1024
-            value = [expected_gain(c.alphas, k)
-                     - lam * (k * row + cost.draft_pass * sum(c.mtp[:k]))
-                     for k in range(c.cap + 1)]
-            ks.append(max(range(c.cap + 1), key=lambda k: (value[k], -k)))
+            values.append([expected_gain(c.alphas, k)
+                           - lam * (k * row + cost.draft_pass * sum(c.mtp[:k]))
+                           for k in range(c.cap + 1)])
+        ks = [max(range(len(v)), key=lambda k, v=v: (v[k], -k)) for v in values]
+        if not any(ks):  # the step must verify something: the draft that loses least
+            i = max((i for i, c in enumerate(cands) if c.cap),
+                    key=lambda i: max(values[i][1:]))
+            ks[i] = 1 + max(range(cands[i].cap), key=lambda k: (values[i][k + 1], -k))
         r = ratio(ks)
         if r <= best_ratio:
             break
-        best, best_ratio, lam, rows = ks, r, r, batch_rows + sum(ks)
-    return best
+        best, best_ratio = ks, r
+    return best if best_ratio > ratio(none) else none

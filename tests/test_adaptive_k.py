@@ -70,6 +70,42 @@ def test_choice_is_per_request_and_beats_every_fixed_k():
     assert all(ratio(ks) >= ratio([k] * 4) - 1e-12 for k in range(5))
 
 
+@pytest.mark.parametrize("cost", [
+    CPU,
+    CostModel(row=0.02, compute_row=0.0, verify=0.09, verify_row=0.01, ctx_row=0.0,
+              draft_pass=0.1),
+    # 16k deep, as measured there: a verify step's line starts below a plain step's and rises
+    # steeply (a fixed cost below zero), drafts dear
+    CostModel(row=0.01, compute_row=0.0, verify=-0.06, verify_row=0.14, ctx_row=0.0,
+              draft_pass=0.3),
+])
+def test_the_choice_is_the_best_k_of_all(cost):
+    """Against every choice tried by brute force (batch 1 to 3, mixed acceptance): the
+    choice's expected tokens per unit of cost are the highest. With a fixed verify cost below
+    zero a request whose drafts pay only with it counted drafts (the per-request step alone
+    does not see it)."""
+    import itertools
+
+    def ratio(cands, ks):
+        tokens = len(cands) + sum(expected_gain(c.alphas, k) for c, k in zip(cands, ks))
+        ctx = sum((1 + k) * c.context_len for c, k in zip(cands, ks))
+        passes = sum(sum(c.mtp[:k]) for c, k in zip(cands, ks))
+        return tokens / (cost.step(len(cands) + sum(ks), ctx, any(ks))
+                         + cost.draft_pass * passes)
+
+    alphas = [0.05, 0.3, 0.45, 0.5, 0.6, 0.8, 0.95]
+    for batch in ([a] for a in alphas):
+        cands = [_cand(a, cap=4, ctx=0, mtp=True) for a in batch]
+        got = choose_ks(cands, 1, cost)
+        want = max(ratio(cands, [k]) for k in range(5))
+        assert ratio(cands, got) == pytest.approx(want, rel=1e-12), (batch, got)
+    for batch in itertools.product(alphas[::2], repeat=2):
+        cands = [_cand(a, cap=3, ctx=0, mtp=True) for a in batch]
+        got = choose_ks(cands, 2, cost)
+        want = max(ratio(cands, list(ks)) for ks in itertools.product(range(4), repeat=2))
+        assert ratio(cands, got) == pytest.approx(want, rel=1e-9), (batch, got)
+
+
 def test_acceptance_estimate_follows_and_forgets():
     acc = Acceptance()
     assert acc.alpha("ngram") == 0.5

@@ -4,7 +4,7 @@ charged what the cost model says (in one-row decode steps). Prints, per request 
 alpha, adaptive k's tokens per step against k = 0's and against the best fixed k's, and a
 request whose acceptance moves from 0.2 to 0.8 halfway against the best choice of each half.
 
-    python -m hybridrt.bench.adaptive_sim [--draft-pass 0.38 --verify 0.07]
+    python -m hybridrt.bench.adaptive_sim [--draft-pass 0.38 --verify 0.07 --verify-row 0]
         [--set PRIOR=2 --set IDLE_FORGET=0.97]   # other constants, to compare
 
 The default costs are the 0.8B shape's on the CPU with the full-vocabulary MTP head
@@ -57,6 +57,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft-pass", type=float, default=0.38)
     ap.add_argument("--verify", type=float, default=0.07)
+    ap.add_argument("--verify-row", type=float, default=0.0,
+                    help="a verify step's cost per row beyond a plain step's (16k deep: 0.14)")
     ap.add_argument("--alphas", default="0.2,0.5,0.8")
     ap.add_argument("--tokens", default="48,512", help="request lengths")
     ap.add_argument("--requests", type=int, default=400)
@@ -69,9 +71,10 @@ def main(argv=None) -> None:
             ap.error(f"--set: unknown constant {name!r}")
         setattr(adaptive, name, float(value))
     cost = adaptive.CostModel(row=0.02, compute_row=0.0, verify=a.verify,
-                              draft_pass=a.draft_pass)
+                              verify_row=a.verify_row, draft_pass=a.draft_pass)
     print(f"FORGET {adaptive.FORGET} IDLE_FORGET {adaptive.IDLE_FORGET} PRIOR {adaptive.PRIOR} "
-          f"BONUS {adaptive.BONUS}; draft pass {a.draft_pass}, verify {a.verify}")
+          f"BONUS {adaptive.BONUS}; draft pass {a.draft_pass}, verify {a.verify}, "
+          f"verify row {a.verify_row}")
     print("| tokens | alpha | adaptive / k = 0 | adaptive / best fixed k | best k |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     def requests(tokens: int) -> int:  # about as many tokens at every length
