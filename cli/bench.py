@@ -427,6 +427,14 @@ def quality(
     llamacpp_bin: Annotated[Path | None, typer.Option(
         "--llamacpp-bin", metavar="DIR", help="Folder of llama-perplexity (default: as bench "
         "throughput's).", show_default=False)] = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", help="A trained checkpoint with the demo's tokenizer in the demo model's "
+        "place, e.g. an MoE from scripts/demo/train.py --experts (default: the demo model).",
+        show_default=False)] = None,
+    mixed: Annotated[list[str] | None, typer.Option(
+        "--mixed", metavar="PARTS", help="One more model: int4 with the weights whose names "
+        "hold one of these comma-separated parts at 8 bits, as hybridrt quantize --int8 "
+        "writes it (repeat for more; default: none).", show_default=False)] = None,
     threads: ThreadsOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
@@ -436,11 +444,23 @@ def quality(
     for gguf in against_llamacpp or []:
         if not gguf.is_file():
             raise CliError(f"--against-llamacpp: no GGUF file at {gguf}", 2)
+    parts = tuple(tuple(p.strip() for p in m.split(",") if p.strip()) for m in mixed or [])
+    if any(not p for p in parts):
+        raise CliError("--mixed: name at least one part (e.g. self_attn,linear_attn)", 2)
+    if model is not None:
+        from hybridrt.cli.common import resolve_model
+
+        model = resolve_model(model)
     from hybridrt.bench.quality import run_quality
 
-    run_quality(model_08b, skip_08b=skip_08b, threads=threads or _default_threads(),
-                max_docs=max_docs, json_path=json_path, llamacpp_ggufs=against_llamacpp,
-                llamacpp_bin=llamacpp_bin)
+    try:
+        run_quality(model_08b, skip_08b=skip_08b, threads=threads or _default_threads(),
+                    max_docs=max_docs, json_path=json_path, llamacpp_ggufs=against_llamacpp,
+                    llamacpp_bin=llamacpp_bin, model=model, mixed=parts)
+    except ValueError as e:
+        if parts and type(e) is ValueError:  # a part that names no weight
+            raise CliError(f"--mixed: {e}", 2) from None
+        raise
 
 
 # startup --------------------------------------------------------------------------------------

@@ -17,6 +17,11 @@ def quantize(
     quantization: Annotated[str, typer.Option(
         "--quantization", help="int8 or int4 (4-bit weights; the embedding / LM head in "
         "6 bits).")] = "int8",
+    int8: Annotated[str | None, typer.Option(
+        "--int8", metavar="PARTS", help="Under int4, keep at 8 bits the weights whose names "
+        "hold one of these comma-separated parts, e.g. self_attn,linear_attn,shared_expert "
+        "(as llama-quantize's --tensor-type keeps some at Q8_0; docs/moe.md measures it) "
+        "(default: none).", show_default=False)] = None,
 ) -> None:
     """Write IN with its weights quantized (as --quantization int8 or int4 does at load time)
     into OUT, with IN's config and tokenizer files.
@@ -36,7 +41,14 @@ def quantize(
         raise CliError(f"--quantization: {e}", 2) from None
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CliError(f"{out} exists and is not an empty directory", 2)
+    parts = tuple(p.strip() for p in int8.split(",") if p.strip()) if int8 is not None else ()
+    if int8 is not None and not parts:
+        raise CliError("--int8: name at least one part (e.g. self_attn,linear_attn)", 2)
+    if parts and check_quantization(quantization) != "int4":
+        raise CliError("--int8 applies under --quantization int4", 2)
     path = resolve_model(model)
+    if parts and Path(path).is_file():
+        raise CliError("--int8: a GGUF file keeps each weight's own type", 2)
     from hybridrt.loader import save_quantized
     from hybridrt.quantize_stream import quantize_streaming
 
@@ -44,8 +56,12 @@ def quantize(
         if Path(path).is_file():  # a GGUF file: loaded once (memory-mapped), its types kept
             info = save_quantized(path, out, quantization)
         else:
-            info = quantize_streaming(path, out, quantization)
+            info = quantize_streaming(path, out, quantization, int8_parts=parts)
     except FileExistsError as e:
         raise CliError(str(e), 2) from None
+    except ValueError as e:
+        if parts and type(e) is ValueError:  # int8_formats' (a CheckpointError goes on up)
+            raise CliError(f"--int8: {e}", 2) from None
+        raise
     typer.echo(f"wrote {info['path']}: {info['tensors']} tensors, "
                f"{info['bytes'] / 2**30:.2f} GiB", err=True)

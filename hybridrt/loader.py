@@ -156,6 +156,26 @@ def _format_of(quantization: str, name: str, stored: dict | None = None,
     return "int6"
 
 
+def int8_formats(names, int8_parts, quantization: str | None) -> dict | None:
+    """``{weight: "int8"}`` for the weights to quantize (``names``) whose name holds one of
+    ``int8_parts`` (substrings such as ``self_attn``, ``linear_attn``, ``shared_expert``:
+    ``hybridrt quantize --int8``), kept at 8 bits under int4; None without parts. ValueError
+    for parts under another quantization, or a part that names no such weight."""
+    if not int8_parts:
+        return None
+    if quantization != "int4":
+        raise ValueError(f"int8 parts ({', '.join(int8_parts)}) apply under int4 "
+                         f"quantization, not {quantization}")
+    formats = {}
+    for part in int8_parts:
+        hits = {n: "int8" for n in names if part in n}
+        if not hits:
+            raise ValueError(f"int8 part {part!r} names no quantized weight of this model "
+                             f"(e.g. self_attn, linear_attn, mlp, shared_expert, experts, mtp)")
+        formats.update(hits)
+    return formats
+
+
 def _declared_formats(opened: list, path: Path) -> dict | None:
     """The per-weight formats a checkpoint written from a mixed GGUF file declares, or None."""
     raw = next((v for h in opened if (v := (h.metadata() or {}).get(QUANT_FORMATS_METADATA))),
@@ -187,14 +207,15 @@ def _prequantized(opened: list, path: Path) -> str | None:
 
 
 def save_quantized(model: str | os.PathLike, out: str | os.PathLike,
-                   quantization: str = "int8") -> dict:
+                   quantization: str = "int8", int8_parts: tuple[str, ...] = ()) -> dict:
     """Write ``model`` (a checkpoint directory or hub id) with its weights quantized as
     ``quantization`` ("int8" or "int4") quantizes them at load, into the new directory ``out``:
     one model.safetensors (quantized weights in the kernels' layout, ``<name>.qs``,
     ``<name>.scales``, for 4 bits ``<name>.codes`` and for 6 bits also ``<name>.hs``; the other
     tensors in the checkpoint's dtype) and the source's other files (config, tokenizer).
-    ``load_model`` reads it without quantizing again; the model computes the same. -> {"path",
-    "bytes", "tensors"}."""
+    ``load_model`` reads it without quantizing again; the model computes the same.
+    ``int8_parts``: weights kept at 8 bits under int4 (``int8_formats``). -> {"path", "bytes",
+    "tensors"}."""
     import shutil
 
     from safetensors.torch import save_file
@@ -205,7 +226,8 @@ def save_quantized(model: str | os.PathLike, out: str | os.PathLike,
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty directory")
-    net, _, path = load_model(model, dtype="auto", with_mtp=True, quantization=quantization)
+    net, _, path = load_model(model, dtype="auto", with_mtp=True, quantization=quantization,
+                              int8_parts=int8_parts)
     quantization = quant.quantization_of(net) or quantization  # a GGUF's own may be lower
     tensors, formats = {}, {}
     for name, module in net.named_modules():
@@ -265,6 +287,7 @@ def load_model(
     device: str | torch.device = "cpu",
     quantization: str | None = None,
     overrides: dict | None = None,
+    int8_parts: tuple[str, ...] = (),
 ) -> tuple[Qwen35ForCausalLM, ModelConfig, Path]:
     """Load a checkpoint directory, GGUF file (``hybridrt.gguf``) or hub id -> (model in eval
     mode, config, resolved path).
@@ -278,6 +301,8 @@ def load_model(
     4 bits (``kernels.int4``; the embedding / LM head in 6 bits). A checkpoint written by
     ``save_quantized`` (``hybridrt quantize``) holds them quantized already: it loads in its
     own quantization whatever ``quantization`` says, with no quantization at start-up.
+    ``int8_parts``: under int4, the weights whose names hold one of these stay at 8 bits
+    (``int8_formats``).
     """
     from safetensors import safe_open
 
@@ -287,6 +312,9 @@ def load_model(
         from hybridrt.gguf.loader import load_gguf_model
 
         _refuse_gguf_overrides(model, overrides)
+        if int8_parts:
+            raise ValueError("int8 parts do not apply to a GGUF file: it keeps each weight's "
+                             "own type")
         return load_gguf_model(resolve_model_path(model), dtype, with_mtp, device, quantization)
     quantization = check_quantization(quantization)
     auto = isinstance(dtype, str) and dtype.lower() == "auto"
@@ -319,6 +347,8 @@ def load_model(
             raise CheckpointError(f"{path} holds {prequantized} weights (written by hybridrt "
                                   f"quantize), "
                                   f"which run on the CPU only, not on {device}")
+        if int8_parts:
+            raise ValueError(f"int8 parts do not apply to {path}: it is quantized already")
         quantization = prequantized
     if auto:
         dtype = checkpoint_dtype(path, handles, torch.device(device))
@@ -327,6 +357,8 @@ def load_model(
         net = Qwen35ForCausalLM(config, with_mtp=with_mtp and has_mtp)
     expected = {n: tuple(p.shape) for n, p in net.state_dict().items()}
     to_quantize = quant.quantized_names(net) if quantization else set()
+    if not prequantized:
+        formats = int8_formats(sorted(to_quantize), int8_parts, quantization)
     if prequantized:  # each quantized weight is stored as its tensors, in the kernels' layout
         for name in to_quantize & set(expected):
             cls, shapes, _, _ = _FORMATS[_format_of(quantization, name, handles, formats)]
@@ -375,7 +407,8 @@ def load_model(
             continue
         t = _read(handles, file_of, name)
         if name in to_quantize:
-            quantized[name] = _FORMATS[_format_of(quantization, name)][3](t.to(device))
+            quantized[name] = _FORMATS[_format_of(quantization, name, formats=formats)][3](
+                t.to(device))
             release_pages(t)  # read once: its file pages need not stay resident
         else:
             state[name] = t.to(device=device, dtype=dtype)

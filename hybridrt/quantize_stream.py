@@ -19,6 +19,7 @@ from hybridrt.kernels import quant
 from hybridrt.kernels.memory import release_pages
 from hybridrt.loader import (
     _FORMATS,
+    QUANT_FORMATS_METADATA,
     QUANT_METADATA,
     CheckpointError,
     _format_of,
@@ -27,6 +28,7 @@ from hybridrt.loader import (
     _weight_files,
     canonical_name,
     checkpoint_dtype,
+    int8_formats,
     load_config,
 )
 from hybridrt.model import Qwen35ForCausalLM
@@ -36,12 +38,13 @@ from hybridrt.options import check_quantization
 
 
 def quantize_streaming(model: str | os.PathLike, out: str | os.PathLike,
-                       quantization: str = "int8") -> dict:
+                       quantization: str = "int8", int8_parts: tuple[str, ...] = ()) -> dict:
     """Write ``model`` (a checkpoint directory or hub id) with its weights quantized as
     ``quantization`` ("int8" or "int4") into the new directory ``out``, input shard by input
     shard (an MoE checkpoint's per-expert gate and up halves may lie in different shards: the
     first waits for the second) -> {"path", "bytes", "tensors", "shards"}. Missing,
-    mis-shaped and unexpected tensors fail as the loader fails them."""
+    mis-shaped and unexpected tensors fail as the loader fails them. ``int8_parts``: as
+    ``loader.save_quantized``'s."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -61,6 +64,11 @@ def quantize_streaming(model: str | os.PathLike, out: str | os.PathLike,
         net = Qwen35ForCausalLM(config, with_mtp=True)
     expected = {n: tuple(p.shape) for n, p in net.state_dict().items()}
     to_quantize = quant.quantized_names(net)
+    formats = int8_formats(sorted(to_quantize), int8_parts, quantization)
+    metadata = {"format": "pt", QUANT_METADATA: quantization}
+    if formats:  # what differs from int4's own choice, declared as save_quantized declares it
+        metadata[QUANT_FORMATS_METADATA] = json.dumps(
+            {n: _format_of(quantization, n, formats=formats) for n in sorted(to_quantize)})
     dtype = None
     live: dict[str, tuple[object, str]] = {}  # read, not yet written (and waiting halves)
     file_of: dict[str, Path] = {}
@@ -93,7 +101,7 @@ def quantize_streaming(model: str | os.PathLike, out: str | os.PathLike,
                 continue
             t = _read({canon: (h_, raw)}, file_of, canon)
             if canon in to_quantize:
-                qw = _FORMATS[_format_of(quantization, canon)][3](t)
+                qw = _FORMATS[_format_of(quantization, canon, formats=formats)][3](t)
                 release_pages(t)
                 for part, x in zip(qw.names, qw.tensors()):
                     tensors[f"{canon}.{part}"] = x.contiguous()
@@ -102,8 +110,7 @@ def quantize_streaming(model: str | os.PathLike, out: str | os.PathLike,
             written.add(canon)
         if unexpected or mismatched:
             break
-        save_file(tensors, str(out / fname), metadata={"format": "pt",
-                                                      QUANT_METADATA: quantization})
+        save_file(tensors, str(out / fname), metadata=metadata)
         total += (out / fname).stat().st_size
         count += len(tensors)
         weight_map.update({n: fname for n in tensors})

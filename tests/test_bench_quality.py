@@ -83,3 +83,27 @@ def test_gguf_tensors_in_our_model(tiny, tmp_path):
     with pytest.raises(ValueError, match="GGUF tensor blk.0.ffn_gate.weight is not this "
                                          "model's model.layers.0.mlp.gate_proj.weight"):
         quality.model_with_gguf_weights(tiny, tensors, "close")
+
+
+def test_weight_bytes_count_a_tokens_routed_experts_by_their_share(tmp_path):
+    """``weight_bytes``: every weight's bytes as loaded; a batch-1 token reads top-k / experts
+    of the routed experts' and all of the rest. An int4 model with parts at 8 bits
+    (``--mixed``) holds more."""
+    from hybridrt.bench.moe_fixtures import tiny_moe_config, write_moe_checkpoint
+
+    cfg = tiny_moe_config()
+    src = write_moe_checkpoint(tmp_path / "moe", cfg, seed=1, dtype=torch.bfloat16)
+    net = load_model(src, torch.bfloat16, quantization="int4")[0]
+    total, token = quality.weight_bytes(net)
+    sizes = {n: sum(t.numel() * t.element_size() for t in
+                    (m.qweight.tensors() if getattr(m, "qweight", None) is not None
+                     else m.parameters(recurse=False)))
+             for n, m in net.named_modules()}
+    experts = sum(v for n, v in sizes.items() if ".experts." in n)
+    share = cfg["num_experts_per_tok"] / cfg["num_experts"]
+    assert total == sum(sizes.values()) and 0 < experts < total
+    assert token == pytest.approx(total - experts * (1 - share))
+    mixed = load_model(src, torch.bfloat16, quantization="int4", int8_parts=("linear_attn",))[0]
+    assert quality.weight_bytes(mixed)[0] > total
+    names = [n for n, _, _ in quality._variants(("int8", "int4"), (("a", "b"),))]
+    assert names == ["bf16", "int8", "int4", "int4+int8:a,b"]

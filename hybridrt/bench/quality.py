@@ -11,6 +11,11 @@ token sequences.
   (chunks of 512 tokens, the second half of each), three ways: our models; llama.cpp's own
   ``llama-perplexity`` on each GGUF; and each GGUF's tensors dequantized (the ``gguf`` package)
   into our bf16 model, so that llama.cpp's formats and ours are compared on one computation.
+- ``--model``: another trained checkpoint in the demo's tokenizer in its place (e.g. a small
+  MoE from ``scripts/demo/train.py --experts``); ``--mixed PARTS``: int4 with the weights whose
+  names hold one of PARTS at 8 bits (``hybridrt quantize --int8``) as one more model. Each
+  model's weight bytes are reported, and what a batch-1 token reads of them (the routed
+  experts' share top-k / experts): the quality-per-byte choice of docs/moe.md.
 - A Qwen3.5-0.8B-shaped checkpoint with random weights over random token ids: the logits'
   relative error against bf16 (``||q - bf16|| / ||bf16||`` over all positions) and top-1
   agreement, and for scale the same for bf16 against fp32 weights.
@@ -74,12 +79,13 @@ def score(model, sequences: list[list[int]], block_size: int = 16):
     return out
 
 
-def _load(path, quantization, dtype="bfloat16"):
+def _load(path, quantization, dtype="bfloat16", int8_parts: tuple[str, ...] = ()):
     from hybridrt import env
     from hybridrt.kernels.backend import CPUBackend
     from hybridrt.loader import load_model
 
-    model, config, _ = load_model(path, dtype, with_mtp=False, quantization=quantization)
+    model, config, _ = load_model(path, dtype, with_mtp=False, quantization=quantization,
+                                  int8_parts=int8_parts)
     model.set_backend(CPUBackend(config, options=env.kernel_options()))
     return model
 
@@ -87,11 +93,35 @@ def _load(path, quantization, dtype="bfloat16"):
 QUANTIZATIONS = ("int8", "int4")
 
 
+def weight_bytes(model) -> tuple[int, float]:
+    """(bytes of the model's weights as loaded, bytes of them a batch-1 token reads: each
+    routed expert's times top-k / experts)."""
+    config = model.config
+    share = (config.num_experts_per_tok / config.num_experts if config.num_experts else 1.0)
+    total, token = 0, 0.0
+    for name, m in model.named_modules():
+        qw = getattr(m, "qweight", None)
+        parts = list(qw.tensors()) if qw is not None else list(m.parameters(recurse=False))
+        n = sum(t.numel() * t.element_size() for t in parts)
+        total += n
+        token += n * (share if ".experts." in name else 1.0)
+    return total, token
+
+
+def _variants(quantizations, mixed) -> list[tuple[str, str | None, tuple[str, ...]]]:
+    """(name, quantization, int8 parts) of each model scored, bf16 first."""
+    return [("bf16", None, ()), *((q, q, ()) for q in quantizations),
+            *((f"int4+int8:{','.join(m)}", "int4", tuple(m)) for m in mixed)]
+
+
 def demo_quality(max_tokens: int = 256, max_docs: int | None = None,
-                 quantizations=QUANTIZATIONS, pbar=None) -> dict:
+                 quantizations=QUANTIZATIONS, pbar=None, model: str | None = None,
+                 mixed: tuple[tuple[str, ...], ...] = ()) -> dict:
     """Perplexity and greedy agreement of the quantized demo models against bf16 on held-out
     text -> {"documents", "tokens", "ppl_bf16", and per quantization q "ppl_<q>",
-    "ppl_change_<q>", "greedy_agreement_<q>"}. ``pbar``: a progress bar
+    "ppl_change_<q>", "greedy_agreement_<q>"; "bytes": per model (weight bytes, a batch-1
+    token's)}. ``model``: a checkpoint in the demo's tokenizer in its place; ``mixed``: int4
+    models with these parts at 8 bits, besides. ``pbar``: a progress bar
     (hybridrt.bench.progress) counting each model scored."""
     from transformers import PreTrainedTokenizerFast
 
@@ -100,7 +130,7 @@ def demo_quality(max_tokens: int = 256, max_docs: int | None = None,
 
     pbar = pbar if pbar is not None else progress.silent()
 
-    path = default_model()
+    path = model or default_model()
     tok = PreTrainedTokenizerFast.from_pretrained(path)
     seqs = []
     for d in held_out_texts(max_docs):
@@ -108,16 +138,21 @@ def demo_quality(max_tokens: int = 256, max_docs: int | None = None,
                else tok.apply_chat_template(d, tokenize=True, return_dict=False))
         if len(ids) >= 2:
             seqs.append(list(ids)[:max_tokens])
-    res = {}
-    for name, q in (("bf16", None), *((q, q) for q in quantizations)):
+    res, sizes = {}, {}
+    for name, q, parts in _variants(quantizations, mixed):
         progress.step(pbar, f"demo model, {name}")
-        res[name] = score(_load(path, q), seqs)
+        net = _load(path, q, int8_parts=parts)
+        sizes[name] = weight_bytes(net)
+        res[name] = score(net, seqs)
+        del net
         pbar.update()
     nll = {n: -torch.cat([lp for lp, _ in r]).sum().item() for n, r in res.items()}
     tokens = sum(len(s) - 1 for s in seqs)
     ppl = {n: math.exp(v / tokens) for n, v in nll.items()}
-    out = {"documents": len(seqs), "tokens": tokens, "ppl_bf16": ppl["bf16"]}
-    for q in quantizations:
+    out = {"documents": len(seqs), "tokens": tokens, "ppl_bf16": ppl["bf16"], "bytes": sizes}
+    if model:
+        out["model"] = str(model)
+    for q in [n for n in res if n != "bf16"]:
         agree = sum((a[1] == b[1]).sum().item() for a, b in zip(res["bf16"], res[q]))
         out.update({f"ppl_{q}": ppl[q], f"ppl_change_{q}": ppl[q] / ppl["bf16"] - 1,
                     f"greedy_agreement_{q}": agree / tokens})
@@ -319,22 +354,24 @@ def logits_quality(path: str | Path, num_seqs: int = 4, length: int = 64, seed: 
 
 def run_quality(model_08b: str | None = None, skip_08b: bool = False, threads: int = 2,
                 max_docs: int | None = None, json_path: str | Path | None = None,
-                llamacpp_ggufs: list | None = None, llamacpp_bin: str | Path | None = None
-                ) -> dict:
+                llamacpp_ggufs: list | None = None, llamacpp_bin: str | Path | None = None,
+                model: str | None = None, mixed: tuple[tuple[str, ...], ...] = ()) -> dict:
     """The measurements -> the report (also printed as a table and written to ``json_path``).
     ``model_08b``: a 0.8B-shaped checkpoint (default: random bf16 weights written to a temporary
     directory). ``llamacpp_ggufs``: GGUFs of the demo model (``versus_llamacpp``; its
-    ``llama-perplexity`` from ``llamacpp_bin``, default as ``bench throughput``'s)."""
+    ``llama-perplexity`` from ``llamacpp_bin``, default as ``bench throughput``'s). ``model``,
+    ``mixed``: as ``demo_quality``'s."""
     from hybridrt.bench import progress
 
-    models = 1 + len(QUANTIZATIONS)
+    models = 1 + len(QUANTIZATIONS) + len(mixed)
     pbar = progress.bar("quality", models + (models + len(llamacpp_ggufs) if llamacpp_ggufs
                                              else 0)
                         + (0 if skip_08b else 1 + models + (model_08b is None)), unit="model")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        report = {"threads": threads, "demo": demo_quality(max_docs=max_docs, pbar=pbar)}
+        report = {"threads": threads, "demo": demo_quality(max_docs=max_docs, pbar=pbar,
+                                                           model=model, mixed=mixed)}
         if llamacpp_ggufs:
             from hybridrt.bench import llamacpp
 
@@ -370,13 +407,18 @@ def run_quality(model_08b: str | None = None, skip_08b: bool = False, threads: i
 def format_table(report: dict) -> str:
     d = report["demo"]
     qs = [k.removeprefix("ppl_change_") for k in d if k.startswith("ppl_change_")]
-    rows = [f"demo model, held-out text ({d['documents']} documents, {d['tokens']} tokens):",
+    rows = [f"{d.get('model', 'demo model')}, held-out text ({d['documents']} documents, "
+            f"{d['tokens']} tokens):",
             f"  {'perplexity bf16':<34}{d['ppl_bf16']:>10.4f}"]
     for q in qs:
         rows += [f"  {'perplexity ' + q:<34}{d['ppl_' + q]:>10.4f} "
                  f"({100 * d['ppl_change_' + q]:+.2f}%)",
                  f"  {'greedy next-token agreement ' + q:<34}"
                  f"{100 * d['greedy_agreement_' + q]:>9.2f}%"]
+    if "bytes" in d:
+        rows.append(f"  {'weights':<34}{'MB':>10}{'a token reads, MB':>20}")
+        for name, (total, token) in d["bytes"].items():
+            rows.append(f"  {name:<34}{total / 1e6:>10.2f}{token / 1e6:>20.2f}")
     v = report.get("versus_llamacpp")
     if v:
         base = v["ours"]["bf16"]

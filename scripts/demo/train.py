@@ -181,8 +181,15 @@ def write_tokenizer(tok, out: Path, model_max_length: int) -> None:
 
 def text_config(args, vocab_size: int, eos_ids: list[int], pad_id: int) -> dict:
     n = args.layers
+    moe = {} if not args.experts else {
+        "num_experts": args.experts, "num_experts_per_tok": args.experts_per_token,
+        "moe_intermediate_size": args.expert_intermediate,
+        "shared_expert_intermediate_size": args.shared_intermediate,
+        "router_aux_loss_coef": args.router_aux, "output_router_logits": False,
+    }
     return {
-        "model_type": "qwen3_5_text",
+        "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
+        **moe,
         "vocab_size": vocab_size,
         "hidden_size": args.hidden,
         "intermediate_size": args.intermediate,
@@ -232,7 +239,12 @@ def _mrope_section(half: int) -> list[int]:
 
 def published_config(text: dict) -> dict:
     """The Qwen/Qwen3.5-* layout: ``qwen3_5`` + ``text_config`` (+ a placeholder vision config;
-    the demo ships no vision weights)."""
+    the demo ships no vision weights). An MoE model: ``qwen3_5_moe``, text only."""
+    if "num_experts" in text:
+        return {"architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                "model_type": "qwen3_5_moe", "tie_word_embeddings": True,
+                "eos_token_id": text["eos_token_id"], "pad_token_id": text["pad_token_id"],
+                "text_config": text, "dtype": "bfloat16"}
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5",
@@ -263,13 +275,13 @@ def generation_config(eos_ids: list[int], pad_id: int) -> dict:
 
 
 def hf_text_config(text: dict):
-    from transformers import Qwen3_5TextConfig
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     cfg = copy.deepcopy(text)
     cfg.pop("model_type", None)
     cfg.pop("dtype", None)
     cfg["tie_word_embeddings"] = True
-    hf = Qwen3_5TextConfig(**cfg)
+    hf = (Qwen3_5MoeTextConfig if "num_experts" in text else Qwen3_5TextConfig)(**cfg)
     hf._attn_implementation = "sdpa"
     return hf
 
@@ -281,10 +293,18 @@ class MTPHead(nn.Module):
 
     def __init__(self, hf_config):
         super().__init__()
-        from transformers.models.qwen3_5.modeling_qwen3_5 import (
-            Qwen3_5DecoderLayer,
-            Qwen3_5RMSNorm,
-        )
+        if getattr(hf_config, "num_experts", 0):  # the MTP layer is an MoE layer too
+            from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+                Qwen3_5MoeDecoderLayer as Qwen3_5DecoderLayer,
+            )
+            from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+                Qwen3_5MoeRMSNorm as Qwen3_5RMSNorm,
+            )
+        else:
+            from transformers.models.qwen3_5.modeling_qwen3_5 import (
+                Qwen3_5DecoderLayer,
+                Qwen3_5RMSNorm,
+            )
 
         H, eps = hf_config.hidden_size, hf_config.rms_norm_eps
         layer_cfg = copy.deepcopy(hf_config)
@@ -316,12 +336,16 @@ class MTPHead(nn.Module):
         return trunk.lm_head(self.norm(x))
 
 
-def build_model(text: dict, seed: int):
-    from transformers import Qwen3_5ForCausalLM
+def causal_lm_class(text: dict):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 
+    return Qwen3_5MoeForCausalLM if "num_experts" in text else Qwen3_5ForCausalLM
+
+
+def build_model(text: dict, seed: int):
     torch.manual_seed(seed)
     hf = hf_text_config(text)
-    trunk = Qwen3_5ForCausalLM(hf)
+    trunk = causal_lm_class(text)(hf)
     assert trunk.lm_head.weight is trunk.model.embed_tokens.weight, "embeddings must be tied"
     mtp = MTPHead(hf)
     mtp.reset_parameters(hf.initializer_range)
@@ -331,10 +355,13 @@ def build_model(text: dict, seed: int):
 def forward_losses(trunk, mtp, rows: torch.Tensor, lens: torch.Tensor, detach: bool = False,
                    stats: bool = True):
     """rows [B, L+1] token ids, lens [B] = real (non-pad) length of each row.
-    -> (lm loss, mtp loss, stats dict)."""
+    -> (lm loss, mtp loss, stats dict). An MoE trunk's load-balancing loss (transformers',
+    times ``router_aux_loss_coef``) is ``stats["aux_loss"]``, to be added to the loss."""
     B, L1 = rows.shape
     L = L1 - 1
-    out = trunk.model(input_ids=rows[:, :-1], use_cache=False)
+    moe = getattr(trunk.config, "num_experts", 0)
+    out = trunk.model(input_ids=rows[:, :-1], use_cache=False,
+                      **({"output_router_logits": True} if moe else {}))
     hidden = out.last_hidden_state  # after the final norm
     idx = torch.arange(L1, device=rows.device)[None]
     labels = rows.masked_fill(idx >= lens[:, None], -100)  # pad positions carry no loss
@@ -348,6 +375,11 @@ def forward_losses(trunk, mtp, rows: torch.Tensor, lens: torch.Tensor, detach: b
     mtp_loss = F.cross_entropy(mtp_logits.reshape(-1, V), labels[:, 2:].reshape(-1),
                                ignore_index=-100)
     st = {"tokens": int((labels[:, 1:] >= 0).sum())}
+    if moe:
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_loss_func
+
+        st["aux_loss"] = trunk.config.router_aux_loss_coef * load_balancing_loss_func(
+            out.router_logits, moe, trunk.config.num_experts_per_tok)
     if stats:
         with torch.no_grad():
             # teacher-forced acceptance proxy: MTP argmax at p == trunk argmax at p+1 (both t[p+2])
@@ -393,12 +425,12 @@ def save_checkpoint(out: Path, trunk, mtp, text: dict, eos_ids, pad_id, dtype=to
 def load_checkpoint(path: str | Path, dtype=torch.float32):
     """Demo checkpoint directory -> (tokenizer, trunk Qwen3_5ForCausalLM, MTPHead), eval mode."""
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer, Qwen3_5ForCausalLM
+    from transformers import AutoTokenizer
 
     path = Path(path)
     text = json.loads((path / "config.json").read_text())["text_config"]
     hf = hf_text_config(text)
-    trunk = Qwen3_5ForCausalLM(hf)
+    trunk = causal_lm_class(text)(hf)
     mtp = MTPHead(hf)
     sd = load_file(str(path / "model.safetensors"))
     t_sd = {"model." + k[len("model.language_model."):]: v for k, v in sd.items()
@@ -525,6 +557,12 @@ def main(argv=None) -> None:
     ap.add_argument("--linear-head-dim", type=int, default=64)
     ap.add_argument("--rope-theta", type=float, default=10000.0)
     ap.add_argument("--max-position-embeddings", type=int, default=4096)
+    # a mixture of experts in place of each MLP (0: the dense demo model)
+    ap.add_argument("--experts", type=int, default=0)
+    ap.add_argument("--experts-per-token", type=int, default=2)
+    ap.add_argument("--expert-intermediate", type=int, default=128)
+    ap.add_argument("--shared-intermediate", type=int, default=256)
+    ap.add_argument("--router-aux", type=float, default=0.001)
     # corpus
     ap.add_argument("--corpus-repeats", type=int, default=2)
     ap.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -638,7 +676,7 @@ def main(argv=None) -> None:
             g["lr"] = lr
         ts = time.time()
         lm, mt, st = forward_losses(trunk, mtp, b_rows, b_lens, detach=args.mtp_detach)
-        loss = lm + args.mtp_weight * mt
+        loss = lm + args.mtp_weight * mt + st.get("aux_loss", 0.0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(list(seen_params(trunk, mtp)), 1.0)
