@@ -715,6 +715,29 @@ def test_specbench_resumes_every_run_from_the_cached_context(ckpt):
         assert r["identical_to_k0"] is True
 
 
+def test_specbench_pairs_each_alphas_rows_with_a_k0_run(ckpt):
+    """With adaptive k a k = 0 run comes before each simulated alpha's rows, and a row's
+    speedup is the median of its runs' tok/s over the k = 0 run just before each (the k = 0
+    row's tok/s the median of all of them)."""
+    import statistics
+
+    from hybridrt.bench.spec import run_spec_bench
+
+    report = run_spec_bench(str(ckpt), ks=(0, 1), batch_sizes=(1,), threads=1, quick=True,
+                            verbose=False, repeats=2, simulate_acceptance=(0.2, 0.8),
+                            engine={"speculative_adaptive": True})
+    rows = report["rows"]
+    assert [(r["k"], r["simulated_alpha"], r["adaptive"]) for r in rows] == [
+        (0, None, False), (1, 0.2, False), (1, 0.2, True), (1, 0.8, False), (1, 0.8, True)]
+    k0 = rows[0]["tok_s_runs"]
+    assert len(k0) == 4 and rows[0]["tok_s"] == pytest.approx(statistics.median(k0))
+    for j, alpha in enumerate((0.2, 0.8)):  # repeat r's k = 0 run before alpha j: k0[2 r + j]
+        for r in (r for r in rows if r["simulated_alpha"] == alpha):
+            assert len(r["tok_s_runs"]) == 2
+            assert r["speedup"] == pytest.approx(statistics.median(
+                [t / k0[2 * i + j] for i, t in enumerate(r["tok_s_runs"])]))
+
+
 def test_simulated_drafts_keep_adaptive_k_lazy(ckpt, prompts, monkeypatch):
     """The simulated-acceptance drafter (bench/spec_sim.py) keeps the engine's settings: with
     adaptive k at alpha 0 (nothing accepted, so k falls to 0) the steps without drafts run no

@@ -21,6 +21,9 @@ also gives the measured costs (engine ``StepCosts``) relative to a k = 0 decode 
 pass, one verify step, and the break-even alpha at which k drafts pay for them; and the report
 gives the verify step's cost per row count (k + 1 rows per sequence) against the decode step
 (``verify_cost``), the first thing that decides whether speculation can pay on a machine.
+A row's speedup is the median over its runs of its tok/s over the k = 0 run before it (paired:
+a drift of the machine's speed between runs minutes apart cancels); with adaptive k a k = 0
+run comes before each alpha's rows (the k = 0 row's tok/s is the median of all of them).
 """
 
 from __future__ import annotations
@@ -120,14 +123,16 @@ def _spec_summary(outs, k: int) -> dict:
 def _summary(runs: list) -> dict:
     """A row's repeated runs -> the median tok/s, the step costs of all of them, and the
     outputs, acceptance and simulation of the last."""
-    outs, seconds, _, sim = runs[-1]
+    outs, seconds, _, sim, _ = runs[-1]
     rates = [sum(len(o.outputs[0].token_ids) for o in r[0]) / r[1] for r in runs]
+    paired = [rate / r[4] for rate, r in zip(rates, runs) if r[4]]
     costs = StepCosts(runs[0][2].clock)
     for r in runs:
         costs.merge(r[2])
     token_ids = [o.outputs[0].token_ids for o in outs]
     return {"outs": outs, "sim": sim, "seconds": seconds, "tok_s": statistics.median(rates),
-            "tok_s_runs": rates, "costs": costs, "token_ids": token_ids,
+            "tok_s_runs": rates, "paired": statistics.median(paired) if paired else None,
+            "costs": costs, "token_ids": token_ids,
             "tokens": sum(len(t) for t in token_ids)}
 
 
@@ -360,8 +365,15 @@ def run_spec_bench(
                 (n, a, k, adapt) for n in draft_vocabs for a in alphas
                 for k, adapt in [(k, False) for k in ks if k > 0] + [(max(ks), True)] * adaptive]
             runs: dict[tuple, list] = {c: [] for c in configs}
+            order = configs
+            if adaptive and ks[0] == 0:  # a k = 0 run before each alpha's rows (``_summary``)
+                blocks = [configs[i:i + len(configs[1:]) // (len(draft_vocabs) * len(alphas))]
+                          for i in range(1, len(configs),
+                                         len(configs[1:]) // (len(draft_vocabs) * len(alphas)))]
+                order = [c for blk in blocks for c in [configs[0], *blk]]
+            k0_rate = None
             for _ in range(repeats):  # alternated, so that load changes hit every row alike
-                for n, alpha, k, adapt in configs:
+                for n, alpha, k, adapt in order:
                     sim = None
                     if alpha is not None and not adapt and k not in refs:
                         refs[k] = reference_run(llm, prompts, params, b, k, refs[0])
@@ -376,11 +388,14 @@ def run_spec_bench(
                         outs, seconds, costs = run(b, k, adapt)
                     pb.update()
                     refs.setdefault(0, sequences(outs))
-                    runs[(n, alpha, k, adapt)].append((outs, seconds, costs, sim))
+                    rate = sum(len(o.outputs[0].token_ids) for o in outs) / seconds
+                    paired_with = None if (n, alpha, k, adapt) == configs[0] else k0_rate
+                    runs[(n, alpha, k, adapt)].append((outs, seconds, costs, sim, paired_with))
+                    if (n, alpha, k, adapt) == configs[0]:
+                        k0_rate = rate
                     if verbose:
                         what = "" if k == 0 else (f" head {n or 'full'}" + (
                             "" if alpha is None else f" simulated alpha {alpha}"))
-                        rate = sum(len(o.outputs[0].token_ids) for o in outs) / seconds
                         pb.write(f"{label}{what}: {rate:.1f} tok/s", file=sys.stderr)
             base = _summary(runs[configs[0]])
             for n, alpha, k, adapt in configs:
@@ -399,8 +414,9 @@ def run_spec_bench(
                     "seconds": got["seconds"],
                     "tok_s": got["tok_s"],
                     "tok_s_runs": got["tok_s_runs"],
-                    "speedup": got["tok_s"] / base["tok_s"] if ks[0] == 0 and base["tok_s"]
-                    else None,
+                    "speedup": (None if ks[0] != 0 or not base["tok_s"] else 1.0 if k == 0
+                                else got["paired"] if got["paired"] is not None
+                                else got["tok_s"] / base["tok_s"]),
                     **_spec_summary(outs, k),
                     "expected_acceptance_length": (
                         expected_acceptance_length(alpha, k) if sim is not None else None),
