@@ -23,7 +23,8 @@ gives the verify step's cost per row count (k + 1 rows per sequence) against the
 (``verify_cost``), the first thing that decides whether speculation can pay on a machine.
 A row's speedup is the median over its runs of its tok/s over the k = 0 run before it (paired:
 a drift of the machine's speed between runs minutes apart cancels); with adaptive k a k = 0
-run comes before each alpha's rows (the k = 0 row's tok/s is the median of all of them).
+run comes before each alpha's rows, the adaptive one first (the k = 0 row's tok/s is the
+median of all of them).
 """
 
 from __future__ import annotations
@@ -275,7 +276,8 @@ def run_spec_bench(
     torch.set_num_threads(threads)
     adaptive = bool((engine or {}).get("speculative_adaptive")) and max(ks) > 0
     # the load, the warm-up, then each run: (k = 0, then every head, alpha and k > 0) per batch
-    configs_per_batch = 1 + len(draft_vocabs) * len(alphas) * (
+    blocks = len(draft_vocabs) * len(alphas)  # with adaptive k, each after a k = 0 run
+    configs_per_batch = (blocks if adaptive and ks[0] == 0 else 1) + blocks * (
         sum(k > 0 for k in ks) + adaptive)
     pb = bar("spec", 2 + len(batch_sizes) * repeats * configs_per_batch, unit="run",
              enabled=verbose)
@@ -367,10 +369,9 @@ def run_spec_bench(
             runs: dict[tuple, list] = {c: [] for c in configs}
             order = configs
             if adaptive and ks[0] == 0:  # a k = 0 run before each alpha's rows (``_summary``)
-                blocks = [configs[i:i + len(configs[1:]) // (len(draft_vocabs) * len(alphas))]
-                          for i in range(1, len(configs),
-                                         len(configs[1:]) // (len(draft_vocabs) * len(alphas)))]
-                order = [c for blk in blocks for c in [configs[0], *blk]]
+                size = (len(configs) - 1) // blocks
+                order = [c for i in range(1, len(configs), size)  # the adaptive row first
+                         for c in [configs[0], configs[i + size - 1], *configs[i:i + size - 1]]]
             k0_rate = None
             for _ in range(repeats):  # alternated, so that load changes hit every row alike
                 for n, alpha, k, adapt in order:
