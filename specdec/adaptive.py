@@ -245,10 +245,11 @@ def choose_ks(cands: Sequence[Candidate], batch_rows: int, cost: CostModel) -> l
     A step that verifies pays the fixed verify cost once whatever its ks, so among choices that
     verify the ratio is a sum over requests over a sum over requests plus a constant: found by
     Dinkelbach's iteration (at the current ratio each request alone picks the k that gains most
-    over what its rows and drafts cost; the ratio of that choice is the next one), started from
-    a choice that verifies (one draft each), at least one draft kept; then compared with no
-    drafts. (Starting from no drafts would leave out a fixed cost below zero, which a deep
-    context's measured verify line can have: docs/speculation.md.)"""
+    over what its rows and drafts cost; the ratio of that choice is the next one), at least
+    one draft kept, from two starts: one draft each, and each request's choice at the ratio of
+    drafting nothing; the best is compared with drafting nothing. (Starting from no drafts
+    alone would leave out a fixed cost below zero, which a deep context's measured verify line
+    can have: docs/speculation.md; where rows turn compute-bound either start can stop short.)"""
     def ratio(ks: list[int]) -> float:
         tokens = batch_rows + sum(expected_gain(c.alphas, k) for c, k in zip(cands, ks))
         ctx = sum((1 + k) * c.context_len for c, k in zip(cands, ks))
@@ -256,13 +257,10 @@ def choose_ks(cands: Sequence[Candidate], batch_rows: int, cost: CostModel) -> l
         spent = cost.step(batch_rows + sum(ks), ctx, any(ks)) + cost.draft_pass * passes
         return tokens / spent
 
-    none = [0] * len(cands)
-    best = [min(1, c.cap) for c in cands]
-    if not any(best):
-        return none
-    best_ratio = ratio(best)
-    for _ in range(8):
-        lam, slope = best_ratio, cost.row_slope(batch_rows + sum(best))
+    def pick(lam: float, rows: int) -> list[int]:
+        """Each request's k at ratio ``lam`` (its gain over what its rows and drafts cost), at
+        least one draft in all."""
+        slope = cost.row_slope(rows)
         values = []
         for c in cands:
             row = slope + cost.ctx_row * c.context_len / 1024
@@ -274,8 +272,24 @@ def choose_ks(cands: Sequence[Candidate], batch_rows: int, cost: CostModel) -> l
             i = max((i for i, c in enumerate(cands) if c.cap),
                     key=lambda i: max(values[i][1:]))
             ks[i] = 1 + max(range(cands[i].cap), key=lambda k: (values[i][k + 1], -k))
+        return ks
+
+    none = [0] * len(cands)
+    if not any(c.cap for c in cands):
+        return none
+    plain = ratio(none)
+    best, best_ratio = none, plain
+    # two starts: one draft each, and each request's choice at the ratio of drafting nothing
+    # (where rows turn compute-bound the ratio is not a sum over requests, and either start
+    # can stop short of the other's choice)
+    for ks in ([min(1, c.cap) for c in cands], pick(plain, batch_rows)):
         r = ratio(ks)
-        if r <= best_ratio:
-            break
-        best, best_ratio = ks, r
-    return best if best_ratio > ratio(none) else none
+        for _ in range(8):
+            nxt = pick(r, batch_rows + sum(ks))
+            nr = ratio(nxt)
+            if nr <= r:
+                break
+            ks, r = nxt, nr
+        if r > best_ratio:
+            best, best_ratio = ks, r
+    return best

@@ -317,11 +317,17 @@ class MTPHead(nn.Module):
         self.norm = Qwen3_5RMSNorm(H, eps=eps)
 
     def reset_parameters(self, std: float) -> None:
+        done = set()
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=std)
+                done.add(id(m.weight))
             elif hasattr(m, "weight") and m.weight.dim() == 1:
                 nn.init.zeros_(m.weight)  # zero-centred norms
+                done.add(id(m.weight))
+        for p in self.parameters():  # an MoE layer's experts and router (not Linears)
+            if id(p) not in done and p.dim() >= 2:
+                nn.init.normal_(p, std=std)
 
     def forward(self, trunk, next_ids: torch.Tensor, hidden: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
