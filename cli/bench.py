@@ -444,23 +444,20 @@ def quality(
     for gguf in against_llamacpp or []:
         if not gguf.is_file():
             raise CliError(f"--against-llamacpp: no GGUF file at {gguf}", 2)
-    parts = tuple(tuple(p.strip() for p in m.split(",") if p.strip()) for m in mixed or [])
-    if any(not p for p in parts):
-        raise CliError("--mixed: name at least one part (e.g. self_attn,linear_attn)", 2)
-    if model is not None:
-        from hybridrt.cli.common import resolve_model
+    from hybridrt.cli.common import int8_parts, resolve_model
 
+    parts = tuple(int8_parts("--mixed", m) for m in mixed or [])
+    if model is not None:
         model = resolve_model(model)
     from hybridrt.bench.quality import run_quality
+    from hybridrt.loader import Int8PartsError
 
     try:
         run_quality(model_08b, skip_08b=skip_08b, threads=threads or _default_threads(),
                     max_docs=max_docs, json_path=json_path, llamacpp_ggufs=against_llamacpp,
                     llamacpp_bin=llamacpp_bin, model=model, mixed=parts)
-    except ValueError as e:
-        if parts and type(e) is ValueError:  # a part that names no weight
-            raise CliError(f"--mixed: {e}", 2) from None
-        raise
+    except Int8PartsError as e:  # a part that names no weight
+        raise CliError(f"--mixed: {e}", 2) from None
 
 
 # startup --------------------------------------------------------------------------------------

@@ -92,6 +92,15 @@ def check_draft_vocab(draft_vocab: int | None, speculative_tokens: int) -> None:
                        2)
 
 
+def int8_parts(flag: str, text: str) -> tuple[str, ...]:
+    """A comma-separated list of weight-name parts kept at 8 bits under int4 (``hybridrt
+    quantize --int8``, ``bench quality --mixed``); none named: the flag's usage error."""
+    parts = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not parts:
+        raise CliError(f"{flag}: name at least one part (e.g. self_attn,linear_attn)", 2)
+    return parts
+
+
 def resolve_dtype(dtype: str) -> str:
     from hybridrt.options import check_dtype_name
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from hybridrt.cli.common import CliError, resolve_model
+from hybridrt.cli.common import CliError, int8_parts, resolve_model
 
 
 def quantize(
@@ -41,15 +41,13 @@ def quantize(
         raise CliError(f"--quantization: {e}", 2) from None
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CliError(f"{out} exists and is not an empty directory", 2)
-    parts = tuple(p.strip() for p in int8.split(",") if p.strip()) if int8 is not None else ()
-    if int8 is not None and not parts:
-        raise CliError("--int8: name at least one part (e.g. self_attn,linear_attn)", 2)
+    parts = int8_parts("--int8", int8) if int8 is not None else ()
     if parts and check_quantization(quantization) != "int4":
         raise CliError("--int8 applies under --quantization int4", 2)
     path = resolve_model(model)
     if parts and Path(path).is_file():
         raise CliError("--int8: a GGUF file keeps each weight's own type", 2)
-    from hybridrt.loader import save_quantized
+    from hybridrt.loader import Int8PartsError, save_quantized
     from hybridrt.quantize_stream import quantize_streaming
 
     try:
@@ -59,9 +57,7 @@ def quantize(
             info = quantize_streaming(path, out, quantization, int8_parts=parts)
     except FileExistsError as e:
         raise CliError(str(e), 2) from None
-    except ValueError as e:
-        if parts and type(e) is ValueError:  # int8_formats' (a CheckpointError goes on up)
-            raise CliError(f"--int8: {e}", 2) from None
-        raise
+    except Int8PartsError as e:
+        raise CliError(f"--int8: {e}", 2) from None
     typer.echo(f"wrote {info['path']}: {info['tensors']} tensors, "
                f"{info['bytes'] / 2**30:.2f} GiB", err=True)

@@ -156,21 +156,26 @@ def _format_of(quantization: str, name: str, stored: dict | None = None,
     return "int6"
 
 
+class Int8PartsError(ValueError):
+    """``int8_parts`` that cannot apply (``int8_formats``, ``load_model``)."""
+
+
 def int8_formats(names, int8_parts, quantization: str | None) -> dict | None:
     """``{weight: "int8"}`` for the weights to quantize (``names``) whose name holds one of
     ``int8_parts`` (substrings such as ``self_attn``, ``linear_attn``, ``shared_expert``:
-    ``hybridrt quantize --int8``), kept at 8 bits under int4; None without parts. ValueError
-    for parts under another quantization, or a part that names no such weight."""
+    ``hybridrt quantize --int8``), kept at 8 bits under int4; None without parts.
+    Int8PartsError for parts under another quantization, or a part that names no such
+    weight."""
     if not int8_parts:
         return None
     if quantization != "int4":
-        raise ValueError(f"int8 parts ({', '.join(int8_parts)}) apply under int4 "
+        raise Int8PartsError(f"int8 parts ({', '.join(int8_parts)}) apply under int4 "
                          f"quantization, not {quantization}")
     formats = {}
     for part in int8_parts:
         hits = {n: "int8" for n in names if part in n}
         if not hits:
-            raise ValueError(f"int8 part {part!r} names no quantized weight of this model "
+            raise Int8PartsError(f"int8 part {part!r} names no quantized weight of this model "
                              f"(e.g. self_attn, linear_attn, mlp, shared_expert, experts, mtp)")
         formats.update(hits)
     return formats
@@ -313,8 +318,8 @@ def load_model(
 
         _refuse_gguf_overrides(model, overrides)
         if int8_parts:
-            raise ValueError("int8 parts do not apply to a GGUF file: it keeps each weight's "
-                             "own type")
+            raise Int8PartsError("int8 parts do not apply to a GGUF file: it keeps each "
+                                 "weight's own type")
         return load_gguf_model(resolve_model_path(model), dtype, with_mtp, device, quantization)
     quantization = check_quantization(quantization)
     auto = isinstance(dtype, str) and dtype.lower() == "auto"
@@ -348,7 +353,8 @@ def load_model(
                                   f"quantize), "
                                   f"which run on the CPU only, not on {device}")
         if int8_parts:
-            raise ValueError(f"int8 parts do not apply to {path}: it is quantized already")
+            raise Int8PartsError(f"int8 parts do not apply to {path}: it is quantized "
+                                 f"already")
         quantization = prequantized
     if auto:
         dtype = checkpoint_dtype(path, handles, torch.device(device))

@@ -123,7 +123,6 @@ class MTPProposer:
         has the position before its first one rewritten as well: the cached KV there was
         computed with another request's next token."""
         kv, full = _Pass(), _Pass()  # rows whose KV only is written; each drafter's last row
-        self.pass_rows = 0
         for b, s in enumerate(plan.seqs):
             req = s.request
             if req.spec_k == 0 or req.is_finished or settled[b] == 0:
@@ -159,11 +158,11 @@ class MTPProposer:
                 rows = torch.cat([*(w.to(rows.dtype) for w in waiting), rows])
             toks = req.token_ids[first + 1:s.start + 1 + n]
             cut = len(toks) - 1 if drafting else len(toks)  # rows that need their KV only
+            table = self.cache.block_table(req.request_id)
             if cut > 0:
-                kv.add(toks[:cut], first, self.cache.block_table(req.request_id), rows[:cut], req)
+                kv.add(toks[:cut], first, table, rows[:cut], req)
             if drafting:
-                full.add(toks[cut:], first + cut, self.cache.block_table(req.request_id),
-                         rows[cut:], req)
+                full.add(toks[cut:], first + cut, table, rows[cut:], req)
         self.pass_rows = kv.rows + full.rows
         if kv.rows:  # the MTP layer's KV of rows no draft is read from: no attention, no MLP
             mb, h = kv.batch(self)

@@ -14,8 +14,9 @@ token sequences.
 - ``--model``: another trained checkpoint in the demo's tokenizer in its place (e.g. a small
   MoE from ``scripts/demo/train.py --experts``); ``--mixed PARTS``: int4 with the weights whose
   names hold one of PARTS at 8 bits (``hybridrt quantize --int8``) as one more model. Each
-  model's weight bytes are reported, and what a batch-1 token reads of them (the routed
-  experts' share top-k / experts): the quality-per-byte choice of docs/moe.md.
+  model's weight bytes are reported, and what a batch-1 token reads of them
+  (``ceilings.weight_bytes_per_token``: the routed experts' share top-k / experts): the
+  quality-per-byte choice of docs/moe.md.
 - A Qwen3.5-0.8B-shaped checkpoint with random weights over random token ids: the logits'
   relative error against bf16 (``||q - bf16|| / ||bf16||`` over all positions) and top-1
   agreement, and for scale the same for bf16 against fp32 weights.
@@ -31,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from hybridrt.bench.ceilings import weight_bytes_per_token
+from hybridrt.kernels import quant
 from hybridrt.runner import build_batch
 from hybridrt.statecache import CacheTensors
 
@@ -93,21 +96,6 @@ def _load(path, quantization, dtype="bfloat16", int8_parts: tuple[str, ...] = ()
 QUANTIZATIONS = ("int8", "int4")
 
 
-def weight_bytes(model) -> tuple[int, float]:
-    """(bytes of the model's weights as loaded, bytes of them a batch-1 token reads: each
-    routed expert's times top-k / experts)."""
-    config = model.config
-    share = (config.num_experts_per_tok / config.num_experts if config.num_experts else 1.0)
-    total, token = 0, 0.0
-    for name, m in model.named_modules():
-        qw = getattr(m, "qweight", None)
-        parts = list(qw.tensors()) if qw is not None else list(m.parameters(recurse=False))
-        n = sum(t.numel() * t.element_size() for t in parts)
-        total += n
-        token += n * (share if ".experts." in name else 1.0)
-    return total, token
-
-
 def _variants(quantizations, mixed) -> list[tuple[str, str | None, tuple[str, ...]]]:
     """(name, quantization, int8 parts) of each model scored, bf16 first."""
     return [("bf16", None, ()), *((q, q, ()) for q in quantizations),
@@ -142,7 +130,7 @@ def demo_quality(max_tokens: int = 256, max_docs: int | None = None,
     for name, q, parts in _variants(quantizations, mixed):
         progress.step(pbar, f"demo model, {name}")
         net = _load(path, q, int8_parts=parts)
-        sizes[name] = weight_bytes(net)
+        sizes[name] = (quant.weight_bytes(net), weight_bytes_per_token(net))
         res[name] = score(net, seqs)
         del net
         pbar.update()
