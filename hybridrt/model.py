@@ -400,6 +400,37 @@ class Qwen35ForCausalLM(nn.Module):
         x, residual = m.layers[0](x, None, batch, cache, cos, sin)
         return m.norm(x, residual)[0]
 
+    def bytes_read(self, mtp: bool = False) -> int:
+        """Bytes of weights one batch-1 decode step reads: every parameter (and int8 weight)
+        of the model but the MTP head's, with the token embedding counted only where it is
+        also the LM head (tied; an untied embedding is one row looked up per token), and of an
+        MoE block's routed experts only the k a token chooses (hybridrt/moe_block.py: all
+        experts are one size). ``mtp``: those of one MTP layer pass instead, the LM head it
+        drafts through left out (``specdec.mtp`` adds the one it reads)."""
+        def nbytes(module) -> int:  # a plain weight, or int8 values + scales (kernels/quant.py)
+            q = getattr(module, "qweight", None)
+            if q is not None:
+                return q.nbytes
+            w = getattr(module, "weight", None)
+            return 0 if w is None else w.numel() * w.element_size()
+
+        root = self.mtp if mtp else self
+        if root is None:
+            return 0
+        mine = [(n, m) for n, m in root.named_modules() if mtp or not n.startswith("mtp.")]
+        total = sum(p.numel() * p.element_size() for n, m in mine
+                    for p in m.parameters(recurse=False))
+        total += sum(m.qweight.nbytes for _, m in mine if getattr(m, "qweight", None) is not None)
+        if not mtp and self.lm_head is not None:
+            total -= nbytes(self.model.embed_tokens)
+        for layer in root.layers if mtp else self.model.layers:
+            experts = getattr(layer.mlp, "experts", None)
+            if experts is not None:
+                unread = 1 - layer.mlp.top_k / len(experts)
+                total -= int(unread * sum(nbytes(e.gate_up_proj) + nbytes(e.down_proj)
+                                          for e in experts))
+        return total
+
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows to sample) -> fp32 logits [N, vocab], rounded to
         the model's dtype first (what a half-precision LM head returns); ``fp32=False``: in

@@ -19,9 +19,11 @@ Cost (``CostModel``): a step in units of a one-row decode step: ``1 + row * (row
 while reading the weights bounds it, ``compute_row * rows`` once the rows' arithmetic does
 (whichever is larger), plus ``verify`` (and ``verify_row`` per row) when the step verifies
 anything, ``ctx_row`` per row per 1024 tokens of its context (attention), and ``draft_pass``
-per MTP draft. The defaults are a prior: the 0.8B shape's CPU measurements with a reduced
-draft head (docs/performance.md: a verify step of 2..5 rows 1.13..1.19 decode steps, a draft
-pass 0.075) and estimates of ``compute_row`` and ``ctx_row``.
+per MTP draft. The defaults are a prior: the 0.8B shape's CPU measurements (docs/performance.md:
+a verify step of 2..5 rows 1.13..1.19 decode steps) and estimates of ``compute_row`` and
+``ctx_row``; the proposer prices a draft pass at its weights' bytes over a decode step's
+(``MTPProposer.draft_bytes``: batch 1 reads its weights, and the full head's pass reads several
+times the reduced head's).
 
 Measured cost (``MeasuredCosts``, fed by the proposer after every step): the engine's own step
 times, fitted as two lines in the step's rows, ``a + b * rows`` for steps that verify and for

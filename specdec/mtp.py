@@ -108,6 +108,19 @@ class MTPProposer:
     def num_drafts_for(self, req) -> int:
         return draft_cap(req, self.max_model_len)
 
+    def draft_bytes(self) -> int:
+        """Bytes of weights one draft pass reads: the MTP layer's and the LM head it drafts
+        through (the draft vocabulary's copy, or the model's head)."""
+        if self.draft_head is not None:
+            w = self.draft_head.weight
+            head = w.nbytes if isinstance(w, quant.PackedWeight) else w.numel() * w.element_size()
+        else:
+            m = self.model.lm_head
+            m = m if m is not None else self.model.model.embed_tokens
+            q = getattr(m, "qweight", None)
+            head = q.nbytes if q is not None else m.weight.numel() * m.weight.element_size()
+        return self.model.bytes_read(mtp=True) + head
+
     @torch.inference_mode()
     def propose(self, plan: StepPlan, row_starts: list[int], hidden: torch.Tensor,
                 settled: list[int], wanted: dict | None = None) -> list[Drafts]:

@@ -19,6 +19,7 @@ decode from its current state slot (the same verify and rollback path either way
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -48,8 +49,11 @@ def build_proposer(args, model, cache, sampler, draft_vocab: list[int] | None = 
             return mtp
     ngram = (NgramDrafter(args.prompt_lookup_min, args.prompt_lookup_max, extend=mtp is None)
              if "ngram" in sources else None)
-    return SpecProposer(args.max_model_len, mtp, ngram, args.speculative_adaptive,
-                        CostModel.for_device(args.device),
+    cost = CostModel.for_device(args.device)
+    if mtp is not None:  # a draft pass's prior: its bytes against a decode step's (batch 1
+        # reads its weights: the full head's pass is several times the reduced one's)
+        cost = replace(cost, draft_pass=mtp.draft_bytes() / model.bytes_read())
+    return SpecProposer(args.max_model_len, mtp, ngram, args.speculative_adaptive, cost,
                         measure=args.speculative_adaptive and not args.batch_invariant)
 
 

@@ -408,3 +408,25 @@ def test_constants_keep_finding_out_cheap_and_drafting_where_it_pays():
     low = run(lambda n: 0.2, 48, 200, cost) / fixed(0.2, cost)[0]
     high = run(lambda n: 0.8, 48, 200, cost) / max(fixed(0.8, cost))
     assert low >= 0.975 and high >= 0.95, (low, high)
+
+
+@pytest.mark.parametrize("vocab", [None, 64])
+def test_a_draft_pass_is_priced_at_its_bytes(ckpt, vocab):
+    """Before any draft is timed, a draft pass costs its weights' bytes over a decode step's:
+    the MTP layer and the head it drafts through (the model's, or the draft vocabulary's
+    copy) against every decoder weight and the head, each counted once."""
+    llm = _llm(ckpt, 2, speculative_adaptive=True, draft_vocab_size=vocab)
+    net = llm.model
+    size = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
+    mtp = size(net.mtp.parameters())
+    step = size(p for n, p in net.named_parameters() if not n.startswith("mtp."))
+    assert net.lm_head is None  # tied: the embedding is the head, read once a step
+    head = net.model.embed_tokens.weight
+    if vocab is None:
+        want = (mtp + head.numel() * head.element_size()) / step
+    else:
+        w = llm.engine.proposer.mtp.draft_head.weight
+        assert w.nbytes < head.numel() * head.element_size() * vocab / VOCAB  # int8 rows
+        want = (mtp + w.nbytes) / step
+    assert llm.engine.proposer.cost.draft_pass == pytest.approx(want)
+    assert llm.engine.proposer.measured.drafts == 0  # the prior, not a timing

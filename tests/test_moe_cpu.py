@@ -252,3 +252,9 @@ def test_read_ceiling_counts_only_the_chosen_experts(ckpt):
     unread = config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok)
     want = every - unread * expert - (0 if config.tie_word_embeddings else untied_embedding)
     assert weight_bytes_per_token(net) == want
+    net, config, _ = load_model(ckpt, torch.bfloat16, with_mtp=True)
+    if config.mtp_num_hidden_layers:  # an MoE MTP layer: a draft pass reads k experts too
+        mtp = sum(p.numel() * 2 for p in net.mtp.parameters())
+        unread = config.mtp_num_hidden_layers * (config.num_experts - config.num_experts_per_tok)
+        assert net.bytes_read(mtp=True) == mtp - unread * expert
+        assert net.bytes_read() == want

@@ -160,30 +160,8 @@ def matmul_rate(threads: int, m: int = 512, k: int = 1024, n: int = 1024, reps: 
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of weights one batch-1 decode step reads: every parameter (and int8 weight) of the
-    model but the MTP head's, with the token embedding counted only where it is also the LM head
-    (tied; an untied embedding is one row looked up per token), and of an MoE block's routed
-    experts only the k a token chooses (hybridrt/moe_block.py: all experts are one size)."""
-    def nbytes(module) -> int:  # a plain weight, or int8 values + scales (kernels/quant.py)
-        q = getattr(module, "qweight", None)
-        if q is not None:
-            return q.nbytes
-        w = getattr(module, "weight", None)
-        return 0 if w is None else w.numel() * w.element_size()
-
-    total = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-                if not name.startswith("mtp."))
-    total += sum(m.qweight.nbytes for name, m in model.named_modules()
-                 if getattr(m, "qweight", None) is not None and not name.startswith("mtp."))
-    if getattr(model, "lm_head", None) is not None:
-        total -= nbytes(model.model.embed_tokens)
-    for layer in model.model.layers:
-        experts = getattr(layer.mlp, "experts", None)
-        if experts is not None:
-            unread = 1 - layer.mlp.top_k / len(experts)
-            total -= int(unread * sum(nbytes(e.gate_up_proj) + nbytes(e.down_proj)
-                                      for e in experts))
-    return total
+    """Bytes of weights one batch-1 decode step reads (``Qwen35ForCausalLM.bytes_read``)."""
+    return model.bytes_read()
 
 
 def state_bytes_per_token(tensors) -> int:
