@@ -126,9 +126,11 @@ class GatedAttention(nn.Module):
         RoPE), without the attention: the MTP layer's KV of positions nothing drafts from."""
         be, T = self.backend, x.shape[0]
         HKV, D = self.num_kv_heads, self.head_dim
-        qg, k, v = be.project(x, _weights(self.in_projections))
-        _, k = be.qk_norm_rope(qg.view(T, -1, 2 * D)[:, :1, :D], k.view(T, HKV, D),
-                               self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+        # k and v alone (q and its gate are four fifths of the products' outputs), each column
+        # the same dot product as in the merged one
+        k, v = be.project(x, _weights((self.k_proj, self.v_proj)))
+        _, k = be.qk_norm_rope(k.new_zeros(T, 1, D), k.view(T, HKV, D), self.q_norm.weight,
+                               self.k_norm.weight, self.q_norm.eps, cos, sin)
         write_kv(k, v.view(T, HKV, D), cache.key_caches[self.cache_index],
                  cache.value_caches[self.cache_index], batch.slot_mapping)
 
