@@ -894,3 +894,50 @@ def test_cache_tensors_are_private_memory_that_takes_huge_pages():
         assert "hg" in e["VmFlags"].split() and "sh" not in e["VmFlags"].split(), e["VmFlags"]
         assert e.get("THPeligible", "1") == "1", e  # (the field: Linux 5.0 on)
         assert int(e["Anonymous"].split()[0]) > 0, e
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_attention_of_unequal_few_tokens_runs_one_call_per_count(dtype, monkeypatch):
+    """A step whose sequences have 1 to 8 new tokens, not all as many (a verification beside
+    decodes, as adaptive k makes), runs compiled: one call per count, each row the bits it gets
+    in a call of its own sequence alone, the reference's values (not the reference's gathered
+    attention over the whole context, which at 16k cached tokens took a batch of 32 from 52 to
+    5 tokens a second)."""
+    from hybridrt.model import GatedAttention
+
+    layer, config, net = _layer(GatedAttention, dtype, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=32)
+    H, HKV, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    bs, NB = 4, 24
+    computed, tables = [4, 44, 9], [[3, 0], list(range(5, 17)), [4, 17, 18, 19]]
+    lens = [2, 1, 3]
+    batch = build_batch([[1 + i] * n for i, n in enumerate(lens)], computed, tables, bs,
+                        [0, 1, 2])
+    gen = torch.Generator().manual_seed(5)
+    N = sum(lens)
+    proj = torch.randn(N, H * 2 * D + 2 * HKV * D, generator=gen).to(dtype)
+    qg, k, v = proj.split([H * 2 * D, HKV * D, HKV * D], dim=-1)
+    kc0 = torch.randn(NB, bs, HKV, D, generator=gen).to(dtype)
+    vc0 = torch.randn(NB, bs, HKV, D, generator=gen).to(dtype)
+    cos, sin = net.rope(batch.positions, dtype)
+    calls = _count_calls(monkeypatch, "attn_decode")
+    cpu = CPUBackend(config)
+    results = []
+    for be in (ReferenceBackend(config), cpu):
+        kc, vc = kc0.clone(), vc0.clone()
+        out = be.gated_attention(be.plan_step(batch), batch, layer.spec, qg, k, v, kc, vc, cos,
+                                 sin)
+        results.append((out, kc, vc))
+    assert calls[0] == 3
+    (o_ref, k_ref, v_ref), (o, kc, vc) = results
+    assert_rel_close(o.float(), o_ref.float(), _fused_tol(dtype), "output")
+    assert torch.equal(vc, v_ref), "value cache"
+    start = 0
+    for i, n in enumerate(lens):  # each sequence alone: the same bits
+        one = build_batch([[1 + i] * n], [computed[i]], [tables[i]], bs, [i])
+        rows = slice(start, start + n)
+        c1, s1 = net.rope(one.positions, dtype)
+        alone = cpu.gated_attention(cpu.plan_step(one), one, layer.spec, qg[rows], k[rows],
+                                    v[rows], kc0.clone(), vc0.clone(), c1, s1)
+        assert torch.equal(alone, o[rows]), f"sequence {i}"
+        start += n

@@ -239,11 +239,13 @@ class CPUBackend:
         if self.invariant:
             return self._invariant_attention(batch, layer, qg, k, v, key_cache, value_cache,
                                              cos, sin)
+        few = not L and meta.few_tokens
         if not L and self.kv_shape is None:  # not attached to an engine: no per-step check
             L = _uniform_len(batch.query_lens)
-            if L and self.native:
+            few = not L and _few_lens(batch.query_lens)
+            if (L or few) and self.native:
                 _check_kv(batch, tuple(key_cache.shape[:2]))
-        if not (self.native and L and native.fused_dtype_code(dtype) is not None
+        if not ((L or few) and self.native and native.fused_dtype_code(dtype) is not None
                 and _kv_dtype_ok(key_cache, value_cache, dtype) and cos.dtype == dtype
                 and k.dtype == v.dtype == layer.q_norm_weight.dtype == dtype
                 and key_cache.is_contiguous() and value_cache.is_contiguous()
@@ -252,11 +254,36 @@ class CPUBackend:
                 == batch.block_tables.dtype == torch.int64):
             return self.ref.gated_attention(meta, batch, layer, qg, k, v, key_cache,
                                             value_cache, cos, sin)
+        if few:  # one call per count of new tokens (a row's arithmetic is the same in any
+            # call, csrc/attn_decode.c), not the reference's gathered attention over the context
+            return self._attention_by_length(batch, layer, qg, k, v, key_cache, value_cache,
+                                             cos, sin)
         return native.attn_decode(qg, k, v, layer.q_norm_weight, layer.k_norm_weight,
                                   layer.eps, cos, sin, key_cache, value_cache,
                                   batch.slot_mapping, batch.block_tables, batch.seq_lens,
                                   layer.scale, L, layer.num_heads, layer.num_kv_heads,
                                   layer.head_dim, self.fused_simd)
+
+    def _attention_by_length(self, batch, layer, qg, k, v, key_cache, value_cache, cos, sin):
+        """``gated_attention`` of a step whose sequences have few new tokens, not all as
+        many: the sequences of each count in one ``native.attn_decode`` call, their rows
+        gathered and the outputs put back in the step's row order."""
+        lens = batch.query_lens
+        out = qg.new_empty(qg.shape[0], layer.num_heads * layer.head_dim)
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        for L in sorted(set(lens)):
+            seqs = [b for b, n in enumerate(lens) if n == L]
+            rows = torch.tensor([starts[b] + t for b in seqs for t in range(L)])
+            idx = torch.tensor(seqs)
+            out[rows] = native.attn_decode(
+                qg[rows], k[rows], v[rows], layer.q_norm_weight, layer.k_norm_weight,
+                layer.eps, cos[rows], sin[rows], key_cache, value_cache,
+                batch.slot_mapping[rows], batch.block_tables[idx], batch.seq_lens[idx],
+                layer.scale, L, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                self.fused_simd)
+        return out
 
     def project(self, x, weights):
         """One product for the group (merged at bind time), split into its outputs."""
@@ -477,10 +504,12 @@ class CPUBackend:
             if slots and not 0 <= min(slots) <= max(slots) < self.num_slots:
                 raise IndexError(f"state slots out of range [0, {self.num_slots})")
             L = _uniform_len(batch.query_lens) if self.kv_shape is not None else 0
-            if L or (self.invariant and self.kv_shape is not None):
+            few = not L and self.kv_shape is not None and _few_lens(batch.query_lens)
+            if L or few or (self.invariant and self.kv_shape is not None):
                 _check_kv(batch, self.kv_shape)
             if L:
                 meta.uniform_tokens = L
+            meta.few_tokens = bool(few)
         return meta
 
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
@@ -549,6 +578,11 @@ def _uniform_len(query_lens: list[int]) -> int:
     """L when every sequence has L new tokens, 1 <= L <= FUSED_MAX_TOKENS; 0 otherwise."""
     L = query_lens[0] if query_lens else 0
     return L if 0 < L <= FUSED_MAX_TOKENS and query_lens.count(L) == len(query_lens) else 0
+
+
+def _few_lens(query_lens: list[int]) -> bool:
+    """Every sequence has 1 to FUSED_MAX_TOKENS new tokens."""
+    return bool(query_lens) and min(query_lens) > 0 and max(query_lens) <= FUSED_MAX_TOKENS
 
 
 def _recurrent_only(meta) -> bool:

@@ -65,6 +65,8 @@ class StepMeta:
     uniform_tokens: int = 0  # CPU: every sequence has this many new tokens (1 to
     # FUSED_MAX_TOKENS) and their KV slots, blocks and lengths were checked against the caches
     # (csrc/attn_decode.c indexes them unchecked); 0 otherwise
+    few_tokens: bool = False  # CPU: every sequence has 1 to FUSED_MAX_TOKENS new tokens, not
+    # all the same (a verification beside decodes), the KV indices checked likewise
 
 
 def step_arrays(batch) -> StepArrays:
