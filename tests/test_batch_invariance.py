@@ -287,20 +287,18 @@ def ckpt_08b(tmp_path_factory):
 def test_greedy_k3_equals_k0_at_08b_shape(ckpt_08b):
     """bf16, 0.8B shape, random weights, 4 requests side by side: greedy with 3 MTP drafts a
     step gives k = 0's token ids and logprob bytes (verification rows computed as decode
-    rows); the default mode does not (the case issue 27 starts from)."""
+    rows). The default mode is not held to it (the case issue 27 starts from): its products
+    may round a verify step's rows apart from a decode step's. (It differed here until steps
+    mixing verification and decode rows ran the compiled attention, 09caaa1; those steps fell
+    to the reference's, and now give the same bytes on this machine's kernels.)"""
     rng = random.Random(5)
     prompts = [[rng.randrange(10, 240000) for _ in range(n)] for n in (40, 9, 77, 20)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
-    keys = {}
-    for invariant in (True, False):
-        llm = LLM(ckpt_08b, dtype="bfloat16", speculative_tokens=3, max_model_len=128,
-                  max_num_seqs=4, cache_memory=256 << 20, batch_invariant=invariant)
-        for k in (0, 3):
-            keys[invariant, k] = [_key(o) for o in llm.generate(prompts, sp, use_tqdm=False,
-                                                               speculative_tokens=k)]
-        del llm
-    assert keys[True, 3] == keys[True, 0]
-    assert keys[False, 3] != keys[False, 0]
+    llm = LLM(ckpt_08b, dtype="bfloat16", speculative_tokens=3, max_model_len=128,
+              max_num_seqs=4, cache_memory=256 << 20, batch_invariant=True)
+    keys = {k: [_key(o) for o in llm.generate(prompts, sp, use_tqdm=False, speculative_tokens=k)]
+            for k in (0, 3)}
+    assert keys[3] == keys[0]
 
 
 # Bad input ----------------------------------------------------------------------------------
