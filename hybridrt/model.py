@@ -409,12 +409,8 @@ class Qwen35ForCausalLM(nn.Module):
         MoE block's routed experts only the k a token chooses (hybridrt/moe_block.py: all
         experts are one size). ``mtp``: those of one MTP layer pass instead, the LM head it
         drafts through left out (``specdec.mtp`` adds the one it reads)."""
-        def nbytes(module) -> int:  # a plain weight, or int8 values + scales (kernels/quant.py)
-            q = getattr(module, "qweight", None)
-            if q is not None:
-                return q.nbytes
-            w = getattr(module, "weight", None)
-            return 0 if w is None else w.numel() * w.element_size()
+        def nbytes(module) -> int:  # a plain weight, or packed values + scales
+            return kernel_weight(module).nbytes
 
         root = self.mtp if mtp else self
         if root is None:

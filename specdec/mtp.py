@@ -112,14 +112,11 @@ class MTPProposer:
         """Bytes of weights one draft pass reads: the MTP layer's and the LM head it drafts
         through (the draft vocabulary's copy, or the model's head)."""
         if self.draft_head is not None:
-            w = self.draft_head.weight
-            head = w.nbytes if isinstance(w, quant.PackedWeight) else w.numel() * w.element_size()
+            head = self.draft_head.weight  # a PackedWeight or a tensor: both know their bytes
         else:
             m = self.model.lm_head
-            m = m if m is not None else self.model.model.embed_tokens
-            q = getattr(m, "qweight", None)
-            head = q.nbytes if q is not None else m.weight.numel() * m.weight.element_size()
-        return self.model.bytes_read(mtp=True) + head
+            head = quant.kernel_weight(m if m is not None else self.model.model.embed_tokens)
+        return self.model.bytes_read(mtp=True) + head.nbytes
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan, row_starts: list[int], hidden: torch.Tensor,

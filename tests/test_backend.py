@@ -529,6 +529,29 @@ def test_fused_gdn_prompt_chunks_match_reference(dtype, heads, lens, init, simd,
     assert torch.equal(sm[free], ssm0[free]) and torch.equal(cv[free], conv0[free])
 
 
+def _attention_inputs(layer, N, NB, bs, dtype, seed):
+    """Random q/gate, k, v projections of N rows and K/V caches of NB blocks of bs slots."""
+    gen = torch.Generator().manual_seed(seed)
+    H, HKV, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    proj = torch.randn(N, H * 2 * D + 2 * HKV * D, generator=gen).to(dtype)
+    qg, k, v = proj.split([H * 2 * D, HKV * D, HKV * D], dim=-1)
+    kc0 = torch.randn(NB, bs, HKV, D, generator=gen).to(dtype)
+    vc0 = torch.randn(NB, bs, HKV, D, generator=gen).to(dtype)
+    return qg, k, v, kc0, vc0
+
+
+def _attention_by_both(config, cpu, batch, layer, qg, k, v, kc0, vc0, cos, sin):
+    """(out, key cache, value cache) of the reference backend's gated attention, then of
+    ``cpu``'s, each on its own copy of the caches."""
+    results = []
+    for be in (ReferenceBackend(config), cpu):
+        kc, vc = kc0.clone(), vc0.clone()
+        out = be.gated_attention(be.plan_step(batch), batch, layer.spec, qg, k, v, kc, vc, cos,
+                                 sin)
+        results.append((out, kc, vc))
+    return results
+
+
 def _decode_batch(computed, tables, block_size, L=1):
     return build_batch([[1 + i] * L for i in range(len(computed))], computed, tables, block_size,
                        list(range(len(computed))))
@@ -553,21 +576,13 @@ def test_fused_decode_attention_matches_reference(dtype, gqa, L, D, simd, monkey
                                 num_key_value_heads=2, head_dim=D)
     bs, NB = 4, 24
     batch = _decode_batch([4, 44, 0], [[3, 0], list(range(5, 17)), [4]], bs, L)
-    gen = torch.Generator().manual_seed(gqa)
-    H, HKV, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    H, D = layer.num_heads, layer.head_dim
     N = 3 * L
-    proj = torch.randn(N, H * 2 * D + 2 * HKV * D, generator=gen).to(dtype)
-    qg, k, v = proj.split([H * 2 * D, HKV * D, HKV * D], dim=-1)
-    kc0 = torch.randn(NB, bs, HKV, D, generator=gen).to(dtype)
-    vc0 = torch.randn(NB, bs, HKV, D, generator=gen).to(dtype)
+    qg, k, v, kc0, vc0 = _attention_inputs(layer, N, NB, bs, dtype, seed=gqa)
     cos, sin = net.rope(batch.positions, dtype)
     calls = _count_calls(monkeypatch, "attn_decode")
-    results = []
     cpu = CPUBackend(config, options=KernelOptions(fused_simd=simd))
-    for be in (ReferenceBackend(config), cpu):
-        kc, vc = kc0.clone(), vc0.clone()
-        out = be.gated_attention(be.plan_step(batch), batch, layer.spec, qg, k, v, kc, vc, cos, sin)
-        results.append((out, kc, vc))
+    results = _attention_by_both(config, cpu, batch, layer, qg, k, v, kc0, vc0, cos, sin)
     assert calls[0] == 1
     (o_ref, k_ref, v_ref), (o, kc, vc) = results
     assert o.dtype == dtype and o.shape == (N, H * D)
@@ -907,27 +922,16 @@ def test_fused_attention_of_unequal_few_tokens_runs_one_call_per_count(dtype, mo
 
     layer, config, net = _layer(GatedAttention, dtype, num_attention_heads=4,
                                 num_key_value_heads=2, head_dim=32)
-    H, HKV, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
     bs, NB = 4, 24
     computed, tables = [4, 44, 9], [[3, 0], list(range(5, 17)), [4, 17, 18, 19]]
     lens = [2, 1, 3]
     batch = build_batch([[1 + i] * n for i, n in enumerate(lens)], computed, tables, bs,
                         [0, 1, 2])
-    gen = torch.Generator().manual_seed(5)
-    N = sum(lens)
-    proj = torch.randn(N, H * 2 * D + 2 * HKV * D, generator=gen).to(dtype)
-    qg, k, v = proj.split([H * 2 * D, HKV * D, HKV * D], dim=-1)
-    kc0 = torch.randn(NB, bs, HKV, D, generator=gen).to(dtype)
-    vc0 = torch.randn(NB, bs, HKV, D, generator=gen).to(dtype)
+    qg, k, v, kc0, vc0 = _attention_inputs(layer, sum(lens), NB, bs, dtype, seed=5)
     cos, sin = net.rope(batch.positions, dtype)
     calls = _count_calls(monkeypatch, "attn_decode")
     cpu = CPUBackend(config)
-    results = []
-    for be in (ReferenceBackend(config), cpu):
-        kc, vc = kc0.clone(), vc0.clone()
-        out = be.gated_attention(be.plan_step(batch), batch, layer.spec, qg, k, v, kc, vc, cos,
-                                 sin)
-        results.append((out, kc, vc))
+    results = _attention_by_both(config, cpu, batch, layer, qg, k, v, kc0, vc0, cos, sin)
     assert calls[0] == 3
     (o_ref, k_ref, v_ref), (o, kc, vc) = results
     assert_rel_close(o.float(), o_ref.float(), _fused_tol(dtype), "output")
