@@ -239,10 +239,10 @@ class CPUBackend:
         if self.invariant:
             return self._invariant_attention(batch, layer, qg, k, v, key_cache, value_cache,
                                              cos, sin)
-        few = not L and meta.few_tokens
+        few = () if L else meta.few_tokens
         if not L and self.kv_shape is None:  # not attached to an engine: no per-step check
             L = _uniform_len(batch.query_lens)
-            few = not L and _few_lens(batch.query_lens)
+            few = () if L else _length_groups(batch.query_lens)
             if (L or few) and self.native:
                 _check_kv(batch, tuple(key_cache.shape[:2]))
         if not ((L or few) and self.native and native.fused_dtype_code(dtype) is not None
@@ -256,27 +256,22 @@ class CPUBackend:
                                             value_cache, cos, sin)
         if few:  # one call per count of new tokens (a row's arithmetic is the same in any
             # call, csrc/attn_decode.c), not the reference's gathered attention over the context
-            return self._attention_by_length(batch, layer, qg, k, v, key_cache, value_cache,
-                                             cos, sin)
+            return self._attention_by_length(few, batch, layer, qg, k, v, key_cache,
+                                             value_cache, cos, sin)
         return native.attn_decode(qg, k, v, layer.q_norm_weight, layer.k_norm_weight,
                                   layer.eps, cos, sin, key_cache, value_cache,
                                   batch.slot_mapping, batch.block_tables, batch.seq_lens,
                                   layer.scale, L, layer.num_heads, layer.num_kv_heads,
                                   layer.head_dim, self.fused_simd)
 
-    def _attention_by_length(self, batch, layer, qg, k, v, key_cache, value_cache, cos, sin):
+    def _attention_by_length(self, groups, batch, layer, qg, k, v, key_cache, value_cache, cos,
+                             sin):
         """``gated_attention`` of a step whose sequences have few new tokens, not all as
-        many: the sequences of each count in one ``native.attn_decode`` call, their rows
-        gathered and the outputs put back in the step's row order."""
-        lens = batch.query_lens
+        many: the sequences of each count in one ``native.attn_decode`` call (``groups``:
+        ``_length_groups``), their rows gathered and the outputs put back in the step's row
+        order."""
         out = qg.new_empty(qg.shape[0], layer.num_heads * layer.head_dim)
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
-        for L in sorted(set(lens)):
-            seqs = [b for b, n in enumerate(lens) if n == L]
-            rows = torch.tensor([starts[b] + t for b in seqs for t in range(L)])
-            idx = torch.tensor(seqs)
+        for L, rows, idx in groups:
             out[rows] = native.attn_decode(
                 qg[rows], k[rows], v[rows], layer.q_norm_weight, layer.k_norm_weight,
                 layer.eps, cos[rows], sin[rows], key_cache, value_cache,
@@ -504,12 +499,12 @@ class CPUBackend:
             if slots and not 0 <= min(slots) <= max(slots) < self.num_slots:
                 raise IndexError(f"state slots out of range [0, {self.num_slots})")
             L = _uniform_len(batch.query_lens) if self.kv_shape is not None else 0
-            few = not L and self.kv_shape is not None and _few_lens(batch.query_lens)
+            few = () if L or self.kv_shape is None else _length_groups(batch.query_lens)
             if L or few or (self.invariant and self.kv_shape is not None):
                 _check_kv(batch, self.kv_shape)
             if L:
                 meta.uniform_tokens = L
-            meta.few_tokens = bool(few)
+            meta.few_tokens = few  # once a step, for every attention layer
         return meta
 
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
@@ -580,9 +575,20 @@ def _uniform_len(query_lens: list[int]) -> int:
     return L if 0 < L <= FUSED_MAX_TOKENS and query_lens.count(L) == len(query_lens) else 0
 
 
-def _few_lens(query_lens: list[int]) -> bool:
-    """Every sequence has 1 to FUSED_MAX_TOKENS new tokens."""
-    return bool(query_lens) and min(query_lens) > 0 and max(query_lens) <= FUSED_MAX_TOKENS
+def _length_groups(query_lens: list[int]) -> tuple:
+    """Where every sequence has 1 to FUSED_MAX_TOKENS new tokens: per count L, (L, the rows of
+    its sequences in the step, those sequences) as int64 tensors; () otherwise."""
+    if not query_lens or min(query_lens) < 1 or max(query_lens) > FUSED_MAX_TOKENS:
+        return ()
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    groups = []
+    for L in sorted(set(query_lens)):
+        seqs = [b for b, n in enumerate(query_lens) if n == L]
+        rows = [starts[b] + t for b in seqs for t in range(L)]
+        groups.append((L, torch.tensor(rows), torch.tensor(seqs)))
+    return tuple(groups)
 
 
 def _recurrent_only(meta) -> bool:

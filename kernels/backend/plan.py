@@ -65,8 +65,9 @@ class StepMeta:
     uniform_tokens: int = 0  # CPU: every sequence has this many new tokens (1 to
     # FUSED_MAX_TOKENS) and their KV slots, blocks and lengths were checked against the caches
     # (csrc/attn_decode.c indexes them unchecked); 0 otherwise
-    few_tokens: bool = False  # CPU: every sequence has 1 to FUSED_MAX_TOKENS new tokens, not
-    # all the same (a verification beside decodes), the KV indices checked likewise
+    few_tokens: tuple = ()  # CPU: where every sequence has 1 to FUSED_MAX_TOKENS new tokens,
+    # not all the same (a verification beside decodes), the KV indices checked likewise: per
+    # count L, (L, the sequences' rows, the sequences) as int64 tensors; empty otherwise
 
 
 def step_arrays(batch) -> StepArrays:
