@@ -326,6 +326,32 @@ def test_simulated_drafts_follow_the_reference():
     assert sim(Req, 0, 3) == 3 and sim.coverage == 2 / 3
 
 
+def test_simulated_drafts_draw_per_request_and_per_seed():
+    """Each request's own stream, seeded by the run's seed and its prompt: the fraction right
+    is alpha (4000 draws, 5 sigma), a request's draws do not move with another's, and another
+    seed (a benchmark's next repeat) draws others (with one stream seeded alike every repeat
+    replayed the same first draws, 0.84 and 0.76 for seed 0: adaptive k's few drafts at alpha
+    0.2 were all rejected in every repeat)."""
+    class Req:
+        def __init__(self, p):
+            self.prompt_token_ids, self.token_ids = p, p
+
+    a, b = Req([1, 2]), Req([3, 4])
+    refs = {(1, 2): [1, 2] + [7] * 4000, (3, 4): [3, 4] + [7] * 4000}
+
+    def draws(sim, req, n):
+        return [sim(req, j, 0) == 7 for j in range(n)]
+
+    sim = SimulatedDrafts(refs, 0.2, VOCAB, seed=0)
+    got = draws(sim, a, 4000)
+    assert abs(sum(got) / 4000 - 0.2) < 5 * (0.2 * 0.8 / 4000) ** 0.5
+    assert sim.num_right == sum(got)
+    other = SimulatedDrafts(refs, 0.2, VOCAB, seed=0)
+    draws(other, b, 37)  # another request drafting first changes nothing of a's
+    assert draws(other, a, 200) == got[:200]
+    assert draws(SimulatedDrafts(refs, 0.2, VOCAB, seed=1), a, 200) != got[:200]
+    assert draws(SimulatedDrafts(refs, 0.2, VOCAB, seed=0), b, 200) != got[:200]
+
 def test_simulated_acceptance_bench(ckpt, capsys, tmp_path):
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, VOCAB, (6,), generator=g).tolist() for _ in range(8)]

@@ -122,8 +122,8 @@ def _spec_summary(outs, k: int) -> dict:
 
 
 def _summary(runs: list) -> dict:
-    """A row's repeated runs -> the median tok/s, the step costs of all of them, and the
-    outputs, acceptance and simulation of the last."""
+    """A row's repeated runs -> the median tok/s, the step costs and outputs of all of them
+    (``all_outs``: the acceptance counts), and the outputs and simulation of the last."""
     outs, seconds, _, sim, _ = runs[-1]
     rates = [sum(len(o.outputs[0].token_ids) for o in r[0]) / r[1] for r in runs]
     paired = [rate / r[4] for rate, r in zip(rates, runs) if r[4]]
@@ -131,7 +131,8 @@ def _summary(runs: list) -> dict:
     for r in runs:
         costs.merge(r[2])
     token_ids = [o.outputs[0].token_ids for o in outs]
-    return {"outs": outs, "sim": sim, "seconds": seconds, "tok_s": statistics.median(rates),
+    return {"outs": outs, "all_outs": [o for r in runs for o in r[0]], "sim": sim,
+            "seconds": seconds, "tok_s": statistics.median(rates),
             "tok_s_runs": rates, "paired": statistics.median(paired) if paired else None,
             "costs": costs, "token_ids": token_ids,
             "tokens": sum(len(t) for t in token_ids)}
@@ -375,7 +376,7 @@ def run_spec_bench(
                 order = [c for i in range(1, len(configs), size)  # the adaptive row first
                          for c in [configs[0], configs[i + size - 1], *configs[i:i + size - 1]]]
             k0_rate = None
-            for _ in range(repeats):  # alternated, so that load changes hit every row alike
+            for rep in range(repeats):  # alternated, so that load changes hit every row alike
                 for n, alpha, k, adapt in order:
                     sim = None
                     if alpha is not None and not adapt and k not in refs:
@@ -384,7 +385,7 @@ def run_spec_bench(
                         proposer.draft_head = heads[n]
                         if alpha is not None:  # adaptive k mostly decodes: k = 0's sequences
                             sim = SimulatedDrafts(refs[0 if adapt else k], alpha,
-                                                  llm.config.vocab_size)
+                                                  llm.config.vocab_size, seed=rep)
                     label = f"batch {b} k {'<=' if adapt else ''}{k}"
                     step(pb, label)
                     with drafts_through(llm, sim):
@@ -420,7 +421,7 @@ def run_spec_bench(
                     "speedup": (None if ks[0] != 0 or not base["tok_s"] else 1.0 if k == 0
                                 else got["paired"] if got["paired"] is not None
                                 else got["tok_s"] / base["tok_s"]),
-                    **_spec_summary(outs, k),
+                    **_spec_summary(got["all_outs"], k),
                     "expected_acceptance_length": (
                         expected_acceptance_length(alpha, k) if sim is not None else None),
                     "reference_coverage": sim.coverage if sim is not None else None,
