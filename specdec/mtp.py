@@ -36,7 +36,11 @@ saved, when it finishes (prefix caching: its blocks keep their MTP KV) or once `
 wait. The KV written is the same rows' at the same positions; the prefix cache indexes a
 request's blocks only before ``Request.mtp_written`` meanwhile. A k = 0 step then costs what a
 step without speculation costs. ``pass_rows``: the input rows of the last ``propose``'s MTP
-pass (adaptive k does not time a pass of many rows as its drafts' cost).
+pass (adaptive k does not time a pass of many rows as its drafts' cost); ``first_pass``: that
+``propose`` ran a kind of pass (KV only, or drafting) for the first time, whose kernels set
+themselves up then (backend records, packed weights: a 1-row KV pass took 12 ms where later
+ones take 2-3, a first draft 0.77 decode steps against 0.37), so adaptive k does not time it
+either: priced so, drafting can stop before a warm draft corrects it.
 """
 
 from __future__ import annotations
@@ -104,6 +108,10 @@ class MTPProposer:
         self.keep_kv = keep_kv  # prefix caching: see ``propose``
         self.lazy = lazy  # (the module's docstring)
         self.pass_rows = 0  # input rows of the last propose's MTP pass
+        # the last propose ran a kind of pass (KV only, drafting) for the first time: its
+        # kernels' one-time set-up is in its time (``first_pass``, the module's docstring)
+        self.first_pass = False
+        self._ran: set[bool] = set()
 
     def num_drafts_for(self, req) -> int:
         return draft_cap(req, self.max_model_len)
@@ -174,6 +182,9 @@ class MTPProposer:
             if drafting:
                 full.add(toks[cut:], first + cut, table, rows[cut:], req)
         self.pass_rows = kv.rows + full.rows
+        kinds = {kind for kind, p in ((True, kv), (False, full)) if p.rows}
+        self.first_pass = bool(kinds - self._ran)
+        self._ran |= kinds
         if kv.rows:  # the MTP layer's KV of rows no draft is read from: no attention, no MLP
             mb, h = kv.batch(self)
             self.model.mtp_forward(mb.input_ids, h.to(hidden.device), mb, self.cache.tensors,

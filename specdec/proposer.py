@@ -105,7 +105,8 @@ class SpecProposer:
             t = time.perf_counter()
             out = {d.request: d for d in self.mtp.propose(plan, row_starts, hidden, settled,
                                                           wanted)}
-            if self.measured is not None and self.mtp.pass_rows <= PASS_ROWS * len(out):
+            if (self.measured is not None and not self.mtp.first_pass
+                    and self.mtp.pass_rows <= PASS_ROWS * len(out)):
                 self.measured.observe_drafts(
                     sum(len(d.token_ids) - d.num_ngram for d in out.values()),
                     time.perf_counter() - t)

@@ -242,6 +242,7 @@ def test_a_pass_of_many_rows_is_not_timed_as_drafts():
 
     class StubMTP:
         pass_rows = 0
+        first_pass = False
 
         def propose(self, plan, row_starts, hidden, settled, wanted):
             self.pass_rows = sum(settled)
@@ -261,6 +262,42 @@ def test_a_pass_of_many_rows_is_not_timed_as_drafts():
     assert prop.measured.drafts == 0  # 70 rows for one drafting request
     prop.propose(plan, [0], None, [PASS_ROWS])
     assert prop.measured.drafts > 0
+    before = prop.measured.drafts
+    prop.mtp.first_pass = True  # a kind of pass run for the first time: not timed either
+    assert prop.propose(plan, [0], None, [1])[0].k > 0
+    assert prop.measured.drafts == before
+
+
+def test_first_pass_marks_each_kind_of_mtp_pass_once(ckpt):
+    """``MTPProposer.first_pass``: set by the propose that runs a kind of pass (KV only, or
+    drafting) for the first time, whose kernels set themselves up then (a first draft measured
+    0.77 decode steps against 0.37: priced so, drafting stopped before a warm draft corrected
+    it), and by no other."""
+    llm = _llm(ckpt, 2, enable_prefix_caching=True)  # fixed k: the MTP drafts every step
+    mtp = llm.engine.proposer
+    inner, seen = mtp.model.mtp_forward, []
+
+    def forward(*a, kv_only=False, **kw):
+        seen.append(kv_only)
+        return inner(*a, kv_only=kv_only, **kw)
+
+    mtp.model.mtp_forward = forward
+    outer, log = mtp.propose, []
+
+    def propose(*a, **kw):
+        seen.clear()
+        out = outer(*a, **kw)
+        log.append((set(seen), mtp.first_pass))
+        return out
+
+    mtp.propose = propose
+    llm.generate(_prompts()[:3], GREEDY, use_tqdm=False)
+    ran, firsts = set(), 0
+    for kinds, first in log:
+        assert first == bool(kinds - ran), (kinds, ran)
+        ran |= kinds
+        firsts += first
+    assert ran == {True, False} and firsts in (1, 2)
 
 
 # The engine ---------------------------------------------------------------------------------
