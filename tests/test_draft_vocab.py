@@ -352,6 +352,7 @@ def test_simulated_drafts_draw_per_request_and_per_seed():
     assert draws(SimulatedDrafts(refs, 0.2, VOCAB, seed=1), a, 200) != got[:200]
     assert draws(SimulatedDrafts(refs, 0.2, VOCAB, seed=0), b, 200) != got[:200]
 
+
 def test_simulated_acceptance_bench(ckpt, capsys, tmp_path):
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, VOCAB, (6,), generator=g).tolist() for _ in range(8)]
