@@ -71,6 +71,9 @@ class SpecProposer:
         # adaptive k from the engine's own step times (specdec.adaptive.MeasuredCosts)
         self.measured = MeasuredCosts(self.cost) if measure else None
         self._drafted_at: float | None = None  # when the last drafting ended
+        # the last step computed prompt tokens: the next one holds its sequences' first decode,
+        # which costs more whatever it verifies (docs/speculation.md), and is not timed
+        self._after_prefill = False
 
     def num_drafts_for(self, req) -> int:
         return draft_cap(req, self.max_model_len)
@@ -80,7 +83,8 @@ class SpecProposer:
                 settled: list[int]) -> list[Drafts]:
         """As ``MTPProposer.propose``: the next drafts of the requests that sampled."""
         start = time.perf_counter()
-        if self.measured is not None and self._drafted_at is not None and plan.kind != "prefill":
+        if (self.measured is not None and self._drafted_at is not None
+                and plan.kind != "prefill" and not self._after_prefill):
             self.measured.observe_step(sum(s.num_new_tokens for s in plan.seqs),
                                        any(s.num_drafts for s in plan.seqs),
                                        start - self._drafted_at)
@@ -111,6 +115,7 @@ class SpecProposer:
                     sum(len(d.token_ids) - d.num_ngram for d in out.values()),
                     time.perf_counter() - t)
         self._drafted_at = time.perf_counter()
+        self._after_prefill = plan.kind == "prefill"
         return [out[r] if r in out else Drafts(r, p[:k], None, num_ngram=min(k, len(p)), k=k)
                 for r, k, p in zip(reqs, ks, prefixes)]
 

@@ -268,6 +268,40 @@ def test_a_pass_of_many_rows_is_not_timed_as_drafts():
     assert prop.measured.drafts == before
 
 
+def test_a_step_after_a_prefill_is_not_timed():
+    """The step after one that computed prompt tokens holds its sequences' first decode, which
+    costs more whatever it verifies (80 ms against 69 at batch 1): a fresh engine's few verify
+    steps come there, and timed they priced verification at +0.8 decode steps, after which no
+    request drafted. Neither it nor the prefill is observed; the steps after are."""
+    from types import SimpleNamespace
+
+    from hybridrt.specdec.ngram import NgramDrafter
+    from hybridrt.specdec.proposer import SpecProposer
+    from hybridrt.specdec.stats import SpecStats
+
+    class Req(SimpleNamespace):
+        __hash__ = object.__hash__
+
+    prop = SpecProposer(256, ngram=NgramDrafter(1, 2), adaptive=True, measure=True)
+    req = Req(spec_k=2, is_finished=False, finish_reason=None, num_output_tokens=0,
+              spec_stats=SpecStats(2), token_ids=[5, 6, 5, 6, 5], prompt_token_ids=[5, 6],
+              params=SimpleNamespace(max_tokens=None), request_id="r")
+
+    def step(kind, drafts):
+        plan = SimpleNamespace(kind=kind, seqs=[SimpleNamespace(
+            request=req, sample=True, num_drafts=drafts, num_new_tokens=1 + drafts)])
+        prop.propose(plan, [0], None, [1])
+
+    weights = lambda: {v: f.weight for v, f in prop.measured.lines.items()}  # noqa: E731
+    step("prefill", 0)
+    step("verify", 1)  # the first decode after the prompt: not timed
+    assert weights() == {False: 0.0, True: 0.0}
+    step("verify", 1)
+    assert weights() == {False: 0.0, True: 1.0}
+    step("decode", 0)
+    assert weights() == {False: 1.0, True: 1.0}
+
+
 def test_first_pass_marks_each_kind_of_mtp_pass_once(ckpt):
     """``MTPProposer.first_pass``: set by the propose that runs a kind of pass (KV only, or
     drafting) for the first time, whose kernels set themselves up then (a first draft measured
