@@ -35,9 +35,11 @@ says, not that plus the prior's context term again). A draft pass of more than
 ``proposer.PASS_ROWS`` input rows per drafting request (a request's first draft after its
 prompt runs the prompt's rows through the MTP layer; a lazy request's waiting rows) is not
 timed: that is not what a draft costs, and charged to the draft it can stop all drafting, after
-which no draft comes to correct it (docs/speculation.md). Where a line has no steps yet, the
-prior's shape scaled to the other stands in. (Off in the batch-invariant mode, whose choices
-must not depend on time.)
+which no draft comes to correct it (docs/speculation.md). Where a line has fewer than
+``MIN_STEPS`` steps, the other one plus the prior's difference between them stands in (the
+prior's shape scaled to the steps seen where neither has); the verify line's slope is pulled
+towards the plain line's, where its rows hardly vary. (Off in the batch-invariant mode, whose
+choices must not depend on time.)
 
 The choice (``choose_ks``): the ks that maximise the batch's expected tokens per unit of
 cost, ``(B + sum E_i) / cost``, with E_i the expected accepted drafts of request i,
@@ -183,15 +185,41 @@ class MeasuredCosts:
         rows, secs = fit.mean()
         return secs / self._prior_shape(rows, best)
 
-    def predict(self, rows: float, verifying: bool) -> float | None:
+    def _lines(self) -> tuple[float, tuple | None, tuple | None] | None:
+        """(unit, the plain line's (a, b), the verify line's), a line None before
+        ``MIN_STEPS`` steps of it; None before any step. The slope's pull (what decides it
+        where the rows hardly vary): the plain line's towards the prior's, the verify line's
+        towards the plain line's where that one is measured. (A batch of 32, 16k deep: rows
+        cost their context's attention, 0.4 one-row steps each; verification measured at 33
+        rows alone and pulled to the prior's 0.02 put the slopes' difference times 33 into
+        its fixed cost.)"""
         unit = self._unit()
         if unit is None:
             return None
-        fit = self.lines[verifying]
-        if fit.weight < self.MIN_STEPS:
-            return unit * self._prior_shape(rows, verifying)
-        a, b = fit.line(self.prior.row * unit)
-        return a + b * rows
+        fits = []
+        slope = self.prior.row * unit
+        for verifying in (False, True):
+            fit = self.lines[verifying]
+            fits.append(fit.line(slope) if fit.weight >= self.MIN_STEPS else None)
+            if fits[0] is not None:
+                slope = fits[0][1] + self.prior.verify_row * unit
+        return unit, fits[0], fits[1]
+
+    def predict(self, rows: float, verifying: bool, lines=None) -> float | None:
+        """Seconds of a step of ``rows`` rows (``lines``: ``_lines()``, if at hand)."""
+        lines = lines or self._lines()
+        if lines is None:
+            return None
+        unit, *fits = lines
+        own, other = fits[verifying], fits[not verifying]
+        if own is not None:
+            return own[0] + own[1] * rows
+        if other is not None:  # the measured line plus the prior's difference between them
+            # (the prior's shape scaled alone would give the other kind the prior's row cost,
+            # not the measured one: 16k deep, verification looked cheaper than plain steps)
+            return other[0] + other[1] * rows + unit * (
+                self._prior_shape(rows, verifying) - self._prior_shape(rows, not verifying))
+        return unit * self._prior_shape(rows, verifying)
 
     def observe_step(self, rows: int, verifying: bool, seconds: float) -> None:
         want = self.predict(rows, verifying)
@@ -207,10 +235,12 @@ class MeasuredCosts:
     def model(self) -> CostModel:
         """The measured costs as a ``CostModel`` in units of a fitted one-row plain step (the
         prior until a step was seen)."""
-        plain1, verify1 = self.predict(1, False), self.predict(1, True)
+        lines = self._lines()
+        plain1 = self.predict(1, False, lines)
         if plain1 is None or plain1 <= 0:
             return self.prior
-        plain2, verify2 = self.predict(2, False), self.predict(2, True)
+        verify1 = self.predict(1, True, lines)
+        plain2, verify2 = self.predict(2, False, lines), self.predict(2, True, lines)
         draft = (self.draft_seconds / self.drafts / plain1 if self.drafts
                  else self.prior.draft_pass)
         return CostModel(row=max(plain2 - plain1, 0.0) / plain1, compute_row=0.0,

@@ -230,6 +230,39 @@ def test_a_deep_context_is_charged_once():
         assert choose_ks([Candidate(4, 16384, [alpha] * 4, [True] * 4)], 1, cost) == [best]
 
 
+def test_a_deep_batch_prices_verification_from_the_plain_line():
+    """Batch 32, 16k deep (a trace of the engine): a plain step of 1 row 47 ms, of 32 rows
+    650 ms (each row's attention over 16k tokens), a draft 28 ms. Before a verify step is
+    seen, a step of 33 rows that verifies one draft costs what 33 plain rows cost plus the
+    prior's verify cost (scaled as the prior's shape is to the steps seen), so no request
+    drafts at acceptance 0.6; once verify steps of 33 rows are seen (705 ms), their fixed cost
+    is what they cost over 33 plain rows, not the difference of the lines' slopes times 33
+    (the verify line's slope pulled to the plain line's, not the prior's: a second verifying
+    row costs a plain row's attention)."""
+    m = MeasuredCosts(CPU)
+    for _ in range(4):
+        m.observe_step(1, False, 0.047)
+        for _ in range(8):
+            m.observe_step(32, False, 0.650)
+    m.observe_drafts(1, 0.028)
+    slope = (0.650 - 0.047) / 31
+    plain = [0.047 + slope * (r - 1) for r in (32, 33)]
+    for verified in (False, True):
+        cost = m.model()
+        unit = m.predict(1, False)
+        assert cost.step(32) * unit == pytest.approx(plain[0], rel=1e-3)
+        # before: the prior's verify cost in the prior's units scaled to the steps seen
+        want = plain[1] + (0.705 - plain[1] if verified else CPU.verify * m._unit())
+        assert cost.step(33, 0, True) * unit == pytest.approx(want, rel=1e-2)
+        # a second verifying row costs what a plain row does (its attention), not the prior's
+        more = (cost.step(34, 0, True) - cost.step(33, 0, True)) * unit
+        assert more == pytest.approx(slope, rel=0.05)
+        cands = [Candidate(1, 16384, [0.6], [True])] * 32
+        assert choose_ks(cands, 32, cost) == [0] * 32
+        for _ in range(6):
+            m.observe_step(33, True, 0.705)
+
+
 def test_a_pass_of_many_rows_is_not_timed_as_drafts():
     """A request's first draft runs its prompt's rows through the MTP layer in the same pass
     (and a lazy request's waiting rows): that pass's time is not what a draft costs, so it is
