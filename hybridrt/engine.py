@@ -58,7 +58,8 @@ from hybridrt.structured_outputs import StructuredOutputs
 class LLMEngine:
     def __init__(self, model: Qwen35ForCausalLM, config: ModelConfig, cache: HybridCacheManager,
                  args: EngineArgs, tokenizer: Any = None, draft_vocab: list[int] | None = None,
-                 thread_governor=None, checkpoint_boundary_ids: Sequence[int] | None = None):
+                 probe_vocab: list[int] | None = None, thread_governor=None,
+                 checkpoint_boundary_ids: Sequence[int] | None = None):
         """``args``: resolved (``EngineArgs.resolved``). ``checkpoint_boundary_ids``: where
         prompts' GDN states are saved (statecache.prefix.checkpoint_positions), before each of
         these tokens (default: a chat template's message start) and every
@@ -76,7 +77,8 @@ class LLMEngine:
                                    sessions=self.session_manager)
         self.speculative_tokens = args.speculative_tokens
         self.governor = thread_governor  # hybridrt/threads.py: CPU threads fitted each step
-        self.proposer = build_proposer(args, model, cache, self.runner.sampler, draft_vocab)
+        self.proposer = build_proposer(args, model, cache, self.runner.sampler, draft_vocab,
+                                       probe_vocab)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         # decode steps launched before the previous step's tokens are read (GPU: the host

@@ -29,7 +29,7 @@ from hybridrt.prompt_inputs import PromptEncoder, PromptType, as_prompt_list, pr
 from hybridrt.reasoning import opens_thinking
 from hybridrt.sampling_params import SamplingParams
 from hybridrt.session import Session
-from hybridrt.specdec.draft_vocab import load_draft_vocab
+from hybridrt.specdec.draft_vocab import draft_vocabs
 from hybridrt.statecache import HybridCacheManager
 from hybridrt.threads import ThreadGovernor, adaptive_threads_enabled
 from hybridrt.tokenizer import apply_chat_template, load_tokenizer
@@ -167,10 +167,8 @@ class LLM:
             self.model.num_attention_caches - len(self.config.full_attention_layers),
             salt=f"{self.dtype}|{self.quantization}|{block_size}|{self.model_path}"
             + (f"|vision {args.vision_quantization}" if args.vision_quantization else ""))
-        draft_vocab, self.draft_vocab_source = None, None
-        if draft_vocab_size is not None:
-            draft_vocab, self.draft_vocab_source = load_draft_vocab(
-                self.model_path, self.config.vocab_size, draft_vocab_size)
+        draft_vocab, self.draft_vocab_source, probe_vocab = draft_vocabs(
+            self.model_path, self.config.vocab_size, draft_vocab_size, self.args)
         self.tokenizer = self._load_tokenizer(tokenizer)
         # the vision tower (None: text only) and why images are refused without it
         self.vision, self.vision_refusal = load_for_engine(self.model_path, self.config,
@@ -181,7 +179,8 @@ class LLM:
             governor = ThreadGovernor(torch.get_num_threads())
         self._parent_ids = itertools.count()  # n > 1: the parents' ids
         self.engine = LLMEngine(self.model, self.config, cache, self.args, self.tokenizer,
-                                draft_vocab=draft_vocab, thread_governor=governor)
+                                draft_vocab=draft_vocab, probe_vocab=probe_vocab,
+                                thread_governor=governor)
         if self.vision is not None:  # the tower's products on the text model's kernels
             self.vision.encoder.set_backend(self.engine.runner.backend)
         self.trace = None

@@ -26,20 +26,18 @@ a verify step of 2..5 rows 1.13..1.19 decode steps) and estimates of ``compute_r
 times the reduced head's).
 
 Measured cost (``MeasuredCosts``, fed by the proposer after every step): the engine's own step
-times, fitted as two lines in the step's rows, ``a + b * rows`` for steps that verify and for
-those that do not (least squares over the recent steps, the prior's slope a weak pull where the
-rows hardly vary), and the seconds per MTP draft; ``model()`` turns them into a ``CostModel``
-in units of the fitted one-row step. The lines hold the attention of the contexts their steps
-had (``ctx_row`` 0: a verification row 16k tokens deep costs what the verify line's slope
+times, fitted by least squares over the recent steps as a plain step of S sequences,
+``a + b S``, plus, for a step that verifies D drafts, ``c + d D`` (weak pulls where the steps
+do not decide: the prior's row, a draft row costing a sequence's, the prior's verify cost),
+and the seconds per MTP draft; ``model()`` turns them into a ``CostModel`` in units of the
+fitted one-row step, ``draft_row`` apart from ``row``. The fit holds the attention of the
+contexts its steps had (``ctx_row`` 0: a verification row 16k tokens deep costs what the fit
 says, not that plus the prior's context term again). A draft pass of more than
 ``proposer.PASS_ROWS`` input rows per drafting request (a request's first draft after its
 prompt runs the prompt's rows through the MTP layer; a lazy request's waiting rows) is not
 timed: that is not what a draft costs, and charged to the draft it can stop all drafting, after
-which no draft comes to correct it (docs/speculation.md). Where a line has fewer than
-``MIN_STEPS`` steps, the other one plus the prior's difference between them stands in (the
-prior's shape scaled to the steps seen where neither has); the verify line's slope is pulled
-towards the plain line's, where its rows hardly vary. (Off in the batch-invariant mode, whose
-choices must not depend on time.)
+which no draft comes to correct it (docs/speculation.md). (Off in the batch-invariant mode,
+whose choices must not depend on time.)
 
 The choice (``choose_ks``): the ks that maximise the batch's expected tokens per unit of
 cost, ``(B + sum E_i) / cost``, with E_i the expected accepted drafts of request i,
@@ -107,10 +105,18 @@ class CostModel:
     ctx_row: float = 0.008
     draft_pass: float = 0.075
     verify_row: float = 0.0
+    # a drafted row's cost in a verifying step, where it differs from a sequence's row (the
+    # measured model's: a draft row shares its sequence's context); None: ``row``'s
+    draft_row: float | None = None
 
-    def step(self, rows: int, ctx_rows: float = 0.0, verifying: bool = False) -> float:
-        """A step of ``rows`` rows whose contexts sum to ``ctx_rows`` tokens."""
-        t = max(1.0 + self.row * (rows - 1), self.compute_row * rows)
+    def step(self, rows: int, ctx_rows: float = 0.0, verifying: bool = False,
+             drafts: int = 0) -> float:
+        """A step of ``rows`` rows, ``drafts`` of them drafts, whose contexts sum to
+        ``ctx_rows`` tokens."""
+        seqs = rows if self.draft_row is None else rows - drafts
+        t = max(1.0 + self.row * (seqs - 1), self.compute_row * seqs)
+        if self.draft_row is not None:
+            t += self.draft_row * drafts
         if verifying:
             t += self.verify + self.verify_row * (rows - 1)
         return t + self.ctx_row * ctx_rows / 1024
@@ -124,108 +130,94 @@ class CostModel:
         return cls()
 
     def row_slope(self, rows: int) -> float:
-        """What one more row costs a verifying step of ``rows`` rows (context aside)."""
+        """What one more draft row costs a verifying step of ``rows`` rows (context aside)."""
+        if self.draft_row is not None:
+            return self.draft_row + self.verify_row
         memory_bound = 1.0 + self.row * (rows - 1) >= self.compute_row * rows
         return (self.row if memory_bound else self.compute_row) + self.verify_row
 
 
-class LineFit:
-    """``seconds ~ a + b * rows`` by least squares over the observations, each weighing
-    ``forget`` of the next, with the slope pulled towards ``prior_slope`` (weight ``pull``,
-    which decides it where the rows hardly vary)."""
-
-    def __init__(self, forget: float = 0.97, pull: float = 2.0):
-        self.forget, self.pull = forget, pull
-        self.w = self.x = self.y = self.xx = self.xy = 0.0
-
-    def observe(self, rows: float, seconds: float) -> None:
-        f = self.forget
-        self.w, self.x, self.y = f * self.w + 1, f * self.x + rows, f * self.y + seconds
-        self.xx, self.xy = f * self.xx + rows * rows, f * self.xy + rows * seconds
-
-    @property
-    def weight(self) -> float:
-        return self.w
-
-    def line(self, prior_slope: float) -> tuple[float, float]:
-        """(a, b); call only after an observation."""
-        w, x, y = self.w, self.x, self.y
-        b = ((self.xy - x * y / w + self.pull * prior_slope)
-             / (self.xx - x * x / w + self.pull))
-        return (y - b * x) / w, b
-
-    def mean(self) -> tuple[float, float]:
-        return self.x / self.w, self.y / self.w
-
-
 class MeasuredCosts:
     """The engine's own step and draft times (the module's docstring). ``observe_step``: a
-    step of ``rows`` rows (verifying or not) took ``seconds`` from the end of the drafting
-    after the previous step to the drafting after it; ``observe_drafts``: the MTP drafting of a
-    step made ``drafts`` MTP drafts in ``seconds``."""
+    step of ``seqs`` sequences verifying ``drafts`` drafts in all took ``seconds`` from the end
+    of the drafting after the previous step to the drafting after it; ``observe_drafts``: the
+    MTP drafting of a step made ``drafts`` MTP drafts in ``seconds``.
 
-    MIN_STEPS = 4  # steps of a kind before their line replaces the prior's
-    OUTLIER = 4.0  # a step over this many times the fitted time is not counted (a pause)
+    One least-squares fit over every observed step, each weighing ``FORGET`` of the next:
+    ``seconds ~ a + b seqs + (c + d drafts if drafts)``, ``a + b seqs`` the plain step and ``c``
+    and ``d`` a verifying step's fixed cost and cost per draft row. Weak pulls decide what the
+    steps do not: ``b`` towards the prior's row (sequences that hardly vary), ``d`` towards
+    ``b`` (draft counts that hardly vary: a batch where every request drafts k), ``c`` towards
+    the prior's verify cost (before any verify step, the prior's). (Two lines
+    in the step's rows, until the fourteenth session, counted a draft row as a sequence: fixed
+    k = 1 at batch 32, 16k deep, put every verify step at 64 rows, and with the slope of 32
+    sequences' rows a step of 33 rows came out cheap: adaptive requests drafted.)"""
+
+    FORGET = 0.97
+    # the pulls' weights, in the squares of the steps' counts: b's and d's weak (they decide
+    # only where sequences or drafts hardly vary); c's next to nothing, so that it decides c
+    # only where nothing else does (no verify step yet; every step verifying) and never pulls
+    # a measured verify cost, which the rows' slopes would then bend to meet
+    PULL_ROW, PULL_DRAFT_ROW, PULL_VERIFY = 2.0, 0.5, 1e-3
+    # a step over this many times the fitted time is not counted (a pause between two calls),
+    # where the fit has seen steps as large: a batch larger than any before is counted (a
+    # batch of 32 16k deep takes 14 times one request's step, where the prior's shape, all a
+    # fit from one request has, says 1.6)
+    OUTLIER = 4.0
 
     def __init__(self, prior: CostModel):
         self.prior = prior
-        self.lines = {False: LineFit(), True: LineFit()}
+        self.xx = [[0.0] * 4 for _ in range(4)]  # decayed sums of x x^T, x = (1, S, V, D)
+        self.xy = [0.0] * 4
+        self.shape = 0.0  # decayed sum of the prior's shape of each step (``_unit``)
+        self.weights = {False: 0.0, True: 0.0}  # decayed steps observed, plain / verifying
+        self.largest = (0, 0)  # the most sequences and drafts of a step observed
         self.draft_seconds = 0.0
         self.drafts = 0.0
-
-    def _prior_shape(self, rows: float, verifying: bool) -> float:
-        return self.prior.step(max(1, round(rows)), 0.0, verifying)
+        self._theta: tuple[float, float, float, float] | None = None
 
     def _unit(self) -> float | None:
-        """Seconds of the prior's one-row plain step, from the best-observed line."""
-        best = max(self.lines, key=lambda v: self.lines[v].weight)
-        fit = self.lines[best]
-        if fit.weight == 0:
-            return None
-        rows, secs = fit.mean()
-        return secs / self._prior_shape(rows, best)
+        """Seconds of the prior's one-row plain step, scaled to the steps seen."""
+        return self.xy[0] / self.shape if self.shape > 0 else None
 
-    def _lines(self) -> tuple[float, tuple | None, tuple | None] | None:
-        """(unit, the plain line's (a, b), the verify line's), a line None before
-        ``MIN_STEPS`` steps of it; None before any step. The slope's pull (what decides it
-        where the rows hardly vary): the plain line's towards the prior's, the verify line's
-        towards the plain line's where that one is measured. (A batch of 32, 16k deep: rows
-        cost their context's attention, 0.4 one-row steps each; verification measured at 33
-        rows alone and pulled to the prior's 0.02 put the slopes' difference times 33 into
-        its fixed cost.)"""
-        unit = self._unit()
-        if unit is None:
-            return None
-        fits = []
-        slope = self.prior.row * unit
-        for verifying in (False, True):
-            fit = self.lines[verifying]
-            fits.append(fit.line(slope) if fit.weight >= self.MIN_STEPS else None)
-            if fits[0] is not None:
-                slope = fits[0][1] + self.prior.verify_row * unit
-        return unit, fits[0], fits[1]
+    def _fit(self) -> tuple[float, float, float, float] | None:
+        """(a, b, c, d), None before any step."""
+        if self._theta is None and (unit := self._unit()) is not None:
+            m = [row[:] for row in self.xx]
+            r = self.xy[:]
+            m[1][1] += self.PULL_ROW  # b -> the prior's row
+            r[1] += self.PULL_ROW * self.prior.row * unit
+            for i, j, v in ((1, 1, 1), (3, 3, 1), (1, 3, -1), (3, 1, -1)):  # d -> b
+                m[i][j] += self.PULL_DRAFT_ROW * v
+            m[2][2] += self.PULL_VERIFY  # c -> the prior's verify cost
+            r[2] += self.PULL_VERIFY * self.prior.verify * unit
+            self._theta = tuple(_solve(m, r))
+        return self._theta
 
-    def predict(self, rows: float, verifying: bool, lines=None) -> float | None:
-        """Seconds of a step of ``rows`` rows (``lines``: ``_lines()``, if at hand)."""
-        lines = lines or self._lines()
-        if lines is None:
+    def predict(self, seqs: float, drafts: float = 0) -> float | None:
+        """Seconds of a step of ``seqs`` sequences verifying ``drafts`` drafts."""
+        theta = self._fit()
+        if theta is None:
             return None
-        unit, *fits = lines
-        own, other = fits[verifying], fits[not verifying]
-        if own is not None:
-            return own[0] + own[1] * rows
-        if other is not None:  # the measured line plus the prior's difference between them
-            # (the prior's shape scaled alone would give the other kind the prior's row cost,
-            # not the measured one: 16k deep, verification looked cheaper than plain steps)
-            return other[0] + other[1] * rows + unit * (
-                self._prior_shape(rows, verifying) - self._prior_shape(rows, not verifying))
-        return unit * self._prior_shape(rows, verifying)
+        a, b, c, d = theta
+        return a + b * seqs + (c + d * drafts if drafts else 0.0)
 
-    def observe_step(self, rows: int, verifying: bool, seconds: float) -> None:
-        want = self.predict(rows, verifying)
-        if want is not None and seconds > self.OUTLIER * want:
+    def observe_step(self, seqs: int, drafts: int, seconds: float) -> None:
+        want = self.predict(seqs, drafts)
+        seen = seqs <= self.largest[0] and drafts <= self.largest[1]
+        if want is not None and seen and seconds > self.OUTLIER * want:
             return
-        self.lines[verifying].observe(rows, seconds)
+        self.largest = (max(seqs, self.largest[0]), max(drafts, self.largest[1]))
+        f, x = self.FORGET, (1.0, float(seqs), float(drafts > 0), float(drafts))
+        for i in range(4):
+            self.xy[i] = f * self.xy[i] + x[i] * seconds
+            for j in range(4):
+                self.xx[i][j] = f * self.xx[i][j] + x[i] * x[j]
+        self.shape = f * self.shape + self.prior.step(seqs + drafts, 0.0, drafts > 0)
+        for v in self.weights:
+            self.weights[v] *= f
+        self.weights[drafts > 0] += 1
+        self._theta = None
 
     def observe_drafts(self, drafts: int, seconds: float) -> None:
         if drafts > 0:
@@ -235,19 +227,33 @@ class MeasuredCosts:
     def model(self) -> CostModel:
         """The measured costs as a ``CostModel`` in units of a fitted one-row plain step (the
         prior until a step was seen)."""
-        lines = self._lines()
-        plain1 = self.predict(1, False, lines)
-        if plain1 is None or plain1 <= 0:
+        theta = self._fit()
+        if theta is None or theta[0] + theta[1] <= 0:
             return self.prior
-        verify1 = self.predict(1, True, lines)
-        plain2, verify2 = self.predict(2, False, lines), self.predict(2, True, lines)
+        a, b, c, d = theta
+        plain1 = a + b
         draft = (self.draft_seconds / self.drafts / plain1 if self.drafts
                  else self.prior.draft_pass)
-        return CostModel(row=max(plain2 - plain1, 0.0) / plain1, compute_row=0.0,
-                         verify=(verify1 - plain1) / plain1,
-                         verify_row=max((verify2 - verify1) - (plain2 - plain1),
-                                        -max(plain2 - plain1, 0.0)) / plain1,
-                         ctx_row=0.0, draft_pass=draft)
+        return CostModel(row=max(b, 0.0) / plain1, compute_row=0.0, verify=c / plain1,
+                         ctx_row=0.0, draft_pass=draft, draft_row=max(d, 0.0) / plain1)
+
+
+def _solve(m: list[list[float]], r: list[float]) -> list[float]:
+    """x with m x = r (Gaussian elimination with partial pivoting; m is 4 x 4 and, with the
+    pulls, positive definite)."""
+    n = len(r)
+    a = [m[i][:] + [r[i]] for i in range(n)]
+    for col in range(n):
+        p = max(range(col, n), key=lambda i: abs(a[i][col]))
+        a[col], a[p] = a[p], a[col]
+        for i in range(col + 1, n):
+            f = a[i][col] / a[col][col]
+            for j in range(col, n + 1):
+                a[i][j] -= f * a[col][j]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (a[i][n] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
+    return x
 
 
 @dataclass(slots=True)
@@ -281,12 +287,14 @@ def choose_ks(cands: Sequence[Candidate], batch_rows: int, cost: CostModel) -> l
     one draft kept, from two starts: one draft each, and each request's choice at the ratio of
     drafting nothing; the best is compared with drafting nothing. (Starting from no drafts
     alone would leave out a fixed cost below zero, which a deep context's measured verify line
-    can have: docs/speculation.md; where rows turn compute-bound either start can stop short.)"""
+    can have: docs/speculation.md; where rows turn compute-bound either start can stop short.)
+    One request alone: every k compared (exact, and cheaper)."""
     def ratio(ks: list[int]) -> float:
         tokens = batch_rows + sum(expected_gain(c.alphas, k) for c, k in zip(cands, ks))
         ctx = sum((1 + k) * c.context_len for c, k in zip(cands, ks))
         passes = sum(sum(c.mtp[:k]) for c, k in zip(cands, ks))
-        spent = cost.step(batch_rows + sum(ks), ctx, any(ks)) + cost.draft_pass * passes
+        spent = (cost.step(batch_rows + sum(ks), ctx, any(ks), sum(ks))
+                 + cost.draft_pass * passes)
         return tokens / spent
 
     def pick(lam: float, rows: int) -> list[int]:
@@ -309,6 +317,8 @@ def choose_ks(cands: Sequence[Candidate], batch_rows: int, cost: CostModel) -> l
     none = [0] * len(cands)
     if not any(c.cap for c in cands):
         return none
+    if len(cands) == 1:  # one request: every k (the fewest drafts among equals)
+        return [max(range(cands[0].cap + 1), key=lambda k: (ratio([k]), -k))]
     plain = ratio(none)
     best, best_ratio = none, plain
     # two starts: one draft each, and each request's choice at the ratio of drafting nothing

@@ -21,6 +21,23 @@ from pathlib import Path
 from hybridrt.engine_args import check_int
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
+# adaptive k's probe head (specdec.proposer): the most frequent ids, where they are at most a
+# quarter of the vocabulary (Qwen3.5's 248k: an eighth of the full head's rows, in int8)
+PROBE_VOCAB = 32768
+
+
+def draft_vocabs(model_dir: str | Path, vocab_size: int, n: int | None, args
+                 ) -> tuple[list[int] | None, str | None, list[int] | None]:
+    """-> (the draft vocabulary of ``draft_vocab_size`` ``n`` and where it came from, both None
+    without one; the probe head's ids, None unless adaptive k drafts MTP drafts through the
+    full head of a vocabulary of at least 4 x ``PROBE_VOCAB`` ids). ``args``: resolved
+    ``EngineArgs``."""
+    if n is not None:
+        return (*load_draft_vocab(model_dir, vocab_size, n), None)
+    if (args.speculative_tokens and args.speculative_adaptive and "mtp" in
+            args.speculative_method.split("+") and vocab_size >= 4 * PROBE_VOCAB):
+        return None, None, load_draft_vocab(model_dir, vocab_size, PROBE_VOCAB)[0]
+    return None, None, None
 
 
 def load_draft_vocab(model_dir: str | Path, vocab_size: int, n: int) -> tuple[list[int], str]:

@@ -104,6 +104,9 @@ class MTPProposer:
         self.max_model_len = max_model_len
         self.device = torch.device(device)
         self.draft_head = None if draft_vocab is None else DraftHead(model, draft_vocab)
+        # adaptive k's probes (``propose(probes=...)``, specdec.proposer): a cheap head that a
+        # request drafts its one draft through while none of its drafts has been accepted
+        self.probe_head: DraftHead | None = None
         self.draft_filter = draft_filter  # (the module's docstring)
         self.keep_kv = keep_kv  # prefix caching: see ``propose``
         self.lazy = lazy  # (the module's docstring)
@@ -128,12 +131,14 @@ class MTPProposer:
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan, row_starts: list[int], hidden: torch.Tensor,
-                settled: list[int], wanted: dict | None = None) -> list[Drafts]:
+                settled: list[int], wanted: dict | None = None,
+                probes: set | frozenset = frozenset()) -> list[Drafts]:
         """``row_starts[b]``: the first row of plan.seqs[b] in ``hidden``; ``settled[b]``:
         positions of plan.seqs[b] the target settled this step (its accepted inputs)
         -> the drafts of every unfinished request that sampled and may draft. ``wanted``:
         {request: (k, prefix)} of the requests that draft (the others' MTP KV is written
         only); None: every request that may draft, ``num_drafts_for`` of them, no prefix.
+        ``probes``: requests of ``wanted`` whose one draft goes through ``probe_head``.
 
         With ``keep_kv`` (prefix caching) the MTP layer's KV is written for the settled positions
         of requests that just finished too (their cached blocks hold it). A request admitted
@@ -196,23 +201,31 @@ class MTPProposer:
         reqs = full.owners
         plans = ([(self.num_drafts_for(r), []) for r in reqs] if wanted is None
                  else [wanted[r] for r in reqs])
-        return self._draft(reqs, out[mb.logits_indices], plans)
+        h = out[mb.logits_indices]
+        if self.probe_head is None or not probes.intersection(reqs):
+            return self._draft(reqs, h, plans, self.draft_head)
+        got = {}
+        for head in (self.draft_head, self.probe_head):
+            idx = [i for i, r in enumerate(reqs) if (r in probes) == (head is self.probe_head)]
+            if idx:
+                for d in self._draft([reqs[i] for i in idx], h[torch.tensor(idx)],
+                                     [plans[i] for i in idx], head):
+                    got[d.request] = d
+        return [got[r] for r in reqs]
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The drafts' fp32 logits [n, vocab]: the full LM head, or the draft vocabulary's rows
-        with -inf elsewhere."""
-        if self.draft_head is None:
+    def _logits(self, h: torch.Tensor, head: DraftHead | None) -> torch.Tensor:
+        """The drafts' fp32 logits [n, vocab]: the full LM head (``head`` None), or a draft
+        vocabulary's rows with -inf elsewhere."""
+        if head is None:
             return self.model.compute_logits(h)
-        head = self.draft_head
         small = self.model.backend.linear(h, head.weight).float()
         full = small.new_full((small.shape[0], self.model.config.vocab_size), float("-inf"))
         return full.index_copy_(1, head.token_ids, small)
 
-    def _greedy(self, h: torch.Tensor) -> torch.Tensor:
-        """The argmax of ``_logits(h)`` per row (rows that are greedy and nothing else), without
-        the full-vocabulary tensor: over the draft vocabulary's logits, a tie going to the
-        lowest token id as the full argmax takes it."""
-        head = self.draft_head
+    def _greedy(self, h: torch.Tensor, head: DraftHead | None) -> torch.Tensor:
+        """The argmax of ``_logits(h, head)`` per row (rows that are greedy and nothing else),
+        without the full-vocabulary tensor: over the draft vocabulary's logits, a tie going to
+        the lowest token id as the full argmax takes it."""
         if head is None:
             return argmax_rows(self.model.compute_logits(h, fp32=False))
         small = self.model.backend.linear(h, head.weight)
@@ -223,9 +236,10 @@ class MTPProposer:
             ids[r] = head.token_ids[small[r] == top[r]].min()
         return ids
 
-    def _draft(self, reqs: list, h: torch.Tensor,
-               plans: list[tuple[int, list[int]]]) -> list[Drafts]:
-        """``plans[i]``: (drafts of reqs[i], the prefix of them fixed beforehand)."""
+    def _draft(self, reqs: list, h: torch.Tensor, plans: list[tuple[int, list[int]]],
+               head: DraftHead | None) -> list[Drafts]:
+        """``plans[i]``: (drafts of reqs[i], the prefix of them fixed beforehand); ``head``:
+        the head they draft through (None: the model's)."""
         budget = [k for k, _ in plans]
         fixed = [list(prefix[:k]) for k, prefix in plans]
         drafts: list[list[int]] = [[] for _ in reqs]
@@ -236,7 +250,7 @@ class MTPProposer:
             free = [n for n, i in enumerate(active) if j >= len(fixed[i])]
             picked = self._pick(reqs, drafts, probs, [active[n] for n in free],
                                 h if len(free) == len(active) else
-                                h[torch.tensor(free, device=h.device)]) if free else []
+                                h[torch.tensor(free, device=h.device)], head) if free else []
             it = iter(picked)
             for i in active:
                 if j < len(fixed[i]):  # a fixed draft: a point mass
@@ -268,13 +282,13 @@ class MTPProposer:
                 for i, r in enumerate(reqs)]
 
     def _pick(self, reqs: list, drafts: list[list[int]], probs: list[list[torch.Tensor]],
-              idx: list[int], h: torch.Tensor) -> list[int]:
+              idx: list[int], h: torch.Tensor, head: DraftHead | None) -> list[int]:
         """The MTP's next draft of reqs[i] for each i in ``idx`` from its hidden row in ``h``
         (a sampled request's draft distribution appended to ``probs[i]``)."""
         rows = [reqs[i].sampling_row(drafts[i]) for i in idx]
         if plain_greedy(rows):
-            return self._greedy(h).tolist()
-        prepared = self.sampler.processed_logits(self._logits(h), rows)
+            return self._greedy(h, head).tolist()
+        prepared = self.sampler.processed_logits(self._logits(h, head), rows)
         picked = prepared.argmax(dim=-1)
         rand = [n for n, r in enumerate(rows) if not r.params.greedy]
         if rand:

@@ -27,15 +27,17 @@ from hybridrt.step_plan import StepPlan
 
 from .adaptive import Candidate, CostModel, MeasuredCosts, choose_ks
 from .methods import uses_mtp
-from .mtp import Drafts, MTPProposer, draft_cap
+from .mtp import DraftHead, Drafts, MTPProposer, draft_cap
 from .ngram import NgramDrafter
 
 PASS_ROWS = 8  # MTP input rows per drafting request past which a pass is not timed as drafts
 
 
-def build_proposer(args, model, cache, sampler, draft_vocab: list[int] | None = None):
+def build_proposer(args, model, cache, sampler, draft_vocab: list[int] | None = None,
+                   probe_vocab: list[int] | None = None):
     """The engine's proposer for ``args`` (resolved ``EngineArgs``): None without
-    speculation, ``MTPProposer`` for fixed-k MTP, else a ``SpecProposer``."""
+    speculation, ``MTPProposer`` for fixed-k MTP, else a ``SpecProposer``; ``probe_vocab``:
+    the ids of adaptive k's probe head (``specdec.draft_vocab.draft_vocabs``)."""
     if args.speculative_tokens == 0:
         return None
     sources = args.speculative_method.split("+")
@@ -47,6 +49,8 @@ def build_proposer(args, model, cache, sampler, draft_vocab: list[int] | None = 
                           lazy=not fixed)
         if fixed:
             return mtp
+        if probe_vocab is not None and draft_vocab is None:
+            mtp.probe_head = DraftHead(model, probe_vocab)
     ngram = (NgramDrafter(args.prompt_lookup_min, args.prompt_lookup_max, extend=mtp is None)
              if "ngram" in sources else None)
     cost = CostModel.for_device(args.device)
@@ -85,8 +89,7 @@ class SpecProposer:
         start = time.perf_counter()
         if (self.measured is not None and self._drafted_at is not None
                 and plan.kind != "prefill" and not self._after_prefill):
-            self.measured.observe_step(sum(s.num_new_tokens for s in plan.seqs),
-                                       any(s.num_drafts for s in plan.seqs),
+            self.measured.observe_step(len(plan.seqs), sum(s.num_drafts for s in plan.seqs),
                                        start - self._drafted_at)
         reqs, caps, prefixes = [], [], []
         for b, s in enumerate(plan.seqs):
@@ -106,10 +109,11 @@ class SpecProposer:
         wanted = {r: (k, p[:k]) for r, k, p in zip(reqs, ks, prefixes) if k > len(p)}
         out = {}
         if self.mtp is not None:
+            probes = self._probes(wanted)
             t = time.perf_counter()
             out = {d.request: d for d in self.mtp.propose(plan, row_starts, hidden, settled,
-                                                          wanted)}
-            if (self.measured is not None and not self.mtp.first_pass
+                                                          wanted, probes)}
+            if (self.measured is not None and not self.mtp.first_pass and not probes
                     and self.mtp.pass_rows <= PASS_ROWS * len(out)):
                 self.measured.observe_drafts(
                     sum(len(d.token_ids) - d.num_ngram for d in out.values()),
@@ -118,6 +122,17 @@ class SpecProposer:
         self._after_prefill = plan.kind == "prefill"
         return [out[r] if r in out else Drafts(r, p[:k], None, num_ngram=min(k, len(p)), k=k)
                 for r, k, p in zip(reqs, ks, prefixes)]
+
+    def _probes(self, wanted: dict) -> set:
+        """The drafting requests whose one MTP draft goes through the MTP's probe head: with
+        adaptive k, those none of whose drafts has been accepted lately (``earned`` 1)
+        and that draft one MTP draft, no prompt-lookup prefix; none where the MTP drafts
+        through a reduced head already."""
+        if (not self.adaptive or self.mtp.probe_head is None
+                or self.mtp.draft_head is not None):
+            return set()
+        return {r for r, (k, prefix) in wanted.items()
+                if k == 1 and not prefix and r.spec_stats.acceptance.earned("mtp") == 1}
 
     def _choose(self, plan: StepPlan, reqs: list, caps: list[int],
                 prefixes: list[list[int]]) -> list[int]:

@@ -120,30 +120,35 @@ def test_acceptance_estimate_follows_and_forgets():
 
 
 def _measured(plain=(0.050, 0.001), verify=(0.070, 0.003), draft=0.020, rows=range(1, 9)):
-    """MeasuredCosts fed steps whose seconds are the lines ``a + b * rows`` given (with a
-    pause among them, which must not count) and drafts of ``draft`` seconds each."""
+    """MeasuredCosts fed batch-1 steps whose seconds are the lines ``a + b * rows`` given: a
+    plain step of ``rows`` sequences, a verify step of one sequence and ``rows - 1`` drafts
+    (with a pause among them, which must not count), and drafts of ``draft`` seconds each."""
     m = MeasuredCosts(CPU)
     for r in list(rows) * 3:
-        for v, (a, b) in ((False, plain), (True, verify)):
-            m.observe_step(r, v, a + b * r)
-    m.observe_step(4, False, 30.0)  # the engine idle between two calls
+        m.observe_step(r, 0, plain[0] + plain[1] * r)
+        if r > 1:
+            m.observe_step(1, r - 1, verify[0] + verify[1] * r)
+    m.observe_step(4, 0, 30.0)  # the engine idle between two calls
     for n in (1, 2, 4):
         m.observe_drafts(n, n * draft)
     return m
 
 
 def test_measured_costs_fit_the_engines_own_step_times():
-    """The fitted model in units of the one-row plain step (51 ms here): rows 1/51 each, a
-    verify step 20 ms + 2 ms a row more, a draft 20 ms; the pause is ignored."""
+    """The fitted model in units of the one-row plain step (51 ms here): sequences 1/51 each,
+    a verify step 22 ms over the plain step + 3 ms a draft row, a draft 20 ms; the pause is
+    ignored."""
     got = _measured().model()
-    assert got.row == pytest.approx(1 / 51, rel=1e-2)
-    assert got.verify == pytest.approx(22 / 51, rel=1e-2)
-    assert got.verify_row == pytest.approx(2 / 51, rel=5e-2)  # the prior pulls a little
+    assert got.row == pytest.approx(1 / 51, rel=3e-2)  # the pulls move it a little
+    assert got.verify == pytest.approx(22 / 51, rel=2e-2)
+    assert got.draft_row == pytest.approx(3 / 51, rel=2e-2)
     assert got.draft_pass == pytest.approx(20 / 51, rel=1e-2)
-    assert got.step(5, 0, True) * 0.051 == pytest.approx(0.070 + 0.003 * 5, rel=1e-2)
+    assert got.step(5, 0, True, 4) * 0.051 == pytest.approx(0.070 + 0.003 * 5, rel=1e-2)
     # one batch size only: the slope is the prior's (scaled), the level the measured one
-    flat = _measured(rows=[4]).model()
-    assert flat.row == pytest.approx(CPU.row, rel=0.05)
+    flat = MeasuredCosts(CPU)
+    for _ in range(10):
+        flat.observe_step(4, 0, 0.054)
+    assert flat.model().row == pytest.approx(CPU.row, rel=0.05)
     assert MeasuredCosts(CPU).model() == CPU  # nothing measured yet: the prior
 
 
@@ -216,9 +221,9 @@ def test_a_deep_context_is_charged_once():
     m = MeasuredCosts(CPU)
     verify = {2: 0.076, 3: 0.086, 4: 0.097, 5: 0.107}
     for _ in range(6):
-        m.observe_step(1, False, 0.070)
+        m.observe_step(1, 0, 0.070)
         for rows, secs in verify.items():
-            m.observe_step(rows, True, secs)
+            m.observe_step(1, rows - 1, secs)
     m.observe_drafts(1, 0.023)
     cost = m.model()
     for alpha in (0.5, 0.8):
@@ -230,43 +235,51 @@ def test_a_deep_context_is_charged_once():
         assert choose_ks([Candidate(4, 16384, [alpha] * 4, [True] * 4)], 1, cost) == [best]
 
 
-def test_a_deep_batch_prices_verification_from_the_plain_line():
-    """Batch 32, 16k deep (a trace of the engine): a plain step of 1 row 47 ms, of 32 rows
-    650 ms (each row's attention over 16k tokens), a draft 28 ms. Before a verify step is
-    seen, a step of 33 rows that verifies one draft costs what 33 plain rows cost plus the
-    prior's verify cost (scaled as the prior's shape is to the steps seen), so no request
-    drafts at acceptance 0.6; once verify steps of 33 rows are seen (705 ms), their fixed cost
-    is what they cost over 33 plain rows, not the difference of the lines' slopes times 33
-    (the verify line's slope pulled to the plain line's, not the prior's: a second verifying
-    row costs a plain row's attention)."""
+@pytest.mark.parametrize("fixed_k_steps", [False, True])
+def test_a_deep_batch_prices_a_draft_row_apart_from_a_sequence(fixed_k_steps):
+    """Batch 32, 16k deep (a trace of the engine): a plain step of 1 sequence 47 ms, of 32
+    sequences 650 ms (each one's attention over 16k tokens), a draft 28 ms. Before a verify
+    step is seen, one of 32 sequences and 1 draft costs the plain step, a draft row at a
+    sequence's cost and the prior's verify cost (scaled to the steps seen), so no request
+    drafts at acceptance 0.6; once such steps are seen (705 ms), that is what they cost.
+    With fixed k = 1 requests in the same engine (verify steps of 32 sequences and 32 drafts,
+    1260 ms) the same holds: a draft row is priced from the drafts' own steps, not as a 33rd
+    sequence on a line through 64-row steps. (Two lines in the step's rows, until the
+    fourteenth session, put the 33-row step at a third of a plain one, and requests
+    drafted.)"""
     m = MeasuredCosts(CPU)
     for _ in range(4):
-        m.observe_step(1, False, 0.047)
+        m.observe_step(1, 0, 0.047)
         for _ in range(8):
-            m.observe_step(32, False, 0.650)
+            m.observe_step(32, 0, 0.650)
+        if fixed_k_steps:
+            m.observe_step(32, 32, 1.260)
     m.observe_drafts(1, 0.028)
     slope = (0.650 - 0.047) / 31
-    plain = [0.047 + slope * (r - 1) for r in (32, 33)]
     for verified in (False, True):
         cost = m.model()
-        unit = m.predict(1, False)
-        assert cost.step(32) * unit == pytest.approx(plain[0], rel=1e-3)
-        # before: the prior's verify cost in the prior's units scaled to the steps seen
-        want = plain[1] + (0.705 - plain[1] if verified else CPU.verify * m._unit())
-        assert cost.step(33, 0, True) * unit == pytest.approx(want, rel=1e-2)
-        # a second verifying row costs what a plain row does (its attention), not the prior's
-        more = (cost.step(34, 0, True) - cost.step(33, 0, True)) * unit
-        assert more == pytest.approx(slope, rel=0.05)
+        unit = m.predict(1)
+        assert cost.step(32) * unit == pytest.approx(0.650, rel=1e-3)
+        one = cost.step(33, 0, True, 1) * unit
+        if verified:
+            assert one == pytest.approx(0.705, rel=1e-2)
+        elif not fixed_k_steps:  # a draft row at a sequence's cost, the prior's verify cost
+            want = 0.650 + slope + CPU.verify * m._unit()
+            assert one == pytest.approx(want, rel=1e-2)
+        else:  # the fixed-k steps' 610 ms over the plain step for their 32 draft rows
+            assert 0.650 + 0.610 / 32 < one < 0.705
+            assert cost.step(64, 0, True, 32) * unit == pytest.approx(1.260, rel=1e-2)
         cands = [Candidate(1, 16384, [0.6], [True])] * 32
         assert choose_ks(cands, 32, cost) == [0] * 32
         for _ in range(6):
-            m.observe_step(33, True, 0.705)
+            m.observe_step(32, 1, 0.705)
 
 
 def test_a_pass_of_many_rows_is_not_timed_as_drafts():
     """A request's first draft runs its prompt's rows through the MTP layer in the same pass
     (and a lazy request's waiting rows): that pass's time is not what a draft costs, so it is
-    not observed; a verify step's few rows are."""
+    not observed; a verify step's few rows are. Nor is a pass whose drafts include a probe's
+    (the probe head's, a fraction of the full head's bytes)."""
     from types import SimpleNamespace
 
     from hybridrt.specdec.mtp import Drafts
@@ -276,8 +289,9 @@ def test_a_pass_of_many_rows_is_not_timed_as_drafts():
     class StubMTP:
         pass_rows = 0
         first_pass = False
+        draft_head = probe_head = None
 
-        def propose(self, plan, row_starts, hidden, settled, wanted):
+        def propose(self, plan, row_starts, hidden, settled, wanted, probes=frozenset()):
             self.pass_rows = sum(settled)
             return [Drafts(r, [5] * k, None, k=k) for r, (k, _) in wanted.items()]
 
@@ -298,6 +312,10 @@ def test_a_pass_of_many_rows_is_not_timed_as_drafts():
     before = prop.measured.drafts
     prop.mtp.first_pass = True  # a kind of pass run for the first time: not timed either
     assert prop.propose(plan, [0], None, [1])[0].k > 0
+    assert prop.measured.drafts == before
+    prop.mtp.first_pass = False  # a probe (the probe head's draft): not a full draft's price
+    prop.mtp.probe_head = object()
+    assert prop.propose(plan, [0], None, [1])[0].k == 1
     assert prop.measured.drafts == before
 
 
@@ -325,14 +343,15 @@ def test_a_step_after_a_prefill_is_not_timed():
             request=req, sample=True, num_drafts=drafts, num_new_tokens=1 + drafts)])
         prop.propose(plan, [0], None, [1])
 
-    weights = lambda: {v: f.weight for v, f in prop.measured.lines.items()}  # noqa: E731
+    weights = lambda: dict(prop.measured.weights)  # noqa: E731
     step("prefill", 0)
     step("verify", 1)  # the first decode after the prompt: not timed
     assert weights() == {False: 0.0, True: 0.0}
     step("verify", 1)
     assert weights() == {False: 0.0, True: 1.0}
     step("decode", 0)
-    assert weights() == {False: 1.0, True: 1.0}
+    assert weights() == {False: 1.0, True: 0.97}  # each step weighs 0.97 of the next
+    assert prop.measured.largest == (1, 1)  # a verify step: 1 sequence, 1 draft (2 rows)
 
 
 def test_first_pass_marks_each_kind_of_mtp_pass_once(ckpt):
@@ -534,3 +553,44 @@ def test_a_draft_pass_is_priced_at_its_bytes(ckpt, vocab):
         want = (mtp + w.nbytes) / step
     assert llm.engine.proposer.cost.draft_pass == pytest.approx(want)
     assert llm.engine.proposer.measured.drafts == 0  # the prior, not a timing
+
+
+# Probes -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("right", [False, True])
+def test_probes_draft_through_the_probe_head_until_a_draft_is_accepted(ckpt, reference, right):
+    """Adaptive k with a probe head (``MTPProposer.probe_head``: a 248k vocabulary gets one of
+    its ``PROBE_VOCAB`` most frequent ids; this tiny one is given one of a single id, X): a
+    round of a request none of whose drafts has been accepted lately drafts its one draft
+    through it (X); once drafts are accepted, rounds draft through the full head (the MTP's
+    argmax, several drafts). Drafts always wrong (X never in the output): every draft is X.
+    Drafts made right (a filter after the head, as ``bench spec --simulate-acceptance``
+    does): the first is X, later ones the full head's. The output is k = 0's either way."""
+    from hybridrt.specdec.mtp import DraftHead
+
+    llm = _llm(ckpt, 3, speculative_adaptive=True)
+    prop = llm.engine.proposer
+    prompts = _prompts()[2:5]
+    used = {t for p in prompts for t in reference[tuple(p)]}
+    x = min(set(range(3, VOCAB)) - used)
+    prop.mtp.probe_head = DraftHead(llm.model, [x])
+    prop.measured = None  # the prior's costs, drafts cheap: this test is about the heads
+    prop.cost = CostModel(draft_pass=0.01, verify=0.01)
+    seen = []
+
+    def draft_filter(req, j, tok):
+        seen.append((req.spec_stats.acceptance.earned("mtp"), j, tok))
+        out = reference[tuple(req.prompt_token_ids)]
+        o = req.num_output_tokens + j
+        return out[o] if right and o < len(out) else tok
+
+    prop.mtp.draft_filter = draft_filter
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference[tuple(p)] for p in prompts]
+    probes = [tok for earned, j, tok in seen if earned == 1]
+    assert probes and all(tok == x for tok in probes), seen
+    full = [tok for earned, j, tok in seen if earned > 1]
+    if right:
+        assert len(full) > len(probes) and any(tok != x for tok in full), seen
+        assert max(j for _, j, _ in seen) > 0  # accepted drafts earn deeper rounds
+    else:
+        assert not full

@@ -117,7 +117,7 @@ def test_draft_logits_are_the_full_heads_on_the_draft_vocabulary(ckpt):
     h = torch.randn(3, TEXT_CONFIG["hidden_size"])
     full = llm.model.compute_logits(h)
     ids = proposer.draft_head.token_ids
-    got = proposer._logits(h)
+    got = proposer._logits(h, proposer.draft_head)
     small = llm.model.backend.linear(h, proposer.draft_head.weight).float()
     assert torch.equal(got[:, ids], small)  # the copy's product (int8 where it runs)
     assert torch.allclose(got[:, ids], full[:, ids], rtol=0.03, atol=0.03 * full.abs().max())
@@ -139,11 +139,11 @@ def test_greedy_drafts_are_the_argmax_of_the_draft_logits(ckpt, tmp_path):
     proposer = make_llm(d, 1, draft_vocab_size=11).engine.proposer
     h = torch.randn(4, TEXT_CONFIG["hidden_size"])
     h[1] = 0  # every logit 0: the lowest of the 11 ids
-    want = proposer._logits(h).argmax(dim=-1)
+    want = proposer._logits(h, proposer.draft_head).argmax(dim=-1)
     assert want[1] == min(table[:11]) != table[0]
-    assert torch.equal(proposer._greedy(h), want)
-    assert torch.equal(make_llm(ckpt, 1).engine.proposer._greedy(h),  # the full head
-                       make_llm(ckpt, 1).engine.proposer._logits(h).argmax(dim=-1))
+    assert torch.equal(proposer._greedy(h, proposer.draft_head), want)
+    full = make_llm(ckpt, 1).engine.proposer  # the full head
+    assert torch.equal(full._greedy(h, None), full._logits(h, None).argmax(dim=-1))
 
 
 def test_draft_head_stays_in_the_models_dtype_when_asked(ckpt):
@@ -414,3 +414,29 @@ def test_spec_bench_runs_every_prompt_cold(ckpt, monkeypatch):
     run_spec_bench(str(ckpt), ks=(0, 1), batch_sizes=(1,), threads=1, quick=True, repeats=2,
                    verbose=False, simulate_acceptance=(0.5,))
     assert len(cached) > 8 and not any(cached)
+
+
+def test_a_probe_head_only_for_adaptive_mtp_through_a_large_full_head(tmp_path):
+    """``draft_vocabs``: adaptive k's probe ids are the ``PROBE_VOCAB`` most frequent (the
+    table's, else the first ids) where MTP drafts go through the full head of a vocabulary of
+    at least 4 x ``PROBE_VOCAB`` ids; none with a draft vocabulary, fixed k, prompt lookup
+    alone, or a smaller vocabulary (the probe would cost about what the head does)."""
+    from types import SimpleNamespace
+
+    from hybridrt.specdec.draft_vocab import PROBE_VOCAB, draft_vocabs
+
+    V = 4 * PROBE_VOCAB
+    table = list(range(V))[::-1]
+    (tmp_path / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": table}))
+
+    def args(k=2, adaptive=True, method="mtp"):
+        return SimpleNamespace(speculative_tokens=k, speculative_adaptive=adaptive,
+                               speculative_method=method)
+
+    assert draft_vocabs(tmp_path, V, None, args()) == (None, None, table[:PROBE_VOCAB])
+    assert draft_vocabs(tmp_path, V, None, args(method="mtp+ngram"))[2] == table[:PROBE_VOCAB]
+    ids, source, probe = draft_vocabs(tmp_path, V, 100, args())
+    assert ids == table[:100] and "most frequent" in source and probe is None
+    for a in (args(adaptive=False), args(k=0), args(method="ngram")):
+        assert draft_vocabs(tmp_path, V, None, a) == (None, None, None)
+    assert draft_vocabs(tmp_path, V - 1, None, args())[2] is None

@@ -224,9 +224,9 @@ def test_mtp_plus_ngram_greedy_equals_no_speculation(tmp_path, reference):
     seen = []
     mtp_draft = llm.engine.proposer.mtp._draft
 
-    def draft(reqs, h, plans):
+    def draft(reqs, h, plans, head):
         seen.extend((k, len(p)) for k, p in plans)
-        return mtp_draft(reqs, h, plans)
+        return mtp_draft(reqs, h, plans, head)
 
     llm.engine.proposer.mtp._draft = draft
     outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)

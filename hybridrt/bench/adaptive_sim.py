@@ -5,6 +5,7 @@ alpha, adaptive k's tokens per step against k = 0's and against the best fixed k
 request whose acceptance moves from 0.2 to 0.8 halfway against the best choice of each half.
 
     python -m hybridrt.bench.adaptive_sim [--draft-pass 0.38 --verify 0.07 --verify-row 0]
+        [--probe-pass 0.09]   # probes through the probe head (engine: with a 248k vocabulary)
         [--set PRIOR=2 --set IDLE_FORGET=0.97]   # other constants, to compare
 
 The default costs are the 0.8B shape's on the CPU with the full-vocabulary MTP head
@@ -21,21 +22,26 @@ from hybridrt.specdec.stats import SpecStats
 
 
 def run(alpha_at, tokens: int, requests: int, cost: adaptive.CostModel, cap: int = 4,
-        seed: int = 0) -> float:
+        seed: int = 0, probe: float | None = None) -> float:
     """Tokens per unit of cost over ``requests`` requests of ``tokens`` tokens; draft j of a
-    round is accepted with probability ``alpha_at(tokens so far)`` given the earlier ones were."""
+    round is accepted with probability ``alpha_at(tokens so far)`` given the earlier ones were.
+    ``probe``: a probe's draft pass (``specdec.proposer``: a round of one draft while none of
+    the request's drafts has been accepted lately goes through the probe head), charged in
+    place of ``cost.draft_pass``; the choice still prices drafts at ``cost.draft_pass``."""
     rng = random.Random(seed)
     spent = made = 0.0
     for _ in range(requests):
         stats, n = SpecStats(cap), 0  # the engine's bookkeeping of a request's rounds
         while n < tokens:
-            c = min(cap, tokens - n - 1, stats.acceptance.earned("mtp"))
+            earned = stats.acceptance.earned("mtp")
+            c = min(cap, tokens - n - 1, earned)
             k = 0
             if c > 0:
                 alpha = stats.acceptance.optimistic("mtp")
                 cand = adaptive.Candidate(c, 48 + n, [alpha] * c, [True] * c)
                 k = adaptive.choose_ks([cand], 1, cost)[0]
-            spent += cost.step(1 + k, 0, k > 0) + cost.draft_pass * k
+            draft = probe if probe is not None and k == 1 and earned == 1 else cost.draft_pass
+            spent += cost.step(1 + k, 0, k > 0) + draft * k
             stats.proposed(k, 0)  # k = 0: the idle forgetting
             a, alpha = 0, alpha_at(n)
             while a < k and rng.random() < alpha:
@@ -59,6 +65,8 @@ def main(argv=None) -> None:
     ap.add_argument("--verify", type=float, default=0.07)
     ap.add_argument("--verify-row", type=float, default=0.0,
                     help="a verify step's cost per row beyond a plain step's (16k deep: 0.14)")
+    ap.add_argument("--probe-pass", type=float, default=None,
+                    help="a probe's draft pass (the probe head's; the 0.8B shape's: 0.09)")
     ap.add_argument("--alphas", default="0.2,0.5,0.8")
     ap.add_argument("--tokens", default="48,512", help="request lengths")
     ap.add_argument("--requests", type=int, default=400)
@@ -74,7 +82,7 @@ def main(argv=None) -> None:
                               verify_row=a.verify_row, draft_pass=a.draft_pass)
     print(f"FORGET {adaptive.FORGET} IDLE_FORGET {adaptive.IDLE_FORGET} PRIOR {adaptive.PRIOR} "
           f"BONUS {adaptive.BONUS}; draft pass {a.draft_pass}, verify {a.verify}, "
-          f"verify row {a.verify_row}")
+          f"verify row {a.verify_row}, probe pass {a.probe_pass}")
     print("| tokens | alpha | adaptive / k = 0 | adaptive / best fixed k | best k |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     def requests(tokens: int) -> int:  # about as many tokens at every length
@@ -82,13 +90,14 @@ def main(argv=None) -> None:
 
     for tokens in map(int, a.tokens.split(",")):
         for alpha in map(float, a.alphas.split(",")):
-            got = run(lambda n, al=alpha: al, tokens, requests(tokens), cost)
+            got = run(lambda n, al=alpha: al, tokens, requests(tokens), cost, probe=a.probe_pass)
             ks = fixed(alpha, cost)
             best = max(range(len(ks)), key=ks.__getitem__)
             print(f"| {tokens} | {alpha} | {got / ks[0]:.3f} | {got / ks[best]:.3f} | {best} |")
     tokens = max(map(int, a.tokens.split(",")))
     half = tokens // 2
-    got = run(lambda n: 0.2 if n < half else 0.8, tokens, requests(tokens), cost)
+    got = run(lambda n: 0.2 if n < half else 0.8, tokens, requests(tokens), cost,
+              probe=a.probe_pass)
     ideal = tokens / (half / max(fixed(0.2, cost)) + (tokens - half) / max(fixed(0.8, cost)))
     print(f"acceptance 0.2 then 0.8 from token {half} of {tokens}: {got / ideal:.3f} of the best "
           "fixed k of each half")

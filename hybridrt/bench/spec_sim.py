@@ -90,7 +90,7 @@ def drafts_through(llm, draft_filter: SimulatedDrafts | None):
         return
     filtered = MTPProposer(own.model, own.cache, own.sampler, own.max_model_len, own.device,
                            draft_filter=draft_filter, keep_kv=own.keep_kv, lazy=own.lazy)
-    filtered.draft_head = own.draft_head
+    filtered.draft_head, filtered.probe_head = own.draft_head, own.probe_head
     outer = engine.proposer
     if outer is own:
         engine.proposer = filtered
