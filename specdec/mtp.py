@@ -208,7 +208,8 @@ class MTPProposer:
         for head in (self.draft_head, self.probe_head):
             idx = [i for i, r in enumerate(reqs) if (r in probes) == (head is self.probe_head)]
             if idx:
-                for d in self._draft([reqs[i] for i in idx], h[torch.tensor(idx)],
+                for d in self._draft([reqs[i] for i in idx],
+                                     h[torch.tensor(idx, device=h.device)],
                                      [plans[i] for i in idx], head):
                     got[d.request] = d
         return [got[r] for r in reqs]
