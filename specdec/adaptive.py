@@ -148,10 +148,10 @@ class MeasuredCosts:
     and ``d`` a verifying step's fixed cost and cost per draft row. Weak pulls decide what the
     steps do not: ``b`` towards the prior's row (sequences that hardly vary), ``d`` towards
     ``b`` (draft counts that hardly vary: a batch where every request drafts k), ``c`` towards
-    the prior's verify cost (before any verify step, the prior's). (Two lines
-    in the step's rows, until the fourteenth session, counted a draft row as a sequence: fixed
-    k = 1 at batch 32, 16k deep, put every verify step at 64 rows, and with the slope of 32
-    sequences' rows a step of 33 rows came out cheap: adaptive requests drafted.)"""
+    the prior's verify cost (before any verify step, the prior's). A draft row is priced apart
+    from a sequence: counted as one more, fixed k = 1 at batch 32, 16k deep, put every verify
+    step at 64 rows, a 33-row step came out cheap on 32 sequences' slope, and adaptive
+    requests drafted where nothing paid (docs/speculation.md)."""
 
     FORGET = 0.97
     # the pulls' weights, in the squares of the steps' counts: b's and d's weak (they decide

@@ -36,13 +36,15 @@ def draft_vocabs(model_dir: str | Path, vocab_size: int, n: int | None, args
         return (*load_draft_vocab(model_dir, vocab_size, n), None)
     if (args.speculative_tokens and args.speculative_adaptive and "mtp" in
             args.speculative_method.split("+") and vocab_size >= 4 * PROBE_VOCAB):
-        return None, None, load_draft_vocab(model_dir, vocab_size, PROBE_VOCAB)[0]
+        return None, None, load_draft_vocab(model_dir, vocab_size, PROBE_VOCAB, at_most=True)[0]
     return None, None, None
 
 
-def load_draft_vocab(model_dir: str | Path, vocab_size: int, n: int) -> tuple[list[int], str]:
+def load_draft_vocab(model_dir: str | Path, vocab_size: int, n: int,
+                     at_most: bool = False) -> tuple[list[int], str]:
     """-> (the N token ids to draft from, where they came from). Reads
-    ``model_dir/draft_vocab.json`` when there is one, else the first N ids."""
+    ``model_dir/draft_vocab.json`` when there is one, else the first N ids. ``at_most``: a
+    table of fewer ids gives them all (else that is an error)."""
     check_int("draft_vocab_size", n, lo=1, hi=vocab_size, hint=" (the model's vocab_size)")
     path = Path(model_dir) / DRAFT_VOCAB_FILE
     if not path.is_file():
@@ -58,7 +60,7 @@ def load_draft_vocab(model_dir: str | Path, vocab_size: int, n: int) -> tuple[li
         raise ValueError(f"{path}: token_ids must be a list of token ids in [0, {vocab_size})")
     if len(set(ids)) != len(ids):
         raise ValueError(f"{path}: token_ids has repeated ids")
-    if len(ids) < n:
+    if len(ids) < n and not at_most:
         raise ValueError(f"draft_vocab_size {n} is larger than the {len(ids)} ids of {path}")
     return ids[:n], f"the {n} most frequent tokens of {path}"
 

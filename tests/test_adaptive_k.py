@@ -414,6 +414,9 @@ def reference(ckpt):
 def test_adaptive_greedy_equals_no_speculation(ckpt, reference, method):
     llm = _llm(ckpt, 4, speculative_method=method, speculative_adaptive=True,
                prompt_lookup_min=1, max_num_batched_tokens=32)
+    # the prior's costs: the choices then do not depend on the machine's load (measured, a
+    # loaded machine's step times could stop all drafting, and the test would check nothing)
+    llm.engine.proposer.measured = None
     outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [reference[tuple(p)] for p in _prompts()]
     spec = llm.engine.spec_stats

@@ -420,7 +420,9 @@ def test_a_probe_head_only_for_adaptive_mtp_through_a_large_full_head(tmp_path):
     """``draft_vocabs``: adaptive k's probe ids are the ``PROBE_VOCAB`` most frequent (the
     table's, else the first ids) where MTP drafts go through the full head of a vocabulary of
     at least 4 x ``PROBE_VOCAB`` ids; none with a draft vocabulary, fixed k, prompt lookup
-    alone, or a smaller vocabulary (the probe would cost about what the head does)."""
+    alone, or a smaller vocabulary (the probe would cost about what the head does). A table of
+    fewer ids gives a probe head of all of them; ``draft_vocab_size`` past the table is an
+    error."""
     from types import SimpleNamespace
 
     from hybridrt.specdec.draft_vocab import PROBE_VOCAB, draft_vocabs
@@ -440,3 +442,7 @@ def test_a_probe_head_only_for_adaptive_mtp_through_a_large_full_head(tmp_path):
     for a in (args(adaptive=False), args(k=0), args(method="ngram")):
         assert draft_vocabs(tmp_path, V, None, a) == (None, None, None)
     assert draft_vocabs(tmp_path, V - 1, None, args())[2] is None
+    (tmp_path / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": table[:100]}))
+    assert draft_vocabs(tmp_path, V, None, args())[2] == table[:100]  # a shorter table: all
+    with pytest.raises(ValueError, match="larger than the 100 ids"):
+        draft_vocabs(tmp_path, V, 200, args())  # asked for by draft_vocab_size: an error

@@ -5,7 +5,7 @@ alpha, adaptive k's tokens per step against k = 0's and against the best fixed k
 request whose acceptance moves from 0.2 to 0.8 halfway against the best choice of each half.
 
     python -m hybridrt.bench.adaptive_sim [--draft-pass 0.38 --verify 0.07 --verify-row 0]
-        [--probe-pass 0.09]   # probes through the probe head (engine: with a 248k vocabulary)
+        [--probe-pass 0.10]   # probes through the probe head (engine: with a 248k vocabulary)
         [--set PRIOR=2 --set IDLE_FORGET=0.97]   # other constants, to compare
 
 The default costs are the 0.8B shape's on the CPU with the full-vocabulary MTP head
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     ap.add_argument("--verify-row", type=float, default=0.0,
                     help="a verify step's cost per row beyond a plain step's (16k deep: 0.14)")
     ap.add_argument("--probe-pass", type=float, default=None,
-                    help="a probe's draft pass (the probe head's; the 0.8B shape's: 0.09)")
+                    help="a probe's draft pass (the probe head's; the 0.8B shape's: 0.10)")
     ap.add_argument("--alphas", default="0.2,0.5,0.8")
     ap.add_argument("--tokens", default="48,512", help="request lengths")
     ap.add_argument("--requests", type=int, default=400)
