@@ -244,9 +244,8 @@ def test_a_deep_batch_prices_a_draft_row_apart_from_a_sequence(fixed_k_steps):
     drafts at acceptance 0.6; once such steps are seen (705 ms), that is what they cost.
     With fixed k = 1 requests in the same engine (verify steps of 32 sequences and 32 drafts,
     1260 ms) the same holds: a draft row is priced from the drafts' own steps, not as a 33rd
-    sequence on a line through 64-row steps. (Two lines in the step's rows, until the
-    fourteenth session, put the 33-row step at a third of a plain one, and requests
-    drafted.)"""
+    sequence on a line through 64-row steps (such a line put the 33-row step at a third of a
+    plain one, and requests drafted: docs/speculation.md)."""
     m = MeasuredCosts(CPU)
     for _ in range(4):
         m.observe_step(1, 0, 0.047)
