@@ -95,6 +95,13 @@ class Acceptance:
                 d[s] *= IDLE_FORGET
 
 
+def is_probe(mtp_drafts: int, acc: Acceptance) -> bool:
+    """Whether a round drafts through the probe head (where there is one,
+    ``specdec.proposer``): one MTP draft while none of the request's drafts has been accepted
+    lately (``earned`` 1)."""
+    return mtp_drafts == 1 and acc.earned("mtp") == 1
+
+
 @dataclass(frozen=True, slots=True)
 class CostModel:
     """A step's cost in one-row decode steps (the module's docstring)."""

@@ -25,7 +25,7 @@ import torch
 
 from hybridrt.step_plan import StepPlan
 
-from .adaptive import Candidate, CostModel, MeasuredCosts, choose_ks
+from .adaptive import Candidate, CostModel, MeasuredCosts, choose_ks, is_probe
 from .methods import uses_mtp
 from .mtp import DraftHead, Drafts, MTPProposer, draft_cap
 from .ngram import NgramDrafter
@@ -132,7 +132,7 @@ class SpecProposer:
                 or self.mtp.draft_head is not None):
             return set()
         return {r for r, (k, prefix) in wanted.items()
-                if k == 1 and not prefix and r.spec_stats.acceptance.earned("mtp") == 1}
+                if not prefix and is_probe(k, r.spec_stats.acceptance)}
 
     def _choose(self, plan: StepPlan, reqs: list, caps: list[int],
                 prefixes: list[list[int]]) -> list[int]:

@@ -573,6 +573,20 @@ def test_a_draft_pass_is_priced_at_its_bytes(ckpt, vocab):
 
 
 # Probes -------------------------------------------------------------------------------------
+def test_a_probe_is_one_draft_while_none_is_accepted_lately():
+    """``is_probe``, the rule the proposer and ``adaptive_sim`` share: a round of one MTP draft
+    while the request's decayed accepted drafts are under one; not a deeper round, and not a
+    round of one draft once a draft was accepted."""
+    from hybridrt.specdec.adaptive import is_probe
+
+    acc = Acceptance()
+    assert is_probe(1, acc) and not is_probe(2, acc) and not is_probe(0, acc)
+    acc.observe("mtp", True)
+    assert not is_probe(1, acc)
+    acc.observe("mtp", False)  # 0.95 accepted: under one again
+    assert is_probe(1, acc)
+
+
 @pytest.mark.parametrize("right", [False, True])
 def test_probes_draft_through_the_probe_head_until_a_draft_is_accepted(ckpt, reference, right):
     """Adaptive k with a probe head (``MTPProposer.probe_head``: a 248k vocabulary gets one of

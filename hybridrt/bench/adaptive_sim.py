@@ -33,14 +33,14 @@ def run(alpha_at, tokens: int, requests: int, cost: adaptive.CostModel, cap: int
     for _ in range(requests):
         stats, n = SpecStats(cap), 0  # the engine's bookkeeping of a request's rounds
         while n < tokens:
-            earned = stats.acceptance.earned("mtp")
-            c = min(cap, tokens - n - 1, earned)
+            c = min(cap, tokens - n - 1, stats.acceptance.earned("mtp"))
             k = 0
             if c > 0:
                 alpha = stats.acceptance.optimistic("mtp")
                 cand = adaptive.Candidate(c, 48 + n, [alpha] * c, [True] * c)
                 k = adaptive.choose_ks([cand], 1, cost)[0]
-            draft = probe if probe is not None and k == 1 and earned == 1 else cost.draft_pass
+            probing = probe is not None and adaptive.is_probe(k, stats.acceptance)
+            draft = probe if probing else cost.draft_pass
             spent += cost.step(1 + k, 0, k > 0) + draft * k
             stats.proposed(k, 0)  # k = 0: the idle forgetting
             a, alpha = 0, alpha_at(n)
