@@ -318,7 +318,7 @@ def test_a_pass_of_many_rows_is_not_timed_as_drafts():
     assert prop.measured.drafts == before
 
 
-def test_a_step_after_a_prefill_is_not_timed():
+def test_a_step_after_a_prefill_is_not_timed(monkeypatch):
     """The step after one that computed prompt tokens holds its sequences' first decode, which
     costs more whatever it verifies (80 ms against 69 at batch 1): a fresh engine's few verify
     steps come there, and timed they priced verification at +0.8 decode steps, after which no
@@ -332,6 +332,13 @@ def test_a_step_after_a_prefill_is_not_timed():
     class Req(SimpleNamespace):
         __hash__ = object.__hash__
 
+    import itertools
+
+    import hybridrt.specdec.proposer as proposer_module
+
+    # a clock that moves 1 ms a reading: every step takes the same time, so none is a pause
+    ticks = itertools.count()
+    monkeypatch.setattr(proposer_module.time, "perf_counter", lambda: next(ticks) / 1000)
     prop = SpecProposer(256, ngram=NgramDrafter(1, 2), adaptive=True, measure=True)
     req = Req(spec_k=2, is_finished=False, finish_reason=None, num_output_tokens=0,
               spec_stats=SpecStats(2), token_ids=[5, 6, 5, 6, 5], prompt_token_ids=[5, 6],
