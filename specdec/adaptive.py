@@ -19,17 +19,27 @@ Cost (``CostModel``): a step in units of a one-row decode step: ``1 + row * (row
 while reading the weights bounds it, ``compute_row * rows`` once the rows' arithmetic does
 (whichever is larger), plus ``verify`` (and ``verify_row`` per row) when the step verifies
 anything, ``ctx_row`` per row per 1024 tokens of its context (attention), and ``draft_pass``
-per MTP draft. The defaults are a prior: the 0.8B shape's CPU measurements (docs/performance.md:
-a verify step of 2..5 rows 1.13..1.19 decode steps) and estimates of ``compute_row`` and
-``ctx_row``; the proposer prices a draft pass at its weights' bytes over a decode step's
-(``MTPProposer.draft_bytes``: batch 1 reads its weights, and the full head's pass reads several
-times the reduced head's).
+per MTP draft (``probe_pass`` for a round of one draft through the probe head). The defaults
+are a prior: the 0.8B shape's CPU measurements (docs/performance.md: a verify step of 2..5 rows
+1.13..1.19 decode steps) and estimates of ``compute_row`` and ``ctx_row``; the proposer prices a
+draft pass at its weights' bytes over a decode step's (``MTPProposer.draft_bytes``: batch 1
+reads its weights, and the full head's pass reads several times the reduced head's).
+
+Probes (``Candidate.probe_round``): where the MTP drafts through a full head of a large
+vocabulary (``specdec.proposer``), a round of one MTP draft goes through the probe head, the
+int8 rows of the most frequent tokens, at about a quarter of the full head's pass (the 0.8B
+shape: 0.10 of a decode step against 0.36), and is priced at that; deeper rounds go through
+the full head. One draft's gain is its acceptance, under 1: through the full head it pays
+only where the acceptance is above about a third, through the probe head from about a tenth.
+The probe's drafts count towards the same acceptance as the full head's; coming from fewer
+tokens, they are accepted at most about as often, so the estimate that prices deeper rounds
+errs low.
 
 Measured cost (``MeasuredCosts``, fed by the proposer after every step): the engine's own step
 times, fitted by least squares over the recent steps as a plain step of S sequences,
 ``a + b S``, plus, for a step that verifies D drafts, ``c + d D`` (weak pulls where the steps
 do not decide: the prior's row, a draft row costing a sequence's, the prior's verify cost),
-and the seconds per MTP draft; ``model()`` turns them into a ``CostModel`` in units of the
+and the seconds per MTP draft (and per probe); ``model()`` turns them into a ``CostModel`` in units of the
 fitted one-row step, ``draft_row`` apart from ``row``. The fit holds the attention of the
 contexts its steps had (``ctx_row`` 0: a verification row 16k tokens deep costs what the fit
 says, not that plus the prior's context term again). A draft pass of more than
@@ -95,13 +105,6 @@ class Acceptance:
                 d[s] *= IDLE_FORGET
 
 
-def is_probe(mtp_drafts: int, acc: Acceptance) -> bool:
-    """Whether a round drafts through the probe head (where there is one,
-    ``specdec.proposer``): one MTP draft while none of the request's drafts has been accepted
-    lately (``earned`` 1)."""
-    return mtp_drafts == 1 and acc.earned("mtp") == 1
-
-
 @dataclass(frozen=True, slots=True)
 class CostModel:
     """A step's cost in one-row decode steps (the module's docstring)."""
@@ -115,6 +118,9 @@ class CostModel:
     # a drafted row's cost in a verifying step, where it differs from a sequence's row (the
     # measured model's: a draft row shares its sequence's context); None: ``row``'s
     draft_row: float | None = None
+    # a round of one MTP draft through the probe head (``Candidate.probe``); None: no probe
+    # head, such a round costs ``draft_pass``
+    probe_pass: float | None = None
 
     def step(self, rows: int, ctx_rows: float = 0.0, verifying: bool = False,
              drafts: int = 0) -> float:
@@ -181,6 +187,8 @@ class MeasuredCosts:
         self.largest = (0, 0)  # the most sequences and drafts of a step observed
         self.draft_seconds = 0.0
         self.drafts = 0.0
+        self.probe_seconds = 0.0  # the same for probe rounds' passes
+        self.probes = 0.0
         self._theta: tuple[float, float, float, float] | None = None
 
     def _unit(self) -> float | None:
@@ -231,6 +239,11 @@ class MeasuredCosts:
             self.draft_seconds = 0.9 * self.draft_seconds + seconds
             self.drafts = 0.9 * self.drafts + drafts
 
+    def observe_probes(self, probes: int, seconds: float) -> None:
+        if probes > 0:
+            self.probe_seconds = 0.9 * self.probe_seconds + seconds
+            self.probes = 0.9 * self.probes + probes
+
     def model(self) -> CostModel:
         """The measured costs as a ``CostModel`` in units of a fitted one-row plain step (the
         prior until a step was seen)."""
@@ -241,8 +254,11 @@ class MeasuredCosts:
         plain1 = a + b
         draft = (self.draft_seconds / self.drafts / plain1 if self.drafts
                  else self.prior.draft_pass)
+        probe = (self.probe_seconds / self.probes / plain1
+                 if self.probes and self.prior.probe_pass is not None else self.prior.probe_pass)
         return CostModel(row=max(b, 0.0) / plain1, compute_row=0.0, verify=c / plain1,
-                         ctx_row=0.0, draft_pass=draft, draft_row=max(d, 0.0) / plain1)
+                         ctx_row=0.0, draft_pass=draft, draft_row=max(d, 0.0) / plain1,
+                         probe_pass=probe)
 
 
 def _solve(m: list[list[float]], r: list[float]) -> list[float]:
@@ -267,12 +283,26 @@ def _solve(m: list[list[float]], r: list[float]) -> list[float]:
 class Candidate:
     """A request that may draft this step: its cap on k, its context length, and the
     estimated acceptance of each of its possible drafts (``alphas[j]``: draft j + 1's, given
-    the earlier ones were accepted) and whether that draft needs an MTP pass."""
+    the earlier ones were accepted) and whether that draft needs an MTP pass. ``probe``: a
+    round of one MTP draft goes through the probe head (``probe_round``)."""
 
     cap: int
     context_len: int
     alphas: list[float]
     mtp: list[bool]
+    probe: bool = False
+
+    def probe_round(self, k: int) -> bool:
+        """Whether a round of ``k`` drafts drafts through the probe head: one MTP draft, no
+        prompt-lookup draft before it, where the request has a probe head."""
+        return self.probe and k == 1 and self.mtp[:1] == [True]
+
+    def pass_cost(self, k: int, cost: CostModel) -> float:
+        """What drafting ``k`` costs in draft passes: the probe head's for a probe round (where
+        the model prices one), else ``draft_pass`` per MTP draft."""
+        if cost.probe_pass is not None and self.probe_round(k):
+            return cost.probe_pass
+        return cost.draft_pass * sum(self.mtp[:k])
 
 
 def expected_gain(alphas: Sequence[float], k: int) -> float:
@@ -299,9 +329,8 @@ def choose_ks(cands: Sequence[Candidate], batch_rows: int, cost: CostModel) -> l
     def ratio(ks: list[int]) -> float:
         tokens = batch_rows + sum(expected_gain(c.alphas, k) for c, k in zip(cands, ks))
         ctx = sum((1 + k) * c.context_len for c, k in zip(cands, ks))
-        passes = sum(sum(c.mtp[:k]) for c, k in zip(cands, ks))
         spent = (cost.step(batch_rows + sum(ks), ctx, any(ks), sum(ks))
-                 + cost.draft_pass * passes)
+                 + sum(c.pass_cost(k, cost) for c, k in zip(cands, ks)))
         return tokens / spent
 
     def pick(lam: float, rows: int) -> list[int]:
@@ -311,8 +340,7 @@ def choose_ks(cands: Sequence[Candidate], batch_rows: int, cost: CostModel) -> l
         values = []
         for c in cands:
             row = slope + cost.ctx_row * c.context_len / 1024
-            values.append([expected_gain(c.alphas, k)
-                           - lam * (k * row + cost.draft_pass * sum(c.mtp[:k]))
+            values.append([expected_gain(c.alphas, k) - lam * (k * row + c.pass_cost(k, cost))
                            for k in range(c.cap + 1)])
         ks = [max(range(len(v)), key=lambda k, v=v: (v[k], -k)) for v in values]
         if not any(ks):  # the step must verify something: the draft that loses least

@@ -104,8 +104,8 @@ class MTPProposer:
         self.max_model_len = max_model_len
         self.device = torch.device(device)
         self.draft_head = None if draft_vocab is None else DraftHead(model, draft_vocab)
-        # adaptive k's probes (``propose(probes=...)``, specdec.proposer): a cheap head that a
-        # request drafts its one draft through while none of its drafts has been accepted
+        # adaptive k's probes (``propose(probes=...)``, specdec.adaptive): a cheap head that a
+        # round of one draft drafts through
         self.probe_head: DraftHead | None = None
         self.draft_filter = draft_filter  # (the module's docstring)
         self.keep_kv = keep_kv  # prefix caching: see ``propose``
@@ -119,11 +119,12 @@ class MTPProposer:
     def num_drafts_for(self, req) -> int:
         return draft_cap(req, self.max_model_len)
 
-    def draft_bytes(self) -> int:
+    def draft_bytes(self, head: DraftHead | None = None) -> int:
         """Bytes of weights one draft pass reads: the MTP layer's and the LM head it drafts
-        through (the draft vocabulary's copy, or the model's head)."""
-        if self.draft_head is not None:
-            head = self.draft_head.weight  # a PackedWeight or a tensor: both know their bytes
+        through (``head``, else the draft vocabulary's copy, else the model's head)."""
+        head = head if head is not None else self.draft_head
+        if head is not None:
+            head = head.weight  # a PackedWeight or a tensor: both know their bytes
         else:
             m = self.model.lm_head
             head = quant.kernel_weight(m if m is not None else self.model.model.embed_tokens)

@@ -25,7 +25,7 @@ import torch
 
 from hybridrt.step_plan import StepPlan
 
-from .adaptive import Candidate, CostModel, MeasuredCosts, choose_ks, is_probe
+from .adaptive import Candidate, CostModel, MeasuredCosts, choose_ks
 from .methods import uses_mtp
 from .mtp import DraftHead, Drafts, MTPProposer, draft_cap
 from .ngram import NgramDrafter
@@ -57,6 +57,8 @@ def build_proposer(args, model, cache, sampler, draft_vocab: list[int] | None = 
     if mtp is not None:  # a draft pass's prior: its bytes against a decode step's (batch 1
         # reads its weights: the full head's pass is several times the reduced one's)
         cost = replace(cost, draft_pass=mtp.draft_bytes() / model.bytes_read())
+        if mtp.probe_head is not None:
+            cost = replace(cost, probe_pass=mtp.draft_bytes(mtp.probe_head) / model.bytes_read())
     return SpecProposer(args.max_model_len, mtp, ngram, args.speculative_adaptive, cost,
                         measure=args.speculative_adaptive and not args.batch_invariant)
 
@@ -105,48 +107,45 @@ class SpecProposer:
             prefixes.append(self.ngram.drafts(req, cap) if self.ngram is not None else [])
         if self.ngram is not None:
             self.ngram.prune()
-        ks = self._choose(plan, reqs, caps, prefixes)
+        ks, probes = self._choose(plan, reqs, caps, prefixes)
         wanted = {r: (k, p[:k]) for r, k, p in zip(reqs, ks, prefixes) if k > len(p)}
         out = {}
         if self.mtp is not None:
-            probes = self._probes(wanted)
             t = time.perf_counter()
             out = {d.request: d for d in self.mtp.propose(plan, row_starts, hidden, settled,
                                                           wanted, probes)}
-            if (self.measured is not None and not self.mtp.first_pass and not probes
+            if (self.measured is not None and not self.mtp.first_pass
                     and self.mtp.pass_rows <= PASS_ROWS * len(out)):
-                self.measured.observe_drafts(
-                    sum(len(d.token_ids) - d.num_ngram for d in out.values()),
-                    time.perf_counter() - t)
+                # a pass of one head's drafts only: probes, or full drafts
+                if probes and len(probes) == len(out):
+                    self.measured.observe_probes(len(probes), time.perf_counter() - t)
+                elif not probes:
+                    self.measured.observe_drafts(
+                        sum(len(d.token_ids) - d.num_ngram for d in out.values()),
+                        time.perf_counter() - t)
         self._drafted_at = time.perf_counter()
         self._after_prefill = plan.kind == "prefill"
         return [out[r] if r in out else Drafts(r, p[:k], None, num_ngram=min(k, len(p)), k=k)
                 for r, k, p in zip(reqs, ks, prefixes)]
 
-    def _probes(self, wanted: dict) -> set:
-        """The drafting requests whose one MTP draft goes through the MTP's probe head: with
-        adaptive k, those none of whose drafts has been accepted lately (``earned`` 1)
-        and that draft one MTP draft, no prompt-lookup prefix; none where the MTP drafts
-        through a reduced head already."""
-        if (not self.adaptive or self.mtp.probe_head is None
-                or self.mtp.draft_head is not None):
-            return set()
-        return {r for r, (k, prefix) in wanted.items()
-                if not prefix and is_probe(k, r.spec_stats.acceptance)}
-
     def _choose(self, plan: StepPlan, reqs: list, caps: list[int],
-                prefixes: list[list[int]]) -> list[int]:
+                prefixes: list[list[int]]) -> tuple[list[int], set]:
         """k per drafting request: fixed (the cap; prompt lookup alone: what its match gives)
-        or adaptive."""
+        or adaptive; and the requests whose round goes through the MTP's probe head (adaptive
+        k, where there is one and the MTP has no reduced head already:
+        ``Candidate.probe_round``)."""
         limits = [cap if self.mtp is not None else len(p) for cap, p in zip(caps, prefixes)]
         if not self.adaptive:
-            return limits
+            return limits, set()
+        probe = (self.mtp is not None and self.mtp.probe_head is not None
+                 and self.mtp.draft_head is None)
         cands = []
         for req, limit, p in zip(reqs, limits, prefixes):
             acc = req.spec_stats.acceptance
             limit = min(limit, len(p) + acc.earned("mtp"))
             mtp = [j >= len(p) for j in range(limit)]
             alphas = [acc.optimistic("mtp" if m else "ngram") for m in mtp]
-            cands.append(Candidate(limit, len(req.token_ids), alphas, mtp))
+            cands.append(Candidate(limit, len(req.token_ids), alphas, mtp, probe))
         cost = self.cost if self.measured is None else self.measured.model()
-        return choose_ks(cands, len(plan.seqs), cost)
+        ks = choose_ks(cands, len(plan.seqs), cost)
+        return ks, {r for r, c, k in zip(reqs, cands, ks) if c.probe_round(k)}

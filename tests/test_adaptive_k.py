@@ -189,8 +189,8 @@ def test_a_round_drafts_deeper_only_as_its_drafts_are_accepted():
     from hybridrt.specdec.proposer import SpecProposer
     from hybridrt.specdec.stats import SpecStats
 
-    prop = SpecProposer(256, mtp=object(), adaptive=True,
-                        cost=CostModel(draft_pass=0.01, verify=0.01))
+    prop = SpecProposer(256, mtp=SimpleNamespace(probe_head=None, draft_head=None),
+                        adaptive=True, cost=CostModel(draft_pass=0.01, verify=0.01))
     plan = SimpleNamespace(seqs=[None])
 
     def request():
@@ -199,14 +199,14 @@ def test_a_round_drafts_deeper_only_as_its_drafts_are_accepted():
     right, wrong, ks_right, ks_wrong = request(), request(), [], []
     for _ in range(5):
         for req, ks, accepted in ((right, ks_right, True), (wrong, ks_wrong, False)):
-            (k,) = prop._choose(plan, [req], [4], [[]])
+            (k,), _ = prop._choose(plan, [req], [4], [[]])
             ks.append(k)
             req.spec_stats.proposed(k, 0)
             if k:
                 req.spec_stats.record(k, k if accepted else 0)
     assert ks_right == [1, 2, 3, 4, 4], ks_right
     assert max(ks_wrong) == 1, ks_wrong
-    assert prop._choose(plan, [request()], [4], [[7, 8]]) == [3]
+    assert prop._choose(plan, [request()], [4], [[7, 8]]) == ([3], set())
     acc = Acceptance()
     for ok in (True, True, False):
         acc.observe("mtp", ok)
@@ -277,8 +277,8 @@ def test_a_deep_batch_prices_a_draft_row_apart_from_a_sequence(fixed_k_steps):
 def test_a_pass_of_many_rows_is_not_timed_as_drafts():
     """A request's first draft runs its prompt's rows through the MTP layer in the same pass
     (and a lazy request's waiting rows): that pass's time is not what a draft costs, so it is
-    not observed; a verify step's few rows are. Nor is a pass whose drafts include a probe's
-    (the probe head's, a fraction of the full head's bytes)."""
+    not observed; a verify step's few rows are. A probe round's pass (the probe head's, a
+    fraction of the full head's bytes) is timed as a probe's, not as a draft's."""
     from types import SimpleNamespace
 
     from hybridrt.specdec.mtp import Drafts
@@ -312,10 +312,10 @@ def test_a_pass_of_many_rows_is_not_timed_as_drafts():
     prop.mtp.first_pass = True  # a kind of pass run for the first time: not timed either
     assert prop.propose(plan, [0], None, [1])[0].k > 0
     assert prop.measured.drafts == before
-    prop.mtp.first_pass = False  # a probe (the probe head's draft): not a full draft's price
+    prop.mtp.first_pass = False  # a probe round (the probe head's draft): a probe's price
     prop.mtp.probe_head = object()
     assert prop.propose(plan, [0], None, [1])[0].k == 1
-    assert prop.measured.drafts == before
+    assert prop.measured.drafts == before and prop.measured.probes > 0
 
 
 def test_a_step_after_a_prefill_is_not_timed(monkeypatch):
@@ -480,8 +480,8 @@ def _scheduled_run(ckpt, lazy: bool, prompts, caching: bool):
     llm = _llm(ckpt, 2, speculative_adaptive=True, enable_prefix_caching=caching)
     prop = llm.engine.proposer
     prop.mtp.lazy = lazy
-    prop._choose = lambda plan, reqs, caps, prefixes: [
-        min(cap, 2 if len(r.token_ids) % 7 == 0 else 0) for r, cap in zip(reqs, caps)]
+    prop._choose = lambda plan, reqs, caps, prefixes: ([
+        min(cap, 2 if len(r.token_ids) % 7 == 0 else 0) for r, cap in zip(reqs, caps)], set())
     seen, passes = [], []
     propose, forward = prop.propose, llm.model.mtp_forward
 
@@ -543,18 +543,25 @@ def test_constants_keep_finding_out_cheap_and_drafting_where_it_pays():
 
 
 def test_probes_make_finding_out_cheaper():
-    """``adaptive_sim`` with probes (a round of one draft while none is accepted lately, through
-    the probe head: 0.10 of a step measured on the 0.8B shape, against the full head's 0.37):
-    at alpha 0.2, 48-token requests, adaptive k comes within 1.5% of k = 0, where without
-    probes it loses about 2%; at alpha 0.8 it stays within 5% of the best fixed k."""
+    """``adaptive_sim`` with probes (a round of one draft through the probe head, priced at its
+    0.10 of a step measured on the 0.8B shape, against the full head's 0.37). At the costs
+    measured at batch 1 (a verify step of 2 rows about a plain one's) a probe round pays at
+    alpha 0.2: adaptive k gains over 10% where without probes it loses 3%, and at alpha 0.8
+    it beats the best fixed k by over 15%. At the prior's verify cost (0.11) one draft pays at no
+    alpha under about 0.25 even through the probe head: at alpha 0.2 adaptive k stays within
+    2.5% of k = 0, with probes or without."""
     from hybridrt.bench.adaptive_sim import fixed, run
 
-    cost = CostModel(row=0.02, compute_row=0.0, verify=0.11, draft_pass=0.37)
-    low = [run(lambda n: 0.2, 48, 400, cost, probe=p) / fixed(0.2, cost)[0]
+    measured = CostModel(row=0.02, compute_row=0.0, verify=-0.05, draft_pass=0.37)
+    low = [run(lambda n: 0.2, 48, 400, measured, probe=p) / fixed(0.2, measured)[0]
            for p in (None, 0.10)]
-    assert low[1] >= 0.985 and low[1] > low[0] + 0.008, low
-    high = run(lambda n: 0.8, 48, 400, cost, probe=0.10) / max(fixed(0.8, cost))
-    assert high >= 0.95, high
+    assert low[0] < 0.975 and low[1] > 1.10, low
+    high = run(lambda n: 0.8, 48, 400, measured, probe=0.10) / max(fixed(0.8, measured))
+    assert high > 1.15, high
+    prior = CostModel(row=0.02, compute_row=0.0, verify=0.11, draft_pass=0.37)
+    low = [run(lambda n: 0.2, 48, 400, prior, probe=p) / fixed(0.2, prior)[0]
+           for p in (None, 0.10)]
+    assert min(low) >= 0.975, low
 
 
 @pytest.mark.parametrize("vocab", [None, 64])
@@ -580,29 +587,56 @@ def test_a_draft_pass_is_priced_at_its_bytes(ckpt, vocab):
 
 
 # Probes -------------------------------------------------------------------------------------
-def test_a_probe_is_one_draft_while_none_is_accepted_lately():
-    """``is_probe``, the rule the proposer and ``adaptive_sim`` share: a round of one MTP draft
-    while the request's decayed accepted drafts are under one; not a deeper round, and not a
-    round of one draft once a draft was accepted."""
-    from hybridrt.specdec.adaptive import is_probe
+def test_a_probe_round_is_one_mtp_draft_priced_at_the_probe_head():
+    """``Candidate.probe_round``, the rule the proposer and ``adaptive_sim`` share: a round of
+    one MTP draft of a request with a probe head; not a deeper round, not one whose draft is
+    prompt lookup's. The choice prices it at ``probe_pass``: at batch 1, alpha 0.2, a verify
+    step of 2 rows costing a plain one's, one draft through the full head (0.37) loses and
+    through the probe head (0.10) gains; without a probe head, or without a probe price, the
+    round is a full draft's."""
+    cand = Candidate(2, 0, [0.2, 0.2], [True, True], probe=True)
+    assert cand.probe_round(1) and not cand.probe_round(2) and not cand.probe_round(0)
+    assert not Candidate(2, 0, [0.9, 0.2], [False, True], probe=True).probe_round(1)
+    assert not Candidate(2, 0, [0.2, 0.2], [True, True]).probe_round(1)
+    cost = CostModel(row=0.02, compute_row=0.0, verify=-0.03, draft_pass=0.37, draft_row=0.02,
+                     probe_pass=0.10)
+    assert cand.pass_cost(1, cost) == 0.10 and cand.pass_cost(2, cost) == pytest.approx(0.74)
+    assert choose_ks([cand], 1, cost) == [1]
+    assert choose_ks([Candidate(2, 0, [0.2, 0.2], [True, True])], 1, cost) == [0]
+    assert choose_ks([cand], 1, CostModel(row=0.02, compute_row=0.0, verify=-0.03,
+                                          draft_pass=0.37, draft_row=0.02)) == [0]
+    # in a batch: each request's probe round priced apart
+    two = [cand, Candidate(2, 0, [0.2, 0.2], [True, True])]
+    assert choose_ks(two, 2, cost) == [1, 0]
 
-    acc = Acceptance()
-    assert is_probe(1, acc) and not is_probe(2, acc) and not is_probe(0, acc)
-    acc.observe("mtp", True)
-    assert not is_probe(1, acc)
-    acc.observe("mtp", False)  # 0.95 accepted: under one again
-    assert is_probe(1, acc)
+
+def test_a_probe_is_priced_at_its_measured_time():
+    """``MeasuredCosts.observe_probes``: a probe's pass in units of the fitted one-row step,
+    the prior's until one is timed; a model without a probe price keeps none."""
+    m = MeasuredCosts(CostModel(draft_pass=0.3, probe_pass=0.2))
+    for _ in range(5):
+        m.observe_step(1, 0, 0.050)
+    assert m.model().probe_pass == 0.2
+    m.observe_probes(1, 0.006)
+    m.observe_probes(1, 0.006)
+    got = m.model()
+    assert got.probe_pass == pytest.approx(0.006 / m.predict(1), rel=1e-6)
+    assert got.draft_pass == 0.3
+    m = MeasuredCosts(CostModel(draft_pass=0.3))
+    m.observe_step(1, 0, 0.050)
+    m.observe_probes(1, 0.006)
+    assert m.model().probe_pass is None
 
 
 @pytest.mark.parametrize("right", [False, True])
-def test_probes_draft_through_the_probe_head_until_a_draft_is_accepted(ckpt, reference, right):
+def test_a_round_of_one_draft_drafts_through_the_probe_head(ckpt, reference, right):
     """Adaptive k with a probe head (``MTPProposer.probe_head``: a 248k vocabulary gets one of
     its ``PROBE_VOCAB`` most frequent ids; this tiny one is given one of a single id, X): a
-    round of a request none of whose drafts has been accepted lately drafts its one draft
-    through it (X); once drafts are accepted, rounds draft through the full head (the MTP's
-    argmax, several drafts). Drafts always wrong (X never in the output): every draft is X.
-    Drafts made right (a filter after the head, as ``bench spec --simulate-acceptance``
-    does): the first is X, later ones the full head's. The output is k = 0's either way."""
+    round of one draft drafts it through the probe head (X), a deeper round through the full
+    head (the MTP's argmax). Drafts always wrong (X never in the output): no draft is accepted,
+    every round is one draft, every draft X. Drafts made right (a filter after the head, as
+    ``bench spec --simulate-acceptance`` does): accepted drafts earn deeper rounds, whose
+    drafts are the full head's. The output is k = 0's either way."""
     from hybridrt.specdec.mtp import DraftHead
 
     llm = _llm(ckpt, 3, speculative_adaptive=True)
@@ -613,22 +647,28 @@ def test_probes_draft_through_the_probe_head_until_a_draft_is_accepted(ckpt, ref
     prop.mtp.probe_head = DraftHead(llm.model, [x])
     prop.measured = None  # the prior's costs, drafts cheap: this test is about the heads
     prop.cost = CostModel(draft_pass=0.01, verify=0.01)
-    seen = []
+    rounds, seen = {}, []  # request -> (k, probe) of the round being drafted; the drafts
+    propose = prop.mtp.propose
+
+    def traced(plan, row_starts, hidden, settled, wanted=None, probes=frozenset()):
+        rounds.clear()
+        rounds.update({r: (k, r in probes) for r, (k, _) in (wanted or {}).items()})
+        return propose(plan, row_starts, hidden, settled, wanted, probes)
 
     def draft_filter(req, j, tok):
-        seen.append((req.spec_stats.acceptance.earned("mtp"), j, tok))
+        seen.append((*rounds[req], tok))
         out = reference[tuple(req.prompt_token_ids)]
         o = req.num_output_tokens + j
         return out[o] if right and o < len(out) else tok
 
+    prop.mtp.propose = traced
     prop.mtp.draft_filter = draft_filter
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [reference[tuple(p)] for p in prompts]
-    probes = [tok for earned, j, tok in seen if earned == 1]
-    assert probes and all(tok == x for tok in probes), seen
-    full = [tok for earned, j, tok in seen if earned > 1]
+    assert seen and all(probe == (k == 1) for k, probe, _ in seen), seen
+    assert all(tok == x for k, _, tok in seen if k == 1), seen
+    deep = [tok for k, _, tok in seen if k > 1]
     if right:
-        assert len(full) > len(probes) and any(tok != x for tok in full), seen
-        assert max(j for _, j, _ in seen) > 0  # accepted drafts earn deeper rounds
+        assert deep and all(tok != x for tok in deep), seen
     else:
-        assert not full
+        assert not deep

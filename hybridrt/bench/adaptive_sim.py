@@ -5,7 +5,7 @@ alpha, adaptive k's tokens per step against k = 0's and against the best fixed k
 request whose acceptance moves from 0.2 to 0.8 halfway against the best choice of each half.
 
     python -m hybridrt.bench.adaptive_sim [--draft-pass 0.38 --verify 0.07 --verify-row 0]
-        [--probe-pass 0.10]   # probes through the probe head (engine: with a 248k vocabulary)
+        [--probe-pass 0.10]   # one-draft rounds through the probe head (a 248k vocabulary's)
         [--set PRIOR=2 --set IDLE_FORGET=0.97]   # other constants, to compare
 
 The default costs are the 0.8B shape's on the CPU with the full-vocabulary MTP head
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from dataclasses import replace
 
 from hybridrt.specdec import adaptive
 from hybridrt.specdec.stats import SpecStats
@@ -25,23 +26,24 @@ def run(alpha_at, tokens: int, requests: int, cost: adaptive.CostModel, cap: int
         seed: int = 0, probe: float | None = None) -> float:
     """Tokens per unit of cost over ``requests`` requests of ``tokens`` tokens; draft j of a
     round is accepted with probability ``alpha_at(tokens so far)`` given the earlier ones were.
-    ``probe``: a probe's draft pass (``specdec.proposer``: a round of one draft while none of
-    the request's drafts has been accepted lately goes through the probe head), charged in
-    place of ``cost.draft_pass``; the choice still prices drafts at ``cost.draft_pass``."""
+    ``probe``: a probe round's draft pass (``specdec.adaptive.Candidate.probe_round``: a
+    round of one draft goes through the probe head), charged and priced in place of
+    ``cost.draft_pass``."""
     rng = random.Random(seed)
+    if probe is not None:
+        cost = replace(cost, probe_pass=probe)
     spent = made = 0.0
     for _ in range(requests):
         stats, n = SpecStats(cap), 0  # the engine's bookkeeping of a request's rounds
         while n < tokens:
             c = min(cap, tokens - n - 1, stats.acceptance.earned("mtp"))
-            k = 0
+            k, passes = 0, 0.0
             if c > 0:
                 alpha = stats.acceptance.optimistic("mtp")
-                cand = adaptive.Candidate(c, 48 + n, [alpha] * c, [True] * c)
+                cand = adaptive.Candidate(c, 48 + n, [alpha] * c, [True] * c, probe is not None)
                 k = adaptive.choose_ks([cand], 1, cost)[0]
-            probing = probe is not None and adaptive.is_probe(k, stats.acceptance)
-            draft = probe if probing else cost.draft_pass
-            spent += cost.step(1 + k, 0, k > 0) + draft * k
+                passes = cand.pass_cost(k, cost)
+            spent += cost.step(1 + k, 0, k > 0) + passes
             stats.proposed(k, 0)  # k = 0: the idle forgetting
             a, alpha = 0, alpha_at(n)
             while a < k and rng.random() < alpha:
