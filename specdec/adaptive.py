@@ -39,10 +39,10 @@ Measured cost (``MeasuredCosts``, fed by the proposer after every step): the eng
 times, fitted by least squares over the recent steps as a plain step of S sequences,
 ``a + b S``, plus, for a step that verifies D drafts, ``c + d D`` (weak pulls where the steps
 do not decide: the prior's row, a draft row costing a sequence's, the prior's verify cost),
-and the seconds per MTP draft (and per probe); ``model()`` turns them into a ``CostModel`` in units of the
-fitted one-row step, ``draft_row`` apart from ``row``. The fit holds the attention of the
-contexts its steps had (``ctx_row`` 0: a verification row 16k tokens deep costs what the fit
-says, not that plus the prior's context term again). A draft pass of more than
+and the seconds per MTP draft (and per probe); ``model()`` turns them into a ``CostModel`` in
+units of the fitted one-row step, ``draft_row`` apart from ``row``. The fit holds the attention
+of the contexts its steps had (``ctx_row`` 0: a verification row 16k tokens deep costs what the
+fit says, not that plus the prior's context term again). A draft pass of more than
 ``proposer.PASS_ROWS`` input rows per drafting request (a request's first draft after its
 prompt runs the prompt's rows through the MTP layer; a lazy request's waiting rows) is not
 timed: that is not what a draft costs, and charged to the draft it can stop all drafting, after
@@ -172,11 +172,15 @@ class MeasuredCosts:
     # only where nothing else does (no verify step yet; every step verifying) and never pulls
     # a measured verify cost, which the rows' slopes would then bend to meet
     PULL_ROW, PULL_DRAFT_ROW, PULL_VERIFY = 2.0, 0.5, 1e-3
-    # a step over this many times the fitted time is not counted (a pause between two calls),
-    # where the fit has seen steps as large: a batch larger than any before is counted (a
-    # batch of 32 16k deep takes 14 times one request's step, where the prior's shape, all a
-    # fit from one request has, says 1.6)
+    # a step over this many times its expected time is not counted (a pause between two calls,
+    # another process on the cores): the fitted time where the fit has seen steps as large,
+    # else the largest such step's scaled by the prior's shape (a batch of 32 16k deep takes 14
+    # times one request's step, where a fit from one request says 1.6; a first verify step
+    # slowed down 8 times by a busy machine, counted, priced verification out of every later
+    # step, and no verify step came to correct it). After PAUSES such steps in a row the next
+    # is counted: the costs changed.
     OUTLIER = 4.0
+    PAUSES = 2
 
     def __init__(self, prior: CostModel):
         self.prior = prior
@@ -185,6 +189,7 @@ class MeasuredCosts:
         self.shape = 0.0  # decayed sum of the prior's shape of each step (``_unit``)
         self.weights = {False: 0.0, True: 0.0}  # decayed steps observed, plain / verifying
         self.largest = (0, 0)  # the most sequences and drafts of a step observed
+        self.pauses = 0  # steps in a row not counted (``OUTLIER``)
         self.draft_seconds = 0.0
         self.drafts = 0.0
         self.probe_seconds = 0.0  # the same for probe rounds' passes
@@ -217,11 +222,22 @@ class MeasuredCosts:
         a, b, c, d = theta
         return a + b * seqs + (c + d * drafts if drafts else 0.0)
 
-    def observe_step(self, seqs: int, drafts: int, seconds: float) -> None:
+    def _expected(self, seqs: int, drafts: int) -> float | None:
+        """What a step should take, for the pause filter (``OUTLIER``)."""
         want = self.predict(seqs, drafts)
-        seen = seqs <= self.largest[0] and drafts <= self.largest[1]
-        if want is not None and seen and seconds > self.OUTLIER * want:
+        most = self.largest[0]
+        if want is None or (seqs <= most and drafts <= self.largest[1]):
+            return want
+        base = min(seqs, most)
+        return max(want, self.predict(base, 0) * self.prior.step(seqs + drafts, 0.0, drafts > 0)
+                   / self.prior.step(base))
+
+    def observe_step(self, seqs: int, drafts: int, seconds: float) -> None:
+        want = self._expected(seqs, drafts)
+        if want is not None and seconds > self.OUTLIER * want and self.pauses < self.PAUSES:
+            self.pauses += 1
             return
+        self.pauses = 0
         self.largest = (max(seqs, self.largest[0]), max(drafts, self.largest[1]))
         f, x = self.FORGET, (1.0, float(seqs), float(drafts > 0), float(drafts))
         for i in range(4):

@@ -235,6 +235,28 @@ def test_a_deep_context_is_charged_once():
         assert choose_ks([Candidate(4, 16384, [alpha] * 4, [True] * 4)], 1, cost) == [best]
 
 
+def test_a_slow_first_verify_step_is_a_pause_and_three_in_a_row_are_not():
+    """Batch 1, plain steps of 50 ms: a first verify step of 400 ms (a busy machine; 8 plain
+    steps, where the prior's shape says 1.13) is not counted, and the one after it prices
+    verification; counted, it priced every draft out (no verify step then came to correct it).
+    Verify steps that slow three times in a row are the cost: the third is counted."""
+    prior = CostModel(row=0.02, compute_row=0.0, verify=0.11, draft_pass=0.3, probe_pass=0.1)
+    m = MeasuredCosts(prior)
+    for _ in range(30):
+        m.observe_step(1, 0, 0.050)
+    m.observe_step(1, 1, 0.400)
+    assert m.largest == (1, 0) and m.weights[True] == 0
+    m.observe_step(1, 1, 0.051)
+    assert m.model().verify < 0.1
+    assert choose_ks([Candidate(1, 0, [0.5], [True], probe=True)], 1, m.model()) == [1]
+    m = MeasuredCosts(prior)
+    for _ in range(30):
+        m.observe_step(1, 0, 0.050)
+    for _ in range(3):
+        m.observe_step(1, 1, 0.400)
+    assert m.weights[True] == 1 and m.model().verify > 2
+
+
 @pytest.mark.parametrize("fixed_k_steps", [False, True])
 def test_a_deep_batch_prices_a_draft_row_apart_from_a_sequence(fixed_k_steps):
     """Batch 32, 16k deep (a trace of the engine): a plain step of 1 sequence 47 ms, of 32
@@ -278,7 +300,8 @@ def test_a_pass_of_many_rows_is_not_timed_as_drafts():
     """A request's first draft runs its prompt's rows through the MTP layer in the same pass
     (and a lazy request's waiting rows): that pass's time is not what a draft costs, so it is
     not observed; a verify step's few rows are. A probe round's pass (the probe head's, a
-    fraction of the full head's bytes) is timed as a probe's, not as a draft's."""
+    fraction of the full head's bytes) is timed as a probe's, not as a draft's; a pass of both
+    kinds as neither."""
     from types import SimpleNamespace
 
     from hybridrt.specdec.mtp import Drafts
@@ -316,6 +339,13 @@ def test_a_pass_of_many_rows_is_not_timed_as_drafts():
     prop.mtp.probe_head = object()
     assert prop.propose(plan, [0], None, [1])[0].k == 1
     assert prop.measured.drafts == before and prop.measured.probes > 0
+    # a pass of probes and full drafts together: neither's price
+    deep = Req(**{**vars(req), "spec_stats": SpecStats(4)})
+    deep.spec_stats.acceptance.accepted["mtp"] = 5.0
+    plan.seqs.append(SimpleNamespace(request=deep, sample=True, num_drafts=0, num_new_tokens=1))
+    probes = prop.measured.probes
+    assert [d.k for d in prop.propose(plan, [0, 1], None, [1, 1])] == [1, 4]
+    assert prop.measured.drafts == before and prop.measured.probes == probes
 
 
 def test_a_step_after_a_prefill_is_not_timed(monkeypatch):
