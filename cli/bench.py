@@ -307,6 +307,10 @@ def spec(
         "drafts at its real cost, then each draft is replaced by the target's own greedy token "
         "with that probability, a wrong one otherwise; rows are labelled simulated (default: "
         "off, the real acceptance).", show_default=False)] = None,
+    probe_acceptance: Annotated[float, typer.Option(
+        "--probe-acceptance", min=0.0, max=1.0, help="With --simulate-acceptance: a draft "
+        "through adaptive k's probe head (one-draft rounds, a large vocabulary's) is right with "
+        "this fraction of the rate.")] = 1.0,
     workload: Annotated[str, typer.Option(
         "--workload", help="questions (generic chat questions) or copy (outputs that repeat "
         "their prompts: a file rewritten; where --speculative-method ngram pays).")
@@ -368,7 +372,8 @@ def spec(
                             quantization=options.quantization,
                             engine=options.llm_kwargs(*SPEC_SETS, "dtype", "threads",
                                                       "quantization"),
-                            workload=workload, context=context)
+                            workload=workload, context=context,
+                            probe_acceptance=probe_acceptance)
     if plot is not None:
         plot_spec(report, plot)
         typer.echo(f"wrote {plot}", err=True)

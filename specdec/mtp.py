@@ -107,6 +107,7 @@ class MTPProposer:
         # adaptive k's probes (``propose(probes=...)``, specdec.adaptive): a cheap head that a
         # round of one draft drafts through
         self.probe_head: DraftHead | None = None
+        self.drafting_head: DraftHead | None = None  # the head ``_draft`` drafts through now
         self.draft_filter = draft_filter  # (the module's docstring)
         self.keep_kv = keep_kv  # prefix caching: see ``propose``
         self.lazy = lazy  # (the module's docstring)
@@ -242,6 +243,7 @@ class MTPProposer:
                head: DraftHead | None) -> list[Drafts]:
         """``plans[i]``: (drafts of reqs[i], the prefix of them fixed beforehand); ``head``:
         the head they draft through (None: the model's)."""
+        self.drafting_head = head
         budget = [k for k, _ in plans]
         fixed = [list(prefix[:k]) for k, prefix in plans]
         drafts: list[list[int]] = [[] for _ in reqs]

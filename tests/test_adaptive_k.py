@@ -617,6 +617,29 @@ def test_a_draft_pass_is_priced_at_its_bytes(ckpt, vocab):
 
 
 # Probes -------------------------------------------------------------------------------------
+def test_a_probe_is_priced_at_its_bytes(ckpt):
+    """Before a probe is timed, a probe round's pass costs the MTP layer's and the probe head's
+    bytes over a decode step's (as a draft pass costs its head's); without a probe head there
+    is no probe price."""
+    from hybridrt.specdec.proposer import build_proposer
+
+    llm = _llm(ckpt, 2, speculative_adaptive=True)
+    eng = llm.engine
+    assert eng.proposer.cost.probe_pass is None
+    prop = build_proposer(eng.engine_config, llm.model, eng.cache, eng.sampler,
+                          probe_vocab=[3, 5, 7])
+    mtp = prop.mtp
+    assert mtp.probe_head is not None and mtp.draft_head is None
+    net = llm.model
+    step = sum(p.numel() * p.element_size() for n, p in net.named_parameters()
+               if not n.startswith("mtp."))
+    size = sum(p.numel() * p.element_size() for p in net.mtp.parameters())
+    want = (size + mtp.probe_head.weight.nbytes) / step
+    assert prop.cost.probe_pass == pytest.approx(want)
+    assert prop.measured.model().probe_pass == pytest.approx(want)
+    assert prop.cost.probe_pass < prop.cost.draft_pass
+
+
 def test_a_probe_round_is_one_mtp_draft_priced_at_the_probe_head():
     """``Candidate.probe_round``, the rule the proposer and ``adaptive_sim`` share: a round of
     one MTP draft of a request with a probe head; not a deeper round, not one whose draft is
@@ -686,6 +709,7 @@ def test_a_round_of_one_draft_drafts_through_the_probe_head(ckpt, reference, rig
         return propose(plan, row_starts, hidden, settled, wanted, probes)
 
     def draft_filter(req, j, tok):
+        assert (prop.mtp.drafting_head is prop.mtp.probe_head) == rounds[req][1]
         seen.append((*rounds[req], tok))
         out = reference[tuple(req.prompt_token_ids)]
         o = req.num_output_tokens + j

@@ -353,6 +353,23 @@ def test_simulated_drafts_draw_per_request_and_per_seed():
     assert draws(SimulatedDrafts(refs, 0.2, VOCAB, seed=0), b, 200) != got[:200]
 
 
+def test_simulated_drafts_through_the_probe_head_are_right_less_often():
+    """``probe_factor``: a draft while the drafter drafts through its probe head is right with
+    that fraction of alpha (4000 draws, 5 sigma); through another head, with alpha."""
+    from types import SimpleNamespace
+
+    class Req:
+        prompt_token_ids = token_ids = [1, 2]
+
+    refs = {(1, 2): [1, 2] + [7] * 4000}
+    probe = object()
+    for head, rate in ((probe, 0.4), (None, 0.8)):
+        sim = SimulatedDrafts(refs, 0.8, VOCAB, probe_factor=0.5)
+        sim.drafter = SimpleNamespace(probe_head=probe, drafting_head=head)
+        got = sum(sim(Req, j, 0) == 7 for j in range(4000)) / 4000
+        assert abs(got - rate) < 5 * (rate * (1 - rate) / 4000) ** 0.5, (head, got)
+
+
 def test_simulated_acceptance_bench(ckpt, capsys, tmp_path):
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, VOCAB, (6,), generator=g).tolist() for _ in range(8)]

@@ -218,6 +218,7 @@ def run_spec_bench(
     engine: dict | None = None,
     workload: str = "questions",
     context: int = 0,
+    probe_acceptance: float = 1.0,
 ) -> dict:
     """Run every (batch size, draft head, alpha, k) on the same prompts -> report dict (also
     printed as a table and written to ``json_path`` when given).
@@ -238,7 +239,9 @@ def run_spec_bench(
     prompts, where prompt lookup pays). ``context``: that many tokens (random ids) shared by
     every prompt before its own, decoding deep in a context: the prefix cache holds them (one
     prefill in the warm-up, which also caches every prompt, so that every timed run resumes
-    each prompt from the same cached state).
+    each prompt from the same cached state). ``probe_acceptance``: with simulated acceptance, a
+    draft through adaptive k's probe head is right with that fraction of alpha
+    (``SimulatedDrafts.probe_factor``).
 
     With ``speculative_adaptive`` in ``engine`` the rows of k > 0 run at that fixed k (adaptive
     off) and one more row per head and alpha lets every request choose its k up to the largest
@@ -271,6 +274,8 @@ def run_spec_bench(
                              "temperature 0")
         if ks[0] != 0:
             raise ValueError("simulated acceptance needs k = 0 among the ks (its reference run)")
+    if not 0.0 <= probe_acceptance <= 1.0:
+        raise ValueError(f"probe_acceptance must be in [0, 1], got {probe_acceptance!r}")
     if quick:
         max_tokens = min(max_tokens, 8)
     before_threads = torch.get_num_threads()
@@ -385,7 +390,8 @@ def run_spec_bench(
                         proposer.draft_head = heads[n]
                         if alpha is not None:  # adaptive k mostly decodes: k = 0's sequences
                             sim = SimulatedDrafts(refs[0 if adapt else k], alpha,
-                                                  llm.config.vocab_size, seed=rep)
+                                                  llm.config.vocab_size, seed=rep,
+                                                  probe_factor=probe_acceptance)
                     label = f"batch {b} k {'<=' if adapt else ''}{k}"
                     step(pb, label)
                     with drafts_through(llm, sim):
@@ -453,6 +459,7 @@ def run_spec_bench(
             "speculative_method": llm.engine.args.speculative_method,
             "speculative_adaptive": llm.engine.args.speculative_adaptive,
             "simulated_alphas": None if simulate_acceptance is None else alphas,
+            "probe_acceptance": probe_acceptance,
             "rows": rows,
             "verify_cost": verify_cost_by_rows(rows),
         }

@@ -25,14 +25,19 @@ class SimulatedDrafts:
 
     Each request draws from its own stream, seeded by ``seed`` and its prompt: its draws do
     not depend on how many drafts the requests before it made, and a benchmark's repeats pass
-    other seeds. (With one stream seeded alike in every run, each run replayed the same draws:
+    other seeds. ``probe_factor``: a draft through the MTP's probe head (adaptive k's one-draft
+    rounds) is right with ``probe_factor`` alpha: the probe head drafts from fewer tokens, and
+    on real weights misses some of the full head's right drafts.
+    (With one stream seeded alike in every run, each run replayed the same draws:
     a row that drafts a dozen times a run, adaptive k at a low alpha, saw the same dozen in
     every repeat, whose first two are over 0.75 for seed 0: it accepted none at alpha 0.2 and
     37% at 0.5.)"""
 
     def __init__(self, refs: dict[tuple, list[int]], alpha: float, vocab_size: int,
-                 seed: int = 0):
+                 seed: int = 0, probe_factor: float = 1.0):
         self.refs, self.alpha, self.vocab_size, self.seed = refs, alpha, vocab_size, seed
+        self.probe_factor = probe_factor
+        self.drafter: MTPProposer | None = None  # the MTP drafting (set by ``drafts_through``)
         self.streams: dict[tuple, random.Random] = {}
         self.num_drafts = self.num_known = self.num_right = 0
 
@@ -48,7 +53,9 @@ class SimulatedDrafts:
         if rng is None:  # int hashes are not salted: the same stream in every process
             rng = self.streams[prompt] = random.Random(hash((self.seed, prompt)))
         right = ref[n + j]
-        if rng.random() < self.alpha:
+        d = self.drafter
+        probe = d is not None and d.probe_head is not None and d.drafting_head is d.probe_head
+        if rng.random() < self.alpha * (self.probe_factor if probe else 1.0):
             self.num_right += 1
             return right
         return (right + 1) % self.vocab_size
@@ -91,6 +98,7 @@ def drafts_through(llm, draft_filter: SimulatedDrafts | None):
     filtered = MTPProposer(own.model, own.cache, own.sampler, own.max_model_len, own.device,
                            draft_filter=draft_filter, keep_kv=own.keep_kv, lazy=own.lazy)
     filtered.draft_head, filtered.probe_head = own.draft_head, own.probe_head
+    draft_filter.drafter = filtered
     outer = engine.proposer
     if outer is own:
         engine.proposer = filtered
