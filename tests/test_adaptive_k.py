@@ -594,6 +594,13 @@ def test_probes_make_finding_out_cheaper():
     assert min(low) >= 0.975, low
 
 
+def _mtp_and_step_bytes(net) -> tuple[int, int]:
+    """The MTP layer's parameter bytes, and a decode step's (every other parameter)."""
+    size = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
+    return (size(net.mtp.parameters()),
+            size(p for n, p in net.named_parameters() if not n.startswith("mtp.")))
+
+
 @pytest.mark.parametrize("vocab", [None, 64])
 def test_a_draft_pass_is_priced_at_its_bytes(ckpt, vocab):
     """Before any draft is timed, a draft pass costs its weights' bytes over a decode step's:
@@ -601,9 +608,7 @@ def test_a_draft_pass_is_priced_at_its_bytes(ckpt, vocab):
     copy) against every decoder weight and the head, each counted once."""
     llm = _llm(ckpt, 2, speculative_adaptive=True, draft_vocab_size=vocab)
     net = llm.model
-    size = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
-    mtp = size(net.mtp.parameters())
-    step = size(p for n, p in net.named_parameters() if not n.startswith("mtp."))
+    mtp, step = _mtp_and_step_bytes(net)
     assert net.lm_head is None  # tied: the embedding is the head, read once a step
     head = net.model.embed_tokens.weight
     if vocab is None:
@@ -630,10 +635,7 @@ def test_a_probe_is_priced_at_its_bytes(ckpt):
                           probe_vocab=[3, 5, 7])
     mtp = prop.mtp
     assert mtp.probe_head is not None and mtp.draft_head is None
-    net = llm.model
-    step = sum(p.numel() * p.element_size() for n, p in net.named_parameters()
-               if not n.startswith("mtp."))
-    size = sum(p.numel() * p.element_size() for p in net.mtp.parameters())
+    size, step = _mtp_and_step_bytes(llm.model)
     want = (size + mtp.probe_head.weight.nbytes) / step
     assert prop.cost.probe_pass == pytest.approx(want)
     assert prop.measured.model().probe_pass == pytest.approx(want)
