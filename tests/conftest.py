@@ -1,5 +1,15 @@
-import pytest
-import torch
+import os
+
+# Under the Triton interpreter a tl.dot is numpy's matmul, and OpenBLAS's FMA kernels (Haswell,
+# Zen: every AVX2-only x86 CPU) give a row of the product other bits at some positions in its
+# block of rows (np_pos check in docs/testing.md), which the batch-invariance tests read as a
+# kernel whose rows depend on their neighbours. Its Sandybridge kernels give each row the
+# same bits at any position. Set before numpy loads OpenBLAS.
+if os.environ.get("TRITON_INTERPRET") == "1":
+    os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # One thread: the tiny test models gain nothing from two, and on a loaded 2-core machine every
 # multi-threaded op can wait a whole scheduler slice for its second thread.
