@@ -98,3 +98,46 @@ def test_programs_share_their_buffers(ckpt, monkeypatch):
             assert one.buffers["X"].data_ptr() == three.buffers["X"].data_ptr()
             assert be.step_buffers["X"].numel() >= 3 * one.D
     assert runs[True] == runs[False]
+
+
+def _mixed_run(ckpt, ks, fast: bool):
+    """Requests at k = ``ks`` (one each, ``PROMPTS``) in one engine: (greedy output bytes, per
+    step (query lengths, whether the backend's loop ran it))."""
+    llm = LLM(ckpt, dtype="bfloat16", tokenizer=None, max_model_len=64, max_num_seqs=3,
+              cache_memory=8 << 20, speculative_tokens=max(ks))
+    be, eng = llm.engine.runner.model.backend, llm.engine
+    if not fast:
+        be.fast = None
+    steps, forward = [], be.forward
+
+    def recorded(batch, *args):
+        out = forward(batch, *args)
+        steps.append((tuple(batch.query_lens), out is not None))
+        return out
+
+    be.forward = recorded
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    ids = [llm._add(p, sp, k) for p, k in zip(PROMPTS, ks)]
+    done = {}
+    while eng.has_unfinished_requests():
+        for r in eng.step():
+            if r.is_finished:
+                done[r.request_id] = llm._output(eng.pop_request(r.request_id))
+    return [output_bytes(done[i]) for i in ids], steps
+
+
+def test_decodes_beside_verifications_run_the_backends_loop(ckpt):
+    """A step where some sequences verify drafts and others decode (adaptive k drafts for some
+    requests only) runs the backend's loop over its layers (one ``gdn_fused`` call per count of
+    new tokens, one ``attn_decode`` call per count), not the model's own loop: the same greedy
+    tokens and logprob bytes as the model's loop, and k = 0's tokens."""
+    if native.load() is None:
+        pytest.skip("needs the compiled CPU kernels")
+    looped, steps = _mixed_run(ckpt, (2, 0, 1), fast=True)
+    own, own_steps = _mixed_run(ckpt, (2, 0, 1), fast=False)
+    mixed = [ran for lens, ran in steps if max(lens) <= 8 and len(set(lens)) > 1]
+    assert mixed and all(mixed), steps
+    assert not any(ran for _, ran in own_steps)
+    assert looped == own
+    plain, _ = _mixed_run(ckpt, (0, 0, 0), fast=True)
+    assert [t for t, _ in looped] == [t for t, _ in plain]

@@ -155,21 +155,23 @@ class CPUBackend:
         return None
 
     def forward(self, batch, cache, h, cos, sin):
-        """Steps of only decodes (one new token per sequence from its state), or only
-        verifications of the same number of drafts, from the embedded tokens ``h`` and the RoPE
-        rows, in a loop over ``_FastLayer``s: the same compiled calls as the model's layers
-        make for them, without the modules and backend dispatch around each (a model step of
-        the 0.8B shape makes some 250 module calls). Other steps: None, the model's own
-        loop."""
+        """Steps where every sequence continues from its state with 1 to FUSED_MAX_TOKENS new
+        tokens (decodes, verifications, or both: adaptive k drafts for some requests only),
+        from the embedded tokens ``h`` and the RoPE rows, in a loop over ``_FastLayer``s: the
+        same compiled calls as the model's layers make for them, without the modules and
+        backend dispatch around each (a model step of the 0.8B shape makes some 250 module
+        calls). Steps where every sequence has as many tokens run as one step program. Other
+        steps (prompt chunks): None, the model's own loop."""
         meta, fast = batch.meta, self.fast
         if fast is None or not _recurrent_only(meta):
             return None
-        grp = meta.gdn.groups[0]
+        groups = meta.gdn.groups
         L = meta.uniform_tokens
-        program = self._program(cache, h.shape[0], L)
-        if program is not None:
-            return program.run(h, grp, cos, sin, batch)
-        product, norm, simd = self._product, native.rms_norm, self.fused_simd
+        if L and len(groups) == 1:  # a program's GDN calls take the whole step as one group
+            program = self._program(cache, h.shape[0], L)
+            if program is not None:
+                return program.run(h, groups[0], cos, sin, batch)
+        product, norm = self._product, native.rms_norm
         residual = None
         for f in fast:
             if residual is None:
@@ -179,19 +181,19 @@ class CPUBackend:
             parts = product(x, f.mixer_in).split(f.mixer_sizes, dim=-1)
             m = f.mixer_layer
             if f.gdn is not None:
-                mixed, z, b, a = parts
-                taps, neg_exp_a, dt_bias, norm_w = f.gdn
-                y = native.gdn_fused(mixed, z, a, b, taps, cache.conv_states[m.state_index],
-                                     cache.ssm_states[m.state_index], grp.slots, grp.slots_out,
-                                     neg_exp_a, dt_bias, norm_w, m.eps, L, m.num_k_heads,
-                                     m.head_k_dim, simd)
-            else:
+                y = self._fast_gdn(f, parts, cache, groups)
+            elif L:
                 qg, k, v = parts
                 y = native.attn_decode(qg, k, v, m.q_norm_weight, m.k_norm_weight, m.eps,
                                        cos, sin, cache.key_caches[m.cache_index],
                                        cache.value_caches[m.cache_index], batch.slot_mapping,
                                        batch.block_tables, batch.seq_lens, m.scale, L,
-                                       m.num_heads, m.num_kv_heads, m.head_dim, simd)
+                                       m.num_heads, m.num_kv_heads, m.head_dim,
+                                       self.fused_simd)
+            else:
+                y = self._attention_by_length(meta.few_tokens, batch, m, *parts,
+                                              cache.key_caches[m.cache_index],
+                                              cache.value_caches[m.cache_index], cos, sin)
             x, residual = norm(product(y, f.mixer_out), f.post_norm, f.eps, residual)
             if f.moe is not None:
                 h = sparse_moe(x, f.moe, self)
@@ -199,6 +201,28 @@ class CPUBackend:
             gate, up = product(x, f.mlp_in).split(f.mlp_sizes, dim=-1)
             h = product(self.silu_mul(gate, up), f.mlp_out)
         return norm(h, *self.final_norm, residual)[0]
+
+    def _fast_gdn(self, f, parts, cache, groups):
+        """A GDN layer of ``forward``'s loop: one ``native.gdn_fused`` call per recurrent group
+        (its rows gathered where it is not the whole step, the outputs put back in row
+        order)."""
+        mixed, z, b, a = parts
+        taps, neg_exp_a, dt_bias, norm_w = f.gdn
+        m = f.mixer_layer
+        conv, ssm = cache.conv_states[m.state_index], cache.ssm_states[m.state_index]
+        out = None
+        for g in groups:
+            r = g.rows
+            args = (mixed, z, a, b) if r is None else (mixed[r], z[r], a[r], b[r])
+            y = native.gdn_fused(*args, taps, conv, ssm, g.slots, g.slots_out, neg_exp_a,
+                                 dt_bias, norm_w, m.eps, g.num_tokens_per_seq, m.num_k_heads,
+                                 m.head_k_dim, self.fused_simd)
+            if r is None:
+                return y
+            if out is None:
+                out = y.new_empty(mixed.shape[0], y.shape[1])
+            out[r] = y
+        return out
 
     def _program(self, cache, rows: int, L: int) -> StepProgram | None:
         """The step program of this shape (built at its first step), or None: the option is
@@ -592,15 +616,18 @@ def _length_groups(query_lens: list[int]) -> tuple:
 
 
 def _recurrent_only(meta) -> bool:
-    """A step of one recurrent group over the whole batch (decodes, or verifications of the
-    same number of drafts), its KV indices checked (``CPUBackend.plan_step``)."""
-    if meta is None or not meta.uniform_tokens:
+    """A step of recurrent groups only (decodes and verifications, no prompt chunk) where
+    every sequence has 1 to FUSED_MAX_TOKENS new tokens, its KV indices checked
+    (``CPUBackend.plan_step``)."""
+    if meta is None or not (meta.uniform_tokens or meta.few_tokens):
         return False
     gm = meta.gdn
-    if gm.chunked is not None or len(gm.groups) != 1:
+    if gm.chunked is not None or not gm.groups:
         return False
-    g = gm.groups[0]
-    return g.rows is None and g.num_tokens_per_seq == meta.uniform_tokens
+    if meta.uniform_tokens and len(gm.groups) == 1:
+        g = gm.groups[0]
+        return g.rows is None and g.num_tokens_per_seq == meta.uniform_tokens
+    return all(g.rows is not None for g in gm.groups)
 
 
 def _check_kv(batch, kv_shape: tuple[int, int]) -> None:
