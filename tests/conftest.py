@@ -2,7 +2,7 @@ import os
 
 # Under the Triton interpreter a tl.dot is numpy's matmul, and OpenBLAS's FMA kernels (Haswell,
 # Zen: every AVX2-only x86 CPU) give a row of the product other bits at some positions in its
-# block of rows (np_pos check in docs/testing.md), which the batch-invariance tests read as a
+# block of rows (the check in docs/testing.md), which the batch-invariance tests read as a
 # kernel whose rows depend on their neighbours. Its Sandybridge kernels give each row the
 # same bits at any position. Set before numpy loads OpenBLAS.
 if os.environ.get("TRITON_INTERPRET") == "1":

@@ -130,9 +130,8 @@ def test_decodes_beside_verifications_run_the_backends_loop(ckpt):
     """A step where some sequences verify drafts and others decode (adaptive k drafts for some
     requests only) runs the backend's loop over its layers (one ``gdn_fused`` call per count of
     new tokens, one ``attn_decode`` call per count), not the model's own loop: the same greedy
-    tokens and logprob bytes as the model's loop, and k = 0's tokens."""
-    if native.load() is None:
-        pytest.skip("needs the compiled CPU kernels")
+    tokens and logprob bytes as the model's loop, and k = 0's tokens. (The three prompts
+    prefill together in the first step: every later step of unequal lengths is such a step.)"""
     looped, steps = _mixed_run(ckpt, (2, 0, 1), fast=True)
     own, own_steps = _mixed_run(ckpt, (2, 0, 1), fast=False)
     mixed = [ran for lens, ran in steps if max(lens) <= 8 and len(set(lens)) > 1]
