@@ -181,7 +181,7 @@ class CPUBackend:
             parts = product(x, f.mixer_in).split(f.mixer_sizes, dim=-1)
             m = f.mixer_layer
             if f.gdn is not None:
-                y = self._fast_gdn(f, parts, cache, groups)
+                y = self._fast_gdn(f, parts, cache, meta)
             elif L:
                 qg, k, v = parts
                 y = native.attn_decode(qg, k, v, m.q_norm_weight, m.k_norm_weight, m.eps,
@@ -202,27 +202,21 @@ class CPUBackend:
             h = product(self.silu_mul(gate, up), f.mlp_out)
         return norm(h, *self.final_norm, residual)[0]
 
-    def _fast_gdn(self, f, parts, cache, groups):
-        """A GDN layer of ``forward``'s loop: one ``native.gdn_fused`` call per recurrent group
-        (its rows gathered where it is not the whole step, the outputs put back in row
-        order)."""
+    def _fast_gdn(self, f, parts, cache, meta):
+        """A GDN layer of ``forward``'s loop: the reference's routing (``run_gdn``: each
+        recurrent group on its own rows) through ``native.gdn_fused`` with the layer's kept
+        tensors (``_FastLayer.gdn``), without ``gdn_group``'s per-call checks."""
         mixed, z, b, a = parts
         taps, neg_exp_a, dt_bias, norm_w = f.gdn
         m = f.mixer_layer
-        conv, ssm = cache.conv_states[m.state_index], cache.ssm_states[m.state_index]
-        out = None
-        for g in groups:
-            r = g.rows
-            args = (mixed, z, a, b) if r is None else (mixed[r], z[r], a[r], b[r])
-            y = native.gdn_fused(*args, taps, conv, ssm, g.slots, g.slots_out, neg_exp_a,
-                                 dt_bias, norm_w, m.eps, g.num_tokens_per_seq, m.num_k_heads,
-                                 m.head_k_dim, self.fused_simd)
-            if r is None:
-                return y
-            if out is None:
-                out = y.new_empty(mixed.shape[0], y.shape[1])
-            out[r] = y
-        return out
+
+        def group(layer, g, mixed, z, a, b, conv, ssm):
+            return native.gdn_fused(mixed, z, a, b, taps, conv, ssm, g.slots, g.slots_out,
+                                    neg_exp_a, dt_bias, norm_w, layer.eps, g.num_tokens_per_seq,
+                                    layer.num_k_heads, layer.head_k_dim, self.fused_simd)
+
+        return run_gdn(meta, m, mixed, z, a, b, cache.conv_states[m.state_index],
+                       cache.ssm_states[m.state_index], group, None)
 
     def _program(self, cache, rows: int, L: int) -> StepProgram | None:
         """The step program of this shape (built at its first step), or None: the option is
